@@ -1,0 +1,174 @@
+"""The megakernel instruction set: one source of truth for opcodes, instruction fields and their int32 encoding.
+
+A decode (or verify) step is a program: one queue of instructions per SM. Every instruction is encoded as
+``NWORDS`` int32 words; word ``Word.X`` holds field X. The Gluon kernel decodes programs with the constants
+exported by ``kernel_constants()`` (taken from the enums below), so the Python side and the GPU side cannot
+drift apart. The PyTorch VM (``vm.py``) executes the same encoded words.
+
+Dependencies are counters in global memory (``Word.WAIT``/``Word.WAIT_COUNT``): an instruction may start once
+counter WAIT has reached ``(epoch + 1) * WAIT_COUNT``, and it adds 1 to counter ``Word.SIGNAL`` when its outputs are
+stored (release). Every counter is signalled exactly ``WAIT_COUNT`` times per step, so counters never need a reset
+launch: step number ``epoch`` simply waits for the next multiple (see docs/megakernel.md).
+
+Instructions (M = tokens in the step, D = hidden, hd = head_dim, G = query heads per KV head):
+  ATTN_IN       RMSNorm(x) . W_qkv[head rows] (+bias) (+q/k RMSNorm) + RoPE; q heads -> q buffer,
+                k/v heads -> appended to the paged KV cache at each token's position.        one head x M tokens
+  ATTN_PARTIAL  softmax(q K^T) V over one split of one segment's context, for the G query heads
+                of one KV head -> (o, m, l) partials.                                     (layer, kv head, seg, split)
+  ATTN_REDUCE   combine the splits' partials -> attention output rows for the G heads.   (layer, kv head, seg)
+  O_PROJ        x[rows] += W_o[rows] . attn                                                 a block of D rows
+  MLP_IN        act[rows] = SiLU(W_gate[rows] . h) * (W_up[rows] . h), h = RMSNorm(x)      a block of I rows
+  DOWN_PROJ     x[rows] += W_down[rows] . act                                               a block of D rows
+  LM_HEAD       logits[rows] = W_lm[rows] . RMSNorm(x)                                      a block of vocab rows
+Layer 0 reads the residual stream from the embedding row of each token instead of x (no separate embed pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import IntEnum
+from typing import ClassVar
+
+NWORDS = 10
+
+
+class Op(IntEnum):
+    NOP = 0
+    ATTN_IN = 1
+    ATTN_PARTIAL = 2
+    ATTN_REDUCE = 3
+    O_PROJ = 4
+    MLP_IN = 5
+    DOWN_PROJ = 6
+    LM_HEAD = 7
+
+
+class Word(IntEnum):
+    """Position of each field in an encoded instruction."""
+
+    OP = 0
+    LAYER = 1
+    A = 2  # ATTN_IN: head (q heads, then k heads, then v heads); PARTIAL/REDUCE: kv head; matvecs: first row
+    B = 3  # PARTIAL/REDUCE: segment; matvecs: number of rows
+    C = 4  # PARTIAL: split index
+    D = 5  # PARTIAL/REDUCE: number of splits of the segment
+    WAIT = 6  # counter to wait on, -1 for none
+    WAIT_COUNT = 7  # signals that counter receives per step
+    SIGNAL = 8  # counter to signal when done, -1 for none
+    PAD = 9
+
+
+NO_COUNTER = -1
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """Base: scheduling fields shared by every instruction (filled in by the scheduler)."""
+
+    OP: ClassVar[Op] = Op.NOP
+    FIELDS: ClassVar[dict[str, Word]] = {}  # argument field -> the word that holds it
+    wait: int = NO_COUNTER
+    wait_count: int = 0
+    signal: int = NO_COUNTER
+
+    def args(self) -> dict[int, int]:
+        return {word: getattr(self, name) for name, word in self.FIELDS.items()}
+
+    def encode(self) -> list[int]:
+        w = [0] * NWORDS
+        w[Word.OP] = int(self.OP)
+        w[Word.WAIT], w[Word.WAIT_COUNT], w[Word.SIGNAL] = self.wait, self.wait_count, self.signal
+        for k, v in self.args().items():
+            w[k] = int(v)
+        return w
+
+
+@dataclass(frozen=True)
+class AttnIn(Instruction):
+    OP: ClassVar[Op] = Op.ATTN_IN
+    layer: int = 0
+    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "head": Word.A}
+    head: int = 0  # 0..Hq-1 query heads, Hq..Hq+Hkv-1 key heads, then value heads
+
+
+@dataclass(frozen=True)
+class AttnPartial(Instruction):
+    OP: ClassVar[Op] = Op.ATTN_PARTIAL
+    layer: int = 0
+    kv_head: int = 0
+    seg: int = 0
+    split: int = 0
+    n_splits: int = 1
+    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "kv_head": Word.A, "seg": Word.B, "split": Word.C,
+                                         "n_splits": Word.D}
+
+
+@dataclass(frozen=True)
+class AttnReduce(Instruction):
+    OP: ClassVar[Op] = Op.ATTN_REDUCE
+    layer: int = 0
+    kv_head: int = 0
+    seg: int = 0
+    n_splits: int = 1
+    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "kv_head": Word.A, "seg": Word.B, "n_splits": Word.D}
+
+
+@dataclass(frozen=True)
+class RowBlock(Instruction):
+    """A matvec instruction over rows [row0, row0 + nrows) of one weight matrix, for every token of the step."""
+
+    layer: int = 0
+    row0: int = 0
+    nrows: int = 0
+    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "row0": Word.A, "nrows": Word.B}
+
+
+@dataclass(frozen=True)
+class OProj(RowBlock):
+    OP: ClassVar[Op] = Op.O_PROJ
+
+
+@dataclass(frozen=True)
+class MlpIn(RowBlock):
+    OP: ClassVar[Op] = Op.MLP_IN
+
+
+@dataclass(frozen=True)
+class DownProj(RowBlock):
+    OP: ClassVar[Op] = Op.DOWN_PROJ
+
+
+@dataclass(frozen=True)
+class LmHead(RowBlock):
+    OP: ClassVar[Op] = Op.LM_HEAD
+
+
+@dataclass(frozen=True)
+class Nop(Instruction):
+    OP: ClassVar[Op] = Op.NOP
+
+
+_BY_OP: dict[Op, type[Instruction]] = {
+    c.OP: c for c in (Nop, AttnIn, AttnPartial, AttnReduce, OProj, MlpIn, DownProj, LmHead)
+}
+
+
+def decode(words) -> Instruction:
+    """Inverse of ``Instruction.encode`` (words: any int sequence of length NWORDS)."""
+    w = [int(x) for x in words]
+    if len(w) != NWORDS:
+        raise ValueError(f"an instruction has {NWORDS} words, got {len(w)}")
+    try:
+        cls = _BY_OP[Op(w[Word.OP])]
+    except ValueError:
+        raise ValueError(f"unknown opcode {w[Word.OP]}") from None
+    common = dict(wait=w[Word.WAIT], wait_count=w[Word.WAIT_COUNT], signal=w[Word.SIGNAL])
+    kwargs = {name: w[word] for name, word in cls.FIELDS.items()}
+    return cls(**kwargs, **common)
+
+
+def kernel_constants() -> dict[str, int]:
+    """Constexpr values the Gluon kernel takes from this module: OP_<NAME>, W_<FIELD>, NWORDS."""
+    out = {f"OP_{o.name}": int(o) for o in Op}
+    out.update({f"W_{w.name}": int(w) for w in Word})
+    out["NWORDS"] = NWORDS
+    return out

@@ -1,0 +1,212 @@
+"""The scheduler: ModelSpec + step shape + SM count -> per-SM instruction queues and a counter table.
+
+Plan once per (model, step shape, SM count); the hot path only fills the step state (tokens, positions, block
+tables, context lengths) and launches. Context length is read at run time, so one program serves every context:
+each attention split covers ``ceil(ctx / n_splits)`` positions of its segment, empty splits included.
+
+Queues are filled stage by stage (ATTN_IN, ATTN_PARTIAL, ATTN_REDUCE, O_PROJ, MLP_IN, DOWN_PROJ per layer, then
+LM_HEAD), so every instruction appears after all instructions of earlier stages in its own queue. Instructions only
+wait on counters signalled by earlier stages, hence no cycle of waits can form: with every CTA resident (one
+persistent CTA per SM), the program always completes. Within a stage, instructions go to SMs by
+longest-processing-time-first on a byte-based cost model, ties broken by each SM's total load so the small stages
+land on different SMs and the whole step finishes together.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.spec import ModelSpec
+from . import isa
+from .isa import AttnIn, AttnPartial, AttnReduce, DownProj, Instruction, LmHead, MlpIn, OProj
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Tokens per segment in one step: (1,)*M for a decode batch of M sequences, (M,) for one verify block."""
+
+    seg_lens: tuple[int, ...] = (1,)
+    context_hint: int = 1024  # typical context, only used to size attention splits
+
+    def __post_init__(self):
+        if not self.seg_lens or any(n <= 0 for n in self.seg_lens):
+            raise ValueError(f"seg_lens must be non-empty positive lengths, got {self.seg_lens}")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seg_lens)
+
+    @property
+    def seg_starts(self) -> tuple[int, ...]:
+        out, t = [], 0
+        for n in self.seg_lens:
+            out.append(t)
+            t += n
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class ProgramConfig:
+    tile_rows: int = 16  # rows per weight tile: every matvec row block is a multiple of it
+    max_block_bytes: int = 256 * 1024  # cap on one matvec instruction's weight bytes
+    min_split_tokens: int = 32  # attention splits get at least this many positions (at context_hint)
+    fixed_cost_bytes: int = 16 * 1024  # per-instruction overhead in the cost model (a counter hop ~ 0.6 us)
+    sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
+
+
+@dataclass(frozen=True)
+class Counter:
+    name: str
+    count: int  # signals per step
+
+
+@dataclass
+class Program:
+    spec: ModelSpec
+    shape: StepShape
+    num_sms: int
+    config: ProgramConfig
+    queues: list[list[Instruction]]
+    counters: list[Counter]
+    n_splits: tuple[int, ...]  # attention splits per segment
+    costs: list[float] = field(default_factory=list)  # per-SM cost-model load, in bytes
+
+    @property
+    def max_splits(self) -> int:
+        return max(self.n_splits)
+
+    def instructions(self):
+        for q in self.queues:
+            yield from q
+
+    def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(words [num_sms, max_len, NWORDS] int32 padded with NOP, lengths [num_sms] int32)."""
+        n = max(1, max(len(q) for q in self.queues))
+        nop = isa.Nop().encode()
+        rows = [[ins.encode() for ins in q] + [nop] * (n - len(q)) for q in self.queues]
+        return torch.tensor(rows, dtype=torch.int32), torch.tensor([len(q) for q in self.queues], dtype=torch.int32)
+
+    def validate(self) -> None:
+        """Every counter is signalled exactly ``count`` times per step, and waits name existing counters with their
+        count (so step-numbered targets stay correct across steps without a reset)."""
+        sig = [0] * len(self.counters)
+        for ins in self.instructions():
+            if ins.signal != isa.NO_COUNTER:
+                sig[ins.signal] += 1
+            if ins.wait != isa.NO_COUNTER and ins.wait_count != self.counters[ins.wait].count:
+                raise AssertionError(f"{ins} waits for {ins.wait_count}, counter has {self.counters[ins.wait]}")
+        for c, n in zip(self.counters, sig):
+            if n != c.count:
+                raise AssertionError(f"counter {c.name} is signalled {n} times per step, expected {c.count}")
+
+
+def row_blocks(rows: int, row_bytes: int, num_sms: int, cfg: ProgramConfig) -> list[tuple[int, int]]:
+    """Split ``rows`` into blocks of whole tiles: the fewest tiles per block that keeps the stage's makespan (in
+    tiles, over ``num_sms``) minimal, capped by ``max_block_bytes``."""
+    tr = cfg.tile_rows
+    if rows % tr:
+        raise ValueError(f"{rows} rows are not a multiple of tile_rows={tr}")
+    tiles = rows // tr
+    cap = max(1, min(tiles, cfg.max_block_bytes // (tr * row_bytes)))
+    best = min(range(1, cap + 1), key=lambda p: (math.ceil(math.ceil(tiles / p) / num_sms) * p, -p))
+    out, r = [], 0
+    while r < rows:
+        n = min(best * tr, rows - r)
+        out.append((r, n))
+        r += n
+    return out
+
+
+def attention_splits(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramConfig) -> tuple[int, ...]:
+    per_seg = max(1, num_sms // (spec.num_kv_heads * len(shape.seg_lens)))
+    by_len = max(1, math.ceil(shape.context_hint / cfg.min_split_tokens))
+    return tuple(min(per_seg, by_len) for _ in shape.seg_lens)
+
+
+def cost(spec: ModelSpec, shape: StepShape, ins: Instruction, cfg: ProgramConfig) -> float:
+    """Bytes-equivalent cost of one instruction: weight/KV bytes it streams plus a fixed overhead."""
+    d, hd = spec.hidden_size, spec.head_dim
+    if isinstance(ins, AttnIn):
+        b = hd * d * 2
+    elif isinstance(ins, AttnPartial):
+        ctx = shape.context_hint + shape.seg_lens[ins.seg]
+        b = math.ceil(ctx / ins.n_splits) * hd * 2 * 2
+    elif isinstance(ins, AttnReduce):
+        b = ins.n_splits * spec.group_size * hd * 4 * shape.seg_lens[ins.seg]
+    elif isinstance(ins, OProj):
+        b = ins.nrows * spec.q_size * 2
+    elif isinstance(ins, MlpIn):
+        b = 2 * ins.nrows * d * 2
+    elif isinstance(ins, DownProj):
+        b = ins.nrows * spec.intermediate_size * 2
+    elif isinstance(ins, LmHead):
+        b = ins.nrows * d * 2
+    else:
+        b = 0
+    return b + cfg.fixed_cost_bytes
+
+
+def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramConfig = ProgramConfig()) -> Program:
+    if num_sms <= 0:
+        raise ValueError(f"num_sms must be positive, got {num_sms}")
+    counters: list[Counter] = []
+
+    def counter(name: str, count: int) -> int:
+        counters.append(Counter(name, count))
+        return len(counters) - 1
+
+    L, hq, hkv, g = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.group_size
+    n_splits = attention_splits(spec, shape, num_sms, cfg)
+    segs = range(len(shape.seg_lens))
+    o_blocks = row_blocks(spec.hidden_size, spec.q_size * 2, num_sms, cfg)
+    mlp_blocks = row_blocks(spec.intermediate_size, 2 * spec.hidden_size * 2, num_sms, cfg)
+    down_blocks = row_blocks(spec.hidden_size, spec.intermediate_size * 2, num_sms, cfg)
+    lm_blocks = row_blocks(spec.vocab_size, spec.hidden_size * 2, num_sms, cfg)
+
+    stages: list[list[Instruction]] = []
+    prev, prev_n = isa.NO_COUNTER, 0  # counter that marks the residual stream x complete for this layer
+    for l in range(L):
+        qkv = [counter(f"L{l}.qkv.kv{k}", g + 2) for k in range(hkv)]
+
+        def group(h: int) -> int:  # which KV group a q/k/v head feeds
+            return h // g if h < hq else (h - hq) % hkv
+
+        stages.append([AttnIn(layer=l, head=h, wait=prev, wait_count=prev_n, signal=qkv[group(h)])
+                       for h in range(hq + 2 * hkv)])
+        part = {(k, s): counter(f"L{l}.attn.kv{k}.seg{s}", n_splits[s]) for k in range(hkv) for s in segs}
+        stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], wait=qkv[k],
+                                   wait_count=g + 2, signal=part[k, s])
+                       for k in range(hkv) for s in segs for i in range(n_splits[s])])
+        red = counter(f"L{l}.attn_out", hkv * len(segs))
+        stages.append([AttnReduce(layer=l, kv_head=k, seg=s, n_splits=n_splits[s], wait=part[k, s],
+                                  wait_count=n_splits[s], signal=red) for k in range(hkv) for s in segs])
+        o = counter(f"L{l}.o_proj", len(o_blocks))
+        stages.append([OProj(layer=l, row0=r, nrows=n, wait=red, wait_count=hkv * len(segs), signal=o)
+                       for r, n in o_blocks])
+        mlp = counter(f"L{l}.mlp_in", len(mlp_blocks))
+        stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=len(o_blocks), signal=mlp)
+                       for r, n in mlp_blocks])
+        down = counter(f"L{l}.down_proj", len(down_blocks))
+        stages.append([DownProj(layer=l, row0=r, nrows=n, wait=mlp, wait_count=len(mlp_blocks), signal=down)
+                       for r, n in down_blocks])
+        prev, prev_n = down, len(down_blocks)
+    lm = counter("lm_head", len(lm_blocks))
+    stages.append([LmHead(layer=0, row0=r, nrows=n, wait=prev, wait_count=prev_n, signal=lm) for r, n in lm_blocks])
+
+    queues: list[list[Instruction]] = [[] for _ in range(num_sms)]
+    total = [0.0] * num_sms
+    for stage in stages:
+        heap = [(0.0, total[s], s) for s in range(num_sms)]
+        heapq.heapify(heap)
+        for ins in sorted(stage, key=lambda i: -cost(spec, shape, i, cfg)):
+            load, tot, s = heapq.heappop(heap)
+            c = cost(spec, shape, ins, cfg)
+            queues[s].append(ins)
+            total[s] += c
+            heapq.heappush(heap, (load + c, tot + c, s))
+    prog = Program(spec, shape, num_sms, cfg, queues, counters, n_splits, total)
+    prog.validate()
+    return prog

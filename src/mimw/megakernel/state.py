@@ -1,0 +1,114 @@
+"""Step state and scratch buffers of one megakernel program: the memory contract between host, VM and kernel.
+
+Step state (int32, refilled by the host before every step; everything else is written by the kernel):
+  tokens [M]              token id of each token in the step
+  positions [M]           absolute position of each token in its sequence
+  seg_ctx [S]             context length of each segment after this step (= last position + 1)
+  block_tables [S, P]     page ids of each segment's sequence (kv/pages.py layout)
+  counters [C + 2]        dependency counters (never reset), then ``DONE`` (CTAs finished) and ``EPOCH`` (steps run)
+Token m belongs to the segment s with seg_start[s] <= m < seg_start[s] + seg_len[s]; seg_start/seg_len are part of
+the program's StepShape and static.
+
+Scratch (fp32, written and read within one step; the host never needs to clear it):
+  x [M, D]                     residual stream (valid after a layer's DOWN_PROJ; layer 0 reads the embedding rows)
+  q [M, Hq, hd]                query heads after bias, q-norm and RoPE
+  part_o [M, Hq, SPLITS, hd]   unnormalised partial attention outputs   sum_j exp(s_j - m) v_j
+  part_ml [M, Hq, SPLITS, 2]   running max m (scaled scores, natural log domain) and sum l = sum_j exp(s_j - m);
+                               an empty split stores m = EMPTY_M, l = 0, o = 0
+  attn [M, Hq*hd]              attention output (input of O_PROJ)
+  act [M, I]                   SiLU(gate) * up (input of DOWN_PROJ)
+  logits [M, V]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .program import Program
+
+EMPTY_M = -1.0e30  # finite "minus infinity": exp(EMPTY_M - m) == 0 without inf - inf = nan
+
+
+@dataclass
+class StepState:
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    seg_ctx: torch.Tensor
+    block_tables: torch.Tensor
+    counters: torch.Tensor
+
+    @property
+    def done_index(self) -> int:
+        return self.counters.numel() - 2
+
+    @property
+    def epoch_index(self) -> int:
+        return self.counters.numel() - 1
+
+    @property
+    def epoch(self) -> int:
+        return int(self.counters[self.epoch_index])
+
+    def fill(self, tokens: Sequence[int], seg_starts_pos: Sequence[int], block_tables: Sequence[Sequence[int]],
+             seg_lens: Sequence[int]) -> None:
+        """Set the step's inputs: ``tokens`` [M]; for each segment its first position and block table."""
+        pos, ctx = [], []
+        for p0, n in zip(seg_starts_pos, seg_lens):
+            pos.extend(range(p0, p0 + n))
+            ctx.append(p0 + n)
+        if len(tokens) != len(pos):
+            raise ValueError(f"{len(tokens)} tokens for segments totalling {len(pos)}")
+        dev = self.tokens.device
+        self.tokens.copy_(torch.tensor(list(tokens), dtype=torch.int32, device=dev))
+        self.positions.copy_(torch.tensor(pos, dtype=torch.int32, device=dev))
+        self.seg_ctx.copy_(torch.tensor(ctx, dtype=torch.int32, device=dev))
+        bt = torch.full(tuple(self.block_tables.shape), 0, dtype=torch.int32)
+        for s, table in enumerate(block_tables):
+            if len(table) > bt.shape[1]:
+                raise ValueError(f"segment {s}: block table of {len(table)} pages exceeds {bt.shape[1]}")
+            bt[s, : len(table)] = torch.tensor(list(table), dtype=torch.int32)
+        self.block_tables.copy_(bt.to(dev))
+
+
+@dataclass
+class Scratch:
+    x: torch.Tensor
+    q: torch.Tensor
+    part_o: torch.Tensor
+    part_ml: torch.Tensor
+    attn: torch.Tensor
+    act: torch.Tensor
+    logits: torch.Tensor
+
+    def poison(self) -> None:
+        for t in (self.x, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits):
+            t.fill_(float("nan"))
+
+
+def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu") -> StepState:
+    m, s = prog.shape.num_tokens, len(prog.shape.seg_lens)
+    z = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
+    return StepState(z(m), z(m), z(s), z(s, max_pages), z(len(prog.counters) + 2))
+
+
+def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
+    sp, m = prog.spec, prog.shape.num_tokens
+    f = lambda *shape: torch.full(shape, float("nan"), dtype=torch.float32, device=device)  # noqa: E731
+    return Scratch(
+        x=f(m, sp.hidden_size),
+        q=f(m, sp.num_heads, sp.head_dim),
+        part_o=f(m, sp.num_heads, prog.max_splits, sp.head_dim),
+        part_ml=f(m, sp.num_heads, prog.max_splits, 2),
+        attn=f(m, sp.q_size),
+        act=f(m, sp.intermediate_size),
+        logits=f(m, sp.vocab_size),
+    )
+
+
+def split_range(ctx: int, split: int, n_splits: int) -> tuple[int, int]:
+    """Positions [lo, hi) of attention split ``split`` over a context of ``ctx`` positions (possibly empty)."""
+    chunk = -(-ctx // n_splits)
+    lo = min(ctx, split * chunk)
+    return lo, min(ctx, lo + chunk)

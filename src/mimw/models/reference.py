@@ -1,0 +1,91 @@
+"""The PyTorch reference decoder: the numerical oracle for every mimw backend.
+
+Plain PyTorch on any device, over the paged KV cache (``mimw.kv.pages``). One ``forward`` call runs a *step*: a
+list of sequence segments, each a run of consecutive new tokens of one sequence (a prefill chunk, one decode token,
+or a speculative-verify block). Tokens attend causally to everything their sequence holds before them.
+
+Numerics follow Hugging Face transformers' Llama/Qwen2/Qwen3 modules: RMSNorm in fp32 then cast back to the
+activation dtype before the weight multiply, RoPE tables in fp32, softmax in fp32; matmuls in the weight dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..kv.pages import PagedKVCache
+from . import rope
+from .weights import ModelWeights
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` new tokens of one sequence at positions start .. start+length-1, stored via ``block_table``."""
+
+    block_table: tuple[int, ...]
+    start: int
+    length: int
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """q [T, Hq, hd] at positions q_pos [T]; k, v [S, Hkv, hd] for positions 0..S-1 -> [T, Hq, hd].
+
+    Causal: query at position p sees keys 0..p. GQA: query head h reads KV head h // (Hq / Hkv)."""
+    t, hq, hd = q.shape
+    g = hq // k.shape[1]
+    kk = k.repeat_interleave(g, dim=1).transpose(0, 1).float()  # [Hq, S, hd]
+    vv = v.repeat_interleave(g, dim=1).transpose(0, 1).float()
+    s = torch.einsum("thd,hsd->hts", q.float(), kk) * hd ** -0.5
+    mask = torch.arange(k.shape[0], device=q.device)[None, :] > q_pos[:, None]  # [T, S]
+    s = s.masked_fill(mask[None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hts,hsd->thd", p, vv).to(q.dtype)
+
+
+class ReferenceDecoder:
+    def __init__(self, weights: ModelWeights):
+        self.w = weights
+        self.spec = weights.spec
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
+        """tokens [T] (segments' tokens concatenated) -> logits [T, vocab] (fp32). Writes K/V into ``cache``."""
+        spec, w = self.spec, self.w
+        if sum(s.length for s in segments) != tokens.numel():
+            raise ValueError("segments' lengths must add up to the number of tokens")
+        dev = w.device
+        tokens = tokens.to(dev)
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(dev)
+        cos, sin = rope.cos_sin(spec, positions)
+        x = w.embed[tokens]
+        hq, hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        for li, lw in enumerate(w.layers):
+            h = rms_norm(x, lw.attn_norm, spec.rms_norm_eps)
+            q = F.linear(h, lw.wq, lw.bq).view(-1, hq, hd)
+            k = F.linear(h, lw.wk, lw.bk).view(-1, hkv, hd)
+            v = F.linear(h, lw.wv, lw.bv).view(-1, hkv, hd)
+            if spec.qk_norm:
+                q = rms_norm(q, lw.q_norm, spec.rms_norm_eps)
+                k = rms_norm(k, lw.k_norm, spec.rms_norm_eps)
+            q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+            outs, t0 = [], 0
+            for s in segments:
+                sl = slice(t0, t0 + s.length)
+                cache.write(li, s.block_table, positions[sl], k[sl], v[sl])
+                kc, vc = cache.gather(li, s.block_table, s.start + s.length)
+                outs.append(attention(q[sl], kc.to(q.dtype), vc.to(q.dtype), positions[sl]))
+                t0 += s.length
+            o = torch.cat(outs).reshape(-1, hq * hd)
+            x = x + F.linear(o, lw.wo)
+            h = rms_norm(x, lw.mlp_norm, spec.rms_norm_eps)
+            x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
+        x = rms_norm(x, w.final_norm, spec.rms_norm_eps)
+        return F.linear(x, w.lm_head).float()

@@ -1,0 +1,266 @@
+"""ModelSpec: the one description of a dense decoder's shapes, built at the edge and passed explicitly.
+
+Everything downstream (loader, reference decoder, megakernel scheduler, benchmarks) reads sizes from a
+``ModelSpec``; no model size is compiled in anywhere. Specs come from a Hugging Face ``config.json``, from
+GGUF metadata (``mimw.models.gguf_file``), or from the named presets below (published shapes, used with random
+weights by the benchmarks).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+ARCHS = ("llama", "qwen2", "qwen3")
+_HF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class SpecError(ValueError):
+    """A config that mimw cannot describe: the message names the field."""
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.x frequency-dependent RoPE scaling (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes and numerics of a dense Llama/Qwen2/Qwen3 decoder.
+
+    arch: "llama" (no biases), "qwen2" (q/k/v biases) or "qwen3" (RMSNorm on each q and k head).
+    """
+
+    name: str
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise SpecError(f"arch: unsupported architecture {self.arch!r} (supported: {', '.join(ARCHS)})")
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise SpecError(f"{f}: must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise SpecError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise SpecError(f"head_dim: must be even for RoPE, got {self.head_dim}")
+
+    # --- derived sizes -------------------------------------------------------------------------------
+    @property
+    def attention_bias(self) -> bool:
+        return self.arch == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def layer_param_count(self) -> int:
+        d, i = self.hidden_size, self.intermediate_size
+        n = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * i + 2 * d
+        if self.attention_bias:
+            n += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            n += 2 * self.head_dim
+        return n
+
+    def param_count(self) -> int:
+        emb = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else emb
+        return emb + head + self.num_layers * self.layer_param_count() + self.hidden_size
+
+    def decode_weight_bytes(self, bytes_per_param: int = 2) -> int:
+        """Bytes one decode step must stream: every layer weight, the final norm and the LM head (the embedding
+        table contributes one row, which is negligible and counted as such)."""
+        n = self.num_layers * self.layer_param_count() + self.hidden_size + self.vocab_size * self.hidden_size
+        return (n + self.hidden_size) * bytes_per_param
+
+    def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
+        return 2 * self.num_layers * self.kv_size * bytes_per_elem
+
+    def with_(self, **changes: Any) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+    # --- construction from Hugging Face configs --------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any], name: str | None = None) -> "ModelSpec":
+        archs = cfg.get("architectures") or []
+        arch = None
+        for a in archs:
+            arch = _HF_ARCH.get(a)
+            if arch:
+                break
+        if arch is None:
+            mt = cfg.get("model_type")
+            arch = mt if mt in ARCHS else None
+        if arch is None:
+            raise SpecError(
+                f"architectures: unsupported {archs or cfg.get('model_type')!r}; mimw supports "
+                f"{', '.join(_HF_ARCH)}"
+            )
+
+        def req(key: str) -> Any:
+            if key not in cfg:
+                raise SpecError(f"config.json: missing required field {key!r}")
+            return cfg[key]
+
+        n_heads = int(req("num_attention_heads"))
+        d = int(req("hidden_size"))
+        head_dim = cfg.get("head_dim") or d // n_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            name=name or cfg.get("_name_or_path") or arch,
+            arch=arch,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=d,
+            intermediate_size=int(req("intermediate_size")),
+            num_layers=int(req("num_hidden_layers")),
+            num_heads=n_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelSpec":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise SpecError(f"{p}: no config.json in the checkpoint directory")
+        return cls.from_hf_config(json.loads(p.read_text()), name=Path(path).name)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A transformers config dict for this spec (used by tests and peers to build HF models)."""
+        hf_arch = {v: k for k, v in _HF_ARCH.items()}[self.arch]
+        cfg: dict[str, Any] = {
+            "architectures": [hf_arch],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+        }
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            cfg["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": rs.factor,
+                "low_freq_factor": rs.low_freq_factor,
+                "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+            }
+        if self.bos_token_id is not None:
+            cfg["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            cfg["eos_token_id"] = list(self.eos_token_ids)
+        return cfg
+
+
+def _rope_scaling(cfg: Mapping[str, Any]) -> Llama3RopeScaling | None:
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type") or rs.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise SpecError(f"rope_scaling.rope_type: unsupported {kind!r} (mimw supports 'llama3')")
+    try:
+        return Llama3RopeScaling(
+            factor=float(rs["factor"]),
+            low_freq_factor=float(rs["low_freq_factor"]),
+            high_freq_factor=float(rs["high_freq_factor"]),
+            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise SpecError(f"rope_scaling: missing field {e.args[0]!r}") from None
+
+
+_L3 = Llama3RopeScaling(32.0, 1.0, 4.0, 8192)
+PRESETS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in [
+        ModelSpec("llama-3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 64, 1e-5, 500000.0, _L3, 131072, True,
+                  128000, (128001, 128008, 128009)),
+        ModelSpec("llama-3.2-3b", "llama", 128256, 3072, 8192, 28, 24, 8, 128, 1e-5, 500000.0, _L3, 131072, True,
+                  128000, (128001, 128008, 128009)),
+        ModelSpec("llama-3.1-8b", "llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0,
+                  Llama3RopeScaling(8.0, 1.0, 4.0, 8192), 131072, False, 128000, (128001, 128008, 128009)),
+        ModelSpec("qwen3-0.6b", "qwen3", 151936, 1024, 3072, 28, 16, 8, 128, 1e-6, 1000000.0, None, 40960, True,
+                  None, (151645,)),
+        ModelSpec("qwen3-1.7b", "qwen3", 151936, 2048, 6144, 28, 16, 8, 128, 1e-6, 1000000.0, None, 40960, True,
+                  None, (151645,)),
+        ModelSpec("qwen3-8b", "qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e-6, 1000000.0, None, 40960, False,
+                  None, (151645,)),
+        ModelSpec("smollm2-135m", "llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, None, 8192, True,
+                  1, (2,)),
+        # tiny shapes for tests (random weights only)
+        ModelSpec("tiny-llama", "llama", 256, 64, 128, 2, 4, 2, 16, 1e-5, 10000.0, None, 512, False, 1, (2,)),
+        ModelSpec("tiny-llama3", "llama", 256, 64, 128, 2, 4, 2, 16, 1e-5, 500000.0,
+                  Llama3RopeScaling(8.0, 1.0, 4.0, 32), 1024, True, 1, (2,)),
+        ModelSpec("tiny-qwen2", "qwen2", 256, 64, 160, 2, 4, 1, 16, 1e-6, 1000000.0, None, 512, True, None, (2,)),
+        ModelSpec("tiny-qwen3", "qwen3", 256, 64, 128, 3, 8, 2, 32, 1e-6, 1000000.0, None, 512, False, None, (2,)),
+    ]
+}
+
+
+def get_preset(name: str) -> ModelSpec:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise SpecError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None

@@ -1,0 +1,58 @@
+import pytest
+
+from mimw.megakernel import isa
+from mimw.megakernel.program import ProgramConfig, StepShape, build_program, row_blocks
+from mimw.megakernel.state import split_range
+from mimw.models.spec import get_preset
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "smollm2-135m", "llama-3.2-1b"])
+@pytest.mark.parametrize("num_sms", [1, 7, 132])
+@pytest.mark.parametrize("seg_lens", [(1,), (4,), (1, 1, 1, 1)])
+def test_program_covers_every_output_once(name, num_sms, seg_lens):
+    spec = get_preset(name)
+    prog = build_program(spec, StepShape(seg_lens, 100), num_sms)
+    prog.validate()
+    ins = list(prog.instructions())
+    by = lambda t: [i for i in ins if isinstance(i, t)]  # noqa: E731
+    assert sorted((i.layer, i.head) for i in by(isa.AttnIn)) == [
+        (l, h) for l in range(spec.num_layers) for h in range(spec.num_heads + 2 * spec.num_kv_heads)]
+    for t, total in [(isa.OProj, spec.hidden_size), (isa.MlpIn, spec.intermediate_size),
+                     (isa.DownProj, spec.hidden_size)]:
+        for l in range(spec.num_layers):
+            rows = sorted((i.row0, i.nrows) for i in by(t) if i.layer == l)
+            assert sum(n for _, n in rows) == total
+            assert all(a + n == b for (a, n), (b, _) in zip(rows, rows[1:]))
+    assert sum(i.nrows for i in by(isa.LmHead)) == spec.vocab_size
+    parts = by(isa.AttnPartial)
+    assert len(parts) == spec.num_layers * spec.num_kv_heads * sum(prog.n_splits)
+
+
+def test_queues_are_in_stage_order_so_no_wait_cycle_can_form():
+    spec = get_preset("tiny-llama")
+    prog = build_program(spec, StepShape((1,), 64), 7)
+    order = {op: k for k, op in enumerate([isa.Op.ATTN_IN, isa.Op.ATTN_PARTIAL, isa.Op.ATTN_REDUCE,
+                                           isa.Op.O_PROJ, isa.Op.MLP_IN, isa.Op.DOWN_PROJ])}
+    for q in prog.queues:
+        keys = [(i.layer, order[i.OP]) if i.OP != isa.Op.LM_HEAD else (spec.num_layers, 0) for i in q]
+        assert keys == sorted(keys)
+
+
+def test_cost_model_balances_sms():
+    prog = build_program(get_preset("llama-3.2-1b"), StepShape((1,), 1024), 132)
+    assert max(prog.costs) / min(prog.costs) < 1.05
+
+
+def test_row_blocks_are_whole_tiles_and_reject_ragged_rows():
+    cfg = ProgramConfig(tile_rows=16)
+    blocks = row_blocks(2048, 4096, 132, cfg)
+    assert all(n % 16 == 0 for _, n in blocks) and sum(n for _, n in blocks) == 2048
+    with pytest.raises(ValueError, match="tile_rows"):
+        row_blocks(100, 64, 4, cfg)
+
+
+@pytest.mark.parametrize("ctx,n", [(1, 16), (17, 4), (1000, 16), (8191, 16), (5, 5)])
+def test_split_ranges_partition_the_context(ctx, n):
+    ranges = [split_range(ctx, s, n) for s in range(n)]
+    covered = [p for lo, hi in ranges for p in range(lo, hi)]
+    assert covered == list(range(ctx))
