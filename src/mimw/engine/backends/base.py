@@ -1,0 +1,48 @@
+"""Backend: what the engine needs from a device to run one step. Two implementations: ``reference`` (PyTorch, any
+device) and, later, the Hopper megakernel; the engine never knows which one it drives.
+
+A step is a list of ``Segment``s (``mimw.models.reference``): each is ``length`` new tokens of one sequence at
+positions start .. start+length-1, with the sequence's block table in the ``mimw.kv.pages`` layout.
+
+Invariants every backend keeps:
+  * ``forward`` writes the K/V of every new token into ``cache`` at the slot its block table names, and reads
+    positions [0, start) of a segment only from ``cache`` (pages may be shared with other sequences: a backend
+    never writes a position it was not given).
+  * Segments of one step are independent sequences: a token attends to its own sequence only, causally.
+  * The block table of a segment covers every position it writes (the engine allocates pages before the call).
+  * It returns fp32 logits [num_segments, vocab] for the *last* token of each segment, in segment order, and
+    changes nothing else of the engine's state.
+  * A sequence's logits do not depend on which other sequences share the step beyond floating-point
+    reassociation (no cross-sequence state).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+
+from ...kv.pages import KVLayout, PagedKVCache
+from ...models.reference import Segment
+from ...models.spec import ModelSpec
+
+
+class Backend(ABC):
+    spec: ModelSpec
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the KV cache must live."""
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """Element type of the KV pool this backend reads and writes."""
+        return torch.float32
+
+    def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
+        return PagedKVCache(KVLayout.for_spec(self.spec, page_size, num_pages, self.kv_dtype), self.device)
+
+    @abstractmethod
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
+        """tokens [T] (int64, the segments' tokens concatenated) -> logits [len(segments), vocab] fp32."""

@@ -1,0 +1,90 @@
+"""Incremental detokenisation and stop strings: token ids in, text deltas out, never half a character.
+
+Byte-level BPE tokenizers split multi-byte UTF-8 characters across tokens; decoding a prefix then ends in U+FFFD.
+``IncrementalDetokenizer`` decodes a short sliding window (a few tokens of context before the unread ones, so
+leading-space rules of SentencePiece-style tokenizers see their left neighbour) and holds text back while the
+window's decoding ends in U+FFFD. ``finish`` flushes whatever is left (a genuinely invalid byte sequence then
+shows as U+FFFD, once).
+
+``StopMatcher`` turns the raw text stream into the text a client may see: it cuts at the first stop string (the
+stop string itself is never emitted) and holds back any tail that could still grow into a stop string.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+_CONTEXT = 4  # prompt tokens kept as left context of the first output token
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Invariant: the concatenation of every returned delta (plus ``finish``) equals decode(output ids), for
+    tokenizers whose decoding of a window is a suffix-stable function of its tokens (byte-level BPE and friends)."""
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int]):
+        self.tok = tokenizer
+        self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
+        self.prefix_offset = 0  # window start
+        self.read_offset = len(self.ids)  # first id whose text has not been returned
+
+    def push(self, token_id: int) -> str:
+        """Append one id; return the newly complete text (maybe empty)."""
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """Text still held back (an incomplete character at the very end)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self.read_offset >= len(self.ids):
+            return ""
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) and not final:
+            return ""
+        if new_text.endswith("\ufffd") and not final:
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return delta
+
+
+class StopMatcher:
+    """Accumulates text; ``feed`` returns (text safe to emit, stopped)."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.text = ""  # everything decoded so far (truncated at the stop string once stopped)
+        self.sent = 0  # len of the prefix of ``text`` already emitted
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, bool]:
+        self.text += delta
+        if self.stops:
+            longest = max(len(s) for s in self.stops)
+            search_from = max(0, self.sent - longest + 1)
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                return self._emit(len(self.text)), True
+        safe = len(self.text) if final else len(self.text) - self._held_tail()
+        return self._emit(safe), False
+
+    def _held_tail(self) -> int:
+        """Length of the longest suffix of ``text`` (not yet emitted) that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text) - self.sent), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _emit(self, upto: int) -> str:
+        out = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return out

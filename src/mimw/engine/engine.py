@@ -1,0 +1,206 @@
+"""Engine: the synchronous core of serving - submit requests, run steps, emit ``RequestOutput`` events.
+
+One ``step`` = schedule (``Scheduler``) -> one backend call over the planned segments -> commit the K/V ->
+sample the requests whose chunk reached their last token -> stop checks and incremental detokenisation ->
+events. Everything here runs on one thread (``EngineLoop`` provides it); it is not thread-safe.
+
+Request validation lives here too, so that every front end (server, CLI, benchmarks) rejects the same inputs:
+``check_lengths`` raises ``RequestError`` naming the offending parameter.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..kv.allocator import PageAllocator
+from ..kv.prefix import PrefixCache
+from ..models.reference import Segment
+from .backends.base import Backend
+from .detokenize import Decoder, IncrementalDetokenizer, StopMatcher
+from .request import Request, RequestOutput, Status
+from .sampling import SamplingParams, make_generator, sample_batch
+from .scheduler import Scheduler, SchedulerConfig
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """num_pages x page_size tokens of KV in total; a request may use up to max_model_len of them."""
+
+    num_pages: int = 256
+    page_size: int = 16
+    max_batch: int = 32
+    max_step_tokens: int = 512
+    max_model_len: int | None = None  # None: min(model's max positions, num_pages * page_size)
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        self.scheduler_config()  # validates the rest
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.page_size, self.max_batch, self.max_step_tokens)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int
+    running: int
+    pages_total: int
+    pages_in_use: int
+    pages_cached: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    steps: int
+
+
+class Engine:
+    def __init__(self, backend: Backend, tokenizer: Decoder, config: EngineConfig,
+                 eos_token_ids: Sequence[int] = ()):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = config
+        spec = backend.spec
+        self.max_model_len = min(config.max_model_len or spec.max_position_embeddings,
+                                 spec.max_position_embeddings, config.num_pages * config.page_size)
+        self.eos_token_ids = frozenset(eos_token_ids) | frozenset(spec.eos_token_ids)
+        self.cache = backend.make_cache(config.page_size, config.num_pages)
+        self.prefix = PrefixCache(config.page_size) if config.enable_prefix_cache else None
+        self.allocator = PageAllocator(config.num_pages, self.prefix)
+        self.scheduler = Scheduler(config.scheduler_config(), self.allocator, self.prefix)
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, tuple[IncrementalDetokenizer, StopMatcher]] = {}
+        self._preemptions = 0
+        self._steps = 0
+
+    # --- requests -----------------------------------------------------------------------------------------
+    def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """Validate a prompt length and max_tokens; returns the effective max_tokens (None -> rest of context)."""
+        if num_prompt_tokens <= 0:
+            raise RequestError("the prompt is empty: it must contain at least one token", "prompt")
+        if num_prompt_tokens >= self.max_model_len:
+            raise RequestError(f"the prompt has {num_prompt_tokens} tokens; this server's context is "
+                               f"{self.max_model_len} tokens, which must also leave room for at least one new "
+                               "token", "prompt", "context_length_exceeded")
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            return room
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise RequestError(f"max_tokens ({max_tokens}) plus the prompt ({num_prompt_tokens} tokens) exceeds "
+                               f"this server's context of {self.max_model_len} tokens; at most {room} new tokens "
+                               "fit", "max_tokens", "context_length_exceeded")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    on_output: Callable[[RequestOutput], None] | None = None,
+                    arrival_time: float | None = None) -> Request:
+        if request_id in self._requests:
+            raise RequestError(f"duplicate request id {request_id!r}", "request_id")
+        self.check_lengths(len(prompt_token_ids), params.max_tokens)
+        vocab = self.backend.spec.vocab_size
+        bad = [t for t in prompt_token_ids if not (0 <= t < vocab)]
+        if bad:
+            raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params, stop_ids, on_output)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        req.generator = make_generator(params)
+        self._requests[request_id] = req
+        self._detok[request_id] = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+                                   StopMatcher(params.stop))
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request (frees its pages now); False if it is unknown or already finished."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "abort", "")
+        return True
+
+    def abort_all(self) -> None:
+        for rid in list(self._requests):
+            self.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        p = self.prefix
+        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.allocator.num_pages,
+                           self.allocator.num_in_use, self.allocator.num_parked, p.query_tokens if p else 0,
+                           p.hit_tokens if p else 0, self._preemptions, self._steps)
+
+    # --- one step -----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self._preemptions += len(plan.preempted)
+        if not plan.chunks:
+            return []
+        self._steps += 1
+        tokens = torch.tensor([t for c in plan.chunks for t in c.request.token_ids[c.start:c.start + c.length]],
+                              dtype=torch.long)
+        segments = [Segment(tuple(c.request.block_table), c.start, c.length) for c in plan.chunks]
+        try:
+            logits = self.backend.forward(tokens, segments, self.cache)  # [S, V]
+        except Exception as e:  # a failed step fails its requests, never the engine
+            return [self._finish(c.request, "error", "", error=f"{type(e).__name__}: {e}") for c in plan.chunks]
+        self.scheduler.commit(plan)
+        rows = [i for i, c in enumerate(plan.chunks) if c.samples]
+        if not rows:
+            return []
+        reqs = [plan.chunks[i].request for i in rows]
+        new = sample_batch(logits[rows], [r.params for r in reqs], [r.generator for r in reqs])
+        now = time.monotonic()
+        return [self._append(r, t, now) for r, t in zip(reqs, new)]
+
+    def _append(self, r: Request, token: int, now: float) -> RequestOutput:
+        r.token_ids.append(token)
+        if r.first_token_time is None:
+            r.first_token_time = now
+        detok, stops = self._detok[r.request_id]
+        if token in r.stop_token_ids:
+            return self._finish(r, "stop", "", (token,))
+        text, stopped = stops.feed(detok.push(token))
+        if stopped:  # the stop string and everything after it are dropped: nothing to flush
+            return self._finish(r, "stop", text, (token,), flush=False)
+        if r.num_output_tokens >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+            return self._finish(r, "length", text, (token,))
+        return self._event(r, text, (token,))
+
+    def _finish(self, r: Request, reason: str, text: str, token_ids: tuple[int, ...] = (),
+                error: str | None = None, flush: bool = True) -> RequestOutput:
+        """End ``r``: free its pages and emit the last event, with any text held back so far when ``flush``."""
+        detok, stops = self._detok.pop(r.request_id)
+        del self._requests[r.request_id]
+        if flush:
+            text += stops.feed(detok.finish(), final=True)[0]
+        self.scheduler.finish(r, reason)
+        return self._event(r, text, token_ids, error)
+
+    def _event(self, r: Request, text: str, token_ids: tuple[int, ...], error: str | None = None) -> RequestOutput:
+        out = RequestOutput(r.request_id, text, token_ids, r.is_finished, r.finish_reason, r.num_prompt_tokens,
+                            r.num_output_tokens, r.num_cached_tokens, error)
+        if r.on_output is not None:
+            try:
+                r.on_output(out)
+            except Exception:  # a consumer that went away must not stop the other requests
+                pass
+        return out

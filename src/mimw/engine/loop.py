@@ -1,0 +1,122 @@
+"""EngineLoop: runs an ``Engine`` on its own thread; other threads submit, abort and read stats.
+
+Threading contract:
+  * Only the loop thread touches the ``Engine``. ``submit`` and ``abort`` enqueue commands that the loop applies
+    between steps; ``stats`` returns the snapshot taken after the latest step (immutable, safe to share).
+  * Events reach a request's ``on_output`` callback on the loop thread; callbacks must be quick and non-blocking
+    (the server's callback only hands the event to its asyncio loop).
+  * The number of requests that are queued (submitted but not yet admitted to a batch) is bounded by
+    ``max_queue``: past it ``submit`` raises ``QueueFull`` instead of growing memory.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Callable, Sequence
+
+from .engine import Engine, EngineStats, RequestError
+from .request import RequestOutput
+from .sampling import SamplingParams
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting; retry later."""
+
+
+class EngineDead(RuntimeError):
+    """The loop thread is not running (stopped or crashed)."""
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, max_queue: int = 256):
+        if max_queue <= 0:
+            raise ValueError(f"max_queue must be positive, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self._cv = threading.Condition()
+        self._inbox: deque[tuple] = deque()
+        self._pending = 0  # submitted, not yet admitted by the engine (inbox + engine's waiting queue)
+        self._stats = engine.stats()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="mimw-engine", daemon=True)
+        self.error: str | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    # --- called from other threads ------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None]) -> None:
+        """Queue a request. Validates lengths first (``RequestError``); ``QueueFull`` past ``max_queue``."""
+        if not self.alive:
+            raise EngineDead(self.error or "the engine is not running")
+        self.engine.check_lengths(len(prompt_token_ids), params.max_tokens)  # pure: safe from any thread
+        with self._cv:
+            if self._pending >= self.max_queue:
+                raise QueueFull(f"{self._pending} requests are already waiting (limit {self.max_queue})")
+            self._pending += 1
+            self._inbox.append(("add", request_id, list(prompt_token_ids), params, on_output, time.monotonic()))
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # --- the loop thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self._inbox and not self.engine.has_work():
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    commands = list(self._inbox)
+                    self._inbox.clear()
+                for cmd in commands:
+                    self._apply(cmd)
+                if self.engine.has_work():
+                    self.engine.step()
+                self._publish()
+        except BaseException:  # a bug in the engine itself: record it so /health and submit report it
+            self.error = "engine loop crashed: " + traceback.format_exc(limit=5)
+            raise
+        finally:
+            self.engine.abort_all()
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, ids, params, on_output, t = cmd
+            try:
+                self.engine.add_request(rid, ids, params, on_output, arrival_time=t)
+            except RequestError as e:  # raced past submit's checks (e.g. a bad token id): report, don't crash
+                with self._cv:
+                    self._pending -= 1
+                on_output(RequestOutput(rid, "", (), True, "error", len(ids), 0, 0, str(e)))
+        else:
+            self.engine.abort(cmd[1])
+
+    def _publish(self) -> None:
+        s = self.engine.stats()
+        with self._cv:
+            self._pending = s.waiting + sum(1 for c in self._inbox if c[0] == "add")
+        self._stats = s

@@ -1,0 +1,101 @@
+"""A generation request and its lifecycle: WAITING -> RUNNING -> (preempted -> WAITING ->) ... -> FINISHED.
+
+``token_ids`` is the prompt followed by every sampled token. The K/V of positions [0, num_computed) are in the
+pages of ``block_table`` (the ``mimw.kv.pages`` layout: position p lives in ``block_table[p // page_size]``).
+Positions [num_computed, len(token_ids)) still have to be run through the model: the whole prompt right after
+admission (prefill, possibly in chunks), exactly one token while decoding, or prompt + outputs again after a
+preemption (the request lost its pages and recomputes them, mostly from the prefix cache).
+
+Invariants:
+  * len(block_table) == pages_for(num_computed) between steps (pages are allocated when a chunk is scheduled).
+  * num_computed < len(token_ids) while RUNNING or WAITING: there is always a next token to sample from.
+  * FINISHED requests hold no pages.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One event for the client of a request: new text/tokens since the last event, and whether it ended.
+
+    finish_reason: None while running; "stop" (EOS, stop token or stop string), "length" (max_tokens or the
+    context limit), "abort" (cancelled, e.g. the client went away) or "error" (the backend failed; ``error``
+    says why)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()  # params.stop_token_ids plus the model's EOS ids (resolved)
+    on_output: Callable[[RequestOutput], None] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    token_ids: list[int] = field(init=False)
+    status: Status = field(init=False, default=Status.WAITING)
+    num_computed: int = field(init=False, default=0)
+    block_table: list[int] = field(init=False, default_factory=list)
+    page_hashes: list[bytes] = field(init=False, default_factory=list)  # chain hashes of full token pages
+    num_registered: int = field(init=False, default=0)  # leading pages of block_table offered to the prefix cache
+    num_cached_tokens: int = field(init=False, default=0)  # prompt tokens found in the prefix cache at admission
+    num_preemptions: int = field(init=False, default=0)
+    admitted_once: bool = field(init=False, default=False)
+    finish_reason: str | None = field(init=False, default=None)
+    generator: torch.Generator | None = field(init=False, default=None)
+    first_token_time: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,195 @@
+"""Scheduler: which tokens of which requests run in the next step, and which pages they write.
+
+Continuous batching: requests join (admission) and leave (finish, abort, preemption) between any two steps. A
+step mixes decodes (1 token) and prefill chunks under a token budget (``max_step_tokens``); a long prompt is
+prefilled over several steps (chunked prefill) while the running requests keep decoding.
+
+Policy, oldest request first (FCFS):
+  1. Running requests in admission order. A decoding request takes 1 token; a prefilling one takes as much of its
+     remaining prompt as the budget allows after reserving 1 token for every decoder behind it.
+     If the pages for its chunk are not available, the chunk shrinks to what fits; if nothing fits, the newest
+     running request is preempted (pages released, recomputed later) until it does - or, when it is itself the
+     newest, it is preempted. The oldest request therefore always progresses: never a deadlock, never a crash,
+     as long as a single request fits in the pool alone (the engine checks that at submission).
+  2. Waiting requests (preempted ones first, then arrival order) while there is budget, batch room and pages:
+     full pages of the request's tokens found in the prefix cache are shared instead of recomputed. Admission
+     never preempts, and keeps one spare page per running request so that decoders do not immediately evict it.
+
+Pure host logic (no tensors): the engine turns a ``StepPlan`` into backend calls, then calls ``commit``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..kv.allocator import PageAllocator
+from ..kv.prefix import PrefixCache, chain_hashes
+from .request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int = 16
+    max_batch: int = 32  # running requests at most
+    max_step_tokens: int = 512  # tokens per step (prefill chunks + decodes)
+
+    def __post_init__(self) -> None:
+        for f in ("page_size", "max_batch", "max_step_tokens"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+        if self.max_step_tokens < self.max_batch:
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be >= max_batch ({self.max_batch}) "
+                             "so that every running request can decode each step")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Run tokens [start, start+length) of ``request``; sample a token after it iff ``samples``."""
+
+    request: Request
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: tuple[Chunk, ...]
+    preempted: tuple[Request, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, prefix: PrefixCache | None):
+        self.cfg = config
+        self.alloc = allocator
+        self.prefix = prefix
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- planning -----------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.cfg.max_step_tokens
+        chunks: list[Chunk] = []
+        preempted: list[Request] = []
+        decoders_behind = sum(1 for r in self.running if r.num_pending == 1)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            if r.num_pending == 1:
+                decoders_behind -= 1
+            want = min(r.num_pending, budget - decoders_behind)
+            n = min(want, self._fits(r)) if want > 0 else 0
+            while want > 0 and n == 0:  # make room: preempt the newest running request
+                victim = self.running[-1]
+                if victim.num_pending == 1 and victim is not r:
+                    decoders_behind -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is r:
+                    break
+                n = min(want, self._fits(r))
+            if r.status is not Status.RUNNING:
+                break  # r was the newest and got preempted: nothing behind it
+            if n > 0:
+                chunks.append(self._take(r, n))
+                budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch:
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            chunks.append(chunk)
+            budget -= chunk.length
+        return StepPlan(tuple(chunks), tuple(preempted))
+
+    def _fits(self, r: Request, spare: int = 0) -> int:
+        """Tokens of r's next chunk whose pages can be had now (room in its last page + available pages)."""
+        ps = self.cfg.page_size
+        room = len(r.block_table) * ps - r.num_computed
+        return room + max(0, self.alloc.num_available - spare) * ps
+
+    def _take(self, r: Request, n: int) -> Chunk:
+        need = -(-(r.num_computed + n) // self.cfg.page_size) - len(r.block_table)
+        r.block_table.extend(self.alloc.allocate(max(0, need)))
+        return Chunk(r, r.num_computed, n)
+
+    def _admit(self, r: Request, budget: int) -> Chunk | None:
+        ps = self.cfg.page_size
+        if self.prefix is not None:
+            hashes = chain_hashes(r.token_ids, ps, r.page_hashes)
+            usable = (r.num_tokens - 1) // ps  # keep >= 1 token to compute: the next token needs its logits
+            hit = self.prefix.match(hashes[:usable])
+            self.alloc.share(hit)
+            r.block_table = list(hit)
+            r.num_computed = r.num_registered = len(hit) * ps
+        n = min(r.num_pending, budget, self._fits(r, spare=len(self.running)))
+        if n <= 0:
+            self.alloc.release(r.block_table)
+            r.block_table, r.num_computed, r.num_registered = [], 0, 0
+            return None
+        if not r.admitted_once:
+            r.admitted_once = True
+            r.num_cached_tokens = r.num_computed
+            if self.prefix is not None:
+                self.prefix.record_lookup(r.num_prompt_tokens, r.num_computed)
+        r.status = Status.RUNNING
+        self.running.append(r)
+        return self._take(r, n)
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self._free(r)
+        r.num_preemptions += 1
+        r.status = Status.WAITING
+        self.waiting.appendleft(r)
+
+    # --- after the step ---------------------------------------------------------------------------------------
+    def commit(self, plan: StepPlan) -> None:
+        """The backend wrote the planned K/V: advance the requests and offer newly full pages for reuse."""
+        ps = self.cfg.page_size
+        for c in plan.chunks:
+            r = c.request
+            r.num_computed = c.start + c.length
+            if self.prefix is None:
+                continue
+            full = r.num_computed // ps
+            if full > r.num_registered:
+                hashes = chain_hashes(r.token_ids[:full * ps], ps, r.page_hashes)
+                for i in range(r.num_registered, full):
+                    self.prefix.insert(hashes[i], r.block_table[i])
+                r.num_registered = full
+
+    def finish(self, r: Request, reason: str) -> None:
+        """End a request (any state): release its pages and drop it from the queues."""
+        if r.status is Status.RUNNING:
+            self.running.remove(r)
+        elif r.status is Status.WAITING:
+            try:
+                self.waiting.remove(r)
+            except ValueError:
+                pass
+        self._free(r)
+        r.status = Status.FINISHED
+        r.finish_reason = reason
+
+    def _free(self, r: Request) -> None:
+        self.alloc.release(r.block_table)
+        r.block_table = []
+        r.num_computed = 0
+        r.num_registered = 0

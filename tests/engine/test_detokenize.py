@@ -1,0 +1,66 @@
+from mimw.engine.detokenize import IncrementalDetokenizer, StopMatcher
+
+
+class Bytes:
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def stream(text: str, prompt: bytes = b"hi ") -> list[str]:
+    d = IncrementalDetokenizer(Bytes(), list(prompt))
+    deltas = [d.push(b) for b in text.encode()]
+    deltas.append(d.finish())
+    return deltas
+
+
+def test_multibyte_characters_are_never_split():
+    text = "añ€😀 ok ✓"
+    deltas = stream(text)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in x for x in deltas)
+    # each character appears whole in exactly one delta, when its last byte arrives
+    assert [x for x in deltas if x] == list(text)
+
+
+def test_prompt_context_does_not_leak_into_output():
+    assert "".join(stream("abc", prompt="€€€€€€".encode())) == "abc"
+
+
+def test_finish_flushes_an_incomplete_character_once():
+    d = IncrementalDetokenizer(Bytes(), [])
+    assert d.push(0xE2) == "" and d.push(0x82) == ""
+    assert d.finish() == "\ufffd" and d.finish() == ""
+
+
+def test_stop_string_is_cut_and_never_emitted():
+    m = StopMatcher(["STOP"])
+    out = []
+    for ch in "abc ST":
+        out.append(m.feed(ch)[0])
+    assert "".join(out) == "abc "  # "ST" is held back: it may become STOP
+    text, stopped = m.feed("OP and more")
+    assert stopped and text == "" and m.text == "abc "
+
+
+def test_held_back_prefix_is_released_when_it_cannot_match():
+    m = StopMatcher(["STOP"])
+    assert m.feed("x ST") == ("x ", False)
+    assert m.feed("ay") == ("STay", False)
+    assert m.feed("S", final=True) == ("S", False)
+
+
+def test_earliest_of_several_stop_strings_wins():
+    m = StopMatcher(["world", "lo w"])
+    assert m.feed("hello world") == ("hel", True)
+
+
+def test_stop_string_spanning_deltas_after_emission():
+    m = StopMatcher(["\n\n"])
+    assert m.feed("a\n") == ("a", False)
+    assert m.feed("\nb") == ("", True)
+    assert m.text == "a"
+
+
+def test_no_stops_passes_text_through():
+    m = StopMatcher([])
+    assert m.feed("abc") == ("abc", False)
