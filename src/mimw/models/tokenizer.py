@@ -1,0 +1,120 @@
+"""Tokenizer + chat template: a thin wrapper over a Hugging Face fast tokenizer, built offline.
+
+Sources: a HF checkpoint directory (``tokenizer.json`` & co.) or a GGUF file's ``tokenizer.ggml.*`` metadata
+(transformers converts it to a fast tokenizer). Both are read with ``local_files_only=True``: building a tokenizer
+never touches the model hub.
+
+``StreamDecoder`` turns a stream of token ids into text deltas that never split a multi-byte character.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import CheckpointError
+
+
+class Tokenizer:
+    """encode / decode / chat template over a HF tokenizer. ``eos_token_ids``: every id that ends a turn
+    (the tokenizer's EOS plus the model's, e.g. Llama 3's <|eot_id|> from generation_config.json)."""
+
+    def __init__(self, hf: Any, eos_token_ids: Sequence[int] = (), source: str = ""):
+        self.hf = hf
+        ids = [i for i in (*eos_token_ids, hf.eos_token_id) if i is not None]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in ids))
+        self.source = source
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # transformers raises OSError/ValueError/... depending on what is missing
+            raise CheckpointError(f"{path}: cannot build a tokenizer ({type(e).__name__}: {e})") from None
+        gen = path / "generation_config.json"
+        extra: list[int] = []
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            extra = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+        return cls(hf, [*eos_token_ids, *extra], source=str(path))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
+        # PreTrainedTokenizerFast reads only the tokenizer metadata; AutoTokenizer would also parse the model
+        # config from the GGUF (several seconds more for the same tokenizer).
+        from transformers import PreTrainedTokenizerFast
+
+        path = Path(path)
+        try:
+            hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         local_files_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot build a tokenizer from the GGUF metadata "
+                                  f"({type(e).__name__}: {e})") from None
+        return cls(hf, eos_token_ids, source=str(path))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (base vocabulary plus added tokens)."""
+        return len(self.hf)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` ([{"role": ..., "content": ...}]) rendered by the model's chat template,
+        ending with the assistant prompt when ``add_generation_prompt``."""
+        if not self.has_chat_template:
+            raise ValueError(f"{self.source or 'this tokenizer'} has no chat template; use a plain prompt")
+        text = self.hf.apply_chat_template(list(messages), tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+        # The template writes any BOS itself, so no special tokens are added here.
+        return self.encode(text, add_special_tokens=False)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: ``push(id)`` returns the text that id completes ("" while a multi-byte
+    character is still partial); ``flush()`` returns whatever is left at the end.
+
+    Invariant: the concatenation of all returned deltas equals ``decode(all ids pushed)``. Decoding uses a short
+    window of previous ids (seeded with the prompt's last ids) so that tokenizers which drop a leading space at
+    the start of a decode (SentencePiece) still produce the right spacing."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-4:])
+        self.prefix = 0  # ids[prefix:read] decode to text already emitted (used as context)
+        self.read = len(self.ids)
+
+    def _text(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self._text(self.ids[self.prefix:self.read])
+        now = self._text(self.ids[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        before = self._text(self.ids[self.prefix:self.read])
+        now = self._text(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return now[len(before):]
