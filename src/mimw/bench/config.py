@@ -1,0 +1,62 @@
+"""DecodeBenchConfig: everything one ``mimw bench decode`` run needs, built once from the command line."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..models.spec import PRESETS, SpecError
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    models: tuple[str, ...]           # preset names or checkpoint paths
+    contexts: tuple[int, ...]         # KV positions already in the cache when the step runs
+    backends: tuple[str, ...]         # names from mimw.bench.peers.BACKENDS, in run order
+    out_dir: str = "bench/results"
+    iters: int = 100                  # at most this many timed steps per backend (median reported)
+    warmup: int = 3
+    budget_s: float = 2.0             # timed steps are cut down to fit this many seconds per backend
+    seed: int = 0
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    backend_timeout_s: float = 300.0  # a backend silent this long (compile hang, deadlock) is killed, run continues
+    in_process: bool = False          # run backends in this process (no crash isolation; for debugging and tests)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "DecodeBenchConfig":
+        d = json.loads(text)
+        for k in ("models", "contexts", "backends"):
+            d[k] = tuple(d[k])
+        return cls(**d)
+
+
+def parse_contexts(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--context: expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise ValueError(f"--context: expected non-negative integers, got {text!r}")
+    return vals
+
+
+def check_model(model: str) -> None:
+    """Raise SpecError unless ``model`` is a preset name or an existing checkpoint path."""
+    if model not in PRESETS and not Path(model).expanduser().exists():
+        raise SpecError(f"--model {model!r}: not a preset ({', '.join(sorted(PRESETS))}) nor an existing path")
+
+
+def model_label(model: str) -> str:
+    """A file-name-safe name for a --model value."""
+    name = model if model in PRESETS else (Path(model).expanduser().name or "model")
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)

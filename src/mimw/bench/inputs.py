@@ -1,0 +1,64 @@
+"""DecodeInputs: the one decode step every backend runs, with its KV cache pre-filled to the context.
+
+A decode step at context C feeds one token at position C and attends to positions 0..C. Prefilling C real tokens
+through every backend would cost more GPU time than the measurements, and the step's cost does not depend on the
+values in the cache, so the first C positions are filled with seeded random K/V (~N(0, 1), the scale of real
+post-RoPE keys relative to random-weight queries: attention scores ~N(0, 1), softmax neither flat nor one-hot).
+Every backend copies the same ``k``/``v`` into its own cache layout, so all of them compute the same logits.
+
+Contract for mimw backends built outside this package (``mimw.megakernel.bench_backend.make_step``): fill your KV
+positions 0..C-1 from ``decode_inputs(spec, C, device=...)`` (same ``seed``), decode ``token`` at position ``C``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.pages import KVLayout, PagedKVCache
+from ..models.reference import ReferenceDecoder, Segment
+from ..models.spec import ModelSpec
+from ..models.weights import ModelWeights
+
+
+@dataclass
+class DecodeInputs:
+    token: int                # the token decoded at position ``context``
+    context: int              # C: positions 0..C-1 are in the cache
+    k: torch.Tensor           # [L, C, Hkv, hd] keys (RoPE already applied, as a cache stores them)
+    v: torch.Tensor           # [L, C, Hkv, hd]
+
+
+def decode_inputs(spec: ModelSpec, context: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                  device: torch.device | str = "cuda") -> DecodeInputs:
+    if context < 0:
+        raise ValueError(f"context must be >= 0, got {context}")
+    g = torch.Generator(device=device).manual_seed(seed * 7919 + context)
+    shape = (spec.num_layers, context, spec.num_kv_heads, spec.head_dim)
+    k = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 1.0, generator=g)
+    v = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 1.0, generator=g)
+    token = int(torch.randint(1, spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed + context)))
+    return DecodeInputs(token, context, k, v)
+
+
+def paged_cache(spec: ModelSpec, inputs: DecodeInputs, page_size: int = 16) -> tuple[PagedKVCache, tuple[int, ...]]:
+    """A ``PagedKVCache`` holding ``inputs`` (room for position C too) and the sequence's block table."""
+    c = inputs.context
+    layout = KVLayout.for_spec(spec, page_size, max(1, -(-(c + 1) // page_size)), inputs.k.dtype)
+    cache = PagedKVCache(layout, device=inputs.k.device)
+    p = layout.num_pages
+    for dst, src in ((cache.k, inputs.k), (cache.v, inputs.v)):
+        padded = torch.zeros((spec.num_layers, p * page_size, spec.num_kv_heads, spec.head_dim),
+                             dtype=src.dtype, device=src.device)
+        padded[:, :c] = src
+        # [L, P*ps, Hkv, hd] -> [L, P, ps, Hkv, hd] -> [L, P, Hkv, ps, hd]
+        dst.copy_(padded.view(spec.num_layers, p, page_size, spec.num_kv_heads, spec.head_dim).transpose(2, 3))
+    return cache, tuple(range(p))
+
+
+@torch.no_grad()
+def reference_logits(weights: ModelWeights, inputs: DecodeInputs) -> torch.Tensor:
+    """[vocab] fp32 logits of the reference decoder for the step (on the weights' device and dtype)."""
+    cache, table = paged_cache(weights.spec, inputs)
+    tok = torch.tensor([inputs.token], device=weights.device)
+    return ReferenceDecoder(weights).forward(tok, [Segment(table, inputs.context, 1)], cache)[0]

@@ -1,0 +1,52 @@
+"""mimw's own backends: the reference decoder and (when it exists) the megakernel.
+
+mimw-reference: ``ReferenceDecoder`` over a ``PagedKVCache``, eager. It is not CUDA-graph capturable: its slot
+arithmetic reads ``positions.max()`` on the host (a device sync) every layer. It is the oracle the other backends
+are checked against, timed for scale only.
+
+mimw-megakernel: ``mimw.megakernel.bench_backend.make_step(spec, weights, context)`` returns a zero-argument callable
+that runs one decode step (graph-captured/replayed inside). Contract, beyond the call itself:
+  - the KV cache holds ``mimw.bench.inputs.decode_inputs(spec, context)`` (seed 0) at positions 0..C-1 and the step
+    decodes ``inputs.token`` at position C, so that its logits can be checked against the reference;
+  - the callable may carry ``logits``: a tensor ([V] or [1, V]) the step overwrites, or a zero-argument function
+    returning it. Without it the row is reported "unchecked".
+ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>".
+"""
+from __future__ import annotations
+
+import torch
+
+from ...models.reference import ReferenceDecoder, Segment
+from ..inputs import paged_cache
+from .base import Peer, PeerContext, Unavailable
+
+
+def mimw_reference(ctx: PeerContext) -> Peer:
+    spec, inp = ctx.bw.spec, ctx.inputs
+    cache, table = paged_cache(spec, inp)
+    dec = ReferenceDecoder(ctx.bw.weights)
+    tok = torch.tensor([inp.token], device=ctx.device)
+    seg = [Segment(table, inp.context, 1)]
+    out: list[torch.Tensor | None] = [None]
+
+    def step() -> None:
+        out[0] = dec.forward(tok, seg, cache)
+
+    return Peer(step, lambda: out[0], "eager (host-synced slot math: not graph-capturable)")
+
+
+def mimw_megakernel(ctx: PeerContext) -> Peer:
+    try:
+        from ...megakernel.bench_backend import make_step
+    except ImportError as e:
+        raise Unavailable(f"mimw.megakernel.bench_backend: {e}") from None
+    try:
+        step = make_step(ctx.bw.spec, ctx.bw.weights, ctx.inputs.context)
+    except (ImportError, NotImplementedError) as e:
+        raise Unavailable(f"{type(e).__name__}: {e}") from None
+    logits = getattr(step, "logits", None)
+    if logits is None:
+        return Peer(step, lambda: None, "no logits exposed: unchecked")
+    if isinstance(logits, torch.Tensor):
+        return Peer(step, lambda: logits)
+    return Peer(step, logits)

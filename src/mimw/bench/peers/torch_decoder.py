@@ -1,0 +1,116 @@
+"""FusedDecoder: a gpt-fast-style PyTorch decoder, the module behind the torch eager / graph / compile peers.
+
+What makes it the gpt-fast recipe (pytorch-labs/gpt-fast, ``model.py``/``generate.py``), written anew here:
+  - one fused ``wqkv`` matmul and one fused ``w_gate_up`` matmul per layer (fewer, larger GEMVs);
+  - a static KV cache held as module buffers, updated in place by index with a position *tensor*, so one compiled
+    graph (and one CUDA graph) serves every step without recompiling or host syncs;
+  - attention over the whole static cache with a mask ``arange(S) <= pos`` instead of a data-dependent slice.
+Unlike gpt-fast it never materialises ``repeat_interleave``d K/V for GQA: queries are grouped per KV head,
+[Hkv, G, hd] @ [Hkv, hd, S], so each cache byte is read once per step (a stronger peer, not a weaker one).
+
+Numerics follow ``mimw.models.reference``: RMSNorm in fp32 cast back before the weight multiply, RoPE in fp32 from
+``mimw.models.rope`` tables, softmax in fp32, matmuls in the weight dtype.
+
+Cache size: ``cache_len`` >= context + 1 positions; the step at position C reads all ``cache_len`` (masked) rows, so
+keep ``cache_len`` close to C + 1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...models import rope
+from ...models.spec import ModelSpec
+from ..fused import BenchWeights
+from ..inputs import DecodeInputs
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [H, hd]; cos/sin [1, hd/2] fp32 (HF rotate_half pairing, as ``mimw.models.rope``)."""
+    h = x.shape[-1] // 2
+    xf = x.float()
+    a, b = xf[..., :h], xf[..., h:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)
+
+
+class FusedLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, bw: BenchWeights, i: int, cache_len: int):
+        super().__init__()
+        lw = bw.weights.layers[i]
+        self.spec = spec
+        self.attn_norm, self.mlp_norm = _param(lw.attn_norm), _param(lw.mlp_norm)
+        self.wqkv, self.bqkv = _param(bw.wqkv[i]), _param(bw.bqkv[i])
+        self.q_norm, self.k_norm = _param(lw.q_norm), _param(lw.k_norm)
+        self.wo, self.w_gate_up, self.w_down = _param(lw.wo), _param(bw.w_gate_up[i]), _param(lw.w_down)
+        shape = (spec.num_kv_heads, cache_len, spec.head_dim)  # [Hkv, S, hd]
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=lw.wo.dtype, device=lw.wo.device))
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=lw.wo.dtype, device=lw.wo.device))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """x [1, D] -> [1, D]; pos [1] long; cos/sin [1, hd/2] fp32; mask [S] bool (True = visible)."""
+        s = self.spec
+        hq, hkv, hd, eps = s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
+        h = _rms(x, self.attn_norm, eps)
+        q, k, v = F.linear(h, self.wqkv, self.bqkv).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q, k, v = q.view(hq, hd), k.view(hkv, hd), v.view(hkv, hd)
+        if self.q_norm is not None:
+            q, k = _rms(q, self.q_norm, eps), _rms(k, self.k_norm, eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        self.k_cache[:, pos] = k.unsqueeze(1)           # [Hkv, 1, hd] at row pos
+        self.v_cache[:, pos] = v.unsqueeze(1)
+        qg = q.view(hkv, hq // hkv, hd)                  # [Hkv, G, hd]
+        scores = torch.matmul(qg, self.k_cache.transpose(1, 2)).float() * hd ** -0.5  # [Hkv, G, S]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = torch.matmul(p, self.v_cache).reshape(1, hq * hd)  # [Hkv, G, hd] -> [1, Q]
+        x = x + F.linear(o, self.wo)
+        h = _rms(x, self.mlp_norm, eps)
+        gate, up = F.linear(h, self.w_gate_up).split([s.intermediate_size, s.intermediate_size], dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w_down)
+
+
+class FusedDecoder(nn.Module):
+    """Batch-1 decode step: ``forward(token [1] long, pos [1] long) -> logits [1, V]`` (weight dtype)."""
+
+    def __init__(self, bw: BenchWeights, cache_len: int):
+        super().__init__()
+        spec, w = bw.spec, bw.weights
+        self.spec, self.cache_len = spec, cache_len
+        self.embed = _param(w.embed)
+        self.lm_head = self.embed if w.lm_head is w.embed else _param(w.lm_head)
+        self.final_norm = _param(w.final_norm)
+        self.layers = nn.ModuleList(FusedLayer(spec, bw, i, cache_len) for i in range(spec.num_layers))
+        cos, sin = rope.cos_sin(spec, torch.arange(cache_len), device=w.device)  # [S, hd/2] fp32
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+        self.register_buffer("positions", torch.arange(cache_len, device=w.device))
+
+    @torch.no_grad()
+    def load_prefix(self, inputs: DecodeInputs) -> None:
+        """Copy the context's K/V ([L, C, Hkv, hd]) into the cache buffers; rows >= C are zeroed."""
+        c = inputs.context
+        if c + 1 > self.cache_len:
+            raise ValueError(f"context {c} needs cache_len >= {c + 1}, have {self.cache_len}")
+        for i, layer in enumerate(self.layers):
+            layer.k_cache.zero_(), layer.v_cache.zero_()
+            layer.k_cache[:, :c] = inputs.k[i].transpose(0, 1)
+            layer.v_cache[:, :c] = inputs.v[i].transpose(0, 1)
+
+    def forward(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(token, self.embed)              # [1, D]
+        cos, sin = self.cos[pos], self.sin[pos]         # [1, hd/2]
+        mask = self.positions <= pos                    # [S]
+        for layer in self.layers:
+            x = layer(x, pos, cos, sin, mask)
+        return F.linear(_rms(x, self.final_norm, self.spec.rms_norm_eps), self.lm_head)

@@ -1,0 +1,84 @@
+"""The PyTorch peers: one ``FusedDecoder`` run four ways.
+
+  torch-eager                    the module as is, one kernel launch per op (launch-bound at batch 1)
+  torch-eager-graph              the same kernels captured once in a CUDA graph and replayed
+  torch-compile-reduce-overhead  torch.compile(mode="reduce-overhead", fullgraph=True): Inductor kernels, replayed
+                                 by Inductor's own CUDA graphs (cudagraph trees) — gpt-fast's configuration
+  torch-compile-max-autotune     torch.compile(mode="max-autotune-no-cudagraphs", fullgraph=True): Inductor with GEMM
+                                 autotuning, captured in a manual CUDA graph (same effect as mode="max-autotune",
+                                 without a second cudagraph layer we cannot see into)
+
+Both compiled peers apply gpt-fast's Inductor settings (coordinate-descent tuning of pointwise/reduction kernels,
+unique kernel names) through ``torch._inductor.config.patch`` around the compile and first calls only.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Peer, PeerContext, cache_len_for, require_cuda
+from .graph import capture
+from .torch_decoder import FusedDecoder
+
+_GPT_FAST_INDUCTOR = {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
+
+
+def _module(ctx: PeerContext) -> tuple[FusedDecoder, torch.Tensor, torch.Tensor]:
+    m = FusedDecoder(ctx.bw, cache_len_for(ctx.inputs.context))
+    m.load_prefix(ctx.inputs)
+    tok = torch.tensor([ctx.inputs.token], device=ctx.device)
+    pos = torch.tensor([ctx.inputs.context], device=ctx.device)
+    return m, tok, pos
+
+
+def torch_eager(ctx: PeerContext) -> Peer:
+    m, tok, pos = _module(ctx)
+    out: list[torch.Tensor | None] = [None]
+
+    def step() -> None:
+        out[0] = m(tok, pos)
+
+    return Peer(step, lambda: out[0], "fused qkv/gate-up, static KV buffers")
+
+
+def torch_eager_graph(ctx: PeerContext) -> Peer:
+    require_cuda(ctx, "CUDA-graph capture")
+    m, tok, pos = _module(ctx)
+    graph, logits = capture(lambda: m(tok, pos))
+    return Peer(graph.replay, lambda: logits, "eager kernels, one CUDA graph per step")
+
+
+def _compiled(ctx: PeerContext, mode: str):
+    require_cuda(ctx, "torch.compile peers")
+    import torch._dynamo
+    import torch._inductor.config  # noqa: F401  (config.patch below)
+
+    torch._dynamo.reset()  # a fresh cache: otherwise a second compile of forward may reuse the first's code
+    m, tok, pos = _module(ctx)
+    for layer in m.layers:
+        torch._dynamo.mark_static_address(layer.k_cache)
+        torch._dynamo.mark_static_address(layer.v_cache)
+    return torch.compile(m, mode=mode, fullgraph=True), tok, pos
+
+
+def torch_compile_reduce_overhead(ctx: PeerContext) -> Peer:
+    fn, tok, pos = _compiled(ctx, "reduce-overhead")
+    out: list[torch.Tensor | None] = [None]
+
+    def step() -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+        out[0] = fn(tok, pos)
+
+    with torch._inductor.config.patch(_GPT_FAST_INDUCTOR):
+        for _ in range(3):  # compile, record the cudagraph tree, replay
+            step()
+        torch.cuda.synchronize()
+    return Peer(step, lambda: out[0], "inductor + cudagraph trees, coordinate-descent tuning")
+
+
+def torch_compile_max_autotune(ctx: PeerContext) -> Peer:
+    fn, tok, pos = _compiled(ctx, "max-autotune-no-cudagraphs")
+    with torch._inductor.config.patch(_GPT_FAST_INDUCTOR):
+        fn(tok, pos)  # compile + autotune on the default stream, outside any capture
+        torch.cuda.synchronize()
+        graph, logits = capture(lambda: fn(tok, pos))
+    return Peer(graph.replay, lambda: logits, "inductor max-autotune GEMMs + coordinate-descent, manual CUDA graph")

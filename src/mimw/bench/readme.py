@@ -1,0 +1,86 @@
+"""Regenerate bench/README.md's table of latest numbers from the JSON files in bench/results/.
+
+``python -m mimw.bench.readme [--results DIR] [--readme PATH]``. For every model the most recent run (by its
+``date`` field, then file name) is taken; rows without a timing are left out. The table replaces whatever lies
+between the two marker comments in the README; the rest of the file (the hand-written method notes) is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
+
+
+def latest_runs(results_dir: Path) -> list[tuple[Path, dict]]:
+    """The newest JSON document per model in ``results_dir`` (unreadable files are skipped with a warning)."""
+    best: dict[str, tuple[tuple[str, str], Path, dict]] = {}
+    for p in sorted(results_dir.glob("*.json")):
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"mimw.bench.readme: skipping {p}: {e}", file=sys.stderr)
+            continue
+        if not isinstance(doc, dict) or "results" not in doc:
+            continue
+        model = doc.get("model") or next((r.get("model") for r in doc["results"]), p.stem)
+        key = (str(doc.get("date", "")), p.name)
+        if model not in best or key > best[model][0]:
+            best[model] = (key, p, doc)
+    return [(p, doc) for _, (_, p, doc) in sorted(best.items())]
+
+
+def _f(x, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def table(runs: list[tuple[Path, dict]]) -> str:
+    if not runs:
+        return "_No results yet: run the command above, then `python -m mimw.bench.readme`._"
+    lines = ["| model | context | backend | ms/step | tokens/s | × floor | vs best peer | check | GPU, date, commit |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for p, doc in runs:
+        where = f"{doc.get('gpu', '?')}, {doc.get('date', '?')}, `{doc.get('commit', '?')}` ([json]({p.name}))"
+        rows = sorted((r for r in doc["results"] if r.get("ms_per_step")), key=lambda r: (r["context"], r["ms_per_step"]))
+        for r in rows:
+            fl = r.get("floor_ms")
+            ok = {"ok": "✓", "unchecked": "unchecked"}.get(r["status"], "✗ " + r["status"])
+            sp = r.get("speedup_vs_best_peer")
+            lines.append(f"| {r['model']} | {r['context']} | {r['backend']} | {r['ms_per_step']:.3f} | "
+                         f"{_f(r.get('tokens_per_s'), '.0f')} | {_f(r.get('ratio_to_floor'), '.2f')} | "
+                         f"{'' if sp is None else f'{sp:.2f}x'} | {ok} | {where} |")
+        contexts = sorted({r["context"] for r in doc["results"] if r.get("floor_ms")})
+        for c in contexts:
+            fl = next(r["floor_ms"] for r in doc["results"] if r["context"] == c and r.get("floor_ms"))
+            lines.append(f"| {doc['results'][0]['model']} | {c} | *floor* ({_f(doc.get('read_TBps'), '.2f')} TB/s) | "
+                         f"{fl:.3f} | {1e3 / fl:.0f} | 1.00 | | | {where} |")
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, results_dir: Path) -> str:
+    """Rewrite the marked section of ``readme`` (appending the markers if absent); returns the new text."""
+    text = readme.read_text() if readme.exists() else "# mimw benchmarks\n"
+    block = f"{START}\n{table(latest_runs(results_dir))}\n{END}"
+    if START in text and END in text and text.index(START) < text.index(END):
+        new = text[: text.index(START)] + block + text[text.index(END) + len(END):]
+    else:
+        new = text.rstrip("\n") + "\n\n## Latest numbers\n\n" + block + "\n"
+    readme.write_text(new)
+    return new
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mimw.bench.readme", description=__doc__.splitlines()[0])
+    p.add_argument("--results", default="bench/results", type=Path)
+    p.add_argument("--readme", default="bench/README.md", type=Path)
+    a = p.parse_args(argv)
+    update_readme(a.readme, a.results)
+    print(f"updated {a.readme} from {a.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

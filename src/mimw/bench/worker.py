@@ -1,0 +1,171 @@
+"""The measuring process: for one model, build each backend at each context, check it, time it.
+
+Runs as ``python -m mimw.bench.worker CONFIG_JSON MODEL TASKS EVENTS`` under ``mimw.bench.supervisor`` (or in-process
+through ``run_tasks``). Everything it learns goes out as JSON events, one per line, appended to EVENTS as soon as it
+is known, so a crash or a kill loses at most the backend being measured:
+
+  {"event": "setup", "model", "spec", "weights_s"}           weights are on the device
+  {"event": "start", "context", "backend"}                    a backend is being built (compile, capture)
+  {"event": "phase", "context", "backend", "phase"}           "check" / "time"
+  {"event": "result", "model", "context", "backend", "status", "ms_per_step", "bytes_per_step",
+   "timing", "check", "notes", "error"}                       status: ok | check-failed | unchecked | unavailable | error
+
+Per context the inputs (``decode_inputs``) and the reference logits are made once; every backend shares the one
+weight set (``BenchWeights``). After each backend its objects are dropped and the allocator cache emptied; a CUDA
+error that poisons the context ends the process with code 3 so that the supervisor restarts a fresh one.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ..models.spec import PRESETS
+from .check import compare_logits
+from .config import DecodeBenchConfig
+from .floor import step_bytes
+from .fused import BenchWeights, fuse, random_bench_weights
+from .inputs import decode_inputs, reference_logits
+from .peers import BACKENDS, PeerContext, Unavailable
+from .timing import time_steps
+
+Emit = Callable[[dict], None]
+POISONED_EXIT = 3
+
+
+def load_weights(model: str, cfg: DecodeBenchConfig) -> BenchWeights:
+    """Random weights for a preset (generated on the device), else a checkpoint through mimw.models.checkpoint."""
+    if model in PRESETS:
+        return random_bench_weights(PRESETS[model], cfg.seed, cfg.torch_dtype, cfg.device)
+    try:
+        from ..models.checkpoint import load_model
+    except ImportError as e:
+        raise RuntimeError(f"checkpoint loading unavailable ({e}); use a preset") from None
+    loaded = load_model(model, dtype=cfg.torch_dtype, device=cfg.device, progress=False)
+    return fuse(loaded.weights)
+
+
+def _spec_json(bw: BenchWeights) -> dict:
+    s = bw.spec
+    return {"name": s.name, "arch": s.arch, "params": s.param_count(), "decode_weight_bytes": s.decode_weight_bytes(),
+            "kv_bytes_per_token": s.kv_bytes_per_token()}
+
+
+def _error_text(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+def _cleanup(device: torch.device) -> bool:
+    """Free what the last backend left; False when the CUDA context is unusable."""
+    gc.collect()
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return True
+    except Exception:  # noqa: BLE001 - a sticky CUDA error: nothing in this process can run any more
+        traceback.print_exc()
+        return False
+
+
+def measure(model: str, backend: str, ctx: PeerContext, ref: torch.Tensor, cfg: DecodeBenchConfig,
+            emit: Emit) -> dict:
+    """Build, check and time one backend; returns the result event (never raises)."""
+    c = ctx.inputs.context
+    row = {"event": "result", "model": model, "context": c, "backend": backend, "status": "error",
+           "ms_per_step": None, "bytes_per_step": step_bytes(ctx.bw.spec, c), "timing": None, "check": None,
+           "notes": "", "error": None}
+    try:
+        peer = BACKENDS[backend](ctx)
+    except Unavailable as e:
+        return {**row, "status": "unavailable", "error": str(e)}
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        return {**row, "error": f"build: {_error_text(e)}"}
+    row["notes"] = peer.notes
+    try:
+        emit({"event": "phase", "context": c, "backend": backend, "phase": "check"})
+        peer.reset()
+        peer.step()
+        logits = peer.logits()
+        check = None if logits is None else compare_logits(logits, ref)
+        row["check"] = None if check is None else check.to_json()
+        emit({"event": "phase", "context": c, "backend": backend, "phase": "time"})
+        peer.reset()
+        timing = time_steps(peer.step, ctx.device, cfg.iters, cfg.warmup, cfg.budget_s)
+        row.update(timing=timing.to_json(), ms_per_step=timing.median_ms,
+                   status="unchecked" if check is None else ("ok" if check.ok else "check-failed"))
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row.update(status="error", error=f"run: {_error_text(e)}")
+    return row
+
+
+def run_tasks(model: str, tasks: Sequence[tuple[int, str]], cfg: DecodeBenchConfig, emit: Emit,
+              progress: bool = True) -> int:
+    """Measure ``tasks`` ((context, backend) pairs, grouped by context) for ``model``; returns an exit code."""
+    from tqdm import tqdm
+
+    device = torch.device(cfg.device)
+    torch.set_grad_enabled(False)
+    t0 = time.perf_counter()
+    bw = load_weights(model, cfg)
+    emit({"event": "setup", "model": model, "spec": _spec_json(bw), "weights_s": time.perf_counter() - t0})
+    bar = tqdm(tasks, desc=Path(model).name, file=sys.stderr, ascii=True, disable=not progress, mininterval=0)
+    cur_ctx, pctx, ref, ctx_error = None, None, None, None
+    for c, backend in bar:
+        bar.set_postfix_str(f"ctx={c} {backend}", refresh=True)
+        if c != cur_ctx:
+            cur_ctx, pctx, ref, ctx_error = c, None, None, None
+            _cleanup(device)
+            try:
+                inputs = decode_inputs(bw.spec, c, cfg.seed, cfg.torch_dtype, device)
+                ref = reference_logits(bw.weights, inputs)
+                pctx = PeerContext(bw, inputs, device, cfg.iters + cfg.warmup + 1)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                ctx_error = f"context setup: {_error_text(e)}"
+        emit({"event": "start", "context": c, "backend": backend})
+        if ctx_error is not None:
+            row = {"event": "result", "model": model, "context": c, "backend": backend, "status": "error",
+                   "ms_per_step": None, "bytes_per_step": step_bytes(bw.spec, c), "timing": None, "check": None,
+                   "notes": "", "error": ctx_error}
+        else:
+            row = measure(model, backend, pctx, ref, cfg, emit)
+        emit(row)
+        ms = f"{row['ms_per_step']:.3f} ms" if row["ms_per_step"] else "-"
+        bar.write(f"[bench] {Path(model).name} ctx={c} {backend}: {row['status']} {ms} {row['error'] or ''}")
+        if not _cleanup(device):
+            return POISONED_EXIT
+    bar.close()
+    return 0
+
+
+def _file_emitter(path: str) -> Emit:
+    def emit(event: dict) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps({**event, "t": time.time()}) + "\n")
+            f.flush()
+
+    return emit
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg_json, model, tasks_text, events = list(argv if argv is not None else sys.argv[1:])
+    cfg = DecodeBenchConfig.from_json(cfg_json)
+    tasks = [(int(c), b) for c, b in (t.split(":", 1) for t in tasks_text.split(","))]
+    return run_tasks(model, tasks, cfg, _file_emitter(events))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
