@@ -106,16 +106,23 @@ class Engine:
                                "fit", "max_tokens", "context_length_exceeded")
         return max_tokens
 
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Everything ``add_request`` checks about a prompt and its params (pure: safe from any thread)."""
+        self.check_lengths(len(prompt_token_ids), params.max_tokens)
+        vocab = self.backend.spec.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}", "prompt")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise RequestError(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}", "stop_token_ids")
+
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     on_output: Callable[[RequestOutput], None] | None = None,
                     arrival_time: float | None = None) -> Request:
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}", "request_id")
-        self.check_lengths(len(prompt_token_ids), params.max_tokens)
-        vocab = self.backend.spec.vocab_size
-        bad = [t for t in prompt_token_ids if not (0 <= t < vocab)]
-        if bad:
-            raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")
+        self.validate(prompt_token_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, stop_ids, on_output)
         if arrival_time is not None:

@@ -65,7 +65,7 @@ class EngineLoop:
         """Queue a request. Validates lengths first (``RequestError``); ``QueueFull`` past ``max_queue``."""
         if not self.alive:
             raise EngineDead(self.error or "the engine is not running")
-        self.engine.check_lengths(len(prompt_token_ids), params.max_tokens)  # pure: safe from any thread
+        self.engine.validate(prompt_token_ids, params)  # pure: safe from any thread
         with self._cv:
             if self._pending >= self.max_queue:
                 raise QueueFull(f"{self._pending} requests are already waiting (limit {self.max_queue})")

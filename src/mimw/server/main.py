@@ -1,0 +1,166 @@
+"""``mimw serve``: command-line flags -> frozen configs -> model, engine thread, FastAPI app -> uvicorn.
+
+``add_arguments(parser)`` and ``run(args) -> exit code`` are what ``mimw.cli`` calls; ``build(args)`` is the same
+construction without uvicorn (tests start the real app on a free port with it). ``python -m mimw.server.main``
+works as well.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+log = logging.getLogger("mimw.server")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_KV_BYTES = 1 << 30  # default KV pool on the CPU: 1 GiB
+_GPU_KV_FRACTION = 0.8  # default KV pool on a GPU: this share of the memory left after the weights
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, metavar="PATH|PRESET",
+                   help="HF checkpoint dir, .gguf file or preset name (random weights); default: the embedded "
+                        "SmolLM2-135M-Instruct")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES], help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--max-batch", type=_positive, default=32, help="running requests per step at most")
+    p.add_argument("--max-step-tokens", type=_positive, default=None,
+                   help="token budget per step, prefill chunks + decodes (default: max(512, max-batch))")
+    p.add_argument("--kv-pages", type=_positive, default=None,
+                   help="KV cache pages (default: 1 GiB on CPU, 80%% of free memory on GPU)")
+    p.add_argument("--page-size", type=_positive, default=16, help="tokens per KV page")
+    p.add_argument("--max-model-len", type=_positive, default=None,
+                   help="longest prompt + completion (default: the model's, capped by the KV pool)")
+    p.add_argument("--max-queue", type=_positive, default=256,
+                   help="requests waiting for a batch slot before new ones get 429")
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix reuse across requests")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _positive(s: str) -> int:
+    v = int(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return v
+
+
+class _TextDecoder:
+    """The engine's ``Decoder`` view of a tokenizer: special tokens (chat markup) never reach the client."""
+
+    def __init__(self, tok: Any):
+        self.tok = tok
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+class ByteTokenizer:
+    """Fallback for checkpoints without a tokenizer (presets with random weights, for benchmarking the server):
+    UTF-8 bytes are token ids 0-255; larger ids decode to nothing. No chat template."""
+
+    has_chat_template = False
+    eos_token_ids: tuple[int, ...] = ()
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+@dataclass
+class Built:
+    app: Any
+    loop: Any  # EngineLoop, started
+    model_name: str
+    summary: str
+
+
+def build(args: argparse.Namespace) -> Built:
+    """Load the model and start the engine thread; the caller serves ``app`` and stops ``loop``."""
+    from ..engine.backends.reference import ReferenceBackend
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.loop import EngineLoop
+    from ..kv.pages import KVLayout
+    from ..models.checkpoint import load_model
+    from .app import ServerConfig, create_app
+
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else
+                                                              torch.float32)
+    loaded = load_model(args.model, dtype=dtype, device=device, progress=False)
+    spec = loaded.spec
+    tok = loaded.tokenizer
+    if tok is None:
+        log.warning("%s has no tokenizer: falling back to UTF-8 bytes as token ids (no chat template)",
+                    loaded.source)
+        tok = ByteTokenizer()
+    num_pages = args.kv_pages or _default_pages(KVLayout.for_spec(spec, args.page_size, 1, dtype), device,
+                                                args.max_batch, args.max_model_len or spec.max_position_embeddings)
+    cfg = EngineConfig(num_pages=num_pages, page_size=args.page_size, max_batch=args.max_batch,
+                       max_step_tokens=args.max_step_tokens or max(512, args.max_batch),
+                       max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache)
+    engine = Engine(ReferenceBackend(loaded.weights), _TextDecoder(tok), cfg, tok.eos_token_ids)
+    loop = EngineLoop(engine, max_queue=args.max_queue).start()
+    name = args.served_model_name or _default_name(args.model, loaded.source)
+    app = create_app(loop, tok, ServerConfig(model_name=name, api_key=args.api_key))
+    summary = (f"model {name!r} from {loaded.source} ({spec.arch}, {spec.num_layers} layers) on {device} "
+               f"{str(dtype).removeprefix('torch.')}; KV {num_pages} pages x {args.page_size} tokens, context "
+               f"{engine.max_model_len}, batch {cfg.max_batch}, step budget {cfg.max_step_tokens} tokens, prefix "
+               f"cache {'on' if cfg.enable_prefix_cache else 'off'}")
+    return Built(app, loop, name, summary)
+
+
+def _default_name(model: str | None, source: str) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    p = Path(model)
+    return p.stem if p.suffix.lower() == ".gguf" else p.name or model
+
+
+def _default_pages(one_page: Any, device: torch.device, max_batch: int, max_len: int) -> int:
+    per_page = one_page.bytes_per_page()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * _GPU_KV_FRACTION)
+    else:
+        budget = _CPU_KV_BYTES
+    useful = max_batch * -(-max_len // one_page.page_size)  # more than this can never be used at once
+    return max(1, min(budget // per_page, useful))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        built = build(args)
+    except Exception as e:  # a bad --model, no memory for the KV pool, ...: one clear line, no traceback
+        print(f"mimw serve: error: {e}", file=sys.stderr)
+        return 1
+    log.info("%s", built.summary)
+    log.info("OpenAI-compatible API on http://%s:%d/v1 (model id %r)", args.host, args.port, built.model_name)
+    try:
+        uvicorn.run(built.app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        built.loop.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mimw serve", description="OpenAI-compatible server for a mimw model")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
