@@ -1,0 +1,58 @@
+"""ATTN_IN: one q, k or v head of one layer, for every token of the step.
+
+Head index convention (isa.py): 0..Hq-1 query heads, Hq..Hq+Hkv-1 key heads, Hq+Hkv..Hq+2*Hkv-1 value heads.
+
+    x   [M, D]   residual stream entering the layer (layer 0: the embedding rows weights.embed[tokens])
+    h   [M, D]   = RMSNorm(x) * attn_norm                         (rounded to the weight dtype, see common.py)
+    y   [M, hd]  = h . W[head rows]^T (+ bias rows, qwen2)
+    q/k heads:   y = RMSNorm(y) * q_norm / k_norm  (qwen3, per head)  then RoPE at each token's position
+                 (rope.cos_sin, HF rotate_half pairing: element i pairs with i + hd/2)
+    v heads:     bias only
+
+Writes: q head -> scratch.q[:, head, :]  [M, hd] fp32;
+        k/v head -> cache.k / cache.v [layer, page, kv_head, row, :] in the cache dtype, with
+        page = block_tables[seg(m)][pos_m // page_size], row = pos_m % page_size.
+Reads:  x (all of it: the norm needs the whole row) or the embedding rows; the layer's weights; tokens, positions
+        and block tables from the step state.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...models import rope
+from ..isa import AttnIn
+from .common import OpContext, matvec, residual, rms_norm
+
+
+def solve(ctx: OpContext, ins: AttnIn) -> None:
+    spec, lw = ctx.spec, ctx.weights.layers[ins.layer]
+    hq, hkv, hd, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
+    kind, idx = ("q", ins.head) if ins.head < hq else (("k", ins.head - hq) if ins.head < hq + hkv
+                                                       else ("v", ins.head - hq - hkv))
+    w, b = {"q": (lw.wq, lw.bq), "k": (lw.wk, lw.bk), "v": (lw.wv, lw.bv)}[kind]
+    rows = slice(idx * hd, (idx + 1) * hd)
+
+    h = rms_norm(residual(ctx, ins.layer), lw.attn_norm, eps)  # [M, D]
+    y = matvec(h, w[rows])  # [M, hd]
+    if b is not None:
+        y = y + b[rows].float()
+    positions = ctx.state.positions.long()  # [M]
+    if kind != "v":
+        if spec.qk_norm:
+            y = rms_norm(y, lw.q_norm if kind == "q" else lw.k_norm, eps)
+        cos, sin = rope.cos_sin(spec, positions)  # [M, hd/2] each
+        y = rope.apply_rope(y[:, None, :], cos, sin)[:, 0, :]
+    if kind == "q":
+        ctx.scratch.q[:, idx, :] = y
+        return
+    pages, slots = kv_slots(ctx, positions)
+    pool = ctx.cache.k if kind == "k" else ctx.cache.v
+    pool[ins.layer, pages, idx, slots] = y.to(pool.dtype)
+
+
+def kv_slots(ctx: OpContext, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page ids, rows in page) [M] of each step token's KV slot, through its segment's block table."""
+    shape, ps = ctx.program.shape, ctx.cache.layout.page_size
+    seg_of = torch.repeat_interleave(torch.arange(len(shape.seg_lens)), torch.tensor(shape.seg_lens))  # [M]
+    tables = ctx.state.block_tables.long()  # [S, P]
+    return tables[seg_of, positions // ps], positions % ps

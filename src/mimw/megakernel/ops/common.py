@@ -1,0 +1,64 @@
+"""What every instruction's reference solver shares: the context it runs in, and the RMSNorm of its input rows.
+
+A solver is ``solve(ctx, ins)``: it reads and writes exactly the buffers its GPU instruction touches (the contract
+in ``megakernel/state.py``), in place, and returns nothing. Scratch, step state and the KV cache all live in ``ctx``.
+
+Numerics (so that a bf16 GPU kernel can match bit for bit where it matters): everything is computed in fp32 with
+weights upcast, except
+  * the RMSNorm output, rounded to the weight dtype before the norm-weight multiply, as the reference decoder does:
+        h = (x * rsqrt(mean(x^2) + eps)).to(wdtype) * norm_w          (input norms, q/k head norms, final norm)
+  * K and V, stored in the cache dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kv.pages import PagedKVCache
+from ...models.spec import ModelSpec
+from ...models.weights import ModelWeights
+from ..program import Program
+from ..state import Scratch, StepState
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """Everything an instruction may read or write during one step."""
+
+    program: Program
+    weights: ModelWeights
+    cache: PagedKVCache
+    state: StepState
+    scratch: Scratch
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.program.spec
+
+    def seg_tokens(self, seg: int) -> slice:
+        """Rows [t0, t0 + seg_len) of the step's M tokens that belong to segment ``seg`` (static, from StepShape)."""
+        t0 = self.program.shape.seg_starts[seg]
+        return slice(t0, t0 + self.program.shape.seg_lens[seg])
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., n] fp32, w [n] in the weight dtype -> fp32 [..., n]; the normalised x is rounded to w's dtype."""
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (xn.to(w.dtype) * w).float()
+
+
+def residual(ctx: OpContext, layer: int, cols: slice = slice(None)) -> torch.Tensor:
+    """The residual stream entering ``layer``, columns ``cols``: [M, n] fp32.
+
+    Layer 0 reads each token's embedding row (there is no separate embedding pass); later layers read scratch.x,
+    which the previous layer's DOWN_PROJ instructions completed."""
+    if layer == 0:
+        tokens = ctx.state.tokens.long()
+        return ctx.weights.embed[tokens, cols].float()
+    return ctx.scratch.x[:, cols]
+
+
+def matvec(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """h [M, K] fp32 times the weight rows w [n, K] (any dtype, upcast) -> [M, n] fp32."""
+    return h @ w.float().t()

@@ -1,0 +1,121 @@
+"""Data readiness within one step: which region of which buffer holds which layer's data, checked on every read.
+
+The counters are the program's claim that an instruction runs only after the data it needs exists; this module
+checks the claim independently. Every region of step data carries a *version*, the producer that last wrote it
+during this step (-1: not written this step):
+
+    x        [D]              2l+1 after layer l's O_PROJ of those columns, 2l+2 after its DOWN_PROJ
+    q        [Hq]             layer whose ATTN_IN wrote the head (all M tokens at once)
+    kv       [L, 2, Hkv]      whether ATTN_IN stored this step's K (0) / V (1) positions of the layer's kv head
+    part     [M, Hq, SPLITS]  layer whose ATTN_PARTIAL wrote (token, head, split)
+    attn     [M, Hq]          layer whose ATTN_REDUCE wrote (token, head)
+    act      [I]              layer whose MLP_IN wrote the columns
+    logits   [V]              1 once LM_HEAD wrote the columns
+
+An instruction must find every region it reads at exactly the version its layer needs. Too old (or -1) is a
+read-after-write race: the producer has not run. Too new is a write-after-read race: a later layer's producer
+already overwrote the buffer this instruction still needed (buffers are reused by every layer). Either raises
+``DependencyError``. K/V positions from earlier steps are always ready: only this step's positions are tracked.
+"""
+from __future__ import annotations
+
+import torch
+
+from .isa import Instruction, Op
+from .program import Program
+from .state import StepState, split_range
+
+
+class DependencyError(RuntimeError):
+    """An instruction would run before the data it reads is ready (or after it was overwritten)."""
+
+
+class Readiness:
+    def __init__(self, program: Program, state: StepState):
+        sp, shape = program.spec, program.shape
+        self.program, self.state = program, state
+        m, full = shape.num_tokens, lambda *s: torch.full(s, -1, dtype=torch.int32)  # noqa: E731
+        self.x = full(sp.hidden_size)
+        self.q = full(sp.num_heads)
+        self.kv = torch.zeros(sp.num_layers, 2, sp.num_kv_heads, dtype=torch.bool)
+        self.part = full(m, sp.num_heads, program.max_splits)
+        self.attn = full(m, sp.num_heads)
+        self.act = full(sp.intermediate_size)
+        self.logits = full(sp.vocab_size)
+
+    # --- regions ---------------------------------------------------------------------------------------
+    def _group(self, kv_head: int) -> slice:
+        g = self.program.spec.group_size
+        return slice(kv_head * g, (kv_head + 1) * g)
+
+    def _seg(self, seg: int) -> slice:
+        t0 = self.program.shape.seg_starts[seg]
+        return slice(t0, t0 + self.program.shape.seg_lens[seg])
+
+    def _split(self, ins) -> tuple[int, int]:
+        return split_range(int(self.state.seg_ctx[ins.seg]), ins.split, ins.n_splits)
+
+    def _require(self, ins: Instruction, what: str, ver: torch.Tensor, want: int) -> None:
+        if not bool((ver == want).all()):
+            got = sorted({int(v) for v in ver.flatten().tolist()} - {want})
+            raise DependencyError(f"{ins} reads {what} at version {got}, needs version {want} "
+                                  f"(-1: not written this step; see readiness.py for the numbering)")
+
+    # --- the contract ------------------------------------------------------------------------------------
+    def before(self, ins: Instruction) -> None:
+        """Raise DependencyError unless everything ``ins`` reads holds the version it needs."""
+        sp, op = self.program.spec, ins.OP
+        if op == Op.NOP:
+            return
+        L = ins.layer
+        if op == Op.ATTN_IN and L > 0:
+            self._require(ins, "x", self.x, 2 * L)
+        elif op == Op.ATTN_PARTIAL:
+            lo, hi = self._split(ins)
+            if lo == hi:
+                return  # an empty split only writes its (EMPTY_M, 0, 0) partial
+            self._require(ins, "q heads", self.q[self._group(ins.kv_head)], L)
+            new_lo = int(self.state.seg_ctx[ins.seg]) - self.program.shape.seg_lens[ins.seg]
+            if hi > new_lo and not bool(self.kv[L, :, ins.kv_head].all()):
+                raise DependencyError(f"{ins} reads this step's K/V positions [{max(lo, new_lo)}, {hi}) of "
+                                      f"kv head {ins.kv_head} before ATTN_IN stored them")
+        elif op == Op.ATTN_REDUCE:
+            self._require(ins, "partials", self.part[self._seg(ins.seg), self._group(ins.kv_head), : ins.n_splits], L)
+        elif op == Op.O_PROJ:
+            self._require(ins, "attn", self.attn, L)
+            if L > 0:
+                self._require(ins, "x rows", self.x[ins.row0: ins.row0 + ins.nrows], 2 * L)
+        elif op == Op.MLP_IN:
+            self._require(ins, "x", self.x, 2 * L + 1)
+        elif op == Op.DOWN_PROJ:
+            self._require(ins, "act", self.act, L)
+            self._require(ins, "x rows", self.x[ins.row0: ins.row0 + ins.nrows], 2 * L + 1)
+        elif op == Op.LM_HEAD:
+            self._require(ins, "x", self.x, 2 * sp.num_layers)
+
+    def after(self, ins: Instruction) -> None:
+        """Record what ``ins`` wrote."""
+        sp, op = self.program.spec, ins.OP
+        if op == Op.ATTN_IN:
+            hq, hkv = sp.num_heads, sp.num_kv_heads
+            if ins.head < hq:
+                self.q[ins.head] = ins.layer
+            else:
+                self.kv[ins.layer, (ins.head - hq) // hkv, (ins.head - hq) % hkv] = True
+        elif op == Op.ATTN_PARTIAL:
+            self.part[self._seg(ins.seg), self._group(ins.kv_head), ins.split] = ins.layer
+        elif op == Op.ATTN_REDUCE:
+            self.attn[self._seg(ins.seg), self._group(ins.kv_head)] = ins.layer
+        elif op in (Op.O_PROJ, Op.DOWN_PROJ):
+            self.x[ins.row0: ins.row0 + ins.nrows] = 2 * ins.layer + (1 if op == Op.O_PROJ else 2)
+        elif op == Op.MLP_IN:
+            self.act[ins.row0: ins.row0 + ins.nrows] = ins.layer
+        elif op == Op.LM_HEAD:
+            self.logits[ins.row0: ins.row0 + ins.nrows] = 1
+
+    def check_complete(self) -> None:
+        """At the end of a step every logit must have been written (the host reads them all)."""
+        if not bool((self.logits == 1).all()):
+            missing = int((self.logits != 1).sum())
+            raise DependencyError(f"the step ended with {missing} logits columns never written")
+

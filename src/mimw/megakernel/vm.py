@@ -1,0 +1,179 @@
+"""The PyTorch VM: runs an encoded megakernel program on the CPU, instruction by instruction, as the GPU would.
+
+It is the proof of a program (every interleaving the counters allow computes the reference decoder's logits) and
+the reference the Gluon kernel is diffed against (same words, same buffers, per-instruction solvers in ``ops/``).
+
+Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
+  * SM ``s`` runs its queue ``words[s, :lengths[s]]`` in order; each instruction is decoded with ``isa.decode``.
+  * ``epoch = counters[EPOCH]`` is read when the step starts. An instruction may run once
+    ``counters[wait] >= (epoch + 1) * wait_count`` (wait == -1: at once); when it has stored its outputs it adds 1
+    to ``counters[signal]``.
+  * A queue that has run out adds 1 to ``counters[DONE]``; the queue that brings DONE to ``(epoch + 1) * num_sms``
+    adds 1 to ``counters[EPOCH]``. Counters are never reset: the next step waits for the next multiple.
+The VM interleaves the SMs one instruction at a time: the lowest-numbered SM whose head may run, or, given an
+``rng``, a uniformly random one (a random interleaving). Running an instruction whose wait is unmet raises
+``DependencyError`` (the scheduler never does; ``StepRun.run`` refuses when asked directly); a state where no head
+may run before every queue finished raises ``DeadlockError``. Independently of the counters, ``Readiness`` checks
+that every buffer region an instruction reads holds the data of the right layer, so a program with a missing
+dependency fails in some interleaving even though its counters look consistent.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..kv.pages import PagedKVCache
+from ..models.spec import ModelSpec
+from ..models.weights import ModelWeights
+from . import isa
+from .isa import Instruction
+from .ops import SOLVERS, OpContext
+from .program import Program, ProgramConfig, StepShape, build_program
+from .readiness import DependencyError, Readiness
+from .state import Scratch, StepState, alloc_scratch, alloc_state
+
+__all__ = ["VM", "StepRun", "VMDecoder", "DependencyError", "DeadlockError"]
+
+
+class DeadlockError(RuntimeError):
+    """No queue head may run, yet some queue has not finished: the counters can never reach the waits' targets."""
+
+
+class VM:
+    """Executes ``words`` (default: ``program.encode()``; tests may pass edited words) with the ops' solvers."""
+
+    def __init__(self, program: Program, weights: ModelWeights, cache: PagedKVCache,
+                 words: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.program, self.weights, self.cache = program, weights, cache
+        self.words, self.lengths = program.encode() if words is None else words  # [S, N, NWORDS], [S]
+        if self.words.shape[0] != program.num_sms or self.words.shape[-1] != isa.NWORDS:
+            raise ValueError(f"words {tuple(self.words.shape)} do not match {program.num_sms} SMs x NWORDS")
+
+    def start(self, state: StepState, scratch: Scratch) -> "StepRun":
+        return StepRun(self, state, scratch)
+
+    def run_step(self, state: StepState, scratch: Scratch, rng: random.Random | None = None) -> None:
+        """Run one whole step; on return scratch.logits holds the step's logits and the counters moved one epoch."""
+        run = self.start(state, scratch)
+        try:
+            while not run.finished:
+                run.run(run.pick(rng))
+            run.check_complete()
+        finally:
+            run.sync_counters()
+
+
+class StepRun:
+    """One step in progress: per-SM program counters, the counters (a host mirror of state.counters), readiness."""
+
+    def __init__(self, vm: VM, state: StepState, scratch: Scratch):
+        prog = vm.program
+        self.program, self.state = prog, state
+        self.ctx = OpContext(prog, vm.weights, vm.cache, state, scratch)
+        self.readiness = Readiness(prog, state)
+        self.queues: list[list[Instruction]] = [
+            [isa.decode(w) for w in vm.words[s, : int(vm.lengths[s])].tolist()] for s in range(prog.num_sms)]
+        self.counters: list[int] = state.counters.tolist()
+        self.done_i, self.epoch_i = state.done_index, state.epoch_index
+        self.epoch = self.counters[self.epoch_i]
+        self.pc = [0] * prog.num_sms
+        self.ready: list[int] = []  # SMs whose head may run now
+        self.blocked: dict[int, list[int]] = {}  # counter -> SMs whose head waits on it
+        self.unfinished = prog.num_sms
+        for s in range(prog.num_sms):
+            self._place(s)
+
+    # --- queries -------------------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.unfinished == 0
+
+    def head(self, sm: int) -> Instruction | None:
+        q = self.queues[sm]
+        return q[self.pc[sm]] if self.pc[sm] < len(q) else None
+
+    def may_run(self, ins: Instruction) -> bool:
+        return ins.wait == isa.NO_COUNTER or self.counters[ins.wait] >= (self.epoch + 1) * ins.wait_count
+
+    def pick(self, rng: random.Random | None = None) -> int:
+        """The SM to run next: the lowest-numbered ready one, or a random ready one."""
+        if not self.ready:
+            raise DeadlockError(self._describe_blocked())
+        return min(self.ready) if rng is None else self.ready[rng.randrange(len(self.ready))]
+
+    # --- execution -----------------------------------------------------------------------------------------
+    def run(self, sm: int) -> None:
+        """Run the head instruction of SM ``sm``; refuse (DependencyError) if its wait is unmet."""
+        ins = self.head(sm)
+        if ins is None:
+            raise ValueError(f"SM {sm} has finished its queue")
+        if not self.may_run(ins):
+            raise DependencyError(f"SM {sm}: {ins} waits for counter {self._name(ins.wait)} to reach "
+                                  f"{(self.epoch + 1) * ins.wait_count}, it is {self.counters[ins.wait]}")
+        self.readiness.before(ins)
+        SOLVERS[ins.OP](self.ctx, ins)
+        self.readiness.after(ins)
+        self.ready.remove(sm)
+        self.pc[sm] += 1
+        if ins.signal != isa.NO_COUNTER:
+            self.counters[ins.signal] += 1
+            for s in self.blocked.pop(ins.signal, []):
+                self._place(s)
+        self._place(sm)
+
+    def _place(self, sm: int) -> None:
+        """File SM ``sm`` as ready or blocked on its head's counter; count it done if its queue ran out."""
+        ins = self.head(sm)
+        if ins is None:
+            self.unfinished -= 1
+            self.counters[self.done_i] += 1
+            if self.counters[self.done_i] == (self.epoch + 1) * self.program.num_sms:
+                self.counters[self.epoch_i] += 1
+        elif self.may_run(ins):
+            self.ready.append(sm)
+        else:
+            self.blocked.setdefault(ins.wait, []).append(sm)
+
+    def check_complete(self) -> None:
+        """After the last queue: every counter was signalled exactly its per-step count, EPOCH moved by one, and
+        every logit was written."""
+        e = self.epoch + 1
+        bad = [f"{c.name}={self.counters[i]} (expected {e * c.count})"
+               for i, c in enumerate(self.program.counters) if self.counters[i] != e * c.count]
+        if self.counters[self.epoch_i] != e or self.counters[self.done_i] != e * self.program.num_sms:
+            bad.append(f"EPOCH={self.counters[self.epoch_i]}, DONE={self.counters[self.done_i]}")
+        if bad:
+            raise DependencyError("counters off their step-numbered targets after the step: " + ", ".join(bad))
+        self.readiness.check_complete()
+
+    def sync_counters(self) -> None:
+        self.state.counters.copy_(torch.tensor(self.counters, dtype=torch.int32))
+
+    def _name(self, c: int) -> str:
+        return f"{c} ({self.program.counters[c].name})" if 0 <= c < len(self.program.counters) else str(c)
+
+    def _describe_blocked(self) -> str:
+        lines = [f"  SM {s}: {self.head(s)} waits for counter {self._name(c)} to reach "
+                 f"{(self.epoch + 1) * self.head(s).wait_count}, it is {self.counters[c]}"
+                 for c, sms in sorted(self.blocked.items()) for s in sms]
+        return f"deadlock in step (epoch {self.epoch}): no queue head may run, {self.unfinished} queues " \
+               f"unfinished:\n" + "\n".join(lines[:20]) + ("\n  ..." if len(lines) > 20 else "")
+
+
+class VMDecoder:
+    """A decoder over the VM: plans the program once for ``shape`` and reuses it (and its never-reset counters)
+    for every step."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, cache: PagedKVCache, num_sms: int,
+                 shape: StepShape, config: ProgramConfig = ProgramConfig()):
+        self.program = build_program(spec, shape, num_sms, config)
+        self.vm = VM(self.program, weights, cache)
+        self.state = alloc_state(self.program, max_pages=cache.layout.num_pages)
+        self.scratch = alloc_scratch(self.program)
+
+    def step(self, tokens, seg_start_positions, block_tables, rng: random.Random | None = None) -> torch.Tensor:
+        """tokens [M] (segments concatenated); each segment's first position and block table -> logits [M, V]."""
+        self.state.fill(tokens, seg_start_positions, block_tables, self.program.shape.seg_lens)
+        self.vm.run_step(self.state, self.scratch, rng)
+        return self.scratch.logits.clone()
