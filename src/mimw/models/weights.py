@@ -86,13 +86,15 @@ def random_weights(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
     Scaled like a trained model's activations stay O(1): matrices ~ N(0, 1/fan_in), norms ~ 1 + small noise, so
     that logits are neither flat nor saturated and argmax comparisons are meaningful.
     """
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    # drawn on the target device (GBs at 8B shapes), deterministic per (seed, device type)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def mat(rows: int, cols: int) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=g) * cols ** -0.5).to(device=device, dtype=dtype)
+        t = torch.empty(rows, cols, device=device, dtype=dtype)
+        return t.normal_(0.0, cols ** -0.5, generator=g)
 
     def vec(n: int, center: float = 1.0, scale: float = 0.1) -> torch.Tensor:
-        return (center + scale * torch.randn(n, generator=g)).to(device=device, dtype=dtype)
+        return torch.empty(n, device=device, dtype=dtype).normal_(center, scale, generator=g)
 
     layers = []
     for _ in range(spec.num_layers):
@@ -106,6 +108,6 @@ def random_weights(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.fl
             else:
                 t[name] = vec(shape[0])
         layers.append(LayerWeights(**t))
-    embed = (torch.randn(spec.vocab_size, spec.hidden_size, generator=g)).to(device=device, dtype=dtype)
+    embed = torch.empty(spec.vocab_size, spec.hidden_size, device=device, dtype=dtype).normal_(0.0, 1.0, generator=g)
     lm_head = embed if spec.tie_word_embeddings else mat(spec.vocab_size, spec.hidden_size)
     return ModelWeights(spec, embed, layers, vec(spec.hidden_size), lm_head)

@@ -1,0 +1,89 @@
+"""KernelConfig: the megakernel's tile and ring shape, and the constexpr/signature set for one ModelSpec.
+
+One kernel source serves every model: all model sizes reach the kernel as constexprs derived here from the
+ModelSpec (nothing is compiled in), together with the tile shape. ``compile_sm90a`` compiles a specialisation for
+Hopper on any machine (no GPU needed) — used by CI to catch compile errors and to read the PTX.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...models.spec import ModelSpec
+from ..program import Program, ProgramConfig
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    tile_rows: int = 16  # TR: weight tile rows (also the scheduler's row-block granule)
+    tile_k: int = 512  # TK: weight tile columns (bf16); 16 KB tiles at 16 x 512
+    ring: int = 10  # NB: ring slots
+    num_warps: int = 4  # compute partition warps
+    loader_regs: int = 24  # register budget of the one-warp loader partition
+    page_size: int = 16
+
+    def program_config(self) -> ProgramConfig:
+        return ProgramConfig(tile_rows=self.tile_rows)
+
+    def check(self, spec: ModelSpec) -> None:
+        tr = self.tile_rows
+        if spec.head_dim % (2 * tr):
+            raise ValueError(f"head_dim {spec.head_dim} must be a multiple of 2*tile_rows ({2 * tr})")
+        for name in ("hidden_size", "intermediate_size", "vocab_size"):
+            if getattr(spec, name) % tr:
+                raise ValueError(f"{name}={getattr(spec, name)} must be a multiple of tile_rows={tr}")
+        if self.tile_k % (32 * self.num_warps):
+            raise ValueError("tile_k must be a multiple of 32 * num_warps")
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
+    kcfg.check(spec)
+    kmax = max(spec.hidden_size, spec.q_size, spec.intermediate_size)
+    return dict(
+        D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
+        I=spec.intermediate_size, PS=kcfg.page_size, HAS_BIAS=spec.attention_bias, QK_NORM=spec.qk_norm,
+        TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring, KT_MAX=-(-kmax // kcfg.tile_k),
+        BT=max(8, 2048 // spec.head_dim), SP2=_pow2(max_splits), LOADER_REGS=kcfg.loader_regs,
+        num_warps=kcfg.num_warps,
+    )
+
+
+def shared_bytes(spec: ModelSpec, kcfg: KernelConfig) -> int:
+    c = constexprs(spec, kcfg, 1)
+    return (c["NB"] * c["TR"] * c["TK"] * 2 + c["KT_MAX"] * c["TK"] * 2 + spec.head_dim * 4 + 2 * c["NB"] * 8)
+
+
+def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_splits: int = 16):
+    """Compile the megakernel for sm_90a without a GPU; returns triton's CompiledKernel (``.asm['ptx']``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .kernel import megakernel
+
+    ce = constexprs(spec, kcfg, max_splits)
+    lay = gl.NVMMASharedLayout.get_default_for([kcfg.tile_rows, kcfg.tile_k], gl.bfloat16)
+    desc = f"tensordesc<bf16[{kcfg.tile_rows}, {kcfg.tile_k}],{lay!r}>"
+    bias_t = "*fp32"
+    sig = {
+        "prog_ptr": "*i32", "qlen_ptr": "*i32", "MAXLEN": "i32", "tok_ptr": "*i32", "pos_ptr": "*i32",
+        "ctx_ptr": "*i32", "bt_ptr": "*i32", "MAXP": "i32", "cnt_ptr": "*i32", "NCNT": "i32",
+        "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc,
+        "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
+        "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
+        "x_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "attn_ptr": "*fp32",
+        "act_ptr": "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32", "qscale": "fp32",
+    }
+    sig.update({k: "constexpr" for k in ce})
+    src = GluonASTSource(megakernel, sig, ce)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kcfg.num_warps})
+
+
+__all__ = ["KernelConfig", "constexprs", "compile_sm90a", "shared_bytes", "Program"]

@@ -1,0 +1,84 @@
+"""MegakernelDecoder: plans the step program once, owns the packed weights, step state and scratch, and runs one
+decode step (M = 1) per launch of the persistent megakernel — optionally captured in a CUDA graph.
+
+    dec = MegakernelDecoder(weights, cache)                # weights: ModelWeights; cache: PagedKVCache (bf16, cuda)
+    logits = dec.step(token, position, block_table)       # [1, V] fp32, a view into the scratch buffer
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...kv.pages import PagedKVCache
+from ...models.weights import ModelWeights
+from ..program import StepShape, build_program
+from ..state import alloc_scratch, alloc_state
+from .config import KernelConfig, constexprs
+from .pack import pack
+
+
+class MegakernelDecoder:
+    def __init__(self, weights: ModelWeights, cache: PagedKVCache, max_pages_per_seq: int | None = None,
+                 kcfg: KernelConfig | None = None, num_sms: int | None = None, context_hint: int = 1024):
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        spec = weights.spec
+        kcfg = kcfg or KernelConfig(page_size=cache.layout.page_size)
+        if kcfg.page_size != cache.layout.page_size:
+            raise ValueError(f"kernel page_size {kcfg.page_size} != cache page_size {cache.layout.page_size}")
+        if cache.layout.dtype != torch.bfloat16 or cache.device.type != "cuda":
+            raise ValueError("the megakernel needs a bf16 KV cache on a CUDA device")
+        dev = cache.device
+        self.spec, self.cache, self.kcfg = spec, cache, kcfg
+        self.num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
+        self.program = build_program(spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
+        words, lens = self.program.encode()
+        self.words, self.lens = words.to(dev), lens.to(dev)
+        self.max_pages = max_pages_per_seq or cache.layout.num_pages
+        self.state = alloc_state(self.program, self.max_pages, dev)
+        self.scratch = alloc_scratch(self.program, dev)
+        self.w = pack(weights, kcfg.tile_rows, dev)
+        self.ce = constexprs(spec, kcfg, self.program.max_splits)
+        lay = gl.NVMMASharedLayout.get_default_for([kcfg.tile_rows, kcfg.tile_k], gl.bfloat16)
+        box = [kcfg.tile_rows, kcfg.tile_k]
+        self.descs = [TensorDescriptor.from_tensor(t, box, lay) for t in (self.w.qkv, self.w.o, self.w.gu,
+                                                                          self.w.down, self.w.lm)]
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def set_inputs(self, token: int, position: int, block_table: Sequence[int]) -> None:
+        self.state.fill([token], [position], [block_table], [1])
+
+    def launch(self) -> None:
+        from .kernel import megakernel
+
+        s, x, w, c = self.state, self.scratch, self.w, self.cache
+        sp = self.spec
+        megakernel[(self.num_sms,)](
+            self.words, self.lens, self.words.shape[1], s.tokens, s.positions, s.seg_ctx, s.block_tables,
+            s.block_tables.shape[1], s.counters, len(self.program.counters), *self.descs,
+            w.embed, w.attn_norm, w.mlp_norm, w.final_norm, w.bias, w.q_norm, w.k_norm, w.inv_freq,
+            c.k, c.v, c.layout.num_pages, x.x, x.q, x.part_o, x.part_ml, x.attn, x.act, x.logits,
+            self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634,
+            **self.ce)
+
+    def capture(self) -> None:
+        """Record one launch in a CUDA graph; later ``step`` calls replay it."""
+        self.launch()  # compile and warm up outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.launch()
+        self.graph = g
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.launch()
+
+    def step(self, token: int, position: int, block_table: Sequence[int]) -> torch.Tensor:
+        self.set_inputs(token, position, block_table)
+        self.run()
+        return self.scratch.logits

@@ -1,0 +1,181 @@
+"""The persistent megakernel: one CTA per SM runs its queue of the step program (``megakernel.program``).
+
+Roles (``gl.warp_specialize``):
+  compute (default partition, ``num_warps`` warps): for each instruction, wait on its dependency counter
+      (acquire), stage its input vector in shared memory, consume weight tiles from the ring, run the epilogue,
+      store, and signal its counter (release).
+  loader (1 warp, small register budget): walks the SAME queue and streams every weight tile of every matvec
+      instruction with TMA into the ring. It never waits on a counter, so it prefetches the next instructions'
+      weights (next layer included) while compute waits for dependencies: the ring is the only bound.
+At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH, which moves every
+counter's step-numbered target for the next launch (no reset kernel, CUDA-graph friendly).
+
+Instruction words are fetched with one vector load and unpacked with masked reductions; opcode and field
+positions are constexprs taken from ``megakernel.isa`` (the single source of truth).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from .. import isa
+from . import attention, matvec
+from .orchestration import counter_signal, counter_wait, producer_rows, ring_init
+
+_C = isa.kernel_constants()
+NWORDS: gl.constexpr = gl.constexpr(_C["NWORDS"])
+W_OP: gl.constexpr = gl.constexpr(_C["W_OP"])
+W_LAYER: gl.constexpr = gl.constexpr(_C["W_LAYER"])
+W_A: gl.constexpr = gl.constexpr(_C["W_A"])
+W_B: gl.constexpr = gl.constexpr(_C["W_B"])
+W_C: gl.constexpr = gl.constexpr(_C["W_C"])
+W_D: gl.constexpr = gl.constexpr(_C["W_D"])
+W_WAIT: gl.constexpr = gl.constexpr(_C["W_WAIT"])
+W_WAIT_COUNT: gl.constexpr = gl.constexpr(_C["W_WAIT_COUNT"])
+W_SIGNAL: gl.constexpr = gl.constexpr(_C["W_SIGNAL"])
+OP_ATTN_IN: gl.constexpr = gl.constexpr(_C["OP_ATTN_IN"])
+OP_ATTN_PARTIAL: gl.constexpr = gl.constexpr(_C["OP_ATTN_PARTIAL"])
+OP_ATTN_REDUCE: gl.constexpr = gl.constexpr(_C["OP_ATTN_REDUCE"])
+OP_O_PROJ: gl.constexpr = gl.constexpr(_C["OP_O_PROJ"])
+OP_MLP_IN: gl.constexpr = gl.constexpr(_C["OP_MLP_IN"])
+OP_DOWN_PROJ: gl.constexpr = gl.constexpr(_C["OP_DOWN_PROJ"])
+OP_LM_HEAD: gl.constexpr = gl.constexpr(_C["OP_LM_HEAD"])
+WP2: gl.constexpr = gl.constexpr(16)  # NWORDS rounded up to a power of two for the vector fetch
+
+
+@gluon.jit
+def _field(w, offs, k: gl.constexpr):
+    return gl.sum(gl.where(offs == k, w, 0), axis=0)
+
+
+@gluon.jit
+def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
+            D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr):
+    TR: gl.constexpr = bufs.type.shape[1]
+    TK: gl.constexpr = bufs.type.shape[2]
+    WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    NQKV: gl.constexpr = HQ + 2 * HKV
+    KT_D: gl.constexpr = (D + TK - 1) // TK
+    KT_Q: gl.constexpr = (HQ * HD + TK - 1) // TK
+    KT_I: gl.constexpr = (I + TK - 1) // TK
+    pid = gl.program_id(0)
+    n = gl.load(qlen_ptr + pid)
+    offs = gl.arange(0, WP2, WL)
+    it = 0
+    for i in range(n):
+        w = gl.load(prog_ptr + (pid * MAXLEN + i) * NWORDS + offs, mask=offs < NWORDS, other=0)
+        op = _field(w, offs, W_OP)
+        layer = _field(w, offs, W_LAYER)
+        a = _field(w, offs, W_A)
+        b = _field(w, offs, W_B)
+        if op == OP_ATTN_IN:
+            it = producer_rows(d_qkv, (layer * NQKV + a) * HD, HD // TR, KT_D, bufs, empty, ready, it, TR, TK)
+        elif op == OP_O_PROJ:
+            it = producer_rows(d_o, layer * D + a, b // TR, KT_Q, bufs, empty, ready, it, TR, TK)
+        elif op == OP_MLP_IN:
+            it = producer_rows(d_gu, layer * 2 * I + 2 * a, 2 * b // TR, KT_D, bufs, empty, ready, it, TR, TK)
+        elif op == OP_DOWN_PROJ:
+            it = producer_rows(d_down, layer * D + a, b // TR, KT_I, bufs, empty, ready, it, TR, TK)
+        elif op == OP_LM_HEAD:
+            it = producer_rows(d_lm, a, b // TR, KT_D, bufs, empty, ready, it, TR, TK)
+
+
+@gluon.jit
+def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
+             emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
+             kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
+             eps, qscale, bufs, empty, ready, hbuf, scr,
+             D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
+             PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
+             SP2: gl.constexpr, num_warps: gl.constexpr):
+    TR: gl.constexpr = bufs.type.shape[1]
+    TK: gl.constexpr = bufs.type.shape[2]
+    LAY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # weight tile [TR, TK]
+    V1: gl.constexpr = gl.BlockedLayout([TK // (32 * num_warps)], [32], [num_warps], [0])  # staging chunk [TK]
+    E2: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TR, TR], [num_warps, 1], [1, 0])  # half head [HD/2TR, TR]
+    KL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # K/V rows [BT, HD]
+    WL: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    KT_D: gl.constexpr = (D + TK - 1) // TK
+    KT_Q: gl.constexpr = (HQ * HD + TK - 1) // TK
+    KT_I: gl.constexpr = (I + TK - 1) // TK
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    epoch = gl.load(cnt_ptr + NCNT + 1, cache_modifier=".cg")
+    n = gl.load(qlen_ptr + pid)
+    tok = gl.load(tok_ptr)
+    pos = gl.load(pos_ptr)
+    ctx = gl.load(ctx_ptr)
+    tok_page = gl.load(bt_ptr + pos // PS)
+    emb_row = emb_ptr + tok.to(gl.int64) * D
+    offs = gl.arange(0, WP2, WL)
+    it = 0
+    for i in range(n):
+        w = gl.load(prog_ptr + (pid * MAXLEN + i) * NWORDS + offs, mask=offs < NWORDS, other=0)
+        op = _field(w, offs, W_OP)
+        layer = _field(w, offs, W_LAYER)
+        a = _field(w, offs, W_A)
+        b = _field(w, offs, W_B)
+        wait = _field(w, offs, W_WAIT)
+        if wait >= 0:
+            counter_wait(cnt_ptr, wait, (epoch + 1) * _field(w, offs, W_WAIT_COUNT))
+        if op == OP_ATTN_IN:
+            matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, V1)
+            it = matvec.qkv_head(bufs, empty, ready, hbuf, scr, it, KT_D, layer, a, pos, tok_page, q_ptr, kc_ptr,
+                                 vc_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr, eps, NP, HQ, HKV, HD, PS,
+                                 HAS_BIAS, QK_NORM, LAY, E2)
+        elif op == OP_ATTN_PARTIAL:
+            attention.partial(layer, a, b, _field(w, offs, W_C), _field(w, offs, W_D), ctx, q_ptr, kc_ptr, vc_ptr,
+                              bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, KL)
+        elif op == OP_ATTN_REDUCE:
+            attention.reduce(a, _field(w, offs, W_D), SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, KL)
+        elif op == OP_O_PROJ:
+            matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, V1)
+            it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row, layer == 0,
+                                      LAY)
+        elif op == OP_MLP_IN:
+            matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, V1)
+            it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, act_ptr, LAY)
+        elif op == OP_DOWN_PROJ:
+            matvec.stage_plain(hbuf, act_ptr, I, KT_I, V1)
+            it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY)
+        elif op == OP_LM_HEAD:
+            matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, V1)
+            it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY)
+        sig = _field(w, offs, W_SIGNAL)
+        if sig >= 0:
+            counter_signal(cnt_ptr, sig)
+        else:
+            gl.thread_barrier()  # hbuf/scr are rewritten by the next instruction
+    # step bookkeeping: the last CTA to finish moves every counter target on to the next step
+    gl.thread_barrier()
+    done = gl.atomic_add(cnt_ptr + NCNT, 1, sem="acq_rel", scope="gpu")
+    if done == (epoch + 1) * nprog - 1:
+        gl.atomic_add(cnt_ptr + NCNT + 1, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
+               d_qkv, d_o, d_gu, d_down, d_lm,
+               emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
+               kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
+               eps, qscale,
+               D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
+               PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
+               TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_MAX: gl.constexpr,
+               BT: gl.constexpr, SP2: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
+    empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    # hbuf: staged input vector, one [TK] row per column tile (rank-1 layout: rows are indexed at run time)
+    hbuf = gl.allocate_shared_memory(gl.bfloat16, [KT_MAX, TK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # scr: one head's matvec output [HD/TR, TR] before its RoPE/norm epilogue
+    scr = gl.allocate_shared_memory(gl.float32, [HD // TR, TR], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    ring_init(empty, ready, NB)
+    gl.warp_specialize([
+        (_compute, (prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
+                    emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
+                    kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
+                    eps, qscale, bufs, empty, ready, hbuf, scr, D, HQ, HKV, HD, I, PS, HAS_BIAS, QK_NORM, BT, SP2,
+                    num_warps)),
+        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
+                   D, HQ, HKV, HD, I)),
+    ], [1], [LOADER_REGS])

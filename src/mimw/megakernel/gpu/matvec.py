@@ -1,0 +1,164 @@
+"""Device code of the matvec instructions (ATTN_IN, O_PROJ, MLP_IN, DOWN_PROJ, LM_HEAD): the compute side.
+
+Every matvec instruction streams whole weight tiles [TR, TK] (bf16) through the ring; the loader issues them in
+exactly the order these functions consume them (row tile by row tile, TK-wide column tiles within a row tile).
+The input vector of the instruction (RMSNorm(x), the attention output or the MLP activation) is staged once per
+instruction into shared memory ``hbuf`` [KT_MAX, TK] bf16 — bf16, like the reference decoder's activations, so the
+largest input (the 8B MLP's 14336) fits beside the ring — and is re-read from shared memory for every row tile.
+Columns past K are staged as zeros, matching the TMA engine's zero fill of out-of-bounds weight columns.
+PyTorch references of each instruction: ``mimw.megakernel.ops`` (the VM's solvers).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .orchestration import consumer_acquire, consumer_release
+
+
+@gluon.jit
+def dot_tile(bufs, empty, ready, hbuf, it, KT, LAY: gl.constexpr):
+    """One row tile: sum over KT column tiles of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it')."""
+    TR: gl.constexpr = bufs.type.shape[1]
+    TK: gl.constexpr = bufs.type.shape[2]
+    acc = gl.zeros([TR, TK], gl.float32, LAY)
+    for k in range(KT):
+        xk = hbuf.index(k).load(gl.SliceLayout(0, LAY)).to(gl.float32)
+        w, idx = consumer_acquire(bufs, ready, it, LAY)
+        consumer_release(empty, idx)
+        acc += w.to(gl.float32) * gl.expand_dims(xk, 0)
+        it += 1
+    return gl.sum(acc, axis=1), it
+
+
+@gluon.jit
+def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT, V1: gl.constexpr):
+    """hbuf <- (x * rsqrt(mean(x^2) + eps)).to(bf16) * norm_w, x = the fp32 residual row, or (layer 0) the bf16
+    embedding row at ``emb_ptr``. Two passes over x: sum of squares, then scale and store."""
+    TK: gl.constexpr = hbuf.type.shape[1]
+    offs = gl.arange(0, TK, V1)
+    ss = gl.zeros([TK], gl.float32, V1)
+    for k in range(KT):
+        o = k * TK + offs
+        if from_embed:
+            v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
+        else:
+            v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+        ss += v * v
+    rs = gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
+    for k in range(KT):
+        o = k * TK + offs
+        if from_embed:
+            v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
+        else:
+            v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+        w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
+        hbuf.index(k).store((v * rs).to(gl.bfloat16) * w)
+    gl.thread_barrier()  # staged vector visible to every compute warp before the first row tile reads it
+
+
+@gluon.jit
+def stage_plain(hbuf, src_ptr, K, KT, V1: gl.constexpr):
+    """hbuf <- src (fp32 activations written by other CTAs this step) rounded to bf16; zeros past K."""
+    TK: gl.constexpr = hbuf.type.shape[1]
+    offs = gl.arange(0, TK, V1)
+    for k in range(KT):
+        o = k * TK + offs
+        v = gl.load(src_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+        hbuf.index(k).store(v.to(gl.bfloat16))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
+                  LAY: gl.constexpr):
+    """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h, tile by tile (the residual is x itself, or for
+    layer 0's O_PROJ the bf16 embedding row)."""
+    TR: gl.constexpr = bufs.type.shape[1]
+    offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
+    for r in range(n_tiles):
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, KT, LAY)
+        rows = row0 + r * TR + offs_r
+        if res_from_embed:
+            res = gl.load(res_ptr + rows).to(gl.float32)
+        else:
+            res = gl.load(x_ptr + rows, cache_modifier=".cg")
+        gl.store(x_ptr + rows, res + acc)
+    return it
+
+
+@gluon.jit
+def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl.constexpr):
+    """LM_HEAD: out[rows] = W[rows] . h."""
+    TR: gl.constexpr = bufs.type.shape[1]
+    offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
+    for r in range(n_tiles):
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, KT, LAY)
+        gl.store(out_ptr + row0 + r * TR + offs_r, acc)
+    return it
+
+
+@gluon.jit
+def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_pairs, act_ptr, LAY: gl.constexpr):
+    """MLP_IN: weights packed as alternating gate/up row tiles; act[rows] = silu(gate . h) * (up . h)."""
+    TR: gl.constexpr = bufs.type.shape[1]
+    offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
+    for p in range(n_pairs):
+        g, it = dot_tile(bufs, empty, ready, hbuf, it, KT, LAY)
+        u, it = dot_tile(bufs, empty, ready, hbuf, it, KT, LAY)
+        gl.store(act_ptr + row0 + p * TR + offs_r, g / (1.0 + gl.exp(-g)) * u)
+    return it
+
+
+@gluon.jit
+def qkv_head(bufs, empty, ready, hbuf, scr, it, KT, layer, head, pos, tok_page, q_ptr, kc_ptr, vc_ptr,
+             bias_ptr, qn_ptr, kn_ptr, invf_ptr, eps, NP,
+             HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
+             HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, LAY: gl.constexpr, E2: gl.constexpr):
+    """ATTN_IN for one head (M = 1): y = W_head . h into ``scr`` [HD/TR, TR], then (+bias) (+RMSNorm) (+RoPE) and
+    store: q heads to q_ptr, k/v heads into the paged cache row of this token (page ``tok_page``)."""
+    TR: gl.constexpr = bufs.type.shape[1]
+    HH: gl.constexpr = HD // (2 * TR)  # row tiles per half head (RoPE pairs element i with i + HD/2)
+    for r in gl.static_range(2 * HH):
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, KT, LAY)
+        acc2 = gl.expand_dims(gl.convert_layout(acc, gl.SliceLayout(0, E2)), 0)
+        scr.slice(r, 1).store(acc2)
+    gl.thread_barrier()
+    ti = gl.arange(0, HH, gl.SliceLayout(1, E2))
+    ri = gl.arange(0, TR, gl.SliceLayout(0, E2))
+    i = gl.expand_dims(ti, 1) * TR + gl.expand_dims(ri, 0)  # [HH, TR]: index within the half head
+    a = scr.slice(0, HH).load(E2)
+    b = scr.slice(HH, HH).load(E2)
+    NQKV: gl.constexpr = HQ + 2 * HKV
+    if HAS_BIAS:
+        bb = bias_ptr + (layer * NQKV + head) * HD
+        a += gl.load(bb + i).to(gl.float32)
+        b += gl.load(bb + HD // 2 + i).to(gl.float32)
+    if head < HQ + HKV:  # q and k heads: optional per-head RMSNorm, then RoPE
+        if QK_NORM:
+            rs = gl.rsqrt((gl.sum(gl.sum(a * a, axis=1), axis=0) + gl.sum(gl.sum(b * b, axis=1), axis=0)) / HD
+                          + eps)
+            if head < HQ:
+                nw = qn_ptr + layer * HD
+            else:
+                nw = kn_ptr + layer * HD
+            a = (a * rs).to(gl.bfloat16).to(gl.float32) * gl.load(nw + i).to(gl.float32)
+            b = (b * rs).to(gl.bfloat16).to(gl.float32) * gl.load(nw + HD // 2 + i).to(gl.float32)
+        ang = pos.to(gl.float32) * gl.load(invf_ptr + i)
+        c = gl.cos(ang)
+        s = gl.sin(ang)
+        a2 = a * c - b * s
+        b = b * c + a * s
+        a = a2
+    if head < HQ:
+        qb = q_ptr + head * HD
+        gl.store(qb + i, a)
+        gl.store(qb + HD // 2 + i, b)
+    else:
+        kvh = (head - HQ) % HKV
+        row = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD
+        if head < HQ + HKV:
+            cache = kc_ptr + row
+        else:
+            cache = vc_ptr + row
+        gl.store(cache + i, a.to(gl.bfloat16))
+        gl.store(cache + HD // 2 + i, b.to(gl.bfloat16))
+    return it

@@ -1,0 +1,92 @@
+"""MIMW orchestration building blocks for Gluon kernels on Hopper: the shared-memory ring, role wiring, and global
+dependency counters. Every megakernel instruction (and the standalone GEMV in ``gemv.py``) is built from these.
+
+The ring
+    ``NB`` shared-memory slots, each guarded by two mbarriers: ``ready[i]`` (the loader's TMA bytes have landed)
+    and ``empty[i]`` (the consumers are done reading).  Producer and consumer walk the same tile sequence and keep
+    one running tile counter ``it``: slot = it % NB, phase = (it // NB) & 1.  A freshly initialised mbarrier counts
+    as having completed the phase before phase 0, so the producer's first pass waits ``empty`` with phase 1 and
+    returns at once; the consumer waits ``ready`` with phase 0.  The TMA engine itself arrives on ``ready`` with the
+    transaction byte count set by ``mbarrier.expect`` (arrive.expect_tx), so completion means the bytes are in
+    shared memory, not merely issued.  ``consumer_release`` is a single-thread arrive: Gluon's barrier-insertion pass
+    places a partition-local ``bar.sync`` before it, so all consumer warps have finished reading the slot.
+
+Roles
+    ``gl.warp_specialize`` runs the default partition (compute, ``num_warps`` warps) beside worker partitions.
+    The loader is one warp with a small register budget: it only computes addresses and issues TMA.  It NEVER
+    waits on a dependency counter — weights (and past KV) do not depend on this step's activations — so it runs
+    ahead across instruction and layer boundaries, bounded only by the ring depth.
+
+Counters (cross-CTA dependencies)
+    int32 words in global memory.  ``counter_signal``: a partition barrier (every thread's stores of this
+    instruction precede it), then one thread's ``atom.add.release.gpu``.  ``counter_wait``: one thread polls with
+    ``atom.add(0).acquire.gpu`` until the counter reaches the target; the value is broadcast to the partition
+    through shared memory (a CTA barrier), so every thread's later loads are ordered after the acquire.  Loads of
+    data produced by other CTAs use ``cache_modifier=".cg"`` (L2, bypassing the non-coherent L1) because scratch
+    addresses are reused across layers and a stale L1 line from an earlier layer must never be read.
+    Targets are step-numbered: in step ``epoch`` a counter that receives ``count`` signals per step is complete at
+    ``(epoch + 1) * count``, so counters are never reset between steps.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+
+@gluon.jit
+def ring_init(empty, ready, NB: gl.constexpr):
+    """Initialise NB empty/ready mbarrier pairs (one arrival each: the consumer's release, the TMA's completion)."""
+    for i in gl.static_range(NB):
+        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(ready.index(i), count=1)
+
+
+@gluon.jit
+def producer_load(desc, row, col, bufs, empty, ready, it):
+    """Loader: wait for slot it % NB to be free, then TMA the [rows, cols] box at (row, col) of ``desc`` into it.
+    Returns it + 1."""
+    NB: gl.constexpr = bufs.type.shape[0]
+    idx = it % NB
+    ph = (it // NB) & 1
+    mbarrier.wait(empty.index(idx), ph ^ 1)
+    mbarrier.expect(ready.index(idx), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], ready.index(idx), bufs.index(idx))
+    return it + 1
+
+
+@gluon.jit
+def producer_rows(desc, row0, n_row_tiles, KT, bufs, empty, ready, it, TR: gl.constexpr, TK: gl.constexpr):
+    """Loader: stream rows [row0, row0 + n_row_tiles*TR) of ``desc``, row tile by row tile, KT column tiles each."""
+    for r in range(n_row_tiles):
+        for k in range(KT):
+            it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it)
+    return it
+
+
+@gluon.jit
+def consumer_acquire(bufs, ready, it, layout: gl.constexpr):
+    """Compute: wait for tile ``it`` and read it into registers with ``layout``. Returns (tile, slot index)."""
+    NB: gl.constexpr = bufs.type.shape[0]
+    idx = it % NB
+    mbarrier.wait(ready.index(idx), (it // NB) & 1)
+    return bufs.index(idx).load(layout), idx
+
+
+@gluon.jit
+def consumer_release(empty, idx):
+    """Compute: hand slot ``idx`` back to the loader (after every consumer warp has read it; see module doc)."""
+    mbarrier.arrive(empty.index(idx), count=1)
+
+
+@gluon.jit
+def counter_wait(cnt_ptr, index, target):
+    """Spin until counter ``index`` >= ``target`` (acquire, gpu scope)."""
+    v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
+    while v < target:
+        v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
+
+
+@gluon.jit
+def counter_signal(cnt_ptr, index):
+    """Publish this partition's stores: barrier, then one release add on counter ``index``."""
+    gl.thread_barrier()
+    gl.atomic_add(cnt_ptr + index, 1, sem="release", scope="gpu")

@@ -1,0 +1,76 @@
+"""Host-side weight packing for the megakernel: one bf16 matrix per weight kind, all layers stacked, in the row
+order the loader streams (plans once per model; the hot path never repacks).
+
+  qkv  [L * (Hq + 2 Hkv) * hd, D]   per layer: q heads, k heads, v heads (ATTN_IN head h = rows h*hd ..)
+  o    [L * D, Hq * hd]
+  gu   [L * 2I, D]                  per layer, alternating TR-row tiles of gate and up (MLP_IN's pairs)
+  down [L * D, I]
+  lm   [V, D]                       the LM head (the embedding table itself when embeddings are tied)
+plus the small vectors: norms [L, D] (bf16), qkv bias [L, (Hq+2Hkv) hd] (fp32), q/k norm [L, hd], RoPE inv_freq.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...models import rope
+from ...models.weights import ModelWeights
+
+
+@dataclass
+class PackedWeights:
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gu: torch.Tensor
+    down: torch.Tensor
+    lm: torch.Tensor
+    embed: torch.Tensor
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    final_norm: torch.Tensor
+    bias: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    inv_freq: torch.Tensor
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """[I, D] x 2 -> [2I, D]: gate tile 0, up tile 0, gate tile 1, ... (tiles of ``tile_rows`` rows)."""
+    i, d = gate.shape
+    return torch.stack([gate.view(i // tile_rows, tile_rows, d), up.view(i // tile_rows, tile_rows, d)],
+                       dim=1).reshape(2 * i, d)
+
+
+def pack(w: ModelWeights, tile_rows: int, device: torch.device | str = "cuda") -> PackedWeights:
+    spec = w.spec
+    bf = dict(device=device, dtype=torch.bfloat16)
+    ls = w.layers
+    cat = lambda ts: torch.cat([t.to(**bf) for t in ts])  # noqa: E731
+    qkv = cat([torch.cat([l.wq, l.wk, l.wv]) for l in ls])
+    if spec.attention_bias:
+        bias = torch.stack([torch.cat([l.bq, l.bk, l.bv]) for l in ls]).to(device=device, dtype=torch.float32)
+    else:
+        bias = torch.zeros(1, device=device, dtype=torch.float32)
+    if spec.qk_norm:
+        qn = torch.stack([l.q_norm for l in ls]).to(**bf)
+        kn = torch.stack([l.k_norm for l in ls]).to(**bf)
+    else:
+        qn = kn = torch.zeros(1, **bf)
+    embed = w.embed.to(**bf)
+    lm = embed if w.lm_head is w.embed else w.lm_head.to(**bf)
+    return PackedWeights(
+        qkv=qkv,
+        o=cat([l.wo for l in ls]),
+        gu=cat([interleave_gate_up(l.w_gate, l.w_up, tile_rows) for l in ls]),
+        down=cat([l.w_down for l in ls]),
+        lm=lm,
+        embed=embed,
+        attn_norm=torch.stack([l.attn_norm for l in ls]).to(**bf),
+        mlp_norm=torch.stack([l.mlp_norm for l in ls]).to(**bf),
+        final_norm=w.final_norm.to(**bf),
+        bias=bias,
+        q_norm=qn,
+        k_norm=kn,
+        inv_freq=rope.inv_freq(spec).to(device),
+    )

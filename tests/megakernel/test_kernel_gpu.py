@@ -1,0 +1,26 @@
+"""The Gluon megakernel on a Hopper GPU against the fp32 reference decoder (marker `gpu`; skipped without CUDA)."""
+import pytest
+import torch
+
+from mimw.models.spec import get_preset
+
+pytestmark = pytest.mark.gpu
+
+MODELS = ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"]
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("context", [1, 17, 1000, 8191])
+@pytest.mark.parametrize("model", MODELS)
+def test_megakernel_matches_reference_over_64_steps(model, context):
+    from mimw.megakernel.gpu.check import check_decode
+
+    r = check_decode(get_preset(model), context, steps=64)
+    assert r.finite, r
+    assert r.bit_identical, f"repeated launches differ (race): {r}"
+    assert r.max_rel_err <= 2e-2, r
+    assert r.argmax_agree >= 0.99, r
