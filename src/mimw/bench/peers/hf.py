@@ -2,7 +2,7 @@
 
 The model is built from ``spec.to_hf_config()`` (sdpa attention) and its parameters are replaced by the run's shared
 tensors (no copy). The cache is a ``StaticCache`` as transformers recommends for compiled decoding; the step is
-``model(input_ids, position_ids, past_key_values=cache)``, tried in this order on CUDA:
+``model(input_ids, position_ids, past_key_values=cache)`` (``cache=`` on newer transformers), tried in this order on CUDA:
   1. ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` (transformers' documented recipe),
   2. eager + a manual CUDA graph,
   3. eager;
@@ -16,6 +16,7 @@ step, ~0.5% extra traffic at the benchmark's sizes (noted in bench/README.md).
 """
 from __future__ import annotations
 
+import inspect
 import traceback
 
 import torch
@@ -68,11 +69,14 @@ class _Runner:
         self.model = build_model(ctx)
         self.context = inp.context
         self.cache = transformers.StaticCache(config=self.model.config, max_cache_len=inp.context + ctx.max_steps + 64)
+        # transformers <= 5.2x takes the cache as ``past_key_values``; later versions renamed it ``cache``
+        params = inspect.signature(type(self.model).forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.tok = torch.tensor([[inp.token]], device=ctx.device)
         self.pos = torch.tensor([[inp.context]], device=ctx.device)
         with torch.no_grad():  # one step at position 0 lets the cache allocate its layers lazily
-            self.model(input_ids=self.tok, position_ids=torch.zeros_like(self.pos), past_key_values=self.cache,
-                       use_cache=True)
+            self.model(input_ids=self.tok, position_ids=torch.zeros_like(self.pos), use_cache=True,
+                       **{self.cache_kw: self.cache})
             for i, layer in enumerate(self.cache.layers):
                 if tuple(layer.keys.shape) != (1, spec.num_kv_heads, self.cache_len, spec.head_dim):
                     raise RuntimeError(f"unexpected StaticCache layer shape {tuple(layer.keys.shape)}")
@@ -93,8 +97,8 @@ class _Runner:
                 layer.cumulative_length = self.context
 
     def forward(self, fn=None) -> torch.Tensor:
-        out = (fn or self.model.forward)(input_ids=self.tok, position_ids=self.pos, past_key_values=self.cache,
-                                         use_cache=True)
+        out = (fn or self.model.forward)(input_ids=self.tok, position_ids=self.pos, use_cache=True,
+                                         **{self.cache_kw: self.cache})
         return out.logits[0, -1]
 
 

@@ -1,0 +1,111 @@
+"""The run end to end on the CPU (in-process), the supervisor's crash/hang handling with a fake worker, and the
+command line's refusal without CUDA."""
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mimw.bench import main as bench_main
+from mimw.bench.bandwidth import ReadBandwidth
+from mimw.bench.config import DecodeBenchConfig, parse_contexts
+from mimw.bench.supervisor import run_model
+
+
+def test_run_decode_in_process_writes_reports(tmp_path):
+    cfg = DecodeBenchConfig(models=("tiny-qwen2",), contexts=(3, 17),
+                            backends=("mimw-megakernel", "mimw-reference", "torch-eager", "torch-eager-graph"),
+                            out_dir=str(tmp_path), iters=3, warmup=1, budget_s=0.05, dtype="float32", device="cpu",
+                            in_process=True)
+    rc = bench_main.run_decode(cfg, "Fake GPU", lambda: ReadBandwidth(1e11, 1 << 30, "fake", 9e10))
+    assert rc == 0
+    [j] = tmp_path.glob("*-fake-gpu-tiny-qwen2.json")
+    assert j.with_suffix(".md").exists() and j.with_suffix(".png").exists()
+    doc = json.loads(j.read_text())
+    assert doc["gpu"] == "Fake GPU" and doc["read_TBps"] == pytest.approx(0.1) and doc["spec"]["arch"] == "qwen2"
+    status = {(r["context"], r["backend"]): r["status"] for r in doc["results"]}
+    assert len(status) == 8
+    for c in (3, 17):
+        assert status[(c, "mimw-reference")] == "ok" and status[(c, "torch-eager")] == "ok"
+        assert status[(c, "torch-eager-graph")] == "unavailable"
+        assert status[(c, "mimw-megakernel")] in ("unavailable", "error", "ok", "unchecked", "check-failed")
+    eager = next(r for r in doc["results"] if r["backend"] == "torch-eager" and r["context"] == 17)
+    assert eager["check"]["ok"] and eager["ms_per_step"] > 0 and eager["speedup_vs_best_peer"] == pytest.approx(1.0)
+
+
+FAKE_WORKER = textwrap.dedent('''
+    import json, sys, time
+    cfg, model, tasks, events = sys.argv[1:]
+    def emit(ev):
+        with open(events, "a") as f:
+            f.write(json.dumps(ev) + "\\n")
+    emit({"event": "setup", "model": model, "spec": {}})
+    for t in tasks.split(","):
+        c, b = t.split(":", 1)
+        emit({"event": "start", "context": int(c), "backend": b})
+        if b == "crash":
+            sys.exit(7)
+        if b == "hang":
+            time.sleep(60)
+        emit({"event": "result", "model": model, "context": int(c), "backend": b, "status": "ok",
+              "ms_per_step": 1.0, "bytes_per_step": 10, "error": None})
+''')
+
+
+def test_supervisor_survives_crash_and_hang(tmp_path):
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    cfg = DecodeBenchConfig(models=("m",), contexts=(1, 2), backends=("a", "crash", "hang", "b"),
+                            backend_timeout_s=1.5)
+    results, setups = [], []
+    run_model("m", cfg, results.append, setups.append, worker_cmd=[sys.executable, str(script)], poll_s=0.05)
+    got = {(r["context"], r["backend"]): (r["status"], r["error"]) for r in results}
+    assert len(results) == 8 and len(got) == 8  # every task reported exactly once
+    for c in (1, 2):
+        assert got[(c, "a")] == ("ok", None) and got[(c, "b")] == ("ok", None)
+        assert got[(c, "crash")] == ("error", "worker died (exit code 7)")
+        assert got[(c, "hang")][0] == "timeout"
+    assert len(setups) >= 4  # a fresh worker after each crash and each kill
+
+
+def test_supervisor_setup_failure_reports_all(tmp_path):
+    script = tmp_path / "broken_worker.py"
+    script.write_text("import sys; sys.exit(5)\n")
+    cfg = DecodeBenchConfig(models=("m",), contexts=(1,), backends=("a", "b"))
+    results = []
+    run_model("m", cfg, results.append, lambda ev: None, worker_cmd=[sys.executable, str(script)], poll_s=0.05)
+    assert [(r["backend"], r["status"]) for r in results] == [("a", "error"), ("b", "error")]
+    assert "setup (exit code 5)" in results[0]["error"]
+
+
+def _parse(argv):
+    import argparse
+    p = argparse.ArgumentParser()
+    bench_main.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_cli_needs_cuda(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_main.run(_parse(["decode", "--model", "llama-3.2-1b", "--context", "1024"])) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    assert bench_main.run(_parse(["decode", "--model", "no-such-model"])) == 2
+    assert bench_main.run(_parse(["decode", "--model", "tiny-llama", "--backends", "bogus"])) == 2
+    assert bench_main.run(_parse(["decode", "--model", "tiny-llama", "--context", "1k"])) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "bogus" in err and "--context" in err
+    args = _parse(["decode", "--model", "llama-3.2-1b,llama-3.1-8b", "--backends", "torch-eager"])
+    cfg = bench_main.config_from_args(args)
+    assert cfg.models == ("llama-3.2-1b", "llama-3.1-8b") and cfg.contexts == (1024, 8192)
+    assert cfg.backends == ("torch-eager",) and cfg.out_dir == "bench/results"
+    assert DecodeBenchConfig.from_json(cfg.to_json()) == cfg
+    assert parse_contexts("1024, 8192") == (1024, 8192)
+
+
+def test_commit_and_slug(tmp_path):
+    assert bench_main.git_commit(tmp_path) == "unknown"  # a copy of the tree without .git
+    assert bench_main.slug("NVIDIA H200 (SXM)") == "nvidia-h200-sxm"
