@@ -87,3 +87,24 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
 
 
 __all__ = ["KernelConfig", "constexprs", "compile_sm90a", "shared_bytes", "Program"]
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Assemble ``ptx`` for sm_90a with the ptxas shipped in the triton wheel; registers, stack and spills."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    num = lambda pat: int(re.search(pat, out).group(1))  # noqa: E731
+    return dict(registers=num(r"Used (\d+) registers"), stack=num(r"(\d+) bytes stack frame"),
+                spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"))
