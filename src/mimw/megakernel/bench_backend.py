@@ -1,0 +1,35 @@
+"""`mimw bench` entry for the megakernel backend (contract: ``mimw.bench.peers.mimw_peers``).
+
+``make_step(spec, weights, context)`` builds a MegakernelDecoder over a paged cache holding the benchmark's seeded
+K/V for positions 0..context-1, captures one decode step (token ``inputs.token`` at position ``context``) in a CUDA
+graph, and returns a zero-argument callable that replays it; ``step.logits`` is the [1, V] logits buffer.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..models.spec import ModelSpec
+from ..models.weights import ModelWeights
+
+
+def make_step(spec: ModelSpec, weights: ModelWeights, context: int) -> Callable[[], None]:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise NotImplementedError("the megakernel needs a Hopper (sm_90) GPU")
+    from ..bench.inputs import decode_inputs, paged_cache
+    from .gpu.decoder import MegakernelDecoder
+
+    inputs = decode_inputs(spec, context, device="cuda")
+    cache, table = paged_cache(spec, inputs)
+    dec = MegakernelDecoder(weights if weights.dtype == torch.bfloat16 else weights.to(dtype=torch.bfloat16),
+                            cache, max_pages_per_seq=len(table), context_hint=max(1, context))
+    dec.set_inputs(inputs.token, context, table)
+    dec.capture()
+
+    def step() -> None:
+        dec.run()
+
+    step.logits = dec.scratch.logits  # type: ignore[attr-defined]
+    step.decoder = dec  # type: ignore[attr-defined]
+    return step
