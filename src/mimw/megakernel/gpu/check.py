@@ -50,7 +50,7 @@ def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed
 
 
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0,
-                 kcfg: KernelConfig | None = None, graph: bool = True) -> CheckResult:
+                 kcfg: KernelConfig | None = None, graph: bool = True, num_sms: int | None = None) -> CheckResult:
     kcfg = kcfg or KernelConfig()
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     cache, table = random_cache(spec, context, steps, kcfg.page_size, seed + 1)
@@ -58,7 +58,8 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0,
     ref_cache.k.copy_(cache.k)
     ref_cache.v.copy_(cache.v)
     ref = ReferenceDecoder(w.to(dtype=torch.float32))
-    dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), kcfg=kcfg, context_hint=max(context, 1))
+    dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), kcfg=kcfg, num_sms=num_sms,
+                            context_hint=max(context, 1))
     if graph:
         dec.capture()
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
