@@ -60,3 +60,18 @@ def test_load_prefix_rejects_short_cache():
     bw = random_bench_weights(spec, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError):
         FusedDecoder(bw, cache_len=8).load_prefix(decode_inputs(spec, 8, dtype=torch.float32, device="cpu"))
+
+
+def test_fused_decoder_traces_as_one_graph():
+    """fullgraph=True as the compile peers use it (aot_eager: tracing + functionalization, no code generation)."""
+    spec = get_preset("tiny-llama")
+    bw = random_bench_weights(spec, seed=0, dtype=torch.float32, device="cpu")
+    inputs = decode_inputs(spec, 9, dtype=torch.float32, device="cpu")
+    m = FusedDecoder(bw, cache_len=16)
+    m.load_prefix(inputs)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    tok, pos = torch.tensor([inputs.token]), torch.tensor([inputs.context])
+    with torch.no_grad():
+        out = compiled(tok, pos)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out[0], reference_logits(bw.weights, inputs), rtol=1e-4, atol=1e-4)

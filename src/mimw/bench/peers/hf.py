@@ -12,7 +12,7 @@ StaticCache (transformers 5.x) keeps its write position in a per-layer device co
 every step advances, and always attends over all ``max_cache_len`` rows with a mask. So the cache gets
 ``max_steps + 64`` spare rows (the steps between two resets never run off the end: an out-of-range ``index_copy_``
 would be a device-side assert) and ``reset()`` puts the counters back to C. Cost: those spare rows are read every
-step, ~0.5% extra traffic at the benchmark's sizes (noted in bench/README.md).
+step: ~170 extra rows of KV, under 0.3% extra traffic at the benchmark's sizes (noted in bench/README.md).
 """
 from __future__ import annotations
 

@@ -67,8 +67,9 @@ class FusedLayer(nn.Module):
         if self.q_norm is not None:
             q, k = _rms(q, self.q_norm, eps), _rms(k, self.k_norm, eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        self.k_cache[:, pos] = k.unsqueeze(1)           # [Hkv, 1, hd] at row pos
-        self.v_cache[:, pos] = v.unsqueeze(1)
+        # in place at row pos: index_copy_ takes the row from a device tensor (no host sync, graph-capturable)
+        self.k_cache.index_copy_(1, pos, k.unsqueeze(1))  # [Hkv, 1, hd]
+        self.v_cache.index_copy_(1, pos, v.unsqueeze(1))
         qg = q.view(hkv, hq // hkv, hd)                  # [Hkv, G, hd]
         scores = torch.matmul(qg, self.k_cache.transpose(1, 2)).float() * hd ** -0.5  # [Hkv, G, S]
         scores = scores.masked_fill(~mask, float("-inf"))
