@@ -86,7 +86,6 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kcfg.num_warps})
 
 
-__all__ = ["KernelConfig", "constexprs", "compile_sm90a", "shared_bytes", "Program"]
 
 
 def ptxas_report(ptx: str) -> dict:
