@@ -19,7 +19,7 @@ already overwrote the buffer this instruction still needed (buffers are reused b
 """
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from .isa import Instruction, Op
 from .program import Program
@@ -34,10 +34,10 @@ class Readiness:
     def __init__(self, program: Program, state: StepState):
         sp, shape = program.spec, program.shape
         self.program, self.state = program, state
-        m, full = shape.num_tokens, lambda *s: torch.full(s, -1, dtype=torch.int32)  # noqa: E731
+        m, full = shape.num_tokens, lambda *s: np.full(s, -1, dtype=np.int32)  # noqa: E731
         self.x = full(sp.hidden_size)
         self.q = full(sp.num_heads)
-        self.kv = torch.zeros(sp.num_layers, 2, sp.num_kv_heads, dtype=torch.bool)
+        self.kv = np.zeros((sp.num_layers, 2, sp.num_kv_heads), dtype=bool)
         self.part = full(m, sp.num_heads, program.max_splits)
         self.attn = full(m, sp.num_heads)
         self.act = full(sp.intermediate_size)
@@ -55,9 +55,9 @@ class Readiness:
     def _split(self, ins) -> tuple[int, int]:
         return split_range(int(self.state.seg_ctx[ins.seg]), ins.split, ins.n_splits)
 
-    def _require(self, ins: Instruction, what: str, ver: torch.Tensor, want: int) -> None:
+    def _require(self, ins: Instruction, what: str, ver: np.ndarray, want: int) -> None:
         if not bool((ver == want).all()):
-            got = sorted({int(v) for v in ver.flatten().tolist()} - {want})
+            got = sorted({int(v) for v in ver.ravel().tolist()} - {want})
             raise DependencyError(f"{ins} reads {what} at version {got}, needs version {want} "
                                   f"(-1: not written this step; see readiness.py for the numbering)")
 
@@ -76,7 +76,7 @@ class Readiness:
                 return  # an empty split only writes its (EMPTY_M, 0, 0) partial
             self._require(ins, "q heads", self.q[self._group(ins.kv_head)], L)
             new_lo = int(self.state.seg_ctx[ins.seg]) - self.program.shape.seg_lens[ins.seg]
-            if hi > new_lo and not bool(self.kv[L, :, ins.kv_head].all()):
+            if hi > new_lo and not self.kv[L, :, ins.kv_head].all():
                 raise DependencyError(f"{ins} reads this step's K/V positions [{max(lo, new_lo)}, {hi}) of "
                                       f"kv head {ins.kv_head} before ATTN_IN stored them")
         elif op == Op.ATTN_REDUCE:
@@ -115,7 +115,7 @@ class Readiness:
 
     def check_complete(self) -> None:
         """At the end of a step every logit must have been written (the host reads them all)."""
-        if not bool((self.logits == 1).all()):
+        if not (self.logits == 1).all():
             missing = int((self.logits != 1).sum())
             raise DependencyError(f"the step ended with {missing} logits columns never written")
 

@@ -19,6 +19,7 @@ dependency fails in some interleaving even though its counters look consistent.
 """
 from __future__ import annotations
 
+import heapq
 import random
 
 import torch
@@ -41,7 +42,10 @@ class DeadlockError(RuntimeError):
 
 
 class VM:
-    """Executes ``words`` (default: ``program.encode()``; tests may pass edited words) with the ops' solvers."""
+    """Executes ``words`` (default: ``program.encode()``; tests may pass edited words) with the ops' solvers.
+
+    ``program`` supplies the model shape, the step shape and the counter names and per-step counts (for the
+    end-of-step check and error messages); what runs, in which queue and with which waits, comes from the words."""
 
     def __init__(self, program: Program, weights: ModelWeights, cache: PagedKVCache,
                  words: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -49,6 +53,9 @@ class VM:
         self.words, self.lengths = program.encode() if words is None else words  # [S, N, NWORDS], [S]
         if self.words.shape[0] != program.num_sms or self.words.shape[-1] != isa.NWORDS:
             raise ValueError(f"words {tuple(self.words.shape)} do not match {program.num_sms} SMs x NWORDS")
+        # decoded once: the queues the VM runs come from the words, never from program.queues
+        self.queues: list[list[Instruction]] = [
+            [isa.decode(w) for w in self.words[s, : int(self.lengths[s])].tolist()] for s in range(program.num_sms)]
 
     def start(self, state: StepState, scratch: Scratch) -> "StepRun":
         return StepRun(self, state, scratch)
@@ -72,14 +79,13 @@ class StepRun:
         self.program, self.state = prog, state
         self.ctx = OpContext(prog, vm.weights, vm.cache, state, scratch)
         self.readiness = Readiness(prog, state)
-        self.queues: list[list[Instruction]] = [
-            [isa.decode(w) for w in vm.words[s, : int(vm.lengths[s])].tolist()] for s in range(prog.num_sms)]
+        self.queues = vm.queues
         self.counters: list[int] = state.counters.tolist()
         self.done_i, self.epoch_i = state.done_index, state.epoch_index
         self.epoch = self.counters[self.epoch_i]
         self.pc = [0] * prog.num_sms
         self.ready: list[int] = []  # SMs whose head may run now
-        self.blocked: dict[int, list[int]] = {}  # counter -> SMs whose head waits on it
+        self.blocked: dict[int, list[tuple[int, int]]] = {}  # counter -> heap of (target, SM) waiting on it
         self.unfinished = prog.num_sms
         for s in range(prog.num_sms):
             self._place(s)
@@ -117,9 +123,10 @@ class StepRun:
         self.ready.remove(sm)
         self.pc[sm] += 1
         if ins.signal != isa.NO_COUNTER:
-            self.counters[ins.signal] += 1
-            for s in self.blocked.pop(ins.signal, []):
-                self._place(s)
+            value = self.counters[ins.signal] = self.counters[ins.signal] + 1
+            waiting = self.blocked.get(ins.signal, [])
+            while waiting and waiting[0][0] <= value:
+                self._place(heapq.heappop(waiting)[1])
         self._place(sm)
 
     def _place(self, sm: int) -> None:
@@ -133,7 +140,7 @@ class StepRun:
         elif self.may_run(ins):
             self.ready.append(sm)
         else:
-            self.blocked.setdefault(ins.wait, []).append(sm)
+            heapq.heappush(self.blocked.setdefault(ins.wait, []), ((self.epoch + 1) * ins.wait_count, sm))
 
     def check_complete(self) -> None:
         """After the last queue: every counter was signalled exactly its per-step count, EPOCH moved by one, and
@@ -156,7 +163,7 @@ class StepRun:
     def _describe_blocked(self) -> str:
         lines = [f"  SM {s}: {self.head(s)} waits for counter {self._name(c)} to reach "
                  f"{(self.epoch + 1) * self.head(s).wait_count}, it is {self.counters[c]}"
-                 for c, sms in sorted(self.blocked.items()) for s in sms]
+                 for c, waiting in sorted(self.blocked.items()) for _, s in sorted(waiting)]
         return f"deadlock in step (epoch {self.epoch}): no queue head may run, {self.unfinished} queues " \
                f"unfinished:\n" + "\n".join(lines[:20]) + ("\n  ..." if len(lines) > 20 else "")
 

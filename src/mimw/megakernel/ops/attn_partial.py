@@ -34,16 +34,17 @@ def solve(ctx: OpContext, ins: AttnPartial) -> None:
         return
     ps = ctx.cache.layout.page_size
     pos = torch.arange(lo, hi)  # [S]
-    pages = ctx.state.block_tables[ins.seg].long()[pos // ps]
-    k = ctx.cache.k[ins.layer, pages, ins.kv_head, pos % ps].float()  # [S, hd]
-    v = ctx.cache.v[ins.layer, pages, ins.kv_head, pos % ps].float()  # [S, hd]
+    pages, rows = ctx.state.block_tables[ins.seg].long()[pos // ps], pos % ps
+    k = ctx.cache.k[ins.layer, pages, ins.kv_head, rows].float()  # [S, hd]
+    v = ctx.cache.v[ins.layer, pages, ins.kv_head, rows].float()  # [S, hd]
     q = sc.q[toks, heads]  # [T, G, hd]
-    s = torch.einsum("tgd,sd->tgs", q, k) * hd ** -0.5  # [T, G, S]
-    masked = pos[None, :] > ctx.state.positions[toks].long()[:, None]  # [T, S]
-    s = s.masked_fill(masked[:, None, :], float("-inf"))
+    s = (q @ k.t()) * hd ** -0.5  # [T, G, S]
+    q_pos = ctx.state.positions[toks].long()  # [T]
+    if hi - 1 > int(q_pos.min()):  # some key lies in some query token's future
+        s = s.masked_fill((pos[None, :] > q_pos[:, None])[:, None, :], float("-inf"))
     m = s.amax(-1)  # [T, G]; -inf where the whole split is in token t's future
     empty = torch.isneginf(m)
-    p = torch.exp(s - torch.where(empty, 0.0, m)[..., None])  # masked -> exp(-inf) = 0
-    sc.part_o[toks, heads, ins.split] = torch.einsum("tgs,sd->tgd", p, v)
-    sc.part_ml[toks, heads, ins.split, 0] = torch.where(empty, EMPTY_M, m)
+    p = torch.exp(s - m.masked_fill(empty, 0.0)[..., None])  # masked -> exp(-inf) = 0
+    sc.part_o[toks, heads, ins.split] = p @ v
+    sc.part_ml[toks, heads, ins.split, 0] = m.masked_fill(empty, EMPTY_M)
     sc.part_ml[toks, heads, ins.split, 1] = p.sum(-1)

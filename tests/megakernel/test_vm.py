@@ -1,0 +1,226 @@
+"""The VM proves the program: every interleaving the counters allow computes the reference decoder's logits.
+
+Each case plans one program (model preset x SM count x step shape), prefills a context with the reference decoder,
+then runs several consecutive steps through ``VMDecoder`` without resetting the counters (so every step waits on
+step-numbered targets), each step under several random interleavings, and diffs the logits against
+``ReferenceDecoder`` (fp32: max|a - b| / max|b| <= 1e-5). Block tables are shuffled page ids and the contexts cross
+page boundaries during the steps. The cases are a covering selection, not the full product, so that the file
+runs in well under two minutes on two CPU cores: every preset meets M = 1, a verify block StepShape((4,)) and a
+batch StepShape((1, 1, 1, 1)); SM counts 1, 7, 132 and page sizes 16, 64 are spread over them. SmolLM2-135M runs
+at its real shape but with 2 of its 30 layers (random weights) to keep CPU time low; with 7 SMs its matvecs split
+into ~3,200 one-tile instructions, so it runs at 1 and 132 SMs only.
+"""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from mimw.kv.pages import KVLayout, PagedKVCache
+from mimw.megakernel import isa
+from mimw.megakernel.program import StepShape, build_program
+from mimw.megakernel.state import alloc_scratch, alloc_state
+from mimw.megakernel.vm import VM, DeadlockError, DependencyError, VMDecoder
+from mimw.models.reference import ReferenceDecoder, Segment
+from mimw.models.spec import get_preset
+from mimw.models.weights import random_weights
+
+STEPS, INTERLEAVINGS_PER_STEP = 4, 5  # 20 random interleavings per case, over 4 consecutive steps
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # the VM runs thousands of tiny ops: intra-op threads only add contention on a 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@functools.lru_cache(maxsize=None)
+def model(name: str):
+    spec = get_preset(name)
+    if name == "smollm2-135m":
+        spec = spec.with_(num_layers=2)  # the real shape, fewer layers: CPU time
+    return spec, random_weights(spec, seed=1)
+
+
+def prefilled(name: str, page_size: int, contexts: tuple[int, ...], new_tokens: int, seed: int):
+    """Reference decoder + its cache holding each sequence's first ``contexts[s]`` tokens, a copy of that cache
+    for the VM, and each sequence's block table (shuffled pages, enough for ``new_tokens`` more)."""
+    spec, w = model(name)
+    per_seq = [-(-(c + new_tokens) // page_size) for c in contexts]
+    layout = KVLayout.for_spec(spec, page_size, sum(per_seq) + 3, torch.float32)
+    pages = list(range(layout.num_pages))
+    random.Random(seed).shuffle(pages)
+    tables, i = [], 0
+    for n in per_seq:
+        tables.append(tuple(pages[i: i + n]))
+        i += n
+    ref, ref_cache = ReferenceDecoder(w), PagedKVCache(layout)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, spec.vocab_size, (sum(contexts),), generator=g)
+    ref.forward(prompt, [Segment(t, 0, c) for t, c in zip(tables, contexts)], ref_cache)
+    vm_cache = PagedKVCache(layout)
+    vm_cache.k.copy_(ref_cache.k)
+    vm_cache.v.copy_(ref_cache.v)
+    return spec, w, ref, ref_cache, vm_cache, tables, g
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+CASES = [  # (preset, num_sms, page_size, seg_lens, contexts before the first step)
+    ("tiny-llama", 1, 16, (1,), (14,)),
+    ("tiny-llama", 7, 64, (4,), (62,)),
+    ("tiny-llama", 132, 16, (1, 1, 1, 1), (14, 31, 3, 47)),
+    ("tiny-qwen2", 7, 16, (1,), (15,)),
+    ("tiny-qwen2", 132, 64, (4,), (126,)),
+    ("tiny-qwen2", 1, 64, (1, 1, 1, 1), (62, 127, 5, 64)),
+    ("tiny-qwen3", 132, 64, (1,), (63,)),
+    ("tiny-qwen3", 1, 16, (4,), (30,)),
+    ("tiny-qwen3", 7, 16, (1, 1, 1, 1), (13, 16, 33, 2)),
+    ("tiny-llama3", 7, 16, (4,), (45,)),
+    ("smollm2-135m", 132, 64, (1, 1, 1, 1), (62, 1, 127, 30)),
+    ("smollm2-135m", 132, 16, (4,), (14,)),
+    ("smollm2-135m", 1, 16, (1,), (31,)),
+]
+
+
+@pytest.mark.parametrize("name,num_sms,page_size,seg_lens,contexts", CASES,
+                         ids=[f"{c[0]}-sm{c[1]}-ps{c[2]}-M{'x'.join(map(str, c[3]))}" for c in CASES])
+def test_vm_matches_reference_over_random_interleavings(name, num_sms, page_size, seg_lens, contexts):
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled(name, page_size, contexts, STEPS * max(seg_lens), 7)
+    dec = VMDecoder(spec, w, vm_cache, num_sms, StepShape(seg_lens))
+    # one SM has exactly one interleaving: run it once per step instead of five times
+    reps = INTERLEAVINGS_PER_STEP if num_sms > 1 else 1
+    starts, runs = list(contexts), 0
+    for step in range(STEPS):
+        tokens = torch.randint(0, spec.vocab_size, (sum(seg_lens),), generator=g)
+        want = ref.forward(tokens, [Segment(t, p, n) for t, p, n in zip(tables, starts, seg_lens)], ref_cache)
+        for rep in range(reps):
+            rng = random.Random(1000 * step + rep)
+            got = dec.step(tokens.tolist(), starts, tables, rng)
+            runs += 1
+            assert rel_err(got, want) <= 1e-5, f"step {step}, interleaving {rep}: {rel_err(got, want):.2e}"
+        starts = [p + n for p, n in zip(starts, seg_lens)]
+    # every step re-stored the same K/V: the VM's cache equals the reference's
+    assert rel_err(vm_cache.k, ref_cache.k) <= 1e-5 and rel_err(vm_cache.v, ref_cache.v) <= 1e-5
+    # counters were never reset: each sits at its per-step count times the steps run
+    c = dec.state.counters.tolist()
+    assert c[-1] == runs and c[-2] == runs * num_sms
+    assert c[:-2] == [runs * k.count for k in dec.program.counters]
+
+
+def test_deterministic_order_matches_reference_and_random_interleavings():
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("tiny-qwen3", 16, (20, 9), 1, 3)
+    dec = VMDecoder(spec, w, vm_cache, 7, StepShape((1, 1)))
+    tokens = torch.randint(0, spec.vocab_size, (2,), generator=g)
+    want = ref.forward(tokens, [Segment(t, p, 1) for t, p in zip(tables, (20, 9))], ref_cache)
+    first = dec.step(tokens.tolist(), [20, 9], tables)  # no rng: lowest-numbered ready SM first
+    assert rel_err(first, want) <= 1e-5
+    for seed in range(3):
+        assert torch.equal(dec.step(tokens.tolist(), [20, 9], tables, random.Random(seed)), first)
+
+
+# --- the checks catch broken programs --------------------------------------------------------------------------
+
+def _setup(name="tiny-qwen3", num_sms=7, seg_lens=(1, 1), contexts=(40, 21)):
+    spec, w, _, _, vm_cache, tables, g = prefilled(name, 16, contexts, 1, 5)
+    prog = build_program(spec, StepShape(seg_lens), num_sms)
+    state, scratch = alloc_state(prog, vm_cache.layout.num_pages), alloc_scratch(prog)
+    tokens = torch.randint(0, spec.vocab_size, (sum(seg_lens),), generator=g).tolist()
+    state.fill(tokens, contexts, tables, seg_lens)
+    return prog, w, vm_cache, state, scratch
+
+
+def _find(prog, words, lengths, op, pred=lambda ins: True):
+    """(sm, index) of the first instruction with opcode ``op`` (and ``pred``) that is not first in its queue."""
+    for s in range(prog.num_sms):
+        for i in range(1, int(lengths[s])):
+            ins = isa.decode(words[s, i].tolist())
+            if ins.OP == op and pred(ins):
+                return s, i
+    raise AssertionError(f"no {op.name} instruction found")
+
+
+REMOVALS = [  # (opcode whose wait is removed, which instruction)
+    (isa.Op.ATTN_IN, lambda ins: ins.layer == 1),
+    (isa.Op.ATTN_PARTIAL, lambda ins: ins.layer == 1 and ins.split == 0),
+    (isa.Op.ATTN_REDUCE, lambda ins: ins.layer == 1),
+    (isa.Op.O_PROJ, lambda ins: ins.layer == 1),
+    (isa.Op.MLP_IN, lambda ins: ins.layer == 1),
+    (isa.Op.DOWN_PROJ, lambda ins: ins.layer == 1),
+    (isa.Op.LM_HEAD, lambda ins: True),
+]
+
+
+@pytest.mark.parametrize("op,pred", REMOVALS, ids=[r[0].name for r in REMOVALS])
+def test_a_removed_dependency_is_caught_by_some_random_interleaving(op, pred):
+    prog, w, cache, state, scratch = _setup()
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, op, pred)
+    words[s, i, isa.Word.WAIT] = isa.NO_COUNTER  # the instruction now runs as soon as it reaches its queue head
+    vm = VM(prog, w, cache, (words, lengths))
+    for seed in range(20):
+        try:
+            vm.run_step(state, scratch, random.Random(seed))
+        except DependencyError as e:
+            assert "reads" in str(e)  # caught by the data-readiness check, not by a counter
+            return
+    pytest.fail(f"removing the wait of {isa.decode(words[s, i].tolist())} went unnoticed in 20 interleavings")
+
+
+def test_the_intact_program_passes_the_same_interleavings():
+    prog, w, cache, state, scratch = _setup()
+    vm = VM(prog, w, cache)
+    for seed in range(20):
+        vm.run_step(state, scratch, random.Random(seed))
+    assert state.epoch == 20
+
+
+def test_the_vm_refuses_an_instruction_whose_wait_is_unmet():
+    prog, w, cache, state, scratch = _setup()
+    run = VM(prog, w, cache).start(state, scratch)
+
+    def blocked():
+        return [s for s in range(prog.num_sms) if run.head(s) is not None and not run.may_run(run.head(s))]
+
+    while not blocked():  # every queue starts with layer 0's ATTN_IN, which waits for nothing
+        run.run(run.pick())
+    with pytest.raises(DependencyError, match="waits for counter"):
+        run.run(blocked()[0])
+
+
+def test_a_wait_that_can_never_be_met_is_a_deadlock():
+    prog, w, cache, state, scratch = _setup()
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.LM_HEAD)
+    words[s, i, isa.Word.WAIT_COUNT] += 1  # one more signal than the counter gets per step
+    with pytest.raises(DeadlockError, match="no queue head may run"):
+        VM(prog, w, cache, (words, lengths)).run_step(state, scratch, random.Random(0))
+
+
+def test_a_missing_signal_is_caught():
+    prog, w, cache, state, scratch = _setup()
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.LM_HEAD)
+    words[s, i, isa.Word.SIGNAL] = isa.NO_COUNTER  # nobody waits on lm_head: only the end-of-step check sees it
+    with pytest.raises(DependencyError, match="lm_head"):
+        VM(prog, w, cache, (words, lengths)).run_step(state, scratch)
+
+
+def test_readiness_catches_a_later_layer_overwriting_what_an_earlier_one_still_reads():
+    # write-after-read: layer 1's ATTN_IN stores q head 0 while layer 0's ATTN_PARTIAL has not read it yet
+    prog, w, cache, state, scratch = _setup()
+    run = VM(prog, w, cache).start(state, scratch)
+    part = isa.AttnPartial(layer=0, kv_head=0, seg=0, split=0, n_splits=prog.n_splits[0])
+    for h in range(prog.spec.num_heads + 2 * prog.spec.num_kv_heads):
+        run.readiness.after(isa.AttnIn(layer=0, head=h))
+    run.readiness.before(part)  # layer 0's q and K/V are in place
+    run.readiness.after(isa.AttnIn(layer=1, head=0))
+    with pytest.raises(DependencyError, match=r"q heads at version \[1\], needs version 0"):
+        run.readiness.before(part)
