@@ -1,7 +1,8 @@
 """The correctness gate compares logits by relative error and argmax, tolerating genuine near-ties."""
+import pytest
 import torch
 
-from mimw.bench.check import compare_logits
+from mimw.bench.check import compare_logits, noise_tolerance, rel_err
 
 
 def _ref() -> torch.Tensor:
@@ -45,3 +46,22 @@ def test_non_finite_and_shape_mismatch_fail():
     bad[0] = float("nan")
     assert not compare_logits(bad, r).ok
     assert not compare_logits(r[:10], r).ok
+
+
+def test_near_tie_within_measured_noise():
+    r = _ref()
+    r[3] = 10.0 - 0.05                                 # a gap far above tie_tol * std, but below the noise
+    g = torch.Generator().manual_seed(1)
+    peer = r + 0.05 * torch.randn(1000, generator=g)
+    peer[3], peer[7] = 10.02, 9.98
+    c = compare_logits(peer, r, rel_tol=0.1)
+    assert c.ok and c.detail == "ok (near-tie)"
+
+
+def test_noise_tolerance_and_rel_err():
+    assert noise_tolerance(None) == 2e-2 and noise_tolerance(float("nan")) == 2e-2
+    assert noise_tolerance(5e-3) == 2e-2 and noise_tolerance(1.5e-2) == 3e-2
+    r = _ref()
+    assert rel_err(r * 1.01, r) == pytest.approx(0.01, rel=1e-4)
+    c = compare_logits(r * 1.025, r, rel_tol=noise_tolerance(1.5e-2))
+    assert c.ok and c.rel_tol == 3e-2

@@ -109,3 +109,17 @@ def test_cli_rejects_bad_arguments(capsys):
 def test_commit_and_slug(tmp_path):
     assert bench_main.git_commit(tmp_path) == "unknown"  # a copy of the tree without .git
     assert bench_main.slug("NVIDIA H200 (SXM)") == "nvidia-h200-sxm"
+
+
+def test_reference_measures_bf16_noise():
+    from mimw.bench.fused import random_bench_weights
+    from mimw.bench.inputs import decode_inputs
+    from mimw.bench.worker import Reference
+    from mimw.models.spec import get_preset
+
+    spec = get_preset("tiny-llama")
+    bw = random_bench_weights(spec, dtype=torch.bfloat16, device="cpu")
+    ref = Reference(bw, decode_inputs(spec, 11, dtype=torch.bfloat16, device="cpu"), torch.bfloat16)
+    assert 0.0 < ref.noise < 5e-2 and ref.rel_tol == max(2e-2, 2 * ref.noise)
+    c = ref.check(ref.logits)
+    assert c["ok"] and c["rel_err"] == 0.0 and c["rel_err_fp32"] == pytest.approx(ref.noise)

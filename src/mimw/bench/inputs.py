@@ -62,3 +62,12 @@ def reference_logits(weights: ModelWeights, inputs: DecodeInputs) -> torch.Tenso
     cache, table = paged_cache(weights.spec, inputs)
     tok = torch.tensor([inputs.token], device=weights.device)
     return ReferenceDecoder(weights).forward(tok, [Segment(table, inputs.context, 1)], cache)[0]
+
+
+@torch.no_grad()
+def fp32_reference_logits(weights: ModelWeights, inputs: DecodeInputs) -> torch.Tensor:
+    """The same step with weights, cache and activations upcast to fp32 (a temporary 2x copy of the weights):
+    the yardstick for how far bf16 rounding alone moves the logits."""
+    w32 = weights.to(dtype=torch.float32)
+    up = DecodeInputs(inputs.token, inputs.context, inputs.k.float(), inputs.v.float())
+    return reference_logits(w32, up)

@@ -84,9 +84,12 @@ def markdown(doc: dict) -> str:
         group = [r for r in rows if r["context"] == ctx]
         fl = next((r["floor_ms"] for r in group if r.get("floor_ms")), None)
         nb = next((r["bytes_per_step"] for r in group if r.get("bytes_per_step")), None)
+        chk = next((r["check"] for r in group if r.get("check")), None)
+        tol = "" if chk is None else f"check: rel_err ≤ {chk.get('rel_tol', 2e-2):.1e}" + (
+            "" if chk.get("bf16_noise") is None else f" (bf16 vs fp32 reference: {chk['bf16_noise']:.1e})")
         if fl is not None:
             lines.append(f"| {ctx} | **floor** | {fl:.3f} | {1e3 / fl:.0f} | {_f(doc.get('read_TBps'), '.2f')} | 1.00 "
-                         f"| | | {nb / 1e6:.1f} MB read per step |")
+                         f"| | {tol} | {nb / 1e6:.1f} MB read per step |")
         for r in group:
             if r["ms_per_step"] is None:
                 msg = f"{r['status']}: {r.get('error') or ''}".replace("|", "/")

@@ -10,8 +10,9 @@ is known, so a crash or a kill loses at most the backend being measured:
   {"event": "result", "model", "context", "backend", "status", "ms_per_step", "bytes_per_step",
    "timing", "check", "notes", "error"}                       status: ok | check-failed | unchecked | unavailable | error
 
-Per context the inputs (``decode_inputs``) and the reference logits are made once; every backend shares the one
-weight set (``BenchWeights``). After each backend its objects are dropped and the allocator cache emptied; a CUDA
+Per context the inputs (``decode_inputs``) and the reference logits are made once, plus, for bf16 runs, the fp32
+reference that measures bf16's own rounding noise (``mimw.bench.check``: the tolerance is max(2e-2, 2 x noise));
+every backend shares the one weight set (``BenchWeights``). After each backend its objects are dropped and the allocator cache emptied; a CUDA
 error that poisons the context ends the process with code 3 so that the supervisor restarts a fresh one.
 """
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import Callable, Sequence
 import torch
 
 from ..models.spec import PRESETS
-from .check import compare_logits
+from .check import compare_logits, noise_tolerance, rel_err
 from .config import DecodeBenchConfig
 from .floor import step_bytes
 from .fused import BenchWeights, fuse, random_bench_weights
-from .inputs import decode_inputs, reference_logits
+from .inputs import decode_inputs, fp32_reference_logits, reference_logits
 from .peers import BACKENDS, PeerContext, Unavailable
 from .timing import time_steps
 
@@ -78,13 +79,39 @@ def _cleanup(device: torch.device) -> bool:
         return False
 
 
-def measure(model: str, backend: str, ctx: PeerContext, ref: torch.Tensor, cfg: DecodeBenchConfig,
+class Reference:
+    """The oracle for one context: bf16 reference logits, and the fp32 ones when they could be computed."""
+
+    def __init__(self, bw: BenchWeights, inputs, dtype: torch.dtype):
+        self.logits = reference_logits(bw.weights, inputs)
+        self.logits32, self.noise = None, None
+        if dtype != torch.float32:
+            try:
+                self.logits32 = fp32_reference_logits(bw.weights, inputs)
+                self.noise = rel_err(self.logits, self.logits32)
+            except Exception:  # noqa: BLE001 - e.g. out of memory for the fp32 copy: keep the fixed tolerance
+                traceback.print_exc()
+            gc.collect()
+        self.rel_tol = noise_tolerance(self.noise)
+
+    def check(self, logits: torch.Tensor) -> dict:
+        c = compare_logits(logits, self.logits, self.rel_tol).to_json()
+        c["bf16_noise"] = self.noise
+        c["rel_err_fp32"] = None if self.logits32 is None else rel_err(logits, self.logits32)
+        return c
+
+
+def _row(model: str, c: int, backend: str, nbytes: int, **kw) -> dict:
+    return {"event": "result", "model": model, "context": c, "backend": backend, "status": "error",
+            "ms_per_step": None, "bytes_per_step": nbytes, "timing": None, "check": None, "notes": "",
+            "error": None, **kw}
+
+
+def measure(model: str, backend: str, ctx: PeerContext, ref: Reference, cfg: DecodeBenchConfig,
             emit: Emit) -> dict:
     """Build, check and time one backend; returns the result event (never raises)."""
     c = ctx.inputs.context
-    row = {"event": "result", "model": model, "context": c, "backend": backend, "status": "error",
-           "ms_per_step": None, "bytes_per_step": step_bytes(ctx.bw.spec, c), "timing": None, "check": None,
-           "notes": "", "error": None}
+    row = _row(model, c, backend, step_bytes(ctx.bw.spec, c))
     try:
         peer = BACKENDS[backend](ctx)
     except Unavailable as e:
@@ -98,13 +125,13 @@ def measure(model: str, backend: str, ctx: PeerContext, ref: torch.Tensor, cfg: 
         peer.reset()
         peer.step()
         logits = peer.logits()
-        check = None if logits is None else compare_logits(logits, ref)
-        row["check"] = None if check is None else check.to_json()
+        check = None if logits is None else ref.check(logits)
+        row["check"] = check
         emit({"event": "phase", "context": c, "backend": backend, "phase": "time"})
         peer.reset()
         timing = time_steps(peer.step, ctx.device, cfg.iters, cfg.warmup, cfg.budget_s)
         row.update(timing=timing.to_json(), ms_per_step=timing.median_ms,
-                   status="unchecked" if check is None else ("ok" if check.ok else "check-failed"))
+                   status="unchecked" if check is None else ("ok" if check["ok"] else "check-failed"))
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         row.update(status="error", error=f"run: {_error_text(e)}")
@@ -130,16 +157,14 @@ def run_tasks(model: str, tasks: Sequence[tuple[int, str]], cfg: DecodeBenchConf
             _cleanup(device)
             try:
                 inputs = decode_inputs(bw.spec, c, cfg.seed, cfg.torch_dtype, device)
-                ref = reference_logits(bw.weights, inputs)
+                ref = Reference(bw, inputs, cfg.torch_dtype)
                 pctx = PeerContext(bw, inputs, device, cfg.iters + cfg.warmup + 1)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 ctx_error = f"context setup: {_error_text(e)}"
         emit({"event": "start", "context": c, "backend": backend})
         if ctx_error is not None:
-            row = {"event": "result", "model": model, "context": c, "backend": backend, "status": "error",
-                   "ms_per_step": None, "bytes_per_step": step_bytes(bw.spec, c), "timing": None, "check": None,
-                   "notes": "", "error": ctx_error}
+            row = _row(model, c, backend, step_bytes(bw.spec, c), error=ctx_error)
         else:
             row = measure(model, backend, pctx, ref, cfg, emit)
         emit(row)
