@@ -1,0 +1,145 @@
+"""Each instruction's reference solver against the reference decoder's own pieces (rms_norm, RoPE, attention)."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mimw.kv.pages import KVLayout, PagedKVCache
+from mimw.megakernel import isa
+from mimw.megakernel.ops import SOLVERS, OpContext
+from mimw.megakernel.ops.common import rms_norm
+from mimw.megakernel.program import StepShape, build_program
+from mimw.megakernel.state import EMPTY_M, alloc_scratch, alloc_state
+from mimw.megakernel.vm import VMDecoder
+from mimw.models import reference, rope
+from mimw.models.reference import ReferenceDecoder, Segment
+from mimw.models.spec import get_preset
+from mimw.models.weights import random_weights
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # thousands of tiny ops: intra-op threads only add contention on a 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def context(name: str, seg_lens, starts, num_sms: int, page_size: int = 16, dtype=torch.float32, seed: int = 0):
+    """An OpContext over random weights and a random cache; segment s starts at position ``starts[s]``."""
+    spec = get_preset(name)
+    if spec.num_layers > 3:
+        spec = spec.with_(num_layers=2)  # real shapes, fewer layers: CPU time
+    w = random_weights(spec, seed, dtype=dtype)
+    prog = build_program(spec, StepShape(tuple(seg_lens)), num_sms)
+    per_seq = [-(-(p + n) // page_size) for p, n in zip(starts, seg_lens)]
+    cache = PagedKVCache(KVLayout.for_spec(spec, page_size, sum(per_seq) + 2, dtype))
+    g = torch.Generator().manual_seed(seed)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    pages = torch.randperm(cache.layout.num_pages, generator=g).tolist()
+    tables, i = [], 0
+    for n in per_seq:
+        tables.append(pages[i: i + n])
+        i += n
+    state = alloc_state(prog, cache.layout.num_pages)
+    state.fill(torch.randint(0, spec.vocab_size, (sum(seg_lens),), generator=g).tolist(), starts, tables, seg_lens)
+    return OpContext(prog, w, cache, state, alloc_scratch(prog)), tables
+
+
+def test_rms_norm_rounds_like_the_reference_bit_for_bit_in_bf16():
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16)
+    assert torch.equal(rms_norm(x.float(), w, 1e-5), reference.rms_norm(x, w, 1e-5).float())
+
+
+@pytest.mark.parametrize("name,seg_lens,starts,num_sms,has_empty", [
+    ("tiny-llama", (4,), (13,), 132, True),  # 32 splits of 1 position: empty ones, ones fully in a token's future
+    ("tiny-qwen3", (1, 1, 1), (0, 40, 17), 132, True),  # a first token (context 1): every split but one empty
+    ("smollm2-135m", (4, 1), (70, 5), 7, False),  # G = 3, one split per segment
+])
+def test_partials_then_reduce_equal_causal_softmax_attention(name, seg_lens, starts, num_sms, has_empty):
+    ctx, tables = context(name, seg_lens, starts, num_sms)
+    spec, sc, prog = ctx.spec, ctx.scratch, ctx.program
+    sc.q.copy_(torch.randn(sc.q.shape))
+    layer = spec.num_layers - 1
+    for k in range(spec.num_kv_heads):
+        for s, n in enumerate(prog.n_splits):
+            for i in range(n):
+                SOLVERS[isa.Op.ATTN_PARTIAL](ctx, isa.AttnPartial(layer=layer, kv_head=k, seg=s, split=i, n_splits=n))
+            SOLVERS[isa.Op.ATTN_REDUCE](ctx, isa.AttnReduce(layer=layer, kv_head=k, seg=s, n_splits=n))
+    for s, (t0, n) in enumerate(zip(prog.shape.seg_starts, seg_lens)):
+        kc, vc = ctx.cache.gather(layer, tables[s], starts[s] + n)
+        pos = torch.arange(starts[s], starts[s] + n)
+        want = reference.attention(sc.q[t0: t0 + n], kc, vc, pos).reshape(n, -1)
+        torch.testing.assert_close(sc.attn[t0: t0 + n], want, rtol=1e-5, atol=1e-5)
+    # the partials' contract: an empty split (or one wholly in a token's future) stores (EMPTY_M, 0) and o = 0
+    empty = sc.part_ml[..., 0] == EMPTY_M
+    assert bool(empty.any()) == has_empty
+    assert (sc.part_ml[..., 1][empty] == 0).all() and (sc.part_o[empty] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_attn_in_matches_the_reference_projection_and_stores_kv_only_at_the_step_slots(name):
+    seg_lens, starts = (4, 1), (14, 33)  # the verify block crosses a page boundary
+    ctx, tables = context(name, seg_lens, starts, 7)
+    spec, layer = ctx.spec, 1
+    lw, hq, hkv, hd = ctx.weights.layers[layer], spec.num_heads, spec.num_kv_heads, spec.head_dim
+    ctx.scratch.x.copy_(torch.randn(ctx.scratch.x.shape))
+    k_before, v_before = ctx.cache.k.clone(), ctx.cache.v.clone()
+    for h in range(hq + 2 * hkv):
+        SOLVERS[isa.Op.ATTN_IN](ctx, isa.AttnIn(layer=layer, head=h))
+    # the reference decoder's computation, written out
+    pos = ctx.state.positions.long()
+    hn = reference.rms_norm(ctx.scratch.x, lw.attn_norm, spec.rms_norm_eps)
+    q = F.linear(hn, lw.wq, lw.bq).view(-1, hq, hd)
+    k = F.linear(hn, lw.wk, lw.bk).view(-1, hkv, hd)
+    v = F.linear(hn, lw.wv, lw.bv).view(-1, hkv, hd)
+    if spec.qk_norm:
+        q, k = reference.rms_norm(q, lw.q_norm, spec.rms_norm_eps), reference.rms_norm(k, lw.k_norm, spec.rms_norm_eps)
+    cos, sin = rope.cos_sin(spec, pos)
+    q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+    torch.testing.assert_close(ctx.scratch.q, q, rtol=1e-5, atol=1e-5)
+    expect_k, expect_v = k_before.clone(), v_before.clone()
+    ref_cache = PagedKVCache(ctx.cache.layout)
+    ref_cache.k, ref_cache.v = expect_k, expect_v
+    for s, (t0, n) in enumerate(zip(ctx.program.shape.seg_starts, seg_lens)):
+        ref_cache.write(layer, tables[s], pos[t0: t0 + n], k[t0: t0 + n], v[t0: t0 + n])
+    torch.testing.assert_close(ctx.cache.k, expect_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ctx.cache.v, expect_v, rtol=1e-5, atol=1e-5)
+    assert (ctx.cache.k != k_before).sum() > 0  # something was stored
+
+
+def test_layer0_reads_the_embedding_rows_as_the_residual():
+    ctx, _ = context("tiny-llama", (2,), (5,), 7)
+    emb = ctx.weights.embed[ctx.state.tokens.long()]
+    ctx.scratch.attn.zero_()
+    SOLVERS[isa.Op.O_PROJ](ctx, isa.OProj(layer=0, row0=16, nrows=32))
+    assert torch.equal(ctx.scratch.x[:, 16:48], emb[:, 16:48])
+    assert ctx.scratch.x[:, :16].isnan().all()  # scratch starts poisoned; nothing else was touched
+
+
+def test_the_vm_in_bf16_stays_within_bf16_error_of_the_fp32_reference():
+    spec = get_preset("tiny-qwen3")
+    w16 = random_weights(spec, 3, dtype=torch.bfloat16)
+    layout16 = KVLayout.for_spec(spec, 16, 8, torch.bfloat16)
+    ref = ReferenceDecoder(w16.to(dtype=torch.float32))  # the oracle: fp32 over the same bf16-rounded weights
+    ref_cache, cache16 = PagedKVCache(dataclasses.replace(layout16, dtype=torch.float32)), PagedKVCache(layout16)
+    table = list(range(8))
+    prompt = torch.randint(0, spec.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
+    ref.forward(prompt, [Segment(tuple(table), 0, 30)], ref_cache)
+    cache16.k.copy_(ref_cache.k)
+    cache16.v.copy_(ref_cache.v)
+    ref_cache.k.copy_(cache16.k)  # both start from the same bf16-rounded context
+    ref_cache.v.copy_(cache16.v)
+    dec = VMDecoder(spec, w16, cache16, 7, StepShape((1,)))
+    for step, tok in enumerate([3, 77, 150]):
+        want = ref.forward(torch.tensor([tok]), [Segment(tuple(table), 30 + step, 1)], ref_cache)
+        got = dec.step([tok], [30 + step], [table], random.Random(step))
+        assert float((got - want).abs().max() / want.abs().max()) < 3e-2
+        assert int(got.argmax()) == int(want.argmax())
