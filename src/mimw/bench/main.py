@@ -155,7 +155,7 @@ def run_decode(cfg: DecodeBenchConfig, gpu: str, measure_bandwidth=None) -> int:
 
         def on_result(ev: dict) -> None:
             raw.append(ev)
-            save()
+            save(chart=ev["backend"] == cfg.backends[-1])  # the chart once per finished context
 
         def on_setup(ev: dict) -> None:
             model_meta["spec"] = ev.get("spec")
