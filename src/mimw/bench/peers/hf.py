@@ -115,6 +115,8 @@ def hf_transformers(ctx: PeerContext) -> Peer:
             import torch._dynamo
 
             torch._dynamo.reset()
+            torch._dynamo.mark_static_address(r.tok)
+            torch._dynamo.mark_static_address(r.pos)
             fn = torch.compile(r.model.forward, mode="reduce-overhead", fullgraph=True)
 
             def step() -> None:

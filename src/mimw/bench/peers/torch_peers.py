@@ -12,7 +12,7 @@ Inductor settings are applied with ``torch._inductor.config.patch`` around the c
 global state): both peers get gpt-fast's ``triton.unique_kernel_names``; the max-autotune peer also gets its
 ``coordinate_descent_tuning`` (tunes every pointwise/reduction kernel: best code, longest compile), while the
 reduce-overhead peer stays at Inductor's defaults so that one compiled peer is cheap to build within the GPU budget.
-Every module buffer (KV cache, RoPE tables, positions) is marked a static address so that the CUDA graphs read and
+Every module buffer (KV cache, RoPE tables, positions) and the token/position inputs are marked static addresses so that the CUDA graphs read and
 mutate them in place instead of copying them in on every replay.
 """
 from __future__ import annotations
@@ -59,8 +59,8 @@ def _compiled(ctx: PeerContext, mode: str):
 
     torch._dynamo.reset()  # a fresh cache: otherwise a second compile of forward may reuse the first's code
     m, tok, pos = _module(ctx)
-    for buf in m.buffers():
-        torch._dynamo.mark_static_address(buf)
+    for t in (*m.buffers(), tok, pos):  # the step's inputs never move either: no copy-in per replay
+        torch._dynamo.mark_static_address(t)
     return torch.compile(m, mode=mode, fullgraph=True), tok, pos
 
 
