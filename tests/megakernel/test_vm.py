@@ -22,7 +22,7 @@ from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.megakernel import isa
 from mimw.megakernel.program import StepShape, build_program
 from mimw.megakernel.state import alloc_scratch, alloc_state
-from mimw.megakernel.vm import VM, DeadlockError, DependencyError, VMDecoder
+from mimw.megakernel.vm import VM, DeadlockError, DependencyError, VMDecoder, i32
 from mimw.models.reference import ReferenceDecoder, Segment
 from mimw.models.spec import get_preset
 from mimw.models.weights import random_weights
@@ -224,3 +224,18 @@ def test_readiness_catches_a_later_layer_overwriting_what_an_earlier_one_still_r
     run.readiness.after(isa.AttnIn(layer=1, head=0))
     with pytest.raises(DependencyError, match=r"q heads at version \[1\], needs version 0"):
         run.readiness.before(part)
+
+
+def test_counters_wrap_around_int32_without_a_reset():
+    # start at an epoch where the largest per-step count's target crosses 2^31 during the next steps
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("tiny-llama", 16, (9,), 3, 11)
+    dec = VMDecoder(spec, w, vm_cache, 7, StepShape((1,)))
+    counts = [c.count for c in dec.program.counters] + [dec.program.num_sms]
+    epoch = 2**31 // max(i.wait_count for i in dec.program.instructions()) - 1  # a waited target wraps in step 1
+    dec.state.counters.copy_(torch.tensor([i32(epoch * n) for n in counts] + [epoch], dtype=torch.int32))
+    for step in range(3):
+        tokens = torch.randint(0, spec.vocab_size, (1,), generator=g)
+        want = ref.forward(tokens, [Segment(tables[0], 9 + step, 1)], ref_cache)
+        assert rel_err(dec.step(tokens.tolist(), [9 + step], tables, random.Random(step)), want) <= 1e-5
+    assert dec.state.counters.tolist() == [i32((epoch + 3) * n) for n in counts] + [epoch + 3]
+    assert min(dec.state.counters.tolist()) < 0  # some counter did wrap

@@ -10,6 +10,10 @@ Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
     to ``counters[signal]``.
   * A queue that has run out adds 1 to ``counters[DONE]``; the queue that brings DONE to ``(epoch + 1) * num_sms``
     adds 1 to ``counters[EPOCH]``. Counters are never reset: the next step waits for the next multiple.
+  * Counters are int32 and wrap (atomic adds wrap in two's complement; so does ``(epoch + 1) * wait_count`` in
+    int32 arithmetic). "Reached" is therefore the wrap-safe ``int32(counter - target) >= 0``, exact while a
+    counter is less than 2^31 signals from its target, i.e. always: it moves by at most ``count`` per step.
+    A plain ``counter >= target`` would go wrong after 2^31 / count steps (see docs/megakernel.md).
 The VM interleaves the SMs one instruction at a time: the lowest-numbered SM whose head may run, or, given an
 ``rng``, a uniformly random one (a random interleaving). Running an instruction whose wait is unmet raises
 ``DependencyError`` (the scheduler never does; ``StepRun.run`` refuses when asked directly); a state where no head
@@ -35,6 +39,11 @@ from .readiness import DependencyError, Readiness
 from .state import Scratch, StepState, alloc_scratch, alloc_state
 
 __all__ = ["VM", "StepRun", "VMDecoder", "DependencyError", "DeadlockError"]
+
+
+def i32(v: int) -> int:
+    """v wrapped to int32, as the GPU's int32 arithmetic and atomics leave it."""
+    return (v + 2**31) % 2**32 - 2**31
 
 
 class DeadlockError(RuntimeError):
@@ -80,12 +89,14 @@ class StepRun:
         self.ctx = OpContext(prog, vm.weights, vm.cache, state, scratch)
         self.readiness = Readiness(prog, state)
         self.queues = vm.queues
-        self.counters: list[int] = state.counters.tolist()
+        self.counters: list[int] = state.counters.tolist()  # int32 values
         self.done_i, self.epoch_i = state.done_index, state.epoch_index
         self.epoch = self.counters[self.epoch_i]
         self.pc = [0] * prog.num_sms
         self.ready: list[int] = []  # SMs whose head may run now
-        self.blocked: dict[int, list[tuple[int, int]]] = {}  # counter -> heap of (target, SM) waiting on it
+        self.signals = [0] * len(self.counters)  # signals each counter received in this step
+        # counter -> heap of (signals[counter] at which the head may run, SM) of the SMs whose head waits on it
+        self.blocked: dict[int, list[tuple[int, int]]] = {}
         self.unfinished = prog.num_sms
         for s in range(prog.num_sms):
             self._place(s)
@@ -99,8 +110,12 @@ class StepRun:
         q = self.queues[sm]
         return q[self.pc[sm]] if self.pc[sm] < len(q) else None
 
+    def target(self, ins: Instruction) -> int:
+        """The value counter ``ins.wait`` has when ins may run in this step: (epoch + 1) * wait_count, in int32."""
+        return i32((self.epoch + 1) * ins.wait_count)
+
     def may_run(self, ins: Instruction) -> bool:
-        return ins.wait == isa.NO_COUNTER or self.counters[ins.wait] >= (self.epoch + 1) * ins.wait_count
+        return ins.wait == isa.NO_COUNTER or i32(self.counters[ins.wait] - self.target(ins)) >= 0
 
     def pick(self, rng: random.Random | None = None) -> int:
         """The SM to run next: the lowest-numbered ready one, or a random ready one."""
@@ -116,16 +131,18 @@ class StepRun:
             raise ValueError(f"SM {sm} has finished its queue")
         if not self.may_run(ins):
             raise DependencyError(f"SM {sm}: {ins} waits for counter {self._name(ins.wait)} to reach "
-                                  f"{(self.epoch + 1) * ins.wait_count}, it is {self.counters[ins.wait]}")
+                                  f"{self.target(ins)}, it is {self.counters[ins.wait]}")
         self.readiness.before(ins)
         SOLVERS[ins.OP](self.ctx, ins)
         self.readiness.after(ins)
         self.ready.remove(sm)
         self.pc[sm] += 1
         if ins.signal != isa.NO_COUNTER:
-            value = self.counters[ins.signal] = self.counters[ins.signal] + 1
-            waiting = self.blocked.get(ins.signal, [])
-            while waiting and waiting[0][0] <= value:
+            c = ins.signal
+            self.counters[c] = i32(self.counters[c] + 1)
+            self.signals[c] += 1
+            waiting = self.blocked.get(c, [])
+            while waiting and waiting[0][0] <= self.signals[c]:
                 self._place(heapq.heappop(waiting)[1])
         self._place(sm)
 
@@ -134,21 +151,23 @@ class StepRun:
         ins = self.head(sm)
         if ins is None:
             self.unfinished -= 1
-            self.counters[self.done_i] += 1
-            if self.counters[self.done_i] == (self.epoch + 1) * self.program.num_sms:
-                self.counters[self.epoch_i] += 1
+            self.counters[self.done_i] = i32(self.counters[self.done_i] + 1)
+            if self.counters[self.done_i] == i32((self.epoch + 1) * self.program.num_sms):
+                self.counters[self.epoch_i] = i32(self.counters[self.epoch_i] + 1)
         elif self.may_run(ins):
             self.ready.append(sm)
         else:
-            heapq.heappush(self.blocked.setdefault(ins.wait, []), ((self.epoch + 1) * ins.wait_count, sm))
+            c = ins.wait
+            at = self.signals[c] + i32(self.target(ins) - self.counters[c])
+            heapq.heappush(self.blocked.setdefault(c, []), (at, sm))
 
     def check_complete(self) -> None:
         """After the last queue: every counter was signalled exactly its per-step count, EPOCH moved by one, and
         every logit was written."""
         e = self.epoch + 1
-        bad = [f"{c.name}={self.counters[i]} (expected {e * c.count})"
-               for i, c in enumerate(self.program.counters) if self.counters[i] != e * c.count]
-        if self.counters[self.epoch_i] != e or self.counters[self.done_i] != e * self.program.num_sms:
+        bad = [f"{c.name}={self.counters[i]} (expected {i32(e * c.count)})"
+               for i, c in enumerate(self.program.counters) if self.counters[i] != i32(e * c.count)]
+        if self.counters[self.epoch_i] != i32(e) or self.counters[self.done_i] != i32(e * self.program.num_sms):
             bad.append(f"EPOCH={self.counters[self.epoch_i]}, DONE={self.counters[self.done_i]}")
         if bad:
             raise DependencyError("counters off their step-numbered targets after the step: " + ", ".join(bad))
@@ -162,7 +181,7 @@ class StepRun:
 
     def _describe_blocked(self) -> str:
         lines = [f"  SM {s}: {self.head(s)} waits for counter {self._name(c)} to reach "
-                 f"{(self.epoch + 1) * self.head(s).wait_count}, it is {self.counters[c]}"
+                 f"{self.target(self.head(s))}, it is {self.counters[c]}"
                  for c, waiting in sorted(self.blocked.items()) for _, s in sorted(waiting)]
         return f"deadlock in step (epoch {self.epoch}): no queue head may run, {self.unfinished} queues " \
                f"unfinished:\n" + "\n".join(lines[:20]) + ("\n  ..." if len(lines) > 20 else "")
