@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+from mimw.engine.sampling import SamplingParams
+from mimw.generate import _TextStops, generate
+from mimw.kv.pages import KVLayout, PagedKVCache
+from mimw.models.reference import ReferenceDecoder, Segment
+from mimw.models.spec import get_preset
+from mimw.models.weights import ModelWeights, random_weights
+
+PROMPT = [5, 17, 99, 3, 42, 7]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(get_preset("tiny-qwen3"), seed=11)
+
+
+def _with_spec(w, **changes):
+    return ModelWeights(w.spec.with_(**changes), w.embed, w.layers, w.final_norm, w.lm_head)
+
+
+def _tokens(steps):
+    assert steps[-1].token_id is None and all(s.token_id is not None for s in steps[:-1])
+    return [s.token_id for s in steps[:-1]], steps[-1].finish_reason
+
+
+def test_greedy_decode_matches_full_recompute(weights):
+    toks, reason = _tokens(list(generate(weights, PROMPT, SamplingParams(temperature=0, max_tokens=10,
+                                                                          ignore_eos=True), page_size=4)))
+    assert reason == "length" and len(toks) == 10
+    seq = list(PROMPT)
+    for t in toks:  # each token is the argmax of a from-scratch forward over the whole sequence so far
+        cache = PagedKVCache(KVLayout.for_spec(weights.spec, 4, 8, torch.float32))
+        logits = ReferenceDecoder(weights).forward(torch.tensor(seq), [Segment(tuple(range(8)), 0, len(seq))],
+                                                   cache)[-1]
+        assert logits[t] >= logits.max() - 1e-5
+        seq.append(t)
+
+
+def test_eos_and_stop_token_ids_end_generation(weights):
+    first = _tokens(list(generate(weights, PROMPT, SamplingParams(temperature=0, max_tokens=1))))[0][0]
+    toks, reason = _tokens(list(generate(_with_spec(weights, eos_token_ids=(first,)), PROMPT,
+                                         SamplingParams(temperature=0, max_tokens=5))))
+    assert toks == [] and reason == "stop"
+    toks, reason = _tokens(list(generate(_with_spec(weights, eos_token_ids=(first,)), PROMPT,
+                                         SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))))
+    assert toks[0] == first and reason == "length"
+    toks, reason = _tokens(list(generate(weights, PROMPT, SamplingParams(temperature=0, max_tokens=5,
+                                                                          stop_token_ids=(first,)))))
+    assert toks == [] and reason == "stop"
+
+
+def test_context_limit(weights):
+    toks, reason = _tokens(list(generate(_with_spec(weights, max_position_embeddings=8), PROMPT,
+                                         SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))))
+    assert len(PROMPT) + len(toks) == 8 and reason == "context"
+
+
+def test_seeded_sampling_is_reproducible(weights):
+    def run(seed):
+        p = SamplingParams(temperature=1.0, top_k=50, seed=seed, max_tokens=8, ignore_eos=True)
+        return _tokens(list(generate(weights, PROMPT, p)))[0]
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], SamplingParams(), "empty"),
+    ([1, 256], SamplingParams(), "outside the model's vocabulary"),
+    (list(range(1, 100)) * 6, SamplingParams(), "context"),
+    ([1, 2], SamplingParams(stop=("x",)), "tokenizer"),
+])
+def test_bad_requests(weights, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        next(generate(weights, prompt, params))
+
+
+class _Pieces:
+    """A stand-in StreamDecoder returning fixed text pieces."""
+
+    def __init__(self, pieces):
+        self.pieces = list(pieces)
+
+    def push(self, token_id):
+        return self.pieces.pop(0)
+
+    def flush(self):
+        return ""
+
+
+def test_stop_strings_cut_text_and_hold_back_possible_prefixes():
+    ts = _TextStops(_Pieces(["Hel", "lo ", "wo", "rld"]), ("o w", "zzzz"))
+    out = [ts.push(i) for i in range(3)]
+    assert "".join(d for d, _ in out) == "Hell" and [s for _, s in out] == [False, False, True]
+    ts = _TextStops(_Pieces(["ab", "cd", "ef"]), ("xyz",))
+    deltas = [ts.push(i)[0] for i in range(3)]
+    assert deltas == ["", "ab", "cd"] and ts.finish() == "ef"
+    ts = _TextStops(_Pieces(["ab"]), ())
+    assert ts.push(0) == ("ab", False)
