@@ -1,0 +1,76 @@
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from mimw import cli
+
+
+def _mimw(*args, timeout=300):
+    exe = Path(sys.executable).parent / "mimw"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mimw.cli"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_commands():
+    r = _mimw("--help")
+    assert r.returncode == 0
+    for command in ("generate", "serve", "bench"):
+        assert command in r.stdout
+
+
+def test_generate_default_model_knows_paris():
+    r = _mimw("generate", "--prompt", "The capital of France is", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of France is") and "Paris" in r.stdout
+    assert "tok/s" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate"], "--prompt"),
+    (["generate", "--prompt", "x", "--max-tokens", "0"], "positive integer"),
+    (["generate", "--prompt", "x", "--device", "tpu"], "invalid choice"),
+    (["frobnicate"], "invalid choice"),
+    ([], "required"),
+])
+def test_argparse_errors_exit_2(capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "--prompt", "x", "--temperature", "-1", "--model", "tiny-llama"], "temperature"),
+    (["generate", "--prompt", "x", "--top-p", "2", "--model", "tiny-llama"], "top_p"),
+    (["generate", "--prompt", "x", "--model", "/no/such/dir"], "does not exist"),
+    (["generate", "--prompt", "x", "--model", "tiny-llama"], "no tokenizer"),
+])
+def test_bad_values_give_one_line_error(capsys, argv, match):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mimw: error:") and match in err and "Traceback" not in err
+
+
+def test_cuda_requested_without_cuda(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["generate", "--prompt", "x", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_lazy_commands_dispatch_to_their_module(monkeypatch, capsys):
+    mod = types.ModuleType("mimw_fake_serve")
+    mod.add_arguments = lambda p: p.add_argument("--port", type=int, default=1)
+    mod.run = lambda args: args.port + 40
+    monkeypatch.setitem(sys.modules, "mimw_fake_serve", mod)
+    monkeypatch.setitem(cli._LAZY, "serve", ("mimw_fake_serve", "serve"))
+    assert cli.main(["serve", "--port", "2"]) == 42
+
+
+def test_missing_lazy_module_is_reported(monkeypatch, capsys):
+    monkeypatch.setitem(cli._LAZY, "bench", ("mimw.no_such_module", "bench"))
+    assert cli.main(["bench"]) == 2
+    assert "not available" in capsys.readouterr().err
