@@ -150,8 +150,14 @@ def run_tasks(model: str, tasks: Sequence[tuple[int, str]], cfg: DecodeBenchConf
     emit({"event": "setup", "model": model, "spec": _spec_json(bw), "weights_s": time.perf_counter() - t0})
     bar = tqdm(tasks, desc=Path(model).name, file=sys.stderr, ascii=True, disable=not progress, mininterval=0)
     cur_ctx, pctx, ref, ctx_error = None, None, None, None
+
+    def emit_and_show(ev: dict) -> None:
+        if ev["event"] == "phase":
+            bar.set_postfix_str(f"ctx={ev['context']} {ev['backend']}: {ev['phase']}", refresh=True)
+        emit(ev)
+
     for c, backend in bar:
-        bar.set_postfix_str(f"ctx={c} {backend}", refresh=True)
+        bar.set_postfix_str(f"ctx={c} {backend}: build (compile/capture)", refresh=True)
         if c != cur_ctx:
             cur_ctx, pctx, ref, ctx_error = c, None, None, None
             _cleanup(device)
@@ -167,7 +173,7 @@ def run_tasks(model: str, tasks: Sequence[tuple[int, str]], cfg: DecodeBenchConf
         if ctx_error is not None:
             row = _row(model, c, backend, step_bytes(bw.spec, c), error=ctx_error)
         else:
-            row = measure(model, backend, pctx, ref, cfg, emit)
+            row = measure(model, backend, pctx, ref, cfg, emit_and_show)
         emit(row)
         ms = f"{row['ms_per_step']:.3f} ms" if row["ms_per_step"] else "-"
         bar.write(f"[bench] {Path(model).name} ctx={c} {backend}: {row['status']} {ms} {row['error'] or ''}")
