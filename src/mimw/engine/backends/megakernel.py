@@ -1,0 +1,62 @@
+"""The megakernel backend: decode tokens run on the persistent Gluon megakernel (Hopper, bf16), prefill chunks on
+the PyTorch reference path over the SAME bf16 paged cache.
+
+The megakernel program is planned for M = 1 (one decode token per launch, one CUDA graph replay); a step with
+several decoding sequences replays it once per sequence. Multi-token segments (prefill, verify) go to the
+reference backend, which writes their K/V into the shared cache exactly as the kernel would read it.
+Invariants are those of ``Backend``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...kv.pages import PagedKVCache
+from ...models.reference import Segment
+from ...models.weights import ModelWeights
+from .base import Backend
+from .reference import ReferenceBackend
+
+
+class MegakernelBackend(Backend):
+    def __init__(self, weights: ModelWeights, use_graph: bool = True):
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            raise RuntimeError("the megakernel backend needs a Hopper (sm_90) GPU; use the reference backend")
+        self.weights = weights.to(device="cuda", dtype=torch.bfloat16)
+        self.spec = weights.spec
+        self.prefill = ReferenceBackend(self.weights)
+        self.use_graph = use_graph
+        self._dec = None  # built on the first decode, for the cache the engine made
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda")
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def _decoder(self, cache: PagedKVCache):
+        from ...megakernel.gpu.decoder import MegakernelDecoder
+
+        if self._dec is None or self._dec.cache is not cache:
+            self._dec = MegakernelDecoder(self.weights, cache)
+            if self.use_graph:
+                self._dec.capture()
+        return self._dec
+
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
+        out = torch.empty(len(segments), self.spec.vocab_size, device="cuda", dtype=torch.float32)
+        t0, pre, pre_rows, pre_toks = 0, [], [], []
+        for i, s in enumerate(segments):
+            if s.length == 1:
+                out[i] = self._decoder(cache).step(int(tokens[t0]), s.start, s.block_table)[0]
+            else:
+                pre.append(s)
+                pre_rows.append(i)
+                pre_toks.append(tokens[t0:t0 + s.length])
+            t0 += s.length
+        if pre:
+            out[pre_rows] = self.prefill.forward(torch.cat(pre_toks), pre, cache)
+        return out
