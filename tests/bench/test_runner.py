@@ -48,6 +48,9 @@ FAKE_WORKER = textwrap.dedent('''
             sys.exit(7)
         if b == "hang":
             time.sleep(60)
+        if b == "hang-in-run":
+            emit({"event": "phase", "context": int(c), "backend": b, "phase": "check"})
+            time.sleep(60)
         emit({"event": "result", "model": model, "context": int(c), "backend": b, "status": "ok",
               "ms_per_step": 1.0, "bytes_per_step": 10, "error": None})
 ''')
@@ -123,3 +126,17 @@ def test_reference_measures_bf16_noise():
     assert 0.0 < ref.noise < 5e-2 and ref.rel_tol == max(2e-2, 2 * ref.noise)
     c = ref.check(ref.logits)
     assert c["ok"] and c["rel_err"] == 0.0 and c["rel_err_fp32"] == pytest.approx(ref.noise)
+
+
+def test_supervisor_run_phase_has_its_own_timeout(tmp_path, monkeypatch):
+    from mimw.bench import supervisor
+
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    monkeypatch.setattr(supervisor, "RUN_TIMEOUT_S", 0.5)
+    cfg = DecodeBenchConfig(models=("m",), contexts=(1,), backends=("hang-in-run", "a"), backend_timeout_s=30.0,
+                            budget_s=0.0)
+    results = []
+    run_model("m", cfg, results.append, lambda ev: None, worker_cmd=[sys.executable, str(script)], poll_s=0.05)
+    assert [(r["backend"], r["status"]) for r in results] == [("hang-in-run", "timeout"), ("a", "ok")]
+    assert "1 s" in results[0]["error"] or "0 s" in results[0]["error"]

@@ -4,7 +4,9 @@ A backend under test can hang (a compile that never ends, a kernel deadlock) or 
 address in a new kernel). Each model's tasks run in a child process (``mimw.bench.worker``) that appends JSON events
 to a file; the supervisor follows the file and:
   - forwards every ``result`` event to ``on_result`` as it arrives (the caller writes reports incrementally);
-  - kills the child when no event arrived for ``backend_timeout_s`` and records the task in progress as a timeout;
+  - kills the child when no event arrived for ``backend_timeout_s`` while a backend builds (compiles, captures), or
+    for ``RUN_TIMEOUT_S`` once it runs steps (check and timing phases: a deadlocked kernel should not cost 5 minutes),
+    and records the task in progress as a timeout;
   - when the child dies with tasks left, records the task in progress (if any) as an error with the exit code and
     starts a fresh child for the rest. A child that dies before starting any task ends the model: its remaining
     tasks are recorded with the setup error, since a restart would fail the same way.
@@ -25,6 +27,7 @@ from typing import Callable, Sequence
 from .config import DecodeBenchConfig
 from .worker import run_tasks
 
+RUN_TIMEOUT_S = 90.0  # a check or timing phase takes seconds; this much silence is a hang
 OnResult = Callable[[dict], None]
 OnSetup = Callable[[dict], None]
 
@@ -65,6 +68,7 @@ def run_model(model: str, cfg: DecodeBenchConfig, on_result: OnResult, on_setup:
             cmd = list(worker_cmd or [sys.executable, "-m", "mimw.bench.worker"])
             proc = subprocess.Popen([*cmd, cfg.to_json(), model, tasks, str(events_path)], env=env)
             offset, current, started_any, last_event = 0, None, False, time.monotonic()
+            limit = cfg.backend_timeout_s
             killed_for_timeout = False
             while True:
                 rc = proc.poll()
@@ -76,15 +80,18 @@ def run_model(model: str, cfg: DecodeBenchConfig, on_result: OnResult, on_setup:
                         on_setup(ev)
                     elif kind == "start":
                         current, started_any = (ev["context"], ev["backend"]), True
+                        limit = cfg.backend_timeout_s
+                    elif kind == "phase":
+                        limit = min(cfg.backend_timeout_s, RUN_TIMEOUT_S + cfg.budget_s)
                     elif kind == "result":
                         key = (ev["context"], ev["backend"])
                         if key in remaining:
                             remaining.remove(key)
                             on_result(ev)
-                        current = None
+                        current, limit = None, cfg.backend_timeout_s
                 if rc is not None:
                     break
-                if time.monotonic() - last_event > cfg.backend_timeout_s:
+                if time.monotonic() - last_event > limit:
                     proc.kill()
                     proc.wait()
                     killed_for_timeout = True
@@ -94,7 +101,7 @@ def run_model(model: str, cfg: DecodeBenchConfig, on_result: OnResult, on_setup:
                 break
             rc = proc.returncode
             if current is not None and current in remaining:
-                why = (f"timeout: no progress for {cfg.backend_timeout_s:.0f} s, killed" if killed_for_timeout
+                why = (f"timeout: no progress for {limit:.0f} s, killed" if killed_for_timeout
                        else f"worker died (exit code {rc})")
                 remaining.remove(current)
                 on_result(failure_row(model, current[0], current[1], why, "timeout" if killed_for_timeout
