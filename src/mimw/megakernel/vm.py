@@ -38,7 +38,7 @@ from .program import Program, ProgramConfig, StepShape, build_program
 from .readiness import DependencyError, Readiness
 from .state import Scratch, StepState, alloc_scratch, alloc_state
 
-__all__ = ["VM", "StepRun", "VMDecoder", "DependencyError", "DeadlockError"]
+__all__ = ["VM", "StepRun", "VMDecoder", "DependencyError", "DeadlockError", "i32"]
 
 
 def i32(v: int) -> int:
@@ -70,7 +70,8 @@ class VM:
         return StepRun(self, state, scratch)
 
     def run_step(self, state: StepState, scratch: Scratch, rng: random.Random | None = None) -> None:
-        """Run one whole step; on return scratch.logits holds the step's logits and the counters moved one epoch."""
+        """Run one whole step; on return scratch.logits holds the step's logits and the counters moved one epoch.
+        If it raises, state.counters are left mid-step, as an aborted kernel would leave them."""
         run = self.start(state, scratch)
         try:
             while not run.finished:
