@@ -18,12 +18,12 @@ def test_run_decode_in_process_writes_reports(tmp_path):
                             backends=("mimw-megakernel", "mimw-reference", "torch-eager", "torch-eager-graph"),
                             out_dir=str(tmp_path), iters=3, warmup=1, budget_s=0.05, dtype="float32", device="cpu",
                             in_process=True)
-    rc = bench_main.run_decode(cfg, "Fake GPU", lambda: ReadBandwidth(1e11, 1 << 30, "fake", 9e10))
+    rc = bench_main.run_decode(cfg, "Fake GPU", lambda: ReadBandwidth(1e11, 1 << 30, "fake", 9e10), commit="c0ffee")
     assert rc == 0
     [j] = tmp_path.glob("*-fake-gpu-tiny-qwen2.json")
     assert j.with_suffix(".md").exists() and j.with_suffix(".png").exists()
     doc = json.loads(j.read_text())
-    assert doc["gpu"] == "Fake GPU" and doc["read_TBps"] == pytest.approx(0.1) and doc["spec"]["arch"] == "qwen2"
+    assert doc["commit"] == "c0ffee" and doc["gpu"] == "Fake GPU" and doc["read_TBps"] == pytest.approx(0.1) and doc["spec"]["arch"] == "qwen2"
     status = {(r["context"], r["backend"]): r["status"] for r in doc["results"]}
     assert len(status) == 8
     for c in (3, 17):

@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend-timeout", type=float, default=300.0, metavar="S",
                    help="kill a backend that makes no progress for S seconds (default 300)")
+    p.add_argument("--commit", default=None, metavar="REV",
+                   help="commit to record (default: git rev-parse of this tree, or 'unknown' without .git)")
     p.add_argument("--in-process", action="store_true",
                    help="run backends in this process (no crash/hang isolation; for debugging)")
 
@@ -114,10 +116,10 @@ def run(args: argparse.Namespace) -> int:
         print("mimw bench decode: needs a CUDA GPU (an H100/H200 for the megakernel); none is available here",
               file=sys.stderr)
         return 1
-    return run_decode(cfg, torch.cuda.get_device_name())
+    return run_decode(cfg, torch.cuda.get_device_name(), commit=args.commit)
 
 
-def run_decode(cfg: DecodeBenchConfig, gpu: str, measure_bandwidth=None) -> int:
+def run_decode(cfg: DecodeBenchConfig, gpu: str, measure_bandwidth=None, commit: str | None = None) -> int:
     """Measure the floor's bandwidth, run every model's tasks, write the reports; ``measure_bandwidth`` (a
     ``() -> ReadBandwidth``) replaces the Triton measurement in tests."""
     from .chart import write_chart
@@ -133,6 +135,8 @@ def run_decode(cfg: DecodeBenchConfig, gpu: str, measure_bandwidth=None) -> int:
     print(f"[bench] read {bw.tbps:.3f} TB/s ({bw.config}); torch.sum {bw.torch_sum_bytes_per_s / 1e12:.3f} TB/s",
           file=sys.stderr, flush=True)
     meta = environment_meta(gpu, read, cfg)
+    if commit:
+        meta["commit"] = commit
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
