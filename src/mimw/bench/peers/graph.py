@@ -26,3 +26,13 @@ def capture(fn: Callable[[], T], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph,
         out = fn()
     torch.cuda.synchronize()
     return graph, out
+
+
+def inductor_cudagraph_skips() -> int:
+    """How many times Inductor has declined to use CUDA graphs in this process (its ``cudagraph_skips`` counter):
+    a ``reduce-overhead`` compile that bumps it runs without graphs, and its notes must say so."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["inductor"]["cudagraph_skips"])

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .base import Peer, PeerContext, Unavailable
-from .graph import capture
+from .graph import capture, inductor_cudagraph_skips
 
 
 def _p(t: torch.Tensor) -> nn.Parameter:
@@ -118,6 +118,7 @@ def hf_transformers(ctx: PeerContext) -> Peer:
             torch._dynamo.mark_static_address(r.tok)
             torch._dynamo.mark_static_address(r.pos)
             fn = torch.compile(r.model.forward, mode="reduce-overhead", fullgraph=True)
+            skips = inductor_cudagraph_skips()
 
             def step() -> None:
                 torch.compiler.cudagraph_mark_step_begin()
@@ -127,7 +128,8 @@ def hf_transformers(ctx: PeerContext) -> Peer:
                 step()
             torch.cuda.synchronize()
             r.reset()
-            return Peer(step, lambda: out[0], "torch.compile reduce-overhead, StaticCache", r.reset)
+            graphs = "" if inductor_cudagraph_skips() == skips else " (CUDA graphs SKIPPED by inductor, see log)"
+            return Peer(step, lambda: out[0], f"torch.compile reduce-overhead, StaticCache{graphs}", r.reset)
         except Exception as e:  # noqa: BLE001 - any compile failure falls back to the next recipe
             failures.append(f"compile failed ({_why(e)})")
             traceback.print_exc()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .base import Peer, PeerContext, cache_len_for, require_cuda
-from .graph import capture
+from .graph import capture, inductor_cudagraph_skips
 from .torch_decoder import FusedDecoder
 
 _INDUCTOR = {"triton.unique_kernel_names": True}
@@ -67,6 +67,7 @@ def _compiled(ctx: PeerContext, mode: str):
 def torch_compile_reduce_overhead(ctx: PeerContext) -> Peer:
     fn, tok, pos = _compiled(ctx, "reduce-overhead")
     out: list[torch.Tensor | None] = [None]
+    skips = inductor_cudagraph_skips()
 
     def step() -> None:
         torch.compiler.cudagraph_mark_step_begin()
@@ -76,7 +77,8 @@ def torch_compile_reduce_overhead(ctx: PeerContext) -> Peer:
         for _ in range(3):  # compile, record the cudagraph tree, replay
             step()
         torch.cuda.synchronize()
-    return Peer(step, lambda: out[0], "inductor + cudagraph trees")
+    graphs = "cudagraph trees" if inductor_cudagraph_skips() == skips else "CUDA graphs SKIPPED by inductor (see log)"
+    return Peer(step, lambda: out[0], f"inductor + {graphs}")
 
 
 def torch_compile_max_autotune(ctx: PeerContext) -> Peer:
