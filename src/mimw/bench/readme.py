@@ -46,7 +46,6 @@ def table(runs: list[tuple[Path, dict]]) -> str:
         where = f"{doc.get('gpu', '?')}, {doc.get('date', '?')}, `{doc.get('commit', '?')}` ([json]({p.name}))"
         rows = sorted((r for r in doc["results"] if r.get("ms_per_step")), key=lambda r: (r["context"], r["ms_per_step"]))
         for r in rows:
-            fl = r.get("floor_ms")
             ok = {"ok": "✓", "unchecked": "unchecked"}.get(r["status"], "✗ " + r["status"])
             sp = r.get("speedup_vs_best_peer")
             lines.append(f"| {r['model']} | {r['context']} | {r['backend']} | {r['ms_per_step']:.3f} | "
