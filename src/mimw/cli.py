@@ -87,6 +87,7 @@ def run_generate(args: argparse.Namespace) -> int:
                                 max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     except ValueError as e:
         raise _UsageError(str(e)) from None
+    print(f"[mimw] loading {args.model or 'the embedded default model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
     model = load_model(args.model, dtype=getattr(torch, dtype_name), device=args.device)
     tok = model.tokenizer
     if tok is None:
