@@ -79,9 +79,11 @@ def consumer_release(empty, idx):
 
 @gluon.jit
 def counter_wait(cnt_ptr, index, target):
-    """Spin until counter ``index`` >= ``target`` (acquire, gpu scope)."""
+    """Spin until counter ``index`` has reached ``target`` (acquire, gpu scope). Compared as ``v - target < 0`` in
+    wrapping int32 arithmetic: step-numbered targets pass 2**31 after a few million steps, and a plain ``v < target``
+    would then let every wait through at once."""
     v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
-    while v < target:
+    while v - target < 0:
         v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
 
 
