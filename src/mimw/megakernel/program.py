@@ -104,14 +104,20 @@ class Program:
 
 
 def row_blocks(rows: int, row_bytes: int, num_sms: int, cfg: ProgramConfig) -> list[tuple[int, int]]:
-    """Split ``rows`` into blocks of whole tiles: the fewest tiles per block that keeps the stage's makespan (in
-    tiles, over ``num_sms``) minimal, capped by ``max_block_bytes``."""
+    """Split ``rows`` into blocks of whole tiles, choosing the block size that minimises the stage's makespan over
+    ``num_sms`` in the cost model (weight bytes plus the fixed per-instruction cost), capped by ``max_block_bytes``;
+    ties go to larger blocks."""
     tr = cfg.tile_rows
     if rows % tr:
         raise ValueError(f"{rows} rows are not a multiple of tile_rows={tr}")
     tiles = rows // tr
     cap = max(1, min(tiles, cfg.max_block_bytes // (tr * row_bytes)))
-    best = min(range(1, cap + 1), key=lambda p: (math.ceil(math.ceil(tiles / p) / num_sms) * p, -p))
+    tile_bytes = tr * row_bytes
+
+    def makespan(p: int) -> int:  # the busiest SM's cost for this stage, per-instruction overhead included
+        return math.ceil(math.ceil(tiles / p) / num_sms) * (p * tile_bytes + cfg.fixed_cost_bytes)
+
+    best = min(range(1, cap + 1), key=lambda p: (makespan(p), -p))
     out, r = [], 0
     while r < rows:
         n = min(best * tr, rows - r)

@@ -108,6 +108,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
     emb_row = emb_ptr + tok.to(gl.int64) * D
     offs = gl.arange(0, WP2, WL)
     it = 0
+    staged = -1  # (op, layer) whose input vector hbuf holds: consecutive blocks of one stage share it
     for i in range(n):
         w = gl.load(prog_ptr + (pid * MAXLEN + i) * NWORDS + offs, mask=offs < NWORDS, other=0)
         op = _field(w, offs, W_OP)
@@ -115,10 +116,14 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         a = _field(w, offs, W_A)
         b = _field(w, offs, W_B)
         wait = _field(w, offs, W_WAIT)
+        key = op * 65536 + layer
+        restage = key != staged
+        staged = key
         if wait >= 0:
             counter_wait(cnt_ptr, wait, (epoch + 1) * _field(w, offs, W_WAIT_COUNT))
         if op == OP_ATTN_IN:
-            matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, V1)
+            if restage:
+                matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, V1)
             it = matvec.qkv_head(bufs, empty, ready, hbuf, scr, it, KT_D, layer, a, pos, tok_page, q_ptr, kc_ptr,
                                  vc_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr, eps, NP, HQ, HKV, HD, PS,
                                  HAS_BIAS, QK_NORM, LAY, E2)
@@ -128,17 +133,21 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         elif op == OP_ATTN_REDUCE:
             attention.reduce(a, _field(w, offs, W_D), SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, KL)
         elif op == OP_O_PROJ:
-            matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, V1)
+            if restage:
+                matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, V1)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row, layer == 0,
                                       LAY)
         elif op == OP_MLP_IN:
-            matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, V1)
+            if restage:
+                matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, V1)
             it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, act_ptr, LAY)
         elif op == OP_DOWN_PROJ:
-            matvec.stage_plain(hbuf, act_ptr, I, KT_I, V1)
+            if restage:
+                matvec.stage_plain(hbuf, act_ptr, I, KT_I, V1)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY)
         elif op == OP_LM_HEAD:
-            matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, V1)
+            if restage:
+                matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, V1)
             it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY)
         sig = _field(w, offs, W_SIGNAL)
         if sig >= 0:
