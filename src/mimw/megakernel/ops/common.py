@@ -62,3 +62,9 @@ def residual(ctx: OpContext, layer: int, cols: slice = slice(None)) -> torch.Ten
 def matvec(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """h [M, K] fp32 times the weight rows w [n, K] (any dtype, upcast) -> [M, n] fp32."""
     return h @ w.float().t()
+
+
+def activation_in(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """An fp32 activation (attention output, MLP activation) as a matvec input: rounded to the weight dtype, as the
+    GPU kernel stages it (bf16 in shared memory) and as the reference decoder holds it; a no-op for fp32 weights."""
+    return a.to(w.dtype).float()

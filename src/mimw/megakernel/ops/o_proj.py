@@ -7,10 +7,10 @@ Writes: x[:, rows]. Reads: all of attn; x[:, rows] (layer > 0) or weights.embed[
 from __future__ import annotations
 
 from ..isa import OProj
-from .common import OpContext, matvec, residual
+from .common import OpContext, activation_in, matvec, residual
 
 
 def solve(ctx: OpContext, ins: OProj) -> None:
     rows = slice(ins.row0, ins.row0 + ins.nrows)
     w_o = ctx.weights.layers[ins.layer].wo[rows]  # [n, Hq*hd]
-    ctx.scratch.x[:, rows] = residual(ctx, ins.layer, rows) + matvec(ctx.scratch.attn, w_o)
+    ctx.scratch.x[:, rows] = residual(ctx, ins.layer, rows) + matvec(activation_in(ctx.scratch.attn, w_o), w_o)
