@@ -6,7 +6,7 @@ exported by ``kernel_constants()`` (taken from the enums below), so the Python s
 drift apart. The PyTorch VM (``vm.py``) executes the same encoded words.
 
 Dependencies are counters in global memory (``Word.WAIT``/``Word.WAIT_COUNT``): an instruction may start once
-counter WAIT has reached ``(epoch + 1) * WAIT_COUNT``, and it adds 1 to counter ``Word.SIGNAL`` when its outputs are
+counter WAIT has reached ``(epoch + 1) * WAIT_COUNT`` (wrap-safe: ``int32(counter - target) >= 0``), and it adds 1 to counter ``Word.SIGNAL`` when its outputs are
 stored (release). Every counter is signalled exactly ``WAIT_COUNT`` times per step, so counters never need a reset
 launch: step number ``epoch`` simply waits for the next multiple (see docs/megakernel.md).
 
