@@ -50,7 +50,7 @@ def test_argparse_errors_exit_2(capsys, argv, match):
 def test_bad_values_give_one_line_error(capsys, argv, match):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("mimw: error:") and match in err and "Traceback" not in err
+    assert ("\n" + err).count("\nmimw: error:") == 1 and match in err and "Traceback" not in err
 
 
 def test_cuda_requested_without_cuda(capsys, monkeypatch):

@@ -149,3 +149,10 @@ def test_not_a_gguf(tmp_path):
         open_gguf(tmp_path / "x.gguf")
     with pytest.raises(CheckpointError, match="no such GGUF file"):
         open_gguf(tmp_path / "missing.gguf")
+
+
+def test_per_layer_metadata_is_an_error(tmp_path):
+    f = _minimal_gguf(tmp_path / "l.gguf", "llama", block_count=2, context_length=64, embedding_length=4,
+                      feed_forward_length=8, head_count=[2, 4], layer_norm_rms_eps=1e-5)
+    with pytest.raises(CheckpointError, match="llama.attention.head_count: per-layer values"):
+        spec_from_gguf(open_gguf(f))

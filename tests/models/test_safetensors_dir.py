@@ -120,3 +120,9 @@ def test_index_listing_a_missing_shard(tmp_path):
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"shard {shard.name}"):
         load_hf_dir(tmp_path, progress=False)
+
+
+def test_directory_holding_only_a_gguf_points_at_the_file(tmp_path):
+    (tmp_path / "model.Q4_0.gguf").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="pass the .gguf file itself"):
+        load_hf_dir(tmp_path, progress=False)

@@ -69,7 +69,10 @@ def spec_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelSpe
     tensors = {t.name: t for t in reader.tensors}
 
     def meta(key, default=None, required=True):
-        return _field(reader, f"{arch}.{key}", default, required and default is None)
+        v = _field(reader, f"{arch}.{key}", default, required and default is None)
+        if isinstance(v, list):  # e.g. per-layer head counts (OpenELM-style models)
+            raise CheckpointError(f"{where}: {arch}.{key}: per-layer values are not supported, got {v[:4]}...")
+        return v
 
     if "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)

@@ -59,7 +59,9 @@ def spec_from_hf_dir(path: str | Path) -> ModelSpec:
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
-        raise CheckpointError(f"{path}: not a Hugging Face checkpoint directory (no config.json)")
+        ggufs = sorted(p.name for p in path.glob("*.gguf")) if path.is_dir() else []
+        hint = f"; to load {ggufs[0]}, pass the .gguf file itself" if ggufs else ""
+        raise CheckpointError(f"{path}: not a Hugging Face checkpoint directory (no config.json){hint}")
     try:
         cfg = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
