@@ -37,6 +37,7 @@ from . import protocol as P
 from .metrics import ServerMetrics
 
 log = logging.getLogger("mimw.server")
+_DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,6 @@ class OpenAIServer:
 
     # --- request -> engine requests -----------------------------------------------------------------------
     def _params(self, b: P._Sampling, max_tokens: int, j: int) -> SamplingParams:
-        if b.n < 1 or b.n > self.cfg.max_n:
-            raise P.bad_request(f"n must be between 1 and {self.cfg.max_n}, got {b.n}", "n")
         for f in ("presence_penalty", "frequency_penalty"):
             if getattr(b, f) not in (None, 0, 0.0):
                 raise P.bad_request(f"{f} is not supported by this server", f)
@@ -179,6 +178,8 @@ class OpenAIServer:
         if b.model != self.cfg.model_name:
             raise P.APIError(404, f"The model `{b.model}` does not exist; this server serves "
                              f"`{self.cfg.model_name}`.", "invalid_request_error", "model", "model_not_found")
+        if b.n < 1 or b.n > self.cfg.max_n:
+            raise P.bad_request(f"n must be between 1 and {self.cfg.max_n}, got {b.n}", "n")
         if not chat and b.echo:
             raise P.bad_request("echo is not supported by this server", "echo")
         prompts = await run_in_threadpool(self._prompts, b, chat)
@@ -245,8 +246,9 @@ class _Group:
 
     def _abort_unfinished(self) -> None:
         for k, (rid, _, _) in enumerate(self.subs):
-            if self.last[k] is None:
+            if self.last[k] is None:  # the client went away (or the request failed): stop generating
                 self.srv.loop.abort(rid)
+                self.srv.metrics.finished.labels("abort").inc()
 
     def _usage(self) -> dict[str, Any]:
         firsts = [self.last[i * self.n] for i in range(self.num_prompts)]
@@ -264,17 +266,20 @@ class _Group:
 
     async def collect(self, request: Request) -> dict[str, Any]:
         texts = [""] * len(self.subs)
+        next_check = time.monotonic() + _DISCONNECT_POLL_S
         try:
             while any(ev is None for ev in self.last):
                 try:
-                    k, ev = await asyncio.wait_for(self._next(), timeout=0.5)
+                    k, ev = await asyncio.wait_for(self._next(), timeout=_DISCONNECT_POLL_S)
+                    texts[k] += ev.text
+                    if ev.finish_reason in ("error", "abort"):
+                        raise self._failure(ev)
                 except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() >= next_check:  # events may flow faster than the poll: check by the clock
+                    next_check = time.monotonic() + _DISCONNECT_POLL_S
                     if await request.is_disconnected():
-                        raise P.APIError(499, "client disconnected") from None
-                    continue
-                texts[k] += ev.text
-                if ev.finish_reason in ("error", "abort"):
-                    raise self._failure(ev)
+                        raise P.APIError(499, "client disconnected")
         finally:
             self._abort_unfinished()
         choices = [self.env.choice(k, texts[k], ev.finish_reason) for k, ev in enumerate(self.last) if ev]

@@ -95,6 +95,8 @@ def build(args: argparse.Namespace) -> Built:
     from .app import ServerConfig, create_app
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device is available (use --device cpu)")
     dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else
                                                               torch.float32)
     loaded = load_model(args.model, dtype=dtype, device=device, progress=False)
@@ -144,8 +146,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         built = build(args)
-    except Exception as e:  # a bad --model, no memory for the KV pool, ...: one clear line, no traceback
+    except ValueError as e:  # a bad --model or flag value (CheckpointError, SpecError, ...): exit code 2
         print(f"mimw serve: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # no memory for the KV pool, a broken device, ...: one clear line, no traceback
+        print(f"mimw serve: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     log.info("%s", built.summary)
     log.info("OpenAI-compatible API on http://%s:%d/v1 (model id %r)", args.host, args.port, built.model_name)

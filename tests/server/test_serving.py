@@ -1,0 +1,164 @@
+"""Serving behaviour of the real server: concurrent streams, client disconnects, prefix reuse, back-pressure
+(429 past a bounded queue) and the optional API key."""
+import asyncio
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import serve_app
+
+from mimw.engine.engine import Engine, EngineConfig
+from mimw.engine.loop import EngineLoop
+from mimw.server.app import ServerConfig, create_app
+
+QUESTIONS = ["What is 2+2?", "Name a fruit.", "Say hello in French.", "What colour is the sky?"]
+
+
+def metric(base_url: str, name: str) -> float:
+    text = httpx.get(base_url + "/metrics").text
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_idle(base_url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(base_url, "mimw_kv_pages_in_use") or metric(base_url, "mimw_running_requests") \
+            or metric(base_url, "mimw_queue_length"):
+        assert time.monotonic() < deadline, "requests (and their KV pages) were not released"
+        time.sleep(0.1)
+
+
+def chat_kw(model, q, n=6):
+    return dict(model=model, messages=[{"role": "user", "content": q}], max_tokens=n, temperature=0)
+
+
+def test_32_concurrent_streams_match_the_same_requests_alone(base_url, model_name):
+    sync = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+    alone = [sync.chat.completions.create(**chat_kw(model_name, q)).choices[0].message.content for q in QUESTIONS]
+
+    async def one(client, q):
+        stream = await client.chat.completions.create(**chat_kw(model_name, q), stream=True)
+        return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+        async with client:
+            return await asyncio.gather(*(one(client, QUESTIONS[i % 4]) for i in range(32)))
+
+    outs = asyncio.run(main())
+    assert outs == [alone[i % 4] for i in range(32)]
+    wait_idle(base_url)
+
+
+def test_client_disconnect_mid_stream_frees_pages(base_url, model_name):
+    wait_idle(base_url)
+    body = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = 0
+        for line in r.iter_lines():
+            lines += line.startswith("data:")
+            if lines == 3:
+                # still connected (leaving this loop closes the connection): the request holds KV pages
+                deadline = time.monotonic() + 10  # engine stats are a snapshot taken after each step
+                while metric(base_url, "mimw_kv_pages_in_use") == 0:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                break
+    # the response is closed mid-stream: the server notices on its next write and aborts the request
+    wait_idle(base_url, timeout=30)
+    assert 'mimw_request_finish_total{reason="abort"}' in httpx.get(base_url + "/metrics").text
+
+
+def test_non_streaming_client_timeout_aborts_the_request(base_url, model_name):
+    wait_idle(base_url)
+    body = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, timeout=1.5)
+    wait_idle(base_url, timeout=30)
+
+
+def test_shared_prefix_is_reused_and_reaches_first_token_sooner(base_url, model_name):
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+    system = "You are a meticulous assistant. " + " ".join(f"Rule {i}: answer briefly and precisely." for i in
+                                                            range(40))
+
+    def ttft(question):
+        t0 = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=model_name, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=2, temperature=0, stream=True, stream_options={"include_usage": True})
+        first = None
+        for ch in stream:
+            if first is None and ch.choices and ch.choices[0].delta.content:
+                first = time.perf_counter() - t0
+            usage = ch.usage
+        return first, usage
+
+    cold, u1 = ttft("Where is Rome?")
+    warm, u2 = ttft("Where is Oslo?")
+    assert u1.prompt_tokens > 300
+    assert u1.prompt_tokens_details.cached_tokens < 32  # at most the default system preamble of earlier tests
+    assert u2.prompt_tokens_details.cached_tokens >= u1.prompt_tokens - 32  # everything but the new question
+    assert warm < cold, (warm, cold)
+    assert metric(base_url, "mimw_prefix_cache_hit_rate") > 0
+
+
+def test_bounded_queue_answers_429(built, model_name):
+    # A second engine over the same weights: one batch slot and a queue of one
+    eng = Engine(built.loop.engine.backend, built.loop.engine.tokenizer,
+                 EngineConfig(num_pages=64, page_size=16, max_batch=1, max_step_tokens=64))
+    loop = EngineLoop(eng, max_queue=1).start()
+    app = create_app(loop, built.app.state.server.tok, ServerConfig(model_name=model_name))
+    body = {"model": model_name, "prompt": "Count: 1, 2, 3,", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    try:
+        with serve_app(app) as url:
+            results = []
+
+            def hold():  # a streaming request that keeps the only slot busy
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                    results.append(r.status_code)
+                    for i, _ in enumerate(r.iter_lines()):
+                        if i > 40:
+                            break
+
+            threads = [threading.Thread(target=hold) for _ in range(2)]
+            threads[0].start()
+            deadline = time.monotonic() + 30
+            while metric(url, "mimw_running_requests") < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            threads[1].start()  # waits in the queue
+            while metric(url, "mimw_queue_length") < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            with pytest.raises(openai.RateLimitError) as e:
+                client.completions.create(model=model_name, prompt="hi", max_tokens=2)
+            assert e.value.status_code == 429 and e.value.code == "rate_limit_exceeded"
+            for t in threads:
+                t.join(60)
+            assert results == [200, 200]
+    finally:
+        loop.stop()
+
+
+def test_api_key_is_required_when_set(built, model_name):
+    app = create_app(built.loop, built.app.state.server.tok, ServerConfig(model_name=model_name, api_key="s3cret"))
+    with serve_app(app) as url:
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.models.list()
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        assert httpx.post(url + "/v1/completions", json={}).status_code == 401
+        good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        r = good.completions.create(model=model_name, prompt="Hi", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+        assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
