@@ -55,3 +55,16 @@ def test_stream_decoder_never_splits_characters(tok, text):
     assert not any("\ufffd" in d for d in deltas)
     if any(ord(c) > 0x7FF for c in text):  # byte-level BPE splits these characters across tokens
         assert "" in deltas[:-1]
+
+
+def test_tokenizers_build_without_network(tmp_path, monkeypatch):
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise OSError("network access attempted while building a tokenizer")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    t = Tokenizer.from_gguf(default_gguf_path())
+    t.hf.save_pretrained(tmp_path)
+    assert Tokenizer.from_hf_dir(tmp_path).encode("offline") == t.encode("offline")
