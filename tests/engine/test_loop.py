@@ -70,3 +70,19 @@ def test_abort_mid_generation_returns_pages(make_engine):
     finally:
         loop.stop()
     assert loop.stats().pages_in_use == 0
+
+
+def test_close_aborts_running_requests_and_refuses_new_ones(make_engine):
+    loop = EngineLoop(make_engine(num_pages=64, page_size=4)).start()
+    try:
+        c, first = Collector(), threading.Event()
+        loop.submit("long", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                    lambda ev: (c(ev), first.set()))
+        assert first.wait(30)
+        loop.close()
+        assert c.done.wait(30) and c.events[-1].finish_reason == "abort"
+        assert not loop.alive
+        with pytest.raises(EngineDead, match="shutting down"):
+            loop.submit("late", [1, 2], P, Collector())
+    finally:
+        loop.stop()

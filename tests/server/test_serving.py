@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import serve_app
+from server_helpers import serve_app
 
 from mimw.engine.engine import Engine, EngineConfig
 from mimw.engine.loop import EngineLoop

@@ -40,6 +40,7 @@ class EngineLoop:
         self._pending = 0  # submitted, not yet admitted by the engine (inbox + engine's waiting queue)
         self._stats = engine.stats()
         self._stop = False
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="mimw-engine", daemon=True)
         self.error: str | None = None
 
@@ -57,14 +58,23 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop
+        return self._thread.is_alive() and not self._stop and not self._closing
+
+    def close(self) -> None:
+        """Refuse new requests and abort the running ones (their clients get a final "abort" event): the first
+        step of a graceful shutdown, so that open streams end instead of holding the server up."""
+        with self._cv:
+            self._closing = True
+            self._inbox.append(("abort_all",))
+            self._cv.notify()
 
     # --- called from other threads ------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None]) -> None:
         """Queue a request. Validates lengths first (``RequestError``); ``QueueFull`` past ``max_queue``."""
         if not self.alive:
-            raise EngineDead(self.error or "the engine is not running")
+            raise EngineDead(self.error or ("the server is shutting down" if self._closing else
+                                            "the engine is not running"))
         self.engine.validate(prompt_token_ids, params)  # pure: safe from any thread
         with self._cv:
             if self._pending >= self.max_queue:
@@ -112,8 +122,10 @@ class EngineLoop:
                 with self._cv:
                     self._pending -= 1
                 on_output(RequestOutput(rid, "", (), True, "error", len(ids), 0, 0, str(e)))
-        else:
+        elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
+        else:
+            self.engine.abort_all()
 
     def _publish(self) -> None:
         s = self.engine.stats()

@@ -7,6 +7,7 @@ works as well.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ import torch
 log = logging.getLogger("mimw.server")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BACKENDS = {"reference": ("mimw.engine.backends.reference", "ReferenceBackend"),
+             "megakernel": ("mimw.engine.backends.megakernel", "MegakernelBackend")}
 _CPU_KV_BYTES = 1 << 30  # default KV pool on the CPU: 1 GiB
 _GPU_KV_FRACTION = 0.8  # default KV pool on a GPU: this share of the memory left after the weights
 
@@ -30,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--backend", default="reference", choices=sorted(_BACKENDS),
+                   help="reference: PyTorch on any device; megakernel: Hopper GPU decode megakernel")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES], help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-batch", type=_positive, default=32, help="running requests per step at most")
@@ -87,7 +92,6 @@ class Built:
 
 def build(args: argparse.Namespace) -> Built:
     """Load the model and start the engine thread; the caller serves ``app`` and stops ``loop``."""
-    from ..engine.backends.reference import ReferenceBackend
     from ..engine.engine import Engine, EngineConfig
     from ..engine.loop import EngineLoop
     from ..kv.pages import KVLayout
@@ -106,20 +110,31 @@ def build(args: argparse.Namespace) -> Built:
         log.warning("%s has no tokenizer: falling back to UTF-8 bytes as token ids (no chat template)",
                     loaded.source)
         tok = ByteTokenizer()
-    num_pages = args.kv_pages or _default_pages(KVLayout.for_spec(spec, args.page_size, 1, dtype), device,
-                                                args.max_batch, args.max_model_len or spec.max_position_embeddings)
+    backend = _backend(args.backend, loaded.weights)
+    one_page = KVLayout.for_spec(spec, args.page_size, 1, backend.kv_dtype)
+    num_pages = args.kv_pages or _default_pages(one_page, backend.device, args.max_batch,
+                                                args.max_model_len or spec.max_position_embeddings)
     cfg = EngineConfig(num_pages=num_pages, page_size=args.page_size, max_batch=args.max_batch,
                        max_step_tokens=args.max_step_tokens or max(512, args.max_batch),
                        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache)
-    engine = Engine(ReferenceBackend(loaded.weights), _TextDecoder(tok), cfg, tok.eos_token_ids)
+    engine = Engine(backend, _TextDecoder(tok), cfg, tok.eos_token_ids)
     loop = EngineLoop(engine, max_queue=args.max_queue).start()
     name = args.served_model_name or _default_name(args.model, loaded.source)
     app = create_app(loop, tok, ServerConfig(model_name=name, api_key=args.api_key))
     summary = (f"model {name!r} from {loaded.source} ({spec.arch}, {spec.num_layers} layers) on {device} "
-               f"{str(dtype).removeprefix('torch.')}; KV {num_pages} pages x {args.page_size} tokens, context "
-               f"{engine.max_model_len}, batch {cfg.max_batch}, step budget {cfg.max_step_tokens} tokens, prefix "
-               f"cache {'on' if cfg.enable_prefix_cache else 'off'}")
+               f"{str(dtype).removeprefix('torch.')}, {args.backend} backend; KV {num_pages} pages x "
+               f"{args.page_size} tokens, context {engine.max_model_len}, batch {cfg.max_batch}, step budget "
+               f"{cfg.max_step_tokens} tokens, prefix cache {'on' if cfg.enable_prefix_cache else 'off'}")
     return Built(app, loop, name, summary)
+
+
+def _backend(name: str, weights: Any) -> Any:
+    module, cls = _BACKENDS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"--backend {name}: not available in this build ({e})") from None
+    return getattr(mod, cls)(weights)
 
 
 def _default_name(model: str | None, source: str) -> str:
@@ -154,10 +169,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log.info("%s", built.summary)
     log.info("OpenAI-compatible API on http://%s:%d/v1 (model id %r)", args.host, args.port, built.model_name)
+    loop = built.loop
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            loop.close()  # end open streams now (clients get an error event) instead of waiting them out
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(built.app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
     try:
-        uvicorn.run(built.app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        Server(config).run()
     finally:
-        built.loop.stop()
+        loop.stop()
     return 0
 
 
