@@ -150,6 +150,34 @@ def test_bounded_queue_answers_429(built, model_name):
         loop.stop()
 
 
+def test_tiny_kv_pool_preempts_instead_of_failing(built, model_name):
+    # 8 pages of 16 tokens; each chat needs 3 pages for its prompt and grows to 5: two running requests outgrow
+    # the pool, so the newer one is preempted (and later recomputed, mostly from the prefix cache)
+    eng = Engine(built.loop.engine.backend, built.loop.engine.tokenizer,
+                 EngineConfig(num_pages=8, page_size=16, max_batch=4, max_step_tokens=256),
+                 built.loop.engine.eos_token_ids)
+    loop = EngineLoop(eng).start()
+    app = create_app(loop, built.app.state.server.tok, ServerConfig(model_name=model_name))
+    kw = [dict(chat_kw(model_name, q, 28), extra_body={"ignore_eos": True}) for q in QUESTIONS[:2]]
+    try:
+        with serve_app(app) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+            alone = [client.chat.completions.create(**k).choices[0].message.content for k in kw]
+            assert metric(url, "mimw_preemptions_total") == 0
+
+            async def main():
+                c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+                async with c:
+                    rs = await asyncio.gather(*(c.chat.completions.create(**kw[i % 2]) for i in range(4)))
+                return [r.choices[0].message.content for r in rs]
+
+            assert asyncio.run(main()) == [alone[i % 2] for i in range(4)]
+            assert metric(url, "mimw_preemptions_total") > 0
+            wait_idle(url)
+    finally:
+        loop.stop()
+
+
 def test_api_key_is_required_when_set(built, model_name):
     app = create_app(built.loop, built.app.state.server.tok, ServerConfig(model_name=model_name, api_key="s3cret"))
     with serve_app(app) as url:

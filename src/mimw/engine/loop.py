@@ -105,7 +105,11 @@ class EngineLoop:
                 for cmd in commands:
                     self._apply(cmd)
                 if self.engine.has_work():
+                    before = self._stats.steps
                     self.engine.step()
+                    if self.engine.stats().steps == before:  # nothing could run (e.g. all waiting): don't spin
+                        with self._cv:
+                            self._cv.wait(0.005)
                 self._publish()
         except BaseException:  # a bug in the engine itself: record it so /health and submit report it
             self.error = "engine loop crashed: " + traceback.format_exc(limit=5)
@@ -121,7 +125,10 @@ class EngineLoop:
             except RequestError as e:  # raced past submit's checks (e.g. a bad token id): report, don't crash
                 with self._cv:
                     self._pending -= 1
-                on_output(RequestOutput(rid, "", (), True, "error", len(ids), 0, 0, str(e)))
+                try:
+                    on_output(RequestOutput(rid, "", (), True, "error", len(ids), 0, 0, str(e)))
+                except Exception:  # the consumer is gone; nothing else to tell
+                    pass
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
         else:
