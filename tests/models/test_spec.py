@@ -71,3 +71,12 @@ def test_bad_configs_raise_spec_error_naming_the_field(changes, field):
 def test_unknown_preset():
     with pytest.raises(SpecError, match="known: .*tiny-llama"):
         get_preset("nope")
+
+
+def test_llama_with_projection_biases_is_rejected_by_name():
+    from mimw.models.spec import ModelSpec, SpecError, get_preset
+
+    cfg = get_preset("tiny-llama").to_hf_config()
+    cfg["attention_bias"] = True
+    with pytest.raises(SpecError, match="attention_bias"):
+        ModelSpec.from_hf_config(cfg)

@@ -142,6 +142,8 @@ class ModelSpec:
                 raise SpecError(f"config.json: missing required field {key!r}")
             return cfg[key]
 
+        if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+            raise SpecError("attention_bias/mlp_bias: Llama checkpoints with projection biases are not supported")
         n_heads = int(req("num_attention_heads"))
         d = int(req("hidden_size"))
         head_dim = cfg.get("head_dim") or d // n_heads
