@@ -48,6 +48,13 @@ def _field(w, offs, k: gl.constexpr):
 
 
 @gluon.jit
+def _fetch(prog_ptr, MAXLEN, i, offs):
+    """Instruction i of this CTA's queue: all NWORDS words in one vector load; (words, op, layer, A, B)."""
+    w = gl.load(prog_ptr + (gl.program_id(0) * MAXLEN + i) * NWORDS + offs, mask=offs < NWORDS, other=0)
+    return w, _field(w, offs, W_OP), _field(w, offs, W_LAYER), _field(w, offs, W_A), _field(w, offs, W_B)
+
+
+@gluon.jit
 def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
             D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
@@ -62,11 +69,7 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
     offs = gl.arange(0, WP2, WL)
     it = 0
     for i in range(n):
-        w = gl.load(prog_ptr + (pid * MAXLEN + i) * NWORDS + offs, mask=offs < NWORDS, other=0)
-        op = _field(w, offs, W_OP)
-        layer = _field(w, offs, W_LAYER)
-        a = _field(w, offs, W_A)
-        b = _field(w, offs, W_B)
+        w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
         if op == OP_ATTN_IN:
             it = producer_rows(d_qkv, (layer * NQKV + a) * HD, HD // TR, KT_D, bufs, empty, ready, it, TR, TK)
         elif op == OP_O_PROJ:
@@ -110,11 +113,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
     it = 0
     staged = -1  # (op, layer) whose input vector hbuf holds: consecutive blocks of one stage share it
     for i in range(n):
-        w = gl.load(prog_ptr + (pid * MAXLEN + i) * NWORDS + offs, mask=offs < NWORDS, other=0)
-        op = _field(w, offs, W_OP)
-        layer = _field(w, offs, W_LAYER)
-        a = _field(w, offs, W_A)
-        b = _field(w, offs, W_B)
+        w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
         wait = _field(w, offs, W_WAIT)
         key = op * 65536 + layer
         restage = key != staged
