@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from server_helpers import serve_app
 
 from mimw.server.main import add_arguments, build
 
