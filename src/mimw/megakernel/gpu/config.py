@@ -33,6 +33,9 @@ class KernelConfig:
                 raise ValueError(f"{name}={getattr(spec, name)} must be a multiple of tile_rows={tr}")
         if self.tile_k % (32 * self.num_warps):
             raise ValueError("tile_k must be a multiple of 32 * num_warps")
+        wr = min(self.num_warps, tr // 4)
+        if self.num_warps % wr or self.tile_k % (64 * (self.num_warps // wr)):
+            raise ValueError(f"{self.num_warps} warps cannot tile a [{tr}, {self.tile_k}] weight tile")
 
 
 def _pow2(n: int) -> int:
@@ -49,7 +52,8 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, PS=kcfg.page_size, HAS_BIAS=spec.attention_bias, QK_NORM=spec.qk_norm,
         TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring, KT_MAX=-(-kmax // kcfg.tile_k),
-        BT=max(8, 2048 // spec.head_dim), SP2=_pow2(max_splits), LOADER_REGS=kcfg.loader_regs,
+        BT=max(8, 2048 // spec.head_dim), SP2=_pow2(max_splits), WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
+        LOADER_REGS=kcfg.loader_regs,
         num_warps=kcfg.num_warps,
     )
 

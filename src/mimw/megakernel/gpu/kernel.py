@@ -89,10 +89,11 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              eps, qscale, bufs, empty, ready, hbuf, scr,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
-             SP2: gl.constexpr, num_warps: gl.constexpr):
+             SP2: gl.constexpr, WR: gl.constexpr, num_warps: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
-    LAY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # weight tile [TR, TK]
+    # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
+    LAY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WR, num_warps // WR], [1, 0])
     V1: gl.constexpr = gl.BlockedLayout([TK // (32 * num_warps)], [32], [num_warps], [0])  # staging chunk [TK]
     E2: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TR, TR], [num_warps, 1], [1, 0])  # half head [HD/2TR, TR]
     KL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # K/V rows [BT, HD]
@@ -169,7 +170,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_MAX: gl.constexpr,
-               BT: gl.constexpr, SP2: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+               BT: gl.constexpr, SP2: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
+               num_warps: gl.constexpr):
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -183,7 +185,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, bufs, empty, ready, hbuf, scr, D, HQ, HKV, HD, I, PS, HAS_BIAS, QK_NORM, BT, SP2,
-                    num_warps)),
+                    WR, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
                    D, HQ, HKV, HD, I)),
     ], [1], [LOADER_REGS])

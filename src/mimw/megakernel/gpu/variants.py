@@ -68,6 +68,7 @@ VARIANTS = {
     "tr16-tk256-nb20": KernelConfig(tile_rows=16, tile_k=256, ring=20),
     "tr32-tk512-nb5": KernelConfig(tile_rows=32, tile_k=512, ring=5),
     "tr32-tk256-nb10-w8": KernelConfig(tile_rows=32, tile_k=256, ring=10, num_warps=8),
+    "tr16-tk512-nb10-w8": KernelConfig(tile_rows=16, tile_k=512, ring=10, num_warps=8),
 }
 
 
