@@ -20,7 +20,7 @@ from ..kv.prefix import PrefixCache
 from ..models.reference import Segment
 from .backends.base import Backend
 from .detokenize import Decoder, IncrementalDetokenizer, StopMatcher
-from .request import Request, RequestOutput, Status
+from .request import Request, RequestOutput
 from .sampling import SamplingParams, make_generator, sample_batch
 from .scheduler import Scheduler, SchedulerConfig
 

@@ -14,13 +14,12 @@ Robustness contract:
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -31,13 +30,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import RequestError
 from ..engine.loop import EngineDead, EngineLoop, QueueFull
-from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
 from . import protocol as P
+from .generation import Generation
 from .metrics import ServerMetrics
 
 log = logging.getLogger("mimw.server")
-_DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 @dataclass(frozen=True)
@@ -59,30 +57,6 @@ class _SSE(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-class _Tracker:
-    """Latency bookkeeping of one engine request (times from the engine thread's clock)."""
-
-    def __init__(self, t0: float):
-        self.t0, self.last = t0, None
-
-    def observe(self, m: ServerMetrics, ev: RequestOutput, t: float) -> None:
-        if ev.token_ids:
-            if self.last is None:
-                m.ttft.observe(t - self.t0)
-            else:
-                m.itl.observe(t - self.last)
-            self.last = t
-        if ev.finished:
-            m.finished.labels(ev.finish_reason).inc()
-            m.generation_tokens.inc(ev.completion_tokens)
-            if ev.finish_reason in ("stop", "length"):
-                m.e2e.observe(t - self.t0)
 
 
 class OpenAIServer:
@@ -200,110 +174,21 @@ class OpenAIServer:
         if len(subs) > self.cfg.max_n:
             raise P.bad_request(f"at most {self.cfg.max_n} choices per request (prompts x n), got {len(subs)}", "n")
 
-        queue: asyncio.Queue = asyncio.Queue()
-        aio = asyncio.get_running_loop()
-        trackers = []
-        submitted: list[str] = []
+        group = Generation(self.loop, self.metrics, env, subs, b.n, len(prompts))
         try:
-            for k, (rid, ids, params) in enumerate(subs):
-                def on_output(ev: RequestOutput, k: int = k) -> None:  # engine thread
-                    aio.call_soon_threadsafe(queue.put_nowait, (k, ev, time.monotonic()))
-                trackers.append(_Tracker(time.monotonic()))
-                self.loop.submit(rid, ids, params, on_output)
-                submitted.append(rid)
-        except (RequestError, QueueFull, EngineDead) as e:
-            for rid in submitted:
-                self.loop.abort(rid)
-            if isinstance(e, QueueFull):
-                raise P.APIError(429, f"the server is busy ({e}); retry later", "rate_limit_exceeded", None,
-                                 "rate_limit_exceeded") from None
-            if isinstance(e, EngineDead):
-                raise P.APIError(503, f"the engine is not running: {e}", "server_error") from None
+            group.submit()
+        except QueueFull as e:
+            raise P.APIError(429, f"the server is busy ({e}); retry later", "rate_limit_exceeded", None,
+                             "rate_limit_exceeded") from None
+        except EngineDead as e:
+            raise P.APIError(503, f"the engine is not running: {e}", "server_error") from None
+        except RequestError as e:
             raise P.bad_request(str(e), e.param, e.code) from None
-        group = _Group(self, env, subs, queue, trackers, b.n, len(prompts))
         if b.stream:
             include_usage = bool(b.stream_options and b.stream_options.include_usage)
             return _SSE(group.stream(include_usage), media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(await group.collect(request))
-
-
-class _Group:
-    """The engine requests behind one HTTP request (prompts x n choices), merged into one response or stream."""
-
-    def __init__(self, srv: OpenAIServer, env: P.Envelope, subs: Sequence[tuple[str, list[int], SamplingParams]],
-                 queue: asyncio.Queue, trackers: list[_Tracker], n: int, num_prompts: int):
-        self.srv, self.env, self.subs, self.queue, self.trackers = srv, env, subs, queue, trackers
-        self.n, self.num_prompts = n, num_prompts
-        self.last: list[RequestOutput | None] = [None] * len(subs)
-
-    async def _next(self) -> tuple[int, RequestOutput]:
-        k, ev, t = await self.queue.get()
-        self.trackers[k].observe(self.srv.metrics, ev, t)
-        if ev.finished:
-            self.last[k] = ev
-        return k, ev
-
-    def _abort_unfinished(self) -> None:
-        for k, (rid, _, _) in enumerate(self.subs):
-            if self.last[k] is None:  # the client went away (or the request failed): stop generating
-                self.srv.loop.abort(rid)
-                self.srv.metrics.finished.labels("abort").inc()
-
-    def _usage(self) -> dict[str, Any]:
-        firsts = [self.last[i * self.n] for i in range(self.num_prompts)]
-        done = [ev for ev in self.last if ev is not None]
-        prompt = sum(ev.prompt_tokens for ev in firsts if ev is not None)
-        self.srv.metrics.prompt_tokens.inc(prompt)
-        return P.usage(prompt, sum(ev.completion_tokens for ev in done),
-                       sum(ev.cached_tokens for ev in firsts if ev is not None))
-
-    @staticmethod
-    def _failure(ev: RequestOutput) -> P.APIError:
-        if ev.finish_reason == "error":
-            return P.APIError(500, f"generation failed: {ev.error}", "server_error")
-        return P.APIError(503, "the request was cancelled by the server (shutting down)", "server_error")
-
-    async def collect(self, request: Request) -> dict[str, Any]:
-        texts = [""] * len(self.subs)
-        next_check = time.monotonic() + _DISCONNECT_POLL_S
-        try:
-            while any(ev is None for ev in self.last):
-                try:
-                    k, ev = await asyncio.wait_for(self._next(), timeout=_DISCONNECT_POLL_S)
-                    texts[k] += ev.text
-                    if ev.finish_reason in ("error", "abort"):
-                        raise self._failure(ev)
-                except asyncio.TimeoutError:
-                    pass
-                if time.monotonic() >= next_check:  # events may flow faster than the poll: check by the clock
-                    next_check = time.monotonic() + _DISCONNECT_POLL_S
-                    if await request.is_disconnected():
-                        raise P.APIError(499, "client disconnected")
-        finally:
-            self._abort_unfinished()
-        choices = [self.env.choice(k, texts[k], ev.finish_reason) for k, ev in enumerate(self.last) if ev]
-        return self.env.response(choices, self._usage())
-
-    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
-        try:
-            if self.env.chat:
-                for k in range(len(self.subs)):
-                    yield _sse(self.env.chunk(k, "", None, first=True))
-            while any(ev is None for ev in self.last):
-                k, ev = await self._next()
-                if ev.finish_reason in ("error", "abort"):
-                    yield _sse(self._failure(ev).body())
-                    return
-                if ev.text or ev.finished:
-                    yield _sse(self.env.chunk(k, ev.text or None, ev.finish_reason))
-            if include_usage:
-                yield _sse(self.env.usage_chunk(self._usage()))
-            else:
-                self._usage()
-            yield "data: [DONE]\n\n"
-        finally:
-            self._abort_unfinished()
 
 
 def create_app(loop: EngineLoop, tokenizer: Any, config: ServerConfig) -> FastAPI:
