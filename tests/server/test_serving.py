@@ -190,3 +190,16 @@ def test_api_key_is_required_when_set(built, model_name):
         r = good.completions.create(model=model_name, prompt="Hi", max_tokens=2, temperature=0)
         assert r.usage.completion_tokens == 2
         assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
+
+
+def test_body_limit_and_dead_engine(built, model_name):
+    tok = built.app.state.server.tok
+    small = create_app(built.loop, tok, ServerConfig(model_name=model_name, max_body_bytes=1000))
+    with serve_app(small) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": model_name, "prompt": "x" * 5000})
+        assert r.status_code == 413 and r.json()["error"]["message"]
+    stopped = EngineLoop(built.loop.engine)  # never started: the engine is not running
+    with serve_app(create_app(stopped, tok, ServerConfig(model_name=model_name))) as url:
+        assert httpx.get(url + "/health").status_code == 503
+        r = httpx.post(url + "/v1/completions", json={"model": model_name, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
