@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -58,14 +59,29 @@ def _positive(s: str) -> int:
     return v
 
 
-class _TextDecoder:
-    """The engine's ``Decoder`` view of a tokenizer: special tokens (chat markup) never reach the client."""
+class SerializedTokenizer:
+    """The tokenizer as the server uses it from several threads (request handlers encode in a worker pool, the
+    engine thread decodes): one lock around every call, since a Hugging Face fast tokenizer is a single Rust
+    object whose settings calls may take a mutable borrow ("Already borrowed" under concurrency). ``decode``
+    skips special tokens: chat markup never reaches a client."""
 
     def __init__(self, tok: Any):
         self.tok = tok
+        self._lock = threading.Lock()
+        self.eos_token_ids = tuple(getattr(tok, "eos_token_ids", ()))
+        self.has_chat_template = bool(getattr(tok, "has_chat_template", False))
+
+    def encode(self, text: str) -> list[int]:
+        with self._lock:
+            return self.tok.encode(text)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        with self._lock:
+            return self.tok.apply_chat_template(messages)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        with self._lock:
+            return self.tok.decode(ids, skip_special_tokens=True)
 
 
 class ByteTokenizer:
@@ -110,6 +126,7 @@ def build(args: argparse.Namespace) -> Built:
         log.warning("%s has no tokenizer: falling back to UTF-8 bytes as token ids (no chat template)",
                     loaded.source)
         tok = ByteTokenizer()
+    tok = SerializedTokenizer(tok)
     backend = _backend(args.backend, loaded.weights)
     one_page = KVLayout.for_spec(spec, args.page_size, 1, backend.kv_dtype)
     num_pages = args.kv_pages or _default_pages(one_page, backend.device, args.max_batch,
@@ -117,7 +134,7 @@ def build(args: argparse.Namespace) -> Built:
     cfg = EngineConfig(num_pages=num_pages, page_size=args.page_size, max_batch=args.max_batch,
                        max_step_tokens=args.max_step_tokens or max(512, args.max_batch),
                        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache)
-    engine = Engine(backend, _TextDecoder(tok), cfg, tok.eos_token_ids)
+    engine = Engine(backend, tok, cfg, tok.eos_token_ids)
     loop = EngineLoop(engine, max_queue=args.max_queue).start()
     name = args.served_model_name or _default_name(args.model, loaded.source)
     app = create_app(loop, tok, ServerConfig(model_name=name, api_key=args.api_key))
