@@ -87,6 +87,7 @@ def _bad(client, model_name, **kw):
     (dict(extra_body={"top_k": -2}), "top_k"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-5), "max_tokens"),
+    (dict(max_completion_tokens=0), "max_completion_tokens"),
     (dict(max_tokens=10**6), "max_tokens"),
     (dict(n=0), "n"),
     (dict(n=1000), "n"),

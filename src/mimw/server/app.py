@@ -157,8 +157,10 @@ class OpenAIServer:
         if not chat and b.echo:
             raise P.bad_request("echo is not supported by this server", "echo")
         prompts = await run_in_threadpool(self._prompts, b, chat)
-        asked = (b.max_completion_tokens or b.max_tokens) if chat else (16 if b.max_tokens is None else b.max_tokens)
         param = "max_completion_tokens" if chat and b.max_completion_tokens is not None else "max_tokens"
+        asked = getattr(b, param)
+        if asked is None and not chat:
+            asked = 16  # the OpenAI default for /v1/completions; chat defaults to the rest of the context
         if asked is not None and asked < 1:
             raise P.bad_request(f"{param} must be at least 1, got {asked}", param)
         subs: list[tuple[str, list[int], SamplingParams]] = []

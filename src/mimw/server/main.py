@@ -185,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"mimw serve: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     log.info("%s", built.summary)
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
+                    args.host)
     log.info("OpenAI-compatible API on http://%s:%d/v1 (model id %r)", args.host, args.port, built.model_name)
     loop = built.loop
 
