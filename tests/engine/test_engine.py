@@ -160,3 +160,26 @@ def test_backend_failure_fails_requests_not_the_engine(make_engine):
     eng.backend.forward = real
     eng.add_request("b", PROMPTS[0], greedy(4))
     assert run_all(eng)["b"][-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_configs_and_arrivals_keep_greedy_output(make_engine, tiny_weights, seed):
+    import random
+    rng = random.Random(seed)
+    ps = rng.choice([2, 4, 8])
+    eng = make_engine(num_pages=rng.randint(48 // ps + 1, 160 // ps), page_size=ps, max_batch=rng.randint(1, 5),
+                      max_step_tokens=rng.randint(5, 40))
+    shared = [rng.randint(3, 255) for _ in range(rng.randint(0, 20))]
+    prompts = [shared + [rng.randint(3, 255) for _ in range(rng.randint(1, 20))] for _ in range(6)]
+    n = 8
+    want = [greedy_alone(tiny_weights, p, n) for p in prompts]
+    got: dict[str, list] = {}
+    pending = list(enumerate(prompts))
+    while pending or eng.has_work():
+        if pending and rng.random() < 0.5:  # arrivals between steps
+            i, p = pending.pop(0)
+            eng.add_request(f"r{i}", p, greedy(n))
+        for e in eng.step():
+            got.setdefault(e.request_id, []).append(e)
+    assert [tokens(got[f"r{i}"]) for i in range(6)] == want
+    assert eng.stats().pages_in_use == 0

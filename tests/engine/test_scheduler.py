@@ -142,3 +142,35 @@ def test_prefix_pages_are_shared_and_the_last_token_is_recomputed():
     for r in list(s.running):
         s.finish(r, "stop")
     assert s.alloc.num_in_use == 0 and s.alloc.num_parked > 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads_keep_page_accounting_exact(seed):
+    """Random arrivals, lengths, finishes and pool sizes: at every step each page is free, parked or held
+    (refcount = number of block tables holding it), budgets and batch limits hold, and the pool drains to 0."""
+    import random
+    rng = random.Random(seed)
+    s = make(num_pages=rng.randint(6, 30), page_size=rng.choice([2, 4]), max_batch=rng.randint(1, 6),
+             max_step_tokens=rng.randint(6, 40))
+    alive = []
+    for it in range(120):
+        if rng.random() < 0.3:  # shared prefixes exercise the prefix cache
+            base = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], []])
+            r = Request(f"r{it}", base + [rng.randint(1, 5) for _ in range(rng.randint(1, 10))], P)
+            s.add(r)
+            alive.append(r)
+        plan = step(s, new_token=rng.randint(1, 3))
+        assert plan.num_tokens <= s.cfg.max_step_tokens and len(s.running) <= s.cfg.max_batch
+        for r in list(alive):
+            if r.num_output_tokens >= rng.randint(1, 12) or rng.random() < 0.05:
+                s.finish(r, "stop")
+                alive.remove(r)
+        check_pages(s)
+        held = [p for r in s.running for p in r.block_table]
+        for p in set(held):
+            assert s.alloc.refcount(p) == held.count(p)
+        assert s.alloc.num_free + s.alloc.num_parked + len(set(held)) == s.alloc.num_pages
+        assert all(not r.block_table for r in s.waiting)
+    for r in alive:
+        s.finish(r, "stop")
+    assert s.alloc.num_in_use == 0
