@@ -100,6 +100,8 @@ def _bad(client, model_name, **kw):
     (dict(extra_body={"stop_token_ids": [10**7]}), "stop_token_ids"),
     (dict(presence_penalty=1.0), "presence_penalty"),
     (dict(logprobs=True), "logprobs"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
 ])
 def test_bad_chat_input_is_a_400_naming_the_field(client, model_name, kw, param):
     e = _bad(client, model_name, **kw)

@@ -154,6 +154,10 @@ class OpenAIServer:
                              f"`{self.cfg.model_name}`.", "invalid_request_error", "model", "model_not_found")
         if b.n < 1 or b.n > self.cfg.max_n:
             raise P.bad_request(f"n must be between 1 and {self.cfg.max_n}, got {b.n}", "n")
+        if chat and b.tools:
+            raise P.bad_request("tools (function calling) are not supported by this server", "tools")
+        if chat and b.response_format and b.response_format.get("type") != "text":
+            raise P.bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if not chat and b.echo:
             raise P.bad_request("echo is not supported by this server", "echo")
         prompts = await run_in_threadpool(self._prompts, b, chat)

@@ -85,6 +85,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # not supported: rejected rather than silently ignored
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
 
 def parse(model: type[_Strict], body: Any) -> Any:
