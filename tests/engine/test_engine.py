@@ -183,3 +183,21 @@ def test_random_configs_and_arrivals_keep_greedy_output(make_engine, tiny_weight
             got.setdefault(e.request_id, []).append(e)
     assert [tokens(got[f"r{i}"]) for i in range(6)] == want
     assert eng.stats().pages_in_use == 0
+
+
+def test_sampling_failure_fails_only_that_request(make_engine):
+    eng = make_engine(num_pages=32, page_size=4)
+    real = eng.backend.forward
+
+    def nan_for_second_segment(tokens, segments, cache):
+        out = real(tokens, segments, cache)
+        if len(segments) > 1:
+            out[1] = float("nan")
+        return out
+
+    eng.backend.forward = nan_for_second_segment
+    eng.add_request("ok", PROMPTS[0], greedy(3))
+    eng.add_request("bad", PROMPTS[1], SamplingParams(temperature=1.0, seed=0, max_tokens=3))
+    events = run_all(eng)
+    assert events["bad"][-1].finish_reason == "error" and "sampling failed" in events["bad"][-1].error
+    assert events["ok"][-1].finish_reason == "length" and eng.stats().pages_in_use == 0

@@ -174,9 +174,21 @@ class Engine:
         if not rows:
             return []
         reqs = [plan.chunks[i].request for i in rows]
-        new = sample_batch(logits[rows], [r.params for r in reqs], [r.generator for r in reqs])
+        try:
+            new: list[int | Exception] = list(sample_batch(logits[rows], [r.params for r in reqs],
+                                                           [r.generator for r in reqs]))
+        except Exception:  # e.g. NaN logits under temperature sampling: find the culprits one by one
+            new = [self._sample_one(logits[i], r) for i, r in zip(rows, reqs)]
         now = time.monotonic()
-        return [self._append(r, t, now) for r, t in zip(reqs, new)]
+        return [self._finish(r, "error", "", error=f"sampling failed: {type(t).__name__}: {t}")
+                if isinstance(t, Exception) else self._append(r, t, now) for r, t in zip(reqs, new)]
+
+    @staticmethod
+    def _sample_one(logits: torch.Tensor, r: Request) -> int | Exception:
+        try:
+            return sample_batch(logits[None], [r.params], [r.generator])[0]
+        except Exception as e:
+            return e
 
     def _append(self, r: Request, token: int, now: float) -> RequestOutput:
         r.token_ids.append(token)
