@@ -86,3 +86,27 @@ def test_close_aborts_running_requests_and_refuses_new_ones(make_engine):
             loop.submit("late", [1, 2], P, Collector())
     finally:
         loop.stop()
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(make_engine):
+    eng = make_engine(num_pages=64, page_size=4)
+    real, calls = eng.scheduler.commit, []
+
+    def broken_once(plan):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("scheduler bug")
+        return real(plan)
+
+    eng.scheduler.commit = broken_once
+    loop = EngineLoop(eng).start()
+    try:
+        a = Collector()
+        loop.submit("a", [5, 6, 7], P, a)
+        assert a.done.wait(30) and a.events[-1].finish_reason == "error"
+        b = Collector()
+        loop.submit("b", [5, 6, 7], P, b)
+        assert b.done.wait(30) and b.events[-1].finish_reason == "length" and loop.alive
+    finally:
+        loop.stop()
+    assert loop.stats().pages_in_use == 0

@@ -146,6 +146,11 @@ class Engine:
         for rid in list(self._requests):
             self.abort(rid)
 
+    def fail_all(self, error: str) -> None:
+        """End every request with finish_reason "error" (after an unexpected failure of a step)."""
+        for req in list(self._requests.values()):
+            self._finish(req, "error", "", error=error, flush=False)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -181,7 +186,16 @@ class Engine:
             new = [self._sample_one(logits[i], r) for i, r in zip(rows, reqs)]
         now = time.monotonic()
         return [self._finish(r, "error", "", error=f"sampling failed: {type(t).__name__}: {t}")
-                if isinstance(t, Exception) else self._append(r, t, now) for r, t in zip(reqs, new)]
+                if isinstance(t, Exception) else self._append_safely(r, t, now) for r, t in zip(reqs, new)]
+
+    def _append_safely(self, r: Request, token: int, now: float) -> RequestOutput:
+        try:
+            return self._append(r, token, now)
+        except Exception as e:  # e.g. the tokenizer cannot decode an id: this request fails, the others go on
+            if r.request_id not in self._requests:
+                raise
+            return self._finish(r, "error", "", error=f"detokenisation failed: {type(e).__name__}: {e}",
+                                flush=False)
 
     @staticmethod
     def _sample_one(logits: torch.Tensor, r: Request) -> int | Exception:

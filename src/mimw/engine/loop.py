@@ -10,6 +10,7 @@ Threading contract:
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import traceback
@@ -19,6 +20,8 @@ from typing import Callable, Sequence
 from .engine import Engine, EngineStats, RequestError
 from .request import RequestOutput
 from .sampling import SamplingParams
+
+log = logging.getLogger("mimw.engine")
 
 
 class QueueFull(RuntimeError):
@@ -106,7 +109,11 @@ class EngineLoop:
                     self._apply(cmd)
                 if self.engine.has_work():
                     before = self._stats.steps
-                    self.engine.step()
+                    try:
+                        self.engine.step()
+                    except Exception:  # a bug in a step: fail the requests in flight, keep serving new ones
+                        log.exception("engine step failed; failing the requests in flight")
+                        self.engine.fail_all("internal error in the engine step (see the server log)")
                     if self.engine.stats().steps == before:  # nothing could run (e.g. all waiting): don't spin
                         with self._cv:
                             self._cv.wait(0.005)
