@@ -133,6 +133,7 @@ def test_unknown_model_is_404(client):
     dict(prompt="hi", max_tokens=0),
     dict(prompt="hi", stream="yes"),
     dict(prompt="hi", echo=True),
+    dict(prompt=["a"] * 17),
     dict(),
 ])
 def test_bad_completion_input_is_a_400(base_url, model_name, body):

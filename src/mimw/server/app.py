@@ -160,6 +160,11 @@ class OpenAIServer:
             raise P.bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if not chat and b.echo:
             raise P.bad_request("echo is not supported by this server", "echo")
+        num_prompts = 1 if chat or isinstance(b.prompt, str) or (b.prompt and isinstance(b.prompt[0], int)) \
+            else len(b.prompt)
+        if num_prompts * b.n > self.cfg.max_n:  # before tokenizing them all
+            raise P.bad_request(f"at most {self.cfg.max_n} choices per request (prompts x n), got "
+                                f"{num_prompts * b.n}", "n")
         prompts = await run_in_threadpool(self._prompts, b, chat)
         param = "max_completion_tokens" if chat and b.max_completion_tokens is not None else "max_tokens"
         asked = getattr(b, param)
@@ -177,8 +182,6 @@ class OpenAIServer:
                 raise P.bad_request(str(e), p, e.code) from None
             for j in range(b.n):
                 subs.append((f"{env.id}-{i * b.n + j}", ids, self._params(b, max_tokens, j)))
-        if len(subs) > self.cfg.max_n:
-            raise P.bad_request(f"at most {self.cfg.max_n} choices per request (prompts x n), got {len(subs)}", "n")
 
         group = Generation(self.loop, self.metrics, env, subs, b.n, len(prompts))
         try:
