@@ -60,7 +60,7 @@ def generate(weights: ModelWeights, prompt_ids: Sequence[int], params: SamplingP
     gen = make_generator(params)
     text = _TextStops(StreamDecoder(tokenizer, prompt), params.stop) if tokenizer else None
 
-    logits = decoder.forward(torch.tensor(prompt), [Segment(table, 0, len(prompt))], cache)[-1]
+    logits = decoder.forward(torch.tensor(prompt), [Segment(table, 0, len(prompt))], cache, last_only=True)[0]
     pos, produced = len(prompt), 0
     while True:
         tok = sample(logits, params, gen)

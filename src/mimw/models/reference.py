@@ -56,8 +56,11 @@ class ReferenceDecoder:
         self.spec = weights.spec
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """tokens [T] (segments' tokens concatenated) -> logits [T, vocab] (fp32). Writes K/V into ``cache``."""
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens [T] (segments' tokens concatenated) -> logits [T, vocab] (fp32), or [len(segments), vocab] for
+        each segment's last token when ``last_only`` (the LM head then runs on those rows only). Writes K/V into
+        ``cache``."""
         spec, w = self.spec, self.w
         if sum(s.length for s in segments) != tokens.numel():
             raise ValueError("segments' lengths must add up to the number of tokens")
@@ -87,5 +90,7 @@ class ReferenceDecoder:
             x = x + F.linear(o, lw.wo)
             h = rms_norm(x, lw.mlp_norm, spec.rms_norm_eps)
             x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
+        if last_only:
+            x = x[torch.tensor([s.length for s in segments], device=dev).cumsum(0) - 1]
         x = rms_norm(x, w.final_norm, spec.rms_norm_eps)
         return F.linear(x, w.lm_head).float()
