@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from mimw.engine.sampling import SamplingParams
-from mimw.generate import _TextStops, generate
+from mimw.generate import generate
 from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.models.reference import ReferenceDecoder, Segment
 from mimw.models.spec import get_preset
@@ -74,27 +74,3 @@ def test_seeded_sampling_is_reproducible(weights):
 def test_bad_requests(weights, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         next(generate(weights, prompt, params))
-
-
-class _Pieces:
-    """A stand-in StreamDecoder returning fixed text pieces."""
-
-    def __init__(self, pieces):
-        self.pieces = list(pieces)
-
-    def push(self, token_id):
-        return self.pieces.pop(0)
-
-    def flush(self):
-        return ""
-
-
-def test_stop_strings_cut_text_and_hold_back_possible_prefixes():
-    ts = _TextStops(_Pieces(["Hel", "lo ", "wo", "rld"]), ("o w", "zzzz"))
-    out = [ts.push(i) for i in range(3)]
-    assert "".join(d for d, _ in out) == "Hell" and [s for _, s in out] == [False, False, True]
-    ts = _TextStops(_Pieces(["ab", "cd", "ef"]), ("xyz",))
-    deltas = [ts.push(i)[0] for i in range(3)]
-    assert deltas == ["", "ab", "cd"] and ts.finish() == "ef"
-    ts = _TextStops(_Pieces(["ab"]), ())
-    assert ts.push(0) == ("ab", False)

@@ -1,6 +1,6 @@
 """Single-request generation over the reference decoder: prefill the prompt, then decode one token per step.
 
-The simplest complete use of the pieces (``ReferenceDecoder``, ``PagedKVCache``, ``sampling``, ``StreamDecoder``):
+The simplest complete use of the pieces (``ReferenceDecoder``, ``PagedKVCache``, ``sampling``, ``TextStream``):
 no batching and no scheduler; the serving engine does those. Used by ``mimw generate`` and as an end-to-end
 oracle in tests.
 
@@ -22,7 +22,8 @@ import torch
 from .engine.sampling import SamplingParams, make_generator, sample
 from .kv.pages import KVLayout, PagedKVCache
 from .models.reference import ReferenceDecoder, Segment
-from .models.tokenizer import StreamDecoder, Tokenizer
+from .engine.detokenize import TextStream
+from .models.tokenizer import Tokenizer
 from .models.weights import ModelWeights
 
 
@@ -58,7 +59,7 @@ def generate(weights: ModelWeights, prompt_ids: Sequence[int], params: SamplingP
     table = tuple(range(layout.num_pages))
     decoder = ReferenceDecoder(weights)
     gen = make_generator(params)
-    text = _TextStops(StreamDecoder(tokenizer, prompt), params.stop) if tokenizer else None
+    text = TextStream(tokenizer, prompt, params.stop) if tokenizer else None
 
     logits = decoder.forward(torch.tensor(prompt), [Segment(table, 0, len(prompt))], cache, last_only=True)[0]
     pos, produced = len(prompt), 0
@@ -80,33 +81,3 @@ def generate(weights: ModelWeights, prompt_ids: Sequence[int], params: SamplingP
             return
         logits = decoder.forward(torch.tensor([tok]), [Segment(table, pos, 1)], cache)[-1]
         pos += 1
-
-
-class _TextStops:
-    """Text deltas with stop strings cut out: holds back the last (longest stop - 1) characters until they can
-    no longer start a stop string."""
-
-    def __init__(self, stream: StreamDecoder, stops: Sequence[str]):
-        self.stream, self.stops = stream, tuple(stops)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text, self.sent = "", 0
-
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """(delta to emit, whether a stop string ended the text)."""
-        self.text += self.stream.push(token_id)
-        return self._emit(final=False)
-
-    def finish(self) -> str:
-        self.text += self.stream.flush()
-        return self._emit(final=True)[0]
-
-    def _emit(self, final: bool) -> tuple[str, bool]:
-        start = max(0, self.sent - self.hold)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            end, stopped = min(hits), True
-        else:
-            end, stopped = (len(self.text) if final else max(self.sent, len(self.text) - self.hold)), False
-        delta = self.text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return delta, stopped

@@ -64,3 +64,18 @@ def test_stop_string_spanning_deltas_after_emission():
 def test_no_stops_passes_text_through():
     m = StopMatcher([])
     assert m.feed("abc") == ("abc", False)
+
+
+def test_text_stream_cuts_at_stop_strings_and_flushes_held_text():
+    from mimw.engine.detokenize import TextStream
+
+    ts = TextStream(Bytes(), [], ("o w",))
+    out = []
+    for b in b"Hello world":  # the caller stops at the first stop
+        out.append(ts.push(b))
+        if out[-1][1]:
+            break
+    assert "".join(d for d, _ in out) == "Hell" and len(out) == 7
+    ts = TextStream(Bytes(), [], ("xyz",))
+    deltas = [ts.push(b)[0] for b in b"abcx"]
+    assert "".join(deltas) == "abc" and ts.finish() == "x"

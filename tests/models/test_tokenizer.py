@@ -2,7 +2,8 @@ import pytest
 
 from mimw.models.default_model import default_gguf_path
 from mimw.models.errors import CheckpointError
-from mimw.models.tokenizer import StreamDecoder, Tokenizer
+from mimw.engine.detokenize import TextStream
+from mimw.models.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +47,11 @@ def test_tokenizer_errors(tmp_path):
 
 
 @pytest.mark.parametrize("text", ["plain ascii words", "naïve café — 日本語のテキスト 🙂🚀 done", "  spaces\n\ttabs"])
-def test_stream_decoder_never_splits_characters(tok, text):
+def test_text_stream_never_splits_characters(tok, text):
     ids = tok.encode(text)
     prompt = tok.encode("Prompt:")
-    sd = StreamDecoder(tok, prompt)
-    deltas = [sd.push(i) for i in ids] + [sd.flush()]
+    ts = TextStream(tok, prompt)
+    deltas = [ts.push(i)[0] for i in ids] + [ts.finish()]
     assert "".join(deltas) == tok.decode(ids)
     assert not any("\ufffd" in d for d in deltas)
     if any(ord(c) > 0x7FF for c in text):  # byte-level BPE splits these characters across tokens

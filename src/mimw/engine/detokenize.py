@@ -88,3 +88,19 @@ class StopMatcher:
         out = self.text[self.sent:upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
         return out
+
+
+class TextStream:
+    """Token ids of one completion in, client-visible text out: ``IncrementalDetokenizer`` then ``StopMatcher``."""
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int], stops: Sequence[str] = ()):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stops = StopMatcher(stops)
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """(text to emit, whether a stop string ended the completion: the stop and all after it are dropped)."""
+        return self.stops.feed(self.detok.push(token_id))
+
+    def finish(self) -> str:
+        """Whatever was held back (a partial character, a tail that could have begun a stop string)."""
+        return self.stops.feed(self.detok.finish(), final=True)[0]

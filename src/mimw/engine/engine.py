@@ -19,7 +19,7 @@ from ..kv.allocator import PageAllocator
 from ..kv.prefix import PrefixCache
 from ..models.reference import Segment
 from .backends.base import Backend
-from .detokenize import Decoder, IncrementalDetokenizer, StopMatcher
+from .detokenize import Decoder, TextStream
 from .request import Request, RequestOutput
 from .sampling import SamplingParams, make_generator, sample_batch
 from .scheduler import Scheduler, SchedulerConfig
@@ -84,7 +84,7 @@ class Engine:
         self.allocator = PageAllocator(config.num_pages, self.prefix)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator, self.prefix)
         self._requests: dict[str, Request] = {}
-        self._detok: dict[str, tuple[IncrementalDetokenizer, StopMatcher]] = {}
+        self._detok: dict[str, TextStream] = {}
         self._preemptions = 0
         self._steps = 0
 
@@ -129,8 +129,7 @@ class Engine:
             req.arrival_time = arrival_time
         req.generator = make_generator(params)
         self._requests[request_id] = req
-        self._detok[request_id] = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
-                                   StopMatcher(params.stop))
+        self._detok[request_id] = TextStream(self.tokenizer, req.prompt_token_ids, params.stop)
         self.scheduler.add(req)
         return req
 
@@ -208,10 +207,10 @@ class Engine:
         r.token_ids.append(token)
         if r.first_token_time is None:
             r.first_token_time = now
-        detok, stops = self._detok[r.request_id]
+        stream = self._detok[r.request_id]
         if token in r.stop_token_ids:
             return self._finish(r, "stop", "", (token,))
-        text, stopped = stops.feed(detok.push(token))
+        text, stopped = stream.push(token)
         if stopped:  # the stop string and everything after it are dropped: nothing to flush
             return self._finish(r, "stop", text, (token,), flush=False)
         if r.num_output_tokens >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
@@ -221,10 +220,10 @@ class Engine:
     def _finish(self, r: Request, reason: str, text: str, token_ids: tuple[int, ...] = (),
                 error: str | None = None, flush: bool = True) -> RequestOutput:
         """End ``r``: free its pages and emit the last event, with any text held back so far when ``flush``."""
-        detok, stops = self._detok.pop(r.request_id)
+        stream = self._detok.pop(r.request_id)
         del self._requests[r.request_id]
         if flush:
-            text += stops.feed(detok.finish(), final=True)[0]
+            text += stream.finish()
         self.scheduler.finish(r, reason)
         return self._event(r, text, token_ids, error)
 

@@ -4,7 +4,7 @@ Sources: a HF checkpoint directory (``tokenizer.json`` & co.) or a GGUF file's `
 (transformers converts it to a fast tokenizer). Both are read with ``local_files_only=True``: building a tokenizer
 never touches the model hub.
 
-``StreamDecoder`` turns a stream of token ids into text deltas that never split a multi-byte character.
+Streaming detokenisation (text deltas that never split a multi-byte character) is ``mimw.engine.detokenize``.
 """
 from __future__ import annotations
 
@@ -84,37 +84,3 @@ class Tokenizer:
                                            add_generation_prompt=add_generation_prompt)
         # The template writes any BOS itself, so no special tokens are added here.
         return self.encode(text, add_special_tokens=False)
-
-
-class StreamDecoder:
-    """Incremental detokenizer: ``push(id)`` returns the text that id completes ("" while a multi-byte
-    character is still partial); ``flush()`` returns whatever is left at the end.
-
-    Invariant: the concatenation of all returned deltas equals ``decode(all ids pushed)``. Decoding uses a short
-    window of previous ids (seeded with the prompt's last ids) so that tokenizers which drop a leading space at
-    the start of a decode (SentencePiece) still produce the right spacing."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
-        self.tok = tokenizer
-        self.skip = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-4:])
-        self.prefix = 0  # ids[prefix:read] decode to text already emitted (used as context)
-        self.read = len(self.ids)
-
-    def _text(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=self.skip)
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(int(token_id))
-        before = self._text(self.ids[self.prefix:self.read])
-        now = self._text(self.ids[self.prefix:])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return now[len(before):]
-        return ""
-
-    def flush(self) -> str:
-        before = self._text(self.ids[self.prefix:self.read])
-        now = self._text(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
-        return now[len(before):]
