@@ -41,9 +41,8 @@ class MegakernelBackend(Backend):
         from ...megakernel.gpu.decoder import MegakernelDecoder
 
         if self._dec is None or self._dec.cache is not cache:
-            self._dec = MegakernelDecoder(self.weights, cache)
-            if self.use_graph:
-                self._dec.capture()
+            # the decoder captures its CUDA graph on its first step, once the state holds that real step
+            self._dec = MegakernelDecoder(self.weights, cache, use_graph=self.use_graph)
         return self._dec
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:

@@ -5,6 +5,10 @@ random K/V (the values past tokens would have left there — the kernel cannot t
 decode steps. The oracle is the reference decoder in fp32 on the same bf16-rounded weights, over an fp32 copy of
 the same cache; each step feeds both the oracle's greedy token. Scratch is poisoned (NaN) before every launch.
 Every step also relaunches once more and compares logits bit for bit (a moving result would be a race).
+
+Argmax agreement is reported twice: exact, and exact-or-near-tie, where a different argmax counts only when the
+oracle's logit for the kernel's choice is within NEAR_TIE (0.5%) of max|logit| of the oracle's best — random
+weights make such ties common, and bf16 weights/activations (relative error ~1e-2) cannot order them.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from ...models.weights import random_weights
 from .config import KernelConfig
 from .decoder import MegakernelDecoder
 
+NEAR_TIE = 5e-3
+
 
 @dataclass
 class CheckResult:
@@ -26,12 +32,13 @@ class CheckResult:
     context: int
     steps: int
     max_rel_err: float
-    argmax_agree: float
+    argmax_agree: float  # steps whose argmax equals the oracle's
+    argmax_agree_or_tie: float  # ... or where the kernel picked a token within NEAR_TIE of the oracle's best
     bit_identical: bool
     finite: bool
 
     def ok(self, tol: float = 2e-2, agree: float = 0.99) -> bool:
-        return self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree >= agree
+        return self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree_or_tie >= agree
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -59,11 +66,9 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0,
     ref_cache.v.copy_(cache.v)
     ref = ReferenceDecoder(w.to(dtype=torch.float32))
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), kcfg=kcfg, num_sms=num_sms,
-                            context_hint=max(context, 1))
-    if graph:
-        dec.capture()
+                            context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
-    worst, agree, same, finite = 0.0, 0, True, True
+    worst, agree, near_ties, same, finite = 0.0, 0, 0, True, True
     for i in range(steps):
         pos = context + i
         expect = ref.forward(torch.tensor([tok]), [Segment(tuple(table), pos, 1)], ref_cache)[0]
@@ -76,6 +81,9 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0,
         finite &= bool(torch.isfinite(got[0]).all())
         err = ((got[0] - expect).abs().max() / expect.abs().max()).item()
         worst = max(worst, err if err == err else float("inf"))
-        agree += int(got[0].argmax() == expect.argmax())
+        if int(got[0].argmax()) == int(expect.argmax()):
+            agree += 1
+        elif expect.max() - expect[got[0].argmax()] <= NEAR_TIE * expect.abs().max():
+            near_ties += 1  # the oracle's own top two are closer than bf16 can resolve
         tok = int(expect.argmax())
-    return CheckResult(spec.name, context, steps, worst, agree / steps, same, finite)
+    return CheckResult(spec.name, context, steps, worst, agree / steps, (agree + near_ties) / steps, same, finite)

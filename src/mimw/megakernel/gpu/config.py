@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...models.spec import ModelSpec
-from ..program import Program, ProgramConfig
+from ..program import ProgramConfig
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    tile_rows: int = 16  # TR: weight tile rows (also the scheduler's row-block granule)
-    tile_k: int = 512  # TK: weight tile columns (bf16); 16 KB tiles at 16 x 512
+    tile_rows: int = 32  # TR: weight tile rows (also the scheduler's row-block granule)
+    tile_k: int = 256  # TK: weight tile columns (bf16); 16 KB tiles at 32 x 256 (best of the first sweep)
     ring: int = 10  # NB: ring slots
     num_warps: int = 4  # compute partition warps
     loader_regs: int = 24  # register budget of the one-warp loader partition

@@ -3,6 +3,7 @@ decode step (M = 1) per launch of the persistent megakernel — optionally captu
 
     dec = MegakernelDecoder(weights, cache)                # weights: ModelWeights; cache: PagedKVCache (bf16, cuda)
     logits = dec.step(token, position, block_table)       # [1, V] fp32, a view into the scratch buffer
+With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling the state) and later steps replay it.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from .pack import pack
 
 class MegakernelDecoder:
     def __init__(self, weights: ModelWeights, cache: PagedKVCache, max_pages_per_seq: int | None = None,
-                 kcfg: KernelConfig | None = None, num_sms: int | None = None, context_hint: int = 1024):
+                 kcfg: KernelConfig | None = None, num_sms: int | None = None, context_hint: int = 1024,
+                 use_graph: bool = False):
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -31,7 +33,7 @@ class MegakernelDecoder:
         if cache.layout.dtype != torch.bfloat16 or cache.device.type != "cuda":
             raise ValueError("the megakernel needs a bf16 KV cache on a CUDA device")
         dev = cache.device
-        self.spec, self.cache, self.kcfg = spec, cache, kcfg
+        self.spec, self.cache, self.kcfg, self.use_graph = spec, cache, kcfg, use_graph
         self.num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
         self.program = build_program(spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
         words, lens = self.program.encode()
@@ -46,13 +48,19 @@ class MegakernelDecoder:
         self.descs = [TensorDescriptor.from_tensor(t, box, lay) for t in (self.w.qkv, self.w.o, self.w.gu,
                                                                           self.w.down, self.w.lm)]
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs_set = False
 
     def set_inputs(self, token: int, position: int, block_table: Sequence[int]) -> None:
         self.state.fill([token], [position], [block_table], [1])
+        self.inputs_set = True
 
     def launch(self) -> None:
+        """One decode step with the current step state. The state must hold a real step: a launch on an empty state
+        would append K/V for position 0 through page 0 of the (zeroed) block table, overwriting a live page."""
         from .kernel import megakernel
 
+        if not self.inputs_set:
+            raise RuntimeError("set_inputs() must be called before the first launch")
         s, x, w, c = self.state, self.scratch, self.w, self.cache
         sp = self.spec
         megakernel[(self.num_sms,)](
@@ -64,7 +72,9 @@ class MegakernelDecoder:
             **self.ce)
 
     def capture(self) -> None:
-        """Record one launch in a CUDA graph; later ``step`` calls replay it."""
+        """Record one launch in a CUDA graph; later ``run``/``step`` calls replay it. The warm-up launch before the
+        capture (compilation) executes the step currently in the state, so call ``set_inputs`` first; re-running a
+        step is harmless (it rewrites the same K/V row and scratch)."""
         self.launch()  # compile and warm up outside the capture
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -80,5 +90,7 @@ class MegakernelDecoder:
 
     def step(self, token: int, position: int, block_table: Sequence[int]) -> torch.Tensor:
         self.set_inputs(token, position, block_table)
+        if self.use_graph and self.graph is None:
+            self.capture()  # lazily, with this real step in the state
         self.run()
         return self.scratch.logits
