@@ -142,17 +142,17 @@ def run_decode(cfg: DecodeBenchConfig, gpu: str, measure_bandwidth=None, commit:
     stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
     written = []
     for model in cfg.models:
-        base = out / f"{stamp}-{slug(gpu)}-{model_label(model)}"
+        base = f"{stamp}-{slug(gpu)}-{model_label(model)}"  # a model label may hold dots: no with_suffix
         raw: list[dict] = []
         model_meta = {**meta, "model": model}
 
         def save(chart: bool = False) -> dict:
             doc = record(model_meta, finalize_rows(raw, bw.bytes_per_s))
             try:
-                write_json(base.with_suffix(".json"), doc)
-                base.with_suffix(".md").write_text(markdown(doc))
+                write_json(out / f"{base}.json", doc)
+                (out / f"{base}.md").write_text(markdown(doc))
                 if chart:
-                    write_chart(doc, base.with_suffix(".png"))
+                    write_chart(doc, out / f"{base}.png")
             except Exception:  # noqa: BLE001 - a report glitch must not end the measurements
                 traceback.print_exc()
             return doc
@@ -167,7 +167,7 @@ def run_decode(cfg: DecodeBenchConfig, gpu: str, measure_bandwidth=None, commit:
         run_model(model, cfg, on_result, on_setup)
         doc = save(chart=True)
         print(markdown(doc), flush=True)
-        written += [str(base.with_suffix(s)) for s in (".json", ".md", ".png")]
+        written += [str(out / f"{base}{s}") for s in (".json", ".md", ".png")]
     print("[bench] wrote " + ", ".join(written), file=sys.stderr, flush=True)
     return 0
 

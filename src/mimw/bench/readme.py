@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -37,13 +38,13 @@ def _f(x, fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
 
-def table(runs: list[tuple[Path, dict]]) -> str:
+def table(runs: list[tuple[Path, dict]], link_dir: str = "results") -> str:
     if not runs:
         return "_No results yet: run the command above, then `python -m mimw.bench.readme`._"
     lines = ["| model | context | backend | ms/step | tokens/s | × floor | vs best peer | check | GPU, date, commit |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
     for p, doc in runs:
-        where = f"{doc.get('gpu', '?')}, {doc.get('date', '?')}, `{doc.get('commit', '?')}` ([json]({p.name}))"
+        where = f"{doc.get('gpu', '?')}, {doc.get('date', '?')}, `{doc.get('commit', '?')}` ([json]({link_dir}/{p.name}))"
         rows = sorted((r for r in doc["results"] if r.get("ms_per_step")), key=lambda r: (r["context"], r["ms_per_step"]))
         for r in rows:
             ok = {"ok": "✓", "unchecked": "unchecked"}.get(r["status"], "✗ " + r["status"])
@@ -62,7 +63,8 @@ def table(runs: list[tuple[Path, dict]]) -> str:
 def update_readme(readme: Path, results_dir: Path) -> str:
     """Rewrite the marked section of ``readme`` (appending the markers if absent); returns the new text."""
     text = readme.read_text() if readme.exists() else "# mimw benchmarks\n"
-    block = f"{START}\n{table(latest_runs(results_dir))}\n{END}"
+    link_dir = os.path.relpath(results_dir, readme.parent)
+    block = f"{START}\n{table(latest_runs(results_dir), link_dir)}\n{END}"
     if START in text and END in text and text.index(START) < text.index(END):
         new = text[: text.index(START)] + block + text[text.index(END) + len(END):]
     else:
