@@ -40,3 +40,11 @@ def test_standalone_gemv_compiles_for_sm90a():
                        options={"num_warps": 4})
     assert "cp.async.bulk.tensor" in k.asm["ptx"]
     assert ptxas_report(k.asm["ptx"])["spill_stores"] == 0
+
+
+def test_default_tiles_fit_every_preset_with_a_head_of_32_or_more():
+    from mimw.models.spec import PRESETS
+
+    for spec in PRESETS.values():
+        if spec.head_dim >= 32:
+            KernelConfig.for_spec(spec).check(spec)

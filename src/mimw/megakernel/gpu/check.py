@@ -58,7 +58,7 @@ def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed
 
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0,
                  kcfg: KernelConfig | None = None, graph: bool = True, num_sms: int | None = None) -> CheckResult:
-    kcfg = kcfg or KernelConfig()
+    kcfg = kcfg or KernelConfig.for_spec(spec)
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     cache, table = random_cache(spec, context, steps, kcfg.page_size, seed + 1)
     ref_cache = PagedKVCache(KVLayout.for_spec(spec, kcfg.page_size, cache.layout.num_pages, torch.float32), "cuda")

@@ -20,6 +20,14 @@ class KernelConfig:
     num_warps: int = 4  # compute partition warps
     loader_regs: int = 24  # register budget of the one-warp loader partition
     page_size: int = 16
+    trace: bool = False  # record [start, dependency met, signalled] per instruction (gpu/trace.py)
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec, page_size: int = 16) -> "KernelConfig":
+        """The default tiles, with 16-row tiles (16 x 512) when a head is too small for two 32-row tiles."""
+        if spec.head_dim % (2 * cls.tile_rows):
+            return cls(tile_rows=16, tile_k=512, page_size=page_size)
+        return cls(page_size=page_size)
 
     def program_config(self) -> ProgramConfig:
         return ProgramConfig(tile_rows=self.tile_rows)
@@ -53,7 +61,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         I=spec.intermediate_size, PS=kcfg.page_size, HAS_BIAS=spec.attention_bias, QK_NORM=spec.qk_norm,
         TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring, KT_MAX=-(-kmax // kcfg.tile_k),
         BT=max(8, 2048 // spec.head_dim), SP2=_pow2(max_splits), WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
-        LOADER_REGS=kcfg.loader_regs,
+        LOADER_REGS=kcfg.loader_regs, TRACE=kcfg.trace,
         num_warps=kcfg.num_warps,
     )
 
@@ -84,6 +92,7 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
         "x_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "attn_ptr": "*fp32",
         "act_ptr": "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32", "qscale": "fp32",
+        "trace_ptr": "*i64",
     }
     sig.update({k: "constexpr" for k in ce})
     src = GluonASTSource(megakernel, sig, ce)

@@ -27,7 +27,7 @@ class MegakernelDecoder:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         spec = weights.spec
-        kcfg = kcfg or KernelConfig(page_size=cache.layout.page_size)
+        kcfg = kcfg or KernelConfig.for_spec(spec, cache.layout.page_size)
         if kcfg.page_size != cache.layout.page_size:
             raise ValueError(f"kernel page_size {kcfg.page_size} != cache page_size {cache.layout.page_size}")
         if cache.layout.dtype != torch.bfloat16 or cache.device.type != "cuda":
@@ -47,6 +47,9 @@ class MegakernelDecoder:
         box = [kcfg.tile_rows, kcfg.tile_k]
         self.descs = [TensorDescriptor.from_tensor(t, box, lay) for t in (self.w.qkv, self.w.o, self.w.gu,
                                                                           self.w.down, self.w.lm)]
+        # [num_sms, max_len, 3] int64 ns timestamps per instruction when kcfg.trace, else a 1-element dummy
+        self.trace = torch.zeros((self.num_sms, self.words.shape[1], 3) if kcfg.trace else (1,), dtype=torch.int64,
+                                 device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs_set = False
 
@@ -68,7 +71,7 @@ class MegakernelDecoder:
             s.block_tables.shape[1], s.counters, len(self.program.counters), *self.descs,
             w.embed, w.attn_norm, w.mlp_norm, w.final_norm, w.bias, w.q_norm, w.k_norm, w.inv_freq,
             c.k, c.v, c.layout.num_pages, x.x, x.q, x.part_o, x.part_ml, x.attn, x.act, x.logits,
-            self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634,
+            self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634, self.trace,
             **self.ce)
 
     def capture(self) -> None:

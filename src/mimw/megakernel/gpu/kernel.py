@@ -55,6 +55,14 @@ def _fetch(prog_ptr, MAXLEN, i, offs):
 
 
 @gluon.jit
+def _now(offs):
+    """%globaltimer (ns) as a scalar: the instruction-trace clock, comparable across SMs."""
+    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [offs], dtype=gl.int64, is_pure=False,
+                                  pack=1)
+    return gl.max(t, axis=0)
+
+
+@gluon.jit
 def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
             D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
@@ -86,10 +94,10 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
 def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
              emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
              kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-             eps, qscale, bufs, empty, ready, hbuf, scr,
+             eps, qscale, trace_ptr, bufs, empty, ready, hbuf, scr,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
-             SP2: gl.constexpr, WR: gl.constexpr, num_warps: gl.constexpr):
+             SP2: gl.constexpr, WR: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -119,8 +127,12 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         key = op * 65536 + layer
         restage = key != staged
         staged = key
+        if TRACE:
+            t_start = _now(offs)
         if wait >= 0:
             counter_wait(cnt_ptr, wait, (epoch + 1) * _field(w, offs, W_WAIT_COUNT))
+        if TRACE:
+            t_ready = _now(offs)
         if op == OP_ATTN_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, V1)
@@ -154,6 +166,11 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             counter_signal(cnt_ptr, sig)
         else:
             gl.thread_barrier()  # hbuf/scr are rewritten by the next instruction
+        if TRACE:  # [start, dependency met, signalled] of instruction i on this SM
+            tb = trace_ptr + (pid * MAXLEN + i) * 3
+            gl.store(tb, t_start)
+            gl.store(tb + 1, t_ready)
+            gl.store(tb + 2, _now(offs))
     # step bookkeeping: the last CTA to finish moves every counter target on to the next step
     gl.thread_barrier()
     done = gl.atomic_add(cnt_ptr + NCNT, 1, sem="acq_rel", scope="gpu")
@@ -166,12 +183,12 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                d_qkv, d_o, d_gu, d_down, d_lm,
                emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-               eps, qscale,
+               eps, qscale, trace_ptr,
                D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_MAX: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
-               num_warps: gl.constexpr):
+               TRACE: gl.constexpr, num_warps: gl.constexpr):
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -184,8 +201,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
         (_compute, (prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-                    eps, qscale, bufs, empty, ready, hbuf, scr, D, HQ, HKV, HD, I, PS, HAS_BIAS, QK_NORM, BT, SP2,
-                    WR, num_warps)),
+                    eps, qscale, trace_ptr, bufs, empty, ready, hbuf, scr, D, HQ, HKV, HD, I, PS, HAS_BIAS,
+                    QK_NORM, BT, SP2, WR, TRACE, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
                    D, HQ, HKV, HD, I)),
     ], [1], [LOADER_REGS])

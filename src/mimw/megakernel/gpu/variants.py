@@ -5,6 +5,7 @@ KernelConfig variants against the HBM floor measured in the same run. (The full 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from ...models.weights import random_weights
 from .check import check_decode, random_cache
 from .config import KernelConfig
 from .decoder import MegakernelDecoder
+from .trace import format_summary, summarize
 
 
 def read_bandwidth(gib: float = 4.0) -> float:
@@ -79,6 +81,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--check-steps", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--trace", action="store_true", help="also record one traced step per variant (gpu/trace.py)")
     a = ap.parse_args()
     bw = read_bandwidth()
     print(f"read bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -100,7 +103,17 @@ def main() -> None:
                 dec.set_inputs(5, a.context, table)
                 ms = time_step(dec)
                 row.update(ms=ms, ratio=ms / floor_ms, TBps=floor_bytes / (ms * 1e-3) / 1e12, secs=time.time() - t0)
-                del dec, cache
+                del dec
+                if a.trace:
+                    tdec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table),
+                                             kcfg=dataclasses.replace(kcfg, trace=True), context_hint=a.context)
+                    tdec.step(5, a.context, table)
+                    tdec.step(5, a.context, table)  # the second, warm launch is the one recorded
+                    torch.cuda.synchronize()
+                    row["trace"] = summarize(tdec.trace, tdec.words, tdec.lens)
+                    print(format_summary(row["trace"]), flush=True)
+                    del tdec
+                del cache
             except Exception as e:  # one failing variant must not hide the others
                 row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
             print(json.dumps(row), flush=True)

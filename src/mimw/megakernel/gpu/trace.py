@@ -1,0 +1,49 @@
+"""Reading a per-instruction trace of one megakernel step (``KernelConfig(trace=True)``).
+
+The kernel records, for every instruction, three %globaltimer stamps (ns): when the compute role reached it, when
+its dependency counter was met, and when it signalled. ``summarize`` turns them into what the performance notes
+need: per opcode the time spent waiting vs working, and per stage (opcode, layer) the window from the first
+instruction becoming ready to the last one finishing — the step's dependency chain, measured.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .. import isa
+
+
+def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -> dict:
+    """trace [num_sms, max_len, 3] int64 ns; words/lengths: the encoded program. Times in microseconds."""
+    t, w, n = trace.cpu(), words.cpu(), lengths.cpu()
+    valid = [(s, i) for s in range(t.shape[0]) for i in range(int(n[s]))]
+    t0 = min(int(t[s, i, 0]) for s, i in valid)
+    per_op: dict[str, dict] = defaultdict(lambda: dict(count=0, wait_us=0.0, busy_us=0.0))
+    stages: dict[tuple[int, int], list[float]] = {}
+    for s, i in valid:
+        op, layer = isa.Op(int(w[s, i, isa.Word.OP])), int(w[s, i, isa.Word.LAYER])
+        start, ready, done = (int(x) - t0 for x in t[s, i])
+        d = per_op[op.name]
+        d["count"] += 1
+        d["wait_us"] += (ready - start) / 1e3
+        d["busy_us"] += (done - ready) / 1e3
+        win = stages.setdefault((int(op), layer), [ready / 1e3, done / 1e3])
+        win[0], win[1] = min(win[0], ready / 1e3), max(win[1], done / 1e3)
+    end = max(int(t[s, i, 2]) for s, i in valid) - t0
+    ops = {k: dict(v, mean_wait_us=v["wait_us"] / v["count"], mean_busy_us=v["busy_us"] / v["count"])
+           for k, v in per_op.items()}
+    windows = [dict(op=isa.Op(o).name, layer=l, first_ready_us=a, last_done_us=b)
+               for (o, l), (a, b) in sorted(stages.items(), key=lambda kv: kv[1][0])]
+    return dict(step_us=end / 1e3, ops=ops, stages=windows)
+
+
+def format_summary(s: dict, layers: int = 2) -> str:
+    lines = [f"step {s['step_us']:.1f} us", f"{'op':14s} {'count':>6s} {'mean wait us':>13s} {'mean busy us':>13s}"]
+    for k, v in s["ops"].items():
+        lines.append(f"{k:14s} {v['count']:6d} {v['mean_wait_us']:13.2f} {v['mean_busy_us']:13.2f}")
+    lines.append("stage windows (first ready -> last done), first layers:")
+    for st in s["stages"]:
+        if st["layer"] < layers or st["op"] == "LM_HEAD":
+            lines.append(f"  L{st['layer']:<3d} {st['op']:14s} {st['first_ready_us']:9.1f} -> {st['last_done_us']:9.1f}")
+    return "\n".join(lines)
