@@ -21,13 +21,7 @@ from mimw.models.spec import get_preset
 from mimw.models.weights import random_weights
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # thousands of tiny ops: intra-op threads only add contention on a 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/megakernel/conftest.py
 
 
 def context(name: str, seg_lens, starts, num_sms: int, page_size: int = 16, dtype=torch.float32, seed: int = 0):

@@ -30,13 +30,7 @@ from mimw.models.weights import random_weights
 STEPS, INTERLEAVINGS_PER_STEP = 4, 5  # 20 random interleavings per case, over 4 consecutive steps
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # the VM runs thousands of tiny ops: intra-op threads only add contention on a 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/megakernel/conftest.py
 
 
 @functools.lru_cache(maxsize=None)
