@@ -207,9 +207,9 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     for stage in stages:
         heap = [(0.0, total[s], s) for s in range(num_sms)]
         heapq.heapify(heap)
-        for ins in sorted(stage, key=lambda i: -cost(spec, shape, i, cfg)):
+        costed = sorted(((cost(spec, shape, i, cfg), k, i) for k, i in enumerate(stage)), key=lambda t: (-t[0], t[1]))
+        for c, _, ins in costed:
             load, tot, s = heapq.heappop(heap)
-            c = cost(spec, shape, ins, cfg)
             queues[s].append(ins)
             total[s] += c
             heapq.heappush(heap, (load + c, tot + c, s))

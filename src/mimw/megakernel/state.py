@@ -64,12 +64,12 @@ class StepState:
         self.tokens.copy_(torch.tensor(list(tokens), dtype=torch.int32, device=dev))
         self.positions.copy_(torch.tensor(pos, dtype=torch.int32, device=dev))
         self.seg_ctx.copy_(torch.tensor(ctx, dtype=torch.int32, device=dev))
-        bt = torch.full(tuple(self.block_tables.shape), 0, dtype=torch.int32)
+        # only each table's used prefix is written: entries past it are never read (every read is of a position
+        # below the segment's context), so a step costs O(pages in use), not O(table width)
         for s, table in enumerate(block_tables):
-            if len(table) > bt.shape[1]:
-                raise ValueError(f"segment {s}: block table of {len(table)} pages exceeds {bt.shape[1]}")
-            bt[s, : len(table)] = torch.tensor(list(table), dtype=torch.int32)
-        self.block_tables.copy_(bt.to(dev))
+            if len(table) > self.block_tables.shape[1]:
+                raise ValueError(f"segment {s}: block table of {len(table)} pages exceeds {self.block_tables.shape[1]}")
+            self.block_tables[s, : len(table)].copy_(torch.tensor(list(table), dtype=torch.int32, device=dev))
 
 
 @dataclass
