@@ -1,9 +1,18 @@
 """Device code of the attention instructions (ATTN_PARTIAL, ATTN_REDUCE), M = 1: split-KV decode attention over
-the paged cache. PyTorch references: ``mimw.megakernel.ops.attn_partial`` / ``attn_reduce``.
+the paged cache, all query heads of a KV group in one pass. PyTorch references: ``mimw.megakernel.ops.attn_partial``
+/ ``attn_reduce``.
 
-Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax uses exp2;
-partials are stored in the natural-log domain of the state.py contract (m * ln 2). K/V rows are read with plain
-vectorised loads (16 B per thread) through L2 (.cg): the newest row was written by another CTA in this step.
+One pass over K/V serves the G query heads of the group: each [BT, HD] block of K and V is loaded once and used
+for the scores of all GP heads (GP = G rounded up to a power of two; padding heads have q = 0 and are never
+stored). Each warp owns BT / num_warps consecutive positions of every block and keeps its own online-softmax state,
+so every reduction inside the loop stays within a warp; the warps' states merge once at the end. The first block's
+past K/V is requested BEFORE the instruction's dependency wait (``prefetch``): it does not depend on this step,
+only the newest row (position ``pos``, written by ATTN_IN) does, and that row alone is reloaded after the wait.
+Later blocks cost one round trip each (K and V requested together); holding the next block's K/V in registers
+too would spill, the compute partition being at its 255-register limit.
+Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax
+uses exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). K/V rows are read
+with 16-byte vector loads through L2 (.cg): the newest row was written by another CTA in this step.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -14,60 +23,144 @@ EMPTY_M: gl.constexpr = gl.constexpr(-1.0e30)
 
 
 @gluon.jit
-def partial(layer, kvh, seg, split, n_splits, ctx, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP, SPLITS,
-            po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
-            qscale, BT: gl.constexpr, KL: gl.constexpr):
-    G: gl.constexpr = HQ // HKV
+def _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV: gl.constexpr, PS: gl.constexpr):
+    """Cache row index of positions t (masked past hi) of one KV head: one block-table gather."""
+    page = gl.load(bt_ptr + seg * MAXP + t // PS, mask=t < hi, other=0)
+    return ((layer * NP + page) * HKV + kvh) * PS + t % PS
+
+
+@gluon.jit
+def _kv(kc_ptr, vc_ptr, row, m, d3, HD: gl.constexpr):
+    """K and V rows ``row`` [NW, BTW] (mask m) as [NW, BTW, HD] bf16, both requested before either is used."""
+    addr = gl.expand_dims(row, 2) * HD + d3
+    m3 = gl.expand_dims(m, 2)
+    k = gl.load(kc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
+    v = gl.load(vc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
+    return k, v
+
+
+@gluon.jit
+def _positions(BT: gl.constexpr, NW: gl.constexpr, L2: gl.constexpr):
+    """[NW, BTW] offsets w * BTW + j of a block's positions: warp w owns BTW consecutive positions."""
+    BTW: gl.constexpr = BT // NW
+    w = gl.arange(0, NW, gl.SliceLayout(1, L2))
+    j = gl.arange(0, BTW, gl.SliceLayout(0, L2))
+    return gl.expand_dims(w, 1) * BTW + gl.expand_dims(j, 0)
+
+
+@gluon.jit
+def split_range(split, n_splits, ctx):
     chunk = (ctx + n_splits - 1) // n_splits
     lo = gl.minimum(split * chunk, ctx)
-    hi = gl.minimum(lo + chunk, ctx)
-    offs_t = gl.arange(0, BT, gl.SliceLayout(1, KL))
-    offs_d = gl.arange(0, HD, gl.SliceLayout(0, KL))
-    for j in range(G):
-        h = kvh * G + j
-        q = gl.load(q_ptr + h * HD + offs_d, cache_modifier=".cg") * qscale  # head_dim^-0.5 * log2(e)
-        m_i = gl.max(gl.full([BT], EMPTY_M, gl.float32, gl.SliceLayout(1, KL)), axis=0)
-        l_i = m_i * 0.0
-        o = gl.zeros([HD], gl.float32, gl.SliceLayout(0, KL))
-        for t0 in range(lo, hi, BT):
-            t = t0 + offs_t
-            valid = t < hi
-            page = gl.load(bt_ptr + seg * MAXP + t // PS, mask=valid, other=0)
-            row = ((layer * NP + page) * HKV + kvh) * PS + t % PS
-            addr = gl.expand_dims(row * HD, 1) + gl.expand_dims(offs_d, 0)
-            k = gl.load(kc_ptr + addr, mask=gl.expand_dims(valid, 1), other=0.0, cache_modifier=".cg")
-            s = gl.sum(k.to(gl.float32) * gl.expand_dims(q, 0), axis=1)
-            s = gl.where(valid, s, EMPTY_M)
-            m_new = gl.maximum(m_i, gl.max(s, axis=0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new)
-            v = gl.load(vc_ptr + addr, mask=gl.expand_dims(valid, 1), other=0.0, cache_modifier=".cg")
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            o = o * alpha + gl.sum(gl.expand_dims(p, 1) * v.to(gl.float32), axis=0)
-            m_i = m_new
-        base = (h * SPLITS + split)
-        gl.store(po_ptr + base * HD + offs_d, o)
-        gl.store(pml_ptr + base * 2, gl.where(l_i > 0.0, m_i * LN2, EMPTY_M))
-        gl.store(pml_ptr + base * 2 + 1, l_i)
+    return lo, gl.minimum(lo + chunk, ctx)
+
+
+@gluon.jit
+def prefetch(layer, kvh, seg, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
+             HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr, BT: gl.constexpr, NW: gl.constexpr,
+             L4: gl.constexpr):
+    """ATTN_PARTIAL, before its dependency wait: the first block's past K/V (every position but ``pos``, which
+    ATTN_IN writes in this step) does not depend on the step, so its round trip overlaps the wait."""
+    KV3: gl.constexpr = gl.SliceLayout(1, L4)
+    lo, hi = split_range(split, n_splits, ctx)
+    t = lo + _positions(BT, NW, gl.SliceLayout(2, KV3))
+    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
+    row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
+    return _kv(kc_ptr, vc_ptr, row, (t < hi) & (t != pos), d3, HD)
+
+
+@gluon.jit
+def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
+    """One block of the online softmax, per warp: scores [NW, GP, BTW] (invalid positions masked), then the
+    running max m_i, denominator l_i [NW, GP] and output o [NW, GP, HD] are rescaled and updated."""
+    s = gl.sum(q4 * gl.expand_dims(k.to(gl.float32), 1), axis=3)
+    s = gl.where(valid, s, EMPTY_M)
+    m_new = gl.maximum(m_i, gl.max(s, axis=2))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.where(valid, gl.exp2(s - gl.expand_dims(m_new, 2)), 0.0)
+    l_i = l_i * alpha + gl.sum(p, axis=2)
+    pv = gl.sum(gl.expand_dims(p, 3) * gl.expand_dims(v.to(gl.float32), 1), axis=2)
+    o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(2, Q3)), 2) + pv
+    return m_new, l_i, o
+
+
+@gluon.jit
+def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP, SPLITS,
+            po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
+            qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr):
+    """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v). Warp w keeps its own online-softmax
+    state over its BTW positions of every block (all reductions inside the block stay within a warp); the NW
+    states are merged once at the end."""
+    G: gl.constexpr = HQ // HKV
+    KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
+    Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
+    S3: gl.constexpr = gl.SliceLayout(3, L4)  # [NW, GP, BTW] scores
+    lo, hi = split_range(split, n_splits, ctx)
+    tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
+    ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
+    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
+    # q [NW, GP, HD]: every warp holds the G heads of the group (padding heads load 0 and are never stored)
+    g1 = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, Q3)))
+    dq = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, Q3))), 0), 1)
+    g3 = gl.expand_dims(gl.expand_dims(g1, 0), 2) + dq * 0  # [1, GP, HD] head index
+    q = gl.load(q_ptr + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * qscale
+    q4 = gl.expand_dims(q, 2)
+    # the newest row (position pos) was written by ATTN_IN after prefetch: reload just that row into the block
+    t = lo + tk
+    row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
+    addr = gl.expand_dims(row, 2) * HD + d3
+    new = gl.expand_dims((t < hi) & (t == pos), 2)
+    k = gl.load(kc_ptr + addr, mask=new, other=k, cache_modifier=".cg")
+    v = gl.load(vc_ptr + addr, mask=new, other=v, cache_modifier=".cg")
+    m_i = gl.full([NW, GP], EMPTY_M, gl.float32, gl.SliceLayout(2, S3))
+    l_i = gl.zeros([NW, GP], gl.float32, gl.SliceLayout(2, S3))
+    o = gl.zeros([NW, GP, HD], gl.float32, Q3)
+    # block 0 (prefetched, patched), then the rest of the split one round trip per block
+    m_i, l_i, o = _block(q4, k, v, lo + ts < hi, m_i, l_i, o, Q3)
+    for t0 in range(lo + BT, hi, BT):
+        t = t0 + tk
+        row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
+        k, v = _kv(kc_ptr, vc_ptr, row, t < hi, d3, HD)
+        m_i, l_i, o = _block(q4, k, v, t0 + ts < hi, m_i, l_i, o, Q3)
+    # merge the warps' states
+    mx = gl.max(m_i, axis=0)  # [GP]
+    wn = gl.exp2(m_i - gl.expand_dims(mx, 0))
+    l_f = gl.sum(l_i * wn, axis=0)
+    o_f = gl.sum(o * gl.expand_dims(gl.convert_layout(wn, gl.SliceLayout(2, Q3)), 2), axis=0)  # [GP, HD]
+    O2: gl.constexpr = gl.SliceLayout(0, Q3)
+    go = gl.arange(0, GP, gl.SliceLayout(1, O2))
+    do = gl.arange(0, HD, gl.SliceLayout(0, O2))
+    base = (kvh * G + go) * SPLITS + split
+    gl.store(po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f, mask=gl.expand_dims(go < G, 1))
+    gs = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, S3)))
+    sbase = (kvh * G + gs) * SPLITS + split
+    gl.store(pml_ptr + sbase * 2, gl.where(l_f > 0.0, mx * LN2, EMPTY_M), mask=gs < G)
+    gl.store(pml_ptr + sbase * 2 + 1, l_f, mask=gs < G)
 
 
 @gluon.jit
 def reduce(kvh, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ: gl.constexpr, HKV: gl.constexpr,
-           HD: gl.constexpr, SP2: gl.constexpr, RL: gl.constexpr):
-    """attn[h] = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s over the splits of each of the G heads."""
+           HD: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, R3: gl.constexpr):
+    """attn[h] = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s over the splits, for the G heads at once (every
+    partial is loaded in one round of independent loads)."""
     G: gl.constexpr = HQ // HKV
-    offs_s = gl.arange(0, SP2, gl.SliceLayout(1, RL))
-    offs_d = gl.arange(0, HD, gl.SliceLayout(0, RL))
-    valid = offs_s < n_splits
-    for j in range(G):
-        h = kvh * G + j
-        base = h * SPLITS + offs_s
-        ms = gl.load(pml_ptr + base * 2, mask=valid, other=EMPTY_M, cache_modifier=".cg")
-        ls = gl.load(pml_ptr + base * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
-        mx = gl.max(ms, axis=0)
-        w = gl.exp2((ms - mx) * LOG2E)
-        den = gl.sum(w * ls, axis=0)
-        po = gl.load(po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(offs_d, 0),
-                     mask=gl.expand_dims(valid, 1), other=0.0, cache_modifier=".cg")
-        o = gl.sum(gl.expand_dims(w, 1) * po, axis=0) / den
-        gl.store(attn_ptr + h * HD + offs_d, o)
+    GS: gl.constexpr = gl.SliceLayout(2, R3)  # [GP, SP2]
+    GD: gl.constexpr = gl.SliceLayout(1, R3)  # [GP, HD]
+    offs_g = gl.arange(0, GP, gl.SliceLayout(1, GS))
+    offs_s = gl.arange(0, SP2, gl.SliceLayout(0, GS))
+    base = gl.expand_dims((kvh * G + offs_g) * SPLITS, 1) + gl.expand_dims(offs_s, 0)  # [GP, SP2]
+    valid = gl.expand_dims(offs_g < G, 1) & gl.expand_dims(offs_s < n_splits, 0)
+    ms = gl.load(pml_ptr + base * 2, mask=valid, other=EMPTY_M, cache_modifier=".cg")
+    ls = gl.load(pml_ptr + base * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
+    offs_d = gl.arange(0, HD, gl.SliceLayout(0, GD))
+    d3 = gl.expand_dims(gl.expand_dims(offs_d, 0), 1)  # [1, 1, HD]
+    po = gl.load(po_ptr + gl.expand_dims(base * HD, 2) + d3, mask=gl.expand_dims(valid, 2), other=0.0,
+                 cache_modifier=".cg")  # [GP, SP2, HD]
+    mx = gl.max(ms, axis=1)
+    w = gl.exp2((ms - gl.expand_dims(mx, 1)) * LOG2E)
+    den = gl.sum(w * ls, axis=1)
+    o = gl.sum(gl.expand_dims(w, 2) * po, axis=1)  # [GP, HD]
+    o = o / gl.expand_dims(gl.convert_layout(den, gl.SliceLayout(1, GD)), 1)
+    offs_og = gl.arange(0, GP, gl.SliceLayout(1, GD))
+    gl.store(attn_ptr + gl.expand_dims((kvh * G + offs_og) * HD, 1) + gl.expand_dims(offs_d, 0), o,
+             mask=gl.expand_dims(offs_og < G, 1))

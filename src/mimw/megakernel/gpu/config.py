@@ -60,7 +60,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, PS=kcfg.page_size, HAS_BIAS=spec.attention_bias, QK_NORM=spec.qk_norm,
         TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring, KT_MAX=-(-kmax // kcfg.tile_k),
-        BT=max(8, 2048 // spec.head_dim), SP2=_pow2(max_splits), WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
+        BT=max(8, 4096 // spec.head_dim), SP2=_pow2(max_splits), GP=_pow2(spec.group_size), WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         LOADER_REGS=kcfg.loader_regs, TRACE=kcfg.trace,
         num_warps=kcfg.num_warps,
     )

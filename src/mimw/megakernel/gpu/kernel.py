@@ -97,14 +97,19 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              eps, qscale, trace_ptr, bufs, empty, ready, hbuf, scr,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
-             SP2: gl.constexpr, WR: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+             SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, TRACE: gl.constexpr,
+             num_warps: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
     LAY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WR, num_warps // WR], [1, 0])
     V1: gl.constexpr = gl.BlockedLayout([TK // (32 * num_warps)], [32], [num_warps], [0])  # staging chunk [TK]
     E2: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TR, TR], [num_warps, 1], [1, 0])  # half head [HD/2TR, TR]
-    KL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # K/V rows [BT, HD]
+    # attention: [warp, GP heads, BT / num_warps positions, HD], 16-byte vectors along HD, one warp per position run
+    TPD: gl.constexpr = 32 if HD // 8 > 32 else HD // 8
+    L4: gl.constexpr = gl.BlockedLayout([1, GP, 1, 8], [1, 1, 32 // TPD, TPD], [num_warps, 1, 1, 1], [3, 2, 1, 0])
+    TPR: gl.constexpr = 32 if HD // 4 > 32 else HD // 4
+    R3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32 // TPR, TPR], [1, num_warps, 1], [2, 1, 0])
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     KT_D: gl.constexpr = (D + TK - 1) // TK
     KT_Q: gl.constexpr = (HQ * HD + TK - 1) // TK
@@ -129,21 +134,34 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         staged = key
         if TRACE:
             t_start = _now(offs)
-        if wait >= 0:
-            counter_wait(cnt_ptr, wait, (epoch + 1) * _field(w, offs, W_WAIT_COUNT))
-        if TRACE:
-            t_ready = _now(offs)
+        target = (epoch + 1) * _field(w, offs, W_WAIT_COUNT)
+        if op == OP_ATTN_PARTIAL:
+            # past K/V of the first block is requested before the wait: it does not depend on this step
+            kvh = a
+            split = _field(w, offs, W_C)
+            n_splits = _field(w, offs, W_D)
+            k0, v0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
+                                        HKV, HD, PS, BT, num_warps, L4)
+            if wait >= 0:
+                counter_wait(cnt_ptr, wait, target)
+            if TRACE:
+                t_ready = _now(offs)
+            attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP,
+                              NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4)
+        else:
+            if wait >= 0:
+                counter_wait(cnt_ptr, wait, target)
+            if TRACE:
+                t_ready = _now(offs)
         if op == OP_ATTN_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, V1)
             it = matvec.qkv_head(bufs, empty, ready, hbuf, scr, it, KT_D, layer, a, pos, tok_page, q_ptr, kc_ptr,
                                  vc_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr, eps, NP, HQ, HKV, HD, PS,
                                  HAS_BIAS, QK_NORM, LAY, E2)
-        elif op == OP_ATTN_PARTIAL:
-            attention.partial(layer, a, b, _field(w, offs, W_C), _field(w, offs, W_D), ctx, q_ptr, kc_ptr, vc_ptr,
-                              bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, KL)
         elif op == OP_ATTN_REDUCE:
-            attention.reduce(a, _field(w, offs, W_D), SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, KL)
+            attention.reduce(a, _field(w, offs, W_D), SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP,
+                             R3)
         elif op == OP_O_PROJ:
             if restage:
                 matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, V1)
@@ -187,7 +205,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_MAX: gl.constexpr,
-               BT: gl.constexpr, SP2: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
+               BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
                TRACE: gl.constexpr, num_warps: gl.constexpr):
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -202,7 +220,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, bufs, empty, ready, hbuf, scr, D, HQ, HKV, HD, I, PS, HAS_BIAS,
-                    QK_NORM, BT, SP2, WR, TRACE, num_warps)),
+                    QK_NORM, BT, SP2, GP, WR, TRACE, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
                    D, HQ, HKV, HD, I)),
     ], [1], [LOADER_REGS])
