@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.megakernel import isa
-from mimw.megakernel.ops import SOLVERS, OpContext
+from mimw.megakernel.ops import FINISHERS, SOLVERS, OpContext
 from mimw.megakernel.ops.common import rms_norm
-from mimw.megakernel.program import StepShape, build_program
+from mimw.megakernel.program import ProgramConfig, StepShape, build_program
 from mimw.megakernel.state import EMPTY_M, alloc_scratch, alloc_state
 from mimw.megakernel.vm import VMDecoder
 from mimw.models import reference, rope
@@ -24,13 +24,14 @@ from mimw.models.weights import random_weights
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/megakernel/conftest.py
 
 
-def context(name: str, seg_lens, starts, num_sms: int, page_size: int = 16, dtype=torch.float32, seed: int = 0):
+def context(name: str, seg_lens, starts, num_sms: int, page_size: int = 16, dtype=torch.float32, seed: int = 0,
+            config: ProgramConfig = ProgramConfig()):
     """An OpContext over random weights and a random cache; segment s starts at position ``starts[s]``."""
     spec = get_preset(name)
     if spec.num_layers > 3:
         spec = spec.with_(num_layers=2)  # real shapes, fewer layers: CPU time
     w = random_weights(spec, seed, dtype=dtype)
-    prog = build_program(spec, StepShape(tuple(seg_lens)), num_sms)
+    prog = build_program(spec, StepShape(tuple(seg_lens)), num_sms, config)
     per_seq = [-(-(p + n) // page_size) for p, n in zip(starts, seg_lens)]
     cache = PagedKVCache(KVLayout.for_spec(spec, page_size, sum(per_seq) + 2, dtype))
     g = torch.Generator().manual_seed(seed)
@@ -78,16 +79,19 @@ def test_partials_then_reduce_equal_causal_softmax_attention(name, seg_lens, sta
     assert (sc.part_ml[..., 1][empty] == 0).all() and (sc.part_o[empty] == 0).all()
 
 
+@pytest.mark.parametrize("parts", [1, 3])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def test_attn_in_matches_the_reference_projection_and_stores_kv_only_at_the_step_slots(name):
+def test_attn_in_matches_the_reference_projection_and_stores_kv_only_at_the_step_slots(name, parts):
     seg_lens, starts = (4, 1), (14, 33)  # the verify block crosses a page boundary
-    ctx, tables = context(name, seg_lens, starts, 7)
+    ctx, tables = context(name, seg_lens, starts, 7, config=ProgramConfig(tile_k=16, qkv_parts=parts))
     spec, layer = ctx.spec, 1
     lw, hq, hkv, hd = ctx.weights.layers[layer], spec.num_heads, spec.num_kv_heads, spec.head_dim
     ctx.scratch.x.copy_(torch.randn(ctx.scratch.x.shape))
     k_before, v_before = ctx.cache.k.clone(), ctx.cache.v.clone()
     for h in range(hq + 2 * hkv):
-        SOLVERS[isa.Op.ATTN_IN](ctx, isa.AttnIn(layer=layer, head=h))
+        for p in random.Random(h).sample(range(parts), parts):  # parts in any order; the finisher sums in order
+            SOLVERS[isa.Op.ATTN_IN](ctx, isa.AttnIn(layer=layer, head=h, part=p, n_parts=parts))
+        FINISHERS[isa.Op.ATTN_IN](ctx, isa.AttnIn(layer=layer, head=h, part=p, n_parts=parts))
     # the reference decoder's computation, written out
     pos = ctx.state.positions.long()
     hn = reference.rms_norm(ctx.scratch.x, lw.attn_norm, spec.rms_norm_eps)

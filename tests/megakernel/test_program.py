@@ -1,7 +1,7 @@
 import pytest
 
 from mimw.megakernel import isa
-from mimw.megakernel.program import ProgramConfig, StepShape, build_program, row_blocks
+from mimw.megakernel.program import ProgramConfig, StepShape, build_program, column_part, qkv_parts, row_blocks
 from mimw.megakernel.state import split_range
 from mimw.models.spec import get_preset
 
@@ -15,8 +15,10 @@ def test_program_covers_every_output_once(name, num_sms, seg_lens):
     prog.validate()
     ins = list(prog.instructions())
     by = lambda t: [i for i in ins if isinstance(i, t)]  # noqa: E731
-    assert sorted((i.layer, i.head) for i in by(isa.AttnIn)) == [
-        (l, h) for l in range(spec.num_layers) for h in range(spec.num_heads + 2 * spec.num_kv_heads)]
+    n = prog.qkv_parts
+    assert sorted((i.layer, i.head, i.part, i.n_parts) for i in by(isa.AttnIn)) == [
+        (l, h, p, n) for l in range(spec.num_layers) for h in range(spec.num_heads + 2 * spec.num_kv_heads)
+        for p in range(n)]
     for t, total in [(isa.OProj, spec.hidden_size), (isa.MlpIn, spec.intermediate_size),
                      (isa.DownProj, spec.hidden_size)]:
         for l in range(spec.num_layers):
@@ -56,3 +58,21 @@ def test_split_ranges_partition_the_context(ctx, n):
     ranges = [split_range(ctx, s, n) for s in range(n)]
     covered = [p for lo, hi in ranges for p in range(lo, hi)]
     assert covered == list(range(ctx))
+
+
+@pytest.mark.parametrize("k,tile_k,n", [(2048, 256, 3), (4096, 256, 3), (576, 256, 2), (64, 16, 3), (4096, 256, 16)])
+def test_column_parts_are_whole_tiles_covering_every_column_once(k, tile_k, n):
+    ranges = [column_part(k, tile_k, p, n) for p in range(n)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == k
+    assert all(a1 == b0 for (_, a1), (b0, _) in zip(ranges, ranges[1:]))
+    assert all(c0 % tile_k == 0 and c1 > c0 for c0, c1 in ranges)
+
+
+def test_attn_in_is_split_so_that_a_layers_heads_cover_the_sms():
+    cfg = ProgramConfig(tile_rows=32, tile_k=256)
+    for name in ("llama-3.2-1b", "llama-3.1-8b"):  # 48 heads per layer for 132 SMs
+        n = qkv_parts(get_preset(name), 132, cfg)
+        assert n > 1 and 48 * n >= 132
+    assert qkv_parts(get_preset("llama-3.1-8b"), 1, cfg) == 1  # one SM: splitting only adds fixed costs
+    with pytest.raises(ValueError, match="qkv_parts"):
+        build_program(get_preset("tiny-llama"), StepShape((1,)), 7, ProgramConfig(tile_k=256, qkv_parts=2))

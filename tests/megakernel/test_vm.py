@@ -20,7 +20,7 @@ import torch
 
 from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.megakernel import isa
-from mimw.megakernel.program import StepShape, build_program
+from mimw.megakernel.program import ProgramConfig, StepShape, build_program
 from mimw.megakernel.state import alloc_scratch, alloc_state
 from mimw.megakernel.vm import VM, DeadlockError, DependencyError, VMDecoder, i32
 from mimw.models.reference import ReferenceDecoder, Segment
@@ -87,8 +87,27 @@ CASES = [  # (preset, num_sms, page_size, seg_lens, contexts before the first st
 @pytest.mark.parametrize("name,num_sms,page_size,seg_lens,contexts", CASES,
                          ids=[f"{c[0]}-sm{c[1]}-ps{c[2]}-M{'x'.join(map(str, c[3]))}" for c in CASES])
 def test_vm_matches_reference_over_random_interleavings(name, num_sms, page_size, seg_lens, contexts):
+    _vm_against_reference(name, num_sms, page_size, seg_lens, contexts, ProgramConfig())
+
+
+TICKET_CASES = [  # ATTN_IN split in column parts with tickets: (preset, num_sms, seg_lens, contexts, parts)
+    ("tiny-llama", 7, (1,), (14,), 3),
+    ("tiny-qwen3", 132, (4,), (30,), 4),  # q/k norms in the finisher; every part on its own SM
+    ("tiny-qwen2", 1, (1, 1), (5, 20), 2),  # one SM: the parts run back to back, the last one finishes
+]
+
+
+@pytest.mark.parametrize("name,num_sms,seg_lens,contexts,parts", TICKET_CASES)
+def test_vm_with_attn_in_column_parts_matches_reference(name, num_sms, seg_lens, contexts, parts):
+    prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts, ProgramConfig(tile_k=16, qkv_parts=parts))
+    assert prog.qkv_parts == parts
+    assert sum(1 for c in prog.counters if ".qkv_ticket." in c.name) == prog.spec.num_layers * (
+        prog.spec.num_heads + 2 * prog.spec.num_kv_heads)
+
+
+def _vm_against_reference(name, num_sms, page_size, seg_lens, contexts, config):
     spec, w, ref, ref_cache, vm_cache, tables, g = prefilled(name, page_size, contexts, STEPS * max(seg_lens), 7)
-    dec = VMDecoder(spec, w, vm_cache, num_sms, StepShape(seg_lens))
+    dec = VMDecoder(spec, w, vm_cache, num_sms, StepShape(seg_lens), config)
     # one SM has exactly one interleaving: run it once per step instead of five times
     reps = INTERLEAVINGS_PER_STEP if num_sms > 1 else 1
     starts, runs = list(contexts), 0
@@ -107,6 +126,7 @@ def test_vm_matches_reference_over_random_interleavings(name, num_sms, page_size
     c = dec.state.counters.tolist()
     assert c[-1] == runs and c[-2] == runs * num_sms
     assert c[:-2] == [runs * k.count for k in dec.program.counters]
+    return dec.program
 
 
 def test_deterministic_order_matches_reference_and_random_interleavings():
@@ -168,6 +188,25 @@ def test_a_removed_dependency_is_caught_by_some_random_interleaving(op, pred):
     pytest.fail(f"removing the wait of {isa.decode(words[s, i].tolist())} went unnoticed in 20 interleavings")
 
 
+def test_a_part_that_skips_its_ticket_is_caught_finishing_before_the_other_parts():
+    spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
+    prog = build_program(spec, StepShape((1,)), 7, ProgramConfig(tile_k=16, qkv_parts=3))
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.ATTN_IN, lambda ins: ins.layer == 1 and ins.part == 0)
+    words[s, i, isa.Word.D] = isa.NO_COUNTER  # part 0 now believes it is alone: it finishes the head at once
+    vm = VM(prog, w, cache, (words, lengths))
+    for seed in range(20):  # a fresh step each time: a failed step leaves the counters mid-step
+        state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
+        state.fill([3], [14], tables, (1,))
+        try:
+            vm.run_step(state, scratch, random.Random(seed))
+        except DependencyError as e:
+            if "qkv parts" in str(e):  # caught by data readiness: it summed parts not yet written
+                return
+            assert "counters off" in str(e)  # it finished last: its missing ticket leaves the ticket short
+    pytest.fail("a part finishing without its ticket went unnoticed in 20 interleavings")
+
+
 def test_the_intact_program_passes_the_same_interleavings():
     prog, w, cache, state, scratch = _setup()
     vm = VM(prog, w, cache)
@@ -213,9 +252,9 @@ def test_readiness_catches_a_later_layer_overwriting_what_an_earlier_one_still_r
     run = VM(prog, w, cache).start(state, scratch)
     part = isa.AttnPartial(layer=0, kv_head=0, seg=0, split=0, n_splits=prog.n_splits[0])
     for h in range(prog.spec.num_heads + 2 * prog.spec.num_kv_heads):
-        run.readiness.after(isa.AttnIn(layer=0, head=h))
+        run.readiness.after_finish(isa.AttnIn(layer=0, head=h))
     run.readiness.before(part)  # layer 0's q and K/V are in place
-    run.readiness.after(isa.AttnIn(layer=1, head=0))
+    run.readiness.after_finish(isa.AttnIn(layer=1, head=0))
     with pytest.raises(DependencyError, match=r"q heads at version \[1\], needs version 0"):
         run.readiness.before(part)
 

@@ -11,8 +11,10 @@ stored (release). Every counter is signalled exactly ``WAIT_COUNT`` times per st
 launch: step number ``epoch`` simply waits for the next multiple (see docs/megakernel.md).
 
 Instructions (M = tokens in the step, D = hidden, hd = head_dim, G = query heads per KV head):
-  ATTN_IN       RMSNorm(x) . W_qkv[head rows] (+bias) (+q/k RMSNorm) + RoPE; q heads -> q buffer,
-                k/v heads -> appended to the paged KV cache at each token's position.        one head x M tokens
+  ATTN_IN       y_part = RMSNorm(x)[cols] . W_qkv[head rows, cols] over one part of the columns -> qkv_part
+                scratch; the LAST of the head's parts to finish (ticket counter ``Word.D``) sums the parts in part
+                order, then (+bias) (+q/k RMSNorm) + RoPE; q heads -> q buffer, k/v heads -> appended to the paged
+                KV cache at each token's position, and only it signals.                  one head x M tokens x part
   ATTN_PARTIAL  softmax(q K^T) V over one split of one segment's context, for the G query heads
                 of one KV head -> (o, m, l) partials.                                     (layer, kv head, seg, split)
   ATTN_REDUCE   combine the splits' partials -> attention output rows for the G heads.   (layer, kv head, seg)
@@ -21,6 +23,10 @@ Instructions (M = tokens in the step, D = hidden, hd = head_dim, G = query heads
   DOWN_PROJ     x[rows] += W_down[rows] . act                                               a block of D rows
   LM_HEAD       logits[rows] = W_lm[rows] . RMSNorm(x)                                      a block of vocab rows
 Layer 0 reads the residual stream from the embedding row of each token instead of x (no separate embed pass).
+
+Tickets (ATTN_IN split over its columns, so that a layer's few heads keep every SM streaming): each part adds 1 to
+its ticket counter after storing its partial (acq_rel); the part that brings it to ``(epoch + 1) * n_parts`` is the
+last one and finishes the head. The sum runs in part order whoever finishes, so results do not depend on timing.
 """
 from __future__ import annotations
 
@@ -48,9 +54,9 @@ class Word(IntEnum):
     OP = 0
     LAYER = 1
     A = 2  # ATTN_IN: head (q heads, then k heads, then v heads); PARTIAL/REDUCE: kv head; matvecs: first row
-    B = 3  # PARTIAL/REDUCE: segment; matvecs: number of rows
-    C = 4  # PARTIAL: split index
-    D = 5  # PARTIAL/REDUCE: number of splits of the segment
+    B = 3  # ATTN_IN: column part; PARTIAL/REDUCE: segment; matvecs: number of rows
+    C = 4  # ATTN_IN: number of column parts; PARTIAL: split index
+    D = 5  # ATTN_IN: ticket counter (-1: one part, no ticket); PARTIAL/REDUCE: number of splits of the segment
     WAIT = 6  # counter to wait on, -1 for none
     WAIT_COUNT = 7  # signals that counter receives per step
     SIGNAL = 8  # counter to signal when done, -1 for none
@@ -86,8 +92,12 @@ class Instruction:
 class AttnIn(Instruction):
     OP: ClassVar[Op] = Op.ATTN_IN
     layer: int = 0
-    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "head": Word.A}
+    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "head": Word.A, "part": Word.B, "n_parts": Word.C,
+                                         "ticket": Word.D}
     head: int = 0  # 0..Hq-1 query heads, Hq..Hq+Hkv-1 key heads, then value heads
+    part: int = 0  # which of the n_parts column ranges (program.column_part) this instruction multiplies
+    n_parts: int = 1
+    ticket: int = NO_COUNTER  # counter the parts draw tickets from; the last part finishes the head
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ class StepShape:
 @dataclass(frozen=True)
 class ProgramConfig:
     tile_rows: int = 16  # rows per weight tile: every matvec row block is a multiple of it
+    tile_k: int = 256  # columns per weight tile: ATTN_IN column parts are whole column tiles
+    qkv_parts: int = 0  # column parts per ATTN_IN head (0: chosen by the cost model, qkv_parts())
     max_block_bytes: int = 256 * 1024  # cap on one matvec instruction's weight bytes
     min_split_tokens: int = 32  # attention splits get at least this many positions (at context_hint)
     fixed_cost_bytes: int = 16 * 1024  # per-instruction overhead in the cost model (a counter hop ~ 0.6 us)
@@ -72,6 +74,7 @@ class Program:
     queues: list[list[Instruction]]
     counters: list[Counter]
     n_splits: tuple[int, ...]  # attention splits per segment
+    qkv_parts: int  # column parts of every ATTN_IN head
     costs: list[float] = field(default_factory=list)  # per-SM cost-model load, in bytes
 
     @property
@@ -93,11 +96,23 @@ class Program:
         """Every counter is signalled exactly ``count`` times per step, and waits name existing counters with their
         count (so step-numbered targets stay correct across steps without a reset)."""
         sig = [0] * len(self.counters)
+        ticketed: dict[int, set[int]] = {}  # ticket counter -> signal counters of its parts
         for ins in self.instructions():
-            if ins.signal != isa.NO_COUNTER:
+            ticket = getattr(ins, "ticket", isa.NO_COUNTER)
+            if ticket != isa.NO_COUNTER:  # every part draws a ticket; only the last one signals
+                sig[ticket] += 1
+                if ins.n_parts != self.counters[ticket].count:
+                    raise AssertionError(f"{ins} has {ins.n_parts} parts, ticket {self.counters[ticket]}")
+                ticketed.setdefault(ticket, set()).add(ins.signal)
+            elif ins.signal != isa.NO_COUNTER:
                 sig[ins.signal] += 1
             if ins.wait != isa.NO_COUNTER and ins.wait_count != self.counters[ins.wait].count:
                 raise AssertionError(f"{ins} waits for {ins.wait_count}, counter has {self.counters[ins.wait]}")
+        for ticket, signals in ticketed.items():
+            if len(signals) != 1:
+                raise AssertionError(f"parts of ticket {self.counters[ticket]} signal different counters {signals}")
+            if (c := signals.pop()) != isa.NO_COUNTER:
+                sig[c] += 1
         for c, n in zip(self.counters, sig):
             if n != c.count:
                 raise AssertionError(f"counter {c.name} is signalled {n} times per step, expected {c.count}")
@@ -126,6 +141,28 @@ def row_blocks(rows: int, row_bytes: int, num_sms: int, cfg: ProgramConfig) -> l
     return out
 
 
+def column_part(k: int, tile_k: int, part: int, n_parts: int) -> tuple[int, int]:
+    """Columns [c0, c1) of part ``part`` of ``n_parts`` over k columns: whole tiles of ``tile_k``, as even as can be."""
+    kt = -(-k // tile_k)
+    t0, t1 = part * kt // n_parts, (part + 1) * kt // n_parts
+    return min(k, t0 * tile_k), min(k, t1 * tile_k)
+
+
+def qkv_parts(spec: ModelSpec, num_sms: int, cfg: ProgramConfig) -> int:
+    """Column parts per ATTN_IN head: a layer has only Hq + 2*Hkv heads (48 for Llama 1B/8B), too few to keep 132 SMs
+    streaming, so each head is split over its columns. The count minimises the stage's makespan in the cost model
+    (each part pays the fixed cost; at most 8 parts, and never more than the column tiles); ties go to fewer parts."""
+    if cfg.qkv_parts:
+        return cfg.qkv_parts
+    heads, kt = spec.num_heads + 2 * spec.num_kv_heads, -(-spec.hidden_size // cfg.tile_k)
+    head_bytes = spec.head_dim * spec.hidden_size * 2
+
+    def makespan(n: int) -> float:
+        return math.ceil(heads * n / num_sms) * (head_bytes / n + cfg.fixed_cost_bytes)
+
+    return min(range(1, min(8, kt) + 1), key=lambda n: (makespan(n), n))
+
+
 def attention_splits(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramConfig) -> tuple[int, ...]:
     per_seg = max(1, num_sms // (spec.num_kv_heads * len(shape.seg_lens)))
     by_len = max(1, math.ceil(shape.context_hint / cfg.min_split_tokens))
@@ -136,7 +173,8 @@ def cost(spec: ModelSpec, shape: StepShape, ins: Instruction, cfg: ProgramConfig
     """Bytes-equivalent cost of one instruction: weight/KV bytes it streams plus a fixed overhead."""
     d, hd = spec.hidden_size, spec.head_dim
     if isinstance(ins, AttnIn):
-        b = hd * d * 2
+        c0, c1 = column_part(d, cfg.tile_k, ins.part, ins.n_parts)
+        b = hd * (c1 - c0) * 2
     elif isinstance(ins, AttnPartial):
         ctx = shape.context_hint + shape.seg_lens[ins.seg]
         b = math.ceil(ctx / ins.n_splits) * hd * 2 * 2
@@ -166,6 +204,9 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
 
     L, hq, hkv, g = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.group_size
     n_splits = attention_splits(spec, shape, num_sms, cfg)
+    n_parts = qkv_parts(spec, num_sms, cfg)
+    if not 1 <= n_parts <= -(-spec.hidden_size // cfg.tile_k):
+        raise ValueError(f"qkv_parts={n_parts} must be between 1 and the {spec.hidden_size}-column row's tile count")
     segs = range(len(shape.seg_lens))
     o_blocks = row_blocks(spec.hidden_size, spec.q_size * 2, num_sms, cfg)
     mlp_blocks = row_blocks(spec.intermediate_size, 2 * spec.hidden_size * 2, num_sms, cfg)
@@ -180,8 +221,11 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         def group(h: int) -> int:  # which KV group a q/k/v head feeds
             return h // g if h < hq else (h - hq) % hkv
 
-        stages.append([AttnIn(layer=l, head=h, wait=prev, wait_count=prev_n, signal=qkv[group(h)])
-                       for h in range(hq + 2 * hkv)])
+        tickets = [counter(f"L{l}.qkv_ticket.h{h}", n_parts) if n_parts > 1 else isa.NO_COUNTER
+                   for h in range(hq + 2 * hkv)]
+        stages.append([AttnIn(layer=l, head=h, part=p, n_parts=n_parts, ticket=tickets[h], wait=prev,
+                              wait_count=prev_n, signal=qkv[group(h)])
+                       for h in range(hq + 2 * hkv) for p in range(n_parts)])
         part = {(k, s): counter(f"L{l}.attn.kv{k}.seg{s}", n_splits[s]) for k in range(hkv) for s in segs}
         stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], wait=qkv[k],
                                    wait_count=g + 2, signal=part[k, s])
@@ -213,6 +257,6 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
             queues[s].append(ins)
             total[s] += c
             heapq.heappush(heap, (load + c, tot + c, s))
-    prog = Program(spec, shape, num_sms, cfg, queues, counters, n_splits, total)
+    prog = Program(spec, shape, num_sms, cfg, queues, counters, n_splits, n_parts, total)
     prog.validate()
     return prog

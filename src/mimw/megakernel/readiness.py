@@ -5,6 +5,7 @@ checks the claim independently. Every region of step data carries a *version*, t
 during this step (-1: not written this step):
 
     x        [D]              2l+1 after layer l's O_PROJ of those columns, 2l+2 after its DOWN_PROJ
+    qkv_part [H, P]           layer whose ATTN_IN wrote part p of head h (H = Hq + 2 Hkv)
     q        [Hq]             layer whose ATTN_IN wrote the head (all M tokens at once)
     kv       [L, 2, Hkv]      whether ATTN_IN stored this step's K (0) / V (1) positions of the layer's kv head
     part     [M, Hq, SPLITS]  layer whose ATTN_PARTIAL wrote (token, head, split)
@@ -36,6 +37,7 @@ class Readiness:
         self.program, self.state = program, state
         m, full = shape.num_tokens, lambda *s: np.full(s, -1, dtype=np.int32)  # noqa: E731
         self.x = full(sp.hidden_size)
+        self.qkv_part = full(sp.num_heads + 2 * sp.num_kv_heads, program.qkv_parts)
         self.q = full(sp.num_heads)
         self.kv = np.zeros((sp.num_layers, 2, sp.num_kv_heads), dtype=bool)
         self.part = full(m, sp.num_heads, program.max_splits)
@@ -97,11 +99,7 @@ class Readiness:
         """Record what ``ins`` wrote."""
         sp, op = self.program.spec, ins.OP
         if op == Op.ATTN_IN:
-            hq, hkv = sp.num_heads, sp.num_kv_heads
-            if ins.head < hq:
-                self.q[ins.head] = ins.layer
-            else:
-                self.kv[ins.layer, (ins.head - hq) // hkv, (ins.head - hq) % hkv] = True
+            self.qkv_part[ins.head, ins.part] = ins.layer
         elif op == Op.ATTN_PARTIAL:
             self.part[self._seg(ins.seg), self._group(ins.kv_head), ins.split] = ins.layer
         elif op == Op.ATTN_REDUCE:
@@ -112,6 +110,17 @@ class Readiness:
             self.act[ins.row0: ins.row0 + ins.nrows] = ins.layer
         elif op == Op.LM_HEAD:
             self.logits[ins.row0: ins.row0 + ins.nrows] = 1
+
+    def before_finish(self, ins: Instruction) -> None:
+        """The finisher of a ticketed ATTN_IN reads every part of its head."""
+        self._require(ins, "qkv parts", self.qkv_part[ins.head, : ins.n_parts], ins.layer)
+
+    def after_finish(self, ins: Instruction) -> None:
+        hq, hkv = self.program.spec.num_heads, self.program.spec.num_kv_heads
+        if ins.head < hq:
+            self.q[ins.head] = ins.layer
+        else:
+            self.kv[ins.layer, (ins.head - hq) // hkv, (ins.head - hq) % hkv] = True
 
     def check_complete(self) -> None:
         """At the end of a step every logit must have been written (the host reads them all)."""

@@ -11,6 +11,7 @@ the program's StepShape and static.
 
 Scratch (fp32, written and read within one step; the host never needs to clear it):
   x [M, D]                     residual stream (valid after a layer's DOWN_PROJ; layer 0 reads the embedding rows)
+  qkv_part [P, M, Hq+2Hkv, hd] ATTN_IN's partial products, one per column part (P = program.qkv_parts)
   q [M, Hq, hd]                query heads after bias, q-norm and RoPE
   part_o [M, Hq, SPLITS, hd]   unnormalised partial attention outputs   sum_j exp(s_j - m) v_j
   part_ml [M, Hq, SPLITS, 2]   running max m (scaled scores, natural log domain) and sum l = sum_j exp(s_j - m);
@@ -75,6 +76,7 @@ class StepState:
 @dataclass
 class Scratch:
     x: torch.Tensor
+    qkv_part: torch.Tensor
     q: torch.Tensor
     part_o: torch.Tensor
     part_ml: torch.Tensor
@@ -83,7 +85,7 @@ class Scratch:
     logits: torch.Tensor
 
     def poison(self) -> None:
-        for t in (self.x, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits):
+        for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits):
             t.fill_(float("nan"))
 
 
@@ -98,6 +100,7 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
     f = lambda *shape: torch.full(shape, float("nan"), dtype=torch.float32, device=device)  # noqa: E731
     return Scratch(
         x=f(m, sp.hidden_size),
+        qkv_part=f(prog.qkv_parts, m, sp.num_heads + 2 * sp.num_kv_heads, sp.head_dim),
         q=f(m, sp.num_heads, sp.head_dim),
         part_o=f(m, sp.num_heads, prog.max_splits, sp.head_dim),
         part_ml=f(m, sp.num_heads, prog.max_splits, 2),

@@ -7,7 +7,8 @@ Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
   * SM ``s`` runs its queue ``words[s, :lengths[s]]`` in order; each instruction is decoded with ``isa.decode``.
   * ``epoch = counters[EPOCH]`` is read when the step starts. An instruction may run once
     ``counters[wait] >= (epoch + 1) * wait_count`` (wait == -1: at once); when it has stored its outputs it adds 1
-    to ``counters[signal]``.
+    to ``counters[signal]``. A ticketed instruction (ATTN_IN parts, isa.py) first adds 1 to ``counters[ticket]``;
+    only the part that brings it to ``(epoch + 1) * n_parts`` runs the finisher and signals.
   * A queue that has run out adds 1 to ``counters[DONE]``; the queue that brings DONE to ``(epoch + 1) * num_sms``
     adds 1 to ``counters[EPOCH]``. Counters are never reset: the next step waits for the next multiple.
   * Counters are int32 and wrap (atomic adds wrap in two's complement; so does ``(epoch + 1) * wait_count`` in
@@ -33,7 +34,7 @@ from ..models.spec import ModelSpec
 from ..models.weights import ModelWeights
 from . import isa
 from .isa import Instruction
-from .ops import SOLVERS, OpContext
+from .ops import FINISHERS, SOLVERS, OpContext
 from .program import Program, ProgramConfig, StepShape, build_program
 from .readiness import DependencyError, Readiness
 from .state import Scratch, StepState, alloc_scratch, alloc_state
@@ -136,16 +137,33 @@ class StepRun:
         self.readiness.before(ins)
         SOLVERS[ins.OP](self.ctx, ins)
         self.readiness.after(ins)
+        signal = ins.signal
+        if ins.OP in FINISHERS:
+            if self._last_part(ins):
+                self.readiness.before_finish(ins)
+                FINISHERS[ins.OP](self.ctx, ins)
+                self.readiness.after_finish(ins)
+            else:
+                signal = isa.NO_COUNTER  # an earlier part: the last one finishes and signals
         self.ready.remove(sm)
         self.pc[sm] += 1
-        if ins.signal != isa.NO_COUNTER:
-            c = ins.signal
+        if signal != isa.NO_COUNTER:
+            c = signal
             self.counters[c] = i32(self.counters[c] + 1)
             self.signals[c] += 1
             waiting = self.blocked.get(c, [])
             while waiting and waiting[0][0] <= self.signals[c]:
                 self._place(heapq.heappop(waiting)[1])
         self._place(sm)
+
+    def _last_part(self, ins) -> bool:
+        """Draw ins's ticket (if it has one): is it the last of its n_parts in this step?"""
+        t = ins.ticket
+        if t == isa.NO_COUNTER:
+            return True
+        self.counters[t] = i32(self.counters[t] + 1)
+        self.signals[t] += 1
+        return self.counters[t] == i32((self.epoch + 1) * ins.n_parts)
 
     def _place(self, sm: int) -> None:
         """File SM ``sm`` as ready or blocked on its head's counter; count it done if its queue ran out."""

@@ -18,7 +18,7 @@ class KernelConfig:
     tile_k: int = 256  # TK: weight tile columns (bf16); 16 KB tiles at 32 x 256 (best of the first sweep)
     ring: int = 10  # NB: ring slots
     num_warps: int = 4  # compute partition warps
-    loader_regs: int = 24  # register budget of the one-warp loader partition
+    loader_regs: int = 32  # register budget of the one-warp loader partition (24 spills with column parts)
     page_size: int = 16
     trace: bool = False  # record [start, dependency met, signalled] per instruction (gpu/trace.py)
 
@@ -30,7 +30,7 @@ class KernelConfig:
         return cls(page_size=page_size)
 
     def program_config(self) -> ProgramConfig:
-        return ProgramConfig(tile_rows=self.tile_rows)
+        return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -68,7 +68,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
 
 def shared_bytes(spec: ModelSpec, kcfg: KernelConfig) -> int:
     c = constexprs(spec, kcfg, 1)
-    return (c["NB"] * c["TR"] * c["TK"] * 2 + c["KT_MAX"] * c["TK"] * 2 + spec.head_dim * 4 + 2 * c["NB"] * 8)
+    return c["NB"] * c["TR"] * c["TK"] * 2 + c["KT_MAX"] * c["TK"] * 2 + 2 * c["NB"] * 8
 
 
 def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_splits: int = 16):
@@ -90,7 +90,7 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc,
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
-        "x_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "attn_ptr": "*fp32",
+        "x_ptr": "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "attn_ptr": "*fp32",
         "act_ptr": "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32", "qscale": "fp32",
         "trace_ptr": "*i64",
     }

@@ -16,7 +16,7 @@ from .orchestration import consumer_acquire, consumer_release, producer_rows, ri
 def _gemv_loader(w_desc, bufs, empty, ready, K):
     BN: gl.constexpr = bufs.type.shape[1]
     BK: gl.constexpr = bufs.type.shape[2]
-    producer_rows(w_desc, gl.program_id(0) * BN, 1, gl.cdiv(K, BK), bufs, empty, ready, gl.to_tensor(0), BN, BK)
+    producer_rows(w_desc, gl.program_id(0) * BN, 1, 0, gl.cdiv(K, BK), bufs, empty, ready, gl.to_tensor(0), BN, BK)
 
 
 @gluon.jit

@@ -79,22 +79,24 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
     for i in range(n):
         w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
         if op == OP_ATTN_IN:
-            it = producer_rows(d_qkv, (layer * NQKV + a) * HD, HD // TR, KT_D, bufs, empty, ready, it, TR, TK)
+            n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
+            it = producer_rows(d_qkv, (layer * NQKV + a) * HD, HD // TR, b * KT_D // n_parts, (b + 1) * KT_D // n_parts,
+                               bufs, empty, ready, it, TR, TK)
         elif op == OP_O_PROJ:
-            it = producer_rows(d_o, layer * D + a, b // TR, KT_Q, bufs, empty, ready, it, TR, TK)
+            it = producer_rows(d_o, layer * D + a, b // TR, 0, KT_Q, bufs, empty, ready, it, TR, TK)
         elif op == OP_MLP_IN:
-            it = producer_rows(d_gu, layer * 2 * I + 2 * a, 2 * b // TR, KT_D, bufs, empty, ready, it, TR, TK)
+            it = producer_rows(d_gu, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK)
         elif op == OP_DOWN_PROJ:
-            it = producer_rows(d_down, layer * D + a, b // TR, KT_I, bufs, empty, ready, it, TR, TK)
+            it = producer_rows(d_down, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR, TK)
         elif op == OP_LM_HEAD:
-            it = producer_rows(d_lm, a, b // TR, KT_D, bufs, empty, ready, it, TR, TK)
+            it = producer_rows(d_lm, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK)
 
 
 @gluon.jit
 def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
              emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
-             kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-             eps, qscale, trace_ptr, bufs, empty, ready, hbuf, scr,
+             kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
+             eps, qscale, trace_ptr, bufs, empty, ready, hbuf,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, TRACE: gl.constexpr,
@@ -153,12 +155,25 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 counter_wait(cnt_ptr, wait, target)
             if TRACE:
                 t_ready = _now(offs)
+        sig = _field(w, offs, W_SIGNAL)
         if op == OP_ATTN_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, V1)
-            it = matvec.qkv_head(bufs, empty, ready, hbuf, scr, it, KT_D, layer, a, pos, tok_page, q_ptr, kc_ptr,
-                                 vc_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr, eps, NP, HQ, HKV, HD, PS,
-                                 HAS_BIAS, QK_NORM, LAY, E2)
+            n_parts = _field(w, offs, W_C)
+            it = matvec.qkv_part(bufs, empty, ready, hbuf, it, b * KT_D // n_parts, (b + 1) * KT_D // n_parts, a, b,
+                                 qkvp_ptr, HQ + 2 * HKV, HD, LAY)
+            # ticket (isa.py): this CTA's partial stores precede the acq_rel add; the last part finishes the head
+            ticket = _field(w, offs, W_D)
+            gl.thread_barrier()
+            last = ticket < 0
+            if ticket >= 0:
+                drawn = gl.atomic_add(cnt_ptr + ticket, 1, sem="acq_rel", scope="gpu")
+                last = drawn - ((epoch + 1) * n_parts - 1) == 0
+            if last:
+                matvec.qkv_finish(layer, a, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_ptr, bias_ptr, qn_ptr,
+                                  kn_ptr, invf_ptr, eps, NP, HQ, HKV, HD, PS, HAS_BIAS, QK_NORM, TR, E2)
+            else:
+                sig = -1  # an earlier part: no signal
         elif op == OP_ATTN_REDUCE:
             attention.reduce(a, _field(w, offs, W_D), SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP,
                              R3)
@@ -179,11 +194,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, V1)
             it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY)
-        sig = _field(w, offs, W_SIGNAL)
         if sig >= 0:
             counter_signal(cnt_ptr, sig)
         else:
-            gl.thread_barrier()  # hbuf/scr are rewritten by the next instruction
+            gl.thread_barrier()  # hbuf is rewritten by the next instruction
         if TRACE:  # [start, dependency met, signalled] of instruction i on this SM
             tb = trace_ptr + (pid * MAXLEN + i) * 3
             gl.store(tb, t_start)
@@ -200,7 +214,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
 def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
                d_qkv, d_o, d_gu, d_down, d_lm,
                emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
-               kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
+               kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                eps, qscale, trace_ptr,
                D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
@@ -212,14 +226,12 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
     ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     # hbuf: staged input vector, one [TK] row per column tile (rank-1 layout: rows are indexed at run time)
     hbuf = gl.allocate_shared_memory(gl.bfloat16, [KT_MAX, TK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    # scr: one head's matvec output [HD/TR, TR] before its RoPE/norm epilogue
-    scr = gl.allocate_shared_memory(gl.float32, [HD // TR, TR], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     ring_init(empty, ready, NB)
     gl.warp_specialize([
         (_compute, (prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
-                    kc_ptr, vc_ptr, NP, x_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-                    eps, qscale, trace_ptr, bufs, empty, ready, hbuf, scr, D, HQ, HKV, HD, I, PS, HAS_BIAS,
+                    kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
+                    eps, qscale, trace_ptr, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS, HAS_BIAS,
                     QK_NORM, BT, SP2, GP, WR, TRACE, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
                    D, HQ, HKV, HD, I)),

@@ -15,12 +15,12 @@ from .orchestration import consumer_acquire, consumer_release
 
 
 @gluon.jit
-def dot_tile(bufs, empty, ready, hbuf, it, KT, LAY: gl.constexpr):
-    """One row tile: sum over KT column tiles of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it')."""
+def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr):
+    """One row tile: sum over column tiles [k0, k1) of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it')."""
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     acc = gl.zeros([TR, TK], gl.float32, LAY)
-    for k in range(KT):
+    for k in range(k0, k1):
         xk = hbuf.index(k).load(gl.SliceLayout(0, LAY)).to(gl.float32)
         w, idx = consumer_acquire(bufs, ready, it, LAY)
         consumer_release(empty, idx)
@@ -75,7 +75,7 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
     TR: gl.constexpr = bufs.type.shape[1]
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, KT, LAY)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
         rows = row0 + r * TR + offs_r
         if res_from_embed:
             res = gl.load(res_ptr + rows).to(gl.float32)
@@ -91,7 +91,7 @@ def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl
     TR: gl.constexpr = bufs.type.shape[1]
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, KT, LAY)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
         gl.store(out_ptr + row0 + r * TR + offs_r, acc)
     return it
 
@@ -102,32 +102,44 @@ def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_pairs, act_ptr, LAY: gl
     TR: gl.constexpr = bufs.type.shape[1]
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for p in range(n_pairs):
-        g, it = dot_tile(bufs, empty, ready, hbuf, it, KT, LAY)
-        u, it = dot_tile(bufs, empty, ready, hbuf, it, KT, LAY)
+        g, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
+        u, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
         gl.store(act_ptr + row0 + p * TR + offs_r, g / (1.0 + gl.exp(-g)) * u)
     return it
 
 
 @gluon.jit
-def qkv_head(bufs, empty, ready, hbuf, scr, it, KT, layer, head, pos, tok_page, q_ptr, kc_ptr, vc_ptr,
-             bias_ptr, qn_ptr, kn_ptr, invf_ptr, eps, NP,
-             HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
-             HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, LAY: gl.constexpr, E2: gl.constexpr):
-    """ATTN_IN for one head (M = 1): y = W_head . h into ``scr`` [HD/TR, TR], then (+bias) (+RMSNorm) (+RoPE) and
-    store: q heads to q_ptr, k/v heads into the paged cache row of this token (page ``tok_page``)."""
+def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: gl.constexpr, HD: gl.constexpr,
+             LAY: gl.constexpr):
+    """ATTN_IN, every part (M = 1): qkv_part[part, head] = W[head rows, column tiles k0..k1) . h, fp32 to global
+    scratch (the head's finisher may run on another SM)."""
     TR: gl.constexpr = bufs.type.shape[1]
-    HH: gl.constexpr = HD // (2 * TR)  # row tiles per half head (RoPE pairs element i with i + HD/2)
-    for r in gl.static_range(2 * HH):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, KT, LAY)
-        acc2 = gl.expand_dims(gl.convert_layout(acc, gl.SliceLayout(0, E2)), 0)
-        scr.slice(r, 1).store(acc2)
-    gl.thread_barrier()
+    offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
+    out = qkvp_ptr + (part * NQKV + head) * HD
+    for r in gl.static_range(HD // TR):
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY)
+        gl.store(out + r * TR + offs_r, acc)
+    return it
+
+
+@gluon.jit
+def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_ptr, bias_ptr, qn_ptr, kn_ptr,
+               invf_ptr, eps, NP, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
+               HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, TR: gl.constexpr, E2: gl.constexpr):
+    """ATTN_IN, the head's last part: y = sum of the parts in part order (+bias) (+RMSNorm) (+RoPE), then store:
+    q heads to q_ptr, k/v heads into the paged cache row of this token (page ``tok_page``). The halves a = y[:HD/2]
+    and b = y[HD/2:] are held as [HD/2TR, TR] tiles (RoPE pairs element i with i + HD/2)."""
+    NQKV: gl.constexpr = HQ + 2 * HKV
+    HH: gl.constexpr = HD // (2 * TR)
     ti = gl.arange(0, HH, gl.SliceLayout(1, E2))
     ri = gl.arange(0, TR, gl.SliceLayout(0, E2))
     i = gl.expand_dims(ti, 1) * TR + gl.expand_dims(ri, 0)  # [HH, TR]: index within the half head
-    a = scr.slice(0, HH).load(E2)
-    b = scr.slice(HH, HH).load(E2)
-    NQKV: gl.constexpr = HQ + 2 * HKV
+    src = qkvp_ptr + head * HD
+    a = gl.load(src + i, cache_modifier=".cg")
+    b = gl.load(src + HD // 2 + i, cache_modifier=".cg")
+    for p in range(1, n_parts):
+        a += gl.load(src + p * NQKV * HD + i, cache_modifier=".cg")
+        b += gl.load(src + p * NQKV * HD + HD // 2 + i, cache_modifier=".cg")
     if HAS_BIAS:
         bb = bias_ptr + (layer * NQKV + head) * HD
         a += gl.load(bb + i).to(gl.float32)
@@ -161,4 +173,3 @@ def qkv_head(bufs, empty, ready, hbuf, scr, it, KT, layer, head, pos, tok_page, 
             cache = vc_ptr + row
         gl.store(cache + i, a.to(gl.bfloat16))
         gl.store(cache + HD // 2 + i, b.to(gl.bfloat16))
-    return it

@@ -54,10 +54,11 @@ def producer_load(desc, row, col, bufs, empty, ready, it):
 
 
 @gluon.jit
-def producer_rows(desc, row0, n_row_tiles, KT, bufs, empty, ready, it, TR: gl.constexpr, TK: gl.constexpr):
-    """Loader: stream rows [row0, row0 + n_row_tiles*TR) of ``desc``, row tile by row tile, KT column tiles each."""
+def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: gl.constexpr, TK: gl.constexpr):
+    """Loader: stream rows [row0, row0 + n_row_tiles*TR) of ``desc``, row tile by row tile, column tiles [k0, k1)
+    of each."""
     for r in range(n_row_tiles):
-        for k in range(KT):
+        for k in range(k0, k1):
             it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it)
     return it
 

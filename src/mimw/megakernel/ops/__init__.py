@@ -1,7 +1,8 @@
 """Reference solvers of the megakernel instructions, one module per instruction (see each module's docstring).
 
 ``SOLVERS[op](ctx, ins)`` runs one decoded instruction on the CPU (or any torch device) against the buffers of
-``ctx``; the VM (``megakernel/vm.py``) calls it, and the GPU kernel is diffed against it.
+``ctx``; the VM (``megakernel/vm.py``) calls it, and the GPU kernel is diffed against it. ``FINISHERS[op]`` is the
+second half of a ticketed instruction (isa.py), run by the part that draws the last ticket.
 """
 from __future__ import annotations
 
@@ -27,4 +28,8 @@ SOLVERS: dict[Op, Callable[[OpContext, Instruction], None]] = {
     Op.LM_HEAD: lm_head.solve,
 }
 
-__all__ = ["OpContext", "SOLVERS"]
+FINISHERS: dict[Op, Callable[[OpContext, Instruction], None]] = {
+    Op.ATTN_IN: attn_in.finish,
+}
+
+__all__ = ["OpContext", "SOLVERS", "FINISHERS"]

@@ -1,17 +1,20 @@
-"""ATTN_IN: one q, k or v head of one layer, for every token of the step.
+"""ATTN_IN: one column part of one q, k or v head of one layer, for every token of the step; the last part of the
+head to run finishes it (isa.py: tickets).
 
 Head index convention (isa.py): 0..Hq-1 query heads, Hq..Hq+Hkv-1 key heads, Hq+Hkv..Hq+2*Hkv-1 value heads.
 
+solve (every part):
     x   [M, D]   residual stream entering the layer (layer 0: the embedding rows weights.embed[tokens])
     h   [M, D]   = RMSNorm(x) * attn_norm                         (rounded to the weight dtype, see common.py)
-    y   [M, hd]  = h . W[head rows]^T (+ bias rows, qwen2)
+    qkv_part[part] [M, hd] = h[:, cols] . W[head rows, cols]^T,  cols = program.column_part(D, tile_k, part, n_parts)
+finish (the last part):
+    y   [M, hd]  = sum of qkv_part[0..n_parts-1] in part order (+ bias rows, qwen2)
     q/k heads:   y = RMSNorm(y) * q_norm / k_norm  (qwen3, per head)  then RoPE at each token's position
                  (rope.cos_sin, HF rotate_half pairing: element i pairs with i + hd/2)
     v heads:     bias only
-
-Writes: q head -> scratch.q[:, head, :]  [M, hd] fp32;
-        k/v head -> cache.k / cache.v [layer, page, kv_head, row, :] in the cache dtype, with
-        page = block_tables[seg(m)][pos_m // page_size], row = pos_m % page_size.
+    writes: q head -> scratch.q[:, head, :]  [M, hd] fp32;
+            k/v head -> cache.k / cache.v [layer, page, kv_head, row, :] in the cache dtype, with
+            page = block_tables[seg(m)][pos_m // page_size], row = pos_m % page_size.
 Reads:  x (all of it: the norm needs the whole row) or the embedding rows; the layer's weights; tokens, positions
         and block tables from the step state.
 """
@@ -21,25 +24,39 @@ import torch
 
 from ...models import rope
 from ..isa import AttnIn
+from ..program import column_part
 from .common import OpContext, matvec, residual, rms_norm
+
+
+def _head(ctx: OpContext, ins: AttnIn):
+    spec, lw = ctx.spec, ctx.weights.layers[ins.layer]
+    hq, hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    kind, idx = ("q", ins.head) if ins.head < hq else (("k", ins.head - hq) if ins.head < hq + hkv
+                                                       else ("v", ins.head - hq - hkv))
+    w, b = {"q": (lw.wq, lw.bq), "k": (lw.wk, lw.bk), "v": (lw.wv, lw.bv)}[kind]
+    return kind, idx, w, b, slice(idx * hd, (idx + 1) * hd)
 
 
 def solve(ctx: OpContext, ins: AttnIn) -> None:
     spec, lw = ctx.spec, ctx.weights.layers[ins.layer]
-    hq, hkv, hd, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
-    kind, idx = ("q", ins.head) if ins.head < hq else (("k", ins.head - hq) if ins.head < hq + hkv
-                                                       else ("v", ins.head - hq - hkv))
-    w, b = {"q": (lw.wq, lw.bq), "k": (lw.wk, lw.bk), "v": (lw.wv, lw.bv)}[kind]
-    rows = slice(idx * hd, (idx + 1) * hd)
+    _, _, w, _, rows = _head(ctx, ins)
+    c0, c1 = column_part(spec.hidden_size, ctx.program.config.tile_k, ins.part, ins.n_parts)
+    h = rms_norm(residual(ctx, ins.layer), lw.attn_norm, spec.rms_norm_eps)  # [M, D]
+    ctx.scratch.qkv_part[ins.part, :, ins.head] = matvec(h[:, c0:c1], w[rows, c0:c1])  # [M, hd]
 
-    h = rms_norm(residual(ctx, ins.layer), lw.attn_norm, eps)  # [M, D]
-    y = matvec(h, w[rows])  # [M, hd]
+
+def finish(ctx: OpContext, ins: AttnIn) -> None:
+    spec, lw = ctx.spec, ctx.weights.layers[ins.layer]
+    kind, idx, _, b, rows = _head(ctx, ins)
+    y = ctx.scratch.qkv_part[0, :, ins.head]
+    for p in range(1, ins.n_parts):
+        y = y + ctx.scratch.qkv_part[p, :, ins.head]
     if b is not None:
         y = y + b[rows].float()
     positions = ctx.state.positions.long()  # [M]
     if kind != "v":
         if spec.qk_norm:
-            y = rms_norm(y, lw.q_norm if kind == "q" else lw.k_norm, eps)
+            y = rms_norm(y, lw.q_norm if kind == "q" else lw.k_norm, spec.rms_norm_eps)
         cos, sin = rope.cos_sin(spec, positions)  # [M, hd/2] each
         y = rope.apply_rope(y[:, None, :], cos, sin)[:, 0, :]
     if kind == "q":
