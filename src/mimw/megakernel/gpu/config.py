@@ -59,8 +59,9 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
     return dict(
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, PS=kcfg.page_size, HAS_BIAS=spec.attention_bias, QK_NORM=spec.qk_norm,
-        TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring, KT_MAX=-(-kmax // kcfg.tile_k),
+        TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring, KT_ROWS=_pow2(-(-kmax // kcfg.tile_k)),
         BT=max(8, 4096 // spec.head_dim), SP2=_pow2(max_splits), GP=_pow2(spec.group_size), WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
+        SG=min(_pow2(-(-kmax // kcfg.tile_k)), 4096 // kcfg.tile_k),  # staging group: 32 fp32 registers a thread
         LOADER_REGS=kcfg.loader_regs, TRACE=kcfg.trace,
         num_warps=kcfg.num_warps,
     )
@@ -68,7 +69,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
 
 def shared_bytes(spec: ModelSpec, kcfg: KernelConfig) -> int:
     c = constexprs(spec, kcfg, 1)
-    return c["NB"] * c["TR"] * c["TK"] * 2 + c["KT_MAX"] * c["TK"] * 2 + 2 * c["NB"] * 8
+    return c["NB"] * c["TR"] * c["TK"] * 2 + c["KT_ROWS"] * c["TK"] * 2 + 2 * c["NB"] * 8
 
 
 def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_splits: int = 16):

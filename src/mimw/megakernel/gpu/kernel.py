@@ -99,13 +99,14 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              eps, qscale, trace_ptr, bufs, empty, ready, hbuf,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
-             SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, TRACE: gl.constexpr,
+             SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr, TRACE: gl.constexpr,
              num_warps: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
     LAY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WR, num_warps // WR], [1, 0])
-    V1: gl.constexpr = gl.BlockedLayout([TK // (32 * num_warps)], [32], [num_warps], [0])  # staging chunk [TK]
+    # staging group [SG column tiles, TK]: each row spread over every thread, the SG rows in registers
+    S2: gl.constexpr = gl.BlockedLayout([1, TK // (32 * num_warps)], [1, 32], [1, num_warps], [1, 0])
     E2: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TR, TR], [num_warps, 1], [1, 0])  # half head [HD/2TR, TR]
     # attention: [warp, GP heads, BT / num_warps positions, HD], 16-byte vectors along HD, one warp per position run
     TPD: gl.constexpr = 32 if HD // 8 > 32 else HD // 8
@@ -158,7 +159,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         sig = _field(w, offs, W_SIGNAL)
         if op == OP_ATTN_IN:
             if restage:
-                matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, V1)
+                matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, SG, S2)
             n_parts = _field(w, offs, W_C)
             it = matvec.qkv_part(bufs, empty, ready, hbuf, it, b * KT_D // n_parts, (b + 1) * KT_D // n_parts, a, b,
                                  qkvp_ptr, HQ + 2 * HKV, HD, LAY)
@@ -179,20 +180,20 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                              R3)
         elif op == OP_O_PROJ:
             if restage:
-                matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, V1)
+                matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row, layer == 0,
                                       LAY)
         elif op == OP_MLP_IN:
             if restage:
-                matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, V1)
+                matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2)
             it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, act_ptr, LAY)
         elif op == OP_DOWN_PROJ:
             if restage:
-                matvec.stage_plain(hbuf, act_ptr, I, KT_I, V1)
+                matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY)
         elif op == OP_LM_HEAD:
             if restage:
-                matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, V1)
+                matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2)
             it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY)
         if sig >= 0:
             counter_signal(cnt_ptr, sig)
@@ -218,21 +219,23 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                eps, qscale, trace_ptr,
                D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
-               TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_MAX: gl.constexpr,
+               TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
                TRACE: gl.constexpr, num_warps: gl.constexpr):
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-    # hbuf: staged input vector, one [TK] row per column tile (rank-1 layout: rows are indexed at run time)
-    hbuf = gl.allocate_shared_memory(gl.bfloat16, [KT_MAX, TK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # hbuf: staged input vector, one [TK] row per column tile (rank-1 layout: rows are indexed at run time),
+    # KT_ROWS = column tiles of the widest input, rounded up to a power of two (whole staging groups of SG)
+    hbuf = gl.allocate_shared_memory(gl.bfloat16, [KT_ROWS, TK],
+                                     gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ring_init(empty, ready, NB)
     gl.warp_specialize([
         (_compute, (prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS, HAS_BIAS,
-                    QK_NORM, BT, SP2, GP, WR, TRACE, num_warps)),
+                    QK_NORM, BT, SP2, GP, WR, SG, TRACE, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
                    D, HQ, HKV, HD, I)),
     ], [1], [LOADER_REGS])

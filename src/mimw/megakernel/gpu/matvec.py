@@ -3,7 +3,7 @@
 Every matvec instruction streams whole weight tiles [TR, TK] (bf16) through the ring; the loader issues them in
 exactly the order these functions consume them (row tile by row tile, TK-wide column tiles within a row tile).
 The input vector of the instruction (RMSNorm(x), the attention output or the MLP activation) is staged once per
-instruction into shared memory ``hbuf`` [KT_MAX, TK] bf16 — bf16, like the reference decoder's activations, so the
+instruction into shared memory ``hbuf`` [KT_PAD, TK] bf16 — bf16, like the reference decoder's activations, so the
 largest input (the 8B MLP's 14336) fits beside the ring — and is re-read from shared memory for every row tile.
 Columns past K are staged as zeros, matching the TMA engine's zero fill of out-of-bounds weight columns.
 PyTorch references of each instruction: ``mimw.megakernel.ops`` (the VM's solvers).
@@ -30,40 +30,58 @@ def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr):
 
 
 @gluon.jit
-def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT, V1: gl.constexpr):
+def _group(hbuf, g0, SG: gl.constexpr):
+    """Rows g0 .. g0+SG-1 of hbuf as a rank-2 row-major view for one whole-group store (hbuf itself has a rank-1
+    layout so that ``hbuf.index(k)`` yields a [TK] row; without swizzling both describe the same bytes; the row
+    count is a power of two, as a rank-2 layout needs)."""
+    rows2 = hbuf._reinterpret(hbuf.dtype, hbuf.type.shape, gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    return rows2.slice(g0, SG)
+
+
+@gluon.jit
+def _group_offsets(g0, SG: gl.constexpr, TK: gl.constexpr, S2: gl.constexpr):
+    """Element offsets [SG, TK] of column tiles g0 .. g0+SG-1 of a vector."""
+    r = gl.arange(0, SG, gl.SliceLayout(1, S2))
+    c = gl.arange(0, TK, gl.SliceLayout(0, S2))
+    return gl.expand_dims(g0 + r, 1) * TK + gl.expand_dims(c, 0)
+
+
+@gluon.jit
+def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.constexpr, SG: gl.constexpr,
+                 S2: gl.constexpr):
     """hbuf <- (x * rsqrt(mean(x^2) + eps)).to(bf16) * norm_w, x = the fp32 residual row, or (layer 0) the bf16
-    embedding row at ``emb_ptr``. Two passes over x: sum of squares, then scale and store."""
+    embedding row at ``emb_ptr``. Two passes over x (sum of squares, then scale and store), each in groups of SG
+    column tiles whose loads are all in flight together: a staging costs a few L2 round trips, not one per tile."""
     TK: gl.constexpr = hbuf.type.shape[1]
-    offs = gl.arange(0, TK, V1)
-    ss = gl.zeros([TK], gl.float32, V1)
-    for k in range(KT):
-        o = k * TK + offs
+    ss = gl.zeros([SG, TK], gl.float32, S2)
+    for g0 in gl.static_range(0, KT, SG):
+        o = _group_offsets(g0, SG, TK, S2)
         if from_embed:
             v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
         else:
             v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
         ss += v * v
-    rs = gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
-    for k in range(KT):
-        o = k * TK + offs
+    rs = gl.rsqrt(gl.sum(gl.sum(ss, axis=1), axis=0) / K + eps)
+    for g0 in gl.static_range(0, KT, SG):
+        o = _group_offsets(g0, SG, TK, S2)
         if from_embed:
             v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
         else:
             v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
         w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
-        hbuf.index(k).store((v * rs).to(gl.bfloat16) * w)
+        _group(hbuf, g0, SG).store((v * rs).to(gl.bfloat16) * w)
     gl.thread_barrier()  # staged vector visible to every compute warp before the first row tile reads it
 
 
 @gluon.jit
-def stage_plain(hbuf, src_ptr, K, KT, V1: gl.constexpr):
-    """hbuf <- src (fp32 activations written by other CTAs this step) rounded to bf16; zeros past K."""
+def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.constexpr):
+    """hbuf <- src (fp32 activations written by other CTAs this step) rounded to bf16; zeros past K. Loads go in
+    groups of SG column tiles, all in flight together."""
     TK: gl.constexpr = hbuf.type.shape[1]
-    offs = gl.arange(0, TK, V1)
-    for k in range(KT):
-        o = k * TK + offs
+    for g0 in gl.static_range(0, KT, SG):
+        o = _group_offsets(g0, SG, TK, S2)
         v = gl.load(src_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
-        hbuf.index(k).store(v.to(gl.bfloat16))
+        _group(hbuf, g0, SG).store(v.to(gl.bfloat16))
     gl.thread_barrier()
 
 
