@@ -56,6 +56,7 @@ class ProgramConfig:
     max_block_bytes: int = 256 * 1024  # cap on one matvec instruction's weight bytes
     min_split_tokens: int = 32  # attention splits get at least this many positions (at context_hint)
     fixed_cost_bytes: int = 16 * 1024  # per-instruction overhead in the cost model (a counter hop ~ 0.6 us)
+    ticket_cost_bytes: int = 64 * 1024  # extra per ticketed part: acq_rel ticket + the finisher's reads (~2 us, H200)
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
 
 
@@ -151,16 +152,21 @@ def column_part(k: int, tile_k: int, part: int, n_parts: int) -> tuple[int, int]
 def qkv_parts(spec: ModelSpec, num_sms: int, cfg: ProgramConfig) -> int:
     """Column parts per ATTN_IN head: a layer has only Hq + 2*Hkv heads (48 for Llama 1B/8B), too few to keep 132 SMs
     streaming, so each head is split over its columns. The count minimises the stage's makespan in the cost model
-    (each part pays the fixed cost; at most 8 parts, and never more than the column tiles); ties go to fewer parts."""
+    (each part pays the fixed cost and, when split, the ticket cost; at most 8 parts, never more than the column
+    tiles); within 5% of the best, fewer parts win (each part costs ~2 us of fixed latency the model only
+    approximates)."""
     if cfg.qkv_parts:
         return cfg.qkv_parts
     heads, kt = spec.num_heads + 2 * spec.num_kv_heads, -(-spec.hidden_size // cfg.tile_k)
     head_bytes = spec.head_dim * spec.hidden_size * 2
 
     def makespan(n: int) -> float:
-        return math.ceil(heads * n / num_sms) * (head_bytes / n + cfg.fixed_cost_bytes)
+        per_part = head_bytes / n + cfg.fixed_cost_bytes + (cfg.ticket_cost_bytes if n > 1 else 0)
+        return math.ceil(heads * n / num_sms) * per_part
 
-    return min(range(1, min(8, kt) + 1), key=lambda n: (makespan(n), n))
+    options = range(1, min(8, kt) + 1)
+    best = min(makespan(n) for n in options)
+    return min(n for n in options if makespan(n) <= 1.05 * best)
 
 
 def attention_splits(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramConfig) -> tuple[int, ...]:
