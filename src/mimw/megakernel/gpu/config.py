@@ -21,6 +21,7 @@ class KernelConfig:
     loader_regs: int = 32  # register budget of the one-warp loader partition (24 spills with column parts)
     page_size: int = 16
     trace: bool = False  # record [start, dependency met, signalled] per instruction (gpu/trace.py)
+    qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, page_size: int = 16) -> "KernelConfig":
@@ -30,7 +31,7 @@ class KernelConfig:
         return cls(page_size=page_size)
 
     def program_config(self) -> ProgramConfig:
-        return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k)
+        return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
