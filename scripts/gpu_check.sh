@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The megakernel's verification on a Hopper GPU, from the working tree (nothing installed; needs torch and triton
-# 3.6 with Gluon, as on the H200 machine): the GPU tests (4 shapes x contexts 1/17/1000/8191, 64 steps each, and the
-# standalone GEMV), compute-sanitizer synccheck and racecheck on small shapes, and the per-instruction trace of the
+# 3.6 with Gluon, as on the H200 machine): the GPU tests (4 shapes x contexts 1/17/1000/8191, 64 steps each, the
+# standalone GEMV and the engine's megakernel backend), compute-sanitizer synccheck and racecheck on small shapes, and the per-instruction trace of the
 # 1B and 8B shapes at context 1024. Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
 #   bash scripts/gpu_check.sh            # ~5 minutes on an H200
 set -u
@@ -13,7 +13,7 @@ sanitizer=${COMPUTE_SANITIZER:-compute-sanitizer}
 declare -A rc
 
 python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py tests/megakernel/test_gemv_gpu.py \
-    > "$out/gpu-tests.log" 2>&1
+    tests/engine/test_megakernel_backend_gpu.py > "$out/gpu-tests.log" 2>&1
 rc[gpu-tests]=$?
 for tool in synccheck racecheck; do
     "$sanitizer" --tool "$tool" python3 -m mimw.megakernel.gpu.sanitize > "$out/$tool.log" 2>&1
