@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mimw.megakernel.gpu.trace import format_summary, summarize
+from mimw.megakernel.gpu.trace import LAYER_STAGES, critical_path, format_summary, summarize
 from mimw.megakernel.program import StepShape, build_program
 from mimw.models.spec import get_preset
 
@@ -25,6 +25,20 @@ def test_summary_adds_up_waits_busy_times_and_stage_windows():
     first = out["stages"][0]
     assert first["op"] == "ATTN_IN" and first["layer"] == 0 and first["first_ready_us"] == pytest.approx(1.0)
     assert "ATTN_IN" in format_summary(out)
+
+
+def test_critical_path_is_each_stages_share_of_a_layer_after_the_first():
+    windows, t = [], 0.0
+    for layer in range(3):
+        for k, op in enumerate(LAYER_STAGES):
+            t += (k + 1) * (10 if layer == 0 else 1)  # layer 0 is slow (cold start) and must not count
+            windows.append(dict(op=op, layer=layer, first_ready_us=t - 0.5, last_done_us=t))
+    windows.append(dict(op="LM_HEAD", layer=0, first_ready_us=t, last_done_us=t + 50))
+    cp = critical_path(windows)
+    assert [cp[op] for op in LAYER_STAGES] == pytest.approx([1, 2, 3, 4, 5, 6])
+    assert cp["layer"] == pytest.approx(21)
+    assert "critical path per layer" in format_summary(dict(step_us=1.0, ops={}, stages=windows,
+                                                            critical_path_us=cp))
 
 
 @pytest.mark.slow

@@ -2,8 +2,10 @@
 
 The kernel records, for every instruction, three %globaltimer stamps (ns): when the compute role reached it, when
 its dependency counter was met, and when it signalled. ``summarize`` turns them into what the performance notes
-need: per opcode the time spent waiting vs working, and per stage (opcode, layer) the window from the first
-instruction becoming ready to the last one finishing — the step's dependency chain, measured.
+need: per opcode the time spent waiting vs working, per stage (opcode, layer) the window from the first
+instruction becoming ready to the last one finishing, and the critical path per layer: for each stage, the time from
+the previous stage's last instruction finishing to its own last one finishing, averaged over the layers after the
+first (layer 0 starts cold) — the step's dependency chain, measured, stage by stage.
 """
 from __future__ import annotations
 
@@ -35,13 +37,37 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -
            for k, v in per_op.items()}
     windows = [dict(op=isa.Op(o).name, layer=l, first_ready_us=a, last_done_us=b)
                for (o, l), (a, b) in sorted(stages.items(), key=lambda kv: kv[1][0])]
-    return dict(step_us=end / 1e3, ops=ops, stages=windows)
+    return dict(step_us=end / 1e3, ops=ops, stages=windows, critical_path_us=critical_path(windows))
+
+
+LAYER_STAGES = ("ATTN_IN", "ATTN_PARTIAL", "ATTN_REDUCE", "O_PROJ", "MLP_IN", "DOWN_PROJ")
+
+
+def critical_path(windows: list[dict]) -> dict[str, float]:
+    """Mean over layers 1..L-1 of each stage's share of the layer: its last finish minus the previous stage's last
+    finish (the previous layer's DOWN_PROJ for ATTN_IN). Keys: the stages, and "layer" (their sum)."""
+    done = {(w["op"], w["layer"]): w["last_done_us"] for w in windows}
+    layers = sorted({w["layer"] for w in windows if w["op"] == "DOWN_PROJ"})
+    shares: dict[str, list[float]] = {op: [] for op in LAYER_STAGES}
+    for layer in layers[1:]:
+        prev = done[("DOWN_PROJ", layer - 1)]
+        for op in LAYER_STAGES:
+            if (op, layer) in done:
+                shares[op].append(done[(op, layer)] - prev)
+                prev = done[(op, layer)]
+    out = {op: sum(v) / len(v) for op, v in shares.items() if v}
+    if out:
+        out["layer"] = sum(out.values())
+    return out
 
 
 def format_summary(s: dict, layers: int = 2) -> str:
     lines = [f"step {s['step_us']:.1f} us", f"{'op':14s} {'count':>6s} {'mean wait us':>13s} {'mean busy us':>13s}"]
     for k, v in s["ops"].items():
         lines.append(f"{k:14s} {v['count']:6d} {v['mean_wait_us']:13.2f} {v['mean_busy_us']:13.2f}")
+    if s.get("critical_path_us"):
+        lines.append("critical path per layer (mean over layers 1..L-1, us): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in s["critical_path_us"].items()))
     lines.append("stage windows (first ready -> last done), first layers:")
     for st in s["stages"]:
         if st["layer"] < layers or st["op"] == "LM_HEAD":
