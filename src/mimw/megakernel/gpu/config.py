@@ -61,7 +61,8 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, PS=kcfg.page_size, HAS_BIAS=spec.attention_bias, QK_NORM=spec.qk_norm,
         TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring, KT_ROWS=_pow2(-(-kmax // kcfg.tile_k)),
-        BT=max(8, 4096 // spec.head_dim), SP2=_pow2(max_splits), GP=_pow2(spec.group_size), WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
+        BT=max(8, 4096 // spec.head_dim), SP2=_pow2(max_splits), GP=_pow2(spec.group_size),
+        WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_pow2(-(-kmax // kcfg.tile_k)), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TRACE=kcfg.trace,
