@@ -70,11 +70,6 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
     )
 
 
-def shared_bytes(spec: ModelSpec, kcfg: KernelConfig) -> int:
-    c = constexprs(spec, kcfg, 1)
-    return c["NB"] * c["TR"] * c["TK"] * 2 + c["KT_ROWS"] * c["TK"] * 2 + 2 * c["NB"] * 8
-
-
 def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_splits: int = 16):
     """Compile the megakernel for sm_90a without a GPU; returns triton's CompiledKernel (``.asm['ptx']``)."""
     import triton
