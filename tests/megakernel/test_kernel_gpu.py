@@ -23,7 +23,9 @@ def test_megakernel_matches_reference_over_64_steps(model, context):
     assert r.finite, r
     assert r.bit_identical, f"repeated launches differ (race): {r}"
     assert r.max_rel_err <= 2e-2, r
-    assert r.argmax_agree_or_tie >= 0.99, r  # exact agreement, or a near-tie bf16 cannot resolve (check.py)
-    # exact agreement against the fp32 oracle: bf16 itself flips near-ties (H200, 2026-12-02: 60/64 at 8B, ctx 17,
-    # every flip a near-tie; the bf16 torch peers in `mimw bench` sit at the same ~2e-2 error)
+    # exact agreement, or a near-tie: the oracle's top two closer than 2x the bf16 (transformers-numerics)
+    # reference's own error on the same run (check.py)
+    assert r.argmax_agree_or_tie >= 0.99, r
+    # exact agreement against the fp32 oracle: bf16 itself flips near-ties (H200, 2026-12-02: 61/64 at 8B, ctx 17,
+    # gaps 0.04-0.6% of max|logit| at a step error of 1.1-1.2%)
     assert r.argmax_agree >= 0.9, r

@@ -3,17 +3,55 @@
     compute-sanitizer --tool racecheck python3 -m mimw.megakernel.gpu.sanitize
 Two small shapes on 8 SMs, two decode steps each, no CUDA graph: a tiny Qwen3 (16-row tiles, one ATTN_IN part) and
 a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path). Exits non-zero if logits are wrong.
+
+First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel (each partition stores its own slice of a
+vector; no shared memory, mbarriers or atomics of ours). Whatever racecheck reports for it comes from the code
+triton generates around the partitions (the per-warp partition state in shared memory and the named barrier that
+hands it over), not from the megakernel; its hazards are the baseline the megakernel's are compared with.
 """
 import dataclasses
 import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from ...models.spec import get_preset
 from .check import check_decode
 from .config import KernelConfig
 
 
+@gluon.jit
+def _control_default(out_ptr, num_warps: gl.constexpr):
+    offs = gl.arange(0, 32 * num_warps, gl.BlockedLayout([1], [32], [num_warps], [0]))
+    gl.store(out_ptr + offs, offs)
+
+
+@gluon.jit
+def _control_worker(out_ptr, N0: gl.constexpr):
+    offs = gl.arange(0, 32, gl.BlockedLayout([1], [32], [1], [0]))
+    gl.store(out_ptr + N0 + offs, N0 + offs)
+
+
+@gluon.jit
+def ws_control(out_ptr, num_warps: gl.constexpr):
+    gl.warp_specialize([
+        (_control_default, (out_ptr, num_warps)),
+        (_control_worker, (out_ptr, 32 * num_warps)),
+    ], [1], [24])
+
+
+def run_control(num_warps: int = 4) -> bool:
+    """Launch ``ws_control`` once on poisoned output; True when both partitions stored their slices."""
+    n = 32 * (num_warps + 1)
+    out = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    ws_control[(1,)](out, num_warps=num_warps)
+    return bool(torch.equal(out.cpu(), torch.arange(n, dtype=torch.int32)))
+
+
 def main() -> int:
-    ok = True
+    ok = run_control()
+    print(f"ws_control: {'ok' if ok else 'WRONG'}", flush=True)
     for spec, parts in ((get_preset("tiny-qwen3"), 0), (get_preset("smollm2-135m").with_(num_layers=2), 2)):
         kcfg = dataclasses.replace(KernelConfig.for_spec(spec), qkv_parts=parts)
         r = check_decode(spec, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)

@@ -135,8 +135,9 @@ def main() -> None:
         else:
             c = r["check"]
             print(f"{r['model']:14s} {r['variant']:18s} {r['ms']:7.3f} {r['floor_ms']:7.3f} {r['ratio']:6.2f} "
-                  f"{r['TBps']:6.2f}  err={c['max_rel_err']:.1e} agree={c['argmax_agree']:.2f} "
-                  f"bit={c['bit_identical']}")
+                  f"{r['TBps']:6.2f}  err={c['max_rel_err']:.1e} (bf16 {c['bf16_rel_err']:.1e}) "
+                  f"agree={c['argmax_agree']:.2f} (bf16 {c['bf16_argmax_agree']:.2f}) "
+                  f"or-tie={c['argmax_agree_or_tie']:.2f} bit={c['bit_identical']}")
 
 
 if __name__ == "__main__":
