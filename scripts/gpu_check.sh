@@ -19,12 +19,15 @@ for tool in synccheck racecheck; do
     "$sanitizer" --tool "$tool" python3 -m mimw.megakernel.gpu.sanitize > "$out/$tool.log" 2>&1
     rc[$tool]=$?
 done
-python3 -m mimw.megakernel.gpu.variants --models llama-3.2-1b,llama-3.1-8b --variants tr32-tk256-nb10 \
+python3 -m mimw.megakernel.gpu.variants --models llama-3.2-1b,llama-3.1-8b --variants "${VARIANTS:-tr32-tk256-nb10}" \
     --check-steps 64 --trace --out "$out" > "$out/trace.log" 2>&1
 rc[trace]=$?
 
 tail -n 3 "$out/gpu-tests.log"
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$out/synccheck.log" "$out/racecheck.log"
+# racecheck's reports per kernel and source line: ws_control (sanitize.py) is the warp_specialize baseline
+grep -o "access at [a-z_]*+0x[0-9a-f]* in [a-z_]*\.py:[0-9]*" "$out/racecheck.log" | sed 's/+0x[0-9a-f]*//' \
+    | sort | uniq -c
 grep -v '^{' "$out/trace.log" | tail -n 4
 status=0
 for k in gpu-tests synccheck racecheck trace; do

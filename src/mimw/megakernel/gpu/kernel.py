@@ -186,7 +186,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         elif op == OP_MLP_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2)
-            it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, act_ptr, LAY)
+            it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, 2 * b // TR, act_ptr, LAY)
         elif op == OP_DOWN_PROJ:
             if restage:
                 matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)

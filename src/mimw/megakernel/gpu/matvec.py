@@ -115,14 +115,18 @@ def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl
 
 
 @gluon.jit
-def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_pairs, act_ptr, LAY: gl.constexpr):
-    """MLP_IN: weights packed as alternating gate/up row tiles; act[rows] = silu(gate . h) * (up . h)."""
+def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl.constexpr):
+    """MLP_IN: every row tile holds TR/2 gate rows then the TR/2 up rows of the same outputs (pack.py), so one tile
+    yields TR/2 outputs act[rows] = silu(gate . h) * (up . h) and MLP_IN blocks come in TR/2-row steps."""
     TR: gl.constexpr = bufs.type.shape[1]
-    offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
-    for p in range(n_pairs):
-        g, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
-        u, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
-        gl.store(act_ptr + row0 + p * TR + offs_r, g / (1.0 + gl.exp(-g)) * u)
+    for t in range(n_tiles):
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
+        a2 = gl.reshape(acc, [2, TR // 2])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
+        h = gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, a2.type.layout)), 1)
+        g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
+        u = gl.sum(gl.where(h == 1, a2, 0.0), axis=0)
+        offs = gl.arange(0, TR // 2, g.type.layout)
+        gl.store(act_ptr + row0 + t * (TR // 2) + offs, g / (1.0 + gl.exp(-g)) * u)
     return it
 
 

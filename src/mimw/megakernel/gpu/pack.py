@@ -3,7 +3,8 @@ order the loader streams (plans once per model; the hot path never repacks).
 
   qkv  [L * (Hq + 2 Hkv) * hd, D]   per layer: q heads, k heads, v heads (ATTN_IN head h = rows h*hd ..)
   o    [L * D, Hq * hd]
-  gu   [L * 2I, D]                  per layer, alternating TR-row tiles of gate and up (MLP_IN's pairs)
+  gu   [L * 2I, D]                  per layer, TR/2 gate rows then the same TR/2 up rows, repeated: one
+                                   TR-row tile yields TR/2 outputs of MLP_IN
   down [L * D, I]
   lm   [V, D]                       the LM head (the embedding table itself when embeddings are tied)
 plus the small vectors: norms [L, D] (bf16), qkv bias [L, (Hq+2Hkv) hd] (fp32), q/k norm [L, hd], RoPE inv_freq.
@@ -36,10 +37,11 @@ class PackedWeights:
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, tile_rows: int) -> torch.Tensor:
-    """[I, D] x 2 -> [2I, D]: gate tile 0, up tile 0, gate tile 1, ... (tiles of ``tile_rows`` rows)."""
+    """[I, D] x 2 -> [2I, D] in TR-row tiles: tile j = gate rows [j*TR/2, (j+1)*TR/2) then up rows of the same
+    range (TR = ``tile_rows``)."""
     i, d = gate.shape
-    return torch.stack([gate.view(i // tile_rows, tile_rows, d), up.view(i // tile_rows, tile_rows, d)],
-                       dim=1).reshape(2 * i, d)
+    h = tile_rows // 2
+    return torch.stack([gate.view(i // h, h, d), up.view(i // h, h, d)], dim=1).reshape(2 * i, d)
 
 
 def pack(w: ModelWeights, tile_rows: int, device: torch.device | str = "cuda") -> PackedWeights:
