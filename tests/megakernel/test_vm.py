@@ -105,6 +105,30 @@ def test_vm_with_attn_in_column_parts_matches_reference(name, num_sms, seg_lens,
         prog.spec.num_heads + 2 * prog.spec.num_kv_heads)
 
 
+SEPARATE_REDUCE_CASES = [  # programs with an ATTN_REDUCE stage instead of combining splits
+    ("tiny-llama", 7, 16, (1, 1, 1, 1), (14, 31, 3, 47)),
+    ("tiny-qwen3", 132, 64, (4,), (63,)),
+]
+
+
+@pytest.mark.parametrize("name,num_sms,page_size,seg_lens,contexts", SEPARATE_REDUCE_CASES)
+def test_vm_with_a_separate_reduce_stage_matches_reference(name, num_sms, page_size, seg_lens, contexts):
+    prog = _vm_against_reference(name, num_sms, page_size, seg_lens, contexts, ProgramConfig(combine_splits=False))
+    assert any(i.OP == isa.Op.ATTN_REDUCE for i in prog.instructions())
+
+
+def test_combining_splits_replace_the_reduce_stage():
+    spec = get_preset("tiny-llama")
+    prog = build_program(spec, StepShape((1, 1)), 132)
+    parts = [i for i in prog.instructions() if i.OP == isa.Op.ATTN_PARTIAL]
+    assert not any(i.OP == isa.Op.ATTN_REDUCE for i in prog.instructions())
+    assert all(i.combine for i in parts)
+    for layer in range(spec.num_layers):  # every split of a layer signals the layer's attention-output counter
+        assert len({i.signal for i in parts if i.layer == layer}) == 1
+    assert all((i.ticket == isa.NO_COUNTER) == (i.n_splits == 1) for i in parts)
+    assert max(i.n_splits for i in parts) > 1  # the case exercises tickets
+
+
 def _vm_against_reference(name, num_sms, page_size, seg_lens, contexts, config):
     spec, w, ref, ref_cache, vm_cache, tables, g = prefilled(name, page_size, contexts, STEPS * max(seg_lens), 7)
     dec = VMDecoder(spec, w, vm_cache, num_sms, StepShape(seg_lens), config)
@@ -142,9 +166,9 @@ def test_deterministic_order_matches_reference_and_random_interleavings():
 
 # --- the checks catch broken programs --------------------------------------------------------------------------
 
-def _setup(name="tiny-qwen3", num_sms=7, seg_lens=(1, 1), contexts=(40, 21)):
+def _setup(name="tiny-qwen3", num_sms=7, seg_lens=(1, 1), contexts=(40, 21), config=ProgramConfig()):
     spec, w, _, _, vm_cache, tables, g = prefilled(name, 16, contexts, 1, 5)
-    prog = build_program(spec, StepShape(seg_lens), num_sms)
+    prog = build_program(spec, StepShape(seg_lens), num_sms, config)
     state, scratch = alloc_state(prog, vm_cache.layout.num_pages), alloc_scratch(prog)
     tokens = torch.randint(0, spec.vocab_size, (sum(seg_lens),), generator=g).tolist()
     state.fill(tokens, contexts, tables, seg_lens)
@@ -161,7 +185,7 @@ def _find(prog, words, lengths, op, pred=lambda ins: True):
     raise AssertionError(f"no {op.name} instruction found")
 
 
-REMOVALS = [  # (opcode whose wait is removed, which instruction)
+REMOVALS = [  # (opcode whose wait is removed, which instruction); ATTN_REDUCE: a program without combining splits
     (isa.Op.ATTN_IN, lambda ins: ins.layer == 1),
     (isa.Op.ATTN_PARTIAL, lambda ins: ins.layer == 1 and ins.split == 0),
     (isa.Op.ATTN_REDUCE, lambda ins: ins.layer == 1),
@@ -174,7 +198,7 @@ REMOVALS = [  # (opcode whose wait is removed, which instruction)
 
 @pytest.mark.parametrize("op,pred", REMOVALS, ids=[r[0].name for r in REMOVALS])
 def test_a_removed_dependency_is_caught_by_some_random_interleaving(op, pred):
-    prog, w, cache, state, scratch = _setup()
+    prog, w, cache, state, scratch = _setup(config=ProgramConfig(combine_splits=op != isa.Op.ATTN_REDUCE))
     words, lengths = prog.encode()
     s, i = _find(prog, words, lengths, op, pred)
     words[s, i, isa.Word.WAIT] = isa.NO_COUNTER  # the instruction now runs as soon as it reaches its queue head
@@ -205,6 +229,26 @@ def test_a_part_that_skips_its_ticket_is_caught_finishing_before_the_other_parts
                 return
             assert "counters off" in str(e)  # it finished last: its missing ticket leaves the ticket short
     pytest.fail("a part finishing without its ticket went unnoticed in 20 interleavings")
+
+
+def test_a_split_that_skips_its_ticket_is_caught_combining_before_the_other_splits():
+    spec, w, _, _, cache, tables, g = prefilled("tiny-qwen3", 16, (40, 21), 1, 5)
+    prog = build_program(spec, StepShape((1, 1)), 132)  # enough SMs for several splits per segment
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.ATTN_PARTIAL,
+                 lambda ins: ins.layer == 1 and ins.split == 0 and ins.n_splits > 1)
+    words[s, i, isa.Word.E] = isa.NO_COUNTER  # split 0 now believes it is alone: it combines at once
+    vm = VM(prog, w, cache, (words, lengths))
+    for seed in range(20):
+        state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
+        state.fill([3, 5], [40, 21], tables, (1, 1))
+        try:
+            vm.run_step(state, scratch, random.Random(seed))
+        except DependencyError as e:
+            if "partials" in str(e):  # caught by data readiness: it combined partials not yet written
+                return
+            assert "counters off" in str(e)
+    pytest.fail("a split combining without its ticket went unnoticed in 20 interleavings")
 
 
 def test_the_intact_program_passes_the_same_interleavings():

@@ -16,17 +16,21 @@ Instructions (M = tokens in the step, D = hidden, hd = head_dim, G = query heads
                 order, then (+bias) (+q/k RMSNorm) + RoPE; q heads -> q buffer, k/v heads -> appended to the paged
                 KV cache at each token's position, and only it signals.                  one head x M tokens x part
   ATTN_PARTIAL  softmax(q K^T) V over one split of one segment's context, for the G query heads
-                of one KV head -> (o, m, l) partials.                                     (layer, kv head, seg, split)
-  ATTN_REDUCE   combine the splits' partials -> attention output rows for the G heads.   (layer, kv head, seg)
+                of one KV head -> (o, m, l) partials. With ``combine`` set, the splits also do ATTN_REDUCE's
+                work: the last split to finish (ticket counter ``Word.E``; a lone split needs none) combines the
+                partials in split order and only it signals.                              (layer, kv head, seg, split)
+  ATTN_REDUCE   combine the splits' partials -> attention output rows for the G heads     (layer, kv head, seg)
+                (programs without ``combine``: one stage and one counter hop more).
   O_PROJ        x[rows] += W_o[rows] . attn                                                 a block of D rows
   MLP_IN        act[rows] = SiLU(W_gate[rows] . h) * (W_up[rows] . h), h = RMSNorm(x)      a block of I rows
   DOWN_PROJ     x[rows] += W_down[rows] . act                                               a block of D rows
   LM_HEAD       logits[rows] = W_lm[rows] . RMSNorm(x)                                      a block of vocab rows
 Layer 0 reads the residual stream from the embedding row of each token instead of x (no separate embed pass).
 
-Tickets (ATTN_IN split over its columns, so that a layer's few heads keep every SM streaming): each part adds 1 to
-its ticket counter after storing its partial (acq_rel); the part that brings it to ``(epoch + 1) * n_parts`` is the
-last one and finishes the head. The sum runs in part order whoever finishes, so results do not depend on timing.
+Tickets (ATTN_IN split over its columns, so that a layer's few heads keep every SM streaming; ATTN_PARTIAL splits
+that combine themselves): each part adds 1 to its ticket counter after storing its partial (acq_rel); the part that
+brings it to ``(epoch + 1) * ticket_count`` is the last one and runs the finisher (ops.FINISHERS). The finisher
+reads the parts in part order whoever runs it, so results do not depend on timing.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import ClassVar
 
-NWORDS = 10
+NWORDS = 11
 
 
 class Op(IntEnum):
@@ -60,7 +64,8 @@ class Word(IntEnum):
     WAIT = 6  # counter to wait on, -1 for none
     WAIT_COUNT = 7  # signals that counter receives per step
     SIGNAL = 8  # counter to signal when done, -1 for none
-    PAD = 9
+    E = 9  # ATTN_PARTIAL: ticket counter of the combining splits (-1: none)
+    F = 10  # ATTN_PARTIAL: 1 if the splits combine themselves (no ATTN_REDUCE follows)
 
 
 NO_COUNTER = -1
@@ -75,6 +80,16 @@ class Instruction:
     wait: int = NO_COUNTER
     wait_count: int = 0
     signal: int = NO_COUNTER
+
+    @property
+    def has_finisher(self) -> bool:
+        """Whether a part of this instruction (the last to draw its ticket) runs ops.FINISHERS[OP] after it."""
+        return False
+
+    @property
+    def ticket_count(self) -> int:
+        """Parts that draw the ticket per step (1 when there is none)."""
+        return 1
 
     def args(self) -> dict[int, int]:
         return {word: getattr(self, name) for name, word in self.FIELDS.items()}
@@ -99,6 +114,14 @@ class AttnIn(Instruction):
     n_parts: int = 1
     ticket: int = NO_COUNTER  # counter the parts draw tickets from; the last part finishes the head
 
+    @property
+    def has_finisher(self) -> bool:
+        return True
+
+    @property
+    def ticket_count(self) -> int:
+        return self.n_parts
+
 
 @dataclass(frozen=True)
 class AttnPartial(Instruction):
@@ -108,8 +131,18 @@ class AttnPartial(Instruction):
     seg: int = 0
     split: int = 0
     n_splits: int = 1
+    ticket: int = NO_COUNTER  # with combine and several splits: the counter the splits draw tickets from
+    combine: int = 0  # 1: the last split combines the partials (ATTN_REDUCE's work) and signals
     FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "kv_head": Word.A, "seg": Word.B, "split": Word.C,
-                                         "n_splits": Word.D}
+                                         "n_splits": Word.D, "ticket": Word.E, "combine": Word.F}
+
+    @property
+    def has_finisher(self) -> bool:
+        return bool(self.combine)
+
+    @property
+    def ticket_count(self) -> int:
+        return self.n_splits
 
 
 @dataclass(frozen=True)

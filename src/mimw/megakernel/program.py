@@ -4,8 +4,8 @@ Plan once per (model, step shape, SM count); the hot path only fills the step st
 tables, context lengths) and launches. Context length is read at run time, so one program serves every context:
 each attention split covers ``ceil(ctx / n_splits)`` positions of its segment, empty splits included.
 
-Queues are filled stage by stage (ATTN_IN, ATTN_PARTIAL, ATTN_REDUCE, O_PROJ, MLP_IN, DOWN_PROJ per layer, then
-LM_HEAD), so every instruction appears after all instructions of earlier stages in its own queue. Instructions only
+Queues are filled stage by stage (ATTN_IN, ATTN_PARTIAL, [ATTN_REDUCE unless the splits combine themselves],
+O_PROJ, MLP_IN, DOWN_PROJ per layer, then LM_HEAD), so every instruction appears after all instructions of earlier stages in its own queue. Instructions only
 wait on counters signalled by earlier stages, hence no cycle of waits can form: with every CTA resident (one
 persistent CTA per SM), the program always completes. Within a stage, instructions go to SMs by
 longest-processing-time-first on a byte-based cost model, ties broken by each SM's total load so the small stages
@@ -57,6 +57,7 @@ class ProgramConfig:
     min_split_tokens: int = 32  # attention splits get at least this many positions (at context_hint)
     fixed_cost_bytes: int = 16 * 1024  # per-instruction overhead in the cost model (a counter hop ~ 0.6 us)
     ticket_cost_bytes: int = 64 * 1024  # extra per ticketed part: acq_rel ticket + the finisher's reads (~2 us, H200)
+    combine_splits: bool = True  # ATTN_PARTIAL splits combine themselves (ticket) instead of an ATTN_REDUCE stage
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
 
 
@@ -102,8 +103,9 @@ class Program:
             ticket = getattr(ins, "ticket", isa.NO_COUNTER)
             if ticket != isa.NO_COUNTER:  # every part draws a ticket; only the last one signals
                 sig[ticket] += 1
-                if ins.n_parts != self.counters[ticket].count:
-                    raise AssertionError(f"{ins} has {ins.n_parts} parts, ticket {self.counters[ticket]}")
+                if not ins.has_finisher or ins.ticket_count != self.counters[ticket].count:
+                    raise AssertionError(f"{ins} draws {ins.ticket_count} tickets (finisher: {ins.has_finisher}), "
+                                         f"ticket {self.counters[ticket]}")
                 ticketed.setdefault(ticket, set()).add(ins.signal)
             elif ins.signal != isa.NO_COUNTER:
                 sig[ins.signal] += 1
@@ -185,6 +187,8 @@ def cost(spec: ModelSpec, shape: StepShape, ins: Instruction, cfg: ProgramConfig
     elif isinstance(ins, AttnPartial):
         ctx = shape.context_hint + shape.seg_lens[ins.seg]
         b = math.ceil(ctx / ins.n_splits) * hd * 2 * 2
+        if ins.ticket != isa.NO_COUNTER:  # the ticket, and (for one split in n) the combine
+            b += cfg.ticket_cost_bytes
     elif isinstance(ins, AttnReduce):
         b = ins.n_splits * spec.group_size * hd * 4 * shape.seg_lens[ins.seg]
     elif isinstance(ins, OProj):
@@ -235,13 +239,20 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         stages.append([AttnIn(layer=l, head=h, part=p, n_parts=n_parts, ticket=tickets[h], wait=prev,
                               wait_count=prev_n, signal=qkv[group(h)])
                        for h in range(hq + 2 * hkv) for p in range(n_parts)])
-        part = {(k, s): counter(f"L{l}.attn.kv{k}.seg{s}", n_splits[s]) for k in range(hkv) for s in segs}
-        stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], wait=qkv[k],
-                                   wait_count=g + 2, signal=part[k, s])
-                       for k in range(hkv) for s in segs for i in range(n_splits[s])])
         red = counter(f"L{l}.attn_out", hkv * len(segs))
-        stages.append([AttnReduce(layer=l, kv_head=k, seg=s, n_splits=n_splits[s], wait=part[k, s],
-                                  wait_count=n_splits[s], signal=red) for k in range(hkv) for s in segs])
+        if cfg.combine_splits:  # the last split of each (kv head, segment) combines: one hop fewer
+            tick = {(k, s): counter(f"L{l}.attn_ticket.kv{k}.seg{s}", n_splits[s]) if n_splits[s] > 1
+                    else isa.NO_COUNTER for k in range(hkv) for s in segs}
+            stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], ticket=tick[k, s],
+                                       combine=1, wait=qkv[k], wait_count=g + 2, signal=red)
+                           for k in range(hkv) for s in segs for i in range(n_splits[s])])
+        else:
+            part = {(k, s): counter(f"L{l}.attn.kv{k}.seg{s}", n_splits[s]) for k in range(hkv) for s in segs}
+            stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], wait=qkv[k],
+                                       wait_count=g + 2, signal=part[k, s])
+                           for k in range(hkv) for s in segs for i in range(n_splits[s])])
+            stages.append([AttnReduce(layer=l, kv_head=k, seg=s, n_splits=n_splits[s], wait=part[k, s],
+                                      wait_count=n_splits[s], signal=red) for k in range(hkv) for s in segs])
         o = counter(f"L{l}.o_proj", len(o_blocks))
         stages.append([OProj(layer=l, row0=r, nrows=n, wait=red, wait_count=hkv * len(segs), signal=o)
                        for r, n in o_blocks])

@@ -9,7 +9,7 @@ during this step (-1: not written this step):
     q        [Hq]             layer whose ATTN_IN wrote the head (all M tokens at once)
     kv       [L, 2, Hkv]      whether ATTN_IN stored this step's K (0) / V (1) positions of the layer's kv head
     part     [M, Hq, SPLITS]  layer whose ATTN_PARTIAL wrote (token, head, split)
-    attn     [M, Hq]          layer whose ATTN_REDUCE wrote (token, head)
+    attn     [M, Hq]          layer whose ATTN_REDUCE (or combining ATTN_PARTIAL) wrote (token, head)
     act      [I]              layer whose MLP_IN wrote the columns
     logits   [V]              1 once LM_HEAD wrote the columns
 
@@ -82,7 +82,7 @@ class Readiness:
                 raise DependencyError(f"{ins} reads this step's K/V positions [{max(lo, new_lo)}, {hi}) of "
                                       f"kv head {ins.kv_head} before ATTN_IN stored them")
         elif op == Op.ATTN_REDUCE:
-            self._require(ins, "partials", self.part[self._seg(ins.seg), self._group(ins.kv_head), : ins.n_splits], L)
+            self._require_partials(ins)
         elif op == Op.O_PROJ:
             self._require(ins, "attn", self.attn, L)
             if L > 0:
@@ -111,13 +111,23 @@ class Readiness:
         elif op == Op.LM_HEAD:
             self.logits[ins.row0: ins.row0 + ins.nrows] = 1
 
+    def _require_partials(self, ins) -> None:
+        self._require(ins, "partials", self.part[self._seg(ins.seg), self._group(ins.kv_head), : ins.n_splits],
+                      ins.layer)
+
     def before_finish(self, ins: Instruction) -> None:
-        """The finisher of a ticketed ATTN_IN reads every part of its head."""
-        self._require(ins, "qkv parts", self.qkv_part[ins.head, : ins.n_parts], ins.layer)
+        """A finisher reads every part: ATTN_IN's, every part of its head; a combining ATTN_PARTIAL's, every split's
+        partials of its segment and group."""
+        if ins.OP == Op.ATTN_PARTIAL:
+            self._require_partials(ins)
+        else:
+            self._require(ins, "qkv parts", self.qkv_part[ins.head, : ins.n_parts], ins.layer)
 
     def after_finish(self, ins: Instruction) -> None:
         hq, hkv = self.program.spec.num_heads, self.program.spec.num_kv_heads
-        if ins.head < hq:
+        if ins.OP == Op.ATTN_PARTIAL:
+            self.attn[self._seg(ins.seg), self._group(ins.kv_head)] = ins.layer
+        elif ins.head < hq:
             self.q[ins.head] = ins.layer
         else:
             self.kv[ins.layer, (ins.head - hq) // hkv, (ins.head - hq) % hkv] = True

@@ -7,8 +7,9 @@ Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
   * SM ``s`` runs its queue ``words[s, :lengths[s]]`` in order; each instruction is decoded with ``isa.decode``.
   * ``epoch = counters[EPOCH]`` is read when the step starts. An instruction may run once
     ``counters[wait] >= (epoch + 1) * wait_count`` (wait == -1: at once); when it has stored its outputs it adds 1
-    to ``counters[signal]``. A ticketed instruction (ATTN_IN parts, isa.py) first adds 1 to ``counters[ticket]``;
-    only the part that brings it to ``(epoch + 1) * n_parts`` runs the finisher and signals.
+    to ``counters[signal]``. An instruction with a finisher (ATTN_IN parts, combining ATTN_PARTIAL splits, isa.py)
+    first adds 1 to ``counters[ticket]``; only the part that brings it to ``(epoch + 1) * ticket_count`` runs the
+    finisher and signals.
   * A queue that has run out adds 1 to ``counters[DONE]``; the queue that brings DONE to ``(epoch + 1) * num_sms``
     adds 1 to ``counters[EPOCH]``. Counters are never reset: the next step waits for the next multiple.
   * Counters are int32 and wrap (atomic adds wrap in two's complement; so does ``(epoch + 1) * wait_count`` in
@@ -138,7 +139,7 @@ class StepRun:
         SOLVERS[ins.OP](self.ctx, ins)
         self.readiness.after(ins)
         signal = ins.signal
-        if ins.OP in FINISHERS:
+        if ins.has_finisher:
             if self._last_part(ins):
                 self.readiness.before_finish(ins)
                 FINISHERS[ins.OP](self.ctx, ins)
@@ -157,13 +158,13 @@ class StepRun:
         self._place(sm)
 
     def _last_part(self, ins) -> bool:
-        """Draw ins's ticket (if it has one): is it the last of its n_parts in this step?"""
+        """Draw ins's ticket (if it has one): is it the last of its ticket_count parts in this step?"""
         t = ins.ticket
         if t == isa.NO_COUNTER:
             return True
         self.counters[t] = i32(self.counters[t] + 1)
         self.signals[t] += 1
-        return self.counters[t] == i32((self.epoch + 1) * ins.n_parts)
+        return self.counters[t] == i32((self.epoch + 1) * ins.ticket_count)
 
     def _place(self, sm: int) -> None:
         """File SM ``sm`` as ready or blocked on its head's counter; count it done if its queue ran out."""

@@ -22,6 +22,8 @@ class KernelConfig:
     page_size: int = 16
     trace: bool = False  # record [start, dependency met, signalled] per instruction (gpu/trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
+    combine_splits: bool = True  # attention splits combine themselves (no ATTN_REDUCE stage; program.py)
+    poll_ld: bool = False  # counter waits poll with ld.acquire in every thread (orchestration.counter_wait)
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, page_size: int = 16) -> "KernelConfig":
@@ -31,7 +33,8 @@ class KernelConfig:
         return cls(page_size=page_size)
 
     def program_config(self) -> ProgramConfig:
-        return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts)
+        return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
+                             combine_splits=self.combine_splits)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -65,7 +68,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_pow2(-(-kmax // kcfg.tile_k)), 4096 // kcfg.tile_k),
-        LOADER_REGS=kcfg.loader_regs, TRACE=kcfg.trace,
+        LOADER_REGS=kcfg.loader_regs, POLL_LD=kcfg.poll_ld, TRACE=kcfg.trace,
         num_warps=kcfg.num_warps,
     )
 

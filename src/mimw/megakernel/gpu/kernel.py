@@ -32,6 +32,8 @@ W_D: gl.constexpr = gl.constexpr(_C["W_D"])
 W_WAIT: gl.constexpr = gl.constexpr(_C["W_WAIT"])
 W_WAIT_COUNT: gl.constexpr = gl.constexpr(_C["W_WAIT_COUNT"])
 W_SIGNAL: gl.constexpr = gl.constexpr(_C["W_SIGNAL"])
+W_E: gl.constexpr = gl.constexpr(_C["W_E"])
+W_F: gl.constexpr = gl.constexpr(_C["W_F"])
 OP_ATTN_IN: gl.constexpr = gl.constexpr(_C["OP_ATTN_IN"])
 OP_ATTN_PARTIAL: gl.constexpr = gl.constexpr(_C["OP_ATTN_PARTIAL"])
 OP_ATTN_REDUCE: gl.constexpr = gl.constexpr(_C["OP_ATTN_REDUCE"])
@@ -99,7 +101,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              eps, qscale, trace_ptr, bufs, empty, ready, hbuf,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
-             SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr, TRACE: gl.constexpr,
+             SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr, POLL_LD: gl.constexpr,
+             TRACE: gl.constexpr,
              num_warps: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
@@ -146,14 +149,14 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             k0, v0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
                                         HKV, HD, PS, BT, num_warps, L4)
             if wait >= 0:
-                counter_wait(cnt_ptr, wait, target)
+                counter_wait(cnt_ptr, wait, target, POLL_LD)
             if TRACE:
                 t_ready = _now(offs)
             attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP,
                               NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4)
         else:
             if wait >= 0:
-                counter_wait(cnt_ptr, wait, target)
+                counter_wait(cnt_ptr, wait, target, POLL_LD)
             if TRACE:
                 t_ready = _now(offs)
         sig = _field(w, offs, W_SIGNAL)
@@ -175,6 +178,19 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                                   kn_ptr, invf_ptr, eps, NP, HQ, HKV, HD, PS, HAS_BIAS, QK_NORM, TR, E2)
             else:
                 sig = -1  # an earlier part: no signal
+        elif op == OP_ATTN_PARTIAL:
+            if _field(w, offs, W_F) != 0:  # combining splits (isa.py): the last one reduces the group and signals
+                n_splits = _field(w, offs, W_D)
+                ticket = _field(w, offs, W_E)
+                gl.thread_barrier()
+                last = ticket < 0
+                if ticket >= 0:
+                    drawn = gl.atomic_add(cnt_ptr + ticket, 1, sem="acq_rel", scope="gpu")
+                    last = drawn - ((epoch + 1) * n_splits - 1) == 0
+                if last:
+                    attention.reduce(a, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP, R3)
+                else:
+                    sig = -1
         elif op == OP_ATTN_REDUCE:
             attention.reduce(a, _field(w, offs, W_D), SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP,
                              R3)
@@ -221,7 +237,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
-               TRACE: gl.constexpr, num_warps: gl.constexpr):
+               POLL_LD: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -235,7 +251,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS, HAS_BIAS,
-                    QK_NORM, BT, SP2, GP, WR, SG, TRACE, num_warps)),
+                    QK_NORM, BT, SP2, GP, WR, SG, POLL_LD, TRACE, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
                    D, HQ, HKV, HD, I)),
     ], [1], [LOADER_REGS])

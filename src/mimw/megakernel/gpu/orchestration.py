@@ -79,13 +79,26 @@ def consumer_release(empty, idx):
 
 
 @gluon.jit
-def counter_wait(cnt_ptr, index, target):
+def _ld_acquire(ptr):
+    """One thread-uniform ``ld.acquire.gpu`` of the int32 at ``ptr``."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def counter_wait(cnt_ptr, index, target, POLL_LD: gl.constexpr = False):
     """Spin until counter ``index`` has reached ``target`` (acquire, gpu scope). Compared as ``v - target < 0`` in
     wrapping int32 arithmetic: step-numbered targets pass 2**31 after a few million steps, and a plain ``v < target``
-    would then let every wait through at once."""
-    v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
-    while v - target < 0:
+    would then let every wait through at once. ``POLL_LD``: every thread polls with ``ld.acquire.gpu`` (a load, no
+    atomic unit, no broadcast through shared memory) instead of one thread's ``atom.add(0).acquire``."""
+    if POLL_LD:
+        v = _ld_acquire(cnt_ptr + index)
+        while v - target < 0:
+            v = _ld_acquire(cnt_ptr + index)
+    else:
         v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
+        while v - target < 0:
+            v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
 
 
 @gluon.jit

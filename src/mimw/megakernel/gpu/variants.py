@@ -71,6 +71,8 @@ VARIANTS = {
     "tr32-tk512-nb5": KernelConfig(tile_rows=32, tile_k=512, ring=5),
     "tr32-tk256-nb10-w8": KernelConfig(tile_rows=32, tile_k=256, ring=10, num_warps=8),
     "tr16-tk512-nb10-w8": KernelConfig(tile_rows=16, tile_k=512, ring=10, num_warps=8),
+    "tr32-reduce": KernelConfig(combine_splits=False),  # the separate ATTN_REDUCE stage
+    "tr32-pollld": KernelConfig(poll_ld=True),  # counter waits poll with ld.acquire
 }
 
 
