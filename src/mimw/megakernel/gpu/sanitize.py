@@ -4,10 +4,12 @@
 Two small shapes on 8 SMs, two decode steps each, no CUDA graph: a tiny Qwen3 (16-row tiles, one ATTN_IN part) and
 a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path). Exits non-zero if logits are wrong.
 
-First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel (each partition stores its own slice of a
-vector; no shared memory, mbarriers or atomics of ours). Whatever racecheck reports for it comes from the code
-triton generates around the partitions (the per-warp partition state in shared memory and the named barrier that
-hands it over), not from the megakernel; its hazards are the baseline the megakernel's are compared with.
+First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
+shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
+waits on an mbarrier the worker arrives on; no global atomics, no TMA). Whatever racecheck reports for it comes
+from the code triton generates around the partitions (the per-warp partition state in shared memory and the named
+barrier that hands it over), not from the megakernel; its hazards are the baseline the megakernel's are compared
+with. ``python -m mimw.megakernel.gpu.sanitize --control`` runs the control alone.
 """
 import dataclasses
 import sys
@@ -15,6 +17,7 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ...models.spec import get_preset
 from .check import check_decode
@@ -22,22 +25,28 @@ from .config import KernelConfig
 
 
 @gluon.jit
-def _control_default(out_ptr, num_warps: gl.constexpr):
+def _control_default(out_ptr, bar, num_warps: gl.constexpr):
     offs = gl.arange(0, 32 * num_warps, gl.BlockedLayout([1], [32], [num_warps], [0]))
     gl.store(out_ptr + offs, offs)
+    gl.thread_barrier()
+    mbarrier.wait(bar.index(0), 0)  # the worker's arrival
+    gl.thread_barrier()
 
 
 @gluon.jit
-def _control_worker(out_ptr, N0: gl.constexpr):
+def _control_worker(out_ptr, bar, N0: gl.constexpr):
     offs = gl.arange(0, 32, gl.BlockedLayout([1], [32], [1], [0]))
     gl.store(out_ptr + N0 + offs, N0 + offs)
+    mbarrier.arrive(bar.index(0), count=1)
 
 
 @gluon.jit
 def ws_control(out_ptr, num_warps: gl.constexpr):
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
     gl.warp_specialize([
-        (_control_default, (out_ptr, num_warps)),
-        (_control_worker, (out_ptr, 32 * num_warps)),
+        (_control_default, (out_ptr, bar, num_warps)),
+        (_control_worker, (out_ptr, bar, 32 * num_warps)),
     ], [1], [24])
 
 
@@ -52,6 +61,8 @@ def run_control(num_warps: int = 4) -> bool:
 def main() -> int:
     ok = run_control()
     print(f"ws_control: {'ok' if ok else 'WRONG'}", flush=True)
+    if "--control" in sys.argv[1:]:
+        return 0 if ok else 1
     for spec, parts in ((get_preset("tiny-qwen3"), 0), (get_preset("smollm2-135m").with_(num_layers=2), 2)):
         kcfg = dataclasses.replace(KernelConfig.for_spec(spec), qkv_parts=parts)
         r = check_decode(spec, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)

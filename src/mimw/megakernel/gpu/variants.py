@@ -73,6 +73,8 @@ VARIANTS = {
     "tr16-tk512-nb10-w8": KernelConfig(tile_rows=16, tile_k=512, ring=10, num_warps=8),
     "tr32-reduce": KernelConfig(combine_splits=False),  # the separate ATTN_REDUCE stage
     "tr32-pollld": KernelConfig(poll_ld=True),  # counter waits poll with ld.acquire
+    "tr32-nb11": KernelConfig(ring=11),  # deeper rings: the most shared memory allows for the 8B / the 1B
+    "tr32-nb12": KernelConfig(ring=12),
 }
 
 
