@@ -17,6 +17,14 @@ Roles
     waits on a dependency counter — weights (and past KV) do not depend on this step's activations — so it runs
     ahead across instruction and layer boundaries, bounded only by the ring depth.
 
+L2 look-ahead (more bytes in flight than the ring holds)
+    Every SM streams its share of HBM bandwidth only if enough bytes are in flight (Little's law: bandwidth x
+    loaded latency); the ring alone holds NB tiles. ``producer_rows_ahead`` also issues
+    ``cp.async.bulk.prefetch.L2`` for the tiles AHEAD positions further down the same instruction's tile sequence
+    (CH tiles at a time, one row per lane), so they are on their way to L2 before their slot frees and the ring's
+    TMA load later hits L2. A hint only: no completion, no effect on results. Kept short (a few microseconds
+    ahead) so the lines are still in L2 when the ring reaches them.
+
 Counters (cross-CTA dependencies)
     int32 words in global memory.  ``counter_signal``: a partition barrier (every thread's stores of this
     instruction precede it), then one thread's ``atom.add.release.gpu``.  ``counter_wait``: one thread polls with
@@ -59,6 +67,40 @@ def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: g
     of each."""
     for r in range(n_row_tiles):
         for k in range(k0, k1):
+            it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it)
+    return it
+
+
+@gluon.jit
+def l2_prefetch_rows(ptr, n_rows, row_bytes, stride, layout: gl.constexpr):
+    """Hint L2 to fetch ``n_rows`` (at most the lanes of ``layout``) rows of ``row_bytes`` bytes (a multiple of 16,
+    16-byte aligned), row r at ``ptr + r * stride`` elements: one ``cp.async.bulk.prefetch.L2`` per lane."""
+    r = gl.arange(0, layout.threads_per_warp[0] * layout.warps_per_cta[0], layout)
+    size = gl.where(r < n_rows, row_bytes, 0)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr + r.to(gl.int64) * stride, size], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def producer_rows_ahead(desc, w_ptr, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs, empty, ready, it,
+                        TR: gl.constexpr, TK: gl.constexpr, AHEAD: gl.constexpr, CH: gl.constexpr,
+                        WL: gl.constexpr):
+    """``producer_rows`` over a row-major [*, K] matrix at ``w_ptr`` (the same bytes as ``desc``), with the L2
+    look-ahead: every CH tiles, before waiting for a slot, prefetch the CH tiles AHEAD positions further on (within
+    this instruction; a chunk stops at the end of its row tile)."""
+    kt = k1 - k0
+    for r in range(n_row_tiles):
+        for k in range(k0, k1):
+            if AHEAD > 0:
+                q = r * kt + (k - k0)
+                if q % CH == 0:
+                    r2 = (q + AHEAD) // kt
+                    c2 = (q + AHEAD) % kt
+                    if r2 < n_row_tiles:
+                        col = (k0 + c2) * TK
+                        n = gl.minimum(gl.minimum(CH, kt - c2) * TK, K - col)
+                        l2_prefetch_rows(w_ptr + (row0 + r2 * TR).to(gl.int64) * K + col, TR, n * 2, K, WL)
             it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it)
     return it
 

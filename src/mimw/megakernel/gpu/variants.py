@@ -75,6 +75,9 @@ VARIANTS = {
     "tr32-pollld": KernelConfig(poll_ld=True),  # counter waits poll with ld.acquire
     "tr32-nb11": KernelConfig(ring=11),  # deeper rings: the most shared memory allows for the 8B / the 1B
     "tr32-nb12": KernelConfig(ring=12),
+    "tr32-ahead8": KernelConfig(l2_ahead=8),  # L2 look-ahead 8 / 16 tiles past the ring's current tile
+    "tr32-ahead16": KernelConfig(l2_ahead=16),
+    "tr32-nb12-ahead8": KernelConfig(ring=12, l2_ahead=8),
 }
 
 
