@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mimw.megakernel.gpu.pack import interleave_gate_up
+from mimw.megakernel.gpu.pack import interleave_gate_up, tile_major
 
 
 @pytest.mark.parametrize("tile_rows", [16, 32])
@@ -23,3 +23,17 @@ def test_each_tile_holds_half_a_tile_of_gate_then_the_same_rows_of_up(tile_rows)
             acc = rows[t * tile_rows: (t + 1) * tile_rows] @ h
             got.append(F.silu(acc[:half]) * acc[half:])
         torch.testing.assert_close(torch.cat(got), expect[row0: row0 + nrows])
+
+
+@pytest.mark.parametrize("rows,k,tile_rows,tile_k", [(64, 512, 32, 256), (32, 576, 16, 512)])
+def test_tile_major_stores_every_tile_contiguously_where_the_loader_addresses_it(rows, k, tile_rows, tile_k):
+    m = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    tiled = tile_major(m, tile_rows, tile_k)
+    kt = -(-k // tile_k)
+    assert tiled.shape == (rows * kt, tile_k) and tiled.is_contiguous()
+    padded = torch.nn.functional.pad(m, (0, kt * tile_k - k))  # TMA's zero fill past K, made explicit
+    for r in range(rows // tile_rows):
+        for c in range(kt):
+            row = (r * kt + c) * tile_rows  # the loader's TMA coordinate (orchestration.producer_rows_ahead, TILED)
+            assert torch.equal(tiled[row: row + tile_rows], padded[r * tile_rows: (r + 1) * tile_rows,
+                                                                   c * tile_k: (c + 1) * tile_k])

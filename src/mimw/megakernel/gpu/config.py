@@ -26,6 +26,7 @@ class KernelConfig:
     poll_ld: bool = False  # counter waits poll with ld.acquire in every thread (orchestration.counter_wait)
     l2_ahead: int = 0  # AHEAD: the loader prefetches into L2 the tiles this many positions ahead (0: off)
     l2_chunk: int = 4  # CH: tiles per look-ahead prefetch
+    tile_major: bool = False  # TILED: weights stored tile-major, every TMA load one contiguous block (pack.py)
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, page_size: int = 16) -> "KernelConfig":
@@ -71,6 +72,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_pow2(-(-kmax // kcfg.tile_k)), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, POLL_LD=kcfg.poll_ld, AHEAD=kcfg.l2_ahead, CH=kcfg.l2_chunk,
+        TILED=kcfg.tile_major,
         TRACE=kcfg.trace,
         num_warps=kcfg.num_warps,
     )

@@ -41,7 +41,7 @@ class MegakernelDecoder:
         self.max_pages = max_pages_per_seq or cache.layout.num_pages
         self.state = alloc_state(self.program, self.max_pages, dev)
         self.scratch = alloc_scratch(self.program, dev)
-        self.w = pack(weights, kcfg.tile_rows, dev)
+        self.w = pack(weights, kcfg.tile_rows, dev, kcfg.tile_k if kcfg.tile_major else None)
         self.ce = constexprs(spec, kcfg, self.program.max_splits)
         lay = gl.NVMMASharedLayout.get_default_for([kcfg.tile_rows, kcfg.tile_k], gl.bfloat16)
         box = [kcfg.tile_rows, kcfg.tile_k]

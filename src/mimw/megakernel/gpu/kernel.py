@@ -67,7 +67,7 @@ def _now(offs):
 @gluon.jit
 def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, w_qkv, w_o, w_gu, w_down, w_lm,
             bufs, empty, ready, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr,
-            I: gl.constexpr, AHEAD: gl.constexpr, CH: gl.constexpr):
+            I: gl.constexpr, AHEAD: gl.constexpr, CH: gl.constexpr, TILED: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -84,19 +84,20 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, w_qkv, w
         if op == OP_ATTN_IN:
             n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
             it = producer_rows_ahead(d_qkv, w_qkv, D, (layer * NQKV + a) * HD, HD // TR, b * KT_D // n_parts,
-                                     (b + 1) * KT_D // n_parts, bufs, empty, ready, it, TR, TK, AHEAD, CH, WL)
+                                     (b + 1) * KT_D // n_parts, bufs, empty, ready, it, TR, TK, AHEAD, CH, TILED,
+                                     WL)
         elif op == OP_O_PROJ:
             it = producer_rows_ahead(d_o, w_o, HQ * HD, layer * D + a, b // TR, 0, KT_Q, bufs, empty, ready, it, TR,
-                                     TK, AHEAD, CH, WL)
+                                     TK, AHEAD, CH, TILED, WL)
         elif op == OP_MLP_IN:
             it = producer_rows_ahead(d_gu, w_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready,
-                                     it, TR, TK, AHEAD, CH, WL)
+                                     it, TR, TK, AHEAD, CH, TILED, WL)
         elif op == OP_DOWN_PROJ:
             it = producer_rows_ahead(d_down, w_down, I, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR,
-                                     TK, AHEAD, CH, WL)
+                                     TK, AHEAD, CH, TILED, WL)
         elif op == OP_LM_HEAD:
             it = producer_rows_ahead(d_lm, w_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, AHEAD, CH,
-                                     WL)
+                                     TILED, WL)
 
 
 @gluon.jit
@@ -242,7 +243,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
-               POLL_LD: gl.constexpr, AHEAD: gl.constexpr, CH: gl.constexpr, TRACE: gl.constexpr,
+               POLL_LD: gl.constexpr, AHEAD: gl.constexpr, CH: gl.constexpr, TILED: gl.constexpr,
+               TRACE: gl.constexpr,
                num_warps: gl.constexpr):
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -259,5 +261,5 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     eps, qscale, trace_ptr, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS, HAS_BIAS,
                     QK_NORM, BT, SP2, GP, WR, SG, POLL_LD, TRACE, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, w_qkv, w_o, w_gu, w_down, w_lm,
-                   bufs, empty, ready, D, HQ, HKV, HD, I, AHEAD, CH)),
+                   bufs, empty, ready, D, HQ, HKV, HD, I, AHEAD, CH, TILED)),
     ], [1], [LOADER_REGS])

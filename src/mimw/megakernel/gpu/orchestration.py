@@ -85,10 +85,14 @@ def l2_prefetch_rows(ptr, n_rows, row_bytes, stride, layout: gl.constexpr):
 @gluon.jit
 def producer_rows_ahead(desc, w_ptr, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs, empty, ready, it,
                         TR: gl.constexpr, TK: gl.constexpr, AHEAD: gl.constexpr, CH: gl.constexpr,
-                        WL: gl.constexpr):
-    """``producer_rows`` over a row-major [*, K] matrix at ``w_ptr`` (the same bytes as ``desc``), with the L2
+                        TILED: gl.constexpr, WL: gl.constexpr):
+    """``producer_rows`` over a [*, K] weight matrix at ``w_ptr`` (the same bytes as ``desc``), with the L2
     look-ahead: every CH tiles, before waiting for a slot, prefetch the CH tiles AHEAD positions further on (within
-    this instruction; a chunk stops at the end of its row tile)."""
+    this instruction; a chunk stops at the end of its row tile).
+    ``TILED``: the matrix is stored tile-major (``pack.tile_major``: tile (row tile R, column tile c) is the
+    contiguous [TR, TK] block number R * KT + c of a [*, TK] matrix, ``desc`` describes that), so every TMA load
+    reads 16 contiguous kilobytes; otherwise it is row-major and a tile is TR runs of TK elements, K apart."""
+    KT: gl.constexpr = (K + TK - 1) // TK
     kt = k1 - k0
     for r in range(n_row_tiles):
         for k in range(k0, k1):
@@ -98,10 +102,18 @@ def producer_rows_ahead(desc, w_ptr, K: gl.constexpr, row0, n_row_tiles, k0, k1,
                     r2 = (q + AHEAD) // kt
                     c2 = (q + AHEAD) % kt
                     if r2 < n_row_tiles:
-                        col = (k0 + c2) * TK
-                        n = gl.minimum(gl.minimum(CH, kt - c2) * TK, K - col)
-                        l2_prefetch_rows(w_ptr + (row0 + r2 * TR).to(gl.int64) * K + col, TR, n * 2, K, WL)
-            it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it)
+                        if TILED:  # n whole tiles, contiguous: TR pieces of n * TK elements
+                            n = gl.minimum(CH, kt - c2)
+                            base = ((row0 // TR + r2) * KT + k0 + c2).to(gl.int64) * (TR * TK)
+                            l2_prefetch_rows(w_ptr + base, TR, n * TK * 2, n * TK, WL)
+                        else:
+                            col = (k0 + c2) * TK
+                            n = gl.minimum(gl.minimum(CH, kt - c2) * TK, K - col)
+                            l2_prefetch_rows(w_ptr + (row0 + r2 * TR).to(gl.int64) * K + col, TR, n * 2, K, WL)
+            if TILED:
+                it = producer_load(desc, ((row0 // TR + r) * KT + k) * TR, 0, bufs, empty, ready, it)
+            else:
+                it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it)
     return it
 
 

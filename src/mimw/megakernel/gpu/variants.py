@@ -78,6 +78,8 @@ VARIANTS = {
     "tr32-ahead8": KernelConfig(l2_ahead=8),  # L2 look-ahead 8 / 16 tiles past the ring's current tile
     "tr32-ahead16": KernelConfig(l2_ahead=16),
     "tr32-nb12-ahead8": KernelConfig(ring=12, l2_ahead=8),
+    "tr32-tiled": KernelConfig(tile_major=True),  # weights tile-major: each TMA load one contiguous 16 KB
+    "tr32-tiled-ahead8": KernelConfig(tile_major=True, l2_ahead=8),
 }
 
 
