@@ -50,26 +50,38 @@ def _group_offsets(g0, SG: gl.constexpr, TK: gl.constexpr, S2: gl.constexpr):
 def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.constexpr, SG: gl.constexpr,
                  S2: gl.constexpr):
     """hbuf <- (x * rsqrt(mean(x^2) + eps)).to(bf16) * norm_w, x = the fp32 residual row, or (layer 0) the bf16
-    embedding row at ``emb_ptr``. Two passes over x (sum of squares, then scale and store), each in groups of SG
-    column tiles whose loads are all in flight together: a staging costs a few L2 round trips, not one per tile."""
+    embedding row at ``emb_ptr``. When the row fits one staging group (KT <= SG: every model up to 4096 wide at
+    TK = 256) x and the norm weights are loaded once, together: one L2 round trip. Wider rows take two passes
+    over x (sum of squares, then scale and store), each in groups of SG column tiles whose loads are all in
+    flight together."""
     TK: gl.constexpr = hbuf.type.shape[1]
-    ss = gl.zeros([SG, TK], gl.float32, S2)
-    for g0 in gl.static_range(0, KT, SG):
-        o = _group_offsets(g0, SG, TK, S2)
-        if from_embed:
-            v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
-        else:
-            v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
-        ss += v * v
-    rs = gl.rsqrt(gl.sum(gl.sum(ss, axis=1), axis=0) / K + eps)
-    for g0 in gl.static_range(0, KT, SG):
-        o = _group_offsets(g0, SG, TK, S2)
+    if KT <= SG:
+        o = _group_offsets(0, SG, TK, S2)
         if from_embed:
             v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
         else:
             v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
         w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
-        _group(hbuf, g0, SG).store((v * rs).to(gl.bfloat16) * w)
+        rs = gl.rsqrt(gl.sum(gl.sum(v * v, axis=1), axis=0) / K + eps)
+        _group(hbuf, 0, SG).store((v * rs).to(gl.bfloat16) * w)
+    else:
+        ss = gl.zeros([SG, TK], gl.float32, S2)
+        for g0 in gl.static_range(0, KT, SG):
+            o = _group_offsets(g0, SG, TK, S2)
+            if from_embed:
+                v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
+            else:
+                v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+            ss += v * v
+        rs = gl.rsqrt(gl.sum(gl.sum(ss, axis=1), axis=0) / K + eps)
+        for g0 in gl.static_range(0, KT, SG):
+            o = _group_offsets(g0, SG, TK, S2)
+            if from_embed:
+                v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
+            else:
+                v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+            w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
+            _group(hbuf, g0, SG).store((v * rs).to(gl.bfloat16) * w)
     gl.thread_barrier()  # staged vector visible to every compute warp before the first row tile reads it
 
 
@@ -89,16 +101,17 @@ def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.con
 def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
                   LAY: gl.constexpr):
     """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h, tile by tile (the residual is x itself, or for
-    layer 0's O_PROJ the bf16 embedding row)."""
+    layer 0's O_PROJ the bf16 embedding row). Each row tile's residual is requested before its dot product, so
+    its round trip overlaps the tile loop."""
     TR: gl.constexpr = bufs.type.shape[1]
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
         rows = row0 + r * TR + offs_r
         if res_from_embed:
             res = gl.load(res_ptr + rows).to(gl.float32)
         else:
             res = gl.load(x_ptr + rows, cache_modifier=".cg")
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
         gl.store(x_ptr + rows, res + acc)
     return it
 
