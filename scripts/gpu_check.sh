@@ -20,7 +20,7 @@ for tool in synccheck racecheck; do
     rc[$tool]=$?
 done
 python3 -m mimw.megakernel.gpu.variants --models llama-3.2-1b,llama-3.1-8b --variants "${VARIANTS:-tr32-tk256-nb10}" \
-    --check-steps 64 --trace --out "$out" > "$out/trace.log" 2>&1
+    --check-steps 8 --trace --out "$out" > "$out/trace.log" 2>&1
 rc[trace]=$?
 
 tail -n 3 "$out/gpu-tests.log"
@@ -28,7 +28,7 @@ grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$out/synccheck.log" "$out/racecheck.
 # racecheck's reports per kernel and source line: ws_control (sanitize.py) is the warp_specialize baseline
 grep -o "access at [a-z_]*+0x[0-9a-f]* in [a-z_]*\.py:[0-9]*" "$out/racecheck.log" | sed 's/+0x[0-9a-f]*//' \
     | sort | uniq -c
-grep -v '^{' "$out/trace.log" | tail -n 4
+sed -n '/^model /,$p' "$out/trace.log"
 status=0
 for k in gpu-tests synccheck racecheck trace; do
     printf '%-10s exit %s\n' "$k" "${rc[$k]}"
