@@ -4,6 +4,7 @@
 # standalone GEMV and the engine's megakernel backend), compute-sanitizer synccheck and racecheck on small shapes, and the per-instruction trace of the
 # 1B and 8B shapes at context 1024. Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
 #   bash scripts/gpu_check.sh            # ~5 minutes on an H200
+#   COMMIT=<sha> VARIANTS=a,b bash scripts/gpu_check.sh   # record the commit; time these KernelConfig variants
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -19,7 +20,7 @@ for tool in synccheck racecheck; do
     "$sanitizer" --tool "$tool" python3 -m mimw.megakernel.gpu.sanitize > "$out/$tool.log" 2>&1
     rc[$tool]=$?
 done
-python3 -m mimw.megakernel.gpu.variants --models llama-3.2-1b,llama-3.1-8b --variants "${VARIANTS:-tr32-tk256-nb10}" \
+python3 -m mimw.megakernel.gpu.variants --models llama-3.2-1b,llama-3.1-8b --variants "${VARIANTS:-tr32-tk256-nb10}" ${COMMIT:+--commit "$COMMIT"} \
     --check-steps 8 --trace --out "$out" > "$out/trace.log" 2>&1
 rc[trace]=$?
 

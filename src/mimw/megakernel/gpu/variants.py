@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--check-steps", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--trace", action="store_true", help="also record one traced step per variant (gpu/trace.py)")
+    ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this tree; the GPU "
+                    "machine's copy may carry a stale .git, so pass the hash taken where the repository is)")
     a = ap.parse_args()
     bw = read_bandwidth()
     print(f"read bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -130,10 +132,13 @@ def main() -> None:
             torch.cuda.empty_cache()
         del w
         torch.cuda.empty_cache()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = a.commit
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, read_TBps=bw / 1e12, commit=commit)
     with open(os.path.join(a.out, "megakernel_variants.json"), "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)
