@@ -34,6 +34,6 @@ def test_tile_major_stores_every_tile_contiguously_where_the_loader_addresses_it
     padded = torch.nn.functional.pad(m, (0, kt * tile_k - k))  # TMA's zero fill past K, made explicit
     for r in range(rows // tile_rows):
         for c in range(kt):
-            row = (r * kt + c) * tile_rows  # the loader's TMA coordinate (orchestration.producer_rows_ahead, TILED)
+            row = (r * kt + c) * tile_rows  # the loader's TMA coordinate (orchestration.producer_weight_rows, TILED)
             assert torch.equal(tiled[row: row + tile_rows], padded[r * tile_rows: (r + 1) * tile_rows,
                                                                    c * tile_k: (c + 1) * tile_k])

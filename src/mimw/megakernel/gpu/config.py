@@ -18,14 +18,11 @@ class KernelConfig:
     tile_k: int = 256  # TK: weight tile columns (bf16); 16 KB tiles at 32 x 256 (best of the first sweep)
     ring: int = 10  # NB: ring slots
     num_warps: int = 4  # compute partition warps
-    loader_regs: int = 48  # register budget of the one-warp loader partition (40 spills with the L2 look-ahead)
+    loader_regs: int = 48  # register budget of the one-warp loader partition (what session 9's runs measured)
     page_size: int = 16
     trace: bool = False  # record [start, dependency met, signalled] per instruction (gpu/trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
     combine_splits: bool = True  # attention splits combine themselves (no ATTN_REDUCE stage; program.py)
-    poll_ld: bool = False  # counter waits poll with ld.acquire in every thread (orchestration.counter_wait)
-    l2_ahead: int = 0  # AHEAD: the loader prefetches into L2 the tiles this many positions ahead (0: off)
-    l2_chunk: int = 4  # CH: tiles per look-ahead prefetch
     tile_major: bool = False  # TILED: weights stored tile-major, every TMA load one contiguous block (pack.py)
 
     @classmethod
@@ -71,9 +68,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_pow2(-(-kmax // kcfg.tile_k)), 4096 // kcfg.tile_k),
-        LOADER_REGS=kcfg.loader_regs, POLL_LD=kcfg.poll_ld, AHEAD=kcfg.l2_ahead, CH=kcfg.l2_chunk,
-        TILED=kcfg.tile_major,
-        TRACE=kcfg.trace,
+        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, TRACE=kcfg.trace,
         num_warps=kcfg.num_warps,
     )
 
@@ -95,7 +90,6 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "prog_ptr": "*i32", "qlen_ptr": "*i32", "MAXLEN": "i32", "tok_ptr": "*i32", "pos_ptr": "*i32",
         "ctx_ptr": "*i32", "bt_ptr": "*i32", "MAXP": "i32", "cnt_ptr": "*i32", "NCNT": "i32",
         "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc,
-        "w_qkv": "*bf16", "w_o": "*bf16", "w_gu": "*bf16", "w_down": "*bf16", "w_lm": "*bf16",
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
         "x_ptr": "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "attn_ptr": "*fp32",

@@ -19,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .. import isa
 from . import attention, matvec
-from .orchestration import counter_signal, counter_wait, producer_rows_ahead, ring_init
+from .orchestration import counter_signal, counter_wait, producer_weight_rows, ring_init, ticket_is_last
 
 _C = isa.kernel_constants()
 NWORDS: gl.constexpr = gl.constexpr(_C["NWORDS"])
@@ -65,9 +65,9 @@ def _now(offs):
 
 
 @gluon.jit
-def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, w_qkv, w_o, w_gu, w_down, w_lm,
-            bufs, empty, ready, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr,
-            I: gl.constexpr, AHEAD: gl.constexpr, CH: gl.constexpr, TILED: gl.constexpr):
+def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
+            D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
+            TILED: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -83,21 +83,19 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, w_qkv, w
         w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
         if op == OP_ATTN_IN:
             n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
-            it = producer_rows_ahead(d_qkv, w_qkv, D, (layer * NQKV + a) * HD, HD // TR, b * KT_D // n_parts,
-                                     (b + 1) * KT_D // n_parts, bufs, empty, ready, it, TR, TK, AHEAD, CH, TILED,
-                                     WL)
+            it = producer_weight_rows(d_qkv, D, (layer * NQKV + a) * HD, HD // TR, b * KT_D // n_parts,
+                                      (b + 1) * KT_D // n_parts, bufs, empty, ready, it, TR, TK, TILED)
         elif op == OP_O_PROJ:
-            it = producer_rows_ahead(d_o, w_o, HQ * HD, layer * D + a, b // TR, 0, KT_Q, bufs, empty, ready, it, TR,
-                                     TK, AHEAD, CH, TILED, WL)
+            it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, 0, KT_Q, bufs, empty, ready, it, TR, TK,
+                                      TILED)
         elif op == OP_MLP_IN:
-            it = producer_rows_ahead(d_gu, w_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready,
-                                     it, TR, TK, AHEAD, CH, TILED, WL)
+            it = producer_weight_rows(d_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready, it,
+                                      TR, TK, TILED)
         elif op == OP_DOWN_PROJ:
-            it = producer_rows_ahead(d_down, w_down, I, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR,
-                                     TK, AHEAD, CH, TILED, WL)
+            it = producer_weight_rows(d_down, I, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR, TK,
+                                      TILED)
         elif op == OP_LM_HEAD:
-            it = producer_rows_ahead(d_lm, w_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, AHEAD, CH,
-                                     TILED, WL)
+            it = producer_weight_rows(d_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, TILED)
 
 
 @gluon.jit
@@ -107,8 +105,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              eps, qscale, trace_ptr, bufs, empty, ready, hbuf,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
-             SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr, POLL_LD: gl.constexpr,
-             TRACE: gl.constexpr,
+             SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr, TRACE: gl.constexpr,
              num_warps: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
@@ -155,14 +152,14 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             k0, v0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
                                         HKV, HD, PS, BT, num_warps, L4)
             if wait >= 0:
-                counter_wait(cnt_ptr, wait, target, POLL_LD)
+                counter_wait(cnt_ptr, wait, target)
             if TRACE:
                 t_ready = _now(offs)
             attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP,
                               NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4)
         else:
             if wait >= 0:
-                counter_wait(cnt_ptr, wait, target, POLL_LD)
+                counter_wait(cnt_ptr, wait, target)
             if TRACE:
                 t_ready = _now(offs)
         sig = _field(w, offs, W_SIGNAL)
@@ -172,14 +169,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             n_parts = _field(w, offs, W_C)
             it = matvec.qkv_part(bufs, empty, ready, hbuf, it, b * KT_D // n_parts, (b + 1) * KT_D // n_parts, a, b,
                                  qkvp_ptr, HQ + 2 * HKV, HD, LAY)
-            # ticket (isa.py): this CTA's partial stores precede the acq_rel add; the last part finishes the head
-            ticket = _field(w, offs, W_D)
-            gl.thread_barrier()
-            last = ticket < 0
-            if ticket >= 0:
-                drawn = gl.atomic_add(cnt_ptr + ticket, 1, sem="acq_rel", scope="gpu")
-                last = drawn - ((epoch + 1) * n_parts - 1) == 0
-            if last:
+            # ticket (isa.py): the last part finishes the head
+            if ticket_is_last(cnt_ptr, _field(w, offs, W_D), n_parts, epoch):
                 matvec.qkv_finish(layer, a, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_ptr, bias_ptr, qn_ptr,
                                   kn_ptr, invf_ptr, eps, NP, HQ, HKV, HD, PS, HAS_BIAS, QK_NORM, TR, E2)
             else:
@@ -187,13 +178,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         elif op == OP_ATTN_PARTIAL:
             if _field(w, offs, W_F) != 0:  # combining splits (isa.py): the last one reduces the group and signals
                 n_splits = _field(w, offs, W_D)
-                ticket = _field(w, offs, W_E)
-                gl.thread_barrier()
-                last = ticket < 0
-                if ticket >= 0:
-                    drawn = gl.atomic_add(cnt_ptr + ticket, 1, sem="acq_rel", scope="gpu")
-                    last = drawn - ((epoch + 1) * n_splits - 1) == 0
-                if last:
+                if ticket_is_last(cnt_ptr, _field(w, offs, W_E), n_splits, epoch):
                     attention.reduce(a, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP, R3)
                 else:
                     sig = -1
@@ -235,7 +220,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
 
 @gluon.jit
 def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
-               d_qkv, d_o, d_gu, d_down, d_lm, w_qkv, w_o, w_gu, w_down, w_lm,
+               d_qkv, d_o, d_gu, d_down, d_lm,
                emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                eps, qscale, trace_ptr,
@@ -243,8 +228,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
-               POLL_LD: gl.constexpr, AHEAD: gl.constexpr, CH: gl.constexpr, TILED: gl.constexpr,
-               TRACE: gl.constexpr,
+               TILED: gl.constexpr, TRACE: gl.constexpr,
                num_warps: gl.constexpr):
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -259,7 +243,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS, HAS_BIAS,
-                    QK_NORM, BT, SP2, GP, WR, SG, POLL_LD, TRACE, num_warps)),
-        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, w_qkv, w_o, w_gu, w_down, w_lm,
-                   bufs, empty, ready, D, HQ, HKV, HD, I, AHEAD, CH, TILED)),
+                    QK_NORM, BT, SP2, GP, WR, SG, TRACE, num_warps)),
+        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
+                   D, HQ, HKV, HD, I, TILED)),
     ], [1], [LOADER_REGS])

@@ -47,6 +47,17 @@ def _group_offsets(g0, SG: gl.constexpr, TK: gl.constexpr, S2: gl.constexpr):
 
 
 @gluon.jit
+def _residual_group(x_ptr, emb_ptr, from_embed, o, K):
+    """The residual row at offsets ``o`` (masked past K) as fp32: x (written by other CTAs this step: through L2),
+    or for layer 0 the bf16 embedding row."""
+    if from_embed:
+        v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
+    else:
+        v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+    return v
+
+
+@gluon.jit
 def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.constexpr, SG: gl.constexpr,
                  S2: gl.constexpr):
     """hbuf <- (x * rsqrt(mean(x^2) + eps)).to(bf16) * norm_w, x = the fp32 residual row, or (layer 0) the bf16
@@ -57,10 +68,7 @@ def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.cons
     TK: gl.constexpr = hbuf.type.shape[1]
     if KT <= SG:
         o = _group_offsets(0, SG, TK, S2)
-        if from_embed:
-            v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
-        else:
-            v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+        v = _residual_group(x_ptr, emb_ptr, from_embed, o, K)
         w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
         rs = gl.rsqrt(gl.sum(gl.sum(v * v, axis=1), axis=0) / K + eps)
         _group(hbuf, 0, SG).store((v * rs).to(gl.bfloat16) * w)
@@ -68,18 +76,12 @@ def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.cons
         ss = gl.zeros([SG, TK], gl.float32, S2)
         for g0 in gl.static_range(0, KT, SG):
             o = _group_offsets(g0, SG, TK, S2)
-            if from_embed:
-                v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
-            else:
-                v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+            v = _residual_group(x_ptr, emb_ptr, from_embed, o, K)
             ss += v * v
         rs = gl.rsqrt(gl.sum(gl.sum(ss, axis=1), axis=0) / K + eps)
         for g0 in gl.static_range(0, KT, SG):
             o = _group_offsets(g0, SG, TK, S2)
-            if from_embed:
-                v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
-            else:
-                v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+            v = _residual_group(x_ptr, emb_ptr, from_embed, o, K)
             w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
             _group(hbuf, g0, SG).store((v * rs).to(gl.bfloat16) * w)
     gl.thread_barrier()  # staged vector visible to every compute warp before the first row tile reads it

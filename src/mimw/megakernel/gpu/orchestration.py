@@ -17,14 +17,6 @@ Roles
     waits on a dependency counter — weights (and past KV) do not depend on this step's activations — so it runs
     ahead across instruction and layer boundaries, bounded only by the ring depth.
 
-L2 look-ahead (more bytes in flight than the ring holds)
-    Every SM streams its share of HBM bandwidth only if enough bytes are in flight (Little's law: bandwidth x
-    loaded latency); the ring alone holds NB tiles. ``producer_rows_ahead`` also issues
-    ``cp.async.bulk.prefetch.L2`` for the tiles AHEAD positions further down the same instruction's tile sequence
-    (CH tiles at a time, one row per lane), so they are on their way to L2 before their slot frees and the ring's
-    TMA load later hits L2. A hint only: no completion, no effect on results. Kept short (a few microseconds
-    ahead) so the lines are still in L2 when the ring reaches them.
-
 Counters (cross-CTA dependencies)
     int32 words in global memory.  ``counter_signal``: a partition barrier (every thread's stores of this
     instruction precede it), then one thread's ``atom.add.release.gpu``.  ``counter_wait``: one thread polls with
@@ -72,48 +64,19 @@ def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: g
 
 
 @gluon.jit
-def l2_prefetch_rows(ptr, n_rows, row_bytes, stride, layout: gl.constexpr):
-    """Hint L2 to fetch ``n_rows`` (at most the lanes of ``layout``) rows of ``row_bytes`` bytes (a multiple of 16,
-    16-byte aligned), row r at ``ptr + r * stride`` elements: one ``cp.async.bulk.prefetch.L2`` per lane."""
-    r = gl.arange(0, layout.threads_per_warp[0] * layout.warps_per_cta[0], layout)
-    size = gl.where(r < n_rows, row_bytes, 0)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr + r.to(gl.int64) * stride, size], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def producer_rows_ahead(desc, w_ptr, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs, empty, ready, it,
-                        TR: gl.constexpr, TK: gl.constexpr, AHEAD: gl.constexpr, CH: gl.constexpr,
-                        TILED: gl.constexpr, WL: gl.constexpr):
-    """``producer_rows`` over a [*, K] weight matrix at ``w_ptr`` (the same bytes as ``desc``), with the L2
-    look-ahead: every CH tiles, before waiting for a slot, prefetch the CH tiles AHEAD positions further on (within
-    this instruction; a chunk stops at the end of its row tile).
-    ``TILED``: the matrix is stored tile-major (``pack.tile_major``: tile (row tile R, column tile c) is the
-    contiguous [TR, TK] block number R * KT + c of a [*, TK] matrix, ``desc`` describes that), so every TMA load
-    reads 16 contiguous kilobytes; otherwise it is row-major and a tile is TR runs of TK elements, K apart."""
-    KT: gl.constexpr = (K + TK - 1) // TK
-    kt = k1 - k0
-    for r in range(n_row_tiles):
-        for k in range(k0, k1):
-            if AHEAD > 0:
-                q = r * kt + (k - k0)
-                if q % CH == 0:
-                    r2 = (q + AHEAD) // kt
-                    c2 = (q + AHEAD) % kt
-                    if r2 < n_row_tiles:
-                        if TILED:  # n whole tiles, contiguous: TR pieces of n * TK elements
-                            n = gl.minimum(CH, kt - c2)
-                            base = ((row0 // TR + r2) * KT + k0 + c2).to(gl.int64) * (TR * TK)
-                            l2_prefetch_rows(w_ptr + base, TR, n * TK * 2, n * TK, WL)
-                        else:
-                            col = (k0 + c2) * TK
-                            n = gl.minimum(gl.minimum(CH, kt - c2) * TK, K - col)
-                            l2_prefetch_rows(w_ptr + (row0 + r2 * TR).to(gl.int64) * K + col, TR, n * 2, K, WL)
-            if TILED:
+def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs, empty, ready, it,
+                         TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr):
+    """``producer_rows`` over a [*, K] weight matrix. ``TILED``: the matrix is stored tile-major
+    (``pack.tile_major``: tile (row tile R, column tile c) is the contiguous [TR, TK] block number R * KT + c of a
+    [*, TK] matrix, which ``desc`` describes), so every TMA load reads 16 contiguous kilobytes; otherwise it is
+    row-major and a tile is TR runs of TK elements, K apart."""
+    if TILED:
+        KT: gl.constexpr = (K + TK - 1) // TK
+        for r in range(n_row_tiles):
+            for k in range(k0, k1):
                 it = producer_load(desc, ((row0 // TR + r) * KT + k) * TR, 0, bufs, empty, ready, it)
-            else:
-                it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it)
+    else:
+        it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK)
     return it
 
 
@@ -133,26 +96,26 @@ def consumer_release(empty, idx):
 
 
 @gluon.jit
-def _ld_acquire(ptr):
-    """One thread-uniform ``ld.acquire.gpu`` of the int32 at ``ptr``."""
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
-                                     is_pure=False, pack=1)
+def counter_wait(cnt_ptr, index, target):
+    """Spin until counter ``index`` has reached ``target`` (acquire, gpu scope). Compared as ``v - target < 0`` in
+    wrapping int32 arithmetic: step-numbered targets pass 2**31 after a few million steps, and a plain ``v < target``
+    would then let every wait through at once."""
+    v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
+    while v - target < 0:
+        v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
 
 
 @gluon.jit
-def counter_wait(cnt_ptr, index, target, POLL_LD: gl.constexpr = False):
-    """Spin until counter ``index`` has reached ``target`` (acquire, gpu scope). Compared as ``v - target < 0`` in
-    wrapping int32 arithmetic: step-numbered targets pass 2**31 after a few million steps, and a plain ``v < target``
-    would then let every wait through at once. ``POLL_LD``: every thread polls with ``ld.acquire.gpu`` (a load, no
-    atomic unit, no broadcast through shared memory) instead of one thread's ``atom.add(0).acquire``."""
-    if POLL_LD:
-        v = _ld_acquire(cnt_ptr + index)
-        while v - target < 0:
-            v = _ld_acquire(cnt_ptr + index)
-    else:
-        v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
-        while v - target < 0:
-            v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
+def ticket_is_last(cnt_ptr, ticket, count, epoch):
+    """Draw a ticket (isa.py): after a partition barrier (every thread's partial stores precede it), one acq_rel
+    add on counter ``ticket``; True for the part that brings it to (epoch + 1) * count, i.e. the last of ``count``
+    parts this step. ``ticket < 0`` (a lone part, no ticket): True."""
+    gl.thread_barrier()
+    last = ticket < 0
+    if ticket >= 0:
+        drawn = gl.atomic_add(cnt_ptr + ticket, 1, sem="acq_rel", scope="gpu")
+        last = drawn - ((epoch + 1) * count - 1) == 0
+    return last
 
 
 @gluon.jit

@@ -72,14 +72,9 @@ VARIANTS = {
     "tr32-tk256-nb10-w8": KernelConfig(tile_rows=32, tile_k=256, ring=10, num_warps=8),
     "tr16-tk512-nb10-w8": KernelConfig(tile_rows=16, tile_k=512, ring=10, num_warps=8),
     "tr32-reduce": KernelConfig(combine_splits=False),  # the separate ATTN_REDUCE stage
-    "tr32-pollld": KernelConfig(poll_ld=True),  # counter waits poll with ld.acquire
     "tr32-nb11": KernelConfig(ring=11),  # deeper rings: the most shared memory allows for the 8B / the 1B
     "tr32-nb12": KernelConfig(ring=12),
-    "tr32-ahead8": KernelConfig(l2_ahead=8),  # L2 look-ahead 8 / 16 tiles past the ring's current tile
-    "tr32-ahead16": KernelConfig(l2_ahead=16),
-    "tr32-nb12-ahead8": KernelConfig(ring=12, l2_ahead=8),
     "tr32-tiled": KernelConfig(tile_major=True),  # weights tile-major: each TMA load one contiguous 16 KB
-    "tr32-tiled-ahead8": KernelConfig(tile_major=True, l2_ahead=8),
 }
 
 
