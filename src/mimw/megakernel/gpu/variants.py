@@ -74,7 +74,7 @@ VARIANTS = {
     "tr32-reduce": KernelConfig(combine_splits=False),  # the separate ATTN_REDUCE stage
     "tr32-nb11": KernelConfig(ring=11),  # deeper rings: the most shared memory allows for the 8B / the 1B
     "tr32-nb12": KernelConfig(ring=12),
-    "tr32-tiled": KernelConfig(tile_major=True),  # weights tile-major: each TMA load one contiguous 16 KB
+    "tr32-rowmajor": KernelConfig(tile_major=False),  # weights row-major: each TMA load a strided [TR, TK] box
 }
 
 
