@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mimw.megakernel.gpu.pack import fold, interleave_gate_up, tile_major
+from mimw.megakernel.gpu.pack import interleave_gate_up, tile_major
 
 
 @pytest.mark.parametrize("tile_rows", [16, 32])
@@ -37,31 +37,3 @@ def test_tile_major_stores_every_tile_contiguously_where_the_loader_addresses_it
             row = (r * kt + c) * tile_rows  # the loader's TMA coordinate (orchestration.producer_weight_rows, TILED)
             assert torch.equal(tiled[row: row + tile_rows], padded[r * tile_rows: (r + 1) * tile_rows,
                                                                    c * tile_k: (c + 1) * tile_k])
-
-
-@pytest.mark.parametrize("tile_rows,tile_k", [(32, 256), (16, 8)])
-def test_folded_tiles_give_each_half_its_own_column_chunk(tile_rows, tile_k):
-    # read back the way the loader (rows [2 row0, 2 (row0 + nrows)) of the folded matrix) and
-    # matvec.dot_tile_folded (first TR/2 rows x chunk 2k, last TR/2 rows x chunk 2k+1, halves added) walk it
-    g = torch.Generator().manual_seed(2)
-    rows, k, half = 4 * tile_rows, 6 * tile_k, tile_rows // 2
-    m, h = torch.randn(rows, k, generator=g, dtype=torch.float64), torch.randn(k, generator=g, dtype=torch.float64)
-    f = fold(m, tile_rows, tile_k)
-    assert f.shape == (2 * rows, k // 2)
-    first = (torch.arange(tile_rows) < half)[:, None]
-    for row0, nrows in [(0, half), (half, 3 * half), (4 * half, rows - 4 * half)]:
-        block = f[2 * row0: 2 * (row0 + nrows)]
-        got = []
-        for t in range(2 * nrows // tile_rows):
-            acc = torch.zeros(tile_rows, dtype=torch.float64)
-            for c in range(k // (2 * tile_k)):
-                w = block[t * tile_rows: (t + 1) * tile_rows, c * tile_k: (c + 1) * tile_k]
-                x = torch.where(first, h[2 * c * tile_k: (2 * c + 1) * tile_k], h[(2 * c + 1) * tile_k: (2 * c + 2) * tile_k])
-                acc += (w * x).sum(1)
-            got.append(acc[:half] + acc[half:])
-        torch.testing.assert_close(torch.cat(got), m[row0: row0 + nrows] @ h)
-
-
-def test_fold_rejects_columns_that_are_not_whole_pairs_of_tiles():
-    with pytest.raises(ValueError, match="fold"):
-        fold(torch.zeros(32, 576), 32, 256)  # SmolLM2's O_PROJ: 576 columns are 2.25 tiles of 256

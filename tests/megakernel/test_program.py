@@ -1,8 +1,7 @@
 import pytest
 
 from mimw.megakernel import isa
-from mimw.megakernel.program import (ProgramConfig, StepShape, build_program, column_part, fold_pays, qkv_parts,
-                                     row_blocks)
+from mimw.megakernel.program import ProgramConfig, StepShape, build_program, column_part, qkv_parts, row_blocks
 from mimw.megakernel.state import split_range
 from mimw.models.spec import get_preset
 
@@ -87,22 +86,3 @@ def test_attn_in_is_split_so_that_a_layers_heads_cover_the_sms():
     assert qkv_parts(get_preset("llama-3.1-8b"), 1, cfg) == 1  # one SM: splitting only adds fixed costs
     with pytest.raises(ValueError, match="qkv_parts"):
         build_program(get_preset("tiny-llama"), StepShape((1,)), 7, ProgramConfig(tile_k=256, qkv_parts=2))
-
-
-@pytest.mark.parametrize("name,fold_o,fold_down", [
-    ("llama-3.2-1b", True, True),  # 64 row tiles of 32 for 132 SMs: folded, 128 half-tile blocks each
-    ("llama-3.1-8b", False, False),  # 128 row tiles already fill the SMs once: folding would only add blocks
-    ("smollm2-135m", False, True),  # O_PROJ's 576 columns are not whole pairs of 256-column tiles
-])
-def test_residual_matvecs_are_folded_only_where_the_makespan_drops(name, fold_o, fold_down):
-    spec = get_preset(name)
-    cfg = ProgramConfig(tile_rows=32, tile_k=256, fold_residual=True)
-    prog = build_program(spec, StepShape((1,), 1024), 132, cfg)
-    assert (prog.fold_o, prog.fold_down) == (fold_o, fold_down)
-    for t, folded in [(isa.OProj, fold_o), (isa.DownProj, fold_down)]:
-        sizes = {i.nrows for i in prog.instructions() if isinstance(i, t)}
-        assert all(n % (16 if folded else 32) == 0 for n in sizes)
-        assert any(n % 32 for n in sizes) == folded  # folded stages really use half-tile blocks
-    off = build_program(spec, StepShape((1,), 1024), 132, ProgramConfig(tile_rows=32, tile_k=256))
-    assert (off.fold_o, off.fold_down) == (False, False)
-    assert not fold_pays(spec.hidden_size, spec.intermediate_size, 1, cfg)  # one SM: nothing to spread over

@@ -105,13 +105,6 @@ def test_vm_with_attn_in_column_parts_matches_reference(name, num_sms, seg_lens,
         prog.spec.num_heads + 2 * prog.spec.num_kv_heads)
 
 
-def test_vm_with_folded_residual_blocks_matches_reference():
-    # half-tile O_PROJ / DOWN_PROJ blocks (the packing is the GPU's business: the VM checks the program)
-    cfg = ProgramConfig(tile_rows=16, tile_k=16, fold_residual=True)
-    prog = _vm_against_reference("tiny-llama", 132, 16, (1,), (37,), cfg)
-    assert prog.fold_o and prog.fold_down
-
-
 SEPARATE_REDUCE_CASES = [  # programs with an ATTN_REDUCE stage instead of combining splits
     ("tiny-llama", 7, 16, (1, 1, 1, 1), (14, 31, 3, 47)),
     ("tiny-qwen3", 132, 64, (4,), (63,)),

@@ -58,7 +58,6 @@ class ProgramConfig:
     fixed_cost_bytes: int = 16 * 1024  # per-instruction overhead in the cost model (a counter hop ~ 0.6 us)
     ticket_cost_bytes: int = 64 * 1024  # extra per ticketed part: acq_rel ticket + the finisher's reads (~2 us, H200)
     combine_splits: bool = True  # ATTN_PARTIAL splits combine themselves (ticket) instead of an ATTN_REDUCE stage
-    fold_residual: bool = False  # O_PROJ / DOWN_PROJ may come in tile_rows/2 steps (folded tiles, fold_pays())
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
 
 
@@ -78,8 +77,6 @@ class Program:
     counters: list[Counter]
     n_splits: tuple[int, ...]  # attention splits per segment
     qkv_parts: int  # column parts of every ATTN_IN head
-    fold_o: bool  # O_PROJ weights folded (tile_rows/2 rows x 2 tile_k columns per tile; fold_pays())
-    fold_down: bool  # DOWN_PROJ weights folded
     costs: list[float] = field(default_factory=list)  # per-SM cost-model load, in bytes
 
     @property
@@ -124,47 +121,28 @@ class Program:
                 raise AssertionError(f"counter {c.name} is signalled {n} times per step, expected {c.count}")
 
 
-def _best_block(tiles: int, tile_bytes: int, num_sms: int, cfg: ProgramConfig) -> tuple[int, int]:
-    """(granules per block, the stage's makespan in cost-model bytes) minimising the busiest SM's cost over
-    ``num_sms`` (weight bytes plus the fixed per-instruction cost), capped by ``max_block_bytes``; ties go to larger
-    blocks."""
-    cap = max(1, min(tiles, cfg.max_block_bytes // tile_bytes))
-
-    def makespan(p: int) -> int:
-        return math.ceil(math.ceil(tiles / p) / num_sms) * (p * tile_bytes + cfg.fixed_cost_bytes)
-
-    best = min(range(1, cap + 1), key=lambda p: (makespan(p), -p))
-    return best, makespan(best)
-
-
 def row_blocks(rows: int, row_bytes: int, num_sms: int, cfg: ProgramConfig,
                granule: int | None = None) -> list[tuple[int, int]]:
     """Split ``rows`` into blocks of whole granules (default: tile_rows), choosing the block size that minimises the
-    stage's makespan over ``num_sms`` in the cost model (``_best_block``)."""
+    stage's makespan over ``num_sms`` in the cost model (weight bytes plus the fixed per-instruction cost), capped
+    by ``max_block_bytes``; ties go to larger blocks."""
     tr = granule or cfg.tile_rows
     if rows % tr:
         raise ValueError(f"{rows} rows are not a multiple of the {tr}-row granule")
-    best, _ = _best_block(rows // tr, tr * row_bytes, num_sms, cfg)
+    tiles = rows // tr
+    cap = max(1, min(tiles, cfg.max_block_bytes // (tr * row_bytes)))
+    tile_bytes = tr * row_bytes
+
+    def makespan(p: int) -> int:  # the busiest SM's cost for this stage, per-instruction overhead included
+        return math.ceil(math.ceil(tiles / p) / num_sms) * (p * tile_bytes + cfg.fixed_cost_bytes)
+
+    best = min(range(1, cap + 1), key=lambda p: (makespan(p), -p))
     out, r = [], 0
     while r < rows:
         n = min(best * tr, rows - r)
         out.append((r, n))
         r += n
     return out
-
-
-def fold_pays(rows: int, k: int, num_sms: int, cfg: ProgramConfig) -> bool:
-    """Whether a residual matvec (O_PROJ, DOWN_PROJ: ``rows`` outputs over ``k`` columns) is folded: each weight
-    tile then holds tile_rows/2 rows x 2 tile_k columns (gpu/pack.py ``fold``), so its blocks come in tile_rows/2
-    steps with no partial sums to combine. Only where allowed (``fold_residual``), where k is whole pairs of column
-    tiles, and where the cost model's makespan strictly drops: a stage of fewer row tiles than SMs (Llama 1B's 64
-    for 132 SMs) spreads over twice the SMs; one that already fills them (8B's 128) stays as it is."""
-    tr, tk = cfg.tile_rows, cfg.tile_k
-    if not cfg.fold_residual or k % (2 * tk) or rows % tr:
-        return False
-    _, whole = _best_block(rows // tr, tr * k * 2, num_sms, cfg)
-    _, half = _best_block(2 * rows // tr, tr // 2 * k * 2, num_sms, cfg)
-    return half < whole
 
 
 def column_part(k: int, tile_k: int, part: int, n_parts: int) -> tuple[int, int]:
@@ -241,14 +219,11 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     if not 1 <= n_parts <= -(-spec.hidden_size // cfg.tile_k):
         raise ValueError(f"qkv_parts={n_parts} must be between 1 and the {spec.hidden_size}-column row's tile count")
     segs = range(len(shape.seg_lens))
-    d, tr = spec.hidden_size, cfg.tile_rows
-    fold_o = fold_pays(d, spec.q_size, num_sms, cfg)
-    fold_down = fold_pays(d, spec.intermediate_size, num_sms, cfg)
-    o_blocks = row_blocks(d, spec.q_size * 2, num_sms, cfg, tr // 2 if fold_o else tr)
+    o_blocks = row_blocks(spec.hidden_size, spec.q_size * 2, num_sms, cfg)
     # MLP_IN: a weight tile holds tile_rows/2 gate and tile_rows/2 up rows (gpu/pack.py), so blocks of outputs
     # come in tile_rows/2 steps (896 blocks instead of 448 for the 8B's 132 SMs: a 3% makespan excess, not 18%)
     mlp_blocks = row_blocks(spec.intermediate_size, 2 * spec.hidden_size * 2, num_sms, cfg, cfg.tile_rows // 2)
-    down_blocks = row_blocks(d, spec.intermediate_size * 2, num_sms, cfg, tr // 2 if fold_down else tr)
+    down_blocks = row_blocks(spec.hidden_size, spec.intermediate_size * 2, num_sms, cfg)
     lm_blocks = row_blocks(spec.vocab_size, spec.hidden_size * 2, num_sms, cfg)
 
     stages: list[list[Instruction]] = []
@@ -302,6 +277,6 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
             queues[s].append(ins)
             total[s] += c
             heapq.heappush(heap, (load + c, tot + c, s))
-    prog = Program(spec, shape, num_sms, cfg, queues, counters, n_splits, n_parts, fold_o, fold_down, total)
+    prog = Program(spec, shape, num_sms, cfg, queues, counters, n_splits, n_parts, total)
     prog.validate()
     return prog

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...models.spec import ModelSpec
-from ..program import Program, ProgramConfig, StepShape, build_program
+from ..program import ProgramConfig
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,6 @@ class KernelConfig:
     combine_splits: bool = True  # attention splits combine themselves (no ATTN_REDUCE stage; program.py)
     tile_major: bool = True  # TILED: weights stored tile-major, every TMA load one contiguous block (pack.py;
     # measured -1.7% (1B) / -2.3% (8B) against row-major at e2809b0, bench/NOTES.md)
-    fold_residual: bool = True  # O_PROJ/DOWN_PROJ folded where the scheduler's cost model says it pays (program.py)
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, page_size: int = 16) -> "KernelConfig":
@@ -36,7 +35,7 @@ class KernelConfig:
 
     def program_config(self) -> ProgramConfig:
         return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
-                             combine_splits=self.combine_splits, fold_residual=self.fold_residual)
+                             combine_splits=self.combine_splits)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -59,11 +58,8 @@ def _pow2(n: int) -> int:
     return p
 
 
-def constexprs(spec: ModelSpec, kcfg: KernelConfig, program: Program) -> dict:
-    """The kernel's constexprs for one model, tile shape and step program (its split count and which residual
-    matvecs it folds)."""
+def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
     kcfg.check(spec)
-    max_splits = program.max_splits
     kmax = max(spec.hidden_size, spec.q_size, spec.intermediate_size)
     return dict(
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
@@ -73,16 +69,13 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, program: Program) -> dict:
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_pow2(-(-kmax // kcfg.tile_k)), 4096 // kcfg.tile_k),
-        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, FOLD_O=program.fold_o, FOLD_DOWN=program.fold_down,
-        TRACE=kcfg.trace,
+        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, TRACE=kcfg.trace,
         num_warps=kcfg.num_warps,
     )
 
 
-def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), num_sms: int = 132,
-                  context_hint: int = 1024):
-    """Compile the megakernel for sm_90a without a GPU, specialised for the program the scheduler builds for
-    ``num_sms`` SMs (the H200's 132 by default); returns triton's CompiledKernel (``.asm['ptx']``)."""
+def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_splits: int = 16):
+    """Compile the megakernel for sm_90a without a GPU; returns triton's CompiledKernel (``.asm['ptx']``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -90,7 +83,7 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), num_sms:
 
     from .kernel import megakernel
 
-    ce = constexprs(spec, kcfg, build_program(spec, StepShape((1,), context_hint), num_sms, kcfg.program_config()))
+    ce = constexprs(spec, kcfg, max_splits)
     lay = gl.NVMMASharedLayout.get_default_for([kcfg.tile_rows, kcfg.tile_k], gl.bfloat16)
     desc = f"tensordesc<bf16[{kcfg.tile_rows}, {kcfg.tile_k}],{lay!r}>"
     bias_t = "*fp32"

@@ -41,9 +41,8 @@ class MegakernelDecoder:
         self.max_pages = max_pages_per_seq or cache.layout.num_pages
         self.state = alloc_state(self.program, self.max_pages, dev)
         self.scratch = alloc_scratch(self.program, dev)
-        self.w = pack(weights, kcfg.tile_rows, kcfg.tile_k, dev, kcfg.tile_major, self.program.fold_o,
-                      self.program.fold_down)
-        self.ce = constexprs(spec, kcfg, self.program)
+        self.w = pack(weights, kcfg.tile_rows, dev, kcfg.tile_k if kcfg.tile_major else None)
+        self.ce = constexprs(spec, kcfg, self.program.max_splits)
         lay = gl.NVMMASharedLayout.get_default_for([kcfg.tile_rows, kcfg.tile_k], gl.bfloat16)
         box = [kcfg.tile_rows, kcfg.tile_k]
         self.descs = [TensorDescriptor.from_tensor(t, box, lay) for t in (self.w.qkv, self.w.o, self.w.gu,

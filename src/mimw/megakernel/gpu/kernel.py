@@ -67,7 +67,7 @@ def _now(offs):
 @gluon.jit
 def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
             D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
-            TILED: gl.constexpr, FOLD_O: gl.constexpr, FOLD_DOWN: gl.constexpr):
+            TILED: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -86,22 +86,14 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
             it = producer_weight_rows(d_qkv, D, (layer * NQKV + a) * HD, HD // TR, b * KT_D // n_parts,
                                       (b + 1) * KT_D // n_parts, bufs, empty, ready, it, TR, TK, TILED)
         elif op == OP_O_PROJ:
-            if FOLD_O:  # folded (pack.fold): output rows [a, a + b) are rows [2a, 2a + 2b) of a [*, HQ*HD/2] matrix
-                it = producer_weight_rows(d_o, HQ * HD // 2, 2 * (layer * D + a), 2 * b // TR, 0, KT_Q // 2, bufs,
-                                          empty, ready, it, TR, TK, TILED)
-            else:
-                it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, 0, KT_Q, bufs, empty, ready, it, TR,
-                                          TK, TILED)
+            it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, 0, KT_Q, bufs, empty, ready, it, TR, TK,
+                                      TILED)
         elif op == OP_MLP_IN:
             it = producer_weight_rows(d_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready, it,
                                       TR, TK, TILED)
         elif op == OP_DOWN_PROJ:
-            if FOLD_DOWN:
-                it = producer_weight_rows(d_down, I // 2, 2 * (layer * D + a), 2 * b // TR, 0, KT_I // 2, bufs,
-                                          empty, ready, it, TR, TK, TILED)
-            else:
-                it = producer_weight_rows(d_down, I, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR,
-                                          TK, TILED)
+            it = producer_weight_rows(d_down, I, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR, TK,
+                                      TILED)
         elif op == OP_LM_HEAD:
             it = producer_weight_rows(d_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, TILED)
 
@@ -113,8 +105,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              eps, qscale, trace_ptr, bufs, empty, ready, hbuf,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
-             SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr, FOLD_O: gl.constexpr,
-             FOLD_DOWN: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+             SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr, TRACE: gl.constexpr,
+             num_warps: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -196,12 +188,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         elif op == OP_O_PROJ:
             if restage:
                 matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, SG, S2)
-            if FOLD_O:
-                it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q // 2, a, 2 * b // TR, x_ptr, emb_row,
-                                          layer == 0, LAY, True)
-            else:
-                it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row, layer == 0,
-                                          LAY, False)
+            it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row, layer == 0,
+                                      LAY)
         elif op == OP_MLP_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2)
@@ -209,12 +197,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         elif op == OP_DOWN_PROJ:
             if restage:
                 matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
-            if FOLD_DOWN:
-                it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I // 2, a, 2 * b // TR, x_ptr, emb_row,
-                                          False, LAY, True)
-            else:
-                it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,
-                                          False)
+            it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY)
         elif op == OP_LM_HEAD:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2)
@@ -245,7 +228,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
-               TILED: gl.constexpr, FOLD_O: gl.constexpr, FOLD_DOWN: gl.constexpr, TRACE: gl.constexpr,
+               TILED: gl.constexpr, TRACE: gl.constexpr,
                num_warps: gl.constexpr):
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -260,7 +243,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS, HAS_BIAS,
-                    QK_NORM, BT, SP2, GP, WR, SG, FOLD_O, FOLD_DOWN, TRACE, num_warps)),
+                    QK_NORM, BT, SP2, GP, WR, SG, TRACE, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
-                   D, HQ, HKV, HD, I, TILED, FOLD_O, FOLD_DOWN)),
+                   D, HQ, HKV, HD, I, TILED)),
     ], [1], [LOADER_REGS])

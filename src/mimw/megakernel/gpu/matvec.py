@@ -30,25 +30,6 @@ def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr):
 
 
 @gluon.jit
-def dot_tile_folded(bufs, empty, ready, hbuf, it, KT2, LAY: gl.constexpr):
-    """One folded row tile (pack.fold): column tile k of the tile holds TR/2 rows over input chunk 2k (its first
-    half) and the same rows over chunk 2k+1 (its second half); each half multiplies its own chunk and the halves'
-    sums are added -> ([TR/2] fp32, it')."""
-    TR: gl.constexpr = bufs.type.shape[1]
-    TK: gl.constexpr = bufs.type.shape[2]
-    first = gl.expand_dims(gl.arange(0, TR, gl.SliceLayout(1, LAY)) < TR // 2, 1)  # [TR, 1]: first half-tile
-    acc = gl.zeros([TR, TK], gl.float32, LAY)
-    for k in range(KT2):
-        x0 = gl.expand_dims(hbuf.index(2 * k).load(gl.SliceLayout(0, LAY)).to(gl.float32), 0)
-        x1 = gl.expand_dims(hbuf.index(2 * k + 1).load(gl.SliceLayout(0, LAY)).to(gl.float32), 0)
-        w, idx = consumer_acquire(bufs, ready, it, LAY)
-        consumer_release(empty, idx)
-        acc += w.to(gl.float32) * gl.where(first, x0, x1)
-        it += 1
-    return gl.sum(gl.reshape(gl.sum(acc, axis=1), [2, TR // 2]), axis=0), it
-
-
-@gluon.jit
 def _group(hbuf, g0, SG: gl.constexpr):
     """Rows g0 .. g0+SG-1 of hbuf as a rank-2 row-major view for one whole-group store (hbuf itself has a rank-1
     layout so that ``hbuf.index(k)`` yields a [TK] row; without swizzling both describe the same bytes; the row
@@ -120,25 +101,19 @@ def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.con
 
 @gluon.jit
 def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
-                  LAY: gl.constexpr, FOLD: gl.constexpr):
+                  LAY: gl.constexpr):
     """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h, tile by tile (the residual is x itself, or for
-    layer 0's O_PROJ the bf16 embedding row). ``FOLD``: the matrix is folded (pack.fold), each tile yields TR/2
-    rows over 2 KT column chunks (``KT`` counts the tiles). Each row tile's residual is requested before its dot
-    product, so its round trip overlaps the tile loop."""
+    layer 0's O_PROJ the bf16 embedding row). Each row tile's residual is requested before its dot product, so
+    its round trip overlaps the tile loop."""
     TR: gl.constexpr = bufs.type.shape[1]
-    RT: gl.constexpr = TR // 2 if FOLD else TR  # output rows per tile
-    offs_r = gl.arange(0, RT, gl.SliceLayout(1, LAY))
+    offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
-        rows = row0 + r * RT + offs_r
+        rows = row0 + r * TR + offs_r
         if res_from_embed:
             res = gl.load(res_ptr + rows).to(gl.float32)
         else:
             res = gl.load(x_ptr + rows, cache_modifier=".cg")
-        if FOLD:
-            acc, it = dot_tile_folded(bufs, empty, ready, hbuf, it, KT, LAY)
-            acc = gl.convert_layout(acc, res.type.layout)
-        else:
-            acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
         gl.store(x_ptr + rows, res + acc)
     return it
 

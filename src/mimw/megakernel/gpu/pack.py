@@ -9,11 +9,7 @@ order the loader streams (plans once per model; the hot path never repacks).
   lm   [V, D]                       the LM head (the embedding table itself when embeddings are tied)
 plus the small vectors: norms [L, D] (bf16), qkv bias [L, (Hq+2Hkv) hd] (fp32), q/k norm [L, hd], RoPE inv_freq.
 
-Where the step program folds O_PROJ or DOWN_PROJ (``program.fold_pays``), that matrix is stored folded (``fold``):
-[R, K] -> [2R, K/2], each TR-row tile holding TR/2 rows over two adjacent column tiles, so the scheduler can hand
-out blocks of TR/2 rows without splitting a dot product over SMs.
-
-With ``tile_major``, the five streamed matrices are stored tile-major (``tile_major``): every [TR, TK] weight tile
+With ``tile_k`` given, the five streamed matrices are stored tile-major (``tile_major``): every [TR, TK] weight tile
 is one contiguous 16 KB block, so a TMA load reads consecutive bytes (DRAM pages stay open) instead of TR runs of
 TK elements a whole row apart. The embedding table stays row-major (layer 0 reads one row of it); a tied LM head
 then gets its own tile-major copy.
@@ -53,17 +49,6 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, tile_rows: int) -> 
     return torch.stack([gate.view(i // h, h, d), up.view(i // h, h, d)], dim=1).reshape(2 * i, d)
 
 
-def fold(m: torch.Tensor, tile_rows: int, tile_k: int) -> torch.Tensor:
-    """[R, K] -> [2R, K/2]: row tile b (TR rows) at column tile j holds rows [b*TR/2, (b+1)*TR/2) of ``m``, the
-    first TR/2 rows over its column tile 2j, the last TR/2 over column tile 2j+1 (K must be whole pairs of column
-    tiles). ``matvec.dot_tile_folded`` multiplies each half by its own input chunk and adds the halves."""
-    r, k = m.shape
-    h = tile_rows // 2
-    if r % h or k % (2 * tile_k):
-        raise ValueError(f"cannot fold [{r}, {k}] into {tile_rows} x {tile_k} tiles")
-    return m.reshape(r // h, h, k // (2 * tile_k), 2, tile_k).permute(0, 3, 1, 2, 4).reshape(2 * r, k // 2)
-
-
 def tile_major(m: torch.Tensor, tile_rows: int, tile_k: int) -> torch.Tensor:
     """[R, K] -> [R/TR * KT * TR, TK]: tile (row tile r, column tile c) becomes rows [(r*KT + c)*TR, +TR), i.e. one
     contiguous block; columns past K (K not a multiple of TK) are zero, as TMA fills them for a row-major matrix."""
@@ -74,8 +59,8 @@ def tile_major(m: torch.Tensor, tile_rows: int, tile_k: int) -> torch.Tensor:
     return m.view(r // tile_rows, tile_rows, kt, tile_k).permute(0, 2, 1, 3).reshape(-1, tile_k).contiguous()
 
 
-def pack(w: ModelWeights, tile_rows: int, tile_k: int, device: torch.device | str = "cuda", tiled: bool = False,
-         fold_o: bool = False, fold_down: bool = False) -> PackedWeights:
+def pack(w: ModelWeights, tile_rows: int, device: torch.device | str = "cuda",
+         tile_k: int | None = None) -> PackedWeights:
     spec = w.spec
     bf = dict(device=device, dtype=torch.bfloat16)
     ls = w.layers
@@ -95,11 +80,7 @@ def pack(w: ModelWeights, tile_rows: int, tile_k: int, device: torch.device | st
     o = cat([l.wo for l in ls])
     gu = cat([interleave_gate_up(l.w_gate, l.w_up, tile_rows) for l in ls])
     down = cat([l.w_down for l in ls])
-    if fold_o:  # per layer (its rows are whole half-tiles), so layer l's folded rows start at 2 * l * D
-        o = fold(o, tile_rows, tile_k)
-    if fold_down:
-        down = fold(down, tile_rows, tile_k)
-    if tiled:
+    if tile_k:
         qkv, o, gu, down, lm = (tile_major(m, tile_rows, tile_k) for m in (qkv, o, gu, down, lm))
     return PackedWeights(
         qkv=qkv,

@@ -75,7 +75,6 @@ VARIANTS = {
     "tr32-nb11": KernelConfig(ring=11),  # deeper rings: the most shared memory allows for the 8B / the 1B
     "tr32-nb12": KernelConfig(ring=12),
     "tr32-rowmajor": KernelConfig(tile_major=False),  # weights row-major: each TMA load a strided [TR, TK] box
-    "tr32-nofold": KernelConfig(fold_residual=False),  # O_PROJ/DOWN_PROJ never folded (whole-tile row blocks)
 }
 
 
