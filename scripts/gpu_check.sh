@@ -20,7 +20,7 @@ for tool in synccheck racecheck; do
     "$sanitizer" --tool "$tool" python3 -m mimw.megakernel.gpu.sanitize > "$out/$tool.log" 2>&1
     rc[$tool]=$?
 done
-python3 -m mimw.megakernel.gpu.variants --models llama-3.2-1b,llama-3.1-8b --variants "${VARIANTS:-tr32-tk256-nb10}" ${COMMIT:+--commit "$COMMIT"} \
+python3 -m mimw.megakernel.gpu.variants --models llama-3.2-1b,llama-3.1-8b --variants "${VARIANTS:-default}" ${COMMIT:+--commit "$COMMIT"} \
     --check-steps 8 --trace --out "$out" > "$out/trace.log" 2>&1
 rc[trace]=$?
 

@@ -42,6 +42,14 @@ def test_standalone_gemv_compiles_for_sm90a():
     assert ptxas_report(k.asm["ptx"])["spill_stores"] == 0
 
 
+def test_ring_is_as_deep_as_shared_memory_allows_and_an_explicit_one_must_fit():
+    assert KernelConfig().ring_slots(get_preset("llama-3.2-1b")) == 12  # 16 KB staging buffer (8192 / 256 rows)
+    assert KernelConfig().ring_slots(get_preset("llama-3.1-8b")) == 11  # 32 KB staging buffer (14336 -> 64 rows)
+    assert KernelConfig(ring=10).ring_slots(get_preset("llama-3.1-8b")) == 10
+    with pytest.raises(ValueError, match="ring=12"):
+        KernelConfig(ring=12).ring_slots(get_preset("llama-3.1-8b"))
+
+
 def test_default_tiles_fit_every_preset_with_a_head_of_32_or_more():
     from mimw.models.spec import PRESETS
 

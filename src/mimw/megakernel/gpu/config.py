@@ -16,7 +16,7 @@ from ..program import ProgramConfig
 class KernelConfig:
     tile_rows: int = 32  # TR: weight tile rows (also the scheduler's row-block granule)
     tile_k: int = 256  # TK: weight tile columns (bf16); 16 KB tiles at 32 x 256 (best of the first sweep)
-    ring: int = 10  # NB: ring slots
+    ring: int = 0  # NB: ring slots (0: as many as shared memory holds beside the staging buffer, ring_slots())
     num_warps: int = 4  # compute partition warps
     loader_regs: int = 48  # register budget of the one-warp loader partition (what session 9's runs measured)
     page_size: int = 16
@@ -32,6 +32,18 @@ class KernelConfig:
         if spec.head_dim % (2 * cls.tile_rows):
             return cls(tile_rows=16, tile_k=512, page_size=page_size)
         return cls(page_size=page_size)
+
+    def ring_slots(self, spec: ModelSpec) -> int:
+        """NB: ``ring``, or (0) the most [TR, TK] slots that fit in an H100/H200 CTA's shared memory beside the
+        staging buffer ``hbuf`` and the compiler's scratch (measured 4-8 KB: the default kernels of session 10 use
+        184 KB for the 1B and 205 KB for the 8B at 10 slots): 12 for the Llama-1B shape, 11 for the 8B."""
+        slot = self.tile_rows * self.tile_k * 2
+        fit = (SHARED_BYTES - _hbuf_rows(spec, self.tile_k) * self.tile_k * 2 - SCRATCH_BYTES) // slot
+        if self.ring > fit:
+            raise ValueError(f"ring={self.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
+        if fit < 2:
+            raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
+        return self.ring or fit
 
     def program_config(self) -> ProgramConfig:
         return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
@@ -51,6 +63,15 @@ class KernelConfig:
             raise ValueError(f"{self.num_warps} warps cannot tile a [{tr}, {self.tile_k}] weight tile")
 
 
+SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
+SCRATCH_BYTES = 10 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers)
+
+
+def _hbuf_rows(spec: ModelSpec, tile_k: int) -> int:
+    """KT_ROWS: the staging buffer's [TK] rows, the widest input's column tiles rounded up to a power of two."""
+    return _pow2(-(-max(spec.hidden_size, spec.q_size, spec.intermediate_size) // tile_k))
+
+
 def _pow2(n: int) -> int:
     p = 1
     while p < n:
@@ -64,7 +85,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
     return dict(
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, PS=kcfg.page_size, HAS_BIAS=spec.attention_bias, QK_NORM=spec.qk_norm,
-        TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring, KT_ROWS=_pow2(-(-kmax // kcfg.tile_k)),
+        TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring_slots(spec), KT_ROWS=_hbuf_rows(spec, kcfg.tile_k),
         BT=max(8, 4096 // spec.head_dim), SP2=_pow2(max_splits), GP=_pow2(spec.group_size),
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
