@@ -43,8 +43,8 @@ def test_standalone_gemv_compiles_for_sm90a():
 
 
 def test_ring_is_as_deep_as_shared_memory_allows_and_an_explicit_one_must_fit():
-    assert KernelConfig().ring_slots(get_preset("llama-3.2-1b")) == 12  # 16 KB staging buffer (8192 / 256 rows)
-    assert KernelConfig().ring_slots(get_preset("llama-3.1-8b")) == 11  # 32 KB staging buffer (14336 -> 64 rows)
+    assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.2-1b")) == 12  # 16 KB staging buffer (32 rows)
+    assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.1-8b")) == 11  # 32 KB staging buffer (14336 -> 64)
     assert KernelConfig(ring=10).ring_slots(get_preset("llama-3.1-8b")) == 10
     with pytest.raises(ValueError, match="ring=12"):
         KernelConfig(ring=12).ring_slots(get_preset("llama-3.1-8b"))

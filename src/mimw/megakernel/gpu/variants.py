@@ -65,7 +65,8 @@ def time_step(dec: MegakernelDecoder, iters: int = 200) -> float:
 
 
 VARIANTS = {
-    "default": KernelConfig(),  # what MegakernelDecoder runs for 32-row shapes (ring: as deep as fits)
+    "default": KernelConfig(),  # what MegakernelDecoder runs for 32-row shapes
+    "tr32-deep": KernelConfig(ring=0),  # ring as deep as shared memory allows (12 slots for the 1B, 11 for the 8B)
     "tr16-tk512-nb10": KernelConfig(tile_rows=16, tile_k=512, ring=10),
     "tr32-tk256-nb10": KernelConfig(tile_rows=32, tile_k=256, ring=10),
     "tr16-tk256-nb20": KernelConfig(tile_rows=16, tile_k=256, ring=20),
