@@ -5,6 +5,7 @@
 # 1B and 8B shapes at context 1024. Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
 #   bash scripts/gpu_check.sh            # ~5 minutes on an H200
 #   COMMIT=<sha> VARIANTS=a,b bash scripts/gpu_check.sh   # record the commit; time these KernelConfig variants
+#   TRACE_TILES=1 bash scripts/gpu_check.sh                # the trace also stamps every weight tile
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -21,7 +22,7 @@ for tool in synccheck racecheck; do
     rc[$tool]=$?
 done
 python3 -m mimw.megakernel.gpu.variants --models llama-3.2-1b,llama-3.1-8b --variants "${VARIANTS:-default}" ${COMMIT:+--commit "$COMMIT"} \
-    --check-steps 8 --trace --out "$out" > "$out/trace.log" 2>&1
+    --check-steps 8 --trace ${TRACE_TILES:+--trace-tiles} --out "$out" > "$out/trace.log" 2>&1
 rc[trace]=$?
 
 tail -n 3 "$out/gpu-tests.log"

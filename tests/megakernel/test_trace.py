@@ -48,3 +48,55 @@ def test_trace_build_records_globaltimer_and_the_default_build_does_not():
     spec = get_preset("tiny-qwen3")
     assert "%globaltimer" in compile_sm90a(spec, KernelConfig(tile_rows=16, trace=True)).asm["ptx"]
     assert "%globaltimer" not in compile_sm90a(spec, KernelConfig(tile_rows=16)).asm["ptx"]
+
+
+@pytest.mark.parametrize("name,tile_rows,tile_k", [("llama-3.2-1b", 32, 256), ("tiny-qwen3", 16, 512),
+                                                  ("smollm2-135m", 32, 256)])
+def test_tile_counts_cover_every_streamed_weight_tile_once(name, tile_rows, tile_k):
+    # the host mirror of the ring's tile counter: all SMs together stream each of the five matrices once
+    from mimw.megakernel.gpu.trace import tile_counts
+    from mimw.megakernel.program import ProgramConfig
+
+    spec = get_preset(name)
+    prog = build_program(spec, StepShape((1,), 64), 132, ProgramConfig(tile_rows=tile_rows, tile_k=tile_k))
+    kt = lambda k: -(-k // tile_k)  # noqa: E731
+    heads = spec.num_heads + 2 * spec.num_kv_heads
+    per_layer = (heads * spec.head_dim * kt(spec.hidden_size) + spec.hidden_size * kt(spec.q_size)
+                 + 2 * spec.intermediate_size * kt(spec.hidden_size) + spec.hidden_size * kt(spec.intermediate_size))
+    rows = spec.num_layers * per_layer + spec.vocab_size * kt(spec.hidden_size)  # tile rows x column tiles
+    counts = tile_counts(prog, tile_rows, tile_k)
+    assert sum(map(sum, counts)) * tile_rows == rows
+    assert [len(c) for c in counts] == [len(q) for q in prog.queues]
+
+
+def test_tile_summary_reads_latency_slot_waits_and_issue_rates():
+    from mimw.megakernel.gpu.trace import format_tiles, summarize_tiles, tile_counts
+
+    prog = build_program(get_preset("tiny-llama"), StepShape((1,), 32), 3)
+    counts = tile_counts(prog, 16, 16)
+    tiles = torch.zeros(3, max(map(sum, counts)), 3, dtype=torch.int64)
+    for s in range(3):  # every tile: wants its slot at t, gets it 200 ns later, data 1 us after issue
+        for j in range(sum(counts[s])):
+            t = 1000 * j
+            tiles[s, j] = torch.tensor([t, t + 200, t + 1200])
+    windows = [dict(op="MLP_IN", layer=1, first_ready_us=0.0, last_done_us=10.0),
+               dict(op="ATTN_IN", layer=0, first_ready_us=0.0, last_done_us=10.0)]  # layer 0: not counted
+    out = summarize_tiles(tiles, prog, 16, 16, windows)
+    assert out["ops"]["MLP_IN"]["latency_p50_us"] == pytest.approx(1.0)
+    assert out["ops"]["MLP_IN"]["mean_slot_wait_us"] == pytest.approx(0.2)
+    assert sum(v["tiles"] for v in out["ops"].values()) == sum(map(sum, counts))
+    # 3 SMs issue one 512-byte tile per us each at 0.2, 1.2, ... 9.2 us: 30 tiles in the 10 us window
+    assert out["issue_tbps"]["MLP_IN"] == pytest.approx(30 * 16 * 16 * 2 / 10e-6 / 1e12)
+    assert "ATTN_IN" not in out["issue_tbps"]
+    span = (1000 * (max(map(sum, counts)) - 1) + 1200) / 1e3
+    assert out["stall_fraction"] == pytest.approx(sum(map(sum, counts)) * 0.2 / (3 * span))
+    assert "slot wait" in format_tiles(out)
+
+
+@pytest.mark.slow
+def test_tile_trace_build_stamps_the_ring_and_the_default_build_does_not():
+    from mimw.megakernel.gpu.config import KernelConfig, compile_sm90a
+
+    spec = get_preset("tiny-qwen3")
+    ptx = compile_sm90a(spec, KernelConfig(tile_rows=16, trace_tiles=True)).asm["ptx"]
+    assert ptx.count("%globaltimer") >= 3  # want slot, slot free (loader), data ready (compute)

@@ -17,6 +17,7 @@ from ..program import StepShape, build_program
 from ..state import alloc_scratch, alloc_state
 from .config import KernelConfig, constexprs
 from .pack import pack
+from .trace import tile_counts
 
 
 class MegakernelDecoder:
@@ -50,6 +51,10 @@ class MegakernelDecoder:
         # [num_sms, max_len, 3] int64 ns timestamps per instruction when kcfg.trace, else a 1-element dummy
         self.trace = torch.zeros((self.num_sms, self.words.shape[1], 3) if kcfg.trace else (1,), dtype=torch.int64,
                                  device=dev)
+        # [num_sms, max tiles per SM, 3] int64 ns per weight tile when kcfg.trace_tiles (trace.summarize_tiles)
+        self.max_tiles = max(1, max(sum(c) for c in tile_counts(self.program, kcfg.tile_rows, kcfg.tile_k)))
+        self.tiles = torch.zeros((self.num_sms, self.max_tiles, 3) if kcfg.trace_tiles else (1,), dtype=torch.int64,
+                                 device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs_set = False
 
@@ -72,6 +77,7 @@ class MegakernelDecoder:
             w.embed, w.attn_norm, w.mlp_norm, w.final_norm, w.bias, w.q_norm, w.k_norm, w.inv_freq,
             c.k, c.v, c.layout.num_pages, x.x, x.qkv_part, x.q, x.part_o, x.part_ml, x.attn, x.act, x.logits,
             self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634, self.trace,
+            self.tiles, self.max_tiles,
             **self.ce)
 
     def capture(self) -> None:

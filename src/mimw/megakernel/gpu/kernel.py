@@ -19,7 +19,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .. import isa
 from . import attention, matvec
-from .orchestration import counter_signal, counter_wait, producer_weight_rows, ring_init, ticket_is_last
+from .orchestration import (counter_signal, counter_wait, globaltimer, producer_weight_rows, ring_init,
+                            ticket_is_last)
 
 _C = isa.kernel_constants()
 NWORDS: gl.constexpr = gl.constexpr(_C["NWORDS"])
@@ -57,17 +58,9 @@ def _fetch(prog_ptr, MAXLEN, i, offs):
 
 
 @gluon.jit
-def _now(offs):
-    """%globaltimer (ns) as a scalar: the instruction-trace clock, comparable across SMs."""
-    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [offs], dtype=gl.int64, is_pure=False,
-                                  pack=1)
-    return gl.max(t, axis=0)
-
-
-@gluon.jit
-def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
+def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, tiles_ptr, MAXT,
             D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
-            TILED: gl.constexpr):
+            TILED: gl.constexpr, TRACE_TILES: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -78,35 +71,39 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
     pid = gl.program_id(0)
     n = gl.load(qlen_ptr + pid)
     offs = gl.arange(0, WP2, WL)
+    if TRACE_TILES:  # [want slot, slot free (TMA issued), data in shared memory] per tile of this SM (trace.py)
+        stamps = tiles_ptr + pid * MAXT * 3
+    else:
+        stamps = None
     it = 0
     for i in range(n):
         w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
         if op == OP_ATTN_IN:
             n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
             it = producer_weight_rows(d_qkv, D, (layer * NQKV + a) * HD, HD // TR, b * KT_D // n_parts,
-                                      (b + 1) * KT_D // n_parts, bufs, empty, ready, it, TR, TK, TILED)
+                                      (b + 1) * KT_D // n_parts, bufs, empty, ready, it, TR, TK, TILED, stamps)
         elif op == OP_O_PROJ:
             it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, 0, KT_Q, bufs, empty, ready, it, TR, TK,
-                                      TILED)
+                                      TILED, stamps)
         elif op == OP_MLP_IN:
             it = producer_weight_rows(d_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready, it,
-                                      TR, TK, TILED)
+                                      TR, TK, TILED, stamps)
         elif op == OP_DOWN_PROJ:
             it = producer_weight_rows(d_down, I, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR, TK,
-                                      TILED)
+                                      TILED, stamps)
         elif op == OP_LM_HEAD:
-            it = producer_weight_rows(d_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, TILED)
+            it = producer_weight_rows(d_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, TILED, stamps)
 
 
 @gluon.jit
 def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
              emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
              kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-             eps, qscale, trace_ptr, bufs, empty, ready, hbuf,
+             eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr, TRACE: gl.constexpr,
-             num_warps: gl.constexpr):
+             TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -133,6 +130,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
     tok_page = gl.load(bt_ptr + pos // PS)
     emb_row = emb_ptr + tok.to(gl.int64) * D
     offs = gl.arange(0, WP2, WL)
+    if TRACE_TILES:
+        stamps = tiles_ptr + pid * MAXT * 3
+    else:
+        stamps = None
     it = 0
     staged = -1  # (op, layer) whose input vector hbuf holds: consecutive blocks of one stage share it
     for i in range(n):
@@ -142,7 +143,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         restage = key != staged
         staged = key
         if TRACE:
-            t_start = _now(offs)
+            t_start = globaltimer()
         target = (epoch + 1) * _field(w, offs, W_WAIT_COUNT)
         if op == OP_ATTN_PARTIAL:
             # past K/V of the first block is requested before the wait: it does not depend on this step
@@ -154,21 +155,21 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
             if TRACE:
-                t_ready = _now(offs)
+                t_ready = globaltimer()
             attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP,
                               NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4)
         else:
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
             if TRACE:
-                t_ready = _now(offs)
+                t_ready = globaltimer()
         sig = _field(w, offs, W_SIGNAL)
         if op == OP_ATTN_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, SG, S2)
             n_parts = _field(w, offs, W_C)
             it = matvec.qkv_part(bufs, empty, ready, hbuf, it, b * KT_D // n_parts, (b + 1) * KT_D // n_parts, a, b,
-                                 qkvp_ptr, HQ + 2 * HKV, HD, LAY)
+                                 qkvp_ptr, HQ + 2 * HKV, HD, LAY, stamps)
             # ticket (isa.py): the last part finishes the head
             if ticket_is_last(cnt_ptr, _field(w, offs, W_D), n_parts, epoch):
                 matvec.qkv_finish(layer, a, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_ptr, bias_ptr, qn_ptr,
@@ -189,19 +190,20 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             if restage:
                 matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row, layer == 0,
-                                      LAY)
+                                      LAY, stamps)
         elif op == OP_MLP_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2)
-            it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, 2 * b // TR, act_ptr, LAY)
+            it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, 2 * b // TR, act_ptr, LAY, stamps)
         elif op == OP_DOWN_PROJ:
             if restage:
                 matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
-            it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY)
+            it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,
+                                      stamps)
         elif op == OP_LM_HEAD:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2)
-            it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY)
+            it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY, stamps)
         if sig >= 0:
             counter_signal(cnt_ptr, sig)
         else:
@@ -210,7 +212,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             tb = trace_ptr + (pid * MAXLEN + i) * 3
             gl.store(tb, t_start)
             gl.store(tb + 1, t_ready)
-            gl.store(tb + 2, _now(offs))
+            gl.store(tb + 2, globaltimer())
     # step bookkeeping: the last CTA to finish moves every counter target on to the next step
     gl.thread_barrier()
     done = gl.atomic_add(cnt_ptr + NCNT, 1, sem="acq_rel", scope="gpu")
@@ -223,12 +225,12 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                d_qkv, d_o, d_gu, d_down, d_lm,
                emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-               eps, qscale, trace_ptr,
+               eps, qscale, trace_ptr, tiles_ptr, MAXT,
                D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
-               TILED: gl.constexpr, TRACE: gl.constexpr,
+               TILED: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
                num_warps: gl.constexpr):
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -242,8 +244,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
         (_compute, (prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-                    eps, qscale, trace_ptr, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS, HAS_BIAS,
-                    QK_NORM, BT, SP2, GP, WR, SG, TRACE, num_warps)),
-        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
-                   D, HQ, HKV, HD, I, TILED)),
+                    eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
+                    HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, TRACE, TRACE_TILES, num_warps)),
+        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, tiles_ptr,
+                   MAXT, D, HQ, HKV, HD, I, TILED, TRACE_TILES)),
     ], [1], [LOADER_REGS])

@@ -15,14 +15,14 @@ from .orchestration import consumer_acquire, consumer_release
 
 
 @gluon.jit
-def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr):
+def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None):
     """One row tile: sum over column tiles [k0, k1) of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it')."""
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     acc = gl.zeros([TR, TK], gl.float32, LAY)
     for k in range(k0, k1):
         xk = hbuf.index(k).load(gl.SliceLayout(0, LAY)).to(gl.float32)
-        w, idx = consumer_acquire(bufs, ready, it, LAY)
+        w, idx = consumer_acquire(bufs, ready, it, LAY, stamps)
         consumer_release(empty, idx)
         acc += w.to(gl.float32) * gl.expand_dims(xk, 0)
         it += 1
@@ -101,7 +101,7 @@ def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.con
 
 @gluon.jit
 def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
-                  LAY: gl.constexpr):
+                  LAY: gl.constexpr, stamps=None):
     """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h, tile by tile (the residual is x itself, or for
     layer 0's O_PROJ the bf16 embedding row). Each row tile's residual is requested before its dot product, so
     its round trip overlaps the tile loop."""
@@ -113,29 +113,29 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
             res = gl.load(res_ptr + rows).to(gl.float32)
         else:
             res = gl.load(x_ptr + rows, cache_modifier=".cg")
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
         gl.store(x_ptr + rows, res + acc)
     return it
 
 
 @gluon.jit
-def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl.constexpr):
+def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl.constexpr, stamps=None):
     """LM_HEAD: out[rows] = W[rows] . h."""
     TR: gl.constexpr = bufs.type.shape[1]
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
         gl.store(out_ptr + row0 + r * TR + offs_r, acc)
     return it
 
 
 @gluon.jit
-def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl.constexpr):
+def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl.constexpr, stamps=None):
     """MLP_IN: every row tile holds TR/2 gate rows then the TR/2 up rows of the same outputs (pack.py), so one tile
     yields TR/2 outputs act[rows] = silu(gate . h) * (up . h) and MLP_IN blocks come in TR/2-row steps."""
     TR: gl.constexpr = bufs.type.shape[1]
     for t in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
         a2 = gl.reshape(acc, [2, TR // 2])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
         h = gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, a2.type.layout)), 1)
         g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
@@ -147,14 +147,14 @@ def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl
 
 @gluon.jit
 def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: gl.constexpr, HD: gl.constexpr,
-             LAY: gl.constexpr):
+             LAY: gl.constexpr, stamps=None):
     """ATTN_IN, every part (M = 1): qkv_part[part, head] = W[head rows, column tiles k0..k1) . h, fp32 to global
     scratch (the head's finisher may run on another SM)."""
     TR: gl.constexpr = bufs.type.shape[1]
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     out = qkvp_ptr + (part * NQKV + head) * HD
     for r in gl.static_range(HD // TR):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
         gl.store(out + r * TR + offs_r, acc)
     return it
 

@@ -41,31 +41,61 @@ def ring_init(empty, ready, NB: gl.constexpr):
 
 
 @gluon.jit
-def producer_load(desc, row, col, bufs, empty, ready, it):
+def _timer_lanes():
+    """(%globaltimer per lane [32], lane index [32]); every warp of the partition holds all 32 lanes."""
+    offs = gl.arange(0, 32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [offs], dtype=gl.int64, is_pure=False,
+                                  pack=1)
+    return t, offs
+
+
+@gluon.jit
+def globaltimer():
+    """%globaltimer (ns, comparable across SMs) as a scalar, for traces (a reduction over the partition)."""
+    t, _ = _timer_lanes()
+    return gl.max(t, axis=0)
+
+
+@gluon.jit
+def stamp(ptr):
+    """Store %globaltimer at ``ptr`` from lane 0 of each warp: no cross-warp reduction, so a per-tile stamp costs
+    a timer read and a store."""
+    t, offs = _timer_lanes()
+    gl.store(ptr + offs * 0, t, mask=offs == 0)
+
+
+@gluon.jit
+def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None):
     """Loader: wait for slot it % NB to be free, then TMA the [rows, cols] box at (row, col) of ``desc`` into it.
-    Returns it + 1."""
+    Returns it + 1. ``stamps`` (tile trace, trace.py): the loader's time before and after the wait for the slot go
+    to ``stamps[3 it]`` and ``stamps[3 it + 1]``."""
     NB: gl.constexpr = bufs.type.shape[0]
     idx = it % NB
     ph = (it // NB) & 1
+    if stamps is not None:
+        stamp(stamps + 3 * it)
     mbarrier.wait(empty.index(idx), ph ^ 1)
+    if stamps is not None:
+        stamp(stamps + 3 * it + 1)
     mbarrier.expect(ready.index(idx), desc.block_type.nbytes)
     tma.async_copy_global_to_shared(desc, [row, col], ready.index(idx), bufs.index(idx))
     return it + 1
 
 
 @gluon.jit
-def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: gl.constexpr, TK: gl.constexpr):
+def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: gl.constexpr, TK: gl.constexpr,
+                  stamps=None):
     """Loader: stream rows [row0, row0 + n_row_tiles*TR) of ``desc``, row tile by row tile, column tiles [k0, k1)
     of each."""
     for r in range(n_row_tiles):
         for k in range(k0, k1):
-            it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it)
+            it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it, stamps)
     return it
 
 
 @gluon.jit
 def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs, empty, ready, it,
-                         TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr):
+                         TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, stamps=None):
     """``producer_rows`` over a [*, K] weight matrix. ``TILED``: the matrix is stored tile-major
     (``pack.tile_major``: tile (row tile R, column tile c) is the contiguous [TR, TK] block number R * KT + c of a
     [*, TK] matrix, which ``desc`` describes), so every TMA load reads 16 contiguous kilobytes; otherwise it is
@@ -74,18 +104,21 @@ def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs,
         KT: gl.constexpr = (K + TK - 1) // TK
         for r in range(n_row_tiles):
             for k in range(k0, k1):
-                it = producer_load(desc, ((row0 // TR + r) * KT + k) * TR, 0, bufs, empty, ready, it)
+                it = producer_load(desc, ((row0 // TR + r) * KT + k) * TR, 0, bufs, empty, ready, it, stamps)
     else:
-        it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK)
+        it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK, stamps)
     return it
 
 
 @gluon.jit
-def consumer_acquire(bufs, ready, it, layout: gl.constexpr):
-    """Compute: wait for tile ``it`` and read it into registers with ``layout``. Returns (tile, slot index)."""
+def consumer_acquire(bufs, ready, it, layout: gl.constexpr, stamps=None):
+    """Compute: wait for tile ``it`` and read it into registers with ``layout``. Returns (tile, slot index).
+    ``stamps`` (tile trace): the time the tile was found in shared memory goes to ``stamps[3 it + 2]``."""
     NB: gl.constexpr = bufs.type.shape[0]
     idx = it % NB
     mbarrier.wait(ready.index(idx), (it // NB) & 1)
+    if stamps is not None:
+        stamp(stamps + 3 * it + 2)
     return bufs.index(idx).load(layout), idx
 
 

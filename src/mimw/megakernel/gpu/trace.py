@@ -6,14 +6,22 @@ need: per opcode the time spent waiting vs working, per stage (opcode, layer) th
 instruction becoming ready to the last one finishing, and the critical path per layer: for each stage, the time from
 the previous stage's last instruction finishing to its own last one finishing, averaged over the layers after the
 first (layer 0 starts cold) — the step's dependency chain, measured, stage by stage.
+
+With ``KernelConfig(trace_tiles=True)`` it also records three stamps per weight tile, indexed by the ring's running
+tile counter: when the loader wanted the tile's slot, when the slot was free (the TMA is issued at once), and when
+compute found the tile's bytes in shared memory. ``summarize_tiles`` reads them: per opcode the load latency
+(issue -> data) and the loader's wait for a free slot, and per stage window the rate at which the loaders issued
+bytes — where the step leaves HBM under-requested.
 """
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 
 import torch
 
 from .. import isa
+from ..program import Program
 
 
 def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -> dict:
@@ -72,4 +80,88 @@ def format_summary(s: dict, layers: int = 2) -> str:
     for st in s["stages"]:
         if st["layer"] < layers or st["op"] == "LM_HEAD":
             lines.append(f"  L{st['layer']:<3d} {st['op']:14s} {st['first_ready_us']:9.1f} -> {st['last_done_us']:9.1f}")
+    return "\n".join(lines)
+
+
+def tile_counts(program: Program, tile_rows: int, tile_k: int) -> list[list[int]]:
+    """Weight tiles each instruction streams, per SM queue, in the loader's order (kernel.py ``_loader``): the
+    host-side mirror of the ring's tile counter."""
+    spec = program.spec
+    hd = spec.head_dim
+    kt = lambda k: -(-k // tile_k)  # noqa: E731
+    kt_d, kt_q, kt_i = kt(spec.hidden_size), kt(spec.q_size), kt(spec.intermediate_size)
+    out = []
+    for q in program.queues:
+        row = []
+        for ins in q:
+            if isinstance(ins, isa.AttnIn):
+                row.append(hd // tile_rows * ((ins.part + 1) * kt_d // ins.n_parts - ins.part * kt_d // ins.n_parts))
+            elif isinstance(ins, isa.OProj):
+                row.append(ins.nrows // tile_rows * kt_q)
+            elif isinstance(ins, isa.MlpIn):
+                row.append(2 * ins.nrows // tile_rows * kt_d)
+            elif isinstance(ins, isa.DownProj):
+                row.append(ins.nrows // tile_rows * kt_i)
+            elif isinstance(ins, isa.LmHead):
+                row.append(ins.nrows // tile_rows * kt_d)
+            else:
+                row.append(0)
+        out.append(row)
+    return out
+
+
+def _pct(v: list[float], p: float) -> float:
+    v = sorted(v)
+    return v[min(len(v) - 1, int(p * len(v)))] if v else float("nan")
+
+
+def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_k: int,
+                    windows: list[dict] | None = None) -> dict:
+    """tiles [num_sms, max_tiles, 3] int64 ns (want slot, issued, data ready); ``windows``: the stage windows of
+    ``summarize`` from the same launch (instruction trace), for the issue rate per stage. Times in microseconds."""
+    t = tiles.cpu()
+    counts = tile_counts(program, tile_rows, tile_k)
+    tile_bytes = tile_rows * tile_k * 2
+    rec = []  # (op name, layer, want, issued, ready) per tile
+    for s, q in enumerate(program.queues):
+        k = 0
+        for ins, n in zip(q, counts[s]):
+            for j in range(k, k + n):
+                rec.append((ins.OP.name, ins.layer, int(t[s, j, 0]), int(t[s, j, 1]), int(t[s, j, 2])))
+            k += n
+    if not rec:
+        return dict(ops={}, stall_fraction=0.0, issue_tbps={})
+    t0 = min(r[2] for r in rec)
+    span = max(r[4] for r in rec) - t0
+    per_op: dict[str, dict[str, list[float]]] = defaultdict(lambda: dict(latency=[], stall=[]))
+    for op, _, want, issued, ready in rec:
+        per_op[op]["latency"].append((ready - issued) / 1e3)
+        per_op[op]["stall"].append((issued - want) / 1e3)
+    ops = {op: dict(tiles=len(v["latency"]), latency_p50_us=_pct(v["latency"], 0.5),
+                    latency_p90_us=_pct(v["latency"], 0.9), mean_slot_wait_us=sum(v["stall"]) / len(v["stall"]))
+           for op, v in per_op.items()}
+    stall = sum(r[3] - r[2] for r in rec) / (len(program.queues) * span) if span else 0.0
+    issue: dict[str, list[float]] = defaultdict(list)
+    if windows:
+        issued = sorted((r[3] - t0) / 1e3 for r in rec)
+        for w in windows:
+            if w["layer"] == 0 and w["op"] != "LM_HEAD":
+                continue  # layer 0 starts cold, as in critical_path
+            a, b = w["first_ready_us"], w["last_done_us"]
+            if b > a:
+                n = bisect.bisect_right(issued, b) - bisect.bisect_left(issued, a)
+                issue[w["op"]].append(n * tile_bytes / ((b - a) * 1e-6) / 1e12)
+    return dict(ops=ops, stall_fraction=stall,
+                issue_tbps={op: sum(v) / len(v) for op, v in issue.items()})
+
+
+def format_tiles(s: dict) -> str:
+    lines = [f"tiles: loaders waited for a free slot {100 * s['stall_fraction']:.0f}% of the step; issued TB/s: "
+             "bytes all loaders issued during the stage's window (layers 1..L-1)",
+             f"{'op':14s} {'tiles':>7s} {'load p50 us':>12s} {'load p90 us':>12s} {'slot wait us':>13s} "
+             f"{'issued TB/s':>12s}"]
+    for k, v in s["ops"].items():
+        rate = s["issue_tbps"].get(k)
+        lines.append(f"{k:14s} {v['tiles']:7d} {v['latency_p50_us']:12.2f} {v['latency_p90_us']:12.2f} "
+                     f"{v['mean_slot_wait_us']:13.2f} {'' if rate is None else f'{rate:12.2f}'}")
     return "\n".join(lines)

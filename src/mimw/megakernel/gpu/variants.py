@@ -18,7 +18,7 @@ from ...models.weights import random_weights
 from .check import check_decode, random_cache
 from .config import KernelConfig
 from .decoder import MegakernelDecoder
-from .trace import format_summary, summarize
+from .trace import format_summary, format_tiles, summarize, summarize_tiles
 
 
 def read_bandwidth(gib: float = 4.0) -> float:
@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--check-steps", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--trace", action="store_true", help="also record one traced step per variant (gpu/trace.py)")
+    ap.add_argument("--trace-tiles", action="store_true", help="with --trace, also stamp every weight tile (load "
+                    "latency, the loaders' wait for slots, bytes issued per stage window)")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this tree; the GPU "
                     "machine's copy may carry a stale .git, so pass the hash taken where the repository is)")
     a = ap.parse_args()
@@ -114,12 +116,17 @@ def main() -> None:
                 del dec
                 if a.trace:
                     tdec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table),
-                                             kcfg=dataclasses.replace(kcfg, trace=True), context_hint=a.context)
+                                             kcfg=dataclasses.replace(kcfg, trace=True, trace_tiles=a.trace_tiles),
+                                             context_hint=a.context)
                     tdec.step(5, a.context, table)
                     tdec.step(5, a.context, table)  # the second, warm launch is the one recorded
                     torch.cuda.synchronize()
                     row["trace"] = summarize(tdec.trace, tdec.words, tdec.lens)
                     print(format_summary(row["trace"]), flush=True)
+                    if a.trace_tiles:
+                        row["tiles"] = summarize_tiles(tdec.tiles, tdec.program, kcfg.tile_rows, kcfg.tile_k,
+                                                       row["trace"]["stages"])
+                        print(format_tiles(row["tiles"]), flush=True)
                     del tdec
                 del cache
             except Exception as e:  # one failing variant must not hide the others
