@@ -69,28 +69,34 @@ def test_tile_counts_cover_every_streamed_weight_tile_once(name, tile_rows, tile
     assert [len(c) for c in counts] == [len(q) for q in prog.queues]
 
 
-def test_tile_summary_reads_latency_slot_waits_and_issue_rates():
+def test_tile_summary_reads_slot_and_data_waits_latency_and_issue_rates():
     from mimw.megakernel.gpu.trace import format_tiles, summarize_tiles, tile_counts
 
     prog = build_program(get_preset("tiny-llama"), StepShape((1,), 32), 3)
     counts = tile_counts(prog, 16, 16)
-    tiles = torch.zeros(3, max(map(sum, counts)), 3, dtype=torch.int64)
-    for s in range(3):  # every tile: wants its slot at t, gets it 200 ns later, data 1 us after issue
-        for j in range(sum(counts[s])):
+    tiles = torch.zeros(3, max(map(sum, counts)), 4, dtype=torch.int64)
+    for s in range(3):  # every tile: the loader waits 200 ns for its slot; compute wants the data 700 ns after
+        for j in range(sum(counts[s])):  # issue and gets it at 1200 ns (even tiles) or finds it there (odd)
             t = 1000 * j
-            tiles[s, j] = torch.tensor([t, t + 200, t + 1200])
+            tiles[s, j] = torch.tensor([t, t + 200, t + 900 if j % 2 == 0 else t + 1300, t + 1200 if j % 2 == 0
+                                        else t + 1300])
     windows = [dict(op="MLP_IN", layer=1, first_ready_us=0.0, last_done_us=10.0),
                dict(op="ATTN_IN", layer=0, first_ready_us=0.0, last_done_us=10.0)]  # layer 0: not counted
     out = summarize_tiles(tiles, prog, 16, 16, windows)
-    assert out["ops"]["MLP_IN"]["latency_p50_us"] == pytest.approx(1.0)
-    assert out["ops"]["MLP_IN"]["mean_slot_wait_us"] == pytest.approx(0.2)
-    assert sum(v["tiles"] for v in out["ops"].values()) == sum(map(sum, counts))
+    mlp = out["ops"]["MLP_IN"]
+    assert mlp["mean_slot_wait_us"] == pytest.approx(0.2)
+    assert mlp["latency_p50_us"] == pytest.approx(1.0) and mlp["latency_p90_us"] == pytest.approx(1.0)
+    assert 0.3 < mlp["waited_fraction"] < 0.7 and 0.05 < mlp["mean_data_wait_us"] < 0.25
+    n = sum(map(sum, counts))
+    assert sum(v["tiles"] for v in out["ops"].values()) == n
     # 3 SMs issue one 512-byte tile per us each at 0.2, 1.2, ... 9.2 us: 30 tiles in the 10 us window
     assert out["issue_tbps"]["MLP_IN"] == pytest.approx(30 * 16 * 16 * 2 / 10e-6 / 1e12)
     assert "ATTN_IN" not in out["issue_tbps"]
-    span = (1000 * (max(map(sum, counts)) - 1) + 1200) / 1e3
-    assert out["stall_fraction"] == pytest.approx(sum(map(sum, counts)) * 0.2 / (3 * span))
-    assert "slot wait" in format_tiles(out)
+    span = (1000 * (max(map(sum, counts)) - 1) + 1300) / 1e3
+    assert out["slot_wait_fraction"] == pytest.approx(n * 0.2 / (3 * span))
+    waited = sum(1 for s in range(3) for j in range(sum(counts[s])) if j % 2 == 0)
+    assert out["data_wait_fraction"] == pytest.approx(waited * 0.3 / (3 * span))
+    assert "data wait" in format_tiles(out)
 
 
 @pytest.mark.slow
@@ -99,4 +105,4 @@ def test_tile_trace_build_stamps_the_ring_and_the_default_build_does_not():
 
     spec = get_preset("tiny-qwen3")
     ptx = compile_sm90a(spec, KernelConfig(tile_rows=16, trace_tiles=True)).asm["ptx"]
-    assert ptx.count("%globaltimer") >= 3  # want slot, slot free (loader), data ready (compute)
+    assert ptx.count("%globaltimer") >= 4  # wants / gets a slot (loader), wants / has data (compute)

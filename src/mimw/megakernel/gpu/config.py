@@ -22,7 +22,7 @@ class KernelConfig:
     loader_regs: int = 48  # register budget of the one-warp loader partition (what session 9's runs measured)
     page_size: int = 16
     trace: bool = False  # record [start, dependency met, signalled] per instruction (gpu/trace.py)
-    trace_tiles: bool = False  # record [loader wants slot, TMA issued, compute has data] per weight tile (trace.py)
+    trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
     combine_splits: bool = True  # attention splits combine themselves (no ATTN_REDUCE stage; program.py)
     tile_major: bool = True  # TILED: weights stored tile-major, every TMA load one contiguous block (pack.py;

@@ -71,8 +71,8 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
     pid = gl.program_id(0)
     n = gl.load(qlen_ptr + pid)
     offs = gl.arange(0, WP2, WL)
-    if TRACE_TILES:  # [want slot, slot free (TMA issued), data in shared memory] per tile of this SM (trace.py)
-        stamps = tiles_ptr + pid * MAXT * 3
+    if TRACE_TILES:  # [want slot, slot free = TMA issued, compute wants data, has data] per tile (trace.py)
+        stamps = tiles_ptr + pid * MAXT * 4
     else:
         stamps = None
     it = 0
@@ -131,7 +131,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
     emb_row = emb_ptr + tok.to(gl.int64) * D
     offs = gl.arange(0, WP2, WL)
     if TRACE_TILES:
-        stamps = tiles_ptr + pid * MAXT * 3
+        stamps = tiles_ptr + pid * MAXT * 4
     else:
         stamps = None
     it = 0

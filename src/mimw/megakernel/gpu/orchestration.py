@@ -68,15 +68,15 @@ def stamp(ptr):
 def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None):
     """Loader: wait for slot it % NB to be free, then TMA the [rows, cols] box at (row, col) of ``desc`` into it.
     Returns it + 1. ``stamps`` (tile trace, trace.py): the loader's time before and after the wait for the slot go
-    to ``stamps[3 it]`` and ``stamps[3 it + 1]``."""
+    to ``stamps[4 it]`` and ``stamps[4 it + 1]``."""
     NB: gl.constexpr = bufs.type.shape[0]
     idx = it % NB
     ph = (it // NB) & 1
     if stamps is not None:
-        stamp(stamps + 3 * it)
+        stamp(stamps + 4 * it)
     mbarrier.wait(empty.index(idx), ph ^ 1)
     if stamps is not None:
-        stamp(stamps + 3 * it + 1)
+        stamp(stamps + 4 * it + 1)
     mbarrier.expect(ready.index(idx), desc.block_type.nbytes)
     tma.async_copy_global_to_shared(desc, [row, col], ready.index(idx), bufs.index(idx))
     return it + 1
@@ -113,12 +113,15 @@ def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs,
 @gluon.jit
 def consumer_acquire(bufs, ready, it, layout: gl.constexpr, stamps=None):
     """Compute: wait for tile ``it`` and read it into registers with ``layout``. Returns (tile, slot index).
-    ``stamps`` (tile trace): the time the tile was found in shared memory goes to ``stamps[3 it + 2]``."""
+    ``stamps`` (tile trace): compute's time before and after the wait for the tile's bytes go to
+    ``stamps[4 it + 2]`` and ``stamps[4 it + 3]``."""
     NB: gl.constexpr = bufs.type.shape[0]
     idx = it % NB
+    if stamps is not None:
+        stamp(stamps + 4 * it + 2)
     mbarrier.wait(ready.index(idx), (it // NB) & 1)
     if stamps is not None:
-        stamp(stamps + 3 * it + 2)
+        stamp(stamps + 4 * it + 3)
     return bufs.index(idx).load(layout), idx
 
 

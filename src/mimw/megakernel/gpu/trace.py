@@ -7,11 +7,12 @@ instruction becoming ready to the last one finishing, and the critical path per 
 the previous stage's last instruction finishing to its own last one finishing, averaged over the layers after the
 first (layer 0 starts cold) — the step's dependency chain, measured, stage by stage.
 
-With ``KernelConfig(trace_tiles=True)`` it also records three stamps per weight tile, indexed by the ring's running
-tile counter: when the loader wanted the tile's slot, when the slot was free (the TMA is issued at once), and when
-compute found the tile's bytes in shared memory. ``summarize_tiles`` reads them: per opcode the load latency
-(issue -> data) and the loader's wait for a free slot, and per stage window the rate at which the loaders issued
-bytes — where the step leaves HBM under-requested.
+With ``KernelConfig(trace_tiles=True)`` it also records four stamps per weight tile, indexed by the ring's running
+tile counter: when the loader wanted the tile's slot and when it got it (the TMA is issued at once), and when
+compute started and stopped waiting for the tile's bytes. ``summarize_tiles`` reads them: per opcode the loader's
+wait for a free slot, compute's wait for data, and the load latency (issue -> data) of the tiles compute had to
+wait for (only those show when the bytes landed); per stage window the rate at which all loaders issued bytes —
+where the step leaves HBM under-requested.
 """
 from __future__ import annotations
 
@@ -117,33 +118,38 @@ def _pct(v: list[float], p: float) -> float:
 
 def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_k: int,
                     windows: list[dict] | None = None) -> dict:
-    """tiles [num_sms, max_tiles, 3] int64 ns (want slot, issued, data ready); ``windows``: the stage windows of
-    ``summarize`` from the same launch (instruction trace), for the issue rate per stage. Times in microseconds."""
+    """tiles [num_sms, max_tiles, 4] int64 ns (loader wants slot, gets it = issues the TMA, compute wants data,
+    has it); ``windows``: the stage windows of ``summarize`` from the same launch (instruction trace), for the
+    issue rate per stage. Times in microseconds; fractions of the SMs' total time over the traced span."""
     t = tiles.cpu()
     counts = tile_counts(program, tile_rows, tile_k)
     tile_bytes = tile_rows * tile_k * 2
-    rec = []  # (op name, layer, want, issued, ready) per tile
+    rec = []  # (op name, want slot, issued, compute wants, compute has) per tile
     for s, q in enumerate(program.queues):
         k = 0
         for ins, n in zip(q, counts[s]):
-            for j in range(k, k + n):
-                rec.append((ins.OP.name, ins.layer, int(t[s, j, 0]), int(t[s, j, 1]), int(t[s, j, 2])))
+            rec.extend((ins.OP.name, *(int(x) for x in t[s, j])) for j in range(k, k + n))
             k += n
     if not rec:
-        return dict(ops={}, stall_fraction=0.0, issue_tbps={})
-    t0 = min(r[2] for r in rec)
+        return dict(ops={}, slot_wait_fraction=0.0, data_wait_fraction=0.0, issue_tbps={})
+    t0 = min(r[1] for r in rec)
     span = max(r[4] for r in rec) - t0
-    per_op: dict[str, dict[str, list[float]]] = defaultdict(lambda: dict(latency=[], stall=[]))
-    for op, _, want, issued, ready in rec:
-        per_op[op]["latency"].append((ready - issued) / 1e3)
-        per_op[op]["stall"].append((issued - want) / 1e3)
-    ops = {op: dict(tiles=len(v["latency"]), latency_p50_us=_pct(v["latency"], 0.5),
-                    latency_p90_us=_pct(v["latency"], 0.9), mean_slot_wait_us=sum(v["stall"]) / len(v["stall"]))
+    per_op: dict[str, dict[str, list[float]]] = defaultdict(lambda: dict(slot=[], data=[], latency=[]))
+    for op, want, issued, c_want, c_has in rec:
+        d = per_op[op]
+        d["slot"].append((issued - want) / 1e3)
+        d["data"].append((c_has - c_want) / 1e3)
+        if c_has - c_want > 100:  # compute waited (> 0.1 us): c_has is when the bytes landed
+            d["latency"].append((c_has - issued) / 1e3)
+    ops = {op: dict(tiles=len(v["slot"]), mean_slot_wait_us=sum(v["slot"]) / len(v["slot"]),
+                    mean_data_wait_us=sum(v["data"]) / len(v["data"]),
+                    waited_fraction=len(v["latency"]) / len(v["slot"]),
+                    latency_p50_us=_pct(v["latency"], 0.5), latency_p90_us=_pct(v["latency"], 0.9))
            for op, v in per_op.items()}
-    stall = sum(r[3] - r[2] for r in rec) / (len(program.queues) * span) if span else 0.0
+    total = len(program.queues) * span if span else 1
     issue: dict[str, list[float]] = defaultdict(list)
     if windows:
-        issued = sorted((r[3] - t0) / 1e3 for r in rec)
+        issued = sorted((r[2] - t0) / 1e3 for r in rec)
         for w in windows:
             if w["layer"] == 0 and w["op"] != "LM_HEAD":
                 continue  # layer 0 starts cold, as in critical_path
@@ -151,17 +157,20 @@ def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_
             if b > a:
                 n = bisect.bisect_right(issued, b) - bisect.bisect_left(issued, a)
                 issue[w["op"]].append(n * tile_bytes / ((b - a) * 1e-6) / 1e12)
-    return dict(ops=ops, stall_fraction=stall,
+    return dict(ops=ops, slot_wait_fraction=sum(r[2] - r[1] for r in rec) / total,
+                data_wait_fraction=sum(r[4] - r[3] for r in rec) / total,
                 issue_tbps={op: sum(v) / len(v) for op, v in issue.items()})
 
 
 def format_tiles(s: dict) -> str:
-    lines = [f"tiles: loaders waited for a free slot {100 * s['stall_fraction']:.0f}% of the step; issued TB/s: "
-             "bytes all loaders issued during the stage's window (layers 1..L-1)",
-             f"{'op':14s} {'tiles':>7s} {'load p50 us':>12s} {'load p90 us':>12s} {'slot wait us':>13s} "
-             f"{'issued TB/s':>12s}"]
+    lines = [f"tiles: loaders waited for a free slot {100 * s['slot_wait_fraction']:.0f}% of the time, compute for "
+             f"data {100 * s['data_wait_fraction']:.0f}%; latency: issue -> data of the tiles compute waited for; "
+             "issued TB/s: bytes all loaders issued during the stage's window (layers 1..L-1)",
+             f"{'op':14s} {'tiles':>7s} {'slot wait us':>13s} {'data wait us':>13s} {'waited':>7s} "
+             f"{'lat p50 us':>11s} {'lat p90 us':>11s} {'issued TB/s':>12s}"]
     for k, v in s["ops"].items():
         rate = s["issue_tbps"].get(k)
-        lines.append(f"{k:14s} {v['tiles']:7d} {v['latency_p50_us']:12.2f} {v['latency_p90_us']:12.2f} "
-                     f"{v['mean_slot_wait_us']:13.2f} {'' if rate is None else f'{rate:12.2f}'}")
+        lines.append(f"{k:14s} {v['tiles']:7d} {v['mean_slot_wait_us']:13.2f} {v['mean_data_wait_us']:13.2f} "
+                     f"{100 * v['waited_fraction']:6.0f}% {v['latency_p50_us']:11.2f} {v['latency_p90_us']:11.2f} "
+                     f"{'' if rate is None else f'{rate:12.2f}'}")
     return "\n".join(lines)
