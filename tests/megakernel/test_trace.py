@@ -97,6 +97,8 @@ def test_tile_summary_reads_slot_and_data_waits_latency_and_issue_rates():
     waited = sum(1 for s in range(3) for j in range(sum(counts[s])) if j % 2 == 0)
     assert out["data_wait_fraction"] == pytest.approx(waited * 0.3 / (3 * span))
     assert "data wait" in format_tiles(out)
+    out["issue_tbps"]["ATTN_PARTIAL"] = 0.01  # a window without weight tiles of its own is still shown
+    assert "ATTN_PARTIAL" in format_tiles(out)
 
 
 @pytest.mark.slow

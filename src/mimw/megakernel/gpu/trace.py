@@ -168,9 +168,14 @@ def format_tiles(s: dict) -> str:
              "issued TB/s: bytes all loaders issued during the stage's window (layers 1..L-1)",
              f"{'op':14s} {'tiles':>7s} {'slot wait us':>13s} {'data wait us':>13s} {'waited':>7s} "
              f"{'lat p50 us':>11s} {'lat p90 us':>11s} {'issued TB/s':>12s}"]
-    for k, v in s["ops"].items():
+    for k in dict.fromkeys([*s["issue_tbps"], *s["ops"]]):  # stages without weight tiles (attention) too
         rate = s["issue_tbps"].get(k)
-        lines.append(f"{k:14s} {v['tiles']:7d} {v['mean_slot_wait_us']:13.2f} {v['mean_data_wait_us']:13.2f} "
-                     f"{100 * v['waited_fraction']:6.0f}% {v['latency_p50_us']:11.2f} {v['latency_p90_us']:11.2f} "
-                     f"{'' if rate is None else f'{rate:12.2f}'}")
+        rate = "" if rate is None else f"{rate:12.2f}"
+        if k in s["ops"]:
+            v = s["ops"][k]
+            lines.append(f"{k:14s} {v['tiles']:7d} {v['mean_slot_wait_us']:13.2f} {v['mean_data_wait_us']:13.2f} "
+                         f"{100 * v['waited_fraction']:6.0f}% {v['latency_p50_us']:11.2f} {v['latency_p90_us']:11.2f} "
+                         f"{rate}")
+        else:
+            lines.append(f"{k:14s} {0:7d} {'':13s} {'':13s} {'':7s} {'':11s} {'':11s} {rate}")
     return "\n".join(lines)
