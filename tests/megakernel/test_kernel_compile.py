@@ -42,6 +42,17 @@ def test_standalone_gemv_compiles_for_sm90a():
     assert ptxas_report(k.asm["ptx"])["spill_stores"] == 0
 
 
+@pytest.mark.slow
+def test_l2_look_ahead_of_mlp_in_tiles_is_in_the_loader_only_when_asked_for():
+    spec = get_preset("llama-3.2-1b")
+    assert "cp.async.bulk.prefetch.L2" in compile_sm90a(spec, KernelConfig(l2_mlp_ahead=6)).asm["ptx"]
+    assert "cp.async.bulk.prefetch.L2" not in compile_sm90a(spec, KernelConfig()).asm["ptx"]
+    with pytest.raises(ValueError, match="tile-major"):
+        KernelConfig(l2_mlp_ahead=6, tile_major=False).check(spec)
+    with pytest.raises(ValueError, match="0..32"):
+        KernelConfig(l2_mlp_ahead=33).check(spec)
+
+
 def test_ring_is_as_deep_as_shared_memory_allows_and_an_explicit_one_must_fit():
     assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.2-1b")) == 12  # 16 KB staging buffer (32 rows)
     assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.1-8b")) == 11  # 32 KB staging buffer (14336 -> 64)

@@ -21,6 +21,8 @@ class KernelConfig:
     num_warps: int = 4  # compute partition warps
     loader_regs: int = 48  # register budget of the one-warp loader partition (what session 9's runs measured)
     page_size: int = 16
+    l2_mlp_ahead: int = 0  # L2_MLP: tiles past the ring prefetched into L2 at a layer's first MLP_IN block on
+    # each SM, while compute is in attention (kernel._mlp_tiles_past_ring; needs tile_major; not yet measured)
     trace: bool = False  # record [start, dependency met, signalled] per instruction (gpu/trace.py)
     trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
@@ -60,6 +62,10 @@ class KernelConfig:
                 raise ValueError(f"{name}={getattr(spec, name)} must be a multiple of tile_rows={tr}")
         if self.tile_k % (32 * self.num_warps):
             raise ValueError("tile_k must be a multiple of 32 * num_warps")
+        if self.l2_mlp_ahead and not self.tile_major:
+            raise ValueError("l2_mlp_ahead needs tile-major weights (tile_major=True)")
+        if not 0 <= self.l2_mlp_ahead <= 32:
+            raise ValueError(f"l2_mlp_ahead={self.l2_mlp_ahead}: one tile per loader lane, 0..32")
         wr = min(self.num_warps, tr // 4)
         if self.num_warps % wr or self.tile_k % (64 * (self.num_warps // wr)):
             raise ValueError(f"{self.num_warps} warps cannot tile a [{tr}, {self.tile_k}] weight tile")
@@ -92,7 +98,8 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_pow2(-(-kmax // kcfg.tile_k)), 4096 // kcfg.tile_k),
-        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
+        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead,
+        TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
     )
 
@@ -113,7 +120,7 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
     sig = {
         "prog_ptr": "*i32", "qlen_ptr": "*i32", "MAXLEN": "i32", "tok_ptr": "*i32", "pos_ptr": "*i32",
         "ctx_ptr": "*i32", "bt_ptr": "*i32", "MAXP": "i32", "cnt_ptr": "*i32", "NCNT": "i32",
-        "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc,
+        "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc, "gu_ptr": "*bf16",
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
         "x_ptr": "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "attn_ptr": "*fp32",

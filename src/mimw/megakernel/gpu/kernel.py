@@ -19,8 +19,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .. import isa
 from . import attention, matvec
-from .orchestration import (counter_signal, counter_wait, globaltimer, producer_weight_rows, ring_init,
-                            ticket_is_last)
+from .orchestration import (counter_signal, counter_wait, globaltimer, l2_prefetch, producer_weight_rows,
+                            ring_init, ticket_is_last)
 
 _C = isa.kernel_constants()
 NWORDS: gl.constexpr = gl.constexpr(_C["NWORDS"])
@@ -58,9 +58,34 @@ def _fetch(prog_ptr, MAXLEN, i, offs):
 
 
 @gluon.jit
-def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, tiles_ptr, MAXT,
-            D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
-            TILED: gl.constexpr, TRACE_TILES: gl.constexpr):
+def _mlp_tiles_past_ring(prog_ptr, MAXLEN, i, n, layer, a, b, gu_ptr, offs, D: gl.constexpr, I: gl.constexpr,
+                         NB: gl.constexpr, TR: gl.constexpr, TK: gl.constexpr, AHEAD: gl.constexpr,
+                         WL: gl.constexpr):
+    """The loader at the first MLP_IN block of a layer on this SM (instruction i: outputs [a, a + b)): prefetch into
+    L2 the AHEAD tiles that follow the ring's NB in this block and the next one (if instruction i + 1 is MLP_IN).
+    The loader gets here while compute is in the layer's attention, when the rings are full and HBM is asked for
+    under half its rate (bench/NOTES.md, session 10). Tile-major weights: a block's tiles are contiguous."""
+    KT_D: gl.constexpr = (D + TK - 1) // TK
+    n0 = 2 * b // TR * KT_D
+    base0 = (layer * 2 * I + 2 * a) // TR * KT_D
+    n1 = 0
+    base1 = 0
+    if i + 1 < n:
+        w1 = gl.load(prog_ptr + (gl.program_id(0) * MAXLEN + i + 1) * NWORDS + offs, mask=offs < NWORDS, other=0)
+        if _field(w1, offs, W_OP) == OP_MLP_IN:
+            n1 = 2 * _field(w1, offs, W_B) // TR * KT_D
+            base1 = (_field(w1, offs, W_LAYER) * 2 * I + 2 * _field(w1, offs, W_A)) // TR * KT_D
+    lane = gl.arange(0, 32, WL)
+    t = NB + lane
+    tile = gl.where(t < n0, base0 + t, base1 + t - n0)
+    size = gl.where((lane < AHEAD) & (t < n0 + n1), TR * TK * 2, 0)
+    l2_prefetch(gu_ptr + tile.to(gl.int64) * (TR * TK), size)
+
+
+@gluon.jit
+def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready, tiles_ptr,
+            MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
+            TILED: gl.constexpr, L2_MLP: gl.constexpr, TRACE_TILES: gl.constexpr):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -76,8 +101,14 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
     else:
         stamps = None
     it = 0
+    prev_op = -1
     for i in range(n):
         w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
+        if L2_MLP > 0:
+            if op == OP_MLP_IN and prev_op != OP_MLP_IN:
+                _mlp_tiles_past_ring(prog_ptr, MAXLEN, i, n, layer, a, b, gu_ptr, offs, D, I, bufs.type.shape[0], TR,
+                                     TK, L2_MLP, WL)
+            prev_op = op
         if op == OP_ATTN_IN:
             n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
             it = producer_weight_rows(d_qkv, D, (layer * NQKV + a) * HD, HD // TR, b * KT_D // n_parts,
@@ -222,7 +253,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
 
 @gluon.jit
 def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
-               d_qkv, d_o, d_gu, d_down, d_lm,
+               d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr,
                emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                eps, qscale, trace_ptr, tiles_ptr, MAXT,
@@ -230,7 +261,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
-               TILED: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
+               TILED: gl.constexpr, L2_MLP: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
                num_warps: gl.constexpr):
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -246,6 +277,6 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
                     HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, TRACE, TRACE_TILES, num_warps)),
-        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, tiles_ptr,
-                   MAXT, D, HQ, HKV, HD, I, TILED, TRACE_TILES)),
+        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
+                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TILED, L2_MLP, TRACE_TILES)),
     ], [1], [LOADER_REGS])

@@ -66,6 +66,8 @@ def time_step(dec: MegakernelDecoder, iters: int = 200) -> float:
 
 VARIANTS = {
     "default": KernelConfig(),  # what MegakernelDecoder runs for 32-row shapes
+    "tr32-l2mlp6": KernelConfig(l2_mlp_ahead=6),  # L2 prefetch of MLP_IN tiles past the ring, during attention
+    "tr32-l2mlp16": KernelConfig(l2_mlp_ahead=16),
     "tr32-deep": KernelConfig(ring=0),  # ring as deep as shared memory allows (12 slots for the 1B, 11 for the 8B)
     "tr16-tk512-nb10": KernelConfig(tile_rows=16, tile_k=512, ring=10),
     "tr32-tk256-nb10": KernelConfig(tile_rows=32, tile_k=256, ring=10),
