@@ -108,3 +108,24 @@ def test_tile_trace_build_stamps_the_ring_and_the_default_build_does_not():
     spec = get_preset("tiny-qwen3")
     ptx = compile_sm90a(spec, KernelConfig(tile_rows=16, trace_tiles=True)).asm["ptx"]
     assert ptx.count("%globaltimer") >= 4  # wants / gets a slot (loader), wants / has data (compute)
+
+
+def test_issue_series_bins_the_bytes_every_loader_issued_and_the_timeline_draws_them(tmp_path):
+    from mimw.megakernel.gpu.timeline import write_timeline
+    from mimw.megakernel.gpu.trace import issue_series, tile_counts
+
+    prog = build_program(get_preset("tiny-llama"), StepShape((1,), 32), 3)
+    counts = tile_counts(prog, 16, 16)
+    tiles = torch.zeros(3, max(map(sum, counts)), 4, dtype=torch.int64)
+    for s in range(3):  # SM s issues its tile j at 5000 + 500 j ns: two tiles per microsecond per SM
+        for j in range(sum(counts[s])):
+            tiles[s, j] = torch.tensor([5000 + 500 * j - 100, 5000 + 500 * j, 0, 0])
+    t, rate = issue_series(tiles, prog, 16, 16, bin_us=1.0, origin_ns=0)
+    assert t[:3] == [0.0, 1.0, 2.0] and rate[:5] == [0.0] * 5  # nothing before 5 us on the shared clock
+    assert rate[5] == pytest.approx(3 * 2 * 16 * 16 * 2 / 1e-6 / 1e12)  # 6 tiles of 512 bytes in that microsecond
+    assert sum(rate) * 1e-6 * 1e12 == pytest.approx(sum(map(sum, counts)) * 512)  # every tile counted once
+    windows = [dict(op="MLP_IN", layer=0, first_ready_us=5.0, last_done_us=9.0),
+               dict(op="LM_HEAD", layer=0, first_ready_us=9.0, last_done_us=12.0)]
+    png = tmp_path / "timeline.png"
+    write_timeline((t, rate), windows, png, "tiny-llama", bandwidth_tbps=0.01)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -46,7 +46,7 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -
            for k, v in per_op.items()}
     windows = [dict(op=isa.Op(o).name, layer=l, first_ready_us=a, last_done_us=b)
                for (o, l), (a, b) in sorted(stages.items(), key=lambda kv: kv[1][0])]
-    return dict(step_us=end / 1e3, ops=ops, stages=windows, critical_path_us=critical_path(windows))
+    return dict(step_us=end / 1e3, ops=ops, stages=windows, critical_path_us=critical_path(windows), origin_ns=t0)
 
 
 LAYER_STAGES = ("ATTN_IN", "ATTN_PARTIAL", "ATTN_REDUCE", "O_PROJ", "MLP_IN", "DOWN_PROJ")
@@ -117,10 +117,11 @@ def _pct(v: list[float], p: float) -> float:
 
 
 def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_k: int,
-                    windows: list[dict] | None = None) -> dict:
+                    windows: list[dict] | None = None, origin_ns: int | None = None) -> dict:
     """tiles [num_sms, max_tiles, 4] int64 ns (loader wants slot, gets it = issues the TMA, compute wants data,
     has it); ``windows``: the stage windows of ``summarize`` from the same launch (instruction trace), for the
-    issue rate per stage. Times in microseconds; fractions of the SMs' total time over the traced span."""
+    issue rate per stage, with its ``origin_ns`` (default: the first tile's request). Times in microseconds;
+    fractions of the SMs' total time over the traced span."""
     t = tiles.cpu()
     counts = tile_counts(program, tile_rows, tile_k)
     tile_bytes = tile_rows * tile_k * 2
@@ -132,8 +133,8 @@ def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_
             k += n
     if not rec:
         return dict(ops={}, slot_wait_fraction=0.0, data_wait_fraction=0.0, issue_tbps={})
-    t0 = min(r[1] for r in rec)
-    span = max(r[4] for r in rec) - t0
+    t0 = min(r[1] for r in rec) if origin_ns is None else origin_ns
+    span = max(r[4] for r in rec) - min(r[1] for r in rec)
     per_op: dict[str, dict[str, list[float]]] = defaultdict(lambda: dict(slot=[], data=[], latency=[]))
     for op, want, issued, c_want, c_has in rec:
         d = per_op[op]
@@ -160,6 +161,24 @@ def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_
     return dict(ops=ops, slot_wait_fraction=sum(r[2] - r[1] for r in rec) / total,
                 data_wait_fraction=sum(r[4] - r[3] for r in rec) / total,
                 issue_tbps={op: sum(v) / len(v) for op, v in issue.items()})
+
+
+def issue_series(tiles: torch.Tensor, program: Program, tile_rows: int, tile_k: int, bin_us: float = 1.0,
+                 origin_ns: int | None = None) -> tuple[list[float], list[float]]:
+    """(bin start us, TB/s) of the weight bytes all loaders issued in each ``bin_us`` bin of the step, from the tile
+    trace; time 0 is ``origin_ns`` (``summarize``'s, to share its stage windows' clock) or the first request."""
+    t = tiles.cpu()
+    counts = tile_counts(program, tile_rows, tile_k)
+    issued = [int(t[s, j, 1]) for s in range(len(counts)) for j in range(sum(counts[s]))]
+    if not issued:
+        return [], []
+    t0 = min(issued) if origin_ns is None else origin_ns
+    n = int((max(issued) - t0) / 1e3 / bin_us) + 1
+    hist = [0] * n
+    for x in issued:
+        hist[max(0, int((x - t0) / 1e3 / bin_us))] += 1
+    per = tile_rows * tile_k * 2 / (bin_us * 1e-6) / 1e12
+    return [k * bin_us for k in range(n)], [c * per for c in hist]
 
 
 def format_tiles(s: dict) -> str:

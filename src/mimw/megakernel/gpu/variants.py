@@ -18,7 +18,8 @@ from ...models.weights import random_weights
 from .check import check_decode, random_cache
 from .config import KernelConfig
 from .decoder import MegakernelDecoder
-from .trace import format_summary, format_tiles, summarize, summarize_tiles
+from .timeline import write_timeline
+from .trace import format_summary, format_tiles, issue_series, summarize, summarize_tiles
 
 
 def read_bandwidth(gib: float = 4.0) -> float:
@@ -126,9 +127,15 @@ def main() -> None:
                     row["trace"] = summarize(tdec.trace, tdec.words, tdec.lens)
                     print(format_summary(row["trace"]), flush=True)
                     if a.trace_tiles:
+                        tr = row["trace"]
                         row["tiles"] = summarize_tiles(tdec.tiles, tdec.program, kcfg.tile_rows, kcfg.tile_k,
-                                                       row["trace"]["stages"])
+                                                       tr["stages"], tr["origin_ns"])
                         print(format_tiles(row["tiles"]), flush=True)
+                        png = os.path.join(a.out, f"timeline-{model}-{name}.png")
+                        write_timeline(issue_series(tdec.tiles, tdec.program, kcfg.tile_rows, kcfg.tile_k,
+                                                    origin_ns=tr["origin_ns"]), tr["stages"], png,
+                                       f"{model} · {name} · context {a.context} · weight bytes issued by all "
+                                       f"loaders", bw / 1e12)
                     del tdec
                 del cache
             except Exception as e:  # one failing variant must not hide the others
