@@ -122,14 +122,14 @@ def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_
     has it); ``windows``: the stage windows of ``summarize`` from the same launch (instruction trace), for the
     issue rate per stage, with its ``origin_ns`` (default: the first tile's request). Times in microseconds;
     fractions of the SMs' total time over the traced span."""
-    t = tiles.cpu()
+    t = tiles.cpu().tolist()  # plain lists: an 8B step has ~10^6 tiles
     counts = tile_counts(program, tile_rows, tile_k)
     tile_bytes = tile_rows * tile_k * 2
     rec = []  # (op name, want slot, issued, compute wants, compute has) per tile
     for s, q in enumerate(program.queues):
         k = 0
         for ins, n in zip(q, counts[s]):
-            rec.extend((ins.OP.name, *(int(x) for x in t[s, j])) for j in range(k, k + n))
+            rec.extend((ins.OP.name, *t[s][j]) for j in range(k, k + n))
             k += n
     if not rec:
         return dict(ops={}, slot_wait_fraction=0.0, data_wait_fraction=0.0, issue_tbps={})
@@ -167,9 +167,9 @@ def issue_series(tiles: torch.Tensor, program: Program, tile_rows: int, tile_k: 
                  origin_ns: int | None = None) -> tuple[list[float], list[float]]:
     """(bin start us, TB/s) of the weight bytes all loaders issued in each ``bin_us`` bin of the step, from the tile
     trace; time 0 is ``origin_ns`` (``summarize``'s, to share its stage windows' clock) or the first request."""
-    t = tiles.cpu()
+    t = tiles.cpu().tolist()
     counts = tile_counts(program, tile_rows, tile_k)
-    issued = [int(t[s, j, 1]) for s in range(len(counts)) for j in range(sum(counts[s]))]
+    issued = [t[s][j][1] for s in range(len(counts)) for j in range(sum(counts[s]))]
     if not issued:
         return [], []
     t0 = min(issued) if origin_ns is None else origin_ns
