@@ -29,3 +29,32 @@ def test_megakernel_matches_reference_over_64_steps(model, context):
     # exact agreement against the fp32 oracle: bf16 itself flips near-ties (H200, 2026-12-02: 61/64 at 8B, ctx 17,
     # gaps 0.04-0.6% of max|logit| at a step error of 1.1-1.2%)
     assert r.argmax_agree >= 0.9, r
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+def test_traced_launch_stamps_every_tile_in_order_and_computes_the_same_logits():
+    # the tile trace's host mirror (trace.tile_counts) must match the loader exactly, or stamps land out of bounds
+    import dataclasses
+
+    from mimw.megakernel.gpu.check import random_cache
+    from mimw.megakernel.gpu.config import KernelConfig
+    from mimw.megakernel.gpu.decoder import MegakernelDecoder
+    from mimw.megakernel.gpu.trace import tile_counts
+    from mimw.models.weights import random_weights
+
+    spec = get_preset("llama-3.2-1b")
+    w = random_weights(spec, 3, dtype=torch.bfloat16, device="cuda")
+    kcfg = KernelConfig.for_spec(spec)
+    logits = []
+    for cfg in (kcfg, dataclasses.replace(kcfg, trace=True, trace_tiles=True)):
+        cache, table = random_cache(spec, 100, 1, cfg.page_size, 4)
+        dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), kcfg=cfg, context_hint=100)
+        logits.append(dec.step(7, 100, table).clone())
+    assert torch.equal(logits[0], logits[1])  # tracing changes timing, never results
+    t = dec.tiles.cpu()
+    counts = [sum(c) for c in tile_counts(dec.program, kcfg.tile_rows, kcfg.tile_k)]
+    for s, n in enumerate(counts):
+        want, issued, c_want, c_has = t[s, :n].unbind(1)
+        assert bool((want > 0).all()) and bool((want <= issued).all()) and bool((issued <= c_has).all())
+        assert bool((c_want <= c_has).all())
+        assert bool((t[s, n:] == 0).all())  # nothing stamped past this SM's tiles
