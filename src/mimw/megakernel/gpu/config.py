@@ -89,7 +89,6 @@ def _pow2(n: int) -> int:
 
 def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
     kcfg.check(spec)
-    kmax = max(spec.hidden_size, spec.q_size, spec.intermediate_size)
     return dict(
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, PS=kcfg.page_size, HAS_BIAS=spec.attention_bias, QK_NORM=spec.qk_norm,
@@ -97,7 +96,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         BT=max(8, 4096 // spec.head_dim), SP2=_pow2(max_splits), GP=_pow2(spec.group_size),
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
-        SG=min(_pow2(-(-kmax // kcfg.tile_k)), 4096 // kcfg.tile_k),
+        SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,

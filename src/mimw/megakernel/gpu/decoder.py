@@ -52,7 +52,9 @@ class MegakernelDecoder:
         self.trace = torch.zeros((self.num_sms, self.words.shape[1], 3) if kcfg.trace else (1,), dtype=torch.int64,
                                  device=dev)
         # [num_sms, max tiles per SM, 4] int64 ns per weight tile when kcfg.trace_tiles (trace.summarize_tiles)
-        self.max_tiles = max(1, max(sum(c) for c in tile_counts(self.program, kcfg.tile_rows, kcfg.tile_k)))
+        self.max_tiles = 1
+        if kcfg.trace_tiles:
+            self.max_tiles = max(1, *map(sum, tile_counts(self.program, kcfg.tile_rows, kcfg.tile_k)))
         self.tiles = torch.zeros((self.num_sms, self.max_tiles, 4) if kcfg.trace_tiles else (1,), dtype=torch.int64,
                                  device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -71,10 +71,10 @@ def _mlp_tiles_past_ring(prog_ptr, MAXLEN, i, n, layer, a, b, gu_ptr, offs, D: g
     n1 = 0
     base1 = 0
     if i + 1 < n:
-        w1 = gl.load(prog_ptr + (gl.program_id(0) * MAXLEN + i + 1) * NWORDS + offs, mask=offs < NWORDS, other=0)
-        if _field(w1, offs, W_OP) == OP_MLP_IN:
-            n1 = 2 * _field(w1, offs, W_B) // TR * KT_D
-            base1 = (_field(w1, offs, W_LAYER) * 2 * I + 2 * _field(w1, offs, W_A)) // TR * KT_D
+        _, op1, layer1, a1, b1 = _fetch(prog_ptr, MAXLEN, i + 1, offs)
+        if op1 == OP_MLP_IN:
+            n1 = 2 * b1 // TR * KT_D
+            base1 = (layer1 * 2 * I + 2 * a1) // TR * KT_D
     lane = gl.arange(0, 32, WL)
     t = NB + lane
     tile = gl.where(t < n0, base0 + t, base1 + t - n0)
