@@ -1,5 +1,7 @@
 """CI (CPU only): every megakernel specialisation compiles for sm_90a, its PTX streams weights with TMA bulk tensor
 copies completing on mbarriers, and ptxas reports no register spills."""
+import dataclasses
+
 import pytest
 
 from mimw.megakernel.gpu.config import KernelConfig, compile_sm90a, ptxas_report
@@ -51,6 +53,52 @@ def test_l2_look_ahead_of_mlp_in_tiles_is_in_the_loader_only_when_asked_for():
         KernelConfig(l2_mlp_ahead=6, tile_major=False).check(spec)
     with pytest.raises(ValueError, match="0..32"):
         KernelConfig(l2_mlp_ahead=33).check(spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"])
+def test_tensor_core_matvec_consumer_compiles_to_ldmatrix_and_mma_sync_without_spills(model):
+    spec = get_preset(model)
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), mma=True)
+    ptx = compile_sm90a(spec, kcfg).asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
+    assert "cvt.f32.bf16" in ptx  # attention and staging still convert on the CUDA cores
+    rep = ptxas_report(ptx)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert "mma.sync" not in compile_sm90a(spec, KernelConfig.for_spec(spec)).asm["ptx"]
+
+
+def test_tensor_core_consumer_folds_a_tile_major_block_into_32_column_rows():
+    assert KernelConfig(mma=True).tile_box() == (256, 32)  # [32, 256] tile: 8 folds of 32 columns a row
+    assert KernelConfig(tile_rows=16, tile_k=512, mma=True).tile_box() == (256, 32)
+    assert KernelConfig().tile_box() == (32, 256)
+    spec = get_preset("llama-3.2-1b")
+    with pytest.raises(ValueError, match="tile-major"):
+        KernelConfig(mma=True, tile_major=False).check(spec)
+    with pytest.raises(ValueError, match="fold"):
+        KernelConfig(mma=True, tile_k=128).check(spec)  # 4 folds: fewer than one mma n8 block
+
+
+def test_folded_view_of_a_tile_major_block_is_the_tile_row_by_row():
+    """The bytes dot_tile_mma reads: tile-major block t viewed as [TR * TK / 32, 32] has row NF r + j = W_tile[r,
+    32 j .. 32 j + 32) (NF = TK / 32 folds), and the staged chunk as [NF, 32] has row j = h[32 j ..)."""
+    import torch
+
+    from mimw.megakernel.gpu.pack import tile_major
+
+    tr, tk = 32, 256
+    nf = tk // 32
+    m = torch.randn(2 * tr, 3 * tk)
+    folded = tile_major(m, tr, tk).view(-1, 32)
+    h = torch.randn(3 * tk)
+    for t in range(6):
+        rt, kt = divmod(t, 3)
+        blk = folded[t * tr * nf:(t + 1) * tr * nf]  # what one TMA box [TR * NF, 32] loads
+        d = blk @ h[kt * tk:(kt + 1) * tk].view(nf, 32).T  # [TR * NF, NF] = A B
+        rows = d.view(tr, nf, nf).diagonal(dim1=1, dim2=2).sum(1)  # sum_j D[NF r + j, j]
+        ref = m[rt * tr:(rt + 1) * tr, kt * tk:(kt + 1) * tk] @ h[kt * tk:(kt + 1) * tk]
+        torch.testing.assert_close(rows, ref, rtol=1e-5, atol=1e-4)
 
 
 def test_ring_is_as_deep_as_shared_memory_allows_and_an_explicit_one_must_fit():

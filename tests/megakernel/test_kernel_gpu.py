@@ -14,12 +14,19 @@ def _hopper():
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("consumer", ["fma", "mma"])
 @pytest.mark.parametrize("context", [1, 17, 1000, 8191])
 @pytest.mark.parametrize("model", MODELS)
-def test_megakernel_matches_reference_over_64_steps(model, context):
-    from mimw.megakernel.gpu.check import check_decode
+def test_megakernel_matches_reference_over_64_steps(model, context, consumer):
+    """Both matvec consumers (matvec.py): CUDA-core FMAs and tensor-core mma.sync."""
+    import dataclasses
 
-    r = check_decode(get_preset(model), context, steps=64)
+    from mimw.megakernel.gpu.check import check_decode
+    from mimw.megakernel.gpu.config import KernelConfig
+
+    spec = get_preset(model)
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), mma=consumer == "mma")
+    r = check_decode(spec, context, steps=64, kcfg=kcfg)
     assert r.finite, r
     assert r.bit_identical, f"repeated launches differ (race): {r}"
     assert r.max_rel_err <= 2e-2, r

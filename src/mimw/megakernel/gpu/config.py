@@ -29,6 +29,8 @@ class KernelConfig:
     combine_splits: bool = True  # attention splits combine themselves (no ATTN_REDUCE stage; program.py)
     tile_major: bool = True  # TILED: weights stored tile-major, every TMA load one contiguous block (pack.py;
     # measured -1.7% (1B) / -2.3% (8B) against row-major at e2809b0, bench/NOTES.md)
+    mma: bool = False  # matvec tiles reduced on the tensor cores (matvec.dot_tile_mma): each tile-major [TR, TK]
+    # block is loaded as a folded [TR * TK / 32, 32] matrix (needs tile_major; not yet measured)
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, page_size: int = 16) -> "KernelConfig":
@@ -49,6 +51,13 @@ class KernelConfig:
             raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
         return self.ring or fit
 
+    def tile_box(self) -> tuple[int, int]:
+        """The TMA box (= ring slot shape) of one weight tile: [TR, TK], or with ``mma`` the same TR * TK elements of
+        a tile-major block read as a row-major [TR * TK / 32, 32] matrix (matvec.dot_tile_mma)."""
+        if self.mma:
+            return self.tile_rows * self.tile_k // MMA_K, MMA_K
+        return self.tile_rows, self.tile_k
+
     def program_config(self) -> ProgramConfig:
         return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
                              combine_splits=self.combine_splits)
@@ -66,11 +75,19 @@ class KernelConfig:
             raise ValueError("l2_mlp_ahead needs tile-major weights (tile_major=True)")
         if not 0 <= self.l2_mlp_ahead <= 32:
             raise ValueError(f"l2_mlp_ahead={self.l2_mlp_ahead}: one tile per loader lane, 0..32")
+        if self.mma:
+            if not self.tile_major:
+                raise ValueError("mma needs tile-major weights (tile_major=True)")
+            folds = self.tile_k // MMA_K
+            if self.tile_k % MMA_K or folds % 8 or (tr * folds) % (16 * self.num_warps):
+                raise ValueError(f"mma: a [{tr}, {self.tile_k}] tile does not fold into {self.num_warps} warps' "
+                                 f"16-row mma blocks with a multiple of 8 folds of {MMA_K}")
         wr = min(self.num_warps, tr // 4)
         if self.num_warps % wr or self.tile_k % (64 * (self.num_warps // wr)):
             raise ValueError(f"{self.num_warps} warps cannot tile a [{tr}, {self.tile_k}] weight tile")
 
 
+MMA_K = 32  # columns of a folded tile row (matvec.dot_tile_mma): two k16 steps of mma.sync
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
 SCRATCH_BYTES = 10 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers)
 
@@ -113,8 +130,9 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
     from .kernel import megakernel
 
     ce = constexprs(spec, kcfg, max_splits)
-    lay = gl.NVMMASharedLayout.get_default_for([kcfg.tile_rows, kcfg.tile_k], gl.bfloat16)
-    desc = f"tensordesc<bf16[{kcfg.tile_rows}, {kcfg.tile_k}],{lay!r}>"
+    box = list(kcfg.tile_box())
+    lay = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+    desc = f"tensordesc<bf16[{box[0]}, {box[1]}],{lay!r}>"
     bias_t = "*fp32"
     sig = {
         "prog_ptr": "*i32", "qlen_ptr": "*i32", "MAXLEN": "i32", "tok_ptr": "*i32", "pos_ptr": "*i32",

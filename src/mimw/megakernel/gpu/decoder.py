@@ -44,10 +44,10 @@ class MegakernelDecoder:
         self.scratch = alloc_scratch(self.program, dev)
         self.w = pack(weights, kcfg.tile_rows, dev, kcfg.tile_k if kcfg.tile_major else None)
         self.ce = constexprs(spec, kcfg, self.program.max_splits)
-        lay = gl.NVMMASharedLayout.get_default_for([kcfg.tile_rows, kcfg.tile_k], gl.bfloat16)
-        box = [kcfg.tile_rows, kcfg.tile_k]
-        self.descs = [TensorDescriptor.from_tensor(t, box, lay) for t in (self.w.qkv, self.w.o, self.w.gu,
-                                                                          self.w.down, self.w.lm)]
+        box = list(kcfg.tile_box())  # [TR, TK], or a tile-major block's bytes as [TR * TK / 32, 32] (mma)
+        lay = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+        self.descs = [TensorDescriptor.from_tensor(t.view(-1, box[1]) if kcfg.mma else t, box, lay)
+                      for t in (self.w.qkv, self.w.o, self.w.gu, self.w.down, self.w.lm)]
         # [num_sms, max_len, 3] int64 ns timestamps per instruction when kcfg.trace, else a 1-element dummy
         self.trace = torch.zeros((self.num_sms, self.words.shape[1], 3) if kcfg.trace else (1,), dtype=torch.int64,
                                  device=dev)

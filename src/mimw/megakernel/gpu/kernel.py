@@ -85,9 +85,7 @@ def _mlp_tiles_past_ring(prog_ptr, MAXLEN, i, n, layer, a, b, gu_ptr, offs, D: g
 @gluon.jit
 def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready, tiles_ptr,
             MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
-            TILED: gl.constexpr, L2_MLP: gl.constexpr, TRACE_TILES: gl.constexpr):
-    TR: gl.constexpr = bufs.type.shape[1]
-    TK: gl.constexpr = bufs.type.shape[2]
+            TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, L2_MLP: gl.constexpr, TRACE_TILES: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     NQKV: gl.constexpr = HQ + 2 * HKV
     KT_D: gl.constexpr = (D + TK - 1) // TK
@@ -135,8 +133,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr, TRACE: gl.constexpr,
              TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
-    TR: gl.constexpr = bufs.type.shape[1]
-    TK: gl.constexpr = bufs.type.shape[2]
+    TK: gl.constexpr = hbuf.type.shape[1]
+    TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
     LAY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WR, num_warps // WR], [1, 0])
     # staging group [SG column tiles, TK]: each row spread over every thread, the SG rows in registers
@@ -263,7 +261,9 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
                TILED: gl.constexpr, L2_MLP: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
                num_warps: gl.constexpr):
-    bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, TR, TK], d_qkv.layout)
+    # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
+    bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
+                                     d_qkv.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     # hbuf: staged input vector, one [TK] row per column tile (rank-1 layout: rows are indexed at run time),
@@ -278,5 +278,5 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
                     HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, TRACE, TRACE_TILES, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
-                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TILED, L2_MLP, TRACE_TILES)),
+                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, TRACE_TILES)),
     ], [1], [LOADER_REGS])

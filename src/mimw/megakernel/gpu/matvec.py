@@ -10,13 +10,25 @@ PyTorch references of each instruction: ``mimw.megakernel.ops`` (the VM's solver
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .orchestration import consumer_acquire, consumer_release
 
 
 @gluon.jit
 def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None):
-    """One row tile: sum over column tiles [k0, k1) of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it')."""
+    """One row tile: sum over column tiles [k0, k1) of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it').
+    The ring's slot shape selects the consumer: [TR, TK] slots are reduced on the CUDA cores (bf16 -> fp32 converts
+    and FMAs), folded [TR * TK / FK, FK] slots on the tensor cores (``dot_tile_mma``)."""
+    if bufs.type.shape[2] == hbuf.type.shape[1]:
+        out, it = _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
+    else:
+        out, it = dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
+    return out, it
+
+
+@gluon.jit
+def _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     acc = gl.zeros([TR, TK], gl.float32, LAY)
@@ -27,6 +39,39 @@ def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=Non
         acc += w.to(gl.float32) * gl.expand_dims(xk, 0)
         it += 1
     return gl.sum(acc, axis=1), it
+
+
+@gluon.jit
+def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None):
+    """``dot_tile`` on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). A tile-major [TR, TK] block
+    read as a row-major [FR, FK] matrix (FK = 32, FR = TR * NF, NF = TK / FK folds) has row NF r + j = W[r, FK j ..
+    FK j + FK): the TMA descriptor describes the same bytes that way (``pack.mma_box``). Against the staged chunk
+    read as B = [FK, NF] (column j = h[FK j .. FK j + FK)), D = A B holds in D[NF r + j, j] row r's partial dot over
+    fold j, so row r = sum_j D[NF r + j, j]. Per tile each warp issues FR / 16 / num_warps * 2 ldmatrix.x4 and as
+    many mma.sync, instead of TR * TK / 32 / num_warps converts and FMAs per thread."""
+    FR: gl.constexpr = bufs.type.shape[1]
+    FK: gl.constexpr = bufs.type.shape[2]
+    TK: gl.constexpr = hbuf.type.shape[1]
+    NF: gl.constexpr = TK // FK
+    TR: gl.constexpr = FR // NF
+    NW: gl.constexpr = gl.num_warps()
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # the staged vector as [column tile, fold, FK]: one column tile's chunk is the [NF, FK] matrix B^T
+    h3 = hbuf._reinterpret(gl.bfloat16, [hbuf.type.shape[0], NF, FK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    acc = gl.zeros([FR, NF], gl.float32, MMA)
+    for k in range(k0, k1):
+        a, idx = consumer_acquire(bufs, ready, it, AL, stamps)
+        b = h3.index(k).permute((1, 0)).load(BL)
+        consumer_release(empty, idx)
+        acc = mma_v2(a, b, acc)
+        it += 1
+    r = gl.arange(0, FR, gl.SliceLayout(1, MMA))
+    j = gl.arange(0, NF, gl.SliceLayout(0, MMA))
+    diag = gl.sum(gl.where(gl.expand_dims(r % NF, 1) == gl.expand_dims(j, 0), acc, 0.0), axis=1)  # [FR]
+    folds = gl.reshape(gl.convert_layout(diag, gl.BlockedLayout([NF], [32], [NW], [0])), [TR, NF])
+    return gl.convert_layout(gl.sum(folds, axis=1), gl.SliceLayout(1, LAY)), it
 
 
 @gluon.jit
@@ -105,7 +150,7 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
     """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h, tile by tile (the residual is x itself, or for
     layer 0's O_PROJ the bf16 embedding row). Each row tile's residual is requested before its dot product, so
     its round trip overlaps the tile loop."""
-    TR: gl.constexpr = bufs.type.shape[1]
+    TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
         rows = row0 + r * TR + offs_r
@@ -121,7 +166,7 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
 @gluon.jit
 def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl.constexpr, stamps=None):
     """LM_HEAD: out[rows] = W[rows] . h."""
-    TR: gl.constexpr = bufs.type.shape[1]
+    TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
         acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
@@ -133,7 +178,7 @@ def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl
 def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl.constexpr, stamps=None):
     """MLP_IN: every row tile holds TR/2 gate rows then the TR/2 up rows of the same outputs (pack.py), so one tile
     yields TR/2 outputs act[rows] = silu(gate . h) * (up . h) and MLP_IN blocks come in TR/2-row steps."""
-    TR: gl.constexpr = bufs.type.shape[1]
+    TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     for t in range(n_tiles):
         acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
         a2 = gl.reshape(acc, [2, TR // 2])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
@@ -150,7 +195,7 @@ def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: g
              LAY: gl.constexpr, stamps=None):
     """ATTN_IN, every part (M = 1): qkv_part[part, head] = W[head rows, column tiles k0..k1) . h, fp32 to global
     scratch (the head's finisher may run on another SM)."""
-    TR: gl.constexpr = bufs.type.shape[1]
+    TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     out = qkvp_ptr + (part * NQKV + head) * HD
     for r in gl.static_range(HD // TR):

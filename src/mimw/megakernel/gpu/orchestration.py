@@ -98,13 +98,15 @@ def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs,
                          TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, stamps=None):
     """``producer_rows`` over a [*, K] weight matrix. ``TILED``: the matrix is stored tile-major
     (``pack.tile_major``: tile (row tile R, column tile c) is the contiguous [TR, TK] block number R * KT + c of a
-    [*, TK] matrix, which ``desc`` describes), so every TMA load reads 16 contiguous kilobytes; otherwise it is
-    row-major and a tile is TR runs of TK elements, K apart."""
+    [*, TK] matrix, which ``desc`` describes — or of the same bytes as a [*, 32] matrix, TR * TK / 32 rows a tile,
+    for tensor-core consumption), so every TMA load reads 16 contiguous kilobytes; otherwise it is row-major and a
+    tile is TR runs of TK elements, K apart."""
     if TILED:
         KT: gl.constexpr = (K + TK - 1) // TK
+        BR: gl.constexpr = desc.block_type.shape[0]  # rows of one tile in desc's view: TR, or TR * TK / 32 folded
         for r in range(n_row_tiles):
             for k in range(k0, k1):
-                it = producer_load(desc, ((row0 // TR + r) * KT + k) * TR, 0, bufs, empty, ready, it, stamps)
+                it = producer_load(desc, ((row0 // TR + r) * KT + k) * BR, 0, bufs, empty, ready, it, stamps)
     else:
         it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK, stamps)
     return it
