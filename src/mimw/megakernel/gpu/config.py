@@ -29,8 +29,8 @@ class KernelConfig:
     combine_splits: bool = True  # attention splits combine themselves (no ATTN_REDUCE stage; program.py)
     tile_major: bool = True  # TILED: weights stored tile-major, every TMA load one contiguous block (pack.py;
     # measured -1.7% (1B) / -2.3% (8B) against row-major at e2809b0, bench/NOTES.md)
-    mma: bool = False  # matvec tiles reduced on the tensor cores (matvec.dot_tile_mma): each tile-major [TR, TK]
-    # block is loaded as a folded [TR * TK / 32, 32] matrix (needs tile_major; not yet measured)
+    mma: int = 0  # matvec consumer: 0 CUDA-core FMAs; 1 tensor cores (matvec.dot_tile_mma: each tile-major [TR, TK]
+    # block loaded as a folded [TR * TK / 32, 32] matrix; needs tile_major); 2 the same, ring slots released in pairs
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, page_size: int = 16) -> "KernelConfig":
@@ -75,6 +75,8 @@ class KernelConfig:
             raise ValueError("l2_mlp_ahead needs tile-major weights (tile_major=True)")
         if not 0 <= self.l2_mlp_ahead <= 32:
             raise ValueError(f"l2_mlp_ahead={self.l2_mlp_ahead}: one tile per loader lane, 0..32")
+        if self.mma not in (0, 1, 2):
+            raise ValueError(f"mma={self.mma}: 0 (CUDA cores), 1 (tensor cores) or 2 (tensor cores, paired release)")
         if self.mma:
             if not self.tile_major:
                 raise ValueError("mma needs tile-major weights (tile_major=True)")
@@ -114,7 +116,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
-        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead,
+        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, PAIRS=kcfg.mma == 2,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
     )

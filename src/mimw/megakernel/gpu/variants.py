@@ -67,8 +67,9 @@ def time_step(dec: MegakernelDecoder, iters: int = 200) -> float:
 
 VARIANTS = {
     "default": KernelConfig(),  # what MegakernelDecoder runs for 32-row shapes
-    "tr32-mma": KernelConfig(mma=True),  # matvec tiles on the tensor cores (matvec.dot_tile_mma)
-    "tr32-mma-nb12": KernelConfig(mma=True, ring=12),
+    "tr32-mma": KernelConfig(mma=1),  # matvec tiles on the tensor cores (matvec.dot_tile_mma)
+    "tr32-mma2": KernelConfig(mma=2),  # the same, ring slots released two at a time
+    "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-l2mlp6": KernelConfig(l2_mlp_ahead=6),  # L2 prefetch of MLP_IN tiles past the ring, during attention
     "tr32-l2mlp16": KernelConfig(l2_mlp_ahead=16),
     "tr32-deep": KernelConfig(ring=0),  # ring as deep as shared memory allows (12 slots for the 1B, 11 for the 8B)
