@@ -71,6 +71,7 @@ VARIANTS = {
     "tr32-mma2": KernelConfig(mma=2),  # the same, ring slots released two at a time
     "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
+    "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
     "tr32-l2mlp6": KernelConfig(l2_mlp_ahead=6),  # L2 prefetch of MLP_IN tiles past the ring, during attention
     "tr32-l2mlp16": KernelConfig(l2_mlp_ahead=16),
     "tr32-deep": KernelConfig(ring=0),  # ring as deep as shared memory allows (12 slots for the 1B, 11 for the 8B)
