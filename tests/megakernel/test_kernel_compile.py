@@ -66,18 +66,19 @@ def test_tensor_core_matvec_consumer_compiles_to_ldmatrix_and_mma_sync_without_s
     assert "cvt.f32.bf16" in ptx  # attention and staging still convert on the CUDA cores
     rep = ptxas_report(ptx)
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
-    assert "mma.sync" not in compile_sm90a(spec, KernelConfig.for_spec(spec)).asm["ptx"]
+    fma = dataclasses.replace(KernelConfig.for_spec(spec), mma=0)
+    assert "mma.sync" not in compile_sm90a(spec, fma).asm["ptx"]
 
 
 def test_tensor_core_consumer_folds_a_tile_major_block_into_32_column_rows():
-    assert KernelConfig(mma=True).tile_box() == (256, 32)  # [32, 256] tile: 8 folds of 32 columns a row
-    assert KernelConfig(tile_rows=16, tile_k=512, mma=True).tile_box() == (256, 32)
-    assert KernelConfig().tile_box() == (32, 256)
+    assert KernelConfig(mma=1).tile_box() == (256, 32)  # [32, 256] tile: 8 folds of 32 columns a row
+    assert KernelConfig(tile_rows=16, tile_k=512, mma=1).tile_box() == (256, 32)
+    assert KernelConfig(mma=0).tile_box() == (32, 256)
     spec = get_preset("llama-3.2-1b")
     with pytest.raises(ValueError, match="tile-major"):
-        KernelConfig(mma=True, tile_major=False).check(spec)
+        KernelConfig(mma=1, tile_major=False).check(spec)
     with pytest.raises(ValueError, match="fold"):
-        KernelConfig(mma=True, tile_k=128).check(spec)  # 4 folds: fewer than one mma n8 block
+        KernelConfig(mma=1, tile_k=128).check(spec)  # 4 folds: fewer than one mma n8 block
 
 
 def test_folded_view_of_a_tile_major_block_is_the_tile_row_by_row():

@@ -99,6 +99,38 @@ def test_tile_summary_reads_slot_and_data_waits_latency_and_issue_rates():
     assert "data wait" in format_tiles(out)
     out["issue_tbps"]["ATTN_PARTIAL"] = 0.01  # a window without weight tiles of its own is still shown
     assert "ATTN_PARTIAL" in format_tiles(out)
+    assert out["phases"] == {}  # no instruction trace given: no split of the busy time
+
+
+def test_tile_summary_splits_each_instructions_busy_time_into_staging_waits_work_and_tail():
+    from mimw.megakernel.gpu.trace import format_tiles, summarize_tiles, tile_counts
+
+    prog = build_program(get_preset("tiny-llama"), StepShape((1,), 32), 3)
+    counts = tile_counts(prog, 16, 16)
+    tiles = torch.zeros(3, max(map(sum, counts)), 4, dtype=torch.int64)
+    trace = torch.zeros(3, max(len(q) for q in prog.queues), 3, dtype=torch.int64)
+    clock = 0
+    for s in range(3):  # every instruction: ready at T, first tile asked for at T + 500, each tile waited for
+        j = 0           # 100 ns and held 300 ns, signalled 700 ns after the last tile's bytes
+        for i, n in enumerate(counts[s]):
+            trace[s, i] = torch.tensor([clock, clock + 50, 0])
+            c = clock + 50 + 500
+            for _ in range(n):
+                tiles[s, j] = torch.tensor([c - 900, c - 800, c, c + 100])
+                c += 400
+                j += 1
+            trace[s, i, 2] = c - 300 + 700 if n else clock + 60
+            clock = int(trace[s, i, 2]) + 10
+    out = summarize_tiles(tiles, prog, 16, 16, trace=trace)
+    for op, v in out["phases"].items():
+        assert v["staging_us"] == pytest.approx(0.5), op
+        assert v["tail_us"] == pytest.approx(0.7), op
+        assert v["work_per_tile_us"] == pytest.approx(0.3), op
+        n = [c for s in range(3) for c, ins in zip(counts[s], prog.queues[s]) if ins.OP.name == op]
+        assert v["data_wait_us"] == pytest.approx(0.1 * sum(n) / len(n)), op
+        assert v["work_us"] == pytest.approx(0.3 * (sum(n) / len(n) - 1)), op
+    assert set(out["phases"]) == {name for name, v in out["ops"].items()}  # every matvec opcode, no attention
+    assert "work per tile" in format_tiles(out)
 
 
 @pytest.mark.slow

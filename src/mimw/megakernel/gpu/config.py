@@ -29,8 +29,9 @@ class KernelConfig:
     combine_splits: bool = True  # attention splits combine themselves (no ATTN_REDUCE stage; program.py)
     tile_major: bool = True  # TILED: weights stored tile-major, every TMA load one contiguous block (pack.py;
     # measured -1.7% (1B) / -2.3% (8B) against row-major at e2809b0, bench/NOTES.md)
-    mma: int = 0  # matvec consumer: 0 CUDA-core FMAs; 1 tensor cores (matvec.dot_tile_mma: each tile-major [TR, TK]
-    # block loaded as a folded [TR * TK / 32, 32] matrix; needs tile_major); 2 the same, ring slots released in pairs
+    mma: int = 1  # matvec consumer: 1 tensor cores (matvec.dot_tile_mma: each tile-major [TR, TK] block loaded as a
+    # folded [TR * TK / 32, 32] matrix; needs tile_major; measured -3.3% (1B) / -4.6% (8B) against 0 at bbc65b6);
+    # 0 CUDA-core FMAs; 2 tensor cores with ring slots released in pairs (measured slower than 1)
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, page_size: int = 16) -> "KernelConfig":

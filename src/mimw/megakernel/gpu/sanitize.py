@@ -2,7 +2,8 @@
 
     compute-sanitizer --tool racecheck python3 -m mimw.megakernel.gpu.sanitize
 Two small shapes on 8 SMs, two decode steps each, no CUDA graph: a tiny Qwen3 (16-row tiles, one ATTN_IN part) and
-a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path). Exits non-zero if logits are wrong.
+a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path), each with both matvec consumers
+(tensor cores and CUDA cores). Exits non-zero if logits are wrong.
 
 First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
 shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
@@ -64,10 +65,11 @@ def main() -> int:
     if "--control" in sys.argv[1:]:
         return 0 if ok else 1
     for spec, parts in ((get_preset("tiny-qwen3"), 0), (get_preset("smollm2-135m").with_(num_layers=2), 2)):
-        kcfg = dataclasses.replace(KernelConfig.for_spec(spec), qkv_parts=parts)
-        r = check_decode(spec, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)
-        print(r, flush=True)
-        ok &= r.ok()
+        for mma in (1, 0):  # both matvec consumers: tensor cores (the default) and CUDA cores
+            kcfg = dataclasses.replace(KernelConfig.for_spec(spec), qkv_parts=parts, mma=mma)
+            r = check_decode(spec, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)
+            print(f"mma={mma}", r, flush=True)
+            ok &= r.ok()
     return 0 if ok else 1
 
 

@@ -117,19 +117,33 @@ def _pct(v: list[float], p: float) -> float:
 
 
 def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_k: int,
-                    windows: list[dict] | None = None, origin_ns: int | None = None) -> dict:
+                    windows: list[dict] | None = None, origin_ns: int | None = None,
+                    trace: torch.Tensor | None = None) -> dict:
     """tiles [num_sms, max_tiles, 4] int64 ns (loader wants slot, gets it = issues the TMA, compute wants data,
     has it); ``windows``: the stage windows of ``summarize`` from the same launch (instruction trace), for the
     issue rate per stage, with its ``origin_ns`` (default: the first tile's request). Times in microseconds;
-    fractions of the SMs' total time over the traced span."""
+    fractions of the SMs' total time over the traced span. With the instruction trace itself (``trace``, [num_sms,
+    max_len, 3]: start, dependency met, signalled), each matvec instruction's busy time is split into ``phases``:
+    staging (dependency met -> compute asks for its first tile), data wait (compute waiting for tiles' bytes), work
+    (compute holding a tile until it asks for the next one: loads, arithmetic, the release, row-tile epilogues) and
+    tail (last tile's bytes -> signalled: the last epilogue, stores, the release of the counter); per-instruction
+    means, and ``work_per_tile_us``."""
     t = tiles.cpu().tolist()  # plain lists: an 8B step has ~10^6 tiles
     counts = tile_counts(program, tile_rows, tile_k)
     tile_bytes = tile_rows * tile_k * 2
+    ins_t = trace.cpu().tolist() if trace is not None else None
     rec = []  # (op name, want slot, issued, compute wants, compute has) per tile
+    ph: dict[str, list[list[float]]] = defaultdict(list)  # op -> [staging, data wait, work, tail, tiles] per ins
     for s, q in enumerate(program.queues):
         k = 0
-        for ins, n in zip(q, counts[s]):
+        for i, (ins, n) in enumerate(zip(q, counts[s])):
             rec.extend((ins.OP.name, *t[s][j]) for j in range(k, k + n))
+            if ins_t is not None and n:
+                _, ready, done = ins_t[s][i]
+                wait = sum(t[s][j][3] - t[s][j][2] for j in range(k, k + n))
+                work = sum(t[s][j + 1][2] - t[s][j][3] for j in range(k, k + n - 1))
+                ph[ins.OP.name].append([(t[s][k][2] - ready) / 1e3, wait / 1e3, work / 1e3,
+                                        (done - t[s][k + n - 1][3]) / 1e3, n])
             k += n
     if not rec:
         return dict(ops={}, slot_wait_fraction=0.0, data_wait_fraction=0.0, issue_tbps={})
@@ -158,9 +172,15 @@ def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_
             if b > a:
                 n = bisect.bisect_right(issued, b) - bisect.bisect_left(issued, a)
                 issue[w["op"]].append(n * tile_bytes / ((b - a) * 1e-6) / 1e12)
+    phases = {}
+    for op, v in ph.items():
+        m = [sum(x[c] for x in v) / len(v) for c in range(4)]
+        gaps = sum(x[4] - 1 for x in v)
+        phases[op] = dict(staging_us=m[0], data_wait_us=m[1], work_us=m[2], tail_us=m[3],
+                          work_per_tile_us=sum(x[2] for x in v) / gaps if gaps else float("nan"))
     return dict(ops=ops, slot_wait_fraction=sum(r[2] - r[1] for r in rec) / total,
                 data_wait_fraction=sum(r[4] - r[3] for r in rec) / total,
-                issue_tbps={op: sum(v) / len(v) for op, v in issue.items()})
+                issue_tbps={op: sum(v) / len(v) for op, v in issue.items()}, phases=phases)
 
 
 def issue_series(tiles: torch.Tensor, program: Program, tile_rows: int, tile_k: int, bin_us: float = 1.0,
@@ -197,4 +217,10 @@ def format_tiles(s: dict) -> str:
                          f"{rate}")
         else:
             lines.append(f"{k:14s} {0:7d} {'':13s} {'':13s} {'':7s} {'':11s} {'':11s} {rate}")
+    if s.get("phases"):
+        lines.append("busy time of one instruction (mean, us): staging, waiting for data, work on tiles, tail "
+                     "(last epilogue + signal); work per tile")
+        for k, v in s["phases"].items():
+            lines.append(f"{k:14s} {v['staging_us']:7.2f} {v['data_wait_us']:7.2f} {v['work_us']:7.2f} "
+                         f"{v['tail_us']:7.2f}   {v['work_per_tile_us']:6.3f}")
     return "\n".join(lines)

@@ -67,13 +67,14 @@ def time_step(dec: MegakernelDecoder, iters: int = 200) -> float:
 
 VARIANTS = {
     "default": KernelConfig(),  # what MegakernelDecoder runs for 32-row shapes
+    "tr32-fma": KernelConfig(mma=0),  # matvec tiles on the CUDA cores (the default until session 11)
     "tr32-mma": KernelConfig(mma=1),  # matvec tiles on the tensor cores (matvec.dot_tile_mma)
     "tr32-mma2": KernelConfig(mma=2),  # the same, ring slots released two at a time
     "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
-    "tr32-l2mlp6": KernelConfig(l2_mlp_ahead=6),  # L2 prefetch of MLP_IN tiles past the ring, during attention
-    "tr32-l2mlp16": KernelConfig(l2_mlp_ahead=16),
+    "tr32-l2mlp6": KernelConfig(l2_mlp_ahead=6, mma=0),  # L2 prefetch of MLP_IN tiles past the ring, during attention
+    "tr32-l2mlp16": KernelConfig(l2_mlp_ahead=16, mma=0),
     "tr32-deep": KernelConfig(ring=0),  # ring as deep as shared memory allows (12 slots for the 1B, 11 for the 8B)
     "tr16-tk512-nb10": KernelConfig(tile_rows=16, tile_k=512, ring=10),
     "tr32-tk256-nb10": KernelConfig(tile_rows=32, tile_k=256, ring=10),
@@ -84,7 +85,7 @@ VARIANTS = {
     "tr32-reduce": KernelConfig(combine_splits=False),  # the separate ATTN_REDUCE stage
     "tr32-nb11": KernelConfig(ring=11),  # deeper rings: the most shared memory allows for the 8B / the 1B
     "tr32-nb12": KernelConfig(ring=12),
-    "tr32-rowmajor": KernelConfig(tile_major=False),  # weights row-major: each TMA load a strided [TR, TK] box
+    "tr32-rowmajor": KernelConfig(tile_major=False, mma=0),  # weights row-major: each TMA load a strided [TR, TK] box
 }
 
 
@@ -134,7 +135,7 @@ def main() -> None:
                     if a.trace_tiles:
                         tr = row["trace"]
                         row["tiles"] = summarize_tiles(tdec.tiles, tdec.program, kcfg.tile_rows, kcfg.tile_k,
-                                                       tr["stages"], tr["origin_ns"])
+                                                       tr["stages"], tr["origin_ns"], tdec.trace)
                         print(format_tiles(row["tiles"]), flush=True)
                         png = os.path.join(a.out, f"timeline-{model}-{name}.png")
                         write_timeline(issue_series(tdec.tiles, tdec.program, kcfg.tile_rows, kcfg.tile_k,
