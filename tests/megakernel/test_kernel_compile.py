@@ -102,6 +102,15 @@ def test_folded_view_of_a_tile_major_block_is_the_tile_row_by_row():
         torch.testing.assert_close(rows, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_early_dispatch_compiles_without_spills_and_the_default_kernel_is_unchanged_by_it():
+    spec = get_preset("llama-3.2-1b")
+    ptx = compile_sm90a(spec, KernelConfig(dispatch=True)).asm["ptx"]
+    rep = ptxas_report(ptx)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert ptx.count("ld.global") > compile_sm90a(spec, KernelConfig()).asm["ptx"].count("ld.global")  # the early fetch
+
+
 def test_ring_is_as_deep_as_shared_memory_allows_and_an_explicit_one_must_fit():
     assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.2-1b")) == 12  # 16 KB staging buffer (32 rows)
     assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.1-8b")) == 11  # 32 KB staging buffer (14336 -> 64)

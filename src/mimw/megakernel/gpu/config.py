@@ -23,6 +23,8 @@ class KernelConfig:
     page_size: int = 16
     l2_mlp_ahead: int = 0  # L2_MLP: tiles past the ring prefetched into L2 at a layer's first MLP_IN block on
     # each SM, while compute is in attention (kernel._mlp_tiles_past_ring; needs tile_major; not yet measured)
+    dispatch: bool = False  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
+    # does not poll again a dependency it already saw met (consecutive blocks of one stage); not yet measured
     trace: bool = False  # record [start, dependency met, signalled] per instruction (gpu/trace.py)
     trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
@@ -118,6 +120,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, PAIRS=kcfg.mma == 2,
+        DISPATCH=kcfg.dispatch,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
     )

@@ -51,9 +51,16 @@ def _field(w, offs, k: gl.constexpr):
 
 
 @gluon.jit
+def _words(prog_ptr, MAXLEN, i, offs, n):
+    """Instruction i of this CTA's queue (i < n; zeros past the queue's end): all NWORDS words in one vector load."""
+    return gl.load(prog_ptr + (gl.program_id(0) * MAXLEN + i) * NWORDS + offs, mask=(offs < NWORDS) & (i < n),
+                   other=0)
+
+
+@gluon.jit
 def _fetch(prog_ptr, MAXLEN, i, offs):
     """Instruction i of this CTA's queue: all NWORDS words in one vector load; (words, op, layer, A, B)."""
-    w = gl.load(prog_ptr + (gl.program_id(0) * MAXLEN + i) * NWORDS + offs, mask=offs < NWORDS, other=0)
+    w = _words(prog_ptr, MAXLEN, i, offs, i + 1)
     return w, _field(w, offs, W_OP), _field(w, offs, W_LAYER), _field(w, offs, W_A), _field(w, offs, W_B)
 
 
@@ -132,7 +139,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr, PAIRS: gl.constexpr,
-             TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+             DISPATCH: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -165,8 +172,19 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         stamps = None
     it = 0
     staged = -1  # (op, layer) whose input vector hbuf holds: consecutive blocks of one stage share it
+    met_wait = -1  # the last (counter, target) this partition saw met: counters only grow within a step
+    met_target = 0
+    w_next = _words(prog_ptr, MAXLEN, 0, offs, n)
     for i in range(n):
-        w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
+        if DISPATCH:  # the next instruction's words are requested before this one's work, not after it
+            w = w_next
+            w_next = _words(prog_ptr, MAXLEN, i + 1, offs, n)
+        else:
+            w = _words(prog_ptr, MAXLEN, i, offs, n)
+        op = _field(w, offs, W_OP)
+        layer = _field(w, offs, W_LAYER)
+        a = _field(w, offs, W_A)
+        b = _field(w, offs, W_B)
         wait = _field(w, offs, W_WAIT)
         key = op * 65536 + layer
         restage = key != staged
@@ -174,6 +192,13 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         if TRACE:
             t_start = globaltimer()
         target = (epoch + 1) * _field(w, offs, W_WAIT_COUNT)
+        if DISPATCH:  # a wait this partition already saw met (consecutive blocks of one stage) is not polled again
+            if (wait == met_wait) & (target == met_target):
+                wait = -1
+            else:
+                if wait >= 0:
+                    met_wait = wait
+                    met_target = target
         if op == OP_ATTN_PARTIAL:
             # past K/V of the first block is requested before the wait: it does not depend on this step
             kvh = a
@@ -259,8 +284,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
-               TILED: gl.constexpr, L2_MLP: gl.constexpr, PAIRS: gl.constexpr, TRACE: gl.constexpr,
-               TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               TILED: gl.constexpr, L2_MLP: gl.constexpr, PAIRS: gl.constexpr, DISPATCH: gl.constexpr,
+               TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -276,7 +301,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
-                    HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, PAIRS, TRACE, TRACE_TILES, num_warps)),
+                    HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, PAIRS, DISPATCH, TRACE, TRACE_TILES, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, TRACE_TILES)),
     ], [1], [LOADER_REGS])
