@@ -22,7 +22,8 @@ class KernelConfig:
     loader_regs: int = 48  # register budget of the one-warp loader partition (what session 9's runs measured)
     page_size: int = 16
     l2_mlp_ahead: int = 0  # L2_MLP: tiles past the ring prefetched into L2 at a layer's first MLP_IN block on
-    # each SM, while compute is in attention (kernel._mlp_tiles_past_ring; needs tile_major; not yet measured)
+    # each SM, while compute is in attention (kernel._mlp_tiles_past_ring; needs tile_major; measured neutral to
+    # +5% with either consumer, session 11)
     dispatch: bool = False  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); not yet measured
     trace: bool = False  # record [start, dependency met, signalled] per instruction (gpu/trace.py)

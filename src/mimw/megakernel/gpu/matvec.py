@@ -6,6 +6,8 @@ The input vector of the instruction (RMSNorm(x), the attention output or the MLP
 instruction into shared memory ``hbuf`` [KT_PAD, TK] bf16 — bf16, like the reference decoder's activations, so the
 largest input (the 8B MLP's 14336) fits beside the ring — and is re-read from shared memory for every row tile.
 Columns past K are staged as zeros, matching the TMA engine's zero fill of out-of-bounds weight columns.
+Tiles are reduced on the tensor cores (``dot_tile_mma``, the default) or on the CUDA cores, chosen by the ring's
+slot shape (``KernelConfig.mma``).
 PyTorch references of each instruction: ``mimw.megakernel.ops`` (the VM's solvers).
 """
 from triton.experimental import gluon
@@ -46,10 +48,11 @@ def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps
     """``dot_tile`` on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). A tile-major [TR, TK] block
     read as a row-major [FR, FK] matrix (FK = 32, FR = TR * NF, NF = TK / FK folds) has row NF r + j = W[r, FK j ..
     FK j + FK): the TMA descriptor describes the same bytes that way (``KernelConfig.tile_box``). Against the
-    staged chunk read as B = [FK, NF] (column j = h[FK j .. FK j + FK)), D = A B holds in D[NF r + j, j] row r's partial dot over
-    fold j, so row r = sum_j D[NF r + j, j]. Per tile each warp issues FR / 16 / num_warps * 2 ldmatrix.x4 and as
-    many mma.sync, instead of TR * TK / 32 / num_warps converts and FMAs per thread. ``PAIRS``: ring slots are
-    released two at a time, one partition barrier per two tiles."""
+    staged chunk read as B = [FK, NF] (column j = h[FK j .. FK j + FK)), D = A B holds in D[NF r + j, j] row r's
+    partial dot over fold j, so row r = sum_j D[NF r + j, j]. Per tile each warp issues FR / 16 / num_warps * 2
+    ldmatrix.x4 and as many mma.sync, instead of TR * TK / 32 / num_warps converts and FMAs per thread. ``PAIRS``:
+    both tiles of a pair are waited for and loaded before their two releases (triton 3.6 still places a barrier
+    before each arrive; measured slower than one tile at a time, bench/NOTES.md session 11)."""
     FR: gl.constexpr = bufs.type.shape[1]
     FK: gl.constexpr = bufs.type.shape[2]
     TK: gl.constexpr = hbuf.type.shape[1]
@@ -62,7 +65,7 @@ def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps
     # the staged vector as [column tile, fold, FK]: one column tile's chunk is the [NF, FK] matrix B^T
     h3 = hbuf._reinterpret(gl.bfloat16, [hbuf.type.shape[0], NF, FK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     acc = gl.zeros([FR, NF], gl.float32, MMA)
-    if PAIRS:  # two tiles per release: both waits, all loads, one partition barrier, two arrives
+    if PAIRS:  # both waits, all loads, then the two releases
         for p in range((k1 - k0) // 2):
             k = k0 + 2 * p
             i0 = consumer_wait(bufs, ready, it, stamps)
