@@ -65,3 +65,6 @@ def test_traced_launch_stamps_every_tile_in_order_and_computes_the_same_logits()
         assert bool((want > 0).all()) and bool((want <= issued).all()) and bool((issued <= c_has).all())
         assert bool((c_want <= c_has).all())
         assert bool((t[s, n:] == 0).all())  # nothing stamped past this SM's tiles
+    ins = dec.trace.cpu()  # per instruction: start <= dependency met <= outputs stored <= signalled
+    for s, n in enumerate(dec.lens.cpu().tolist()):
+        assert bool((ins[s, :n, 0] > 0).all()) and bool((ins[s, :n, :-1] <= ins[s, :n, 1:]).all())

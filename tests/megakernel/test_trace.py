@@ -10,17 +10,17 @@ from mimw.models.spec import get_preset
 def test_summary_adds_up_waits_busy_times_and_stage_windows():
     prog = build_program(get_preset("tiny-llama"), StepShape((1,), 32), 3)
     words, lens = prog.encode()
-    trace = torch.zeros(3, words.shape[1], 3, dtype=torch.int64)
-    for s in range(3):  # every instruction: 1 us waiting, then 2 us working, back to back; SM s starts s us late
-        t = 1000 * s
+    trace = torch.zeros(3, words.shape[1], 4, dtype=torch.int64)
+    for s in range(3):  # every instruction: 1 us waiting, then 2 us working (the last 0.4 us its release), back to
+        t = 1000 * s    # back; SM s starts s us late
         for i in range(int(lens[s])):
-            trace[s, i] = torch.tensor([t, t + 1000, t + 3000])
+            trace[s, i] = torch.tensor([t, t + 1000, t + 2600, t + 3000])
             t += 3000
     out = summarize(trace, words, lens)
     n = int(lens.sum())
     assert sum(v["count"] for v in out["ops"].values()) == n
     assert all(v["mean_wait_us"] == pytest.approx(1.0) and v["mean_busy_us"] == pytest.approx(2.0)
-               for v in out["ops"].values())
+               and v["mean_release_us"] == pytest.approx(0.4) for v in out["ops"].values())
     assert out["step_us"] == pytest.approx(max(1 + 3 * int(lens[s]) for s in range(3)) + 0.0, abs=3)
     first = out["stages"][0]
     assert first["op"] == "ATTN_IN" and first["layer"] == 0 and first["first_ready_us"] == pytest.approx(1.0)
@@ -108,23 +108,25 @@ def test_tile_summary_splits_each_instructions_busy_time_into_staging_waits_work
     prog = build_program(get_preset("tiny-llama"), StepShape((1,), 32), 3)
     counts = tile_counts(prog, 16, 16)
     tiles = torch.zeros(3, max(map(sum, counts)), 4, dtype=torch.int64)
-    trace = torch.zeros(3, max(len(q) for q in prog.queues), 3, dtype=torch.int64)
+    trace = torch.zeros(3, max(len(q) for q in prog.queues), 4, dtype=torch.int64)
     clock = 0
     for s in range(3):  # every instruction: ready at T, first tile asked for at T + 500, each tile waited for
-        j = 0           # 100 ns and held 300 ns, signalled 700 ns after the last tile's bytes
-        for i, n in enumerate(counts[s]):
-            trace[s, i] = torch.tensor([clock, clock + 50, 0])
+        j = 0           # 100 ns and held 300 ns, outputs stored 700 ns after the last tile's bytes, signalled
+        for i, n in enumerate(counts[s]):  # 200 ns later
+            trace[s, i] = torch.tensor([clock, clock + 50, 0, 0])
             c = clock + 50 + 500
             for _ in range(n):
                 tiles[s, j] = torch.tensor([c - 900, c - 800, c, c + 100])
                 c += 400
                 j += 1
             trace[s, i, 2] = c - 300 + 700 if n else clock + 60
-            clock = int(trace[s, i, 2]) + 10
+            trace[s, i, 3] = trace[s, i, 2] + 200
+            clock = int(trace[s, i, 3]) + 10
     out = summarize_tiles(tiles, prog, 16, 16, trace=trace)
     for op, v in out["phases"].items():
         assert v["staging_us"] == pytest.approx(0.5), op
-        assert v["tail_us"] == pytest.approx(0.7), op
+        assert v["epilogue_us"] == pytest.approx(0.7) and v["release_us"] == pytest.approx(0.2), op
+        assert v["tail_us"] == pytest.approx(0.9), op
         assert v["work_per_tile_us"] == pytest.approx(0.3), op
         n = [c for s in range(3) for c, ins in zip(counts[s], prog.queues[s]) if ins.OP.name == op]
         assert v["data_wait_us"] == pytest.approx(0.1 * sum(n) / len(n)), op

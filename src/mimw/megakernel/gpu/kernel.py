@@ -258,15 +258,18 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2)
             it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY, stamps, PAIRS)
+        if TRACE:
+            t_release = globaltimer()
         if sig >= 0:
             counter_signal(cnt_ptr, sig)
         else:
             gl.thread_barrier()  # hbuf is rewritten by the next instruction
-        if TRACE:  # [start, dependency met, signalled] of instruction i on this SM
-            tb = trace_ptr + (pid * MAXLEN + i) * 3
+        if TRACE:  # [start, dependency met, outputs stored, signalled] of instruction i on this SM
+            tb = trace_ptr + (pid * MAXLEN + i) * 4
             gl.store(tb, t_start)
             gl.store(tb + 1, t_ready)
-            gl.store(tb + 2, globaltimer())
+            gl.store(tb + 2, t_release)
+            gl.store(tb + 3, globaltimer())
     # step bookkeeping: the last CTA to finish moves every counter target on to the next step
     gl.thread_barrier()
     done = gl.atomic_add(cnt_ptr + NCNT, 1, sem="acq_rel", scope="gpu")

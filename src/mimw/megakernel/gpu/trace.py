@@ -1,7 +1,7 @@
 """Reading a per-instruction trace of one megakernel step (``KernelConfig(trace=True)``).
 
-The kernel records, for every instruction, three %globaltimer stamps (ns): when the compute role reached it, when
-its dependency counter was met, and when it signalled. ``summarize`` turns them into what the performance notes
+The kernel records, for every instruction, four %globaltimer stamps (ns): when the compute role reached it, when
+its dependency counter was met, when its outputs were stored (before the release), and when it signalled. ``summarize`` turns them into what the performance notes
 need: per opcode the time spent waiting vs working, per stage (opcode, layer) the window from the first
 instruction becoming ready to the last one finishing, and the critical path per layer: for each stage, the time from
 the previous stage's last instruction finishing to its own last one finishing, averaged over the layers after the
@@ -26,23 +26,27 @@ from ..program import Program
 
 
 def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -> dict:
-    """trace [num_sms, max_len, 3] int64 ns; words/lengths: the encoded program. Times in microseconds."""
+    """trace [num_sms, max_len, 4] int64 ns (start, dependency met, outputs stored, signalled); words/lengths: the
+    encoded program. Times in microseconds; per opcode the wait, the busy time and, within it, the release (outputs
+    stored -> signalled: the barrier and the counter's release, which waits until the stores are visible)."""
     t, w, n = trace.cpu(), words.cpu(), lengths.cpu()
     valid = [(s, i) for s in range(t.shape[0]) for i in range(int(n[s]))]
     t0 = min(int(t[s, i, 0]) for s, i in valid)
-    per_op: dict[str, dict] = defaultdict(lambda: dict(count=0, wait_us=0.0, busy_us=0.0))
+    per_op: dict[str, dict] = defaultdict(lambda: dict(count=0, wait_us=0.0, busy_us=0.0, release_us=0.0))
     stages: dict[tuple[int, int], list[float]] = {}
     for s, i in valid:
         op, layer = isa.Op(int(w[s, i, isa.Word.OP])), int(w[s, i, isa.Word.LAYER])
-        start, ready, done = (int(x) - t0 for x in t[s, i])
+        start, ready, stored, done = (int(x) - t0 for x in t[s, i])
         d = per_op[op.name]
         d["count"] += 1
         d["wait_us"] += (ready - start) / 1e3
         d["busy_us"] += (done - ready) / 1e3
+        d["release_us"] += (done - stored) / 1e3
         win = stages.setdefault((int(op), layer), [ready / 1e3, done / 1e3])
         win[0], win[1] = min(win[0], ready / 1e3), max(win[1], done / 1e3)
-    end = max(int(t[s, i, 2]) for s, i in valid) - t0
-    ops = {k: dict(v, mean_wait_us=v["wait_us"] / v["count"], mean_busy_us=v["busy_us"] / v["count"])
+    end = max(int(t[s, i, 3]) for s, i in valid) - t0
+    ops = {k: dict(v, mean_wait_us=v["wait_us"] / v["count"], mean_busy_us=v["busy_us"] / v["count"],
+                   mean_release_us=v["release_us"] / v["count"])
            for k, v in per_op.items()}
     windows = [dict(op=isa.Op(o).name, layer=l, first_ready_us=a, last_done_us=b)
                for (o, l), (a, b) in sorted(stages.items(), key=lambda kv: kv[1][0])]
@@ -71,9 +75,11 @@ def critical_path(windows: list[dict]) -> dict[str, float]:
 
 
 def format_summary(s: dict, layers: int = 2) -> str:
-    lines = [f"step {s['step_us']:.1f} us", f"{'op':14s} {'count':>6s} {'mean wait us':>13s} {'mean busy us':>13s}"]
+    lines = [f"step {s['step_us']:.1f} us", f"{'op':14s} {'count':>6s} {'mean wait us':>13s} {'mean busy us':>13s} "
+             f"{'of it release':>14s}"]
     for k, v in s["ops"].items():
-        lines.append(f"{k:14s} {v['count']:6d} {v['mean_wait_us']:13.2f} {v['mean_busy_us']:13.2f}")
+        lines.append(f"{k:14s} {v['count']:6d} {v['mean_wait_us']:13.2f} {v['mean_busy_us']:13.2f} "
+                     f"{v['mean_release_us']:14.2f}")
     if s.get("critical_path_us"):
         lines.append("critical path per layer (mean over layers 1..L-1, us): " + ", ".join(
             f"{k} {v:.1f}" for k, v in s["critical_path_us"].items()))
@@ -123,27 +129,29 @@ def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_
     has it); ``windows``: the stage windows of ``summarize`` from the same launch (instruction trace), for the
     issue rate per stage, with its ``origin_ns`` (default: the first tile's request). Times in microseconds;
     fractions of the SMs' total time over the traced span. With the instruction trace itself (``trace``, [num_sms,
-    max_len, 3]: start, dependency met, signalled), each matvec instruction's busy time is split into ``phases``:
-    staging (dependency met -> compute asks for its first tile), data wait (compute waiting for tiles' bytes), work
-    (compute holding a tile until it asks for the next one: loads, arithmetic, the release, row-tile epilogues) and
-    tail (last tile's bytes -> signalled: the last epilogue, stores, the release of the counter); per-instruction
-    means, and ``work_per_tile_us``."""
+    max_len, 4]: start, dependency met, outputs stored, signalled), each matvec instruction's busy time is split
+    into ``phases``: staging (dependency met -> compute asks for its first tile), data wait (compute waiting for
+    tiles' bytes), work (compute holding a tile until it asks for the next one: loads, arithmetic, the slot's
+    release, row-tile epilogues), epilogue (last tile's bytes -> outputs stored) and release (-> signalled: the
+    barrier and the counter's release); ``tail_us`` is the last two; per-instruction means, and
+    ``work_per_tile_us``."""
     t = tiles.cpu().tolist()  # plain lists: an 8B step has ~10^6 tiles
     counts = tile_counts(program, tile_rows, tile_k)
     tile_bytes = tile_rows * tile_k * 2
     ins_t = trace.cpu().tolist() if trace is not None else None
     rec = []  # (op name, want slot, issued, compute wants, compute has) per tile
-    ph: dict[str, list[list[float]]] = defaultdict(list)  # op -> [staging, data wait, work, tail, tiles] per ins
+    ph: dict[str, list[list[float]]] = defaultdict(list)  # op -> [staging, data wait, work, epilogue, release,
+    # tiles] per instruction
     for s, q in enumerate(program.queues):
         k = 0
         for i, (ins, n) in enumerate(zip(q, counts[s])):
             rec.extend((ins.OP.name, *t[s][j]) for j in range(k, k + n))
             if ins_t is not None and n:
-                _, ready, done = ins_t[s][i]
+                _, ready, stored, done = ins_t[s][i]
                 wait = sum(t[s][j][3] - t[s][j][2] for j in range(k, k + n))
                 work = sum(t[s][j + 1][2] - t[s][j][3] for j in range(k, k + n - 1))
                 ph[ins.OP.name].append([(t[s][k][2] - ready) / 1e3, wait / 1e3, work / 1e3,
-                                        (done - t[s][k + n - 1][3]) / 1e3, n])
+                                        (stored - t[s][k + n - 1][3]) / 1e3, (done - stored) / 1e3, n])
             k += n
     if not rec:
         return dict(ops={}, slot_wait_fraction=0.0, data_wait_fraction=0.0, issue_tbps={})
@@ -174,10 +182,10 @@ def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_
                 issue[w["op"]].append(n * tile_bytes / ((b - a) * 1e-6) / 1e12)
     phases = {}
     for op, v in ph.items():
-        m = [sum(x[c] for x in v) / len(v) for c in range(4)]
-        gaps = sum(x[4] - 1 for x in v)
-        phases[op] = dict(staging_us=m[0], data_wait_us=m[1], work_us=m[2], tail_us=m[3],
-                          work_per_tile_us=sum(x[2] for x in v) / gaps if gaps else float("nan"))
+        m = [sum(x[c] for x in v) / len(v) for c in range(5)]
+        gaps = sum(x[5] - 1 for x in v)
+        phases[op] = dict(staging_us=m[0], data_wait_us=m[1], work_us=m[2], epilogue_us=m[3], release_us=m[4],
+                          tail_us=m[3] + m[4], work_per_tile_us=sum(x[2] for x in v) / gaps if gaps else float("nan"))
     return dict(ops=ops, slot_wait_fraction=sum(r[2] - r[1] for r in rec) / total,
                 data_wait_fraction=sum(r[4] - r[3] for r in rec) / total,
                 issue_tbps={op: sum(v) / len(v) for op, v in issue.items()}, phases=phases)
@@ -218,9 +226,9 @@ def format_tiles(s: dict) -> str:
         else:
             lines.append(f"{k:14s} {0:7d} {'':13s} {'':13s} {'':7s} {'':11s} {'':11s} {rate}")
     if s.get("phases"):
-        lines.append("busy time of one instruction (mean, us): staging, waiting for data, work on tiles, tail "
-                     "(last epilogue + signal); work per tile")
+        lines.append("busy time of one instruction (mean, us): staging, waiting for data, work on tiles, last "
+                     "epilogue, release of the counter; work per tile")
         for k, v in s["phases"].items():
             lines.append(f"{k:14s} {v['staging_us']:7.2f} {v['data_wait_us']:7.2f} {v['work_us']:7.2f} "
-                         f"{v['tail_us']:7.2f}   {v['work_per_tile_us']:6.3f}")
+                         f"{v['epilogue_us']:7.2f} {v['release_us']:7.2f}   {v['work_per_tile_us']:6.3f}")
     return "\n".join(lines)
