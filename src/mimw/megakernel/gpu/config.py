@@ -26,7 +26,7 @@ class KernelConfig:
     # +5% with either consumer, session 11)
     dispatch: bool = False  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); not yet measured
-    trace: bool = False  # record [start, dependency met, signalled] per instruction (gpu/trace.py)
+    trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (gpu/trace.py)
     trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
     combine_splits: bool = True  # attention splits combine themselves (no ATTN_REDUCE stage; program.py)
