@@ -316,3 +316,20 @@ def test_counters_wrap_around_int32_without_a_reset():
         assert rel_err(dec.step(tokens.tolist(), [9 + step], tables, random.Random(step)), want) <= 1e-5
     assert dec.state.counters.tolist() == [i32((epoch + 3) * n) for n in counts] + [epoch + 3]
     assert min(dec.state.counters.tolist()) < 0  # some counter did wrap
+
+
+def test_vm_with_fewer_larger_matvec_blocks_matches_reference():
+    """KernelConfig(fixed_cost_kb=96, max_block_kb=1024) (variant tr32-blocks): the scheduler prices an instruction
+    at its measured fixed cost and builds fewer, larger blocks; the program still computes the reference."""
+    from mimw.megakernel.gpu.config import KernelConfig
+
+    big = KernelConfig(fixed_cost_kb=96, max_block_kb=1024).program_config()
+    prog = _vm_against_reference("smollm2-135m", 3, 16, (1,), (14,), big)  # the real widths, two layers
+    small = build_program(prog.spec, StepShape((1,), 14), 3, KernelConfig().program_config())
+    assert len(list(prog.instructions())) < 0.7 * len(list(small.instructions()))
+    llama = get_preset("llama-3.2-1b")
+    default = build_program(llama, StepShape((1,), 1024), 132, KernelConfig().program_config())
+    fewer = build_program(llama, StepShape((1,), 1024), 132,
+                          KernelConfig(fixed_cost_kb=96, max_block_kb=1024).program_config())
+    lm = lambda p: [i for i in p.instructions() if i.OP == isa.Op.LM_HEAD]  # noqa: E731
+    assert sum(i.nrows for i in lm(fewer)) == llama.vocab_size and len(lm(fewer)) < len(lm(default)) // 2
