@@ -25,7 +25,7 @@ def test_megakernel_matches_reference_over_64_steps(model, context, consumer):
     from mimw.megakernel.gpu.config import KernelConfig
 
     spec = get_preset(model)
-    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), mma=consumer == "mma")
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), mma=1 if consumer == "mma" else 0)
     r = check_decode(spec, context, steps=64, kcfg=kcfg)
     assert r.finite, r
     assert r.bit_identical, f"repeated launches differ (race): {r}"
