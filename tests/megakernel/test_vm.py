@@ -333,3 +333,9 @@ def test_vm_with_fewer_larger_matvec_blocks_matches_reference():
                           KernelConfig(fixed_cost_kb=96, max_block_kb=1024).program_config())
     lm = lambda p: [i for i in p.instructions() if i.OP == isa.Op.LM_HEAD]  # noqa: E731
     assert sum(i.nrows for i in lm(fewer)) == llama.vocab_size and len(lm(fewer)) < len(lm(default)) // 2
+
+
+def test_lm_head_blocks_need_not_signal_a_counter_nobody_waits_on():
+    prog = _vm_against_reference("tiny-llama", 3, 16, (1,), (14,), ProgramConfig(tile_k=16, signal_logits=False))
+    assert all(i.signal == isa.NO_COUNTER for i in prog.instructions() if i.OP == isa.Op.LM_HEAD)
+    assert not any(c.name == "lm_head" for c in prog.counters)

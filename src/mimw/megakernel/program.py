@@ -58,6 +58,8 @@ class ProgramConfig:
     fixed_cost_bytes: int = 16 * 1024  # per-instruction overhead in the cost model (a counter hop ~ 0.6 us)
     ticket_cost_bytes: int = 64 * 1024  # extra per ticketed part: acq_rel ticket + the finisher's reads (~2 us, H200)
     combine_splits: bool = True  # ATTN_PARTIAL splits combine themselves (ticket) instead of an ATTN_REDUCE stage
+    signal_logits: bool = True  # LM_HEAD blocks signal a counter; no instruction waits on it (the launch's end
+    # publishes the logits), so False spares each block the release (its barrier and fenced atomic)
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
 
 
@@ -263,7 +265,7 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         stages.append([DownProj(layer=l, row0=r, nrows=n, wait=mlp, wait_count=len(mlp_blocks), signal=down)
                        for r, n in down_blocks])
         prev, prev_n = down, len(down_blocks)
-    lm = counter("lm_head", len(lm_blocks))
+    lm = counter("lm_head", len(lm_blocks)) if cfg.signal_logits else isa.NO_COUNTER
     stages.append([LmHead(layer=0, row0=r, nrows=n, wait=prev, wait_count=prev_n, signal=lm) for r, n in lm_blocks])
 
     queues: list[list[Instruction]] = [[] for _ in range(num_sms)]

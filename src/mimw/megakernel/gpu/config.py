@@ -33,6 +33,7 @@ class KernelConfig:
     fixed_cost_kb: int = 16  # the scheduler's per-instruction cost in weight kilobytes (ProgramConfig); session 11
     # measured 2-5 us of staging + tail per matvec instruction, ~70-170 KB at an SM's HBM share
     max_block_kb: int = 256  # cap on one matvec instruction's weight kilobytes (ProgramConfig.max_block_bytes)
+    signal_logits: bool = True  # LM_HEAD blocks signal a counter nobody waits on (ProgramConfig.signal_logits)
     tile_major: bool = True  # TILED: weights stored tile-major, every TMA load one contiguous block (pack.py;
     # measured -1.7% (1B) / -2.3% (8B) against row-major at e2809b0, bench/NOTES.md)
     mma: int = 1  # matvec consumer: 1 tensor cores (matvec.dot_tile_mma: each tile-major [TR, TK] block loaded as a
@@ -68,7 +69,7 @@ class KernelConfig:
     def program_config(self) -> ProgramConfig:
         return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
                              combine_splits=self.combine_splits, fixed_cost_bytes=self.fixed_cost_kb * 1024,
-                             max_block_bytes=self.max_block_kb * 1024)
+                             max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows

@@ -70,6 +70,7 @@ VARIANTS = {
     "tr32-fma": KernelConfig(mma=0),  # matvec tiles on the CUDA cores (the default until session 11)
     "tr32-mma": KernelConfig(mma=1),  # matvec tiles on the tensor cores (matvec.dot_tile_mma)
     "tr32-dispatch": KernelConfig(dispatch=True),  # next instruction's words early; met waits not polled again
+    "tr32-nosig": KernelConfig(signal_logits=False),  # LM_HEAD blocks skip the release nobody waits on
     "tr32-blocks": KernelConfig(fixed_cost_kb=96, max_block_kb=1024),  # fewer, larger matvec blocks (1B: 62
     # instructions an SM instead of 89; 8B: 178 instead of 364)
     "tr32-mma2": KernelConfig(mma=2),  # the same, ring slots released two at a time
