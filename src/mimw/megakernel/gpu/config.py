@@ -38,7 +38,7 @@ class KernelConfig:
     # measured -1.7% (1B) / -2.3% (8B) against row-major at e2809b0, bench/NOTES.md)
     mma: int = 1  # matvec consumer: 1 tensor cores (matvec.dot_tile_mma: each tile-major [TR, TK] block loaded as a
     # folded [TR * TK / 32, 32] matrix; needs tile_major; measured -3.3% (1B) / -4.6% (8B) against 0 at bbc65b6);
-    # 0 CUDA-core FMAs; 2 tensor cores with ring slots released in pairs (measured slower than 1)
+    # 0 CUDA-core FMAs
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, page_size: int = 16) -> "KernelConfig":
@@ -84,8 +84,8 @@ class KernelConfig:
             raise ValueError("l2_mlp_ahead needs tile-major weights (tile_major=True)")
         if not 0 <= self.l2_mlp_ahead <= 32:
             raise ValueError(f"l2_mlp_ahead={self.l2_mlp_ahead}: one tile per loader lane, 0..32")
-        if self.mma not in (0, 1, 2):
-            raise ValueError(f"mma={self.mma}: 0 (CUDA cores), 1 (tensor cores) or 2 (tensor cores, paired release)")
+        if self.mma not in (0, 1):
+            raise ValueError(f"mma={self.mma}: 0 (CUDA cores) or 1 (tensor cores)")
         if self.mma:
             if not self.tile_major:
                 raise ValueError("mma needs tile-major weights (tile_major=True)")
@@ -125,7 +125,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
-        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, PAIRS=kcfg.mma == 2,
+        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead,
         DISPATCH=kcfg.dispatch,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,

@@ -14,18 +14,18 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .orchestration import consumer_acquire, consumer_release, consumer_wait
+from .orchestration import consumer_acquire, consumer_release
 
 
 @gluon.jit
-def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None, PAIRS: gl.constexpr = False):
+def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None):
     """One row tile: sum over column tiles [k0, k1) of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it').
     The ring's slot shape selects the consumer: [TR, TK] slots are reduced on the CUDA cores (bf16 -> fp32 converts
     and FMAs), folded [TR * TK / FK, FK] slots on the tensor cores (``dot_tile_mma``)."""
     if bufs.type.shape[2] == hbuf.type.shape[1]:
         out, it = _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
     else:
-        out, it = dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, PAIRS)
+        out, it = dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
     return out, it
 
 
@@ -44,15 +44,15 @@ def _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamp
 
 
 @gluon.jit
-def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None, PAIRS: gl.constexpr = False):
+def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None):
     """``dot_tile`` on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). A tile-major [TR, TK] block
     read as a row-major [FR, FK] matrix (FK = 32, FR = TR * NF, NF = TK / FK folds) has row NF r + j = W[r, FK j ..
     FK j + FK): the TMA descriptor describes the same bytes that way (``KernelConfig.tile_box``). Against the
     staged chunk read as B = [FK, NF] (column j = h[FK j .. FK j + FK)), D = A B holds in D[NF r + j, j] row r's
     partial dot over fold j, so row r = sum_j D[NF r + j, j]. Per tile each warp issues FR / 16 / num_warps * 2
-    ldmatrix.x4 and as many mma.sync, instead of TR * TK / 32 / num_warps converts and FMAs per thread. ``PAIRS``:
-    both tiles of a pair are waited for and loaded before their two releases (triton 3.6 still places a barrier
-    before each arrive; measured slower than one tile at a time, bench/NOTES.md session 11)."""
+    ldmatrix.x4 and as many mma.sync, instead of TR * TK / 32 / num_warps converts and FMAs per thread. Releasing slots
+    in pairs was measured slower (triton 3.6 places a barrier before every arrive anyway; bench/NOTES.md, session
+    11)."""
     FR: gl.constexpr = bufs.type.shape[1]
     FK: gl.constexpr = bufs.type.shape[2]
     TK: gl.constexpr = hbuf.type.shape[1]
@@ -65,23 +65,7 @@ def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps
     # the staged vector as [column tile, fold, FK]: one column tile's chunk is the [NF, FK] matrix B^T
     h3 = hbuf._reinterpret(gl.bfloat16, [hbuf.type.shape[0], NF, FK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     acc = gl.zeros([FR, NF], gl.float32, MMA)
-    if PAIRS:  # both waits, all loads, then the two releases
-        for p in range((k1 - k0) // 2):
-            k = k0 + 2 * p
-            i0 = consumer_wait(bufs, ready, it, stamps)
-            i1 = consumer_wait(bufs, ready, it + 1, stamps)
-            a0 = bufs.index(i0).load(AL)
-            a1 = bufs.index(i1).load(AL)
-            b0 = h3.index(k).permute((1, 0)).load(BL)
-            b1 = h3.index(k + 1).permute((1, 0)).load(BL)
-            consumer_release(empty, i0)
-            consumer_release(empty, i1)
-            acc = mma_v2(a1, b1, mma_v2(a0, b0, acc))
-            it += 2
-        k_rest = k1 - (k1 - k0) % 2
-    else:
-        k_rest = k0
-    for k in range(k_rest, k1):
+    for k in range(k0, k1):
         a, idx = consumer_acquire(bufs, ready, it, AL, stamps)
         b = h3.index(k).permute((1, 0)).load(BL)
         consumer_release(empty, idx)
@@ -166,7 +150,7 @@ def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.con
 
 @gluon.jit
 def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
-                  LAY: gl.constexpr, stamps=None, PAIRS: gl.constexpr = False):
+                  LAY: gl.constexpr, stamps=None):
     """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h, tile by tile (the residual is x itself, or for
     layer 0's O_PROJ the bf16 embedding row). Each row tile's residual is requested before its dot product, so
     its round trip overlaps the tile loop."""
@@ -178,31 +162,29 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
             res = gl.load(res_ptr + rows).to(gl.float32)
         else:
             res = gl.load(x_ptr + rows, cache_modifier=".cg")
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps, PAIRS)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
         gl.store(x_ptr + rows, res + acc)
     return it
 
 
 @gluon.jit
-def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl.constexpr, stamps=None,
-               PAIRS: gl.constexpr = False):
+def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl.constexpr, stamps=None):
     """LM_HEAD: out[rows] = W[rows] . h."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps, PAIRS)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
         gl.store(out_ptr + row0 + r * TR + offs_r, acc)
     return it
 
 
 @gluon.jit
-def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl.constexpr, stamps=None,
-               PAIRS: gl.constexpr = False):
+def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl.constexpr, stamps=None):
     """MLP_IN: every row tile holds TR/2 gate rows then the TR/2 up rows of the same outputs (pack.py), so one tile
     yields TR/2 outputs act[rows] = silu(gate . h) * (up . h) and MLP_IN blocks come in TR/2-row steps."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     for t in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps, PAIRS)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
         a2 = gl.reshape(acc, [2, TR // 2])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
         h = gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, a2.type.layout)), 1)
         g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
@@ -214,14 +196,14 @@ def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl
 
 @gluon.jit
 def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: gl.constexpr, HD: gl.constexpr,
-             LAY: gl.constexpr, stamps=None, PAIRS: gl.constexpr = False):
+             LAY: gl.constexpr, stamps=None):
     """ATTN_IN, every part (M = 1): qkv_part[part, head] = W[head rows, column tiles k0..k1) . h, fp32 to global
     scratch (the head's finisher may run on another SM)."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     out = qkvp_ptr + (part * NQKV + head) * HD
     for r in gl.static_range(HD // TR):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, PAIRS)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
         gl.store(out + r * TR + offs_r, acc)
     return it
 

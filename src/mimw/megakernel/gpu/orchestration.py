@@ -123,9 +123,10 @@ def l2_prefetch(ptrs, nbytes):
 
 
 @gluon.jit
-def consumer_wait(bufs, ready, it, stamps=None):
-    """Compute: wait until tile ``it``'s bytes are in its slot; returns the slot index. ``stamps`` (tile trace):
-    compute's time before and after the wait go to ``stamps[4 it + 2]`` and ``stamps[4 it + 3]``."""
+def consumer_acquire(bufs, ready, it, layout: gl.constexpr, stamps=None):
+    """Compute: wait for tile ``it`` and read it into registers with ``layout``. Returns (tile, slot index).
+    ``stamps`` (tile trace): compute's time before and after the wait for the tile's bytes go to
+    ``stamps[4 it + 2]`` and ``stamps[4 it + 3]``."""
     NB: gl.constexpr = bufs.type.shape[0]
     idx = it % NB
     if stamps is not None:
@@ -133,13 +134,6 @@ def consumer_wait(bufs, ready, it, stamps=None):
     mbarrier.wait(ready.index(idx), (it // NB) & 1)
     if stamps is not None:
         stamp(stamps + 4 * it + 3)
-    return idx
-
-
-@gluon.jit
-def consumer_acquire(bufs, ready, it, layout: gl.constexpr, stamps=None):
-    """Compute: wait for tile ``it`` and read it into registers with ``layout``. Returns (tile, slot index)."""
-    idx = consumer_wait(bufs, ready, it, stamps)
     return bufs.index(idx).load(layout), idx
 
 

@@ -1,11 +1,12 @@
 """Reading a per-instruction trace of one megakernel step (``KernelConfig(trace=True)``).
 
 The kernel records, for every instruction, four %globaltimer stamps (ns): when the compute role reached it, when
-its dependency counter was met, when its outputs were stored (before the release), and when it signalled. ``summarize`` turns them into what the performance notes
-need: per opcode the time spent waiting vs working, per stage (opcode, layer) the window from the first
-instruction becoming ready to the last one finishing, and the critical path per layer: for each stage, the time from
-the previous stage's last instruction finishing to its own last one finishing, averaged over the layers after the
-first (layer 0 starts cold) — the step's dependency chain, measured, stage by stage.
+its dependency counter was met, when its outputs were stored (before the release), and when it signalled.
+``summarize`` turns them into what the performance notes need: per opcode the time spent waiting vs working, per
+stage (opcode, layer) the window from the first instruction becoming ready to the last one finishing, and the
+critical path per layer: for each stage, the time from the previous stage's last instruction finishing to its own
+last one finishing, averaged over the layers after the first (layer 0 starts cold) — the step's dependency chain,
+measured, stage by stage.
 
 With ``KernelConfig(trace_tiles=True)`` it also records four stamps per weight tile, indexed by the ring's running
 tile counter: when the loader wanted the tile's slot and when it got it (the TMA is issued at once), and when
