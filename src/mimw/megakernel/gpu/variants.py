@@ -73,6 +73,7 @@ VARIANTS = {
     "tr32-nosig": KernelConfig(signal_logits=False),  # LM_HEAD blocks skip the release nobody waits on
     "tr32-blocks": KernelConfig(fixed_cost_kb=96, max_block_kb=1024),  # fewer, larger matvec blocks (1B: 62
     # instructions an SM instead of 89; 8B: 178 instead of 364)
+    "tr32-all3": KernelConfig(dispatch=True, signal_logits=False, fixed_cost_kb=96, max_block_kb=1024),  # all three
     "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
