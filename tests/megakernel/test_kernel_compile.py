@@ -103,12 +103,15 @@ def test_folded_view_of_a_tile_major_block_is_the_tile_row_by_row():
 
 
 @pytest.mark.slow
-def test_early_dispatch_compiles_without_spills_and_the_default_kernel_is_unchanged_by_it():
+def test_early_dispatch_is_the_default_and_compiles_without_spills_either_way():
     spec = get_preset("llama-3.2-1b")
-    ptx = compile_sm90a(spec, KernelConfig(dispatch=True)).asm["ptx"]
+    assert KernelConfig().dispatch
+    ptx = compile_sm90a(spec, KernelConfig()).asm["ptx"]
     rep = ptxas_report(ptx)
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
-    assert ptx.count("ld.global") > compile_sm90a(spec, KernelConfig()).asm["ptx"].count("ld.global")  # the early fetch
+    off = compile_sm90a(spec, KernelConfig(dispatch=False)).asm["ptx"]
+    assert ptxas_report(off)["spill_stores"] == 0
+    assert ptx.count("ld.global") > off.count("ld.global")  # the early fetch
 
 
 def test_ring_is_as_deep_as_shared_memory_allows_and_an_explicit_one_must_fit():

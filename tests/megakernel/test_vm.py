@@ -319,20 +319,21 @@ def test_counters_wrap_around_int32_without_a_reset():
 
 
 def test_vm_with_fewer_larger_matvec_blocks_matches_reference():
-    """KernelConfig(fixed_cost_kb=96, max_block_kb=1024) (variant tr32-blocks): the scheduler prices an instruction
-    at its measured fixed cost and builds fewer, larger blocks; the program still computes the reference."""
+    """The default KernelConfig (fixed_cost_kb=96, max_block_kb=1024, measured at a4a86e4) prices an instruction at
+    its measured fixed cost and builds fewer, larger blocks than session 11's 16 KB / 256 KB; the program still
+    computes the reference."""
     from mimw.megakernel.gpu.config import KernelConfig
 
-    big = KernelConfig(fixed_cost_kb=96, max_block_kb=1024).program_config()
+    old = dict(fixed_cost_kb=16, max_block_kb=256)
+    big = KernelConfig().program_config()
     prog = _vm_against_reference("smollm2-135m", 3, 16, (1,), (14,), big)  # the real widths, two layers
-    small = build_program(prog.spec, StepShape((1,), 14), 3, KernelConfig().program_config())
+    small = build_program(prog.spec, StepShape((1,), 14), 3, KernelConfig(**old).program_config())
     assert len(list(prog.instructions())) < 0.7 * len(list(small.instructions()))
     llama = get_preset("llama-3.2-1b")
-    default = build_program(llama, StepShape((1,), 1024), 132, KernelConfig().program_config())
-    fewer = build_program(llama, StepShape((1,), 1024), 132,
-                          KernelConfig(fixed_cost_kb=96, max_block_kb=1024).program_config())
+    before = build_program(llama, StepShape((1,), 1024), 132, KernelConfig(**old).program_config())
+    fewer = build_program(llama, StepShape((1,), 1024), 132, KernelConfig().program_config())
     lm = lambda p: [i for i in p.instructions() if i.OP == isa.Op.LM_HEAD]  # noqa: E731
-    assert sum(i.nrows for i in lm(fewer)) == llama.vocab_size and len(lm(fewer)) < len(lm(default)) // 2
+    assert sum(i.nrows for i in lm(fewer)) == llama.vocab_size and len(lm(fewer)) < len(lm(before)) // 2
 
 
 def test_lm_head_blocks_need_not_signal_a_counter_nobody_waits_on():

@@ -24,16 +24,19 @@ class KernelConfig:
     l2_mlp_ahead: int = 0  # L2_MLP: tiles past the ring prefetched into L2 at a layer's first MLP_IN block on
     # each SM, while compute is in attention (kernel._mlp_tiles_past_ring; needs tile_major; measured neutral to
     # +5% with either consumer, session 11)
-    dispatch: bool = False  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
-    # does not poll again a dependency it already saw met (consecutive blocks of one stage); not yet measured
+    dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
+    # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
+    # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
     trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (gpu/trace.py)
     trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
     combine_splits: bool = True  # attention splits combine themselves (no ATTN_REDUCE stage; program.py)
-    fixed_cost_kb: int = 16  # the scheduler's per-instruction cost in weight kilobytes (ProgramConfig); session 11
-    # measured 2-5 us of staging + tail per matvec instruction, ~70-170 KB at an SM's HBM share
-    max_block_kb: int = 256  # cap on one matvec instruction's weight kilobytes (ProgramConfig.max_block_bytes)
-    signal_logits: bool = True  # LM_HEAD blocks signal a counter nobody waits on (ProgramConfig.signal_logits)
+    fixed_cost_kb: int = 96  # the scheduler's per-instruction cost in weight kilobytes (ProgramConfig); session 11
+    # measured 2-5 us of staging + tail per matvec instruction, ~70-170 KB at an SM's HBM share. With max_block_kb
+    # 1024 (1B: 62 instructions an SM instead of 89) measured -3.6% (1B) / -1.5% (8B) against 16 and 256, a4a86e4
+    max_block_kb: int = 1024  # cap on one matvec instruction's weight kilobytes (ProgramConfig.max_block_bytes)
+    signal_logits: bool = False  # LM_HEAD blocks signal a counter nobody waits on (ProgramConfig.signal_logits);
+    # False measured -1.7% (1B) / -0.2% (8B), a4a86e4
     tile_major: bool = True  # TILED: weights stored tile-major, every TMA load one contiguous block (pack.py;
     # measured -1.7% (1B) / -2.3% (8B) against row-major at e2809b0, bench/NOTES.md)
     mma: int = 1  # matvec consumer: 1 tensor cores (matvec.dot_tile_mma: each tile-major [TR, TK] block loaded as a

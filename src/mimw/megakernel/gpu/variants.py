@@ -69,11 +69,8 @@ VARIANTS = {
     "default": KernelConfig(),  # what MegakernelDecoder runs for 32-row shapes
     "tr32-fma": KernelConfig(mma=0),  # matvec tiles on the CUDA cores (the default until session 11)
     "tr32-mma": KernelConfig(mma=1),  # matvec tiles on the tensor cores (matvec.dot_tile_mma)
-    "tr32-dispatch": KernelConfig(dispatch=True),  # next instruction's words early; met waits not polled again
-    "tr32-nosig": KernelConfig(signal_logits=False),  # LM_HEAD blocks skip the release nobody waits on
-    "tr32-blocks": KernelConfig(fixed_cost_kb=96, max_block_kb=1024),  # fewer, larger matvec blocks (1B: 62
-    # instructions an SM instead of 89; 8B: 178 instead of 364)
-    "tr32-all3": KernelConfig(dispatch=True, signal_logits=False, fixed_cost_kb=96, max_block_kb=1024),  # all three
+    # session 11's default (before a4a86e4's run): no early dispatch, LM_HEAD signals, 16 KB fixed cost, 256 KB blocks
+    "tr32-s11": KernelConfig(dispatch=False, signal_logits=True, fixed_cost_kb=16, max_block_kb=256),
     "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
