@@ -128,3 +128,12 @@ def test_default_tiles_fit_every_preset_with_a_head_of_32_or_more():
     for spec in PRESETS.values():
         if spec.head_dim >= 32:
             KernelConfig.for_spec(spec).check(spec)
+
+
+def test_inflight_cap_compiles_without_spills_and_must_be_smaller_than_the_ring():
+    spec = get_preset("llama-3.2-1b")
+    ptx = compile_sm90a(spec, KernelConfig(inflight=4)).asm["ptx"]
+    assert ptxas_report(ptx)["spill_stores"] == 0
+    assert ptx != compile_sm90a(spec, KernelConfig()).asm["ptx"]  # the loader's wait for tile it - 4's bytes
+    with pytest.raises(ValueError, match="inflight=10"):
+        KernelConfig(inflight=10).check(spec)  # the default ring has 10 slots

@@ -24,6 +24,9 @@ class KernelConfig:
     l2_mlp_ahead: int = 0  # L2_MLP: tiles past the ring prefetched into L2 at a layer's first MLP_IN block on
     # each SM, while compute is in attention (kernel._mlp_tiles_past_ring; needs tile_major; measured neutral to
     # +5% with either consumer, session 11)
+    inflight: int = 0  # INFLIGHT: weight tiles the loader may have requested and not yet landed (0: the ring's NB);
+    # fewer requests queued in the memory system should shorten every round trip the step's hops make (the
+    # counter release's MEMBAR, the polls, the staging loads); not yet measured
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
@@ -87,6 +90,9 @@ class KernelConfig:
             raise ValueError("l2_mlp_ahead needs tile-major weights (tile_major=True)")
         if not 0 <= self.l2_mlp_ahead <= 32:
             raise ValueError(f"l2_mlp_ahead={self.l2_mlp_ahead}: one tile per loader lane, 0..32")
+        if not 0 <= self.inflight < self.ring_slots(spec):
+            raise ValueError(f"inflight={self.inflight}: 0 (the whole ring) or fewer tiles than the ring's "
+                             f"{self.ring_slots(spec)} slots")
         if self.mma not in (0, 1):
             raise ValueError(f"mma={self.mma}: 0 (CUDA cores) or 1 (tensor cores)")
         if self.mma:
@@ -128,7 +134,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
-        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead,
+        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, INFLIGHT=kcfg.inflight,
         DISPATCH=kcfg.dispatch,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,

@@ -65,13 +65,20 @@ def stamp(ptr):
 
 
 @gluon.jit
-def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None):
+def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT: gl.constexpr = 0):
     """Loader: wait for slot it % NB to be free, then TMA the [rows, cols] box at (row, col) of ``desc`` into it.
     Returns it + 1. ``stamps`` (tile trace, trace.py): the loader's time before and after the wait for the slot go
-    to ``stamps[4 it]`` and ``stamps[4 it + 1]``."""
+    to ``stamps[4 it]`` and ``stamps[4 it + 1]``. ``INFLIGHT`` > 0 caps the tiles requested but not yet landed:
+    tile it is issued only once tile it - INFLIGHT has landed (its ``ready`` phase; the slot of that tile is not
+    reissued before tile it - INFLIGHT + NB > it, so the parity cannot have moved on). The ring still buffers NB
+    landed tiles; only the requests queued in the memory system are bounded."""
     NB: gl.constexpr = bufs.type.shape[0]
     idx = it % NB
     ph = (it // NB) & 1
+    if INFLIGHT > 0:
+        if it >= INFLIGHT:
+            j = it - INFLIGHT
+            mbarrier.wait(ready.index(j % NB), (j // NB) & 1)
     if stamps is not None:
         stamp(stamps + 4 * it)
     mbarrier.wait(empty.index(idx), ph ^ 1)
@@ -84,18 +91,19 @@ def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None):
 
 @gluon.jit
 def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: gl.constexpr, TK: gl.constexpr,
-                  stamps=None):
+                  stamps=None, INFLIGHT: gl.constexpr = 0):
     """Loader: stream rows [row0, row0 + n_row_tiles*TR) of ``desc``, row tile by row tile, column tiles [k0, k1)
     of each."""
     for r in range(n_row_tiles):
         for k in range(k0, k1):
-            it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it, stamps)
+            it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it, stamps, INFLIGHT)
     return it
 
 
 @gluon.jit
 def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs, empty, ready, it,
-                         TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, stamps=None):
+                         TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, stamps=None,
+                         INFLIGHT: gl.constexpr = 0):
     """``producer_rows`` over a [*, K] weight matrix. ``TILED``: the matrix is stored tile-major
     (``pack.tile_major``: tile (row tile R, column tile c) is the contiguous [TR, TK] block number R * KT + c of a
     [*, TK] matrix, which ``desc`` describes — or of the same bytes as a [*, 32] matrix, TR * TK / 32 rows a tile,
@@ -106,9 +114,10 @@ def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs,
         BR: gl.constexpr = desc.block_type.shape[0]  # rows of one tile in desc's view: TR, or TR * TK / 32 folded
         for r in range(n_row_tiles):
             for k in range(k0, k1):
-                it = producer_load(desc, ((row0 // TR + r) * KT + k) * BR, 0, bufs, empty, ready, it, stamps)
+                it = producer_load(desc, ((row0 // TR + r) * KT + k) * BR, 0, bufs, empty, ready, it, stamps,
+                                   INFLIGHT)
     else:
-        it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK, stamps)
+        it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK, stamps, INFLIGHT)
     return it
 
 

@@ -71,6 +71,11 @@ VARIANTS = {
     "tr32-mma": KernelConfig(mma=1),  # matvec tiles on the tensor cores (matvec.dot_tile_mma)
     # session 11's default (before a4a86e4's run): no early dispatch, LM_HEAD signals, 16 KB fixed cost, 256 KB blocks
     "tr32-s11": KernelConfig(dispatch=False, signal_logits=True, fixed_cost_kb=16, max_block_kb=256),
+    # at most this many weight tiles requested and not landed per SM (the ring still buffers 10)
+    "tr32-if2": KernelConfig(inflight=2),
+    "tr32-if3": KernelConfig(inflight=3),
+    "tr32-if4": KernelConfig(inflight=4),
+    "tr32-if6": KernelConfig(inflight=6),
     "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
