@@ -76,6 +76,7 @@ VARIANTS = {
     "tr32-if3": KernelConfig(inflight=3),
     "tr32-if4": KernelConfig(inflight=4),
     "tr32-if6": KernelConfig(inflight=6),
+    "tr32-if4-deep": KernelConfig(inflight=4, ring=0),  # and the deepest ring that fits (12 slots 1B, 11 8B)
     "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
