@@ -137,3 +137,13 @@ def test_inflight_cap_compiles_without_spills_and_must_be_smaller_than_the_ring(
     assert ptx != compile_sm90a(spec, KernelConfig()).asm["ptx"]  # the loader's wait for tile it - 4's bytes
     with pytest.raises(ValueError, match="inflight=10"):
         KernelConfig(inflight=10).check(spec)  # the default ring has 10 slots
+
+
+def test_versioned_act_words_compile_without_spills_and_without_a_fence_between_mlp_in_and_down_proj():
+    for name in ("llama-3.2-1b", "smollm2-135m"):
+        spec = get_preset(name)
+        ptx = compile_sm90a(spec, KernelConfig(flag_act=True)).asm["ptx"]
+        assert ptxas_report(ptx)["spill_stores"] == 0
+        assert "st.relaxed.gpu.global.b64" in ptx and "ld.relaxed.gpu.global.b64" in ptx
+        base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+        assert "relaxed.gpu.global.b64" not in base

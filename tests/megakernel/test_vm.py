@@ -340,3 +340,52 @@ def test_lm_head_blocks_need_not_signal_a_counter_nobody_waits_on():
     prog = _vm_against_reference("tiny-llama", 3, 16, (1,), (14,), ProgramConfig(tile_k=16, signal_logits=False))
     assert all(i.signal == isa.NO_COUNTER for i in prog.instructions() if i.OP == isa.Op.LM_HEAD)
     assert not any(c.name == "lm_head" for c in prog.counters)
+
+
+@pytest.mark.parametrize("name,num_sms,seg_lens,contexts", [("tiny-llama", 5, (1,), (14,)),
+                                                             ("tiny-qwen3", 7, (1, 1), (20, 9)),
+                                                             ("smollm2-135m", 3, (1,), (14,))])
+def test_vm_with_versioned_act_words_matches_reference(name, num_sms, seg_lens, contexts):
+    """ProgramConfig(flag_act=True): MLP_IN -> DOWN_PROJ through versioned words; DOWN_PROJ waits on the words'
+    versions (and on the O_PROJ counter MLP_IN already waited on), MLP_IN signals nothing."""
+    tk = 256 if name == "smollm2-135m" else 16
+    prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts, ProgramConfig(tile_k=tk, flag_act=True))
+    mlp = [i for i in prog.instructions() if i.OP == isa.Op.MLP_IN]
+    down = [i for i in prog.instructions() if i.OP == isa.Op.DOWN_PROJ]
+    assert all(i.signal == isa.NO_COUNTER and i.flags == isa.WRITES_VERSIONED for i in mlp)
+    assert all(i.flags == isa.READS_VERSIONED for i in down)
+    assert {prog.counters[i.wait].name.split(".")[1] for i in down} == {"o_proj"}
+    assert not any("mlp_in" in c.name for c in prog.counters)
+
+
+def test_a_versioned_reader_that_stops_waiting_for_its_words_is_caught():
+    """Clearing DOWN_PROJ's READS_VERSIONED bit leaves it only the O_PROJ counter: some interleaving runs it
+    before every MLP_IN block wrote act, and data readiness catches the read."""
+    spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
+    prog = build_program(spec, StepShape((1,)), 5, ProgramConfig(tile_k=16, flag_act=True))
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.DOWN_PROJ, lambda ins: ins.layer == 1)
+    words[s, i, isa.Word.C] = 0
+    vm = VM(prog, w, cache, (words, lengths))
+    for seed in range(20):
+        state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
+        state.fill([3], [14], tables, (1,))
+        try:
+            vm.run_step(state, scratch, random.Random(seed))
+        except DependencyError as e:
+            assert "reads act" in str(e)
+            return
+    pytest.fail("a DOWN_PROJ that does not wait for its versioned words went unnoticed in 20 interleavings")
+
+
+def test_a_versioned_word_that_is_never_written_is_a_deadlock():
+    spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
+    prog = build_program(spec, StepShape((1,)), 3, ProgramConfig(tile_k=16, flag_act=True))
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.MLP_IN, lambda ins: ins.layer == 0)
+    words[s, i, isa.Word.OP] = int(isa.Op.NOP)  # one block of act is never written
+    vm = VM(prog, w, cache, (words, lengths))
+    state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
+    state.fill([3], [14], tables, (1,))
+    with pytest.raises(DeadlockError, match="versioned words"):
+        vm.run_step(state, scratch)

@@ -6,8 +6,10 @@ exported by ``kernel_constants()`` (taken from the enums below), so the Python s
 drift apart. The PyTorch VM (``vm.py``) executes the same encoded words.
 
 Dependencies are counters in global memory (``Word.WAIT``/``Word.WAIT_COUNT``): an instruction may start once
-counter WAIT has reached ``(epoch + 1) * WAIT_COUNT`` (wrap-safe: ``int32(counter - target) >= 0``), and it adds 1 to counter ``Word.SIGNAL`` when its outputs are
-stored (release). Every counter is signalled exactly ``WAIT_COUNT`` times per step, so counters never need a reset
+counter WAIT has reached ``(epoch + 1) * WAIT_COUNT`` (wrap-safe: ``int32(counter - target) >= 0``), and it adds 1
+to counter ``Word.SIGNAL`` when its outputs are stored (release). A matvec may instead take its input as versioned
+words (``RowBlock.flags``, ``READS_VERSIONED``): then it also waits until every word it reads carries the version
+of its layer in this step, and the producers (``WRITES_VERSIONED``) signal nothing. Every counter is signalled exactly ``WAIT_COUNT`` times per step, so counters never need a reset
 launch: step number ``epoch`` simply waits for the next multiple (see docs/megakernel.md).
 
 Instructions (M = tokens in the step, D = hidden, hd = head_dim, G = query heads per KV head):
@@ -59,7 +61,7 @@ class Word(IntEnum):
     LAYER = 1
     A = 2  # ATTN_IN: head (q heads, then k heads, then v heads); PARTIAL/REDUCE: kv head; matvecs: first row
     B = 3  # ATTN_IN: column part; PARTIAL/REDUCE: segment; matvecs: number of rows
-    C = 4  # ATTN_IN: number of column parts; PARTIAL: split index
+    C = 4  # ATTN_IN: number of column parts; PARTIAL: split index; matvecs: versioned-word flags (RowBlock)
     D = 5  # ATTN_IN: ticket counter (-1: one part, no ticket); PARTIAL/REDUCE: number of splits of the segment
     WAIT = 6  # counter to wait on, -1 for none
     WAIT_COUNT = 7  # signals that counter receives per step
@@ -69,6 +71,13 @@ class Word(IntEnum):
 
 
 NO_COUNTER = -1
+
+# RowBlock.flags: the activation vector between MLP_IN and DOWN_PROJ as *versioned words* (the LL protocol of
+# NCCL). Each element is one 64-bit word (version << 32 | fp32 bits), stored single-copy atomic, so a reader that
+# sees the version it expects also sees the value: no counter, no release fence, no poll.
+READS_VERSIONED = 1  # the input vector is read as versioned words: the instruction also waits until every word
+#                      it reads carries its layer's version (besides its counter wait, if any)
+WRITES_VERSIONED = 2  # the outputs are stored as versioned words (and signal no counter)
 
 
 @dataclass(frozen=True)
@@ -162,7 +171,8 @@ class RowBlock(Instruction):
     layer: int = 0
     row0: int = 0
     nrows: int = 0
-    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "row0": Word.A, "nrows": Word.B}
+    flags: int = 0  # READS_VERSIONED | WRITES_VERSIONED
+    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "row0": Word.A, "nrows": Word.B, "flags": Word.C}
 
 
 @dataclass(frozen=True)

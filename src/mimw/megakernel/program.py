@@ -5,8 +5,9 @@ tables, context lengths) and launches. Context length is read at run time, so on
 each attention split covers ``ceil(ctx / n_splits)`` positions of its segment, empty splits included.
 
 Queues are filled stage by stage (ATTN_IN, ATTN_PARTIAL, [ATTN_REDUCE unless the splits combine themselves],
-O_PROJ, MLP_IN, DOWN_PROJ per layer, then LM_HEAD), so every instruction appears after all instructions of earlier stages in its own queue. Instructions only
-wait on counters signalled by earlier stages, hence no cycle of waits can form: with every CTA resident (one
+O_PROJ, MLP_IN, DOWN_PROJ per layer, then LM_HEAD), so every instruction appears after all instructions of earlier
+stages in its own queue. Instructions only wait on counters signalled by (or, with versioned words, on data written
+by) earlier stages, hence no cycle of waits can form: with every CTA resident (one
 persistent CTA per SM), the program always completes. Within a stage, instructions go to SMs by
 longest-processing-time-first on a byte-based cost model, ties broken by each SM's total load so the small stages
 land on different SMs and the whole step finishes together.
@@ -58,6 +59,9 @@ class ProgramConfig:
     fixed_cost_bytes: int = 16 * 1024  # per-instruction overhead in the cost model (a counter hop ~ 0.6 us)
     ticket_cost_bytes: int = 64 * 1024  # extra per ticketed part: acq_rel ticket + the finisher's reads (~2 us, H200)
     combine_splits: bool = True  # ATTN_PARTIAL splits combine themselves (ticket) instead of an ATTN_REDUCE stage
+    flag_act: bool = False  # MLP_IN -> DOWN_PROJ through versioned words (isa.READS_VERSIONED) instead of a counter:
+    # MLP_IN blocks signal nothing, DOWN_PROJ waits on the O_PROJ counter (already met: MLP_IN waited on it) and on
+    # the versions of the act words it reads
     signal_logits: bool = True  # LM_HEAD blocks signal a counter; no instruction waits on it (the launch's end
     # publishes the logits), so False spares each block the release (its barrier and fenced atomic)
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
@@ -258,12 +262,18 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         o = counter(f"L{l}.o_proj", len(o_blocks))
         stages.append([OProj(layer=l, row0=r, nrows=n, wait=red, wait_count=hkv * len(segs), signal=o)
                        for r, n in o_blocks])
-        mlp = counter(f"L{l}.mlp_in", len(mlp_blocks))
-        stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=len(o_blocks), signal=mlp)
-                       for r, n in mlp_blocks])
+        if cfg.flag_act:  # the act words carry their version: DOWN_PROJ waits on them, not on a counter
+            stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=len(o_blocks),
+                                 flags=isa.WRITES_VERSIONED) for r, n in mlp_blocks])
+            down_wait, down_n, down_flags = o, len(o_blocks), isa.READS_VERSIONED
+        else:
+            mlp = counter(f"L{l}.mlp_in", len(mlp_blocks))
+            stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=len(o_blocks), signal=mlp)
+                           for r, n in mlp_blocks])
+            down_wait, down_n, down_flags = mlp, len(mlp_blocks), 0
         down = counter(f"L{l}.down_proj", len(down_blocks))
-        stages.append([DownProj(layer=l, row0=r, nrows=n, wait=mlp, wait_count=len(mlp_blocks), signal=down)
-                       for r, n in down_blocks])
+        stages.append([DownProj(layer=l, row0=r, nrows=n, wait=down_wait, wait_count=down_n, signal=down,
+                                flags=down_flags) for r, n in down_blocks])
         prev, prev_n = down, len(down_blocks)
     lm = counter("lm_head", len(lm_blocks)) if cfg.signal_logits else isa.NO_COUNTER
     stages.append([LmHead(layer=0, row0=r, nrows=n, wait=prev, wait_count=prev_n, signal=lm) for r, n in lm_blocks])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import isa
 from .isa import Instruction, Op
 from .program import Program
 from .state import StepState, split_range
@@ -64,6 +65,16 @@ class Readiness:
                                   f"(-1: not written this step; see readiness.py for the numbering)")
 
     # --- the contract ------------------------------------------------------------------------------------
+    def versions_ready(self, ins: Instruction) -> bool:
+        """For an instruction that reads versioned words (``isa.READS_VERSIONED``): does every word it reads carry
+        its layer's version yet? Such an instruction waits until they do (the GPU re-reads the words that do not);
+        any other instruction: True. Only DOWN_PROJ's input, act, is ever versioned."""
+        if not getattr(ins, "flags", 0) & isa.READS_VERSIONED:
+            return True
+        if ins.OP != Op.DOWN_PROJ:
+            raise ValueError(f"{ins}: only DOWN_PROJ reads versioned words (act)")
+        return bool((self.act == ins.layer).all())
+
     def before(self, ins: Instruction) -> None:
         """Raise DependencyError unless everything ``ins`` reads holds the version it needs."""
         sp, op = self.program.spec, ins.OP

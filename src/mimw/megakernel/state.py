@@ -19,6 +19,10 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
   attn [M, Hq*hd]              attention output (input of O_PROJ)
   act [M, I]                   SiLU(gate) * up (input of DOWN_PROJ)
   logits [M, V]
+  act_words [M, I] int64       the GPU's act when the program versions it (ProgramConfig.flag_act): version << 32 |
+                               fp32 bits, version = epoch * 65536 + layer (int32); -1 before the first write, so
+                               no step's version matches a word never written. The VM keeps act in fp32 and models
+                               the versions in ``Readiness.act``.
 """
 from __future__ import annotations
 
@@ -83,10 +87,12 @@ class Scratch:
     attn: torch.Tensor
     act: torch.Tensor
     logits: torch.Tensor
+    act_words: torch.Tensor
 
     def poison(self) -> None:
         for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits):
             t.fill_(float("nan"))
+        self.act_words.fill_(-1)  # no version: a reader waits for a real write
 
 
 def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu") -> StepState:
@@ -107,6 +113,7 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         attn=f(m, sp.q_size),
         act=f(m, sp.intermediate_size),
         logits=f(m, sp.vocab_size),
+        act_words=torch.full((m, sp.intermediate_size), -1, dtype=torch.int64, device=device),
     )
 
 

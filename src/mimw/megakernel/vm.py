@@ -10,6 +10,8 @@ Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
     to ``counters[signal]``. An instruction with a finisher (ATTN_IN parts, combining ATTN_PARTIAL splits, isa.py)
     first adds 1 to ``counters[ticket]``; only the part that brings it to ``(epoch + 1) * ticket_count`` runs the
     finisher and signals.
+  * An instruction that reads versioned words (``isa.READS_VERSIONED``) also waits until every word it reads
+    carries its layer's version (``Readiness.versions_ready``); their writers signal no counter.
   * A queue that has run out adds 1 to ``counters[DONE]``; the queue that brings DONE to ``(epoch + 1) * num_sms``
     adds 1 to ``counters[EPOCH]``. Counters are never reset: the next step waits for the next multiple.
   * Counters are int32 and wrap (atomic adds wrap in two's complement; so does ``(epoch + 1) * wait_count`` in
@@ -100,6 +102,7 @@ class StepRun:
         self.signals = [0] * len(self.counters)  # signals each counter received in this step
         # counter -> heap of (signals[counter] at which the head may run, SM) of the SMs whose head waits on it
         self.blocked: dict[int, list[tuple[int, int]]] = {}
+        self.data_blocked: list[int] = []  # SMs whose head's counter is met but whose versioned input is not
         self.unfinished = prog.num_sms
         for s in range(prog.num_sms):
             self._place(s)
@@ -117,8 +120,12 @@ class StepRun:
         """The value counter ``ins.wait`` has when ins may run in this step: (epoch + 1) * wait_count, in int32."""
         return i32((self.epoch + 1) * ins.wait_count)
 
-    def may_run(self, ins: Instruction) -> bool:
+    def counter_met(self, ins: Instruction) -> bool:
         return ins.wait == isa.NO_COUNTER or i32(self.counters[ins.wait] - self.target(ins)) >= 0
+
+    def may_run(self, ins: Instruction) -> bool:
+        """Its counter has reached the target and (versioned input words) every word it reads has its version."""
+        return self.counter_met(ins) and self.readiness.versions_ready(ins)
 
     def pick(self, rng: random.Random | None = None) -> int:
         """The SM to run next: the lowest-numbered ready one, or a random ready one."""
@@ -132,9 +139,11 @@ class StepRun:
         ins = self.head(sm)
         if ins is None:
             raise ValueError(f"SM {sm} has finished its queue")
-        if not self.may_run(ins):
+        if not self.counter_met(ins):
             raise DependencyError(f"SM {sm}: {ins} waits for counter {self._name(ins.wait)} to reach "
                                   f"{self.target(ins)}, it is {self.counters[ins.wait]}")
+        if not self.readiness.versions_ready(ins):
+            raise DependencyError(f"SM {sm}: {ins} waits for the versioned words it reads")
         self.readiness.before(ins)
         SOLVERS[ins.OP](self.ctx, ins)
         self.readiness.after(ins)
@@ -156,6 +165,11 @@ class StepRun:
             while waiting and waiting[0][0] <= self.signals[c]:
                 self._place(heapq.heappop(waiting)[1])
         self._place(sm)
+        if self.data_blocked and ins.OP in (isa.Op.MLP_IN,):  # the only writer of versioned words
+            still = []
+            for s in self.data_blocked:
+                (self.ready if self.readiness.versions_ready(self.head(s)) else still).append(s)
+            self.data_blocked = still
 
     def _last_part(self, ins) -> bool:
         """Draw ins's ticket (if it has one): is it the last of its ticket_count parts in this step?"""
@@ -176,6 +190,8 @@ class StepRun:
                 self.counters[self.epoch_i] = i32(self.counters[self.epoch_i] + 1)
         elif self.may_run(ins):
             self.ready.append(sm)
+        elif self.counter_met(ins):
+            self.data_blocked.append(sm)
         else:
             c = ins.wait
             at = self.signals[c] + i32(self.target(ins) - self.counters[c])
@@ -203,6 +219,7 @@ class StepRun:
         lines = [f"  SM {s}: {self.head(s)} waits for counter {self._name(c)} to reach "
                  f"{self.target(self.head(s))}, it is {self.counters[c]}"
                  for c, waiting in sorted(self.blocked.items()) for _, s in sorted(waiting)]
+        lines += [f"  SM {s}: {self.head(s)} waits for the versioned words it reads" for s in self.data_blocked]
         return f"deadlock in step (epoch {self.epoch}): no queue head may run, {self.unfinished} queues " \
                f"unfinished:\n" + "\n".join(lines[:20]) + ("\n  ..." if len(lines) > 20 else "")
 

@@ -30,6 +30,8 @@ class KernelConfig:
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
+    flag_act: bool = False  # FLAG_ACT: MLP_IN -> DOWN_PROJ through versioned act words (isa.READS_VERSIONED;
+    # ProgramConfig.flag_act): no release fence after MLP_IN, no counter poll before DOWN_PROJ; not yet measured
     trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (gpu/trace.py)
     trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
@@ -75,7 +77,8 @@ class KernelConfig:
     def program_config(self) -> ProgramConfig:
         return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
                              combine_splits=self.combine_splits, fixed_cost_bytes=self.fixed_cost_kb * 1024,
-                             max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits)
+                             max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
+                             flag_act=self.flag_act)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -135,7 +138,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, INFLIGHT=kcfg.inflight,
-        DISPATCH=kcfg.dispatch,
+        DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
     )
@@ -162,7 +165,7 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
         "x_ptr": "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "attn_ptr": "*fp32",
-        "act_ptr": "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32", "qscale": "fp32",
+        "act_ptr": "*i64" if kcfg.flag_act else "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32", "qscale": "fp32",
         "trace_ptr": "*i64", "tiles_ptr": "*i64", "MAXT": "i32",
     }
     sig.update({k: "constexpr" for k in ce})

@@ -142,7 +142,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr,
-             DISPATCH: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+             DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
+             num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -251,10 +252,14 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         elif op == OP_MLP_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2)
-            it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, 2 * b // TR, act_ptr, LAY, stamps)
+            it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, 2 * b // TR, act_ptr, LAY, stamps,
+                                   epoch * 65536 + layer, FLAG_ACT)
         elif op == OP_DOWN_PROJ:
             if restage:
-                matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
+                if FLAG_ACT:  # versioned act words (isa.READS_VERSIONED): this load is the wait for MLP_IN
+                    matvec.stage_versioned(hbuf, act_ptr, I, epoch * 65536 + layer, KT_I, SG, S2)
+                else:
+                    matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,
                                       stamps)
         elif op == OP_LM_HEAD:
@@ -291,6 +296,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
                TILED: gl.constexpr, L2_MLP: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
+               FLAG_ACT: gl.constexpr,
                TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
@@ -307,7 +313,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
-                    HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, TRACE, TRACE_TILES, num_warps)),
+                    HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, TRACE, TRACE_TILES,
+                    num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, INFLIGHT, TRACE_TILES)),
     ], [1], [LOADER_REGS])

@@ -149,6 +149,46 @@ def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.con
 
 
 @gluon.jit
+def _store_versioned(ptrs, v, ver):
+    """One versioned word per element (isa.WRITES_VERSIONED): (ver << 32 | fp32 bits of v), stored with one
+    ``st.relaxed.gpu.b64`` each, single-copy atomic, so a reader that sees ``ver`` sees ``v``. No fence: the word
+    is its own flag."""
+    gl.inline_asm_elementwise(
+        "{ .reg .b64 w; mov.b64 w, {$2, $3}; st.relaxed.gpu.global.b64 [$1], w; mov.u32 $0, 0; }",
+        "=r,l,r,r", [ptrs, v.to(gl.int32, bitcast=True), gl.zeros_like(v.to(gl.int32, bitcast=True)) + ver],
+        dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_versioned(ptrs, old, need):
+    """``ld.relaxed.gpu.b64`` of the words where ``need`` != 0 (from L2: relaxed gpu-scope loads see other SMs'
+    stores), ``old`` elsewhere."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $3, 0; mov.b64 $0, $2; @p ld.relaxed.gpu.global.b64 $0, [$1]; }",
+        "=l,l,l,r", [ptrs, old, need], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S2: gl.constexpr):
+    """``stage_plain`` of a vector of versioned words (isa.READS_VERSIONED): the load is the wait. Each group of SG
+    column tiles is loaded, then only its words that do not yet carry version ``ver`` are loaded again, until
+    every word of the group does; the payloads (fp32 bits) are rounded to bf16 as ``stage_plain`` rounds."""
+    TK: gl.constexpr = hbuf.type.shape[1]
+    for g0 in gl.static_range(0, KT, SG):
+        o = _group_offsets(g0, SG, TK, S2)
+        ptrs = src_ptr + gl.minimum(o, K - 1)
+        inb = o < K
+        words = (gl.zeros([SG, TK], gl.int64, S2) + ver) << 32  # past K: a word of version ver holding 0.0
+        words = _load_versioned(ptrs, words, inb.to(gl.int32))
+        ok = (words >> 32).to(gl.int32) == ver
+        while gl.sum(gl.sum((~ok).to(gl.int32), axis=1), axis=0) > 0:
+            words = _load_versioned(ptrs, words, (~ok).to(gl.int32))
+            ok = (words >> 32).to(gl.int32) == ver
+        _group(hbuf, g0, SG).store(words.to(gl.int32).to(gl.float32, bitcast=True).to(gl.bfloat16))
+    gl.thread_barrier()
+
+
+@gluon.jit
 def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
                   LAY: gl.constexpr, stamps=None):
     """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h, tile by tile (the residual is x itself, or for
@@ -179,9 +219,11 @@ def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl
 
 
 @gluon.jit
-def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl.constexpr, stamps=None):
+def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl.constexpr, stamps=None, ver=0,
+               VERSIONED: gl.constexpr = False):
     """MLP_IN: every row tile holds TR/2 gate rows then the TR/2 up rows of the same outputs (pack.py), so one tile
-    yields TR/2 outputs act[rows] = silu(gate . h) * (up . h) and MLP_IN blocks come in TR/2-row steps."""
+    yields TR/2 outputs act[rows] = silu(gate . h) * (up . h) and MLP_IN blocks come in TR/2-row steps.
+    ``VERSIONED``: act is a vector of versioned words, stored with version ``ver``."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     for t in range(n_tiles):
         acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
@@ -190,7 +232,10 @@ def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl
         g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
         u = gl.sum(gl.where(h == 1, a2, 0.0), axis=0)
         offs = gl.arange(0, TR // 2, g.type.layout)
-        gl.store(act_ptr + row0 + t * (TR // 2) + offs, g / (1.0 + gl.exp(-g)) * u)
+        if VERSIONED:
+            _store_versioned(act_ptr + row0 + t * (TR // 2) + offs, g / (1.0 + gl.exp(-g)) * u, ver)
+        else:
+            gl.store(act_ptr + row0 + t * (TR // 2) + offs, g / (1.0 + gl.exp(-g)) * u)
     return it
 
 

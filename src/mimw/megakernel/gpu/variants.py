@@ -77,6 +77,8 @@ VARIANTS = {
     "tr32-if4": KernelConfig(inflight=4),
     "tr32-if6": KernelConfig(inflight=6),
     "tr32-if4-deep": KernelConfig(inflight=4, ring=0),  # and the deepest ring that fits (12 slots 1B, 11 8B)
+    "tr32-flag": KernelConfig(flag_act=True),  # MLP_IN -> DOWN_PROJ through versioned act words, no counter hop
+    "tr32-flag-if4": KernelConfig(flag_act=True, inflight=4),
     "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
