@@ -139,11 +139,20 @@ def test_inflight_cap_compiles_without_spills_and_must_be_smaller_than_the_ring(
         KernelConfig(inflight=10).check(spec)  # the default ring has 10 slots
 
 
-def test_versioned_act_words_compile_without_spills_and_without_a_fence_between_mlp_in_and_down_proj():
-    for name in ("llama-3.2-1b", "smollm2-135m"):
+def test_versioned_words_compile_without_spills_and_without_a_fence_on_their_hops():
+    for name, kw in (("llama-3.2-1b", dict(flag_act=True)), ("llama-3.2-1b", dict(flag_act=True, flag_x=True)),
+                     ("smollm2-135m", dict(flag_act=True, flag_x=True))):
         spec = get_preset(name)
-        ptx = compile_sm90a(spec, KernelConfig(flag_act=True)).asm["ptx"]
+        ptx = compile_sm90a(spec, KernelConfig(**kw)).asm["ptx"]
         assert ptxas_report(ptx)["spill_stores"] == 0
         assert "st.relaxed.gpu.global.b64" in ptx and "ld.relaxed.gpu.global.b64" in ptx
         base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
         assert "relaxed.gpu.global.b64" not in base
+        if kw.get("flag_x"):  # O_PROJ, MLP_IN and DOWN_PROJ signal nothing: fewer release adds than the default
+            assert ptx.count("atom.global.gpu.release") <= base.count("atom.global.gpu.release")
+
+
+def test_versioned_x_compiles_for_a_row_wider_than_one_staging_group():
+    # hidden 8192 = 32 column tiles > SG = 16: stage_normed's two passes over x, both waiting on versions
+    spec = get_preset("llama-3.1-8b").with_(hidden_size=8192, num_layers=2)
+    assert ptxas_report(compile_sm90a(spec, KernelConfig(flag_act=True, flag_x=True)).asm["ptx"])["spill_stores"] == 0

@@ -342,48 +342,73 @@ def test_lm_head_blocks_need_not_signal_a_counter_nobody_waits_on():
     assert not any(c.name == "lm_head" for c in prog.counters)
 
 
-@pytest.mark.parametrize("name,num_sms,seg_lens,contexts", [("tiny-llama", 5, (1,), (14,)),
-                                                             ("tiny-qwen3", 7, (1, 1), (20, 9)),
-                                                             ("smollm2-135m", 3, (1,), (14,))])
-def test_vm_with_versioned_act_words_matches_reference(name, num_sms, seg_lens, contexts):
-    """ProgramConfig(flag_act=True): MLP_IN -> DOWN_PROJ through versioned words; DOWN_PROJ waits on the words'
-    versions (and on the O_PROJ counter MLP_IN already waited on), MLP_IN signals nothing."""
+VERSIONED = [("tiny-llama", 5, (1,), (14,)), ("tiny-qwen3", 7, (1, 1), (20, 9)), ("smollm2-135m", 3, (1,), (14,))]
+
+
+@pytest.mark.parametrize("flag_x", [False, True], ids=["act", "act+x"])
+@pytest.mark.parametrize("name,num_sms,seg_lens,contexts", VERSIONED, ids=[v[0] for v in VERSIONED])
+def test_vm_with_versioned_words_matches_reference(name, num_sms, seg_lens, contexts, flag_x):
+    """ProgramConfig(flag_act=True[, flag_x=True]): MLP_IN -> DOWN_PROJ (and every hop through x) by versioned
+    words: the readers wait on the words' versions, the writers signal nothing."""
     tk = 256 if name == "smollm2-135m" else 16
-    prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts, ProgramConfig(tile_k=tk, flag_act=True))
-    mlp = [i for i in prog.instructions() if i.OP == isa.Op.MLP_IN]
-    down = [i for i in prog.instructions() if i.OP == isa.Op.DOWN_PROJ]
-    assert all(i.signal == isa.NO_COUNTER and i.flags == isa.WRITES_VERSIONED for i in mlp)
-    assert all(i.flags == isa.READS_VERSIONED for i in down)
-    assert {prog.counters[i.wait].name.split(".")[1] for i in down} == {"o_proj"}
+    prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts,
+                                 ProgramConfig(tile_k=tk, flag_act=True, flag_x=flag_x))
+    by = lambda op: [i for i in prog.instructions() if i.OP == op]  # noqa: E731
+    vx = isa.READS_X if flag_x else 0
+    assert all(i.signal == isa.NO_COUNTER and i.flags == vx | isa.WRITES_VERSIONED for i in by(isa.Op.MLP_IN))
+    down_flags = isa.READS_ACT | (vx | isa.WRITES_VERSIONED if flag_x else 0)
+    assert all(i.flags == down_flags for i in by(isa.Op.DOWN_PROJ))
     assert not any("mlp_in" in c.name for c in prog.counters)
+    if flag_x:  # no counter left between the attention window and the next one
+        assert not any(k in c.name for c in prog.counters for k in ("o_proj", "down_proj"))
+        for op in (isa.Op.O_PROJ, isa.Op.MLP_IN, isa.Op.DOWN_PROJ):
+            assert all(i.signal == isa.NO_COUNTER for i in by(op))
+        assert all(i.wait == isa.NO_COUNTER for i in by(isa.Op.ATTN_IN) + by(isa.Op.MLP_IN) + by(isa.Op.LM_HEAD))
+        assert {prog.counters[i.wait].name.split(".")[1] for i in by(isa.Op.O_PROJ)} == {"attn_out"}
+    else:
+        assert {prog.counters[i.wait].name.split(".")[1] for i in by(isa.Op.DOWN_PROJ)} == {"o_proj"}
 
 
-def test_a_versioned_reader_that_stops_waiting_for_its_words_is_caught():
-    """Clearing DOWN_PROJ's READS_VERSIONED bit leaves it only the O_PROJ counter: some interleaving runs it
-    before every MLP_IN block wrote act, and data readiness catches the read."""
+# (flag_x, opcode whose versioned-read bit is cleared, the bit, what readiness reports). O_PROJ's and DOWN_PROJ's
+# residual rows are not here: their versions are implied by the other waits (O_PROJ's attn counter comes after every
+# ATTN_IN of its layer read all of x; DOWN_PROJ's act words after every MLP_IN did), so the VM never blocks on them.
+# The GPU still reads them as versioned words: relaxed loads, which only the word's own version makes safe.
+BREAKS = [
+    (False, isa.Op.DOWN_PROJ, isa.READS_ACT, "reads act"),
+    (True, isa.Op.DOWN_PROJ, isa.READS_ACT, "reads act"),
+    (True, isa.Op.ATTN_IN, isa.READS_X, "reads x"),
+    (True, isa.Op.MLP_IN, isa.READS_X, "reads x"),
+    (True, isa.Op.LM_HEAD, isa.READS_X, "reads x"),
+]
+
+
+@pytest.mark.parametrize("flag_x,op,bit,what", BREAKS, ids=[f"{b[1].name}-{b[3]}" for b in BREAKS])
+def test_a_versioned_reader_that_stops_waiting_for_its_words_is_caught(flag_x, op, bit, what):
+    """Clearing a reader's versioned-read bit leaves it no wait on that input: some interleaving runs it before
+    the words were written, and data readiness catches the read."""
     spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
-    prog = build_program(spec, StepShape((1,)), 5, ProgramConfig(tile_k=16, flag_act=True))
+    prog = build_program(spec, StepShape((1,)), 5, ProgramConfig(tile_k=16, flag_act=True, flag_x=flag_x))
     words, lengths = prog.encode()
-    s, i = _find(prog, words, lengths, isa.Op.DOWN_PROJ, lambda ins: ins.layer == 1)
-    words[s, i, isa.Word.C] = 0
+    s, i = _find(prog, words, lengths, op, lambda ins: ins.layer == 1 or op == isa.Op.LM_HEAD)
+    words[s, i, isa.Word.FLAGS] &= ~bit
     vm = VM(prog, w, cache, (words, lengths))
-    for seed in range(20):
+    for seed in range(40):
         state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
         state.fill([3], [14], tables, (1,))
         try:
             vm.run_step(state, scratch, random.Random(seed))
         except DependencyError as e:
-            assert "reads act" in str(e)
+            assert what in str(e)
             return
-    pytest.fail("a DOWN_PROJ that does not wait for its versioned words went unnoticed in 20 interleavings")
+    pytest.fail(f"a {op.name} that does not wait for its versioned words went unnoticed in 40 interleavings")
 
 
 def test_a_versioned_word_that_is_never_written_is_a_deadlock():
     spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
-    prog = build_program(spec, StepShape((1,)), 3, ProgramConfig(tile_k=16, flag_act=True))
+    prog = build_program(spec, StepShape((1,)), 3, ProgramConfig(tile_k=16, flag_act=True, flag_x=True))
     words, lengths = prog.encode()
     s, i = _find(prog, words, lengths, isa.Op.MLP_IN, lambda ins: ins.layer == 0)
-    words[s, i, isa.Word.OP] = int(isa.Op.NOP)  # one block of act is never written
+    words[s, i] = torch.tensor(isa.Nop().encode())  # one block of act is never written
     vm = VM(prog, w, cache, (words, lengths))
     state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
     state.fill([3], [14], tables, (1,))

@@ -7,9 +7,10 @@ drift apart. The PyTorch VM (``vm.py``) executes the same encoded words.
 
 Dependencies are counters in global memory (``Word.WAIT``/``Word.WAIT_COUNT``): an instruction may start once
 counter WAIT has reached ``(epoch + 1) * WAIT_COUNT`` (wrap-safe: ``int32(counter - target) >= 0``), and it adds 1
-to counter ``Word.SIGNAL`` when its outputs are stored (release). A matvec may instead take its input as versioned
-words (``RowBlock.flags``, ``READS_VERSIONED``): then it also waits until every word it reads carries the version
-of its layer in this step, and the producers (``WRITES_VERSIONED``) signal nothing. Every counter is signalled exactly ``WAIT_COUNT`` times per step, so counters never need a reset
+to counter ``Word.SIGNAL`` when its outputs are stored (release). An instruction may instead take an input as
+versioned words (``Word.FLAGS``: ``READS_X``, ``READS_ACT``): then it also waits until every word it reads carries
+the version that input must have for it (readiness.py numbers them), and their producers (``WRITES_VERSIONED``)
+signal nothing. Every counter is signalled exactly ``WAIT_COUNT`` times per step, so counters never need a reset
 launch: step number ``epoch`` simply waits for the next multiple (see docs/megakernel.md).
 
 Instructions (M = tokens in the step, D = hidden, hd = head_dim, G = query heads per KV head):
@@ -40,7 +41,7 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import ClassVar
 
-NWORDS = 11
+NWORDS = 12
 
 
 class Op(IntEnum):
@@ -61,23 +62,24 @@ class Word(IntEnum):
     LAYER = 1
     A = 2  # ATTN_IN: head (q heads, then k heads, then v heads); PARTIAL/REDUCE: kv head; matvecs: first row
     B = 3  # ATTN_IN: column part; PARTIAL/REDUCE: segment; matvecs: number of rows
-    C = 4  # ATTN_IN: number of column parts; PARTIAL: split index; matvecs: versioned-word flags (RowBlock)
+    C = 4  # ATTN_IN: number of column parts; PARTIAL: split index
     D = 5  # ATTN_IN: ticket counter (-1: one part, no ticket); PARTIAL/REDUCE: number of splits of the segment
     WAIT = 6  # counter to wait on, -1 for none
     WAIT_COUNT = 7  # signals that counter receives per step
     SIGNAL = 8  # counter to signal when done, -1 for none
     E = 9  # ATTN_PARTIAL: ticket counter of the combining splits (-1: none)
     F = 10  # ATTN_PARTIAL: 1 if the splits combine themselves (no ATTN_REDUCE follows)
+    FLAGS = 11  # versioned-word bits: READS_X | READS_ACT | WRITES_VERSIONED
 
 
 NO_COUNTER = -1
 
-# RowBlock.flags: the activation vector between MLP_IN and DOWN_PROJ as *versioned words* (the LL protocol of
-# NCCL). Each element is one 64-bit word (version << 32 | fp32 bits), stored single-copy atomic, so a reader that
-# sees the version it expects also sees the value: no counter, no release fence, no poll.
-READS_VERSIONED = 1  # the input vector is read as versioned words: the instruction also waits until every word
-#                      it reads carries its layer's version (besides its counter wait, if any)
-WRITES_VERSIONED = 2  # the outputs are stored as versioned words (and signal no counter)
+# Word.FLAGS: the residual stream x and the MLP activation act as *versioned words* (the LL protocol of NCCL).
+# Each element is one 64-bit word (version << 32 | fp32 bits), stored single-copy atomic, so a reader that sees the
+# version it expects also sees the value: no counter, no release fence, no poll (docs/megakernel.md).
+READS_X = 1  # reads x (all of it, or its own rows) as versioned words and waits until they carry their version
+READS_ACT = 2  # reads act as versioned words and waits likewise (DOWN_PROJ)
+WRITES_VERSIONED = 4  # stores its outputs (x rows: O_PROJ, DOWN_PROJ; act: MLP_IN) as versioned words
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class Instruction:
     wait: int = NO_COUNTER
     wait_count: int = 0
     signal: int = NO_COUNTER
+    flags: int = 0  # READS_X | READS_ACT | WRITES_VERSIONED
 
     @property
     def has_finisher(self) -> bool:
@@ -107,6 +110,7 @@ class Instruction:
         w = [0] * NWORDS
         w[Word.OP] = int(self.OP)
         w[Word.WAIT], w[Word.WAIT_COUNT], w[Word.SIGNAL] = self.wait, self.wait_count, self.signal
+        w[Word.FLAGS] = self.flags
         for k, v in self.args().items():
             w[k] = int(v)
         return w
@@ -171,8 +175,7 @@ class RowBlock(Instruction):
     layer: int = 0
     row0: int = 0
     nrows: int = 0
-    flags: int = 0  # READS_VERSIONED | WRITES_VERSIONED
-    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "row0": Word.A, "nrows": Word.B, "flags": Word.C}
+    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "row0": Word.A, "nrows": Word.B}
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,7 @@ def decode(words) -> Instruction:
         cls = _BY_OP[Op(w[Word.OP])]
     except ValueError:
         raise ValueError(f"unknown opcode {w[Word.OP]}") from None
-    common = dict(wait=w[Word.WAIT], wait_count=w[Word.WAIT_COUNT], signal=w[Word.SIGNAL])
+    common = dict(wait=w[Word.WAIT], wait_count=w[Word.WAIT_COUNT], signal=w[Word.SIGNAL], flags=w[Word.FLAGS])
     kwargs = {name: w[word] for name, word in cls.FIELDS.items()}
     return cls(**kwargs, **common)
 

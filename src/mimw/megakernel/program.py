@@ -59,9 +59,11 @@ class ProgramConfig:
     fixed_cost_bytes: int = 16 * 1024  # per-instruction overhead in the cost model (a counter hop ~ 0.6 us)
     ticket_cost_bytes: int = 64 * 1024  # extra per ticketed part: acq_rel ticket + the finisher's reads (~2 us, H200)
     combine_splits: bool = True  # ATTN_PARTIAL splits combine themselves (ticket) instead of an ATTN_REDUCE stage
-    flag_act: bool = False  # MLP_IN -> DOWN_PROJ through versioned words (isa.READS_VERSIONED) instead of a counter:
-    # MLP_IN blocks signal nothing, DOWN_PROJ waits on the O_PROJ counter (already met: MLP_IN waited on it) and on
-    # the versions of the act words it reads
+    flag_act: bool = False  # MLP_IN -> DOWN_PROJ through versioned act words (isa.READS_ACT) instead of a counter:
+    # MLP_IN blocks signal nothing; DOWN_PROJ waits on the versions of the act words (and, unless x is versioned
+    # too, on the O_PROJ counter MLP_IN already waited on, which orders its reads of the x rows)
+    flag_x: bool = False  # the residual stream x as versioned words (isa.READS_X): O_PROJ and DOWN_PROJ store their
+    # rows versioned and signal nothing; ATTN_IN, MLP_IN, LM_HEAD and the residual reads wait on x's versions
     signal_logits: bool = True  # LM_HEAD blocks signal a counter; no instruction waits on it (the launch's end
     # publishes the logits), so False spares each block the release (its barrier and fenced atomic)
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
@@ -234,6 +236,7 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
 
     stages: list[list[Instruction]] = []
     prev, prev_n = isa.NO_COUNTER, 0  # counter that marks the residual stream x complete for this layer
+    vx = isa.READS_X if cfg.flag_x else 0
     for l in range(L):
         qkv = [counter(f"L{l}.qkv.kv{k}", g + 2) for k in range(hkv)]
 
@@ -243,7 +246,7 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         tickets = [counter(f"L{l}.qkv_ticket.h{h}", n_parts) if n_parts > 1 else isa.NO_COUNTER
                    for h in range(hq + 2 * hkv)]
         stages.append([AttnIn(layer=l, head=h, part=p, n_parts=n_parts, ticket=tickets[h], wait=prev,
-                              wait_count=prev_n, signal=qkv[group(h)])
+                              wait_count=prev_n, signal=qkv[group(h)], flags=vx if l > 0 else 0)
                        for h in range(hq + 2 * hkv) for p in range(n_parts)])
         red = counter(f"L{l}.attn_out", hkv * len(segs))
         if cfg.combine_splits:  # the last split of each (kv head, segment) combines: one hop fewer
@@ -259,24 +262,30 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
                            for k in range(hkv) for s in segs for i in range(n_splits[s])])
             stages.append([AttnReduce(layer=l, kv_head=k, seg=s, n_splits=n_splits[s], wait=part[k, s],
                                       wait_count=n_splits[s], signal=red) for k in range(hkv) for s in segs])
-        o = counter(f"L{l}.o_proj", len(o_blocks))
-        stages.append([OProj(layer=l, row0=r, nrows=n, wait=red, wait_count=hkv * len(segs), signal=o)
+        # x rows: versioned words (no counter), or a counter per stage
+        o = isa.NO_COUNTER if cfg.flag_x else counter(f"L{l}.o_proj", len(o_blocks))
+        stages.append([OProj(layer=l, row0=r, nrows=n, wait=red, wait_count=hkv * len(segs), signal=o,
+                             flags=(isa.WRITES_VERSIONED | (vx if l > 0 else 0)) if cfg.flag_x else 0)
                        for r, n in o_blocks])
+        o_n = 0 if cfg.flag_x else len(o_blocks)
         if cfg.flag_act:  # the act words carry their version: DOWN_PROJ waits on them, not on a counter
-            stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=len(o_blocks),
-                                 flags=isa.WRITES_VERSIONED) for r, n in mlp_blocks])
-            down_wait, down_n, down_flags = o, len(o_blocks), isa.READS_VERSIONED
+            stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=o_n,
+                                 flags=vx | isa.WRITES_VERSIONED) for r, n in mlp_blocks])
+            # without versioned x, the O_PROJ counter (met before any MLP_IN ran) orders DOWN_PROJ's reads of x
+            down_wait, down_n, down_flags = o, o_n, isa.READS_ACT
         else:
             mlp = counter(f"L{l}.mlp_in", len(mlp_blocks))
-            stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=len(o_blocks), signal=mlp)
+            stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=o_n, signal=mlp, flags=vx)
                            for r, n in mlp_blocks])
             down_wait, down_n, down_flags = mlp, len(mlp_blocks), 0
-        down = counter(f"L{l}.down_proj", len(down_blocks))
+        down = isa.NO_COUNTER if cfg.flag_x else counter(f"L{l}.down_proj", len(down_blocks))
         stages.append([DownProj(layer=l, row0=r, nrows=n, wait=down_wait, wait_count=down_n, signal=down,
-                                flags=down_flags) for r, n in down_blocks])
-        prev, prev_n = down, len(down_blocks)
+                                flags=down_flags | ((vx | isa.WRITES_VERSIONED) if cfg.flag_x else 0))
+                       for r, n in down_blocks])
+        prev, prev_n = down, 0 if cfg.flag_x else len(down_blocks)
     lm = counter("lm_head", len(lm_blocks)) if cfg.signal_logits else isa.NO_COUNTER
-    stages.append([LmHead(layer=0, row0=r, nrows=n, wait=prev, wait_count=prev_n, signal=lm) for r, n in lm_blocks])
+    stages.append([LmHead(layer=0, row0=r, nrows=n, wait=prev, wait_count=prev_n, signal=lm, flags=vx)
+                   for r, n in lm_blocks])
 
     queues: list[list[Instruction]] = [[] for _ in range(num_sms)]
     total = [0.0] * num_sms

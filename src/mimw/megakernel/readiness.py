@@ -66,23 +66,46 @@ class Readiness:
 
     # --- the contract ------------------------------------------------------------------------------------
     def versions_ready(self, ins: Instruction) -> bool:
-        """For an instruction that reads versioned words (``isa.READS_VERSIONED``): does every word it reads carry
-        its layer's version yet? Such an instruction waits until they do (the GPU re-reads the words that do not);
-        any other instruction: True. Only DOWN_PROJ's input, act, is ever versioned."""
-        if not getattr(ins, "flags", 0) & isa.READS_VERSIONED:
-            return True
-        if ins.OP != Op.DOWN_PROJ:
-            raise ValueError(f"{ins}: only DOWN_PROJ reads versioned words (act)")
-        return bool((self.act == ins.layer).all())
+        """For an instruction that reads versioned words (``isa.READS_X`` / ``isa.READS_ACT``): does every word it
+        reads carry the version it needs (the numbering above)? Such an instruction waits until they do (the GPU
+        re-reads the words that do not); for any other instruction: True."""
+        if ins.flags & isa.READS_X:
+            rows, want = self._x_need(ins)
+            if not bool((self.x[rows] == want).all()):
+                return False
+        if ins.flags & isa.READS_ACT:
+            if ins.OP != Op.DOWN_PROJ:
+                raise ValueError(f"{ins}: only DOWN_PROJ reads act")
+            return bool((self.act == ins.layer).all())
+        return True
+
+    def _x_need(self, ins: Instruction) -> tuple[slice, int]:
+        """The rows of x ``ins`` reads and the version they must hold (ATTN_IN, MLP_IN, LM_HEAD: all of x, to
+        normalise it; O_PROJ, DOWN_PROJ: their own rows, the residual)."""
+        L, op = ins.layer, ins.OP
+        every = slice(0, self.program.spec.hidden_size)
+        if op == Op.ATTN_IN and L > 0:
+            return every, 2 * L
+        if op == Op.O_PROJ and L > 0:
+            return slice(ins.row0, ins.row0 + ins.nrows), 2 * L
+        if op == Op.MLP_IN:
+            return every, 2 * L + 1
+        if op == Op.DOWN_PROJ:
+            return slice(ins.row0, ins.row0 + ins.nrows), 2 * L + 1
+        if op == Op.LM_HEAD:
+            return every, 2 * self.program.spec.num_layers
+        raise ValueError(f"{ins} does not read x")
 
     def before(self, ins: Instruction) -> None:
         """Raise DependencyError unless everything ``ins`` reads holds the version it needs."""
-        sp, op = self.program.spec, ins.OP
+        op = ins.OP
         if op == Op.NOP:
             return
         L = ins.layer
-        if op == Op.ATTN_IN and L > 0:
-            self._require(ins, "x", self.x, 2 * L)
+        if op in (Op.ATTN_IN, Op.MLP_IN, Op.LM_HEAD):
+            if op != Op.ATTN_IN or L > 0:  # layer 0's ATTN_IN normalises the embedding rows
+                rows, want = self._x_need(ins)
+                self._require(ins, "x", self.x[rows], want)
         elif op == Op.ATTN_PARTIAL:
             lo, hi = self._split(ins)
             if lo == hi:
@@ -97,14 +120,12 @@ class Readiness:
         elif op == Op.O_PROJ:
             self._require(ins, "attn", self.attn, L)
             if L > 0:
-                self._require(ins, "x rows", self.x[ins.row0: ins.row0 + ins.nrows], 2 * L)
-        elif op == Op.MLP_IN:
-            self._require(ins, "x", self.x, 2 * L + 1)
+                rows, want = self._x_need(ins)
+                self._require(ins, "x rows", self.x[rows], want)
         elif op == Op.DOWN_PROJ:
             self._require(ins, "act", self.act, L)
-            self._require(ins, "x rows", self.x[ins.row0: ins.row0 + ins.nrows], 2 * L + 1)
-        elif op == Op.LM_HEAD:
-            self._require(ins, "x", self.x, 2 * sp.num_layers)
+            rows, want = self._x_need(ins)
+            self._require(ins, "x rows", self.x[rows], want)
 
     def after(self, ins: Instruction) -> None:
         """Record what ``ins`` wrote."""

@@ -32,6 +32,8 @@ class KernelConfig:
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
     flag_act: bool = False  # FLAG_ACT: MLP_IN -> DOWN_PROJ through versioned act words (isa.READS_VERSIONED;
     # ProgramConfig.flag_act): no release fence after MLP_IN, no counter poll before DOWN_PROJ; not yet measured
+    flag_x: bool = False  # FLAG_X: the residual stream x as versioned words too (isa.READS_X): O_PROJ and DOWN_PROJ
+    # signal nothing, ATTN_IN, MLP_IN and LM_HEAD poll no counter; not yet measured
     trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (gpu/trace.py)
     trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
@@ -78,7 +80,7 @@ class KernelConfig:
         return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
                              combine_splits=self.combine_splits, fixed_cost_bytes=self.fixed_cost_kb * 1024,
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
-                             flag_act=self.flag_act)
+                             flag_act=self.flag_act, flag_x=self.flag_x)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -138,7 +140,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, INFLIGHT=kcfg.inflight,
-        DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act,
+        DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act, FLAG_X=kcfg.flag_x, NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
     )
@@ -164,7 +166,7 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc, "gu_ptr": "*bf16",
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
-        "x_ptr": "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "attn_ptr": "*fp32",
+        "x_ptr": "*i64" if kcfg.flag_x else "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "attn_ptr": "*fp32",
         "act_ptr": "*i64" if kcfg.flag_act else "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32", "qscale": "fp32",
         "trace_ptr": "*i64", "tiles_ptr": "*i64", "MAXT": "i32",
     }

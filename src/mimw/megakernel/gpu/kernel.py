@@ -142,8 +142,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr,
-             DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
-             num_warps: gl.constexpr):
+             DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, NL: gl.constexpr,
+             TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -224,7 +224,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         sig = _field(w, offs, W_SIGNAL)
         if op == OP_ATTN_IN:
             if restage:
-                matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, SG, S2)
+                matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, SG, S2,
+                                    epoch * 65536 + 2 * layer, FLAG_X)
             n_parts = _field(w, offs, W_C)
             it = matvec.qkv_part(bufs, empty, ready, hbuf, it, b * KT_D // n_parts, (b + 1) * KT_D // n_parts, a, b,
                                  qkvp_ptr, HQ + 2 * HKV, HD, LAY, stamps)
@@ -248,10 +249,11 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             if restage:
                 matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row, layer == 0,
-                                      LAY, stamps)
+                                      LAY, stamps, epoch * 65536 + 2 * layer, epoch * 65536 + 2 * layer + 1, FLAG_X)
         elif op == OP_MLP_IN:
             if restage:
-                matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2)
+                matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2,
+                                    epoch * 65536 + 2 * layer + 1, FLAG_X)
             it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, 2 * b // TR, act_ptr, LAY, stamps,
                                    epoch * 65536 + layer, FLAG_ACT)
         elif op == OP_DOWN_PROJ:
@@ -261,10 +263,11 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 else:
                     matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,
-                                      stamps)
+                                      stamps, epoch * 65536 + 2 * layer + 1, epoch * 65536 + 2 * layer + 2, FLAG_X)
         elif op == OP_LM_HEAD:
             if restage:
-                matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2)
+                matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2,
+                                    epoch * 65536 + 2 * NL, FLAG_X)
             it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY, stamps)
         if TRACE:
             t_release = globaltimer()
@@ -296,7 +299,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
                TILED: gl.constexpr, L2_MLP: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
-               FLAG_ACT: gl.constexpr,
+               FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, NL: gl.constexpr,
                TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
@@ -313,8 +316,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
-                    HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, TRACE, TRACE_TILES,
-                    num_warps)),
+                    HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, NL, TRACE,
+                    TRACE_TILES, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, INFLIGHT, TRACE_TILES)),
     ], [1], [LOADER_REGS])

@@ -96,28 +96,31 @@ def _group_offsets(g0, SG: gl.constexpr, TK: gl.constexpr, S2: gl.constexpr):
 
 
 @gluon.jit
-def _residual_group(x_ptr, emb_ptr, from_embed, o, K):
-    """The residual row at offsets ``o`` (masked past K) as fp32: x (written by other CTAs this step: through L2),
-    or for layer 0 the bf16 embedding row."""
+def _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver=0, VX: gl.constexpr = False):
+    """The residual row at offsets ``o`` (masked past K) as fp32: x (written by other CTAs this step: through L2;
+    ``VX``: versioned words, waited for at version ``ver``), or for layer 0 the bf16 embedding row."""
     if from_embed:
         v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
     else:
-        v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+        if VX:
+            v = _wait_versioned_2d(x_ptr + gl.minimum(o, K - 1), o < K, ver)
+        else:
+            v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
     return v
 
 
 @gluon.jit
 def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.constexpr, SG: gl.constexpr,
-                 S2: gl.constexpr):
+                 S2: gl.constexpr, ver=0, VX: gl.constexpr = False):
     """hbuf <- (x * rsqrt(mean(x^2) + eps)).to(bf16) * norm_w, x = the fp32 residual row, or (layer 0) the bf16
     embedding row at ``emb_ptr``. When the row fits one staging group (KT <= SG: every model up to 4096 wide at
     TK = 256) x and the norm weights are loaded once, together: one L2 round trip. Wider rows take two passes
     over x (sum of squares, then scale and store), each in groups of SG column tiles whose loads are all in
-    flight together."""
+    flight together. ``VX``: x is versioned words, waited for at version ``ver`` (isa.READS_X)."""
     TK: gl.constexpr = hbuf.type.shape[1]
     if KT <= SG:
         o = _group_offsets(0, SG, TK, S2)
-        v = _residual_group(x_ptr, emb_ptr, from_embed, o, K)
+        v = _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver, VX)
         w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
         rs = gl.rsqrt(gl.sum(gl.sum(v * v, axis=1), axis=0) / K + eps)
         _group(hbuf, 0, SG).store((v * rs).to(gl.bfloat16) * w)
@@ -125,12 +128,12 @@ def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.cons
         ss = gl.zeros([SG, TK], gl.float32, S2)
         for g0 in gl.static_range(0, KT, SG):
             o = _group_offsets(g0, SG, TK, S2)
-            v = _residual_group(x_ptr, emb_ptr, from_embed, o, K)
+            v = _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver, VX)
             ss += v * v
         rs = gl.rsqrt(gl.sum(gl.sum(ss, axis=1), axis=0) / K + eps)
         for g0 in gl.static_range(0, KT, SG):
             o = _group_offsets(g0, SG, TK, S2)
-            v = _residual_group(x_ptr, emb_ptr, from_embed, o, K)
+            v = _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver, VX)
             w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
             _group(hbuf, g0, SG).store((v * rs).to(gl.bfloat16) * w)
     gl.thread_barrier()  # staged vector visible to every compute warp before the first row tile reads it
@@ -169,31 +172,49 @@ def _load_versioned(ptrs, old, need):
 
 
 @gluon.jit
+def _wait_versioned_2d(ptrs, inb, ver):
+    """The fp32 payloads of the [R, C] versioned words at ``ptrs`` (where ``inb``; 0.0 elsewhere), once every one
+    carries version ``ver``: the words are loaded, then only those not yet at ``ver`` are loaded again."""
+    words = (inb.to(gl.int64) * 0 + ver) << 32  # where not inb: a word of version ver holding 0.0
+    words = _load_versioned(ptrs, words, inb.to(gl.int32))
+    ok = (words >> 32).to(gl.int32) == ver
+    while gl.sum(gl.sum((~ok).to(gl.int32), axis=1), axis=0) > 0:
+        words = _load_versioned(ptrs, words, (~ok).to(gl.int32))
+        ok = (words >> 32).to(gl.int32) == ver
+    return words.to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _wait_versioned_1d(ptrs, ver):
+    """``_wait_versioned_2d`` of a [R] vector of words, all in bounds."""
+    words = _load_versioned(ptrs, (ptrs.to(gl.int64) * 0 + ver) << 32, gl.full(ptrs.shape, 1, gl.int32,
+                                                                                   ptrs.type.layout))
+    ok = (words >> 32).to(gl.int32) == ver
+    while gl.sum((~ok).to(gl.int32), axis=0) > 0:
+        words = _load_versioned(ptrs, words, (~ok).to(gl.int32))
+        ok = (words >> 32).to(gl.int32) == ver
+    return words.to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S2: gl.constexpr):
-    """``stage_plain`` of a vector of versioned words (isa.READS_VERSIONED): the load is the wait. Each group of SG
-    column tiles is loaded, then only its words that do not yet carry version ``ver`` are loaded again, until
-    every word of the group does; the payloads (fp32 bits) are rounded to bf16 as ``stage_plain`` rounds."""
+    """``stage_plain`` of a vector of versioned words (isa.READS_ACT): the load is the wait, group by group of SG
+    column tiles; the payloads (fp32) are rounded to bf16 as ``stage_plain`` rounds them."""
     TK: gl.constexpr = hbuf.type.shape[1]
     for g0 in gl.static_range(0, KT, SG):
         o = _group_offsets(g0, SG, TK, S2)
-        ptrs = src_ptr + gl.minimum(o, K - 1)
-        inb = o < K
-        words = (gl.zeros([SG, TK], gl.int64, S2) + ver) << 32  # past K: a word of version ver holding 0.0
-        words = _load_versioned(ptrs, words, inb.to(gl.int32))
-        ok = (words >> 32).to(gl.int32) == ver
-        while gl.sum(gl.sum((~ok).to(gl.int32), axis=1), axis=0) > 0:
-            words = _load_versioned(ptrs, words, (~ok).to(gl.int32))
-            ok = (words >> 32).to(gl.int32) == ver
-        _group(hbuf, g0, SG).store(words.to(gl.int32).to(gl.float32, bitcast=True).to(gl.bfloat16))
+        v = _wait_versioned_2d(src_ptr + gl.minimum(o, K - 1), o < K, ver)
+        _group(hbuf, g0, SG).store(v.to(gl.bfloat16))
     gl.thread_barrier()
 
 
 @gluon.jit
 def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
-                  LAY: gl.constexpr, stamps=None):
+                  LAY: gl.constexpr, stamps=None, ver_in=0, ver_out=0, VX: gl.constexpr = False):
     """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h, tile by tile (the residual is x itself, or for
     layer 0's O_PROJ the bf16 embedding row). Each row tile's residual is requested before its dot product, so
-    its round trip overlaps the tile loop."""
+    its round trip overlaps the tile loop. ``VX``: x is versioned words: the residual rows are waited for at
+    ``ver_in``, the new rows stored at ``ver_out`` (isa.READS_X, isa.WRITES_VERSIONED)."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
@@ -201,9 +222,15 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
         if res_from_embed:
             res = gl.load(res_ptr + rows).to(gl.float32)
         else:
-            res = gl.load(x_ptr + rows, cache_modifier=".cg")
+            if VX:
+                res = _wait_versioned_1d(x_ptr + rows, ver_in)
+            else:
+                res = gl.load(x_ptr + rows, cache_modifier=".cg")
         acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
-        gl.store(x_ptr + rows, res + acc)
+        if VX:
+            _store_versioned(x_ptr + rows, res + acc, ver_out)
+        else:
+            gl.store(x_ptr + rows, res + acc)
     return it
 
 

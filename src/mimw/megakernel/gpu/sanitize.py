@@ -65,12 +65,13 @@ def main() -> int:
     if "--control" in sys.argv[1:]:
         return 0 if ok else 1
     tiny, small = get_preset("tiny-qwen3"), get_preset("smollm2-135m").with_(num_layers=2)
-    # both matvec consumers (tensor cores, the default, first), and the versioned act words on the tensor cores
+    # both matvec consumers (tensor cores, the default, first), and the versioned words on the tensor cores
     for spec, parts, mma, flag in ((tiny, 0, 1, False), (small, 2, 1, False), (small, 2, 1, True),
                                    (tiny, 0, 0, False), (small, 2, 0, False)):
-        kcfg = dataclasses.replace(KernelConfig.for_spec(spec), qkv_parts=parts, mma=mma, flag_act=flag)
+        kcfg = dataclasses.replace(KernelConfig.for_spec(spec), qkv_parts=parts, mma=mma, flag_act=flag,
+                                   flag_x=flag)
         r = check_decode(spec, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)
-        print(f"mma={mma} flag_act={flag}", r, flush=True)
+        print(f"mma={mma} versioned={flag}", r, flush=True)
         ok &= r.ok()
     return 0 if ok else 1
 

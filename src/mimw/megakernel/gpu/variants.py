@@ -79,6 +79,8 @@ VARIANTS = {
     "tr32-if4-deep": KernelConfig(inflight=4, ring=0),  # and the deepest ring that fits (12 slots 1B, 11 8B)
     "tr32-flag": KernelConfig(flag_act=True),  # MLP_IN -> DOWN_PROJ through versioned act words, no counter hop
     "tr32-flag-if4": KernelConfig(flag_act=True, inflight=4),
+    "tr32-flagx": KernelConfig(flag_act=True, flag_x=True),  # and x: no counter between attention windows
+    "tr32-flagx-if4": KernelConfig(flag_act=True, flag_x=True, inflight=4),
     "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
@@ -108,6 +110,8 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="also record one traced step per variant (gpu/trace.py)")
     ap.add_argument("--trace-tiles", action="store_true", help="with --trace, also stamp every weight tile (load "
                     "latency, the loaders' wait for slots, bytes issued per stage window)")
+    ap.add_argument("--timelines", default="default", help="variants whose tile trace is also drawn as a timeline "
+                    "PNG (comma-separated, 'all' or 'none'; the device machine returns only a few files a call)")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this tree; the GPU "
                     "machine's copy may carry a stale .git, so pass the hash taken where the repository is)")
     a = ap.parse_args()
@@ -146,6 +150,7 @@ def main() -> None:
                         row["tiles"] = summarize_tiles(tdec.tiles, tdec.program, kcfg.tile_rows, kcfg.tile_k,
                                                        tr["stages"], tr["origin_ns"], tdec.trace)
                         print(format_tiles(row["tiles"]), flush=True)
+                    if a.trace_tiles and (a.timelines == "all" or name in a.timelines.split(",")):
                         png = os.path.join(a.out, f"timeline-{model}-{name}.png")
                         write_timeline(issue_series(tdec.tiles, tdec.program, kcfg.tile_rows, kcfg.tile_k,
                                                     origin_ns=tr["origin_ns"]), tr["stages"], png,
