@@ -140,8 +140,9 @@ def test_inflight_cap_compiles_without_spills_and_must_be_smaller_than_the_ring(
 
 
 def test_versioned_words_compile_without_spills_and_without_a_fence_on_their_hops():
+    every = dict(flag_act=True, flag_x=True, flag_attn=True)
     for name, kw in (("llama-3.2-1b", dict(flag_act=True)), ("llama-3.2-1b", dict(flag_act=True, flag_x=True)),
-                     ("smollm2-135m", dict(flag_act=True, flag_x=True))):
+                     ("llama-3.2-1b", every), ("smollm2-135m", every)):
         spec = get_preset(name)
         ptx = compile_sm90a(spec, KernelConfig(**kw)).asm["ptx"]
         assert ptxas_report(ptx)["spill_stores"] == 0
@@ -155,4 +156,10 @@ def test_versioned_words_compile_without_spills_and_without_a_fence_on_their_hop
 def test_versioned_x_compiles_for_a_row_wider_than_one_staging_group():
     # hidden 8192 = 32 column tiles > SG = 16: stage_normed's two passes over x, both waiting on versions
     spec = get_preset("llama-3.1-8b").with_(hidden_size=8192, num_layers=2)
-    assert ptxas_report(compile_sm90a(spec, KernelConfig(flag_act=True, flag_x=True)).asm["ptx"])["spill_stores"] == 0
+    kcfg = KernelConfig(flag_act=True, flag_x=True, flag_attn=True)
+    assert ptxas_report(compile_sm90a(spec, kcfg).asm["ptx"])["spill_stores"] == 0
+
+
+def test_versioned_attn_needs_versioned_x():
+    with pytest.raises(ValueError, match="flag_attn needs flag_x"):
+        KernelConfig(flag_attn=True).check(get_preset("llama-3.2-1b"))

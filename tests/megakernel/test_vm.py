@@ -345,15 +345,21 @@ def test_lm_head_blocks_need_not_signal_a_counter_nobody_waits_on():
 VERSIONED = [("tiny-llama", 5, (1,), (14,)), ("tiny-qwen3", 7, (1, 1), (20, 9)), ("smollm2-135m", 3, (1,), (14,))]
 
 
-@pytest.mark.parametrize("flag_x", [False, True], ids=["act", "act+x"])
+MODES = {"act": dict(flag_act=True), "act+x": dict(flag_act=True, flag_x=True),
+         "act+x+attn": dict(flag_act=True, flag_x=True, flag_attn=True),
+         "act+x+attn, reduce stage": dict(flag_act=True, flag_x=True, flag_attn=True, combine_splits=False)}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name,num_sms,seg_lens,contexts", VERSIONED, ids=[v[0] for v in VERSIONED])
-def test_vm_with_versioned_words_matches_reference(name, num_sms, seg_lens, contexts, flag_x):
-    """ProgramConfig(flag_act=True[, flag_x=True]): MLP_IN -> DOWN_PROJ (and every hop through x) by versioned
-    words: the readers wait on the words' versions, the writers signal nothing."""
+def test_vm_with_versioned_words_matches_reference(name, num_sms, seg_lens, contexts, mode):
+    """ProgramConfig(flag_act, flag_x, flag_attn): hops through versioned words: the readers wait on the words'
+    versions, the writers signal nothing."""
+    kw = MODES[mode]
     tk = 256 if name == "smollm2-135m" else 16
-    prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts,
-                                 ProgramConfig(tile_k=tk, flag_act=True, flag_x=flag_x))
+    prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts, ProgramConfig(tile_k=tk, **kw))
     by = lambda op: [i for i in prog.instructions() if i.OP == op]  # noqa: E731
+    flag_x, flag_attn = kw.get("flag_x", False), kw.get("flag_attn", False)
     vx = isa.READS_X if flag_x else 0
     assert all(i.signal == isa.NO_COUNTER and i.flags == vx | isa.WRITES_VERSIONED for i in by(isa.Op.MLP_IN))
     down_flags = isa.READS_ACT | (vx | isa.WRITES_VERSIONED if flag_x else 0)
@@ -364,17 +370,30 @@ def test_vm_with_versioned_words_matches_reference(name, num_sms, seg_lens, cont
         for op in (isa.Op.O_PROJ, isa.Op.MLP_IN, isa.Op.DOWN_PROJ):
             assert all(i.signal == isa.NO_COUNTER for i in by(op))
         assert all(i.wait == isa.NO_COUNTER for i in by(isa.Op.ATTN_IN) + by(isa.Op.MLP_IN) + by(isa.Op.LM_HEAD))
-        assert {prog.counters[i.wait].name.split(".")[1] for i in by(isa.Op.O_PROJ)} == {"attn_out"}
+        if flag_attn:  # nor between the attention splits and O_PROJ
+            assert all(i.wait == isa.NO_COUNTER and i.flags & isa.READS_ATTN for i in by(isa.Op.O_PROJ))
+            writers = by(isa.Op.ATTN_REDUCE) or by(isa.Op.ATTN_PARTIAL)
+            assert all(i.signal == isa.NO_COUNTER and i.flags == isa.WRITES_VERSIONED for i in writers)
+            assert not any("attn_out" in c.name for c in prog.counters)
+        else:
+            assert {prog.counters[i.wait].name.split(".")[1] for i in by(isa.Op.O_PROJ)} == {"attn_out"}
     else:
         assert {prog.counters[i.wait].name.split(".")[1] for i in by(isa.Op.DOWN_PROJ)} == {"o_proj"}
 
 
-# (flag_x, opcode whose versioned-read bit is cleared, the bit, what readiness reports). O_PROJ's and DOWN_PROJ's
+def test_versioned_attn_needs_versioned_x():
+    spec = get_preset("tiny-llama")
+    with pytest.raises(ValueError, match="flag_attn needs flag_x"):
+        build_program(spec, StepShape((1,)), 3, ProgramConfig(tile_k=16, flag_attn=True))
+
+
+# (flag_x (and flag_attn), opcode whose versioned-read bit is cleared, the bit, what readiness reports). O_PROJ's and DOWN_PROJ's
 # residual rows are not here: their versions are implied by the other waits (O_PROJ's attn counter comes after every
 # ATTN_IN of its layer read all of x; DOWN_PROJ's act words after every MLP_IN did), so the VM never blocks on them.
 # The GPU still reads them as versioned words: relaxed loads, which only the word's own version makes safe.
 BREAKS = [
     (False, isa.Op.DOWN_PROJ, isa.READS_ACT, "reads act"),
+    (True, isa.Op.O_PROJ, isa.READS_ATTN, "reads attn"),
     (True, isa.Op.DOWN_PROJ, isa.READS_ACT, "reads act"),
     (True, isa.Op.ATTN_IN, isa.READS_X, "reads x"),
     (True, isa.Op.MLP_IN, isa.READS_X, "reads x"),
@@ -387,7 +406,8 @@ def test_a_versioned_reader_that_stops_waiting_for_its_words_is_caught(flag_x, o
     """Clearing a reader's versioned-read bit leaves it no wait on that input: some interleaving runs it before
     the words were written, and data readiness catches the read."""
     spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
-    prog = build_program(spec, StepShape((1,)), 5, ProgramConfig(tile_k=16, flag_act=True, flag_x=flag_x))
+    prog = build_program(spec, StepShape((1,)), 5, ProgramConfig(tile_k=16, flag_act=True, flag_x=flag_x,
+                                                                 flag_attn=flag_x))
     words, lengths = prog.encode()
     s, i = _find(prog, words, lengths, op, lambda ins: ins.layer == 1 or op == isa.Op.LM_HEAD)
     words[s, i, isa.Word.FLAGS] &= ~bit
@@ -405,7 +425,8 @@ def test_a_versioned_reader_that_stops_waiting_for_its_words_is_caught(flag_x, o
 
 def test_a_versioned_word_that_is_never_written_is_a_deadlock():
     spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
-    prog = build_program(spec, StepShape((1,)), 3, ProgramConfig(tile_k=16, flag_act=True, flag_x=True))
+    prog = build_program(spec, StepShape((1,)), 3, ProgramConfig(tile_k=16, flag_act=True, flag_x=True,
+                                                                 flag_attn=True))
     words, lengths = prog.encode()
     s, i = _find(prog, words, lengths, isa.Op.MLP_IN, lambda ins: ins.layer == 0)
     words[s, i] = torch.tensor(isa.Nop().encode())  # one block of act is never written

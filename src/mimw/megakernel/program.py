@@ -64,6 +64,8 @@ class ProgramConfig:
     # too, on the O_PROJ counter MLP_IN already waited on, which orders its reads of the x rows)
     flag_x: bool = False  # the residual stream x as versioned words (isa.READS_X): O_PROJ and DOWN_PROJ store their
     # rows versioned and signal nothing; ATTN_IN, MLP_IN, LM_HEAD and the residual reads wait on x's versions
+    flag_attn: bool = False  # the attention output as versioned words (isa.READS_ATTN; needs flag_x, which orders
+    # O_PROJ's residual reads): the combining split (or ATTN_REDUCE) signals nothing, O_PROJ waits on no counter
     signal_logits: bool = True  # LM_HEAD blocks signal a counter; no instruction waits on it (the launch's end
     # publishes the logits), so False spares each block the release (its barrier and fenced atomic)
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
@@ -237,6 +239,9 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     stages: list[list[Instruction]] = []
     prev, prev_n = isa.NO_COUNTER, 0  # counter that marks the residual stream x complete for this layer
     vx = isa.READS_X if cfg.flag_x else 0
+    if cfg.flag_attn and not cfg.flag_x:
+        raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
+    va = isa.WRITES_VERSIONED if cfg.flag_attn else 0
     for l in range(L):
         qkv = [counter(f"L{l}.qkv.kv{k}", g + 2) for k in range(hkv)]
 
@@ -248,12 +253,12 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         stages.append([AttnIn(layer=l, head=h, part=p, n_parts=n_parts, ticket=tickets[h], wait=prev,
                               wait_count=prev_n, signal=qkv[group(h)], flags=vx if l > 0 else 0)
                        for h in range(hq + 2 * hkv) for p in range(n_parts)])
-        red = counter(f"L{l}.attn_out", hkv * len(segs))
+        red = isa.NO_COUNTER if cfg.flag_attn else counter(f"L{l}.attn_out", hkv * len(segs))
         if cfg.combine_splits:  # the last split of each (kv head, segment) combines: one hop fewer
             tick = {(k, s): counter(f"L{l}.attn_ticket.kv{k}.seg{s}", n_splits[s]) if n_splits[s] > 1
                     else isa.NO_COUNTER for k in range(hkv) for s in segs}
             stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], ticket=tick[k, s],
-                                       combine=1, wait=qkv[k], wait_count=g + 2, signal=red)
+                                       combine=1, wait=qkv[k], wait_count=g + 2, signal=red, flags=va)
                            for k in range(hkv) for s in segs for i in range(n_splits[s])])
         else:
             part = {(k, s): counter(f"L{l}.attn.kv{k}.seg{s}", n_splits[s]) for k in range(hkv) for s in segs}
@@ -261,12 +266,14 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
                                        wait_count=g + 2, signal=part[k, s])
                            for k in range(hkv) for s in segs for i in range(n_splits[s])])
             stages.append([AttnReduce(layer=l, kv_head=k, seg=s, n_splits=n_splits[s], wait=part[k, s],
-                                      wait_count=n_splits[s], signal=red) for k in range(hkv) for s in segs])
+                                      wait_count=n_splits[s], signal=red, flags=va)
+                           for k in range(hkv) for s in segs])
         # x rows: versioned words (no counter), or a counter per stage
         o = isa.NO_COUNTER if cfg.flag_x else counter(f"L{l}.o_proj", len(o_blocks))
-        stages.append([OProj(layer=l, row0=r, nrows=n, wait=red, wait_count=hkv * len(segs), signal=o,
-                             flags=(isa.WRITES_VERSIONED | (vx if l > 0 else 0)) if cfg.flag_x else 0)
-                       for r, n in o_blocks])
+        o_flags = ((isa.WRITES_VERSIONED | (vx if l > 0 else 0)) if cfg.flag_x else 0) | \
+            (isa.READS_ATTN if cfg.flag_attn else 0)
+        stages.append([OProj(layer=l, row0=r, nrows=n, wait=red, wait_count=0 if cfg.flag_attn else hkv * len(segs),
+                             signal=o, flags=o_flags) for r, n in o_blocks])
         o_n = 0 if cfg.flag_x else len(o_blocks)
         if cfg.flag_act:  # the act words carry their version: DOWN_PROJ waits on them, not on a counter
             stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=o_n,

@@ -66,12 +66,17 @@ class Readiness:
 
     # --- the contract ------------------------------------------------------------------------------------
     def versions_ready(self, ins: Instruction) -> bool:
-        """For an instruction that reads versioned words (``isa.READS_X`` / ``isa.READS_ACT``): does every word it
-        reads carry the version it needs (the numbering above)? Such an instruction waits until they do (the GPU
-        re-reads the words that do not); for any other instruction: True."""
+        """For an instruction that reads versioned words (``isa.READS_X`` / ``READS_ACT`` / ``READS_ATTN``): does
+        every word it reads carry the version it needs (the numbering above)? Such an instruction waits until they
+        do (the GPU re-reads the words that do not); for any other instruction: True."""
         if ins.flags & isa.READS_X:
             rows, want = self._x_need(ins)
             if not bool((self.x[rows] == want).all()):
+                return False
+        if ins.flags & isa.READS_ATTN:
+            if ins.OP != Op.O_PROJ:
+                raise ValueError(f"{ins}: only O_PROJ reads attn")
+            if not bool((self.attn == ins.layer).all()):
                 return False
         if ins.flags & isa.READS_ACT:
             if ins.OP != Op.DOWN_PROJ:

@@ -25,6 +25,8 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
                                the versions in ``Readiness.act``.
   x_words [M, D] int64         the GPU's x when the program versions it (ProgramConfig.flag_x), likewise; version =
                                epoch * 65536 + Readiness's x version (2l+1 after O_PROJ, 2l+2 after DOWN_PROJ).
+  attn_words [M, Hq*hd] int64  the GPU's attn when the program versions it (ProgramConfig.flag_attn); version =
+                               epoch * 65536 + layer.
 """
 from __future__ import annotations
 
@@ -91,12 +93,14 @@ class Scratch:
     logits: torch.Tensor
     act_words: torch.Tensor
     x_words: torch.Tensor
+    attn_words: torch.Tensor
 
     def poison(self) -> None:
         for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits):
             t.fill_(float("nan"))
         self.act_words.fill_(-1)  # no version: a reader waits for a real write
         self.x_words.fill_(-1)
+        self.attn_words.fill_(-1)
 
 
 def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu") -> StepState:
@@ -119,6 +123,7 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         logits=f(m, sp.vocab_size),
         act_words=torch.full((m, sp.intermediate_size), -1, dtype=torch.int64, device=device),
         x_words=torch.full((m, sp.hidden_size), -1, dtype=torch.int64, device=device),
+        attn_words=torch.full((m, sp.q_size), -1, dtype=torch.int64, device=device),
     )
 
 

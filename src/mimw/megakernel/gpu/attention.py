@@ -17,6 +17,8 @@ with 16-byte vector loads through L2 (.cg): the newest row was written by anothe
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from . import versioned
+
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 EMPTY_M: gl.constexpr = gl.constexpr(-1.0e30)
@@ -140,9 +142,11 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
 
 @gluon.jit
 def reduce(kvh, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ: gl.constexpr, HKV: gl.constexpr,
-           HD: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, R3: gl.constexpr):
+           HD: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, R3: gl.constexpr, ver=0,
+           VERSIONED: gl.constexpr = False):
     """attn[h] = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s over the splits, for the G heads at once (every
-    partial is loaded in one round of independent loads)."""
+    partial is loaded in one round of independent loads). ``VERSIONED``: attn is versioned words (version ``ver``,
+    versioned.py)."""
     G: gl.constexpr = HQ // HKV
     GS: gl.constexpr = gl.SliceLayout(2, R3)  # [GP, SP2]
     GD: gl.constexpr = gl.SliceLayout(1, R3)  # [GP, HD]
@@ -162,5 +166,9 @@ def reduce(kvh, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ: gl.constexpr, H
     o = gl.sum(gl.expand_dims(w, 2) * po, axis=1)  # [GP, HD]
     o = o / gl.expand_dims(gl.convert_layout(den, gl.SliceLayout(1, GD)), 1)
     offs_og = gl.arange(0, GP, gl.SliceLayout(1, GD))
-    gl.store(attn_ptr + gl.expand_dims((kvh * G + offs_og) * HD, 1) + gl.expand_dims(offs_d, 0), o,
-             mask=gl.expand_dims(offs_og < G, 1))
+    out = attn_ptr + gl.expand_dims((kvh * G + offs_og) * HD, 1) + gl.expand_dims(offs_d, 0)
+    keep = gl.expand_dims(offs_og < G, 1) & gl.expand_dims(offs_d >= 0, 0)  # [GP, HD]
+    if VERSIONED:
+        versioned.store_masked(out, o, ver, keep)
+    else:
+        gl.store(out, o, mask=keep)

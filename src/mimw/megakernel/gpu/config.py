@@ -34,6 +34,8 @@ class KernelConfig:
     # ProgramConfig.flag_act): no release fence after MLP_IN, no counter poll before DOWN_PROJ; not yet measured
     flag_x: bool = False  # FLAG_X: the residual stream x as versioned words too (isa.READS_X): O_PROJ and DOWN_PROJ
     # signal nothing, ATTN_IN, MLP_IN and LM_HEAD poll no counter; not yet measured
+    flag_attn: bool = False  # FLAG_ATTN: the attention output as versioned words too (isa.READS_ATTN; needs flag_x):
+    # the combining split signals nothing, O_PROJ polls no counter; not yet measured
     trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (gpu/trace.py)
     trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
@@ -80,7 +82,7 @@ class KernelConfig:
         return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
                              combine_splits=self.combine_splits, fixed_cost_bytes=self.fixed_cost_kb * 1024,
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
-                             flag_act=self.flag_act, flag_x=self.flag_x)
+                             flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -98,6 +100,8 @@ class KernelConfig:
         if not 0 <= self.inflight < self.ring_slots(spec):
             raise ValueError(f"inflight={self.inflight}: 0 (the whole ring) or fewer tiles than the ring's "
                              f"{self.ring_slots(spec)} slots")
+        if self.flag_attn and not self.flag_x:
+            raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
         if self.mma not in (0, 1):
             raise ValueError(f"mma={self.mma}: 0 (CUDA cores) or 1 (tensor cores)")
         if self.mma:
@@ -140,7 +144,8 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, INFLIGHT=kcfg.inflight,
-        DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act, FLAG_X=kcfg.flag_x, NL=spec.num_layers,
+        DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act, FLAG_X=kcfg.flag_x, FLAG_ATTN=kcfg.flag_attn,
+        NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
     )
@@ -166,8 +171,10 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc, "gu_ptr": "*bf16",
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
-        "x_ptr": "*i64" if kcfg.flag_x else "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "attn_ptr": "*fp32",
-        "act_ptr": "*i64" if kcfg.flag_act else "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32", "qscale": "fp32",
+        "x_ptr": "*i64" if kcfg.flag_x else "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32",
+        "pml_ptr": "*fp32", "attn_ptr": "*i64" if kcfg.flag_attn else "*fp32",
+        "act_ptr": "*i64" if kcfg.flag_act else "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32",
+        "qscale": "fp32",
         "trace_ptr": "*i64", "tiles_ptr": "*i64", "MAXT": "i32",
     }
     sig.update({k: "constexpr" for k in ce})

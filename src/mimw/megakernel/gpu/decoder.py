@@ -77,8 +77,9 @@ class MegakernelDecoder:
             self.words, self.lens, self.words.shape[1], s.tokens, s.positions, s.seg_ctx, s.block_tables,
             s.block_tables.shape[1], s.counters, len(self.program.counters), *self.descs, w.gu,
             w.embed, w.attn_norm, w.mlp_norm, w.final_norm, w.bias, w.q_norm, w.k_norm, w.inv_freq,
-            c.k, c.v, c.layout.num_pages, x.x_words if self.kcfg.flag_x else x.x, x.qkv_part, x.q, x.part_o, x.part_ml, x.attn,
-            x.act_words if self.kcfg.flag_act else x.act, x.logits,
+            c.k, c.v, c.layout.num_pages, x.x_words if self.kcfg.flag_x else x.x, x.qkv_part, x.q, x.part_o,
+            x.part_ml, x.attn_words if self.kcfg.flag_attn else x.attn, x.act_words if self.kcfg.flag_act else x.act,
+            x.logits,
             self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634, self.trace,
             self.tiles, self.max_tiles,
             **self.ce)

@@ -14,6 +14,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from . import versioned
 from .orchestration import consumer_acquire, consumer_release
 
 
@@ -103,7 +104,7 @@ def _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver=0, VX: gl.constexpr = 
         v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
     else:
         if VX:
-            v = _wait_versioned_2d(x_ptr + gl.minimum(o, K - 1), o < K, ver)
+            v = versioned.wait_2d(x_ptr + gl.minimum(o, K - 1), o < K, ver)
         else:
             v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
     return v
@@ -152,58 +153,13 @@ def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.con
 
 
 @gluon.jit
-def _store_versioned(ptrs, v, ver):
-    """One versioned word per element (isa.WRITES_VERSIONED): (ver << 32 | fp32 bits of v), stored with one
-    ``st.relaxed.gpu.b64`` each, single-copy atomic, so a reader that sees ``ver`` sees ``v``. No fence: the word
-    is its own flag."""
-    gl.inline_asm_elementwise(
-        "{ .reg .b64 w; mov.b64 w, {$2, $3}; st.relaxed.gpu.global.b64 [$1], w; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptrs, v.to(gl.int32, bitcast=True), gl.zeros_like(v.to(gl.int32, bitcast=True)) + ver],
-        dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _load_versioned(ptrs, old, need):
-    """``ld.relaxed.gpu.b64`` of the words where ``need`` != 0 (from L2: relaxed gpu-scope loads see other SMs'
-    stores), ``old`` elsewhere."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $3, 0; mov.b64 $0, $2; @p ld.relaxed.gpu.global.b64 $0, [$1]; }",
-        "=l,l,l,r", [ptrs, old, need], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _wait_versioned_2d(ptrs, inb, ver):
-    """The fp32 payloads of the [R, C] versioned words at ``ptrs`` (where ``inb``; 0.0 elsewhere), once every one
-    carries version ``ver``: the words are loaded, then only those not yet at ``ver`` are loaded again."""
-    words = (inb.to(gl.int64) * 0 + ver) << 32  # where not inb: a word of version ver holding 0.0
-    words = _load_versioned(ptrs, words, inb.to(gl.int32))
-    ok = (words >> 32).to(gl.int32) == ver
-    while gl.sum(gl.sum((~ok).to(gl.int32), axis=1), axis=0) > 0:
-        words = _load_versioned(ptrs, words, (~ok).to(gl.int32))
-        ok = (words >> 32).to(gl.int32) == ver
-    return words.to(gl.int32).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _wait_versioned_1d(ptrs, ver):
-    """``_wait_versioned_2d`` of a [R] vector of words, all in bounds."""
-    words = _load_versioned(ptrs, (ptrs.to(gl.int64) * 0 + ver) << 32, gl.full(ptrs.shape, 1, gl.int32,
-                                                                                   ptrs.type.layout))
-    ok = (words >> 32).to(gl.int32) == ver
-    while gl.sum((~ok).to(gl.int32), axis=0) > 0:
-        words = _load_versioned(ptrs, words, (~ok).to(gl.int32))
-        ok = (words >> 32).to(gl.int32) == ver
-    return words.to(gl.int32).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
 def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S2: gl.constexpr):
     """``stage_plain`` of a vector of versioned words (isa.READS_ACT): the load is the wait, group by group of SG
     column tiles; the payloads (fp32) are rounded to bf16 as ``stage_plain`` rounds them."""
     TK: gl.constexpr = hbuf.type.shape[1]
     for g0 in gl.static_range(0, KT, SG):
         o = _group_offsets(g0, SG, TK, S2)
-        v = _wait_versioned_2d(src_ptr + gl.minimum(o, K - 1), o < K, ver)
+        v = versioned.wait_2d(src_ptr + gl.minimum(o, K - 1), o < K, ver)
         _group(hbuf, g0, SG).store(v.to(gl.bfloat16))
     gl.thread_barrier()
 
@@ -223,12 +179,12 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
             res = gl.load(res_ptr + rows).to(gl.float32)
         else:
             if VX:
-                res = _wait_versioned_1d(x_ptr + rows, ver_in)
+                res = versioned.wait_1d(x_ptr + rows, ver_in)
             else:
                 res = gl.load(x_ptr + rows, cache_modifier=".cg")
         acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
         if VX:
-            _store_versioned(x_ptr + rows, res + acc, ver_out)
+            versioned.store(x_ptr + rows, res + acc, ver_out)
         else:
             gl.store(x_ptr + rows, res + acc)
     return it
@@ -260,7 +216,7 @@ def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl
         u = gl.sum(gl.where(h == 1, a2, 0.0), axis=0)
         offs = gl.arange(0, TR // 2, g.type.layout)
         if VERSIONED:
-            _store_versioned(act_ptr + row0 + t * (TR // 2) + offs, g / (1.0 + gl.exp(-g)) * u, ver)
+            versioned.store(act_ptr + row0 + t * (TR // 2) + offs, g / (1.0 + gl.exp(-g)) * u, ver)
         else:
             gl.store(act_ptr + row0 + t * (TR // 2) + offs, g / (1.0 + gl.exp(-g)) * u)
     return it

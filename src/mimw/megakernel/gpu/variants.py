@@ -81,6 +81,8 @@ VARIANTS = {
     "tr32-flag-if4": KernelConfig(flag_act=True, inflight=4),
     "tr32-flagx": KernelConfig(flag_act=True, flag_x=True),  # and x: no counter between attention windows
     "tr32-flagx-if4": KernelConfig(flag_act=True, flag_x=True, inflight=4),
+    "tr32-flagxa": KernelConfig(flag_act=True, flag_x=True, flag_attn=True),  # and attn: O_PROJ polls nothing
+    "tr32-flagxa-if4": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, inflight=4),
     "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
