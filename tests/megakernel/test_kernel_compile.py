@@ -163,3 +163,12 @@ def test_versioned_x_compiles_for_a_row_wider_than_one_staging_group():
 def test_versioned_attn_needs_versioned_x():
     with pytest.raises(ValueError, match="flag_attn needs flag_x"):
         KernelConfig(flag_attn=True).check(get_preset("llama-3.2-1b"))
+
+
+def test_min_split_tokens_reaches_the_scheduler():
+    from mimw.megakernel.program import StepShape, build_program
+
+    spec = get_preset("llama-3.2-1b")
+    splits = [build_program(spec, StepShape((1,), 1024), 132, KernelConfig(min_split_tokens=m).program_config())
+              .n_splits for m in (32, 128, 256)]
+    assert splits == [(16,), (8,), (4,)]

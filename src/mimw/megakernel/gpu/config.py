@@ -39,6 +39,8 @@ class KernelConfig:
     trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (gpu/trace.py)
     trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
+    min_split_tokens: int = 32  # attention splits get at least this many positions (ProgramConfig): 16 splits a
+    # KV head at context 1024 on 132 SMs with 8 KV heads; larger -> fewer, longer splits and a smaller combine
     combine_splits: bool = True  # attention splits combine themselves (no ATTN_REDUCE stage; program.py)
     fixed_cost_kb: int = 96  # the scheduler's per-instruction cost in weight kilobytes (ProgramConfig); session 11
     # measured 2-5 us of staging + tail per matvec instruction, ~70-170 KB at an SM's HBM share. With max_block_kb
@@ -80,6 +82,7 @@ class KernelConfig:
 
     def program_config(self) -> ProgramConfig:
         return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
+                             min_split_tokens=self.min_split_tokens,
                              combine_splits=self.combine_splits, fixed_cost_bytes=self.fixed_cost_kb * 1024,
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
                              flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn)

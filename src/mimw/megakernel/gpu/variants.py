@@ -83,6 +83,9 @@ VARIANTS = {
     "tr32-flagx-if4": KernelConfig(flag_act=True, flag_x=True, inflight=4),
     "tr32-flagxa": KernelConfig(flag_act=True, flag_x=True, flag_attn=True),  # and attn: O_PROJ polls nothing
     "tr32-flagxa-if4": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, inflight=4),
+    # fewer, longer attention splits (context 1024: 8 / 4 splits a KV head instead of 16)
+    "tr32-split128": KernelConfig(min_split_tokens=128),
+    "tr32-split256": KernelConfig(min_split_tokens=256),
     "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
     "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
