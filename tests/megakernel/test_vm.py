@@ -347,7 +347,10 @@ VERSIONED = [("tiny-llama", 5, (1,), (14,)), ("tiny-qwen3", 7, (1, 1), (20, 9)),
 
 MODES = {"act": dict(flag_act=True), "act+x": dict(flag_act=True, flag_x=True),
          "act+x+attn": dict(flag_act=True, flag_x=True, flag_attn=True),
-         "act+x+attn, reduce stage": dict(flag_act=True, flag_x=True, flag_attn=True, combine_splits=False)}
+         "act+x+attn, reduce stage": dict(flag_act=True, flag_x=True, flag_attn=True, combine_splits=False),
+         "q": dict(flag_q=True),
+         "all": dict(flag_act=True, flag_x=True, flag_attn=True, flag_q=True),
+         "all, reduce stage": dict(flag_act=True, flag_x=True, flag_attn=True, flag_q=True, combine_splits=False)}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -359,6 +362,12 @@ def test_vm_with_versioned_words_matches_reference(name, num_sms, seg_lens, cont
     tk = 256 if name == "smollm2-135m" else 16
     prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts, ProgramConfig(tile_k=tk, **kw))
     by = lambda op: [i for i in prog.instructions() if i.OP == op]  # noqa: E731
+    if kw.get("flag_q"):  # ATTN_IN -> ATTN_PARTIAL without a counter
+        assert all(i.signal == isa.NO_COUNTER and i.flags & isa.WRITES_VERSIONED for i in by(isa.Op.ATTN_IN))
+        assert all(i.wait == isa.NO_COUNTER and i.flags & isa.READS_Q for i in by(isa.Op.ATTN_PARTIAL))
+        assert not any(".qkv.kv" in c.name for c in prog.counters)
+    if not kw.get("flag_act"):
+        return
     flag_x, flag_attn = kw.get("flag_x", False), kw.get("flag_attn", False)
     vx = isa.READS_X if flag_x else 0
     assert all(i.signal == isa.NO_COUNTER and i.flags == vx | isa.WRITES_VERSIONED for i in by(isa.Op.MLP_IN))
@@ -373,7 +382,7 @@ def test_vm_with_versioned_words_matches_reference(name, num_sms, seg_lens, cont
         if flag_attn:  # nor between the attention splits and O_PROJ
             assert all(i.wait == isa.NO_COUNTER and i.flags & isa.READS_ATTN for i in by(isa.Op.O_PROJ))
             writers = by(isa.Op.ATTN_REDUCE) or by(isa.Op.ATTN_PARTIAL)
-            assert all(i.signal == isa.NO_COUNTER and i.flags == isa.WRITES_VERSIONED for i in writers)
+            assert all(i.signal == isa.NO_COUNTER and i.flags & isa.WRITES_VERSIONED for i in writers)
             assert not any("attn_out" in c.name for c in prog.counters)
         else:
             assert {prog.counters[i.wait].name.split(".")[1] for i in by(isa.Op.O_PROJ)} == {"attn_out"}
@@ -394,6 +403,7 @@ def test_versioned_attn_needs_versioned_x():
 BREAKS = [
     (False, isa.Op.DOWN_PROJ, isa.READS_ACT, "reads act"),
     (True, isa.Op.O_PROJ, isa.READS_ATTN, "reads attn"),
+    (True, isa.Op.ATTN_PARTIAL, isa.READS_Q, "q heads"),
     (True, isa.Op.DOWN_PROJ, isa.READS_ACT, "reads act"),
     (True, isa.Op.ATTN_IN, isa.READS_X, "reads x"),
     (True, isa.Op.MLP_IN, isa.READS_X, "reads x"),
@@ -407,7 +417,7 @@ def test_a_versioned_reader_that_stops_waiting_for_its_words_is_caught(flag_x, o
     the words were written, and data readiness catches the read."""
     spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
     prog = build_program(spec, StepShape((1,)), 5, ProgramConfig(tile_k=16, flag_act=True, flag_x=flag_x,
-                                                                 flag_attn=flag_x))
+                                                                 flag_attn=flag_x, flag_q=flag_x))
     words, lengths = prog.encode()
     s, i = _find(prog, words, lengths, op, lambda ins: ins.layer == 1 or op == isa.Op.LM_HEAD)
     words[s, i, isa.Word.FLAGS] &= ~bit

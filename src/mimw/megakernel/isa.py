@@ -8,10 +8,11 @@ drift apart. The PyTorch VM (``vm.py``) executes the same encoded words.
 Dependencies are counters in global memory (``Word.WAIT``/``Word.WAIT_COUNT``): an instruction may start once
 counter WAIT has reached ``(epoch + 1) * WAIT_COUNT`` (wrap-safe: ``int32(counter - target) >= 0``), and it adds 1
 to counter ``Word.SIGNAL`` when its outputs are stored (release). An instruction may instead take an input as
-versioned words (``Word.FLAGS``: ``READS_X``, ``READS_ACT``, ``READS_ATTN``): then it also waits until every word
-it reads carries the version that input must have for it (readiness.py numbers them), and their producers
-(``WRITES_VERSIONED``) signal nothing. Every counter is signalled exactly ``WAIT_COUNT`` times per step, so counters never need a reset
-launch: step number ``epoch`` simply waits for the next multiple (see docs/megakernel.md).
+versioned words (``Word.FLAGS``: ``READS_X``, ``READS_ACT``, ``READS_ATTN``, ``READS_Q``): then it also waits
+until every word it reads carries the version that input must have for it (readiness.py numbers them), and their
+producers (``WRITES_VERSIONED``) signal nothing. Every counter is signalled exactly ``WAIT_COUNT`` times per step,
+so counters never need a reset launch: step number ``epoch`` simply waits for the next multiple (see
+docs/megakernel.md).
 
 Instructions (M = tokens in the step, D = hidden, hd = head_dim, G = query heads per KV head):
   ATTN_IN       y_part = RMSNorm(x)[cols] . W_qkv[head rows, cols] over one part of the columns -> qkv_part
@@ -69,19 +70,23 @@ class Word(IntEnum):
     SIGNAL = 8  # counter to signal when done, -1 for none
     E = 9  # ATTN_PARTIAL: ticket counter of the combining splits (-1: none)
     F = 10  # ATTN_PARTIAL: 1 if the splits combine themselves (no ATTN_REDUCE follows)
-    FLAGS = 11  # versioned-word bits: READS_X | READS_ACT | READS_ATTN | WRITES_VERSIONED
+    FLAGS = 11  # versioned-word bits: READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED
 
 
 NO_COUNTER = -1
 
-# Word.FLAGS: the residual stream x, the MLP activation act and the attention output attn as *versioned words* (the
-# LL protocol of NCCL). Each element is one 64-bit word (version << 32 | fp32 bits), stored single-copy atomic, so a reader that sees the
-# version it expects also sees the value: no counter, no release fence, no poll (docs/megakernel.md).
+# Word.FLAGS: the residual stream x, the MLP activation act, the attention output attn, the query heads and the new
+# K/V row as *versioned words* (the LL protocol of NCCL). Each element is one 64-bit word (version << 32 | fp32
+# bits), stored single-copy atomic, so a reader that sees the version it expects also sees the value: no counter,
+# no release fence, no poll (docs/megakernel.md).
 READS_X = 1  # reads x (all of it, or its own rows) as versioned words and waits until they carry their version
 READS_ACT = 2  # reads act as versioned words and waits likewise (DOWN_PROJ)
 WRITES_VERSIONED = 4  # stores its outputs (x rows: O_PROJ, DOWN_PROJ; act: MLP_IN; attn: the combining
-#                       ATTN_PARTIAL split or ATTN_REDUCE) as versioned words
+#                       ATTN_PARTIAL split or ATTN_REDUCE; q heads and the new K/V row: ATTN_IN's finisher, which
+#                       still appends the row to the paged cache for later steps) as versioned words
 READS_ATTN = 8  # reads the attention output as versioned words and waits likewise (O_PROJ)
+READS_Q = 16  # reads its query heads, and (a split holding this step's position) the new K/V row, as versioned
+#               words written by ATTN_IN's finishers, and waits likewise (ATTN_PARTIAL)
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ class Instruction:
     wait: int = NO_COUNTER
     wait_count: int = 0
     signal: int = NO_COUNTER
-    flags: int = 0  # READS_X | READS_ACT | READS_ATTN | WRITES_VERSIONED
+    flags: int = 0  # READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED
 
     @property
     def has_finisher(self) -> bool:

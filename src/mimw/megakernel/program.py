@@ -64,6 +64,8 @@ class ProgramConfig:
     # too, on the O_PROJ counter MLP_IN already waited on, which orders its reads of the x rows)
     flag_x: bool = False  # the residual stream x as versioned words (isa.READS_X): O_PROJ and DOWN_PROJ store their
     # rows versioned and signal nothing; ATTN_IN, MLP_IN, LM_HEAD and the residual reads wait on x's versions
+    flag_q: bool = False  # the query heads and the new K/V row as versioned words (isa.READS_Q): ATTN_IN's
+    # finishers signal nothing, ATTN_PARTIAL waits on no counter (the row still goes to the paged cache too)
     flag_attn: bool = False  # the attention output as versioned words (isa.READS_ATTN; needs flag_x, which orders
     # O_PROJ's residual reads): the combining split (or ATTN_REDUCE) signals nothing, O_PROJ waits on no counter
     signal_logits: bool = True  # LM_HEAD blocks signal a counter; no instruction waits on it (the launch's end
@@ -242,8 +244,10 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     if cfg.flag_attn and not cfg.flag_x:
         raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
     va = isa.WRITES_VERSIONED if cfg.flag_attn else 0
+    vq = isa.WRITES_VERSIONED if cfg.flag_q else 0
     for l in range(L):
-        qkv = [counter(f"L{l}.qkv.kv{k}", g + 2) for k in range(hkv)]
+        qkv = [isa.NO_COUNTER if cfg.flag_q else counter(f"L{l}.qkv.kv{k}", g + 2) for k in range(hkv)]
+        qkv_n = 0 if cfg.flag_q else g + 2
 
         def group(h: int) -> int:  # which KV group a q/k/v head feeds
             return h // g if h < hq else (h - hq) % hkv
@@ -251,19 +255,20 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         tickets = [counter(f"L{l}.qkv_ticket.h{h}", n_parts) if n_parts > 1 else isa.NO_COUNTER
                    for h in range(hq + 2 * hkv)]
         stages.append([AttnIn(layer=l, head=h, part=p, n_parts=n_parts, ticket=tickets[h], wait=prev,
-                              wait_count=prev_n, signal=qkv[group(h)], flags=vx if l > 0 else 0)
+                              wait_count=prev_n, signal=qkv[group(h)], flags=(vx if l > 0 else 0) | vq)
                        for h in range(hq + 2 * hkv) for p in range(n_parts)])
         red = isa.NO_COUNTER if cfg.flag_attn else counter(f"L{l}.attn_out", hkv * len(segs))
         if cfg.combine_splits:  # the last split of each (kv head, segment) combines: one hop fewer
             tick = {(k, s): counter(f"L{l}.attn_ticket.kv{k}.seg{s}", n_splits[s]) if n_splits[s] > 1
                     else isa.NO_COUNTER for k in range(hkv) for s in segs}
             stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], ticket=tick[k, s],
-                                       combine=1, wait=qkv[k], wait_count=g + 2, signal=red, flags=va)
+                                       combine=1, wait=qkv[k], wait_count=qkv_n, signal=red,
+                                       flags=va | (isa.READS_Q if cfg.flag_q else 0))
                            for k in range(hkv) for s in segs for i in range(n_splits[s])])
         else:
             part = {(k, s): counter(f"L{l}.attn.kv{k}.seg{s}", n_splits[s]) for k in range(hkv) for s in segs}
             stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], wait=qkv[k],
-                                       wait_count=g + 2, signal=part[k, s])
+                                       wait_count=qkv_n, signal=part[k, s], flags=isa.READS_Q if cfg.flag_q else 0)
                            for k in range(hkv) for s in segs for i in range(n_splits[s])])
             stages.append([AttnReduce(layer=l, kv_head=k, seg=s, n_splits=n_splits[s], wait=part[k, s],
                                       wait_count=n_splits[s], signal=red, flags=va)

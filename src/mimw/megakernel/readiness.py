@@ -73,6 +73,15 @@ class Readiness:
             rows, want = self._x_need(ins)
             if not bool((self.x[rows] == want).all()):
                 return False
+        if ins.flags & isa.READS_Q:
+            if ins.OP != Op.ATTN_PARTIAL:
+                raise ValueError(f"{ins}: only ATTN_PARTIAL reads q")
+            lo, hi = self._split(ins)
+            new_lo = int(self.state.seg_ctx[ins.seg]) - self.program.shape.seg_lens[ins.seg]
+            if lo < hi and not bool((self.q[self._group(ins.kv_head)] == ins.layer).all()):
+                return False
+            if hi > new_lo and lo < hi and not self.kv[ins.layer, :, ins.kv_head].all():
+                return False  # a split holding this step's positions also waits for their K/V
         if ins.flags & isa.READS_ATTN:
             if ins.OP != Op.O_PROJ:
                 raise ValueError(f"{ins}: only O_PROJ reads attn")

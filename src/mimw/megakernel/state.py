@@ -27,6 +27,9 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
                                epoch * 65536 + Readiness's x version (2l+1 after O_PROJ, 2l+2 after DOWN_PROJ).
   attn_words [M, Hq*hd] int64  the GPU's attn when the program versions it (ProgramConfig.flag_attn); version =
                                epoch * 65536 + layer.
+  q_words [M, Hq+2Hkv, hd] int64  the GPU's q when the program versions it (ProgramConfig.flag_q): the q heads, then
+                               this step's new K then V row of each KV head (also appended to the paged cache);
+                               version = epoch * 65536 + layer.
 """
 from __future__ import annotations
 
@@ -94,6 +97,7 @@ class Scratch:
     act_words: torch.Tensor
     x_words: torch.Tensor
     attn_words: torch.Tensor
+    q_words: torch.Tensor
 
     def poison(self) -> None:
         for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits):
@@ -101,6 +105,7 @@ class Scratch:
         self.act_words.fill_(-1)  # no version: a reader waits for a real write
         self.x_words.fill_(-1)
         self.attn_words.fill_(-1)
+        self.q_words.fill_(-1)
 
 
 def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu") -> StepState:
@@ -124,6 +129,8 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         act_words=torch.full((m, sp.intermediate_size), -1, dtype=torch.int64, device=device),
         x_words=torch.full((m, sp.hidden_size), -1, dtype=torch.int64, device=device),
         attn_words=torch.full((m, sp.q_size), -1, dtype=torch.int64, device=device),
+        q_words=torch.full((m, sp.num_heads + 2 * sp.num_kv_heads, sp.head_dim), -1, dtype=torch.int64,
+                           device=device),
     )
 
 

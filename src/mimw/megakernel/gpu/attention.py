@@ -89,10 +89,13 @@ def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
 @gluon.jit
 def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP, SPLITS,
             po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
-            qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr):
+            qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr, ver=0,
+            VQ: gl.constexpr = False):
     """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v). Warp w keeps its own online-softmax
     state over its BTW positions of every block (all reductions inside the block stay within a warp); the NW
-    states are merged once at the end."""
+    states are merged once at the end. ``VQ`` (isa.READS_Q): there was no wait; q and the new row (position
+    ``pos``) are versioned words at ``q_ptr`` ([Hq + 2 Hkv, HD], qkv_finish) and their loads are the wait — the new
+    row only for the split that holds ``pos``; the cache is never read at ``pos``."""
     G: gl.constexpr = HQ // HKV
     KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
     Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
@@ -105,15 +108,25 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     g1 = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, Q3)))
     dq = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, Q3))), 0), 1)
     g3 = gl.expand_dims(gl.expand_dims(g1, 0), 2) + dq * 0  # [1, GP, HD] head index
-    q = gl.load(q_ptr + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * qscale
+    if VQ:
+        q = versioned.wait_3d(q_ptr + (kvh * G + g3) * HD + dq, g3 < G, ver) * qscale
+    else:
+        q = gl.load(q_ptr + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * qscale
     q4 = gl.expand_dims(q, 2)
     # the newest row (position pos) was written by ATTN_IN after prefetch: reload just that row into the block
     t = lo + tk
     row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
     addr = gl.expand_dims(row, 2) * HD + d3
     new = gl.expand_dims((t < hi) & (t == pos), 2)
-    k = gl.load(kc_ptr + addr, mask=new, other=k, cache_modifier=".cg")
-    v = gl.load(vc_ptr + addr, mask=new, other=v, cache_modifier=".cg")
+    if VQ:  # from the finisher's versioned words (zeros, no load, for a split without pos)
+        here = d3 * 0 + ((lo <= pos) & (pos < hi)).to(gl.int32)
+        k_new = versioned.wait_3d(q_ptr + (HQ + kvh) * HD + d3, here != 0, ver).to(gl.bfloat16)
+        v_new = versioned.wait_3d(q_ptr + (HQ + HKV + kvh) * HD + d3, here != 0, ver).to(gl.bfloat16)
+        k = gl.where(new, k_new, k)
+        v = gl.where(new, v_new, v)
+    else:
+        k = gl.load(kc_ptr + addr, mask=new, other=k, cache_modifier=".cg")
+        v = gl.load(vc_ptr + addr, mask=new, other=v, cache_modifier=".cg")
     m_i = gl.full([NW, GP], EMPTY_M, gl.float32, gl.SliceLayout(2, S3))
     l_i = gl.zeros([NW, GP], gl.float32, gl.SliceLayout(2, S3))
     o = gl.zeros([NW, GP, HD], gl.float32, Q3)
@@ -122,7 +135,13 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     for t0 in range(lo + BT, hi, BT):
         t = t0 + tk
         row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
-        k, v = _kv(kc_ptr, vc_ptr, row, t < hi, d3, HD)
+        if VQ:
+            k, v = _kv(kc_ptr, vc_ptr, row, (t < hi) & (t != pos), d3, HD)
+            new = gl.expand_dims((t < hi) & (t == pos), 2)
+            k = gl.where(new, k_new, k)
+            v = gl.where(new, v_new, v)
+        else:
+            k, v = _kv(kc_ptr, vc_ptr, row, t < hi, d3, HD)
         m_i, l_i, o = _block(q4, k, v, t0 + ts < hi, m_i, l_i, o, Q3)
     # merge the warps' states
     mx = gl.max(m_i, axis=0)  # [GP]

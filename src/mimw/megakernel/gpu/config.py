@@ -36,6 +36,8 @@ class KernelConfig:
     # signal nothing, ATTN_IN, MLP_IN and LM_HEAD poll no counter; not yet measured
     flag_attn: bool = False  # FLAG_ATTN: the attention output as versioned words too (isa.READS_ATTN; needs flag_x):
     # the combining split signals nothing, O_PROJ polls no counter; not yet measured
+    flag_q: bool = False  # FLAG_Q: q and the new K/V row as versioned words (isa.READS_Q): ATTN_IN's finishers
+    # signal nothing, ATTN_PARTIAL polls no counter; not yet measured
     trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (gpu/trace.py)
     trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
@@ -85,7 +87,8 @@ class KernelConfig:
                              min_split_tokens=self.min_split_tokens,
                              combine_splits=self.combine_splits, fixed_cost_bytes=self.fixed_cost_kb * 1024,
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
-                             flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn)
+                             flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn,
+                             flag_q=self.flag_q)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -148,6 +151,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, INFLIGHT=kcfg.inflight,
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act, FLAG_X=kcfg.flag_x, FLAG_ATTN=kcfg.flag_attn,
+        FLAG_Q=kcfg.flag_q,
         NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
@@ -174,7 +178,8 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc, "gu_ptr": "*bf16",
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
-        "x_ptr": "*i64" if kcfg.flag_x else "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32",
+        "x_ptr": "*i64" if kcfg.flag_x else "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*i64" if kcfg.flag_q else "*fp32",
+        "po_ptr": "*fp32",
         "pml_ptr": "*fp32", "attn_ptr": "*i64" if kcfg.flag_attn else "*fp32",
         "act_ptr": "*i64" if kcfg.flag_act else "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32",
         "qscale": "fp32",

@@ -239,10 +239,13 @@ def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: g
 @gluon.jit
 def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_ptr, bias_ptr, qn_ptr, kn_ptr,
                invf_ptr, eps, NP, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
-               HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, TR: gl.constexpr, E2: gl.constexpr):
+               HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, TR: gl.constexpr, E2: gl.constexpr, ver=0,
+               VQ: gl.constexpr = False):
     """ATTN_IN, the head's last part: y = sum of the parts in part order (+bias) (+RMSNorm) (+RoPE), then store:
     q heads to q_ptr, k/v heads into the paged cache row of this token (page ``tok_page``). The halves a = y[:HD/2]
-    and b = y[HD/2:] are held as [HD/2TR, TR] tiles (RoPE pairs element i with i + HD/2)."""
+    and b = y[HD/2:] are held as [HD/2TR, TR] tiles (RoPE pairs element i with i + HD/2). ``VQ`` (isa.READS_Q):
+    q_ptr holds versioned words for every head, [Hq + 2 Hkv, HD]: a q head is stored there at version ``ver``, and
+    a k/v head's new row too (its bf16 values), besides the paged cache, which later steps read."""
     NQKV: gl.constexpr = HQ + 2 * HKV
     HH: gl.constexpr = HD // (2 * TR)
     ti = gl.arange(0, HH, gl.SliceLayout(1, E2))
@@ -276,8 +279,12 @@ def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_
         a = a2
     if head < HQ:
         qb = q_ptr + head * HD
-        gl.store(qb + i, a)
-        gl.store(qb + HD // 2 + i, b)
+        if VQ:
+            versioned.store(qb + i, a, ver)
+            versioned.store(qb + HD // 2 + i, b, ver)
+        else:
+            gl.store(qb + i, a)
+            gl.store(qb + HD // 2 + i, b)
     else:
         kvh = (head - HQ) % HKV
         row = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD
@@ -287,3 +294,7 @@ def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_
             cache = vc_ptr + row
         gl.store(cache + i, a.to(gl.bfloat16))
         gl.store(cache + HD // 2 + i, b.to(gl.bfloat16))
+        if VQ:  # this step's readers take the row from here, not from the cache
+            qb = q_ptr + head * HD
+            versioned.store(qb + i, a.to(gl.bfloat16).to(gl.float32), ver)
+            versioned.store(qb + HD // 2 + i, b.to(gl.bfloat16).to(gl.float32), ver)

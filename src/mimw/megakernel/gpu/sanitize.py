@@ -69,7 +69,7 @@ def main() -> int:
     for spec, parts, mma, flag in ((tiny, 0, 1, False), (small, 2, 1, False), (small, 2, 1, True),
                                    (tiny, 0, 0, False), (small, 2, 0, False)):
         kcfg = dataclasses.replace(KernelConfig.for_spec(spec), qkv_parts=parts, mma=mma, flag_act=flag,
-                                   flag_x=flag, flag_attn=flag)
+                                   flag_x=flag, flag_attn=flag, flag_q=flag)
         r = check_decode(spec, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)
         print(f"mma={mma} versioned={flag}", r, flush=True)
         ok &= r.ok()

@@ -83,6 +83,9 @@ VARIANTS = {
     "tr32-flagx-if4": KernelConfig(flag_act=True, flag_x=True, inflight=4),
     "tr32-flagxa": KernelConfig(flag_act=True, flag_x=True, flag_attn=True),  # and attn: O_PROJ polls nothing
     "tr32-flagxa-if4": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, inflight=4),
+    # and q + the new K/V row: no counter hop left in a layer, only the tickets
+    "tr32-flagall": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True),
+    "tr32-flagall-if4": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True, inflight=4),
     # fewer, longer attention splits (context 1024: 8 / 4 splits a KV head instead of 16)
     "tr32-split128": KernelConfig(min_split_tokens=128),
     "tr32-split256": KernelConfig(min_split_tokens=256),

@@ -5,7 +5,8 @@ A buffer element is one 64-bit word, ``version << 32 | fp32 bits``. The writer s
 ``ld.relaxed.gpu.b64`` (coherent at gpu scope: L2, never a stale L1 line) and loads again only those not yet at the
 version it needs, so the load is the wait. A reader that sees its version sees the value stored with it. Versions
 are ``epoch * 65536 + n`` in int32, ``n`` the number readiness.py gives the buffer's contents (x: 2l+1 after layer
-l's O_PROJ, 2l+2 after its DOWN_PROJ; act and attn: l); the buffers start at -1, no version at all.
+l's O_PROJ, 2l+2 after its DOWN_PROJ; act, attn, q and the new K/V row: l); the buffers start at -1, no version at
+all.
 PyTorch reference: the VM keeps these buffers in fp32 and models their versions in ``Readiness``
 (``versions_ready``); these functions only change how the values travel, never what they are.
 """
@@ -51,6 +52,18 @@ def wait_2d(ptrs, inb, ver):
     words = _load(ptrs, words, inb.to(gl.int32))
     ok = (words >> 32).to(gl.int32) == ver
     while gl.sum(gl.sum((~ok).to(gl.int32), axis=1), axis=0) > 0:
+        words = _load(ptrs, words, (~ok).to(gl.int32))
+        ok = (words >> 32).to(gl.int32) == ver
+    return words.to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def wait_3d(ptrs, inb, ver):
+    """``wait_2d`` of an [A, B, C] tensor of words."""
+    words = (inb.to(gl.int64) * 0 + ver) << 32
+    words = _load(ptrs, words, inb.to(gl.int32))
+    ok = (words >> 32).to(gl.int32) == ver
+    while gl.sum(gl.sum(gl.sum((~ok).to(gl.int32), axis=2), axis=1), axis=0) > 0:
         words = _load(ptrs, words, (~ok).to(gl.int32))
         ok = (words >> 32).to(gl.int32) == ver
     return words.to(gl.int32).to(gl.float32, bitcast=True)
