@@ -66,9 +66,11 @@ class Readiness:
 
     # --- the contract ------------------------------------------------------------------------------------
     def versions_ready(self, ins: Instruction) -> bool:
-        """For an instruction that reads versioned words (``isa.READS_X`` / ``READS_ACT`` / ``READS_ATTN``): does
-        every word it reads carry the version it needs (the numbering above)? Such an instruction waits until they
-        do (the GPU re-reads the words that do not); for any other instruction: True."""
+        """For an instruction that reads versioned words (``isa.READS_X`` / ``READS_Q`` / ``READS_ATTN`` /
+        ``READS_ACT``): does every word it reads carry the version it needs (the numbering above)? Such an
+        instruction waits until they do (the GPU re-reads the words that do not); any other instruction: True.
+        ATTN_PARTIAL's q and new K/V row are needed only by a non-empty split, the row only by the split that holds
+        this step's positions (the GPU's empty splits wait for q too: stricter, never wrong)."""
         if ins.flags & isa.READS_X:
             rows, want = self._x_need(ins)
             if not bool((self.x[rows] == want).all()):

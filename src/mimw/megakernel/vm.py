@@ -10,8 +10,9 @@ Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
     to ``counters[signal]``. An instruction with a finisher (ATTN_IN parts, combining ATTN_PARTIAL splits, isa.py)
     first adds 1 to ``counters[ticket]``; only the part that brings it to ``(epoch + 1) * ticket_count`` runs the
     finisher and signals.
-  * An instruction that reads versioned words (``isa.READS_X``, ``isa.READS_ACT``) also waits until every word it
-    reads carries the version it needs (``Readiness.versions_ready``); their writers signal no counter.
+  * An instruction that reads versioned words (``isa.READS_X``, ``READS_Q``, ``READS_ATTN``, ``READS_ACT``) also
+    waits until every word it reads carries the version it needs (``Readiness.versions_ready``); their writers
+    (``isa.WRITES_VERSIONED``) signal no counter.
   * A queue that has run out adds 1 to ``counters[DONE]``; the queue that brings DONE to ``(epoch + 1) * num_sms``
     adds 1 to ``counters[EPOCH]``. Counters are never reset: the next step waits for the next multiple.
   * Counters are int32 and wrap (atomic adds wrap in two's complement; so does ``(epoch + 1) * wait_count`` in

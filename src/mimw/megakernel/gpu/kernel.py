@@ -265,7 +265,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                                    epoch * 65536 + layer, FLAG_ACT)
         elif op == OP_DOWN_PROJ:
             if restage:
-                if FLAG_ACT:  # versioned act words (isa.READS_VERSIONED): this load is the wait for MLP_IN
+                if FLAG_ACT:  # versioned act words (isa.READS_ACT): this load is the wait for MLP_IN
                     matvec.stage_versioned(hbuf, act_ptr, I, epoch * 65536 + layer, KT_I, SG, S2)
                 else:
                     matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
