@@ -30,7 +30,7 @@ class KernelConfig:
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
-    flag_act: bool = False  # FLAG_ACT: MLP_IN -> DOWN_PROJ through versioned act words (isa.READS_VERSIONED;
+    flag_act: bool = False  # FLAG_ACT: MLP_IN -> DOWN_PROJ through versioned act words (isa.READS_ACT;
     # ProgramConfig.flag_act): no release fence after MLP_IN, no counter poll before DOWN_PROJ; not yet measured
     flag_x: bool = False  # FLAG_X: the residual stream x as versioned words too (isa.READS_X): O_PROJ and DOWN_PROJ
     # signal nothing, ATTN_IN, MLP_IN and LM_HEAD poll no counter; not yet measured
