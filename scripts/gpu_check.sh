@@ -29,7 +29,7 @@ if has tests; then
     tail -n 3 "$out/gpu-tests.log"
 fi
 if has versioned; then
-    timeout "${VERSIONED_TIMEOUT:-270}" python3 -m pytest -q -x -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
+    timeout "${VERSIONED_TIMEOUT:-270}" python3 -m pytest -v -x -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
         -k versioned > "$out/versioned-tests.log" 2>&1
     rc[versioned]=$?
     tail -n 3 "$out/versioned-tests.log"
