@@ -109,6 +109,29 @@ def test_cli_rejects_bad_arguments(capsys):
     assert parse_contexts("1024, 8192") == (1024, 8192)
 
 
+def test_cli_megakernel_options_are_checked_up_front_and_travel_with_the_config(capsys):
+    assert bench_main.run(_parse(["decode", "--model", "tiny-llama", "--megakernel", "inflght=4"])) == 2
+    assert bench_main.run(_parse(["decode", "--model", "tiny-llama", "--megakernel", "flag_act=maybe"])) == 2
+    err = capsys.readouterr().err
+    assert "inflght" in err and "inflight" in err and "1/0/true/false" in err
+    cfg = bench_main.config_from_args(_parse(["decode", "--model", "tiny-llama", "--megakernel",
+                                              "inflight=4,flag_act=1"]))
+    assert cfg.megakernel == "inflight=4,flag_act=1" and DecodeBenchConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_megakernel_options_parse_to_typed_kernel_config_fields():
+    import dataclasses
+
+    from mimw.megakernel.gpu.config import KernelConfig, parse_options
+
+    kw = parse_options(" inflight=4, flag_act=true,flag_x=0 ,")
+    assert kw == {"inflight": 4, "flag_act": True, "flag_x": False} and parse_options("") == {}
+    assert dataclasses.replace(KernelConfig(), **kw).inflight == 4
+    for bad in ("ring", "ring=ten", "nosuch=1", "dispatch=2"):
+        with pytest.raises(ValueError, match="megakernel option"):
+            parse_options(bad)
+
+
 def test_commit_and_slug(tmp_path):
     assert bench_main.git_commit(tmp_path) == "unknown"  # a copy of the tree without .git
     assert bench_main.slug("NVIDIA H200 (SXM)") == "nvidia-h200-sxm"

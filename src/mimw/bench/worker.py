@@ -164,7 +164,7 @@ def run_tasks(model: str, tasks: Sequence[tuple[int, str]], cfg: DecodeBenchConf
             try:
                 inputs = decode_inputs(bw.spec, c, cfg.seed, cfg.torch_dtype, device)
                 ref = Reference(bw, inputs, cfg.torch_dtype)
-                pctx = PeerContext(bw, inputs, device, cfg.iters + cfg.warmup + 1)
+                pctx = PeerContext(bw, inputs, device, cfg.iters + cfg.warmup + 1, cfg.megakernel)
                 _cleanup(device)  # hand the fp32 reference's memory back before the backends allocate
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()

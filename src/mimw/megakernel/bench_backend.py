@@ -1,6 +1,7 @@
 """`mimw bench` entry for the megakernel backend (contract: ``mimw.bench.peers.mimw_peers``).
 
-``make_step(spec, weights, context)`` builds a MegakernelDecoder over a paged cache holding the benchmark's seeded
+``make_step(spec, weights, context, options="")`` builds a MegakernelDecoder (KernelConfig overrides ``options``,
+"NAME=VALUE,...", ``gpu.config.parse_options``) over a paged cache holding the benchmark's seeded
 K/V for positions 0..context-1, captures one decode step (token ``inputs.token`` at position ``context``) in a CUDA
 graph, and returns a zero-argument callable that replays it; ``step.logits`` is the [1, V] logits buffer.
 """
@@ -14,7 +15,12 @@ from ..models.spec import ModelSpec
 from ..models.weights import ModelWeights
 
 
-def make_step(spec: ModelSpec, weights: ModelWeights, context: int) -> Callable[[], None]:
+def make_step(spec: ModelSpec, weights: ModelWeights, context: int, options: str = "") -> Callable[[], None]:
+    import dataclasses
+
+    from .gpu.config import KernelConfig, parse_options
+
+    overrides = parse_options(options)  # ValueError on a bad option, before any GPU work
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise NotImplementedError("the megakernel needs a Hopper (sm_90) GPU")
     from ..bench.inputs import decode_inputs, paged_cache
@@ -22,8 +28,9 @@ def make_step(spec: ModelSpec, weights: ModelWeights, context: int) -> Callable[
 
     inputs = decode_inputs(spec, context, device="cuda")
     cache, table = paged_cache(spec, inputs)
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec, cache.layout.page_size), **overrides)
     dec = MegakernelDecoder(weights if weights.dtype == torch.bfloat16 else weights.to(dtype=torch.bfloat16),
-                            cache, max_pages_per_seq=len(table), context_hint=max(1, context))
+                            cache, max_pages_per_seq=len(table), kcfg=kcfg, context_hint=max(1, context))
     dec.set_inputs(inputs.token, context, table)
     dec.capture()
 

@@ -4,8 +4,9 @@ mimw-reference: ``ReferenceDecoder`` over a ``PagedKVCache``, eager. It is not C
 arithmetic reads ``positions.max()`` on the host (a device sync) every layer. It is the oracle the other backends
 are checked against, timed for scale only.
 
-mimw-megakernel: ``mimw.megakernel.bench_backend.make_step(spec, weights, context)`` returns a zero-argument callable
-that runs one decode step (graph-captured/replayed inside). Contract, beyond the call itself:
+mimw-megakernel: ``mimw.megakernel.bench_backend.make_step(spec, weights, context, options)`` returns a zero-argument
+callable that runs one decode step (graph-captured/replayed inside); ``options`` are KernelConfig overrides
+("NAME=VALUE,...", ``--megakernel``). Contract, beyond the call itself:
   - the KV cache holds ``mimw.bench.inputs.decode_inputs(spec, context)`` (seed 0) at positions 0..C-1 and the step
     decodes ``inputs.token`` at position C, so that its logits can be checked against the reference;
   - the callable may carry ``logits``: a tensor ([V] or [1, V]) the step overwrites, or a zero-argument function
@@ -41,12 +42,13 @@ def mimw_megakernel(ctx: PeerContext) -> Peer:
     except ImportError as e:
         raise Unavailable(f"mimw.megakernel.bench_backend: {e}") from None
     try:
-        step = make_step(ctx.bw.spec, ctx.bw.weights, ctx.inputs.context)
+        step = make_step(ctx.bw.spec, ctx.bw.weights, ctx.inputs.context, ctx.megakernel)
     except (ImportError, NotImplementedError) as e:
         raise Unavailable(f"{type(e).__name__}: {e}") from None
     logits = getattr(step, "logits", None)
+    notes = f"KernelConfig overrides: {ctx.megakernel}" if ctx.megakernel else ""
     if logits is None:
-        return Peer(step, lambda: None, "no logits exposed: unchecked")
+        return Peer(step, lambda: None, "; ".join(n for n in ("no logits exposed: unchecked", notes) if n))
     if isinstance(logits, torch.Tensor):
-        return Peer(step, lambda: logits)
-    return Peer(step, logits)
+        return Peer(step, lambda: logits, notes)
+    return Peer(step, logits, notes)

@@ -140,6 +140,34 @@ def _pow2(n: int) -> int:
     return p
 
 
+def parse_options(text: str) -> dict:
+    """``"inflight=4,flag_act=1"`` -> ``{"inflight": 4, "flag_act": True}``: KernelConfig fields to override, typed
+    from the dataclass (ints; booleans as 1/0/true/false). Unknown names and bad values raise ValueError naming
+    what is accepted. The empty string is no override."""
+    from dataclasses import fields
+
+    types = {f.name: f.type for f in fields(KernelConfig)}
+    out: dict = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or name not in types:
+            raise ValueError(f"megakernel option {item!r}: expected NAME=VALUE with NAME one of "
+                             f"{', '.join(sorted(types))}")
+        if types[name] in (bool, "bool"):
+            if value.lower() not in ("1", "0", "true", "false"):
+                raise ValueError(f"megakernel option {name}={value!r}: expected 1/0/true/false")
+            out[name] = value.lower() in ("1", "true")
+        else:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                raise ValueError(f"megakernel option {name}={value!r}: expected an integer") from None
+    return out
+
+
 def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
     kcfg.check(spec)
     return dict(
