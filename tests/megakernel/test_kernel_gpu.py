@@ -61,6 +61,38 @@ def test_versioned_words_match_reference_over_64_steps(model, context, versioned
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+def test_versioned_words_hold_their_last_writers_version_after_each_step():
+    """After a step every versioned word carries the version of its buffer's last writer in that step (x: the last
+    DOWN_PROJ, 2L; act, attn, q and the new K/V rows: layer L-1), read with the format's PyTorch reference
+    (versioned.unpack): no word was skipped, none is stale, and every payload is finite."""
+    import dataclasses
+
+    from mimw.megakernel.gpu.check import random_cache
+    from mimw.megakernel.gpu.config import KernelConfig
+    from mimw.megakernel.gpu.decoder import MegakernelDecoder
+    from mimw.megakernel.gpu.versioned import step_version, unpack
+    from mimw.models.weights import random_weights
+
+    spec = get_preset("smollm2-135m")
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), flag_act=True, flag_x=True, flag_attn=True, flag_q=True)
+    cache, table = random_cache(spec, 40, 4, kcfg.page_size, 1)
+    dec = MegakernelDecoder(random_weights(spec, 0, dtype=torch.bfloat16, device="cuda"), cache,
+                            max_pages_per_seq=len(table), kcfg=kcfg, context_hint=40)
+    L = spec.num_layers
+    for i in range(3):
+        dec.scratch.poison()  # every word back to -1, "never written"
+        dec.step(5, 40 + i, table)
+        torch.cuda.synchronize()
+        epoch = int(dec.state.counters[-1]) - 1  # EPOCH moved on at the end of the step
+        x = dec.scratch
+        for name, words, n in (("x", x.x_words, 2 * L), ("act", x.act_words, L - 1), ("attn", x.attn_words, L - 1),
+                               ("q", x.q_words, L - 1)):
+            versions, values = unpack(words.cpu())
+            assert (versions == step_version(epoch, n)).all(), (name, i, versions.unique())
+            assert torch.isfinite(values).all(), (name, i)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_traced_launch_stamps_every_tile_in_order_and_computes_the_same_logits():
     # the tile trace's host mirror (trace.tile_counts) must match the loader exactly, or stamps land out of bounds
     import dataclasses

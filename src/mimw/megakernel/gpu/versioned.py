@@ -8,7 +8,9 @@ are ``epoch * 65536 + n`` in int32, ``n`` the number readiness.py gives the buff
 l's O_PROJ, 2l+2 after its DOWN_PROJ; act, attn, q and the new K/V row: l); the buffers start at -1, no version at
 all.
 PyTorch reference: the VM keeps these buffers in fp32 and models their versions in ``Readiness``
-(``versions_ready``); these functions only change how the values travel, never what they are.
+(``versions_ready``); these functions only change how the values travel, never what they are. The word format
+itself has its reference at the end of this file (``pack``, ``unpack``, ``step_version``), which the GPU test reads
+the kernel's words with.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -78,3 +80,28 @@ def wait_1d(ptrs, ver):
         words = _load(ptrs, words, (~ok).to(gl.int32))
         ok = (words >> 32).to(gl.int32) == ver
     return words.to(gl.int32).to(gl.float32, bitcast=True)
+
+
+# --- PyTorch reference of the word format (what ``store`` writes and ``wait_*`` reads) ---------------------------
+
+def pack(values, version: int):
+    """int64 words ``version << 32 | fp32 bits of values`` (``store``'s layout; version taken as int32)."""
+    import torch
+
+    bits = values.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return (torch.tensor(version, dtype=torch.int32).to(torch.int64) << 32) | bits
+
+
+def unpack(words):
+    """(versions int32, values fp32) of int64 words: the inverse of ``pack``."""
+    import torch
+
+    versions = (words >> 32).to(torch.int32)
+    values = (words & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    return versions, values
+
+
+def step_version(epoch: int, n: int) -> int:
+    """The int32 version of readiness number ``n`` in step ``epoch``: epoch * 65536 + n, wrapped like the GPU's."""
+    v = (epoch * 65536 + n) % 2**32
+    return v - 2**32 if v >= 2**31 else v
