@@ -130,6 +130,7 @@ def test_default_tiles_fit_every_preset_with_a_head_of_32_or_more():
             KernelConfig.for_spec(spec).check(spec)
 
 
+@pytest.mark.slow
 def test_inflight_cap_compiles_without_spills_and_must_be_smaller_than_the_ring():
     spec = get_preset("llama-3.2-1b")
     ptx = compile_sm90a(spec, KernelConfig(inflight=4)).asm["ptx"]
@@ -139,6 +140,7 @@ def test_inflight_cap_compiles_without_spills_and_must_be_smaller_than_the_ring(
         KernelConfig(inflight=10).check(spec)  # the default ring has 10 slots
 
 
+@pytest.mark.slow
 def test_versioned_words_compile_without_spills():
     every = dict(flag_act=True, flag_x=True, flag_attn=True, flag_q=True)
     for name, kw in (("llama-3.2-1b", dict(flag_act=True)), ("llama-3.2-1b", dict(flag_act=True, flag_x=True)),
@@ -152,6 +154,7 @@ def test_versioned_words_compile_without_spills():
         assert "relaxed.gpu.global.b64" not in base  # the default kernel is untouched by them
 
 
+@pytest.mark.slow
 def test_versioned_x_compiles_for_a_row_wider_than_one_staging_group():
     # hidden 8192 = 32 column tiles > SG = 16: stage_normed's two passes over x, both waiting on versions
     spec = get_preset("llama-3.1-8b").with_(hidden_size=8192, num_layers=2)
