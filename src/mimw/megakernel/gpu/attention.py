@@ -109,7 +109,7 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     dq = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, Q3))), 0), 1)
     g3 = gl.expand_dims(gl.expand_dims(g1, 0), 2) + dq * 0  # [1, GP, HD] head index
     if VQ:
-        q = versioned.wait_3d(q_ptr + (kvh * G + g3) * HD + dq, g3 < G, ver) * qscale
+        q = versioned.wait(q_ptr + (kvh * G + g3) * HD + dq, g3 < G, ver) * qscale
     else:
         q = gl.load(q_ptr + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * qscale
     q4 = gl.expand_dims(q, 2)
@@ -119,9 +119,9 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     addr = gl.expand_dims(row, 2) * HD + d3
     new = gl.expand_dims((t < hi) & (t == pos), 2)
     if VQ:  # from the finisher's versioned words (zeros, no load, for a split without pos)
-        here = d3 * 0 + ((lo <= pos) & (pos < hi)).to(gl.int32)
-        k_new = versioned.wait_3d(q_ptr + (HQ + kvh) * HD + d3, here != 0, ver).to(gl.bfloat16)
-        v_new = versioned.wait_3d(q_ptr + (HQ + HKV + kvh) * HD + d3, here != 0, ver).to(gl.bfloat16)
+        here = (d3 * 0 + ((lo <= pos) & (pos < hi)).to(gl.int32)) != 0
+        k_new = versioned.wait(q_ptr + (HQ + kvh) * HD + d3, here, ver).to(gl.bfloat16)
+        v_new = versioned.wait(q_ptr + (HQ + HKV + kvh) * HD + d3, here, ver).to(gl.bfloat16)
         k = gl.where(new, k_new, k)
         v = gl.where(new, v_new, v)
     else:

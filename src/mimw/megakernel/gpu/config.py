@@ -83,6 +83,11 @@ class KernelConfig:
             return self.tile_rows * self.tile_k // MMA_K, MMA_K
         return self.tile_rows, self.tile_k
 
+    def versioned(self) -> dict[str, bool]:
+        """Which scratch buffers the kernel takes as versioned words (int64 ``<name>_words``, state.py) rather
+        than fp32 ``<name>``: one place for the kernel's argument types and the decoder's buffers."""
+        return {"x": self.flag_x, "q": self.flag_q, "attn": self.flag_attn, "act": self.flag_act}
+
     def program_config(self) -> ProgramConfig:
         return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
                              min_split_tokens=self.min_split_tokens,
@@ -207,13 +212,11 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc, "gu_ptr": "*bf16",
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
-        "x_ptr": "*i64" if kcfg.flag_x else "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*i64" if kcfg.flag_q else "*fp32",
-        "po_ptr": "*fp32",
-        "pml_ptr": "*fp32", "attn_ptr": "*i64" if kcfg.flag_attn else "*fp32",
-        "act_ptr": "*i64" if kcfg.flag_act else "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32",
-        "qscale": "fp32",
-        "trace_ptr": "*i64", "tiles_ptr": "*i64", "MAXT": "i32",
+        "x_ptr": "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32",
+        "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32",
+        "qscale": "fp32", "trace_ptr": "*i64", "tiles_ptr": "*i64", "MAXT": "i32",
     }
+    sig.update({f"{name}_ptr": "*i64" for name, words in kcfg.versioned().items() if words})
     sig.update({k: "constexpr" for k in ce})
     src = GluonASTSource(megakernel, sig, ce)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kcfg.num_warps})

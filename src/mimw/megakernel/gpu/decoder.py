@@ -42,6 +42,9 @@ class MegakernelDecoder:
         self.max_pages = max_pages_per_seq or cache.layout.num_pages
         self.state = alloc_state(self.program, self.max_pages, dev)
         self.scratch = alloc_scratch(self.program, dev)
+        # x, q, attn, act as the kernel takes them: fp32, or the int64 versioned words (KernelConfig.versioned)
+        self.versioned_buffers = {name: getattr(self.scratch, f"{name}_words" if words else name)
+                                  for name, words in kcfg.versioned().items()}
         self.w = pack(weights, kcfg.tile_rows, dev, kcfg.tile_k if kcfg.tile_major else None)
         self.ce = constexprs(spec, kcfg, self.program.max_splits)
         box = list(kcfg.tile_box())  # [TR, TK], or a tile-major block's bytes as [TR * TK / 32, 32] (mma)
@@ -73,13 +76,12 @@ class MegakernelDecoder:
             raise RuntimeError("set_inputs() must be called before the first launch")
         s, x, w, c = self.state, self.scratch, self.w, self.cache
         sp = self.spec
+        buf = self.versioned_buffers
         megakernel[(self.num_sms,)](
             self.words, self.lens, self.words.shape[1], s.tokens, s.positions, s.seg_ctx, s.block_tables,
             s.block_tables.shape[1], s.counters, len(self.program.counters), *self.descs, w.gu,
             w.embed, w.attn_norm, w.mlp_norm, w.final_norm, w.bias, w.q_norm, w.k_norm, w.inv_freq,
-            c.k, c.v, c.layout.num_pages, x.x_words if self.kcfg.flag_x else x.x, x.qkv_part,
-            x.q_words if self.kcfg.flag_q else x.q, x.part_o,
-            x.part_ml, x.attn_words if self.kcfg.flag_attn else x.attn, x.act_words if self.kcfg.flag_act else x.act,
+            c.k, c.v, c.layout.num_pages, buf["x"], x.qkv_part, buf["q"], x.part_o, x.part_ml, buf["attn"], buf["act"],
             x.logits,
             self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634, self.trace,
             self.tiles, self.max_tiles,

@@ -18,7 +18,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .. import isa
-from . import attention, matvec
+from . import attention, matvec, versioned
 from .orchestration import (counter_signal, counter_wait, globaltimer, l2_prefetch, producer_weight_rows,
                             ring_init, ticket_is_last)
 
@@ -164,6 +164,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     epoch = gl.load(cnt_ptr + NCNT + 1, cache_modifier=".cg")
+    vstep = epoch * versioned.STEP_STRIDE  # versioned words of this step: vstep + readiness's number (versioned.py)
     n = gl.load(qlen_ptr + pid)
     tok = gl.load(tok_ptr)
     pos = gl.load(pos_ptr)
@@ -217,7 +218,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 t_ready = globaltimer()
             attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP,
                               NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4,
-                              epoch * 65536 + layer, FLAG_Q)
+                              vstep + layer, FLAG_Q)
         else:
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
@@ -227,7 +228,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         if op == OP_ATTN_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, SG, S2,
-                                    epoch * 65536 + 2 * layer, FLAG_X)
+                                    vstep + 2 * layer, FLAG_X)
             n_parts = _field(w, offs, W_C)
             it = matvec.qkv_part(bufs, empty, ready, hbuf, it, b * KT_D // n_parts, (b + 1) * KT_D // n_parts, a, b,
                                  qkvp_ptr, HQ + 2 * HKV, HD, LAY, stamps)
@@ -235,7 +236,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             if ticket_is_last(cnt_ptr, _field(w, offs, W_D), n_parts, epoch):
                 matvec.qkv_finish(layer, a, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_ptr, bias_ptr, qn_ptr,
                                   kn_ptr, invf_ptr, eps, NP, HQ, HKV, HD, PS, HAS_BIAS, QK_NORM, TR, E2,
-                                  epoch * 65536 + layer, FLAG_Q)
+                                  vstep + layer, FLAG_Q)
             else:
                 sig = -1  # an earlier part: no signal
         elif op == OP_ATTN_PARTIAL:
@@ -243,38 +244,38 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 n_splits = _field(w, offs, W_D)
                 if ticket_is_last(cnt_ptr, _field(w, offs, W_E), n_splits, epoch):
                     attention.reduce(a, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP, R3,
-                                     epoch * 65536 + layer, FLAG_ATTN)
+                                     vstep + layer, FLAG_ATTN)
                 else:
                     sig = -1
         elif op == OP_ATTN_REDUCE:
             attention.reduce(a, _field(w, offs, W_D), SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP,
-                             R3, epoch * 65536 + layer, FLAG_ATTN)
+                             R3, vstep + layer, FLAG_ATTN)
         elif op == OP_O_PROJ:
             if restage:
                 if FLAG_ATTN:  # versioned attn words (isa.READS_ATTN): this load is the wait for attention
-                    matvec.stage_versioned(hbuf, attn_ptr, HQ * HD, epoch * 65536 + layer, KT_Q, SG, S2)
+                    matvec.stage_versioned(hbuf, attn_ptr, HQ * HD, vstep + layer, KT_Q, SG, S2)
                 else:
                     matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row, layer == 0,
-                                      LAY, stamps, epoch * 65536 + 2 * layer, epoch * 65536 + 2 * layer + 1, FLAG_X)
+                                      LAY, stamps, vstep + 2 * layer, vstep + 2 * layer + 1, FLAG_X)
         elif op == OP_MLP_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2,
-                                    epoch * 65536 + 2 * layer + 1, FLAG_X)
+                                    vstep + 2 * layer + 1, FLAG_X)
             it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, 2 * b // TR, act_ptr, LAY, stamps,
-                                   epoch * 65536 + layer, FLAG_ACT)
+                                   vstep + layer, FLAG_ACT)
         elif op == OP_DOWN_PROJ:
             if restage:
                 if FLAG_ACT:  # versioned act words (isa.READS_ACT): this load is the wait for MLP_IN
-                    matvec.stage_versioned(hbuf, act_ptr, I, epoch * 65536 + layer, KT_I, SG, S2)
+                    matvec.stage_versioned(hbuf, act_ptr, I, vstep + layer, KT_I, SG, S2)
                 else:
                     matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,
-                                      stamps, epoch * 65536 + 2 * layer + 1, epoch * 65536 + 2 * layer + 2, FLAG_X)
+                                      stamps, vstep + 2 * layer + 1, vstep + 2 * layer + 2, FLAG_X)
         elif op == OP_LM_HEAD:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2,
-                                    epoch * 65536 + 2 * NL, FLAG_X)
+                                    vstep + 2 * NL, FLAG_X)
             it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY, stamps)
         if TRACE:
             t_release = globaltimer()

@@ -104,7 +104,7 @@ def _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver=0, VX: gl.constexpr = 
         v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
     else:
         if VX:
-            v = versioned.wait_2d(x_ptr + gl.minimum(o, K - 1), o < K, ver)
+            v = versioned.wait(x_ptr + gl.minimum(o, K - 1), o < K, ver)
         else:
             v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
     return v
@@ -159,7 +159,7 @@ def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S
     TK: gl.constexpr = hbuf.type.shape[1]
     for g0 in gl.static_range(0, KT, SG):
         o = _group_offsets(g0, SG, TK, S2)
-        v = versioned.wait_2d(src_ptr + gl.minimum(o, K - 1), o < K, ver)
+        v = versioned.wait(src_ptr + gl.minimum(o, K - 1), o < K, ver)
         _group(hbuf, g0, SG).store(v.to(gl.bfloat16))
     gl.thread_barrier()
 
@@ -179,7 +179,7 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
             res = gl.load(res_ptr + rows).to(gl.float32)
         else:
             if VX:
-                res = versioned.wait_1d(x_ptr + rows, ver_in)
+                res = versioned.wait(x_ptr + rows, rows >= 0, ver_in)
             else:
                 res = gl.load(x_ptr + rows, cache_modifier=".cg")
         acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)

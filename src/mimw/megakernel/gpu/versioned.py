@@ -4,7 +4,7 @@ A buffer element is one 64-bit word, ``version << 32 | fp32 bits``. The writer s
 ``st.relaxed.gpu.b64``, single-copy atomic, and releases nothing; the reader loads words with
 ``ld.relaxed.gpu.b64`` (coherent at gpu scope: L2, never a stale L1 line) and loads again only those not yet at the
 version it needs, so the load is the wait. A reader that sees its version sees the value stored with it. Versions
-are ``epoch * 65536 + n`` in int32, ``n`` the number readiness.py gives the buffer's contents (x: 2l+1 after layer
+are ``epoch * STEP_STRIDE + n`` (65536) in int32, ``n`` the number readiness.py gives the buffer's contents (x: 2l+1 after layer
 l's O_PROJ, 2l+2 after its DOWN_PROJ; act, attn, q and the new K/V row: l); the buffers start at -1, no version at
 all.
 PyTorch reference: the VM keeps these buffers in fp32 and models their versions in ``Readiness``
@@ -16,25 +16,25 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 
-@gluon.jit
-def store(ptrs, v, ver):
-    """One word per element: (ver << 32 | fp32 bits of v) at ``ptrs``. Elements a layout replicates over several
-    threads are stored by each of them, the same word."""
-    bits = v.to(gl.int32, bitcast=True)
-    gl.inline_asm_elementwise(
-        "{ .reg .b64 w; mov.b64 w, {$2, $3}; st.relaxed.gpu.global.b64 [$1], w; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptrs, bits, gl.zeros_like(bits) + ver], dtype=gl.int32, is_pure=False, pack=1)
+STEP_STRIDE: gl.constexpr = gl.constexpr(65536)  # versions of step e are e * STEP_STRIDE + n (n < STEP_STRIDE)
 
 
 @gluon.jit
 def store_masked(ptrs, v, ver, mask):
-    """``store`` where ``mask``."""
+    """One word per element where ``mask``: (ver << 32 | fp32 bits of v) at ``ptrs``. Elements a layout replicates
+    over several threads are stored by each of them, the same word."""
     bits = v.to(gl.int32, bitcast=True)
     gl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b64 w; setp.ne.u32 p, $4, 0; mov.b64 w, {$2, $3}; "
         "@p st.relaxed.gpu.global.b64 [$1], w; mov.u32 $0, 0; }",
         "=r,l,r,r,r", [ptrs, bits, gl.zeros_like(bits) + ver, mask.to(gl.int32)], dtype=gl.int32, is_pure=False,
         pack=1)
+
+
+@gluon.jit
+def store(ptrs, v, ver):
+    """``store_masked`` of every element."""
+    store_masked(ptrs, v, ver, gl.full(ptrs.shape, 1, gl.int32, ptrs.type.layout))
 
 
 @gluon.jit
@@ -46,37 +46,14 @@ def _load(ptrs, old, need):
 
 
 @gluon.jit
-def wait_2d(ptrs, inb, ver):
-    """The fp32 payloads of the [R, C] words at ``ptrs`` (where ``inb``; 0.0 elsewhere) once every one carries
+def wait(ptrs, inb, ver):
+    """The fp32 payloads of the words at ``ptrs`` (any rank; where ``inb``, 0.0 elsewhere) once every one carries
     version ``ver``: all are loaded, then only those not yet at ``ver`` again, until none is missing (a
     partition-wide count, so every thread leaves the loop together)."""
     words = (inb.to(gl.int64) * 0 + ver) << 32  # where not inb: a word of version ver holding 0.0
     words = _load(ptrs, words, inb.to(gl.int32))
     ok = (words >> 32).to(gl.int32) == ver
-    while gl.sum(gl.sum((~ok).to(gl.int32), axis=1), axis=0) > 0:
-        words = _load(ptrs, words, (~ok).to(gl.int32))
-        ok = (words >> 32).to(gl.int32) == ver
-    return words.to(gl.int32).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def wait_3d(ptrs, inb, ver):
-    """``wait_2d`` of an [A, B, C] tensor of words."""
-    words = (inb.to(gl.int64) * 0 + ver) << 32
-    words = _load(ptrs, words, inb.to(gl.int32))
-    ok = (words >> 32).to(gl.int32) == ver
-    while gl.sum(gl.sum(gl.sum((~ok).to(gl.int32), axis=2), axis=1), axis=0) > 0:
-        words = _load(ptrs, words, (~ok).to(gl.int32))
-        ok = (words >> 32).to(gl.int32) == ver
-    return words.to(gl.int32).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def wait_1d(ptrs, ver):
-    """``wait_2d`` of a [R] vector of words, all in bounds."""
-    words = _load(ptrs, (ptrs.to(gl.int64) * 0 + ver) << 32, gl.full(ptrs.shape, 1, gl.int32, ptrs.type.layout))
-    ok = (words >> 32).to(gl.int32) == ver
-    while gl.sum((~ok).to(gl.int32), axis=0) > 0:
+    while gl.sum((~ok).to(gl.int32), axis=None) > 0:
         words = _load(ptrs, words, (~ok).to(gl.int32))
         ok = (words >> 32).to(gl.int32) == ver
     return words.to(gl.int32).to(gl.float32, bitcast=True)
@@ -102,6 +79,7 @@ def unpack(words):
 
 
 def step_version(epoch: int, n: int) -> int:
-    """The int32 version of readiness number ``n`` in step ``epoch``: epoch * 65536 + n, wrapped like the GPU's."""
-    v = (epoch * 65536 + n) % 2**32
+    """The int32 version of readiness number ``n`` in step ``epoch``: epoch * STEP_STRIDE + n, wrapped like the
+    GPU's."""
+    v = (epoch * STEP_STRIDE.value + n) % 2**32
     return v - 2**32 if v >= 2**31 else v
