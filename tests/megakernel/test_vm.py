@@ -212,6 +212,18 @@ def test_a_removed_dependency_is_caught_by_some_random_interleaving(op, pred):
     pytest.fail(f"removing the wait of {isa.decode(words[s, i].tolist())} went unnoticed in 20 interleavings")
 
 
+def _dependency_errors(vm, prog, cache, fill, seeds):
+    """The DependencyError message of every random interleaving (seeds 0..seeds-1) that raises one; a fresh step
+    each time: a failed step leaves the counters mid-step. ``fill``: StepState.fill's arguments."""
+    for seed in range(seeds):
+        state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
+        state.fill(*fill)
+        try:
+            vm.run_step(state, scratch, random.Random(seed))
+        except DependencyError as e:
+            yield str(e)
+
+
 def test_a_part_that_skips_its_ticket_is_caught_finishing_before_the_other_parts():
     spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
     prog = build_program(spec, StepShape((1,)), 7, ProgramConfig(tile_k=16, qkv_parts=3))
@@ -219,15 +231,10 @@ def test_a_part_that_skips_its_ticket_is_caught_finishing_before_the_other_parts
     s, i = _find(prog, words, lengths, isa.Op.ATTN_IN, lambda ins: ins.layer == 1 and ins.part == 0)
     words[s, i, isa.Word.D] = isa.NO_COUNTER  # part 0 now believes it is alone: it finishes the head at once
     vm = VM(prog, w, cache, (words, lengths))
-    for seed in range(20):  # a fresh step each time: a failed step leaves the counters mid-step
-        state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
-        state.fill([3], [14], tables, (1,))
-        try:
-            vm.run_step(state, scratch, random.Random(seed))
-        except DependencyError as e:
-            if "qkv parts" in str(e):  # caught by data readiness: it summed parts not yet written
-                return
-            assert "counters off" in str(e)  # it finished last: its missing ticket leaves the ticket short
+    for e in _dependency_errors(vm, prog, cache, ([3], [14], tables, (1,)), 20):
+        if "qkv parts" in e:  # caught by data readiness: it summed parts not yet written
+            return
+        assert "counters off" in e  # it finished last: its missing ticket leaves the ticket short
     pytest.fail("a part finishing without its ticket went unnoticed in 20 interleavings")
 
 
@@ -239,15 +246,10 @@ def test_a_split_that_skips_its_ticket_is_caught_combining_before_the_other_spli
                  lambda ins: ins.layer == 1 and ins.split == 0 and ins.n_splits > 1)
     words[s, i, isa.Word.E] = isa.NO_COUNTER  # split 0 now believes it is alone: it combines at once
     vm = VM(prog, w, cache, (words, lengths))
-    for seed in range(20):
-        state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
-        state.fill([3, 5], [40, 21], tables, (1, 1))
-        try:
-            vm.run_step(state, scratch, random.Random(seed))
-        except DependencyError as e:
-            if "partials" in str(e):  # caught by data readiness: it combined partials not yet written
-                return
-            assert "counters off" in str(e)
+    for e in _dependency_errors(vm, prog, cache, ([3, 5], [40, 21], tables, (1, 1)), 20):
+        if "partials" in e:  # caught by data readiness: it combined partials not yet written
+            return
+        assert "counters off" in e
     pytest.fail("a split combining without its ticket went unnoticed in 20 interleavings")
 
 
@@ -422,14 +424,9 @@ def test_a_versioned_reader_that_stops_waiting_for_its_words_is_caught(flag_x, o
     s, i = _find(prog, words, lengths, op, lambda ins: ins.layer == 1 or op == isa.Op.LM_HEAD)
     words[s, i, isa.Word.FLAGS] &= ~bit
     vm = VM(prog, w, cache, (words, lengths))
-    for seed in range(40):
-        state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
-        state.fill([3], [14], tables, (1,))
-        try:
-            vm.run_step(state, scratch, random.Random(seed))
-        except DependencyError as e:
-            assert what in str(e)
-            return
+    for e in _dependency_errors(vm, prog, cache, ([3], [14], tables, (1,)), 40):
+        assert what in e
+        return
     pytest.fail(f"a {op.name} that does not wait for its versioned words went unnoticed in 40 interleavings")
 
 
