@@ -3,7 +3,8 @@
     compute-sanitizer --tool racecheck python3 -m mimw.megakernel.gpu.sanitize
 Two small shapes on 8 SMs, two decode steps each, no CUDA graph: a tiny Qwen3 (16-row tiles, one ATTN_IN part) and
 a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path), each with both matvec consumers
-(tensor cores and CUDA cores). Exits non-zero if logits are wrong.
+(tensor cores and CUDA cores), and the SmolLM2 once more with every versioned-word flag. Exits non-zero if logits
+are wrong.
 
 First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
 shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
