@@ -131,13 +131,15 @@ def test_default_tiles_fit_every_preset_with_a_head_of_32_or_more():
 
 
 @pytest.mark.slow
-def test_inflight_cap_compiles_without_spills_and_must_be_smaller_than_the_ring():
+def test_inflight_cap_compiles_without_spills_and_a_cap_past_the_ring_is_the_ring():
     spec = get_preset("llama-3.2-1b")
     ptx = compile_sm90a(spec, KernelConfig(inflight=4)).asm["ptx"]
     assert ptxas_report(ptx)["spill_stores"] == 0
-    assert ptx != compile_sm90a(spec, KernelConfig()).asm["ptx"]  # the loader's wait for tile it - 4's bytes
-    with pytest.raises(ValueError, match="inflight=10"):
-        KernelConfig(inflight=10).check(spec)  # the default ring has 10 slots
+    assert ptx != compile_sm90a(spec, KernelConfig(inflight=0)).asm["ptx"]  # the loader's wait for tile it - 4
+    assert KernelConfig(inflight=10).inflight_cap(spec) == 0  # the default ring has 10 slots: no cap
+    assert KernelConfig(inflight=9).inflight_cap(spec) == 9 and KernelConfig(ring=4).inflight_cap(spec) == 0
+    with pytest.raises(ValueError, match="inflight=-1"):
+        KernelConfig(inflight=-1).check(spec)
 
 
 @pytest.mark.slow

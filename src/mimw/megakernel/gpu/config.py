@@ -24,10 +24,10 @@ class KernelConfig:
     l2_mlp_ahead: int = 0  # L2_MLP: tiles past the ring prefetched into L2 at a layer's first MLP_IN block on
     # each SM, while compute is in attention (kernel._mlp_tiles_past_ring; needs tile_major; measured neutral to
     # +5% with either consumer, session 11)
-    inflight: int = 0  # INFLIGHT: weight tiles the loader may have requested and not yet landed (0: the ring's NB);
+    inflight: int = 4  # INFLIGHT: weight tiles the loader may have requested and not yet landed (0: the ring's NB);
     # fewer requests queued in the memory system shorten every round trip the step's hops make (the counter
     # release's MEMBAR, the polls, the staging loads): at 4, tile latency 4.4 -> 1.9 us and the step -2.6% (1B) /
-    # -3.4% (8B) at 8865813 (2 too few: +5%); opt-in until the GPU file has run with it
+    # -3.4% (8B) at 8865813, -1.8% / -3.8% at 3e53b96 (2 too few: +5%); the default since session 13
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
@@ -76,6 +76,10 @@ class KernelConfig:
             raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
         return self.ring or fit
 
+    def inflight_cap(self, spec: ModelSpec) -> int:
+        """INFLIGHT: ``inflight``, or 0 (no cap beyond the ring) where the ring has no more slots than that."""
+        return self.inflight if self.inflight < self.ring_slots(spec) else 0
+
     def tile_box(self) -> tuple[int, int]:
         """The TMA box (= ring slot shape) of one weight tile: [TR, TK], or with ``mma`` the same TR * TK elements of
         a tile-major block read as a row-major [TR * TK / 32, 32] matrix (matvec.dot_tile_mma)."""
@@ -109,9 +113,8 @@ class KernelConfig:
             raise ValueError("l2_mlp_ahead needs tile-major weights (tile_major=True)")
         if not 0 <= self.l2_mlp_ahead <= 32:
             raise ValueError(f"l2_mlp_ahead={self.l2_mlp_ahead}: one tile per loader lane, 0..32")
-        if not 0 <= self.inflight < self.ring_slots(spec):
-            raise ValueError(f"inflight={self.inflight}: 0 (the whole ring) or fewer tiles than the ring's "
-                             f"{self.ring_slots(spec)} slots")
+        if self.inflight < 0:
+            raise ValueError(f"inflight={self.inflight}: 0 (the whole ring) or a positive cap")
         if self.flag_attn and not self.flag_x:
             raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
         if self.mma not in (0, 1):
@@ -183,7 +186,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
-        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, INFLIGHT=kcfg.inflight,
+        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, INFLIGHT=kcfg.inflight_cap(spec),
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act, FLAG_X=kcfg.flag_x, FLAG_ATTN=kcfg.flag_attn,
         FLAG_Q=kcfg.flag_q,
         NL=spec.num_layers,

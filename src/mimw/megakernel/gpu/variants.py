@@ -72,6 +72,7 @@ VARIANTS = {
     # session 11's default (before a4a86e4's run): no early dispatch, LM_HEAD signals, 16 KB fixed cost, 256 KB blocks
     "tr32-s11": KernelConfig(dispatch=False, signal_logits=True, fixed_cost_kb=16, max_block_kb=256),
     # at most this many weight tiles requested and not landed per SM (the ring still buffers 10)
+    "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
     "tr32-if4": KernelConfig(inflight=4),
