@@ -88,13 +88,19 @@ def test_readme_table_uses_latest_run(tmp_path):
     write_json(results / "a-old.json", old)
     write_json(results / "b-new.json", new)
     (results / "junk.json").write_text("{not json")
+    partial = _doc()  # newer still, but only context 8192: context 1024 keeps b-new's run
+    partial["date"] = "2026-12-03 10:00 UTC"
+    partial["results"] = [r for r in partial["results"] if r["context"] == 8192]
+    partial["results"][0]["ms_per_step"] = 5.5
+    write_json(results / "c-partial.json", partial)
     runs = latest_runs(results)
-    assert [p.name for p, _ in runs] == ["b-new.json"]
+    assert [(p.name, c) for p, _, c in runs] == [("b-new.json", 1024), ("c-partial.json", 8192)]
     readme = tmp_path / "README.md"
     readme.write_text(f"# Bench\n\nmethod notes\n\n{START}\nstale\n{END}\n\ntail\n")
     text = update_readme(readme, results)
     assert "method notes" in text and "tail" in text and "stale" not in text
     assert "| llama-3.2-1b | 1024 | mimw-megakernel | 0.500 |" in text and "99.000" not in text
     assert "*floor*" in text and "hf-transformers" not in text  # untimed rows are left out
+    assert "| llama-3.2-1b | 8192 | torch-eager | 5.500 |" in text and "6.000" not in text
     fresh = tmp_path / "NEW.md"
     assert START in update_readme(fresh, tmp_path / "empty")

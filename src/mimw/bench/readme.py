@@ -1,7 +1,7 @@
 """Regenerate bench/README.md's table of latest numbers from the JSON files in bench/results/.
 
-``python -m mimw.bench.readme [--results DIR] [--readme PATH]``. For every model the most recent run (by its
-``date`` field, then file name) is taken; rows without a timing are left out. The table replaces whatever lies
+``python -m mimw.bench.readme [--results DIR] [--readme PATH]``. For every model and context the most recent run
+(by its ``date`` field, then file name) is taken; rows without a timing are left out. The table replaces whatever lies
 between the two marker comments in the README; the rest of the file (the hand-written method notes) is kept.
 """
 from __future__ import annotations
@@ -16,9 +16,11 @@ from typing import Sequence
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 
 
-def latest_runs(results_dir: Path) -> list[tuple[Path, dict]]:
-    """The newest JSON document per model in ``results_dir`` (unreadable files are skipped with a warning)."""
-    best: dict[str, tuple[tuple[str, str], Path, dict]] = {}
+def latest_runs(results_dir: Path) -> list[tuple[Path, dict, int]]:
+    """The newest JSON document per model and context in ``results_dir``, as (path, document, context), sorted by
+    model then context: a run that measured only some contexts replaces those and keeps the others' older run
+    (unreadable files are skipped with a warning)."""
+    best: dict[tuple[str, int], tuple[tuple[str, str], Path, dict]] = {}
     for p in sorted(results_dir.glob("*.json")):
         try:
             doc = json.loads(p.read_text())
@@ -27,35 +29,36 @@ def latest_runs(results_dir: Path) -> list[tuple[Path, dict]]:
             continue
         if not isinstance(doc, dict) or "results" not in doc:
             continue
-        model = doc.get("model") or next((r.get("model") for r in doc["results"]), p.stem)
         key = (str(doc.get("date", "")), p.name)
-        if model not in best or key > best[model][0]:
-            best[model] = (key, p, doc)
-    return [(p, doc) for _, (_, p, doc) in sorted(best.items())]
+        for model, context in {(r.get("model") or doc.get("model") or p.stem, r["context"])
+                               for r in doc["results"] if r.get("ms_per_step")}:
+            if (model, context) not in best or key > best[(model, context)][0]:
+                best[(model, context)] = (key, p, doc)
+    return [(p, doc, mc[1]) for mc, (_, p, doc) in sorted(best.items())]
 
 
 def _f(x, fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
 
-def table(runs: list[tuple[Path, dict]], link_dir: str = "results") -> str:
+def table(runs: list[tuple[Path, dict, int]], link_dir: str = "results") -> str:
     if not runs:
         return "_No results yet: run the command above, then `python -m mimw.bench.readme`._"
     lines = ["| model | context | backend | ms/step | tokens/s | × floor | vs best peer | check | GPU, date, commit |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
-    for p, doc in runs:
+    for p, doc, c in runs:
         where = f"{doc.get('gpu', '?')}, {doc.get('date', '?')}, `{doc.get('commit', '?')}` ([json]({link_dir}/{p.name}))"
-        rows = sorted((r for r in doc["results"] if r.get("ms_per_step")), key=lambda r: (r["context"], r["ms_per_step"]))
+        rows = sorted((r for r in doc["results"] if r.get("ms_per_step") and r["context"] == c),
+                      key=lambda r: r["ms_per_step"])
         for r in rows:
             ok = {"ok": "✓", "unchecked": "unchecked"}.get(r["status"], "✗ " + r["status"])
             sp = r.get("speedup_vs_best_peer")
             lines.append(f"| {r['model']} | {r['context']} | {r['backend']} | {r['ms_per_step']:.3f} | "
                          f"{_f(r.get('tokens_per_s'), '.0f')} | {_f(r.get('ratio_to_floor'), '.2f')} | "
                          f"{'' if sp is None else f'{sp:.2f}x'} | {ok} | {where} |")
-        contexts = sorted({r["context"] for r in doc["results"] if r.get("floor_ms")})
-        for c in contexts:
-            fl = next(r["floor_ms"] for r in doc["results"] if r["context"] == c and r.get("floor_ms"))
-            lines.append(f"| {doc['results'][0]['model']} | {c} | *floor* ({_f(doc.get('read_TBps'), '.2f')} TB/s) | "
+        fl = next((r["floor_ms"] for r in doc["results"] if r["context"] == c and r.get("floor_ms")), None)
+        if fl:
+            lines.append(f"| {rows[0]['model']} | {c} | *floor* ({_f(doc.get('read_TBps'), '.2f')} TB/s) | "
                          f"{fl:.3f} | {1e3 / fl:.0f} | 1.00 | | | {where} |")
     return "\n".join(lines)
 
