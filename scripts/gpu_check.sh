@@ -3,7 +3,7 @@
 # 3.6 with Gluon, as on the H200 machine): the GPU tests (4 shapes x contexts 1/17/1000/8191, 64 steps each, the
 # standalone GEMV and the engine's megakernel backend), compute-sanitizer synccheck and racecheck on small shapes, and the per-instruction trace of the
 # 1B and 8B shapes at context 1024. Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
-#   bash scripts/gpu_check.sh            # ~11 minutes on an H200: tests (both consumers, 37) ~4, versioned (17) ~2,
+#   bash scripts/gpu_check.sh            # ~12 minutes on an H200: tests (both consumers, 37) ~5, versioned (25) ~4,
 #                                        # sanitize ~2.5, trace ~2.5 — so split it over two calls with PARTS
 #   COMMIT=<sha> VARIANTS=a,b bash scripts/gpu_check.sh   # record the commit; time these KernelConfig variants
 #   TRACE_TILES=1 bash scripts/gpu_check.sh                # the trace also stamps every weight tile
@@ -29,7 +29,7 @@ if has tests; then
     tail -n 3 "$out/gpu-tests.log"
 fi
 if has versioned; then
-    timeout "${VERSIONED_TIMEOUT:-270}" python3 -m pytest -v -x -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
+    timeout "${VERSIONED_TIMEOUT:-330}" python3 -m pytest -v -x -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
         -k versioned > "$out/versioned-tests.log" 2>&1
     rc[versioned]=$?
     tail -n 3 "$out/versioned-tests.log"

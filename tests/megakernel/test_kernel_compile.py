@@ -164,6 +164,19 @@ def test_versioned_x_compiles_for_a_row_wider_than_one_staging_group():
     assert ptxas_report(compile_sm90a(spec, kcfg).asm["ptx"])["spill_stores"] == 0
 
 
+@pytest.mark.slow
+def test_probed_versioned_stagings_compile_without_spills_and_add_a_probe_loop():
+    spec = get_preset("llama-3.2-1b")
+    plain = compile_sm90a(spec, KernelConfig(flag_act=True, flag_x=True)).asm["ptx"]
+    for kw in (dict(flag_act=True), dict(flag_act=True, flag_x=True)):  # (with flag_attn too: 4 bytes of spill,
+        ptx = compile_sm90a(spec, KernelConfig(vprobe=16, **kw)).asm["ptx"]  # all four flags: 88)
+        assert ptxas_report(ptx)["spill_stores"] == 0
+    # the probe loops are more relaxed loads than the unprobed kernel has
+    assert ptx.count("ld.relaxed.gpu.global.b64") > plain.count("ld.relaxed.gpu.global.b64")
+    with pytest.raises(ValueError, match="vprobe=3"):
+        KernelConfig(flag_act=True, vprobe=3).check(spec)
+
+
 def test_versioned_attn_needs_versioned_x():
     with pytest.raises(ValueError, match="flag_attn needs flag_x"):
         KernelConfig(flag_attn=True).check(get_preset("llama-3.2-1b"))

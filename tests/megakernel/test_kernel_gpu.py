@@ -39,22 +39,23 @@ def test_megakernel_matches_reference_over_64_steps(model, context, consumer):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("versioned", ["act", "all"])
+@pytest.mark.parametrize("versioned", ["act", "all", "probe"])
 @pytest.mark.parametrize("context", [17, 1000])
 @pytest.mark.parametrize("model", MODELS)
 def test_versioned_words_match_reference_over_64_steps(model, context, versioned):
-    """KernelConfig(flag_act=True[, flag_x, flag_attn, flag_q]): hops through versioned words (versioned.py). Every
-    launch starts from poisoned words (-1), so a reader that ran before its writer would spin forever, and one
-    that took a stale word would differ from the reference or between repeats."""
+    """KernelConfig(flag_act=True[, flag_x, flag_attn, flag_q]): hops through versioned words (versioned.py);
+    "probe": act, x and attn with the stagings probed one word in 16 (vprobe). Every launch starts from poisoned
+    words (-1), so a reader that ran before its writer would spin forever, and one that took a stale word would
+    differ from the reference or between repeats."""
     import dataclasses
 
     from mimw.megakernel.gpu.check import check_decode
     from mimw.megakernel.gpu.config import KernelConfig
 
     spec = get_preset(model)
-    every = versioned == "all"
-    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), flag_act=True, flag_x=every, flag_attn=every,
-                               flag_q=every)
+    every, probe = versioned == "all", versioned == "probe"
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), flag_act=True, flag_x=every or probe,
+                               flag_attn=every or probe, flag_q=every, vprobe=16 if probe else 1)
     r = check_decode(spec, context, steps=64, kcfg=kcfg)
     assert r.finite and r.bit_identical, r
     assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r

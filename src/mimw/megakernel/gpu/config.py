@@ -31,14 +31,21 @@ class KernelConfig:
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
+    # The versioned-word hops (gpu/versioned.py), measured at 3e53b96 (1B / 8B, context 1024, against the default
+    # of that run): flag_act +1.6% / +1.8%, + flag_x, flag_attn +4.6% / +4.2%, all four +12% / +8%; the release and
+    # the poll are gone from the trace, but every stage around a versioned hop got slower (bench/NOTES.md session 13)
     flag_act: bool = False  # FLAG_ACT: MLP_IN -> DOWN_PROJ through versioned act words (isa.READS_ACT;
-    # ProgramConfig.flag_act): no release fence after MLP_IN, no counter poll before DOWN_PROJ; not yet measured
+    # ProgramConfig.flag_act): no release fence after MLP_IN, no counter poll before DOWN_PROJ
     flag_x: bool = False  # FLAG_X: the residual stream x as versioned words too (isa.READS_X): O_PROJ and DOWN_PROJ
-    # signal nothing, ATTN_IN, MLP_IN and LM_HEAD poll no counter; not yet measured
+    # signal nothing, ATTN_IN, MLP_IN and LM_HEAD poll no counter
     flag_attn: bool = False  # FLAG_ATTN: the attention output as versioned words too (isa.READS_ATTN; needs flag_x):
-    # the combining split signals nothing, O_PROJ polls no counter; not yet measured
+    # the combining split signals nothing, O_PROJ polls no counter
     flag_q: bool = False  # FLAG_Q: q and the new K/V row as versioned words (isa.READS_Q): ATTN_IN's finishers
-    # signal nothing, ATTN_PARTIAL polls no counter; not yet measured
+    # signal nothing, ATTN_PARTIAL polls no counter
+    vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
+    # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
+    # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
+    # kernel gets it as the value of FLAG_ACT / FLAG_X / FLAG_ATTN (0: off); not yet measured
     trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (gpu/trace.py)
     trace_tiles: bool = False  # per weight tile: loader wants / gets its slot, compute wants / has its data (trace.py)
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: the scheduler's cost model chooses)
@@ -115,6 +122,9 @@ class KernelConfig:
             raise ValueError(f"l2_mlp_ahead={self.l2_mlp_ahead}: one tile per loader lane, 0..32")
         if self.inflight < 0:
             raise ValueError(f"inflight={self.inflight}: 0 (the whole ring) or a positive cap")
+        if self.vprobe not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"vprobe={self.vprobe}: 1 (spin on the missing words) or a power-of-two probe stride "
+                             "up to 256")
         if self.flag_attn and not self.flag_x:
             raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
         if self.mma not in (0, 1):
@@ -187,8 +197,9 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, INFLIGHT=kcfg.inflight_cap(spec),
-        DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act, FLAG_X=kcfg.flag_x, FLAG_ATTN=kcfg.flag_attn,
-        FLAG_Q=kcfg.flag_q,
+        # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
+        DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
+        FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q,
         NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,

@@ -253,7 +253,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         elif op == OP_O_PROJ:
             if restage:
                 if FLAG_ATTN:  # versioned attn words (isa.READS_ATTN): this load is the wait for attention
-                    matvec.stage_versioned(hbuf, attn_ptr, HQ * HD, vstep + layer, KT_Q, SG, S2)
+                    matvec.stage_versioned(hbuf, attn_ptr, HQ * HD, vstep + layer, KT_Q, SG, S2, FLAG_ATTN)
                 else:
                     matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row, layer == 0,
@@ -267,7 +267,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         elif op == OP_DOWN_PROJ:
             if restage:
                 if FLAG_ACT:  # versioned act words (isa.READS_ACT): this load is the wait for MLP_IN
-                    matvec.stage_versioned(hbuf, act_ptr, I, vstep + layer, KT_I, SG, S2)
+                    matvec.stage_versioned(hbuf, act_ptr, I, vstep + layer, KT_I, SG, S2, FLAG_ACT)
                 else:
                     matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,

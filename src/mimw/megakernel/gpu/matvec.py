@@ -97,13 +97,17 @@ def _group_offsets(g0, SG: gl.constexpr, TK: gl.constexpr, S2: gl.constexpr):
 
 
 @gluon.jit
-def _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver=0, VX: gl.constexpr = False):
-    """The residual row at offsets ``o`` (masked past K) as fp32: x (written by other CTAs this step: through L2;
-    ``VX``: versioned words, waited for at version ``ver``), or for layer 0 the bf16 embedding row."""
+def _residual_group(x_ptr, emb_ptr, from_embed, o, lo, K, ver=0, VX: gl.constexpr = 0):
+    """The residual row at offsets ``o`` (the group from element ``lo``; masked past K) as fp32: x (written by other
+    CTAs this step: through L2; ``VX``: versioned words, waited for at version ``ver``, VX > 1 the probe stride), or
+    for layer 0 the bf16 embedding row."""
     if from_embed:
         v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
     else:
-        if VX:
+        if VX > 1:  # probe stride VX (KernelConfig.vprobe)
+            pp, pin = versioned.probe_ptrs(x_ptr, lo, o.shape[0] * o.shape[1], K, VX, gl.SliceLayout(0, o.type.layout))
+            v = versioned.wait(x_ptr + gl.minimum(o, K - 1), o < K, ver, pp, pin)
+        elif VX:
             v = versioned.wait(x_ptr + gl.minimum(o, K - 1), o < K, ver)
         else:
             v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
@@ -112,16 +116,17 @@ def _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver=0, VX: gl.constexpr = 
 
 @gluon.jit
 def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.constexpr, SG: gl.constexpr,
-                 S2: gl.constexpr, ver=0, VX: gl.constexpr = False):
+                 S2: gl.constexpr, ver=0, VX: gl.constexpr = 0):
     """hbuf <- (x * rsqrt(mean(x^2) + eps)).to(bf16) * norm_w, x = the fp32 residual row, or (layer 0) the bf16
     embedding row at ``emb_ptr``. When the row fits one staging group (KT <= SG: every model up to 4096 wide at
     TK = 256) x and the norm weights are loaded once, together: one L2 round trip. Wider rows take two passes
     over x (sum of squares, then scale and store), each in groups of SG column tiles whose loads are all in
-    flight together. ``VX``: x is versioned words, waited for at version ``ver`` (isa.READS_X)."""
+    flight together. ``VX``: x is versioned words, waited for at version ``ver`` (isa.READS_X); VX > 1: probed
+    one word in VX (versioned.wait)."""
     TK: gl.constexpr = hbuf.type.shape[1]
     if KT <= SG:
         o = _group_offsets(0, SG, TK, S2)
-        v = _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver, VX)
+        v = _residual_group(x_ptr, emb_ptr, from_embed, o, 0, K, ver, VX)
         w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
         rs = gl.rsqrt(gl.sum(gl.sum(v * v, axis=1), axis=0) / K + eps)
         _group(hbuf, 0, SG).store((v * rs).to(gl.bfloat16) * w)
@@ -129,12 +134,12 @@ def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.cons
         ss = gl.zeros([SG, TK], gl.float32, S2)
         for g0 in gl.static_range(0, KT, SG):
             o = _group_offsets(g0, SG, TK, S2)
-            v = _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver, VX)
+            v = _residual_group(x_ptr, emb_ptr, from_embed, o, g0 * TK, K, ver, VX)
             ss += v * v
         rs = gl.rsqrt(gl.sum(gl.sum(ss, axis=1), axis=0) / K + eps)
         for g0 in gl.static_range(0, KT, SG):
             o = _group_offsets(g0, SG, TK, S2)
-            v = _residual_group(x_ptr, emb_ptr, from_embed, o, K, ver, VX)
+            v = _residual_group(x_ptr, emb_ptr, from_embed, o, g0 * TK, K, ver, VX)
             w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
             _group(hbuf, g0, SG).store((v * rs).to(gl.bfloat16) * w)
     gl.thread_barrier()  # staged vector visible to every compute warp before the first row tile reads it
@@ -153,13 +158,19 @@ def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.con
 
 
 @gluon.jit
-def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S2: gl.constexpr):
+def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S2: gl.constexpr,
+                    PROBE: gl.constexpr = 1):
     """``stage_plain`` of a vector of versioned words (isa.READS_ACT): the load is the wait, group by group of SG
-    column tiles; the payloads (fp32) are rounded to bf16 as ``stage_plain`` rounds them."""
+    column tiles; the payloads (fp32) are rounded to bf16 as ``stage_plain`` rounds them. PROBE > 1: a group found
+    incomplete is probed one word in PROBE (versioned.wait)."""
     TK: gl.constexpr = hbuf.type.shape[1]
     for g0 in gl.static_range(0, KT, SG):
         o = _group_offsets(g0, SG, TK, S2)
-        v = versioned.wait(src_ptr + gl.minimum(o, K - 1), o < K, ver)
+        if PROBE > 1:
+            pp, pin = versioned.probe_ptrs(src_ptr, g0 * TK, SG * TK, K, PROBE, gl.SliceLayout(0, S2))
+            v = versioned.wait(src_ptr + gl.minimum(o, K - 1), o < K, ver, pp, pin)
+        else:
+            v = versioned.wait(src_ptr + gl.minimum(o, K - 1), o < K, ver)
         _group(hbuf, g0, SG).store(v.to(gl.bfloat16))
     gl.thread_barrier()
 
@@ -179,7 +190,7 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
             res = gl.load(res_ptr + rows).to(gl.float32)
         else:
             if VX:
-                res = versioned.wait(x_ptr + rows, rows >= 0, ver_in)
+                res = versioned.wait(x_ptr + rows, rows >= 0, ver_in)  # TR words: no probe
             else:
                 res = gl.load(x_ptr + rows, cache_modifier=".cg")
         acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)

@@ -87,6 +87,12 @@ VARIANTS = {
     # and q + the new K/V row: no counter hop left in a layer, only the tickets
     "tr32-flagall": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True),
     "tr32-flagall-if4": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True, inflight=4),
+    # the versioned stagings probed one word in 16 / 64 while words are missing (vprobe): less polling traffic
+    "tr32-flag-p16": KernelConfig(flag_act=True, vprobe=16),
+    "tr32-flag-p64": KernelConfig(flag_act=True, vprobe=64),
+    "tr32-flagx-p16": KernelConfig(flag_act=True, flag_x=True, vprobe=16),
+    "tr32-flagxa-p16": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, vprobe=16),
+    "tr32-flagall-p16": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True, vprobe=16),
     # fewer, longer attention splits (context 1024: 8 / 4 splits a KV head instead of 16)
     "tr32-split128": KernelConfig(min_split_tokens=128),
     "tr32-split256": KernelConfig(min_split_tokens=256),

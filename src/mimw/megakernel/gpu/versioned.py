@@ -46,17 +46,43 @@ def _load(ptrs, old, need):
 
 
 @gluon.jit
-def wait(ptrs, inb, ver):
+def _spin(ptrs, inb, ver):
+    """Returns once every word at ``ptrs`` (where ``inb``) carries version ``ver``, loading only the missing ones
+    again; their values are not kept."""
+    miss = inb.to(gl.int32)
+    words = inb.to(gl.int64) * 0
+    while gl.sum(miss, axis=None) > 0:
+        words = _load(ptrs, words, miss)
+        miss = miss * ((words >> 32).to(gl.int32) != ver).to(gl.int32)
+
+
+@gluon.jit
+def wait(ptrs, inb, ver, probes=None, pinb=None):
     """The fp32 payloads of the words at ``ptrs`` (any rank; where ``inb``, 0.0 elsewhere) once every one carries
     version ``ver``: all are loaded, then only those not yet at ``ver`` again, until none is missing (a
-    partition-wide count, so every thread leaves the loop together)."""
+    partition-wide count, so every thread leaves the loop together).
+
+    ``probes`` (a few of the same words, where ``pinb``): when the first load finds words missing, spin on the
+    probes first, then load the missing words again: the polling traffic an early reader sends to L2 while its
+    producers still stream is the probes', for one more round trip once they land (``probe_ptrs``)."""
     words = (inb.to(gl.int64) * 0 + ver) << 32  # where not inb: a word of version ver holding 0.0
     words = _load(ptrs, words, inb.to(gl.int32))
     ok = (words >> 32).to(gl.int32) == ver
+    if probes is not None:
+        if gl.sum((~ok).to(gl.int32), axis=None) > 0:
+            _spin(probes, pinb, ver)
     while gl.sum((~ok).to(gl.int32), axis=None) > 0:
         words = _load(ptrs, words, (~ok).to(gl.int32))
         ok = (words >> 32).to(gl.int32) == ver
     return words.to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def probe_ptrs(base, lo, n, K, PROBE: gl.constexpr, L1: gl.constexpr):
+    """(pointers, in bounds) of the probe words of elements [lo, lo + n) of a K-word vector at ``base``: one word
+    in PROBE (n // PROBE of them, a power of two), in the 1-D layout ``L1``."""
+    o = lo + gl.arange(0, n // PROBE, L1) * PROBE
+    return base + gl.minimum(o, K - 1), o < K
 
 
 # --- PyTorch reference of the word format (what ``store`` writes and ``wait_*`` reads) ---------------------------
