@@ -62,13 +62,16 @@ def prefetch(layer, kvh, seg, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr,
              HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr, BT: gl.constexpr, NW: gl.constexpr,
              L4: gl.constexpr):
     """ATTN_PARTIAL, before its dependency wait: the first block's past K/V (every position but ``pos``, which
-    ATTN_IN writes in this step) does not depend on the step, so its round trip overlaps the wait."""
+    ATTN_IN writes in this step) does not depend on the step, so its round trip overlaps the wait. Returns (k, v,
+    the block's cache rows): ``partial`` reloads the newest row from those rows without a second block-table
+    gather after the wait."""
     KV3: gl.constexpr = gl.SliceLayout(1, L4)
     lo, hi = split_range(split, n_splits, ctx)
     t = lo + _positions(BT, NW, gl.SliceLayout(2, KV3))
     d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
     row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
-    return _kv(kc_ptr, vc_ptr, row, (t < hi) & (t != pos), d3, HD)
+    k, v = _kv(kc_ptr, vc_ptr, row, (t < hi) & (t != pos), d3, HD)
+    return k, v, row
 
 
 @gluon.jit
@@ -87,11 +90,11 @@ def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
 
 
 @gluon.jit
-def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP, SPLITS,
+def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP, SPLITS,
             po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
             qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr, ver=0,
             VQ: gl.constexpr = False):
-    """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v). Warp w keeps its own online-softmax
+    """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v) and its cache rows ``row0``. Warp w keeps its own online-softmax
     state over its BTW positions of every block (all reductions inside the block stay within a warp); the NW
     states are merged once at the end. ``VQ`` (isa.READS_Q): there was no wait; q and the new row (position
     ``pos``) are versioned words at ``q_ptr`` ([Hq + 2 Hkv, HD], qkv_finish) and their loads are the wait — the new
@@ -113,10 +116,10 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     else:
         q = gl.load(q_ptr + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * qscale
     q4 = gl.expand_dims(q, 2)
-    # the newest row (position pos) was written by ATTN_IN after prefetch: reload just that row into the block
+    # the newest row (position pos) was written by ATTN_IN after prefetch: reload just that row into the block, at
+    # the rows prefetch gathered (one round trip after the wait, with q's, not two)
     t = lo + tk
-    row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
-    addr = gl.expand_dims(row, 2) * HD + d3
+    addr = gl.expand_dims(row0, 2) * HD + d3
     new = gl.expand_dims((t < hi) & (t == pos), 2)
     if VQ:  # from the finisher's versioned words (zeros, no load, for a split without pos)
         here = (d3 * 0 + ((lo <= pos) & (pos < hi)).to(gl.int32)) != 0

@@ -262,6 +262,21 @@ def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_
     ti = gl.arange(0, HH, gl.SliceLayout(1, E2))
     ri = gl.arange(0, TR, gl.SliceLayout(0, E2))
     i = gl.expand_dims(ti, 1) * TR + gl.expand_dims(ri, 0)  # [HH, TR]: index within the half head
+    # the loads that do not depend on this step first (inverse frequencies, q/k norm weights, bias): in flight with
+    # the parts' loads, not a round trip after them (the parts' loop and the q/k norm's reduction, a barrier, stand
+    # between them in program order)
+    inv_f = gl.load(invf_ptr + i)
+    if head < HQ:
+        nw = qn_ptr + layer * HD
+    else:
+        nw = kn_ptr + layer * HD
+    if QK_NORM:
+        nw_a = gl.load(nw + i).to(gl.float32)
+        nw_b = gl.load(nw + HD // 2 + i).to(gl.float32)
+    if HAS_BIAS:
+        bb = bias_ptr + (layer * NQKV + head) * HD
+        bias_a = gl.load(bb + i).to(gl.float32)
+        bias_b = gl.load(bb + HD // 2 + i).to(gl.float32)
     src = qkvp_ptr + head * HD
     a = gl.load(src + i, cache_modifier=".cg")
     b = gl.load(src + HD // 2 + i, cache_modifier=".cg")
@@ -269,20 +284,15 @@ def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_
         a += gl.load(src + p * NQKV * HD + i, cache_modifier=".cg")
         b += gl.load(src + p * NQKV * HD + HD // 2 + i, cache_modifier=".cg")
     if HAS_BIAS:
-        bb = bias_ptr + (layer * NQKV + head) * HD
-        a += gl.load(bb + i).to(gl.float32)
-        b += gl.load(bb + HD // 2 + i).to(gl.float32)
+        a += bias_a
+        b += bias_b
     if head < HQ + HKV:  # q and k heads: optional per-head RMSNorm, then RoPE
         if QK_NORM:
             rs = gl.rsqrt((gl.sum(gl.sum(a * a, axis=1), axis=0) + gl.sum(gl.sum(b * b, axis=1), axis=0)) / HD
                           + eps)
-            if head < HQ:
-                nw = qn_ptr + layer * HD
-            else:
-                nw = kn_ptr + layer * HD
-            a = (a * rs).to(gl.bfloat16).to(gl.float32) * gl.load(nw + i).to(gl.float32)
-            b = (b * rs).to(gl.bfloat16).to(gl.float32) * gl.load(nw + HD // 2 + i).to(gl.float32)
-        ang = pos.to(gl.float32) * gl.load(invf_ptr + i)
+            a = (a * rs).to(gl.bfloat16).to(gl.float32) * nw_a
+            b = (b * rs).to(gl.bfloat16).to(gl.float32) * nw_b
+        ang = pos.to(gl.float32) * inv_f
         c = gl.cos(ang)
         s = gl.sin(ang)
         a2 = a * c - b * s

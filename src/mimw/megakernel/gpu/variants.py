@@ -93,6 +93,9 @@ VARIANTS = {
     "tr32-flagx-p16": KernelConfig(flag_act=True, flag_x=True, vprobe=16),
     "tr32-flagxa-p16": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, vprobe=16),
     "tr32-flagall-p16": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True, vprobe=16),
+    # without early dispatch a reader arrives later and spins less: if flag_act gains here, early spinning costs
+    "tr32-nodisp": KernelConfig(dispatch=False),
+    "tr32-flag-nodisp": KernelConfig(flag_act=True, dispatch=False),
     # fewer, longer attention splits (context 1024: 8 / 4 splits a KV head instead of 16)
     "tr32-split128": KernelConfig(min_split_tokens=128),
     "tr32-split256": KernelConfig(min_split_tokens=256),
