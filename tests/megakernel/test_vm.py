@@ -442,3 +442,46 @@ def test_a_versioned_word_that_is_never_written_is_a_deadlock():
     state.fill([3], [14], tables, (1,))
     with pytest.raises(DeadlockError, match="versioned words"):
         vm.run_step(state, scratch)
+
+
+LATE_QKV = [  # ProgramConfig(qkv_in_attn): (preset, num_sms, seg_lens, contexts, parts, combine_splits)
+    ("tiny-llama", 7, (1,), (14,), 3, True),
+    ("tiny-qwen3", 132, (4,), (30,), 4, True),  # q/k norms; a verify block: this step's rows over several splits
+    ("tiny-qwen2", 5, (1, 1), (5, 20), 2, False),  # bias; a batch of two; the ATTN_REDUCE stage
+    ("tiny-llama3", 132, (1, 1, 1, 1), (13, 16, 33, 2), 1, True),  # one part: nothing to sum
+]
+
+
+@pytest.mark.parametrize("name,num_sms,seg_lens,contexts,parts,combine", LATE_QKV, ids=[c[0] for c in LATE_QKV])
+def test_vm_with_qkv_finished_by_the_attention_splits_matches_reference(name, num_sms, seg_lens, contexts, parts,
+                                                                          combine):
+    """ProgramConfig(qkv_in_attn): ATTN_IN's parts signal the group's counter directly (no tickets, no finisher);
+    each ATTN_PARTIAL finishes its q heads and its K/V rows from the parts and stores the rows in its split."""
+    prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts,
+                                 ProgramConfig(tile_k=16, qkv_parts=parts, qkv_in_attn=True, combine_splits=combine))
+    spec = prog.spec
+    by = lambda op: [i for i in prog.instructions() if i.OP == op]  # noqa: E731
+    assert all(i.ticket == isa.NO_COUNTER and not i.has_finisher and i.flags & isa.QKV_IN_ATTN
+               for i in by(isa.Op.ATTN_IN))
+    assert all(i.flags & isa.QKV_IN_ATTN and i.n_parts == parts for i in by(isa.Op.ATTN_PARTIAL))
+    assert not any(".qkv_ticket." in c.name for c in prog.counters)
+    assert {c.count for c in prog.counters if ".qkv.kv" in c.name} == {(spec.group_size + 2) * parts}
+
+
+def test_qkv_in_attn_excludes_versioned_q():
+    with pytest.raises(ValueError, match="qkv_in_attn and flag_q"):
+        build_program(get_preset("tiny-llama"), StepShape((1,)), 3, ProgramConfig(tile_k=16, qkv_in_attn=True,
+                                                                                   flag_q=True))
+
+
+def test_a_split_that_finishes_its_heads_without_waiting_for_the_parts_is_caught():
+    spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
+    prog = build_program(spec, StepShape((1,)), 7, ProgramConfig(tile_k=16, qkv_parts=3, qkv_in_attn=True))
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.ATTN_PARTIAL, lambda ins: ins.layer == 1 and ins.split == 0)
+    words[s, i, isa.Word.WAIT] = isa.NO_COUNTER
+    vm = VM(prog, w, cache, (words, lengths))
+    for e in _dependency_errors(vm, prog, cache, ([3], [14], tables, (1,)), 20):
+        assert "qkv parts of its heads" in e
+        return
+    pytest.fail("an ATTN_PARTIAL summing parts it did not wait for went unnoticed in 20 interleavings")

@@ -22,7 +22,8 @@ Instructions (M = tokens in the step, D = hidden, hd = head_dim, G = query heads
   ATTN_PARTIAL  softmax(q K^T) V over one split of one segment's context, for the G query heads
                 of one KV head -> (o, m, l) partials. With ``combine`` set, the splits also do ATTN_REDUCE's
                 work: the last split to finish (ticket counter ``Word.E``; a lone split needs none) combines the
-                partials in split order and only it signals.                              (layer, kv head, seg, split)
+                partials in split order and only it signals. With ``QKV_IN_ATTN`` it first finishes its heads
+                from ATTN_IN's parts itself (the flag's comment below).                  (layer, kv head, seg, split)
   ATTN_REDUCE   combine the splits' partials -> attention output rows for the G heads     (layer, kv head, seg)
                 (programs without ``combine``: one stage and one counter hop more).
   O_PROJ        x[rows] += W_o[rows] . attn                                                 a block of D rows
@@ -42,7 +43,7 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import ClassVar
 
-NWORDS = 12
+NWORDS = 13
 
 
 class Op(IntEnum):
@@ -70,7 +71,8 @@ class Word(IntEnum):
     SIGNAL = 8  # counter to signal when done, -1 for none
     E = 9  # ATTN_PARTIAL: ticket counter of the combining splits (-1: none)
     F = 10  # ATTN_PARTIAL: 1 if the splits combine themselves (no ATTN_REDUCE follows)
-    FLAGS = 11  # versioned-word bits: READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED
+    FLAGS = 11  # versioned-word bits: READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED; QKV_IN_ATTN
+    G = 12  # ATTN_PARTIAL with QKV_IN_ATTN: ATTN_IN's column parts it sums (0 otherwise)
 
 
 NO_COUNTER = -1
@@ -87,6 +89,12 @@ WRITES_VERSIONED = 4  # stores its outputs (x rows: O_PROJ, DOWN_PROJ; act: MLP_
 READS_ATTN = 8  # reads the attention output as versioned words and waits likewise (O_PROJ)
 READS_Q = 16  # reads its query heads, and (a split holding this step's position) the new K/V row, as versioned
 #               words written by ATTN_IN's finishers, and waits likewise (ATTN_PARTIAL)
+# Word.FLAGS, not a versioned-word bit: ATTN_IN's heads finished by their readers. ATTN_IN stores its column part and
+# signals (no ticket, no finisher); each ATTN_PARTIAL sums the parts of its group's q heads and of its KV head's
+# K and V heads itself (part order, bias, q/k RMSNorm, RoPE: the finisher's work, ops/attn_in.finish_rows), keeps
+# q in registers, and stores this step's K/V rows that fall in its split to the paged cache before reading it.
+# One counter hop's ticket and the finisher's round trips leave ATTN_IN; each split redoes G + 2 heads' finish.
+QKV_IN_ATTN = 32
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,7 @@ class Instruction:
     wait: int = NO_COUNTER
     wait_count: int = 0
     signal: int = NO_COUNTER
-    flags: int = 0  # READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED
+    flags: int = 0  # READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED | QKV_IN_ATTN
 
     @property
     def has_finisher(self) -> bool:
@@ -136,7 +144,7 @@ class AttnIn(Instruction):
 
     @property
     def has_finisher(self) -> bool:
-        return True
+        return not self.flags & QKV_IN_ATTN  # with QKV_IN_ATTN the ATTN_PARTIALs finish the heads they read
 
     @property
     def ticket_count(self) -> int:
@@ -153,8 +161,10 @@ class AttnPartial(Instruction):
     n_splits: int = 1
     ticket: int = NO_COUNTER  # with combine and several splits: the counter the splits draw tickets from
     combine: int = 0  # 1: the last split combines the partials (ATTN_REDUCE's work) and signals
+    n_parts: int = 0  # with QKV_IN_ATTN: ATTN_IN's column parts of each head, which this split sums itself
     FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "kv_head": Word.A, "seg": Word.B, "split": Word.C,
-                                         "n_splits": Word.D, "ticket": Word.E, "combine": Word.F}
+                                         "n_splits": Word.D, "ticket": Word.E, "combine": Word.F,
+                                         "n_parts": Word.G}
 
     @property
     def has_finisher(self) -> bool:

@@ -68,6 +68,8 @@ class ProgramConfig:
     # finishers signal nothing, ATTN_PARTIAL waits on no counter (the row still goes to the paged cache too)
     flag_attn: bool = False  # the attention output as versioned words (isa.READS_ATTN; needs flag_x, which orders
     # O_PROJ's residual reads): the combining split (or ATTN_REDUCE) signals nothing, O_PROJ waits on no counter
+    qkv_in_attn: bool = False  # ATTN_IN's heads finished by the ATTN_PARTIALs that read them (isa.QKV_IN_ATTN):
+    # no tickets in ATTN_IN, its parts signal the group's counter directly; not with flag_q (no finished q words)
     signal_logits: bool = True  # LM_HEAD blocks signal a counter; no instruction waits on it (the launch's end
     # publishes the logits), so False spares each block the release (its barrier and fenced atomic)
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
@@ -176,7 +178,8 @@ def qkv_parts(spec: ModelSpec, num_sms: int, cfg: ProgramConfig) -> int:
     head_bytes = spec.head_dim * spec.hidden_size * 2
 
     def makespan(n: int) -> float:
-        per_part = head_bytes / n + cfg.fixed_cost_bytes + (cfg.ticket_cost_bytes if n > 1 else 0)
+        ticket = cfg.ticket_cost_bytes if n > 1 and not cfg.qkv_in_attn else 0  # qkv_in_attn: parts, no ticket
+        per_part = head_bytes / n + cfg.fixed_cost_bytes + ticket
         return math.ceil(heads * n / num_sms) * per_part
 
     options = range(1, min(8, kt) + 1)
@@ -245,30 +248,37 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
     va = isa.WRITES_VERSIONED if cfg.flag_attn else 0
     vq = isa.WRITES_VERSIONED if cfg.flag_q else 0
+    if cfg.qkv_in_attn and cfg.flag_q:
+        raise ValueError("qkv_in_attn and flag_q exclude each other: with qkv_in_attn no finisher writes q words")
+    late = isa.QKV_IN_ATTN if cfg.qkv_in_attn else 0
     for l in range(L):
-        qkv = [isa.NO_COUNTER if cfg.flag_q else counter(f"L{l}.qkv.kv{k}", g + 2) for k in range(hkv)]
-        qkv_n = 0 if cfg.flag_q else g + 2
+        # ATTN_PARTIAL of KV group k waits for its G q heads and its K and V heads: their finishers, or (qkv_in_attn)
+        # every column part of them
+        qkv_n = 0 if cfg.flag_q else (g + 2) * (n_parts if late else 1)
+        qkv = [isa.NO_COUNTER if cfg.flag_q else counter(f"L{l}.qkv.kv{k}", qkv_n) for k in range(hkv)]
 
         def group(h: int) -> int:  # which KV group a q/k/v head feeds
             return h // g if h < hq else (h - hq) % hkv
 
-        tickets = [counter(f"L{l}.qkv_ticket.h{h}", n_parts) if n_parts > 1 else isa.NO_COUNTER
+        tickets = [counter(f"L{l}.qkv_ticket.h{h}", n_parts) if n_parts > 1 and not late else isa.NO_COUNTER
                    for h in range(hq + 2 * hkv)]
         stages.append([AttnIn(layer=l, head=h, part=p, n_parts=n_parts, ticket=tickets[h], wait=prev,
-                              wait_count=prev_n, signal=qkv[group(h)], flags=(vx if l > 0 else 0) | vq)
+                              wait_count=prev_n, signal=qkv[group(h)], flags=(vx if l > 0 else 0) | vq | late)
                        for h in range(hq + 2 * hkv) for p in range(n_parts)])
+        fin = n_parts if late else 0  # the parts an ATTN_PARTIAL sums when it finishes its heads
         red = isa.NO_COUNTER if cfg.flag_attn else counter(f"L{l}.attn_out", hkv * len(segs))
         if cfg.combine_splits:  # the last split of each (kv head, segment) combines: one hop fewer
             tick = {(k, s): counter(f"L{l}.attn_ticket.kv{k}.seg{s}", n_splits[s]) if n_splits[s] > 1
                     else isa.NO_COUNTER for k in range(hkv) for s in segs}
             stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], ticket=tick[k, s],
-                                       combine=1, wait=qkv[k], wait_count=qkv_n, signal=red,
-                                       flags=va | (isa.READS_Q if cfg.flag_q else 0))
+                                       combine=1, n_parts=fin, wait=qkv[k], wait_count=qkv_n, signal=red,
+                                       flags=va | (isa.READS_Q if cfg.flag_q else 0) | late)
                            for k in range(hkv) for s in segs for i in range(n_splits[s])])
         else:
             part = {(k, s): counter(f"L{l}.attn.kv{k}.seg{s}", n_splits[s]) for k in range(hkv) for s in segs}
-            stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], wait=qkv[k],
-                                       wait_count=qkv_n, signal=part[k, s], flags=isa.READS_Q if cfg.flag_q else 0)
+            stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], n_parts=fin,
+                                       wait=qkv[k], wait_count=qkv_n, signal=part[k, s],
+                                       flags=(isa.READS_Q if cfg.flag_q else 0) | late)
                            for k in range(hkv) for s in segs for i in range(n_splits[s])])
             stages.append([AttnReduce(layer=l, kv_head=k, seg=s, n_splits=n_splits[s], wait=part[k, s],
                                       wait_count=n_splits[s], signal=red, flags=va)

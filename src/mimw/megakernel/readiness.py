@@ -5,7 +5,8 @@ checks the claim independently. Every region of step data carries a *version*, t
 during this step (-1: not written this step):
 
     x        [D]              2l+1 after layer l's O_PROJ of those columns, 2l+2 after its DOWN_PROJ
-    qkv_part [H, P]           layer whose ATTN_IN wrote part p of head h (H = Hq + 2 Hkv)
+    qkv_part [H, P]           layer whose ATTN_IN wrote part p of head h (H = Hq + 2 Hkv); with isa.QKV_IN_ATTN
+                              the ATTN_PARTIALs read it (q, kv: unused)
     q        [Hq]             layer whose ATTN_IN wrote the head (all M tokens at once)
     kv       [L, 2, Hkv]      whether ATTN_IN stored this step's K (0) / V (1) positions of the layer's kv head
     part     [M, Hq, SPLITS]  layer whose ATTN_PARTIAL wrote (token, head, split)
@@ -126,6 +127,12 @@ class Readiness:
             lo, hi = self._split(ins)
             if lo == hi:
                 return  # an empty split only writes its (EMPTY_M, 0, 0) partial
+            if ins.flags & isa.QKV_IN_ATTN:  # it finishes its heads itself: every part of them, this layer's
+                sp = self.program.spec
+                heads = list(range(self._group(ins.kv_head).start, self._group(ins.kv_head).stop)) + \
+                    [sp.num_heads + ins.kv_head, sp.num_heads + sp.num_kv_heads + ins.kv_head]
+                self._require(ins, "qkv parts of its heads", self.qkv_part[heads, : ins.n_parts], L)
+                return
             self._require(ins, "q heads", self.q[self._group(ins.kv_head)], L)
             new_lo = int(self.state.seg_ctx[ins.seg]) - self.program.shape.seg_lens[ins.seg]
             if hi > new_lo and not self.kv[L, :, ins.kv_head].all():

@@ -7,7 +7,7 @@ solve (every part):
     x   [M, D]   residual stream entering the layer (layer 0: the embedding rows weights.embed[tokens])
     h   [M, D]   = RMSNorm(x) * attn_norm                         (rounded to the weight dtype, see common.py)
     qkv_part[part] [M, hd] = h[:, cols] . W[head rows, cols]^T,  cols = program.column_part(D, tile_k, part, n_parts)
-finish (the last part):
+finish (the last part; with isa.QKV_IN_ATTN nobody here: each ATTN_PARTIAL runs finish_rows for its own heads):
     y   [M, hd]  = sum of qkv_part[0..n_parts-1] in part order (+ bias rows, qwen2)
     q/k heads:   y = RMSNorm(y) * q_norm / k_norm  (qwen3, per head)  then RoPE at each token's position
                  (rope.cos_sin, HF rotate_half pairing: element i pairs with i + hd/2)
@@ -45,24 +45,32 @@ def solve(ctx: OpContext, ins: AttnIn) -> None:
     ctx.scratch.qkv_part[ins.part, :, ins.head] = matvec(h[:, c0:c1], w[rows, c0:c1])  # [M, hd]
 
 
-def finish(ctx: OpContext, ins: AttnIn) -> None:
-    spec, lw = ctx.spec, ctx.weights.layers[ins.layer]
-    kind, idx, _, b, rows = _head(ctx, ins)
-    y = ctx.scratch.qkv_part[0, :, ins.head]
-    for p in range(1, ins.n_parts):
-        y = y + ctx.scratch.qkv_part[p, :, ins.head]
+def finish_rows(ctx: OpContext, layer: int, head: int, n_parts: int) -> torch.Tensor:
+    """y [M, hd] of one head: its n_parts column parts summed in part order (+bias) (+q/k RMSNorm) (+RoPE for q
+    and k heads), the finisher's math, for every token of the step. ATTN_IN's finisher stores it; with
+    isa.QKV_IN_ATTN each ATTN_PARTIAL computes its own heads' (ops/attn_partial.py)."""
+    spec, lw = ctx.spec, ctx.weights.layers[layer]
+    kind, _, _, b, rows = _head(ctx, AttnIn(layer=layer, head=head))
+    y = ctx.scratch.qkv_part[0, :, head]
+    for p in range(1, n_parts):
+        y = y + ctx.scratch.qkv_part[p, :, head]
     if b is not None:
         y = y + b[rows].float()
-    positions = ctx.state.positions.long()  # [M]
     if kind != "v":
         if spec.qk_norm:
             y = rms_norm(y, lw.q_norm if kind == "q" else lw.k_norm, spec.rms_norm_eps)
-        cos, sin = rope.cos_sin(spec, positions)  # [M, hd/2] each
+        cos, sin = rope.cos_sin(spec, ctx.state.positions.long())  # [M, hd/2] each
         y = rope.apply_rope(y[:, None, :], cos, sin)[:, 0, :]
+    return y
+
+
+def finish(ctx: OpContext, ins: AttnIn) -> None:
+    kind, idx, _, _, _ = _head(ctx, ins)
+    y = finish_rows(ctx, ins.layer, ins.head, ins.n_parts)
     if kind == "q":
         ctx.scratch.q[:, idx, :] = y
         return
-    pages, slots = kv_slots(ctx, positions)
+    pages, slots = kv_slots(ctx, ctx.state.positions.long())
     pool = ctx.cache.k if kind == "k" else ctx.cache.v
     pool[ins.layer, pages, idx, slots] = y.to(pool.dtype)
 

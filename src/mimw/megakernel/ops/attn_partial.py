@@ -12,13 +12,18 @@ Writes: part_o[t, h, split, :] = o, part_ml[t, h, split] = (m, l); an empty spli
 Reads:  q[t, h] for the segment's tokens and the group's heads; K/V of layer ``layer``, kv head ``kv_head`` at
         positions [lo, hi) through the segment's block table (positions of this step were stored by ATTN_IN).
         An empty split reads nothing.
+With isa.QKV_IN_ATTN (a non-empty split): q and this step's K/V rows come from ATTN_IN's column parts instead,
+        finished here (attn_in.finish_rows: part order, bias, q/k norm, RoPE); the split stores the step's K/V
+        rows at its own positions [lo, hi) to the cache (rounded to the cache dtype), then reads the cache as
+        above. Reads: qkv_part of the group's q heads and of the K and V heads, all ``n_parts`` parts.
 """
 from __future__ import annotations
 
 import torch
 
-from ..isa import AttnPartial
+from ..isa import QKV_IN_ATTN, AttnPartial
 from ..state import EMPTY_M, split_range
+from .attn_in import finish_rows, kv_slots
 from .common import OpContext
 
 
@@ -32,12 +37,12 @@ def solve(ctx: OpContext, ins: AttnPartial) -> None:
         sc.part_ml[toks, heads, ins.split, 0] = EMPTY_M
         sc.part_ml[toks, heads, ins.split, 1] = 0.0
         return
+    q = _finish_group(ctx, ins, toks, lo, hi) if ins.flags & QKV_IN_ATTN else sc.q[toks, heads]  # [T, G, hd]
     ps = ctx.cache.layout.page_size
     pos = torch.arange(lo, hi)  # [S]
     pages, rows = ctx.state.block_tables[ins.seg].long()[pos // ps], pos % ps
     k = ctx.cache.k[ins.layer, pages, ins.kv_head, rows].float()  # [S, hd]
     v = ctx.cache.v[ins.layer, pages, ins.kv_head, rows].float()  # [S, hd]
-    q = sc.q[toks, heads]  # [T, G, hd]
     s = (q @ k.t()) * hd ** -0.5  # [T, G, S]
     q_pos = ctx.state.positions[toks].long()  # [T]
     if hi - 1 > int(q_pos.min()):  # some key lies in some query token's future
@@ -48,3 +53,20 @@ def solve(ctx: OpContext, ins: AttnPartial) -> None:
     sc.part_o[toks, heads, ins.split] = p @ v
     sc.part_ml[toks, heads, ins.split, 0] = m.masked_fill(empty, EMPTY_M)
     sc.part_ml[toks, heads, ins.split, 1] = p.sum(-1)
+
+
+def _finish_group(ctx: OpContext, ins: AttnPartial, toks: slice, lo: int, hi: int) -> torch.Tensor:
+    """isa.QKV_IN_ATTN: q [T, G, hd] of the segment's tokens and the group's heads from ATTN_IN's parts; the
+    segment's K/V rows of this step whose positions fall in [lo, hi) are stored to the cache."""
+    spec = ctx.spec
+    g, hq, hkv = spec.group_size, spec.num_heads, spec.num_kv_heads
+    q = torch.stack([finish_rows(ctx, ins.layer, ins.kv_head * g + j, ins.n_parts) for j in range(g)], dim=1)
+    positions = ctx.state.positions.long()
+    mine = torch.zeros_like(positions, dtype=torch.bool)
+    mine[toks] = (positions[toks] >= lo) & (positions[toks] < hi)
+    if bool(mine.any()):
+        pages, slots = kv_slots(ctx, positions)
+        for pool, head in ((ctx.cache.k, hq + ins.kv_head), (ctx.cache.v, hq + hkv + ins.kv_head)):
+            y = finish_rows(ctx, ins.layer, head, ins.n_parts)
+            pool[ins.layer, pages[mine], ins.kv_head, slots[mine]] = y[mine].to(pool.dtype)
+    return q[toks]
