@@ -177,6 +177,19 @@ def test_probed_versioned_stagings_compile_without_spills_and_add_a_probe_loop()
         KernelConfig(flag_act=True, vprobe=3).check(spec)
 
 
+@pytest.mark.slow
+def test_qkv_finished_in_attention_compiles_without_spills_and_drops_attn_ins_ticket():
+    for name in ("llama-3.2-1b", "qwen3-8b"):  # qwen3: the q/k norm in the splits' finish
+        spec = get_preset(name)
+        ptx = compile_sm90a(spec, KernelConfig(qkv_in_attn=True)).asm["ptx"]
+        assert ptxas_report(ptx)["spill_stores"] == 0
+    base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+    ticket = "atom.global.gpu.acq_rel.add"  # ATTN_IN's ticket and the combining splits' ticket; only the latter
+    assert ptx.count(ticket) == base.count(ticket) - 1
+    with pytest.raises(ValueError, match="qkv_in_attn and flag_q"):
+        KernelConfig(qkv_in_attn=True, flag_q=True).check(spec)
+
+
 def test_versioned_attn_needs_versioned_x():
     with pytest.raises(ValueError, match="flag_attn needs flag_x"):
         KernelConfig(flag_attn=True).check(get_preset("llama-3.2-1b"))

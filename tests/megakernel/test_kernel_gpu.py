@@ -39,6 +39,24 @@ def test_megakernel_matches_reference_over_64_steps(model, context, consumer):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("context", [1, 17, 1000])
+@pytest.mark.parametrize("model", MODELS)
+def test_qkv_finished_by_the_attention_splits_matches_reference_over_64_steps(model, context):
+    """KernelConfig(qkv_in_attn=True): ATTN_IN's parts signal, every ATTN_PARTIAL finishes its heads from them and
+    the split holding the step's position stores its K/V row (context 1: the only position; the 64 steps then
+    read every row the splits stored)."""
+    import dataclasses
+
+    from mimw.megakernel.gpu.check import check_decode
+    from mimw.megakernel.gpu.config import KernelConfig
+
+    spec = get_preset(model)
+    r = check_decode(spec, context, steps=64, kcfg=dataclasses.replace(KernelConfig.for_spec(spec), qkv_in_attn=True))
+    assert r.finite and r.bit_identical, r
+    assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("versioned", ["act", "all", "probe"])
 @pytest.mark.parametrize("context", [17, 1000])
 @pytest.mark.parametrize("model", MODELS)

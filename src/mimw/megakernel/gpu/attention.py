@@ -42,6 +42,71 @@ def _kv(kc_ptr, vc_ptr, row, m, d3, HD: gl.constexpr):
 
 
 @gluon.jit
+def _finish_rows(qkvp_ptr, n_parts, hoff, d, m, layer, pos, bias_ptr, nw_ptr, invf_ptr, eps, NQKV: gl.constexpr,
+                 HD: gl.constexpr, HAS_BIAS: gl.constexpr, NORM: gl.constexpr, ROPE: gl.constexpr):
+    """isa.QKV_IN_ATTN: the [R, HD] elements ``d`` of heads at offsets ``hoff`` (head * HD, [R, 1]; rows masked
+    by ``m``) finished from ATTN_IN's ``n_parts`` parts as matvec.qkv_finish finishes them: parts summed in part
+    order, + bias, q/k RMSNorm (``NORM``), RoPE (``ROPE``: element d pairs with its rotate-half partner
+    (d + HD/2) % HD, loaded beside it). Reference: ops/attn_in.finish_rows. The step-independent loads go first,
+    in flight with the parts'."""
+    dp = (d + HD // 2) % HD
+    if ROPE:
+        inv_f = gl.load(invf_ptr + d % (HD // 2))
+    if NORM:
+        nw = gl.load(nw_ptr + d).to(gl.float32)
+        nwp = gl.load(nw_ptr + dp).to(gl.float32)
+    if HAS_BIAS:
+        bb = bias_ptr + layer * NQKV * HD + hoff
+        bias = gl.load(bb + d, mask=m, other=0.0).to(gl.float32)
+        biasp = gl.load(bb + dp, mask=m, other=0.0).to(gl.float32)
+    y = gl.load(qkvp_ptr + hoff + d, mask=m, other=0.0, cache_modifier=".cg")
+    yp = gl.load(qkvp_ptr + hoff + dp, mask=m, other=0.0, cache_modifier=".cg")
+    for p in range(1, n_parts):
+        y += gl.load(qkvp_ptr + p * NQKV * HD + hoff + d, mask=m, other=0.0, cache_modifier=".cg")
+        yp += gl.load(qkvp_ptr + p * NQKV * HD + hoff + dp, mask=m, other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+        y += bias
+        yp += biasp
+    if NORM:
+        rs = gl.expand_dims(gl.rsqrt(gl.sum(y * y, axis=1) / HD + eps), 1)
+        y = (y * rs).to(gl.bfloat16).to(gl.float32) * nw
+        yp = (yp * rs).to(gl.bfloat16).to(gl.float32) * nwp
+    if ROPE:
+        ang = pos.to(gl.float32) * inv_f
+        sgn = gl.where(d < HD // 2, -1.0, 1.0)  # rotate_half: [-y2, y1]
+        y = y * gl.cos(ang) + sgn * yp * gl.sin(ang)
+    return y
+
+
+@gluon.jit
+def finish_heads(layer, kvh, pos, n_parts, qkvp_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr, eps, HQ: gl.constexpr,
+                 HKV: gl.constexpr, HD: gl.constexpr, GP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 QK_NORM: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr):
+    """isa.QKV_IN_ATTN, after ATTN_PARTIAL's wait: (q [1, GP, HD] of the group's G heads, unscaled; this step's K
+    and V rows [1, 1, HD] of KV head ``kvh``; fp32, in ``partial``'s layouts), finished from ATTN_IN's parts
+    (``_finish_rows``) in a compact layout (a warp per head, a few elements a thread) and only then spread to the
+    attention's replicated layouts: the finish's temporaries stay small beside the prefetched K/V block."""
+    G: gl.constexpr = HQ // HKV
+    NQKV: gl.constexpr = HQ + 2 * HKV
+    F2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
+    g = gl.expand_dims(gl.arange(0, GP, gl.SliceLayout(1, F2)), 1)  # [GP, 1]
+    d = gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, F2)), 0)  # [1, HD]
+    q = _finish_rows(qkvp_ptr, n_parts, (kvh * G + g) * HD, d + g * 0, g < G, layer, pos, bias_ptr,
+                     qn_ptr + layer * HD, invf_ptr, eps, NQKV, HD, HAS_BIAS, QK_NORM, True)
+    one = gl.expand_dims(gl.arange(0, 1, gl.SliceLayout(1, F2)), 1)  # [1, 1]
+    k = _finish_rows(qkvp_ptr, n_parts, (HQ + kvh) * HD + one * 0, d, one == 0, layer, pos, bias_ptr,
+                     kn_ptr + layer * HD, invf_ptr, eps, NQKV, HD, HAS_BIAS, QK_NORM, True)
+    v = _finish_rows(qkvp_ptr, n_parts, (HQ + HKV + kvh) * HD + one * 0, d, one == 0, layer, pos, bias_ptr, kn_ptr,
+                     invf_ptr, eps, NQKV, HD, HAS_BIAS, False, False)
+    KV3: gl.constexpr = gl.SliceLayout(1, L4)
+    Q3: gl.constexpr = gl.SliceLayout(2, L4)
+    q = gl.expand_dims(gl.convert_layout(q, gl.SliceLayout(0, Q3)), 0)
+    k = gl.expand_dims(gl.convert_layout(k, gl.SliceLayout(0, KV3)), 0)
+    v = gl.expand_dims(gl.convert_layout(v, gl.SliceLayout(0, KV3)), 0)
+    return q, k, v
+
+
+@gluon.jit
 def _positions(BT: gl.constexpr, NW: gl.constexpr, L2: gl.constexpr):
     """[NW, BTW] offsets w * BTW + j of a block's positions: warp w owns BTW consecutive positions."""
     BTW: gl.constexpr = BT // NW
@@ -93,12 +158,14 @@ def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
 def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP, SPLITS,
             po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
             qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr, ver=0,
-            VQ: gl.constexpr = False):
+            VQ: gl.constexpr = False, fin_q=None, fin_k=None, fin_v=None, tok_page=0, FIN: gl.constexpr = False):
     """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v) and its cache rows ``row0``. Warp w keeps its own online-softmax
     state over its BTW positions of every block (all reductions inside the block stay within a warp); the NW
     states are merged once at the end. ``VQ`` (isa.READS_Q): there was no wait; q and the new row (position
     ``pos``) are versioned words at ``q_ptr`` ([Hq + 2 Hkv, HD], qkv_finish) and their loads are the wait — the new
-    row only for the split that holds ``pos``; the cache is never read at ``pos``."""
+    row only for the split that holds ``pos``; the cache is never read at ``pos``. ``FIN`` (isa.QKV_IN_ATTN): q and
+    the new row are ``finish_heads``' (fin_q, fin_k, fin_v), and the split holding ``pos`` stores the row to the
+    cache (page ``tok_page``) for later steps."""
     G: gl.constexpr = HQ // HKV
     KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
     Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
@@ -111,7 +178,9 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     g1 = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, Q3)))
     dq = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, Q3))), 0), 1)
     g3 = gl.expand_dims(gl.expand_dims(g1, 0), 2) + dq * 0  # [1, GP, HD] head index
-    if VQ:
+    if FIN:
+        q = fin_q * qscale
+    elif VQ:
         q = versioned.wait(q_ptr + (kvh * G + g3) * HD + dq, g3 < G, ver) * qscale
     else:
         q = gl.load(q_ptr + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * qscale
@@ -121,7 +190,16 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     t = lo + tk
     addr = gl.expand_dims(row0, 2) * HD + d3
     new = gl.expand_dims((t < hi) & (t == pos), 2)
-    if VQ:  # from the finisher's versioned words (zeros, no load, for a split without pos)
+    if FIN:  # finished here; the split holding pos also stores it for later steps
+        here = (d3 * 0 + ((lo <= pos) & (pos < hi)).to(gl.int32)) != 0
+        k_new = fin_k.to(gl.bfloat16)
+        v_new = fin_v.to(gl.bfloat16)
+        at = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD + d3
+        gl.store(kc_ptr + at, k_new, mask=here)
+        gl.store(vc_ptr + at, v_new, mask=here)
+        k = gl.where(new, k_new, k)
+        v = gl.where(new, v_new, v)
+    elif VQ:  # from the finisher's versioned words (zeros, no load, for a split without pos)
         here = (d3 * 0 + ((lo <= pos) & (pos < hi)).to(gl.int32)) != 0
         k_new = versioned.wait(q_ptr + (HQ + kvh) * HD + d3, here, ver).to(gl.bfloat16)
         v_new = versioned.wait(q_ptr + (HQ + HKV + kvh) * HD + d3, here, ver).to(gl.bfloat16)
@@ -138,7 +216,7 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     for t0 in range(lo + BT, hi, BT):
         t = t0 + tk
         row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
-        if VQ:
+        if VQ or FIN:
             k, v = _kv(kc_ptr, vc_ptr, row, (t < hi) & (t != pos), d3, HD)
             new = gl.expand_dims((t < hi) & (t == pos), 2)
             k = gl.where(new, k_new, k)

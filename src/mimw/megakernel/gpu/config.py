@@ -42,6 +42,8 @@ class KernelConfig:
     # the combining split signals nothing, O_PROJ polls no counter
     flag_q: bool = False  # FLAG_Q: q and the new K/V row as versioned words (isa.READS_Q): ATTN_IN's finishers
     # signal nothing, ATTN_PARTIAL polls no counter
+    qkv_in_attn: bool = False  # QKV_IN_ATTN: ATTN_IN's heads finished by the ATTN_PARTIALs that read them
+    # (isa.QKV_IN_ATTN, ProgramConfig.qkv_in_attn): no ticket, no finisher round trip in ATTN_IN; not yet measured
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -105,7 +107,7 @@ class KernelConfig:
                              combine_splits=self.combine_splits, fixed_cost_bytes=self.fixed_cost_kb * 1024,
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
                              flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn,
-                             flag_q=self.flag_q)
+                             flag_q=self.flag_q, qkv_in_attn=self.qkv_in_attn)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -127,6 +129,8 @@ class KernelConfig:
                              "up to 256")
         if self.flag_attn and not self.flag_x:
             raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
+        if self.qkv_in_attn and self.flag_q:
+            raise ValueError("qkv_in_attn and flag_q exclude each other: with qkv_in_attn no finisher writes q words")
         if self.mma not in (0, 1):
             raise ValueError(f"mma={self.mma}: 0 (CUDA cores) or 1 (tensor cores)")
         if self.mma:
@@ -199,7 +203,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, INFLIGHT=kcfg.inflight_cap(spec),
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
-        FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q,
+        FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
         NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,

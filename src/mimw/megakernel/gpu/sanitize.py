@@ -3,8 +3,9 @@
     compute-sanitizer --tool racecheck python3 -m mimw.megakernel.gpu.sanitize
 Two small shapes on 8 SMs, two decode steps each, no CUDA graph: a tiny Qwen3 (16-row tiles, one ATTN_IN part) and
 a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path), each with both matvec consumers
-(tensor cores and CUDA cores), and the SmolLM2 twice more with every versioned-word flag (the second time with the
-stagings probed, vprobe=16). Exits non-zero if logits are wrong.
+(tensor cores and CUDA cores), the SmolLM2 twice more with every versioned-word flag (the second time with the
+stagings probed, vprobe=16), and once with its heads finished by the attention splits (qkv_in_attn). Exits
+non-zero if logits are wrong.
 
 First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
 shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
@@ -68,12 +69,14 @@ def main() -> int:
     tiny, small = get_preset("tiny-qwen3"), get_preset("smollm2-135m").with_(num_layers=2)
     # both matvec consumers (tensor cores, the default, first), and the versioned words on the tensor cores (all
     # four flags; then the stagings probed one word in 16)
-    for spec, parts, mma, flag, probe in ((tiny, 0, 1, False, 1), (small, 2, 1, False, 1), (small, 2, 1, True, 1),
-                                          (small, 2, 1, True, 16), (tiny, 0, 0, False, 1), (small, 2, 0, False, 1)):
+    for spec, parts, mma, flag, probe, late in ((tiny, 0, 1, False, 1, False), (small, 2, 1, False, 1, False),
+                                                (small, 2, 1, True, 1, False), (small, 2, 1, True, 16, False),
+                                                (small, 2, 1, False, 1, True), (tiny, 0, 0, False, 1, False),
+                                                (small, 2, 0, False, 1, False)):
         kcfg = dataclasses.replace(KernelConfig.for_spec(spec), qkv_parts=parts, mma=mma, flag_act=flag,
-                                   flag_x=flag, flag_attn=flag, flag_q=flag, vprobe=probe)
+                                   flag_x=flag, flag_attn=flag, flag_q=flag, vprobe=probe, qkv_in_attn=late)
         r = check_decode(spec, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)
-        print(f"mma={mma} versioned={flag} vprobe={probe}", r, flush=True)
+        print(f"mma={mma} versioned={flag} vprobe={probe} qkv_in_attn={late}", r, flush=True)
         ok &= r.ok()
     return 0 if ok else 1
 

@@ -93,6 +93,8 @@ VARIANTS = {
     "tr32-flagx-p16": KernelConfig(flag_act=True, flag_x=True, vprobe=16),
     "tr32-flagxa-p16": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, vprobe=16),
     "tr32-flagall-p16": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True, vprobe=16),
+    # ATTN_IN's heads finished by the attention splits (isa.QKV_IN_ATTN): no ticket, no finisher round trip
+    "tr32-qkvattn": KernelConfig(qkv_in_attn=True),
     # without early dispatch a reader arrives later and spins less: if flag_act gains here, early spinning costs
     "tr32-nodisp": KernelConfig(dispatch=False),
     "tr32-flag-nodisp": KernelConfig(flag_act=True, dispatch=False),
