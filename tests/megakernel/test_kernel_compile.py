@@ -190,6 +190,17 @@ def test_qkv_finished_in_attention_compiles_without_spills_and_drops_attn_ins_ti
         KernelConfig(qkv_in_attn=True, flag_q=True).check(spec)
 
 
+@pytest.mark.slow
+def test_merged_releases_compile_without_spills_and_add_the_runs_length():
+    spec = get_preset("llama-3.1-8b")
+    ptx = compile_sm90a(spec, KernelConfig(merge_signals=True)).asm["ptx"]
+    assert ptxas_report(ptx)["spill_stores"] == 0
+    base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+    assert ptx != base  # the release adds the word's SIGNAL_N, and a zero skips it
+    rel = "atom.global.gpu.release.add"
+    assert ptx.count(rel) == base.count(rel) > 0  # the same release sites
+
+
 def test_versioned_attn_needs_versioned_x():
     with pytest.raises(ValueError, match="flag_attn needs flag_x"):
         KernelConfig(flag_attn=True).check(get_preset("llama-3.2-1b"))

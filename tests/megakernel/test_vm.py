@@ -485,3 +485,35 @@ def test_a_split_that_finishes_its_heads_without_waiting_for_the_parts_is_caught
         assert "qkv parts of its heads" in e
         return
     pytest.fail("an ATTN_PARTIAL summing parts it did not wait for went unnoticed in 20 interleavings")
+
+
+def test_merged_releases_match_reference_and_signal_each_counter_its_count():
+    """ProgramConfig(merge_signals): a run of same-counter instructions on one SM releases once, by the run's length,
+    at its end; every interleaving still computes the reference's logits and every counter still gets its count."""
+    cfg = ProgramConfig(tile_k=16, max_block_bytes=2048, merge_signals=True)  # small blocks: runs of several
+    prog = _vm_against_reference("tiny-llama", 3, 16, (1,), (14,), cfg)
+    ins = list(prog.instructions())
+    merged = [i for i in ins if i.signal != isa.NO_COUNTER and i.signal_n == 0]
+    assert merged and any(i.signal_n > 1 for i in ins)
+    assert all(not i.has_finisher for i in merged)
+    for q in prog.queues:  # every run ends in the release that adds its length
+        run = 0
+        for a in q:
+            run += 1 if a.signal != isa.NO_COUNTER and not a.has_finisher else 0
+            if a.signal_n > 0:
+                assert a.signal == isa.NO_COUNTER or a.has_finisher or a.signal_n == run
+                run = 0
+
+
+def test_a_merged_run_that_drops_its_release_is_a_deadlock():
+    spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
+    cfg = ProgramConfig(tile_k=16, max_block_bytes=2048, merge_signals=True)
+    prog = build_program(spec, StepShape((1,)), 3, cfg)
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.MLP_IN, lambda ins: ins.layer == 0 and ins.signal_n > 1)
+    words[s, i, isa.Word.SIGNAL_N] = 0  # the run's one release is gone: DOWN_PROJ waits forever
+    vm = VM(prog, w, cache, (words, lengths))
+    state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
+    state.fill([3], [14], tables, (1,))
+    with pytest.raises(DeadlockError, match="mlp_in"):
+        vm.run_step(state, scratch)

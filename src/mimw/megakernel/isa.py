@@ -7,7 +7,8 @@ drift apart. The PyTorch VM (``vm.py``) executes the same encoded words.
 
 Dependencies are counters in global memory (``Word.WAIT``/``Word.WAIT_COUNT``): an instruction may start once
 counter WAIT has reached ``(epoch + 1) * WAIT_COUNT`` (wrap-safe: ``int32(counter - target) >= 0``), and it adds 1
-to counter ``Word.SIGNAL`` when its outputs are stored (release). An instruction may instead take an input as
+to counter ``Word.SIGNAL`` when its outputs are stored (release; ``Word.SIGNAL_N`` says how much: 1, or with merged
+releases a run's total at its last instruction and 0 before it). An instruction may instead take an input as
 versioned words (``Word.FLAGS``: ``READS_X``, ``READS_ACT``, ``READS_ATTN``, ``READS_Q``): then it also waits
 until every word it reads carries the version that input must have for it (readiness.py numbers them), and their
 producers (``WRITES_VERSIONED``) signal nothing. Every counter is signalled exactly ``WAIT_COUNT`` times per step,
@@ -43,7 +44,7 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import ClassVar
 
-NWORDS = 13
+NWORDS = 14
 
 
 class Op(IntEnum):
@@ -73,6 +74,8 @@ class Word(IntEnum):
     F = 10  # ATTN_PARTIAL: 1 if the splits combine themselves (no ATTN_REDUCE follows)
     FLAGS = 11  # versioned-word bits: READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED; QKV_IN_ATTN
     G = 12  # ATTN_PARTIAL with QKV_IN_ATTN: ATTN_IN's column parts it sums (0 otherwise)
+    SIGNAL_N = 13  # how much the release adds to SIGNAL: 1; with merged releases (ProgramConfig.merge_signals) the
+    #                length of the run of same-counter instructions on this SM it ends, and 0 for the others
 
 
 NO_COUNTER = -1
@@ -106,6 +109,7 @@ class Instruction:
     wait: int = NO_COUNTER
     wait_count: int = 0
     signal: int = NO_COUNTER
+    signal_n: int = 1  # what the release adds to ``signal`` (0: none, a later instruction of the run adds it)
     flags: int = 0  # READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED | QKV_IN_ATTN
 
     @property
@@ -125,6 +129,7 @@ class Instruction:
         w = [0] * NWORDS
         w[Word.OP] = int(self.OP)
         w[Word.WAIT], w[Word.WAIT_COUNT], w[Word.SIGNAL] = self.wait, self.wait_count, self.signal
+        w[Word.SIGNAL_N] = self.signal_n
         w[Word.FLAGS] = self.flags
         for k, v in self.args().items():
             w[k] = int(v)
@@ -234,7 +239,8 @@ def decode(words) -> Instruction:
         cls = _BY_OP[Op(w[Word.OP])]
     except ValueError:
         raise ValueError(f"unknown opcode {w[Word.OP]}") from None
-    common = dict(wait=w[Word.WAIT], wait_count=w[Word.WAIT_COUNT], signal=w[Word.SIGNAL], flags=w[Word.FLAGS])
+    common = dict(wait=w[Word.WAIT], wait_count=w[Word.WAIT_COUNT], signal=w[Word.SIGNAL], flags=w[Word.FLAGS],
+                  signal_n=w[Word.SIGNAL_N])
     kwargs = {name: w[word] for name, word in cls.FIELDS.items()}
     return cls(**kwargs, **common)
 

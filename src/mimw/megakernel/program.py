@@ -14,6 +14,7 @@ land on different SMs and the whole step finishes together.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ class ProgramConfig:
     # finishers signal nothing, ATTN_PARTIAL waits on no counter (the row still goes to the paged cache too)
     flag_attn: bool = False  # the attention output as versioned words (isa.READS_ATTN; needs flag_x, which orders
     # O_PROJ's residual reads): the combining split (or ATTN_REDUCE) signals nothing, O_PROJ waits on no counter
+    merge_signals: bool = False  # consecutive instructions of one SM's queue that signal the same counter and have
+    # no finisher release once, at the run's end, by the run's length (isa.Word.SIGNAL_N): their readers wait for
+    # the whole stage anyway, so the earlier releases (a loaded round trip each) bought nothing
     qkv_in_attn: bool = False  # ATTN_IN's heads finished by the ATTN_PARTIALs that read them (isa.QKV_IN_ATTN):
     # no tickets in ATTN_IN, its parts signal the group's counter directly; not with flag_q (no finished q words)
     signal_logits: bool = True  # LM_HEAD blocks signal a counter; no instruction waits on it (the launch's end
@@ -122,7 +126,7 @@ class Program:
                                          f"ticket {self.counters[ticket]}")
                 ticketed.setdefault(ticket, set()).add(ins.signal)
             elif ins.signal != isa.NO_COUNTER:
-                sig[ins.signal] += 1
+                sig[ins.signal] += ins.signal_n
             if ins.wait != isa.NO_COUNTER and ins.wait_count != self.counters[ins.wait].count:
                 raise AssertionError(f"{ins} waits for {ins.wait_count}, counter has {self.counters[ins.wait]}")
         for ticket, signals in ticketed.items():
@@ -320,6 +324,24 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
             queues[s].append(ins)
             total[s] += c
             heapq.heappush(heap, (load + c, tot + c, s))
+    if cfg.merge_signals:
+        queues = [merge_signals(q) for q in queues]
     prog = Program(spec, shape, num_sms, cfg, queues, counters, n_splits, n_parts, total)
     prog.validate()
     return prog
+
+
+def merge_signals(queue: list[Instruction]) -> list[Instruction]:
+    """One release per run of consecutive instructions that signal the same counter and have no finisher: the last
+    adds the run's length (``signal_n``), the others add nothing. Their readers wait for the counter's whole count,
+    so no reader could have started earlier; the run's last release orders every store of the run (the partition
+    barrier before it covers all of them)."""
+    out: list[Instruction] = []
+    for ins in queue:
+        prev = out[-1] if out else None
+        if (prev is not None and ins.signal != isa.NO_COUNTER and prev.signal == ins.signal
+                and not prev.has_finisher and not ins.has_finisher):
+            out[-1] = dataclasses.replace(prev, signal_n=0)
+            ins = dataclasses.replace(ins, signal_n=prev.signal_n + 1)
+        out.append(ins)
+    return out

@@ -6,10 +6,11 @@ the reference the Gluon kernel is diffed against (same words, same buffers, per-
 Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
   * SM ``s`` runs its queue ``words[s, :lengths[s]]`` in order; each instruction is decoded with ``isa.decode``.
   * ``epoch = counters[EPOCH]`` is read when the step starts. An instruction may run once
-    ``counters[wait] >= (epoch + 1) * wait_count`` (wait == -1: at once); when it has stored its outputs it adds 1
-    to ``counters[signal]``. An instruction with a finisher (ATTN_IN parts, combining ATTN_PARTIAL splits, isa.py)
-    first adds 1 to ``counters[ticket]``; only the part that brings it to ``(epoch + 1) * ticket_count`` runs the
-    finisher and signals.
+    ``counters[wait] >= (epoch + 1) * wait_count`` (wait == -1: at once); when it has stored its outputs it adds
+    ``signal_n`` (1; with merged releases a run's length at its end, 0 before) to ``counters[signal]``. An
+    instruction with a finisher (ATTN_IN parts, combining ATTN_PARTIAL splits, isa.py) first adds 1 to
+    ``counters[ticket]``; only the part that brings it to ``(epoch + 1) * ticket_count`` runs the finisher and
+    signals.
   * An instruction that reads versioned words (``isa.READS_X``, ``READS_Q``, ``READS_ATTN``, ``READS_ACT``) also
     waits until every word it reads carries the version it needs (``Readiness.versions_ready``); their writers
     (``isa.WRITES_VERSIONED``) signal no counter.
@@ -158,10 +159,10 @@ class StepRun:
                 signal = isa.NO_COUNTER  # an earlier part: the last one finishes and signals
         self.ready.remove(sm)
         self.pc[sm] += 1
-        if signal != isa.NO_COUNTER:
+        if signal != isa.NO_COUNTER and ins.signal_n:
             c = signal
-            self.counters[c] = i32(self.counters[c] + 1)
-            self.signals[c] += 1
+            self.counters[c] = i32(self.counters[c] + ins.signal_n)
+            self.signals[c] += ins.signal_n
             waiting = self.blocked.get(c, [])
             while waiting and waiting[0][0] <= self.signals[c]:
                 self._place(heapq.heappop(waiting)[1])

@@ -159,11 +159,11 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
             po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
             qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr, ver=0,
             VQ: gl.constexpr = False, fin_q=None, fin_k=None, fin_v=None, tok_page=0, FIN: gl.constexpr = False):
-    """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v) and its cache rows ``row0``. Warp w keeps its own online-softmax
-    state over its BTW positions of every block (all reductions inside the block stay within a warp); the NW
-    states are merged once at the end. ``VQ`` (isa.READS_Q): there was no wait; q and the new row (position
-    ``pos``) are versioned words at ``q_ptr`` ([Hq + 2 Hkv, HD], qkv_finish) and their loads are the wait — the new
-    row only for the split that holds ``pos``; the cache is never read at ``pos``. ``FIN`` (isa.QKV_IN_ATTN): q and
+    """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v) and its cache rows ``row0``. Warp w keeps
+    its own online-softmax state over its BTW positions of every block (all reductions inside the block stay within
+    a warp); the NW states are merged once at the end. ``VQ`` (isa.READS_Q): there was no wait; q and the new row
+    (position ``pos``) are versioned words at ``q_ptr`` ([Hq + 2 Hkv, HD], qkv_finish) and their loads are the wait
+    — the new row only for the split that holds ``pos``; the cache is never read at ``pos``. ``FIN`` (isa.QKV_IN_ATTN): q and
     the new row are ``finish_heads``' (fin_q, fin_k, fin_v), and the split holding ``pos`` stores the row to the
     cache (page ``tok_page``) for later steps."""
     G: gl.constexpr = HQ // HKV

@@ -42,6 +42,9 @@ class KernelConfig:
     # the combining split signals nothing, O_PROJ polls no counter
     flag_q: bool = False  # FLAG_Q: q and the new K/V row as versioned words (isa.READS_Q): ATTN_IN's finishers
     # signal nothing, ATTN_PARTIAL polls no counter
+    merge_signals: bool = False  # MERGE: a run of same-counter instructions on one SM releases once, at its end
+    # (ProgramConfig.merge_signals, isa.Word.SIGNAL_N): 92 of the 8B's 224 MLP_IN blocks a layer follow one of their
+    # own stage on the same SM; not yet measured
     qkv_in_attn: bool = False  # QKV_IN_ATTN: ATTN_IN's heads finished by the ATTN_PARTIALs that read them
     # (isa.QKV_IN_ATTN, ProgramConfig.qkv_in_attn): no ticket, no finisher round trip in ATTN_IN; not yet measured
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
@@ -107,7 +110,7 @@ class KernelConfig:
                              combine_splits=self.combine_splits, fixed_cost_bytes=self.fixed_cost_kb * 1024,
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
                              flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn,
-                             flag_q=self.flag_q, qkv_in_attn=self.qkv_in_attn)
+                             flag_q=self.flag_q, qkv_in_attn=self.qkv_in_attn, merge_signals=self.merge_signals)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -204,6 +207,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
+        MERGE=kcfg.merge_signals,
         NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,

@@ -36,6 +36,7 @@ W_SIGNAL: gl.constexpr = gl.constexpr(_C["W_SIGNAL"])
 W_E: gl.constexpr = gl.constexpr(_C["W_E"])
 W_F: gl.constexpr = gl.constexpr(_C["W_F"])
 W_G: gl.constexpr = gl.constexpr(_C["W_G"])
+W_SIGNAL_N: gl.constexpr = gl.constexpr(_C["W_SIGNAL_N"])
 OP_ATTN_IN: gl.constexpr = gl.constexpr(_C["OP_ATTN_IN"])
 OP_ATTN_PARTIAL: gl.constexpr = gl.constexpr(_C["OP_ATTN_PARTIAL"])
 OP_ATTN_REDUCE: gl.constexpr = gl.constexpr(_C["OP_ATTN_REDUCE"])
@@ -144,7 +145,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr,
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
-             FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, NL: gl.constexpr,
+             FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, NL: gl.constexpr,
              TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
@@ -219,8 +220,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 t_ready = globaltimer()
             if QKV_IN_ATTN:  # isa.QKV_IN_ATTN: this split finishes its heads from ATTN_IN's parts
                 fq, fk, fv = attention.finish_heads(layer, kvh, pos, _field(w, offs, W_G), qkvp_ptr, bias_ptr, qn_ptr,
-                                                    kn_ptr, invf_ptr, eps, HQ, HKV, HD, GP, HAS_BIAS, QK_NORM, num_warps,
-                                                    L4)
+                                                    kn_ptr, invf_ptr, eps, HQ, HKV, HD, GP, HAS_BIAS, QK_NORM,
+                                                    num_warps, L4)
                 attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr,
                                   bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP,
                                   num_warps, L4, vstep + layer, False, fq, fk, fv, tok_page, True)
@@ -290,7 +291,15 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY, stamps)
         if TRACE:
             t_release = globaltimer()
-        if sig >= 0:
+        if MERGE:  # merged releases (isa.Word.SIGNAL_N): a run's last instruction adds the run's length
+            sig_n = _field(w, offs, W_SIGNAL_N)
+            if sig_n == 0:
+                sig = -1
+            if sig >= 0:
+                counter_signal(cnt_ptr, sig, sig_n)
+            else:
+                gl.thread_barrier()  # hbuf is rewritten by the next instruction
+        elif sig >= 0:
             counter_signal(cnt_ptr, sig)
         else:
             gl.thread_barrier()  # hbuf is rewritten by the next instruction
@@ -319,7 +328,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
                TILED: gl.constexpr, L2_MLP: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
-               QKV_IN_ATTN: gl.constexpr, NL: gl.constexpr,
+               QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, NL: gl.constexpr,
                TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
@@ -336,8 +345,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
-                    HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q, QKV_IN_ATTN, NL, TRACE,
-                    TRACE_TILES, num_warps)),
+                    HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
+                    QKV_IN_ATTN, MERGE, NL, TRACE, TRACE_TILES, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, INFLIGHT, TRACE_TILES)),
     ], [1], [LOADER_REGS])

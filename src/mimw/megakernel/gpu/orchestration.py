@@ -176,7 +176,7 @@ def ticket_is_last(cnt_ptr, ticket, count, epoch):
 
 
 @gluon.jit
-def counter_signal(cnt_ptr, index):
-    """Publish this partition's stores: barrier, then one release add on counter ``index``."""
+def counter_signal(cnt_ptr, index, n=1):
+    """Publish this partition's stores: barrier, then one release add of ``n`` on counter ``index``."""
     gl.thread_barrier()
-    gl.atomic_add(cnt_ptr + index, 1, sem="release", scope="gpu")
+    gl.atomic_add(cnt_ptr + index, n, sem="release", scope="gpu")

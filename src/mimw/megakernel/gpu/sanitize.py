@@ -4,8 +4,8 @@
 Two small shapes on 8 SMs, two decode steps each, no CUDA graph: a tiny Qwen3 (16-row tiles, one ATTN_IN part) and
 a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path), each with both matvec consumers
 (tensor cores and CUDA cores), the SmolLM2 twice more with every versioned-word flag (the second time with the
-stagings probed, vprobe=16), and once with its heads finished by the attention splits (qkv_in_attn). Exits
-non-zero if logits are wrong.
+stagings probed, vprobe=16), and once with its heads finished by the attention splits and its releases merged
+(qkv_in_attn, merge_signals). Exits non-zero if logits are wrong.
 
 First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
 shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
@@ -74,9 +74,10 @@ def main() -> int:
                                                 (small, 2, 1, False, 1, True), (tiny, 0, 0, False, 1, False),
                                                 (small, 2, 0, False, 1, False)):
         kcfg = dataclasses.replace(KernelConfig.for_spec(spec), qkv_parts=parts, mma=mma, flag_act=flag,
-                                   flag_x=flag, flag_attn=flag, flag_q=flag, vprobe=probe, qkv_in_attn=late)
+                                   flag_x=flag, flag_attn=flag, flag_q=flag, vprobe=probe, qkv_in_attn=late,
+                                   merge_signals=late)
         r = check_decode(spec, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)
-        print(f"mma={mma} versioned={flag} vprobe={probe} qkv_in_attn={late}", r, flush=True)
+        print(f"mma={mma} versioned={flag} vprobe={probe} qkv_in_attn={late} merge_signals={late}", r, flush=True)
         ok &= r.ok()
     return 0 if ok else 1
 

@@ -95,6 +95,11 @@ VARIANTS = {
     "tr32-flagall-p16": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True, vprobe=16),
     # ATTN_IN's heads finished by the attention splits (isa.QKV_IN_ATTN): no ticket, no finisher round trip
     "tr32-qkvattn": KernelConfig(qkv_in_attn=True),
+    # one release per run of same-stage blocks on an SM (8B: 92 of 224 MLP_IN blocks a layer); with 256 KB blocks
+    # (the 1B's default blocks leave no runs) it tests whether the block-size gain was the releases'
+    "tr32-merge": KernelConfig(merge_signals=True),
+    "tr32-merge-b256": KernelConfig(merge_signals=True, max_block_kb=256),
+    "tr32-qkvattn-merge": KernelConfig(qkv_in_attn=True, merge_signals=True),
     # without early dispatch a reader arrives later and spins less: if flag_act gains here, early spinning costs
     "tr32-nodisp": KernelConfig(dispatch=False),
     "tr32-flag-nodisp": KernelConfig(flag_act=True, dispatch=False),

@@ -4,9 +4,9 @@ A buffer element is one 64-bit word, ``version << 32 | fp32 bits``. The writer s
 ``st.relaxed.gpu.b64``, single-copy atomic, and releases nothing; the reader loads words with
 ``ld.relaxed.gpu.b64`` (coherent at gpu scope: L2, never a stale L1 line) and loads again only those not yet at the
 version it needs, so the load is the wait. A reader that sees its version sees the value stored with it. Versions
-are ``epoch * STEP_STRIDE + n`` (65536) in int32, ``n`` the number readiness.py gives the buffer's contents (x: 2l+1 after layer
-l's O_PROJ, 2l+2 after its DOWN_PROJ; act, attn, q and the new K/V row: l); the buffers start at -1, no version at
-all.
+are ``epoch * STEP_STRIDE + n`` (65536) in int32, ``n`` the number readiness.py gives the buffer's contents (x:
+2l+1 after layer l's O_PROJ, 2l+2 after its DOWN_PROJ; act, attn, q and the new K/V row: l); the buffers start at
+-1, no version at all.
 PyTorch reference: the VM keeps these buffers in fp32 and models their versions in ``Readiness``
 (``versions_ready``); these functions only change how the values travel, never what they are. The word format
 itself has its reference at the end of this file (``pack``, ``unpack``, ``step_version``), which the GPU test reads
