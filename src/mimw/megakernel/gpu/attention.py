@@ -163,9 +163,9 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     its own online-softmax state over its BTW positions of every block (all reductions inside the block stay within
     a warp); the NW states are merged once at the end. ``VQ`` (isa.READS_Q): there was no wait; q and the new row
     (position ``pos``) are versioned words at ``q_ptr`` ([Hq + 2 Hkv, HD], qkv_finish) and their loads are the wait
-    — the new row only for the split that holds ``pos``; the cache is never read at ``pos``. ``FIN`` (isa.QKV_IN_ATTN): q and
-    the new row are ``finish_heads``' (fin_q, fin_k, fin_v), and the split holding ``pos`` stores the row to the
-    cache (page ``tok_page``) for later steps."""
+    — the new row only for the split that holds ``pos``; the cache is never read at ``pos``. ``FIN``
+    (isa.QKV_IN_ATTN): q and the new row are ``finish_heads``' (fin_q, fin_k, fin_v), and the split holding ``pos``
+    stores the row to the cache (page ``tok_page``) for later steps."""
     G: gl.constexpr = HQ // HKV
     KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
     Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
