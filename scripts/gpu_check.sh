@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The megakernel's verification on a Hopper GPU, from the working tree (nothing installed; needs torch and triton
 # 3.6 with Gluon, as on the H200 machine): the GPU tests (4 shapes x contexts 1/17/1000/8191, 64 steps each, both
-# consumers, the heads finished in attention, the standalone GEMV and the engine's megakernel backend),
+# consumers, the heads finished in attention, merged releases, the K/V pipeline, the standalone GEMV and the
+# engine's megakernel backend),
 # compute-sanitizer synccheck and racecheck on small shapes, and the per-instruction trace of the 1B and 8B shapes
 # at context 1024. Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
-#   bash scripts/gpu_check.sh            # ~14 minutes on an H200: tests (49) ~6.5, versioned (25) ~4,
+#   bash scripts/gpu_check.sh            # ~15 minutes on an H200: tests (57) ~7.5, versioned (25) ~4,
 #                                        # sanitize ~2.5, trace ~2.5 — so split it over two calls with PARTS
 #   COMMIT=<sha> VARIANTS=a,b bash scripts/gpu_check.sh   # record the commit; time these KernelConfig variants
 #   TRACE_TILES=1 bash scripts/gpu_check.sh                # the trace also stamps every weight tile

@@ -201,6 +201,20 @@ def test_merged_releases_compile_without_spills_and_add_the_runs_length():
     assert ptx.count(rel) == base.count(rel) > 0  # the same release sites
 
 
+@pytest.mark.slow
+def test_kv_pipeline_compiles_to_cp_async_without_spills_and_takes_ring_room():
+    for name, slots in (("llama-3.2-1b", 10), ("llama-3.1-8b", 9)):
+        spec = get_preset(name)
+        kcfg = KernelConfig(kv_pipeline=True, ring=0)
+        assert kcfg.ring_slots(spec) == slots == KernelConfig(ring=0).ring_slots(spec) - 2  # 32 KB: two slots
+        k = compile_sm90a(spec, kcfg)
+        assert ptxas_report(k.asm["ptx"])["spill_stores"] == 0
+        assert "cp.async.cg.shared.global" in k.asm["ptx"] and "cp.async.wait_group" in k.asm["ptx"]
+    assert "cp.async.cg" not in compile_sm90a(spec, KernelConfig()).asm["ptx"]
+    with pytest.raises(ValueError, match="do not fit"):
+        KernelConfig(kv_pipeline=True).check(spec)  # the 8B: the default 10-slot ring leaves no room
+
+
 def test_versioned_attn_needs_versioned_x():
     with pytest.raises(ValueError, match="flag_attn needs flag_x"):
         KernelConfig(flag_attn=True).check(get_preset("llama-3.2-1b"))

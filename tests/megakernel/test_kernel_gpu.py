@@ -57,6 +57,24 @@ def test_qkv_finished_by_the_attention_splits_matches_reference_over_64_steps(mo
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("context", [1000, 8191])
+@pytest.mark.parametrize("model", MODELS)
+def test_kv_pipeline_matches_reference_over_64_steps(model, context):
+    """KernelConfig(kv_pipeline=True): an attention split's later blocks through two cp.async stages in shared
+    memory (contexts where splits have several blocks; the newest row patched into whichever block holds it)."""
+    import dataclasses
+
+    from mimw.megakernel.gpu.check import check_decode
+    from mimw.megakernel.gpu.config import KernelConfig
+
+    spec = get_preset(model)
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), kv_pipeline=True, ring=0)
+    r = check_decode(spec, context, steps=64, kcfg=kcfg)
+    assert r.finite and r.bit_identical, r
+    assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("model", MODELS)
 def test_merged_releases_match_reference_over_64_steps(model):
     """KernelConfig(merge_signals=True) with 256 KB blocks (runs of same-stage blocks on every shape): a run

@@ -16,6 +16,7 @@ with 16-byte vector loads through L2 (.cg): the newest row was written by anothe
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from . import versioned
 
@@ -39,6 +40,28 @@ def _kv(kc_ptr, vc_ptr, row, m, d3, HD: gl.constexpr):
     k = gl.load(kc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
     v = gl.load(vc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
     return k, v
+
+
+@gluon.jit
+def _later(t, hi, pos, SKIP_POS: gl.constexpr):
+    """Which positions ``t`` of a later block to copy: those in the split, but not ``pos`` when its row comes from
+    this step's words or finish instead of the cache (SKIP_POS)."""
+    if SKIP_POS:
+        return (t < hi) & (t != pos)
+    else:
+        return t < hi
+
+
+@gluon.jit
+def _copy_block(kvbuf, stage, kc_ptr, vc_ptr, row, m, d3, HD: gl.constexpr):
+    """``kv_pipeline``: cp.async of one block's K and V rows ``row`` [NW, BTW] (mask ``m``; masked elements are
+    zero-filled) into stage ``stage`` of ``kvbuf`` ([4, NW, BTW, HD]: K at 2 stage, V at 2 stage + 1), one commit
+    group. Each thread copies, and later reads back in the same layout, only its own elements: no barrier."""
+    addr = gl.expand_dims(row, 2) * HD + d3
+    m3 = gl.expand_dims(m, 2)  # broadcast along HD by the copy: whole 16-byte vectors
+    async_copy.async_copy_global_to_shared(kvbuf.index(2 * stage), kc_ptr + addr, mask=m3, cache_modifier=".cg")
+    async_copy.async_copy_global_to_shared(kvbuf.index(2 * stage + 1), vc_ptr + addr, mask=m3, cache_modifier=".cg")
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -158,14 +181,17 @@ def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
 def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP, SPLITS,
             po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
             qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr, ver=0,
-            VQ: gl.constexpr = False, fin_q=None, fin_k=None, fin_v=None, tok_page=0, FIN: gl.constexpr = False):
+            VQ: gl.constexpr = False, fin_q=None, fin_k=None, fin_v=None, tok_page=0, FIN: gl.constexpr = False,
+            kvbuf=None, KVP: gl.constexpr = False):
     """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v) and its cache rows ``row0``. Warp w keeps
     its own online-softmax state over its BTW positions of every block (all reductions inside the block stay within
     a warp); the NW states are merged once at the end. ``VQ`` (isa.READS_Q): there was no wait; q and the new row
     (position ``pos``) are versioned words at ``q_ptr`` ([Hq + 2 Hkv, HD], qkv_finish) and their loads are the wait
     — the new row only for the split that holds ``pos``; the cache is never read at ``pos``. ``FIN``
     (isa.QKV_IN_ATTN): q and the new row are ``finish_heads``' (fin_q, fin_k, fin_v), and the split holding ``pos``
-    stores the row to the cache (page ``tok_page``) for later steps."""
+    stores the row to the cache (page ``tok_page``) for later steps. ``KVP`` (KernelConfig.kv_pipeline): the
+    later blocks come through shared memory (``kvbuf``, two stages): blocks 1 and 2 are requested before block 0 is
+    computed, block b + 2 as soon as block b is read, the block-table gather one block further ahead."""
     G: gl.constexpr = HQ // HKV
     KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
     Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
@@ -211,19 +237,42 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     m_i = gl.full([NW, GP], EMPTY_M, gl.float32, gl.SliceLayout(2, S3))
     l_i = gl.zeros([NW, GP], gl.float32, gl.SliceLayout(2, S3))
     o = gl.zeros([NW, GP, HD], gl.float32, Q3)
-    # block 0 (prefetched, patched), then the rest of the split one round trip per block
+    if KVP:  # blocks 1 and 2 in flight while block 0 is computed; the rows of block 3 gathered
+        t1 = lo + BT + tk
+        _copy_block(kvbuf, 1, kc_ptr, vc_ptr, _rows(bt_ptr, seg, MAXP, t1, hi, layer, NP, kvh, HKV, PS),
+                    _later(t1, hi, pos, VQ or FIN), d3, HD)
+        t2 = lo + 2 * BT + tk
+        _copy_block(kvbuf, 0, kc_ptr, vc_ptr, _rows(bt_ptr, seg, MAXP, t2, hi, layer, NP, kvh, HKV, PS),
+                    _later(t2, hi, pos, VQ or FIN), d3, HD)
+        rnext = _rows(bt_ptr, seg, MAXP, lo + 3 * BT + tk, hi, layer, NP, kvh, HKV, PS)
+    # block 0 (prefetched, patched), then the rest of the split: one round trip per block, or (KVP) pipelined
     m_i, l_i, o = _block(q4, k, v, lo + ts < hi, m_i, l_i, o, Q3)
     for t0 in range(lo + BT, hi, BT):
         t = t0 + tk
-        row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
-        if VQ or FIN:
-            k, v = _kv(kc_ptr, vc_ptr, row, (t < hi) & (t != pos), d3, HD)
-            new = gl.expand_dims((t < hi) & (t == pos), 2)
-            k = gl.where(new, k_new, k)
-            v = gl.where(new, v_new, v)
+        if KVP:
+            st = ((t0 - lo) // BT) % 2
+            async_copy.wait_group(1)  # this block's group has landed (the next one may still fly)
+            k = kvbuf.index(2 * st).load(KV3)
+            v = kvbuf.index(2 * st + 1).load(KV3)
+            t2 = t + 2 * BT
+            _copy_block(kvbuf, st, kc_ptr, vc_ptr, rnext, _later(t2, hi, pos, VQ or FIN), d3, HD)
+            rnext = _rows(bt_ptr, seg, MAXP, t + 3 * BT, hi, layer, NP, kvh, HKV, PS)
+            if VQ or FIN:
+                new = gl.expand_dims((t < hi) & (t == pos), 2)
+                k = gl.where(new, k_new, k)
+                v = gl.where(new, v_new, v)
         else:
-            k, v = _kv(kc_ptr, vc_ptr, row, t < hi, d3, HD)
+            row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
+            if VQ or FIN:
+                k, v = _kv(kc_ptr, vc_ptr, row, (t < hi) & (t != pos), d3, HD)
+                new = gl.expand_dims((t < hi) & (t == pos), 2)
+                k = gl.where(new, k_new, k)
+                v = gl.where(new, v_new, v)
+            else:
+                k, v = _kv(kc_ptr, vc_ptr, row, t < hi, d3, HD)
         m_i, l_i, o = _block(q4, k, v, t0 + ts < hi, m_i, l_i, o, Q3)
+    if KVP:
+        async_copy.wait_group(0)  # no copy may land in kvbuf after this instruction
     # merge the warps' states
     mx = gl.max(m_i, axis=0)  # [GP]
     wn = gl.exp2(m_i - gl.expand_dims(mx, 0))

@@ -45,6 +45,10 @@ class KernelConfig:
     merge_signals: bool = False  # MERGE: a run of same-counter instructions on one SM releases once, at its end
     # (ProgramConfig.merge_signals, isa.Word.SIGNAL_N): 92 of the 8B's 224 MLP_IN blocks a layer follow one of their
     # own stage on the same SM; not yet measured
+    kv_pipeline: bool = False  # KVP: an attention split's later K/V blocks through shared memory, two stages of
+    # cp.async (attention.partial): at context 8192 a split has 8 (1B) / 16 (8B) blocks and each later one cost a
+    # round trip in series (bench/NOTES.md session 13 §6); 4 * BT * HD * 2 bytes of shared memory (32 KB at every
+    # default shape) come off the ring's room; not yet measured
     qkv_in_attn: bool = False  # QKV_IN_ATTN: ATTN_IN's heads finished by the ATTN_PARTIALs that read them
     # (isa.QKV_IN_ATTN, ProgramConfig.qkv_in_attn): no ticket, no finisher round trip in ATTN_IN; not yet measured
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
@@ -81,7 +85,8 @@ class KernelConfig:
         staging buffer ``hbuf`` and the compiler's scratch (measured 4-8 KB: the default kernels of session 10 use
         184 KB for the 1B and 205 KB for the 8B at 10 slots): 12 for the Llama-1B shape, 11 for the 8B."""
         slot = self.tile_rows * self.tile_k * 2
-        fit = (SHARED_BYTES - _hbuf_rows(spec, self.tile_k) * self.tile_k * 2 - SCRATCH_BYTES) // slot
+        kv = 4 * attn_block(spec) * spec.head_dim * 2 if self.kv_pipeline else 0  # two stages of K and V
+        fit = (SHARED_BYTES - _hbuf_rows(spec, self.tile_k) * self.tile_k * 2 - SCRATCH_BYTES - kv) // slot
         if self.ring > fit:
             raise ValueError(f"ring={self.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
         if fit < 2:
@@ -125,6 +130,7 @@ class KernelConfig:
             raise ValueError("l2_mlp_ahead needs tile-major weights (tile_major=True)")
         if not 0 <= self.l2_mlp_ahead <= 32:
             raise ValueError(f"l2_mlp_ahead={self.l2_mlp_ahead}: one tile per loader lane, 0..32")
+        self.ring_slots(spec)  # raises if the ring does not fit (beside the kv_pipeline's stages)
         if self.inflight < 0:
             raise ValueError(f"inflight={self.inflight}: 0 (the whole ring) or a positive cap")
         if self.vprobe not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -151,6 +157,11 @@ class KernelConfig:
 MMA_K = 32  # columns of a folded tile row (matvec.dot_tile_mma): two k16 steps of mma.sync
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
 SCRATCH_BYTES = 10 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers)
+
+
+def attn_block(spec: ModelSpec) -> int:
+    """BT: positions in one attention block (8 KB of K at bf16: 64 for head_dim 64, 32 for 128)."""
+    return max(8, 4096 // spec.head_dim)
 
 
 def _hbuf_rows(spec: ModelSpec, tile_k: int) -> int:
@@ -199,7 +210,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, PS=kcfg.page_size, HAS_BIAS=spec.attention_bias, QK_NORM=spec.qk_norm,
         TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring_slots(spec), KT_ROWS=_hbuf_rows(spec, kcfg.tile_k),
-        BT=max(8, 4096 // spec.head_dim), SP2=_pow2(max_splits), GP=_pow2(spec.group_size),
+        BT=attn_block(spec), SP2=_pow2(max_splits), GP=_pow2(spec.group_size),
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
@@ -207,7 +218,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
-        MERGE=kcfg.merge_signals,
+        MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline,
         NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
@@ -239,8 +250,12 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "qscale": "fp32", "trace_ptr": "*i64", "tiles_ptr": "*i64", "MAXT": "i32",
     }
     sig.update({f"{name}_ptr": "*i64" for name, words in kcfg.versioned().items() if words})
+    # every pointer 16-byte aligned, as the launch specializes torch's allocations (cp.async needs it to move
+    # 16-byte vectors, and the loads vectorize as they do on the GPU)
+    aligned = {(megakernel.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
+               if v.startswith("*")}
     sig.update({k: "constexpr" for k in ce})
-    src = GluonASTSource(megakernel, sig, ce)
+    src = GluonASTSource(megakernel, sig, ce, aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kcfg.num_warps})
 
 

@@ -145,8 +145,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr,
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
-             FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, NL: gl.constexpr,
-             TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+             FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
+             NL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -224,11 +224,11 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                                                     num_warps, L4)
                 attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr,
                                   bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP,
-                                  num_warps, L4, vstep + layer, False, fq, fk, fv, tok_page, True)
+                                  num_warps, L4, vstep + layer, False, fq, fk, fv, tok_page, True, kvbuf, KVP)
             else:
                 attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr,
                                   bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP,
-                                  num_warps, L4, vstep + layer, FLAG_Q)
+                                  num_warps, L4, vstep + layer, FLAG_Q, None, None, None, 0, False, kvbuf, KVP)
         else:
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
@@ -328,7 +328,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
                TILED: gl.constexpr, L2_MLP: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
-               QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, NL: gl.constexpr,
+               QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, NL: gl.constexpr,
                TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
@@ -339,6 +339,11 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
     # KT_ROWS = column tiles of the widest input, rounded up to a power of two (whole staging groups of SG)
     hbuf = gl.allocate_shared_memory(gl.bfloat16, [KT_ROWS, TK],
                                      gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    if KVP:  # the attention's later K/V blocks, two stages of K and V (attention.partial, kv_pipeline)
+        kvbuf = gl.allocate_shared_memory(gl.bfloat16, [4, num_warps, BT // num_warps, HD],
+                                          gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    else:
+        kvbuf = hbuf  # unused
     ring_init(empty, ready, NB)
     gl.warp_specialize([
         (_compute, (prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
@@ -346,7 +351,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
                     eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
                     HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
-                    QKV_IN_ATTN, MERGE, NL, TRACE, TRACE_TILES, num_warps)),
+                    QKV_IN_ATTN, MERGE, kvbuf, KVP, NL, TRACE, TRACE_TILES, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, INFLIGHT, TRACE_TILES)),
     ], [1], [LOADER_REGS])

@@ -95,6 +95,10 @@ VARIANTS = {
     "tr32-flagall-p16": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True, vprobe=16),
     # ATTN_IN's heads finished by the attention splits (isa.QKV_IN_ATTN): no ticket, no finisher round trip
     "tr32-qkvattn": KernelConfig(qkv_in_attn=True),
+    # an attention split's later K/V blocks through shared memory (two cp.async stages; the deepest ring that fits
+    # beside them: 10 slots 1B, 9 8B). Its gain is at long contexts: run with --context 8192 too
+    "tr32-kvp": KernelConfig(kv_pipeline=True, ring=0),
+    "tr32-ring9": KernelConfig(ring=9),  # the 8B's ring under tr32-kvp, without the pipeline
     # one release per run of same-stage blocks on an SM (8B: 92 of 224 MLP_IN blocks a layer); with 256 KB blocks
     # (the 1B's default blocks leave no runs) it tests whether the block-size gain was the releases'
     "tr32-merge": KernelConfig(merge_signals=True),
