@@ -5,7 +5,8 @@ Two small shapes on 8 SMs, two decode steps each, no CUDA graph: a tiny Qwen3 (1
 a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path), each with both matvec consumers
 (tensor cores and CUDA cores), the SmolLM2 twice more with every versioned-word flag (the second time with the
 stagings probed, vprobe=16), and once with its heads finished by the attention splits and its releases merged
-(qkv_in_attn, merge_signals). Exits non-zero if logits are wrong.
+(qkv_in_attn, merge_signals), and once with its attention's later K/V blocks through shared memory at context 300
+(kv_pipeline). Exits non-zero if logits are wrong.
 
 First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
 shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
@@ -79,6 +80,11 @@ def main() -> int:
         r = check_decode(spec, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)
         print(f"mma={mma} versioned={flag} vprobe={probe} qkv_in_attn={late} merge_signals={late}", r, flush=True)
         ok &= r.ok()
+    # the K/V pipeline's shared-memory stages: a context long enough for three blocks a split
+    kcfg = dataclasses.replace(KernelConfig.for_spec(small), qkv_parts=2, kv_pipeline=True, ring=0)
+    r = check_decode(small, 300, steps=2, graph=False, num_sms=8, kcfg=kcfg)
+    print("kv_pipeline", r, flush=True)
+    ok &= r.ok()
     return 0 if ok else 1
 
 
