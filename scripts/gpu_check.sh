@@ -5,7 +5,7 @@
 # engine's megakernel backend),
 # compute-sanitizer synccheck and racecheck on small shapes, and the per-instruction trace of the 1B and 8B shapes
 # at context 1024. Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
-#   bash scripts/gpu_check.sh            # ~15 minutes on an H200: tests (57) ~7.5, versioned (25) ~4,
+#   bash scripts/gpu_check.sh            # ~15 minutes on an H200: tests (53) ~7, versioned (25) ~4,
 #                                        # sanitize ~2.5, trace ~2.5 — so split it over two calls with PARTS
 #   COMMIT=<sha> VARIANTS=a,b bash scripts/gpu_check.sh   # record the commit; time these KernelConfig variants
 #   TRACE_TILES=1 bash scripts/gpu_check.sh                # the trace also stamps every weight tile
