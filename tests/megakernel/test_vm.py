@@ -517,3 +517,11 @@ def test_a_merged_run_that_drops_its_release_is_a_deadlock():
     state.fill([3], [14], tables, (1,))
     with pytest.raises(DeadlockError, match="mlp_in"):
         vm.run_step(state, scratch)
+
+
+def test_qkv_finished_in_attention_with_merged_releases_matches_reference():
+    """The two opt-ins together (variant tr32-qkvattn-merge): ATTN_IN's parts of one group that run back to back on
+    an SM merge their releases too."""
+    cfg = ProgramConfig(tile_k=16, qkv_parts=3, max_block_bytes=2048, qkv_in_attn=True, merge_signals=True)
+    prog = _vm_against_reference("tiny-qwen3", 3, 16, (1, 1), (20, 9), cfg)
+    assert any(i.OP == isa.Op.ATTN_IN and i.signal_n > 1 for i in prog.instructions())
