@@ -218,17 +218,15 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 counter_wait(cnt_ptr, wait, target)
             if TRACE:
                 t_ready = globaltimer()
+            fq, fk, fv = None, None, None
             if QKV_IN_ATTN:  # isa.QKV_IN_ATTN: this split finishes its heads from ATTN_IN's parts
                 fq, fk, fv = attention.finish_heads(layer, kvh, pos, _field(w, offs, W_G), qkvp_ptr, bias_ptr, qn_ptr,
                                                     kn_ptr, invf_ptr, eps, HQ, HKV, HD, GP, HAS_BIAS, QK_NORM,
                                                     num_warps, L4)
-                attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr,
-                                  bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP,
-                                  num_warps, L4, vstep + layer, False, fq, fk, fv, tok_page, True, kvbuf, KVP)
-            else:
-                attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr,
-                                  bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP,
-                                  num_warps, L4, vstep + layer, FLAG_Q, None, None, None, 0, False, kvbuf, KVP)
+            # (FLAG_Q and QKV_IN_ATTN exclude each other: KernelConfig.check)
+            attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr,
+                              MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4,
+                              vstep + layer, FLAG_Q, fq, fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP)
         else:
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
@@ -291,16 +289,13 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY, stamps)
         if TRACE:
             t_release = globaltimer()
+        sig_n = 1
         if MERGE:  # merged releases (isa.Word.SIGNAL_N): a run's last instruction adds the run's length
             sig_n = _field(w, offs, W_SIGNAL_N)
             if sig_n == 0:
                 sig = -1
-            if sig >= 0:
-                counter_signal(cnt_ptr, sig, sig_n)
-            else:
-                gl.thread_barrier()  # hbuf is rewritten by the next instruction
-        elif sig >= 0:
-            counter_signal(cnt_ptr, sig)
+        if sig >= 0:
+            counter_signal(cnt_ptr, sig, sig_n)
         else:
             gl.thread_barrier()  # hbuf is rewritten by the next instruction
         if TRACE:  # [start, dependency met, outputs stored, signalled] of instruction i on this SM

@@ -104,11 +104,8 @@ def _residual_group(x_ptr, emb_ptr, from_embed, o, lo, K, ver=0, VX: gl.constexp
     if from_embed:
         v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
     else:
-        if VX > 1:  # probe stride VX (KernelConfig.vprobe)
-            pp, pin = versioned.probe_ptrs(x_ptr, lo, o.shape[0] * o.shape[1], K, VX, gl.SliceLayout(0, o.type.layout))
-            v = versioned.wait(x_ptr + gl.minimum(o, K - 1), o < K, ver, pp, pin)
-        elif VX:
-            v = versioned.wait(x_ptr + gl.minimum(o, K - 1), o < K, ver)
+        if VX:  # VX > 1: the probe stride (KernelConfig.vprobe)
+            v = versioned.wait_vector(x_ptr, o, lo, K, ver, VX)
         else:
             v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
     return v
@@ -166,11 +163,7 @@ def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S
     TK: gl.constexpr = hbuf.type.shape[1]
     for g0 in gl.static_range(0, KT, SG):
         o = _group_offsets(g0, SG, TK, S2)
-        if PROBE > 1:
-            pp, pin = versioned.probe_ptrs(src_ptr, g0 * TK, SG * TK, K, PROBE, gl.SliceLayout(0, S2))
-            v = versioned.wait(src_ptr + gl.minimum(o, K - 1), o < K, ver, pp, pin)
-        else:
-            v = versioned.wait(src_ptr + gl.minimum(o, K - 1), o < K, ver)
+        v = versioned.wait_vector(src_ptr, o, g0 * TK, K, ver, PROBE)
         _group(hbuf, g0, SG).store(v.to(gl.bfloat16))
     gl.thread_barrier()
 

@@ -85,6 +85,18 @@ def probe_ptrs(base, lo, n, K, PROBE: gl.constexpr, L1: gl.constexpr):
     return base + gl.minimum(o, K - 1), o < K
 
 
+@gluon.jit
+def wait_vector(base, o, lo, K, ver, PROBE: gl.constexpr = 1):
+    """``wait`` for a staging group of a K-word vector at ``base``: offsets ``o`` ([SG, TK], the group from element
+    ``lo``; 0.0 past K); PROBE > 1: a group found incomplete is probed one word in PROBE (``probe_ptrs``)."""
+    ptrs = base + gl.minimum(o, K - 1)
+    if PROBE > 1:
+        pp, pin = probe_ptrs(base, lo, o.shape[0] * o.shape[1], K, PROBE, gl.SliceLayout(0, o.type.layout))
+        return wait(ptrs, o < K, ver, pp, pin)
+    else:
+        return wait(ptrs, o < K, ver)
+
+
 # --- PyTorch reference of the word format (what ``store`` writes and ``wait_*`` reads) ---------------------------
 
 def pack(values, version: int):
