@@ -78,6 +78,14 @@ class ProgramConfig:
     # publishes the logits), so False spares each block the release (its barrier and fenced atomic)
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
 
+    def check(self) -> None:
+        """Raise ValueError for option combinations no program can have (``build_program`` and
+        ``KernelConfig.check`` both run it)."""
+        if self.flag_attn and not self.flag_x:
+            raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
+        if self.qkv_in_attn and self.flag_q:
+            raise ValueError("qkv_in_attn and flag_q exclude each other: with qkv_in_attn no finisher writes q words")
+
 
 @dataclass(frozen=True)
 class Counter:
@@ -226,6 +234,7 @@ def cost(spec: ModelSpec, shape: StepShape, ins: Instruction, cfg: ProgramConfig
 def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramConfig = ProgramConfig()) -> Program:
     if num_sms <= 0:
         raise ValueError(f"num_sms must be positive, got {num_sms}")
+    cfg.check()
     counters: list[Counter] = []
 
     def counter(name: str, count: int) -> int:
@@ -248,12 +257,8 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     stages: list[list[Instruction]] = []
     prev, prev_n = isa.NO_COUNTER, 0  # counter that marks the residual stream x complete for this layer
     vx = isa.READS_X if cfg.flag_x else 0
-    if cfg.flag_attn and not cfg.flag_x:
-        raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
     va = isa.WRITES_VERSIONED if cfg.flag_attn else 0
     vq = isa.WRITES_VERSIONED if cfg.flag_q else 0
-    if cfg.qkv_in_attn and cfg.flag_q:
-        raise ValueError("qkv_in_attn and flag_q exclude each other: with qkv_in_attn no finisher writes q words")
     late = isa.QKV_IN_ATTN if cfg.qkv_in_attn else 0
     for l in range(L):
         # ATTN_PARTIAL of KV group k waits for its G q heads and its K and V heads: their finishers, or (qkv_in_attn)

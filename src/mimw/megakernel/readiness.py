@@ -128,9 +128,9 @@ class Readiness:
             if lo == hi:
                 return  # an empty split only writes its (EMPTY_M, 0, 0) partial
             if ins.flags & isa.QKV_IN_ATTN:  # it finishes its heads itself: every part of them, this layer's
-                sp = self.program.spec
-                heads = list(range(self._group(ins.kv_head).start, self._group(ins.kv_head).stop)) + \
-                    [sp.num_heads + ins.kv_head, sp.num_heads + sp.num_kv_heads + ins.kv_head]
+                sp, grp = self.program.spec, self._group(ins.kv_head)
+                heads = [*range(grp.start, grp.stop), sp.num_heads + ins.kv_head,
+                         sp.num_heads + sp.num_kv_heads + ins.kv_head]
                 self._require(ins, "qkv parts of its heads", self.qkv_part[heads, : ins.n_parts], L)
                 return
             self._require(ins, "q heads", self.q[self._group(ins.kv_head)], L)

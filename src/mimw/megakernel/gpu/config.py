@@ -136,10 +136,7 @@ class KernelConfig:
         if self.vprobe not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"vprobe={self.vprobe}: 1 (spin on the missing words) or a power-of-two probe stride "
                              "up to 256")
-        if self.flag_attn and not self.flag_x:
-            raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
-        if self.qkv_in_attn and self.flag_q:
-            raise ValueError("qkv_in_attn and flag_q exclude each other: with qkv_in_attn no finisher writes q words")
+        self.program_config().check()  # flag_attn needs flag_x; qkv_in_attn excludes flag_q
         if self.mma not in (0, 1):
             raise ValueError(f"mma={self.mma}: 0 (CUDA cores) or 1 (tensor cores)")
         if self.mma:
