@@ -66,27 +66,20 @@ def time_step(dec: MegakernelDecoder, iters: int = 200) -> float:
 
 
 VARIANTS = {
-    "default": KernelConfig(),  # what MegakernelDecoder runs for 32-row shapes
+    "default": KernelConfig(),  # what MegakernelDecoder runs for 32-row shapes (tensor cores, 32 x 256, ring 10)
     "tr32-fma": KernelConfig(mma=0),  # matvec tiles on the CUDA cores (the default until session 11)
-    "tr32-mma": KernelConfig(mma=1),  # matvec tiles on the tensor cores (matvec.dot_tile_mma)
     # session 11's default (before a4a86e4's run): no early dispatch, LM_HEAD signals, 16 KB fixed cost, 256 KB blocks
     "tr32-s11": KernelConfig(dispatch=False, signal_logits=True, fixed_cost_kb=16, max_block_kb=256),
-    # at most this many weight tiles requested and not landed per SM (the ring still buffers 10)
+    # at most this many weight tiles requested and not landed per SM (the default 4; the ring still buffers 10)
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
-    "tr32-if4": KernelConfig(inflight=4),
     "tr32-if6": KernelConfig(inflight=6),
-    "tr32-if4-deep": KernelConfig(inflight=4, ring=0),  # and the deepest ring that fits (12 slots 1B, 11 8B)
     "tr32-flag": KernelConfig(flag_act=True),  # MLP_IN -> DOWN_PROJ through versioned act words, no counter hop
-    "tr32-flag-if4": KernelConfig(flag_act=True, inflight=4),
     "tr32-flagx": KernelConfig(flag_act=True, flag_x=True),  # and x: no counter between attention windows
-    "tr32-flagx-if4": KernelConfig(flag_act=True, flag_x=True, inflight=4),
     "tr32-flagxa": KernelConfig(flag_act=True, flag_x=True, flag_attn=True),  # and attn: O_PROJ polls nothing
-    "tr32-flagxa-if4": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, inflight=4),
     # and q + the new K/V row: no counter hop left in a layer, only the tickets
     "tr32-flagall": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True),
-    "tr32-flagall-if4": KernelConfig(flag_act=True, flag_x=True, flag_attn=True, flag_q=True, inflight=4),
     # the versioned stagings probed one word in 16 / 64 while words are missing (vprobe): less polling traffic
     "tr32-flag-p16": KernelConfig(flag_act=True, vprobe=16),
     "tr32-flag-p64": KernelConfig(flag_act=True, vprobe=64),
@@ -110,17 +103,14 @@ VARIANTS = {
     # fewer, longer attention splits (context 1024: 8 / 4 splits a KV head instead of 16)
     "tr32-split128": KernelConfig(min_split_tokens=128),
     "tr32-split256": KernelConfig(min_split_tokens=256),
-    "tr32-mma-nb12": KernelConfig(mma=1, ring=12),
-    "tr32-mma-w8": KernelConfig(mma=1, num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
     "tr32-l2mlp6": KernelConfig(l2_mlp_ahead=6, mma=0),  # L2 prefetch of MLP_IN tiles past the ring, during attention
     "tr32-l2mlp16": KernelConfig(l2_mlp_ahead=16, mma=0),
     "tr32-deep": KernelConfig(ring=0),  # ring as deep as shared memory allows (12 slots for the 1B, 11 for the 8B)
     "tr16-tk512-nb10": KernelConfig(tile_rows=16, tile_k=512, ring=10),
-    "tr32-tk256-nb10": KernelConfig(tile_rows=32, tile_k=256, ring=10),
     "tr16-tk256-nb20": KernelConfig(tile_rows=16, tile_k=256, ring=20),
     "tr32-tk512-nb5": KernelConfig(tile_rows=32, tile_k=512, ring=5),
-    "tr32-tk256-nb10-w8": KernelConfig(tile_rows=32, tile_k=256, ring=10, num_warps=8),
+    "tr32-w8": KernelConfig(num_warps=8),  # 8 compute warps (168 registers instead of 255)
     "tr16-tk512-nb10-w8": KernelConfig(tile_rows=16, tile_k=512, ring=10, num_warps=8),
     "tr32-reduce": KernelConfig(combine_splits=False),  # the separate ATTN_REDUCE stage
     "tr32-nb11": KernelConfig(ring=11),  # deeper rings: the most shared memory allows for the 8B / the 1B
