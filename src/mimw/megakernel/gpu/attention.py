@@ -216,19 +216,17 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     t = lo + tk
     addr = gl.expand_dims(row0, 2) * HD + d3
     new = gl.expand_dims((t < hi) & (t == pos), 2)
-    if FIN:  # finished here; the split holding pos also stores it for later steps
-        here = (d3 * 0 + ((lo <= pos) & (pos < hi)).to(gl.int32)) != 0
-        k_new = fin_k.to(gl.bfloat16)
-        v_new = fin_v.to(gl.bfloat16)
-        at = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD + d3
-        gl.store(kc_ptr + at, k_new, mask=here)
-        gl.store(vc_ptr + at, v_new, mask=here)
-        k = gl.where(new, k_new, k)
-        v = gl.where(new, v_new, v)
-    elif VQ:  # from the finisher's versioned words (zeros, no load, for a split without pos)
-        here = (d3 * 0 + ((lo <= pos) & (pos < hi)).to(gl.int32)) != 0
-        k_new = versioned.wait(q_ptr + (HQ + kvh) * HD + d3, here, ver).to(gl.bfloat16)
-        v_new = versioned.wait(q_ptr + (HQ + HKV + kvh) * HD + d3, here, ver).to(gl.bfloat16)
+    if VQ or FIN:  # the row is not the cache's: patched into whichever block holds pos
+        here = (d3 * 0 + ((lo <= pos) & (pos < hi)).to(gl.int32)) != 0  # this split holds pos
+        if FIN:  # finished here; the split holding pos also stores it for later steps
+            k_new = fin_k.to(gl.bfloat16)
+            v_new = fin_v.to(gl.bfloat16)
+            at = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD + d3
+            gl.store(kc_ptr + at, k_new, mask=here)
+            gl.store(vc_ptr + at, v_new, mask=here)
+        else:  # from the finisher's versioned words (zeros, no load, for a split without pos)
+            k_new = versioned.wait(q_ptr + (HQ + kvh) * HD + d3, here, ver).to(gl.bfloat16)
+            v_new = versioned.wait(q_ptr + (HQ + HKV + kvh) * HD + d3, here, ver).to(gl.bfloat16)
         k = gl.where(new, k_new, k)
         v = gl.where(new, v_new, v)
     else:
@@ -257,19 +255,13 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
             t2 = t + 2 * BT
             _copy_block(kvbuf, st, kc_ptr, vc_ptr, rnext, _later(t2, hi, pos, VQ or FIN), d3, HD)
             rnext = _rows(bt_ptr, seg, MAXP, t + 3 * BT, hi, layer, NP, kvh, HKV, PS)
-            if VQ or FIN:
-                new = gl.expand_dims((t < hi) & (t == pos), 2)
-                k = gl.where(new, k_new, k)
-                v = gl.where(new, v_new, v)
         else:
             row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
-            if VQ or FIN:
-                k, v = _kv(kc_ptr, vc_ptr, row, (t < hi) & (t != pos), d3, HD)
-                new = gl.expand_dims((t < hi) & (t == pos), 2)
-                k = gl.where(new, k_new, k)
-                v = gl.where(new, v_new, v)
-            else:
-                k, v = _kv(kc_ptr, vc_ptr, row, t < hi, d3, HD)
+            k, v = _kv(kc_ptr, vc_ptr, row, _later(t, hi, pos, VQ or FIN), d3, HD)
+        if VQ or FIN:
+            new = gl.expand_dims((t < hi) & (t == pos), 2)
+            k = gl.where(new, k_new, k)
+            v = gl.where(new, v_new, v)
         m_i, l_i, o = _block(q4, k, v, t0 + ts < hi, m_i, l_i, o, Q3)
     if KVP:
         async_copy.wait_group(0)  # no copy may land in kvbuf after this instruction
