@@ -41,6 +41,20 @@ def test_megakernel_matches_reference_over_64_steps(model, context, consumer):
     assert r.argmax_agree >= 0.9, r
 
 
+def _matches_reference_over_64_steps(model, context, **overrides):
+    """KernelConfig.for_spec with ``overrides``, 64 steps against the reference: finite, bit-identical repeats,
+    within bf16 error, argmax as test_megakernel_matches_reference_over_64_steps asks."""
+    import dataclasses
+
+    from mimw.megakernel.gpu.check import check_decode
+    from mimw.megakernel.gpu.config import KernelConfig
+
+    spec = get_preset(model)
+    r = check_decode(spec, context, steps=64, kcfg=dataclasses.replace(KernelConfig.for_spec(spec), **overrides))
+    assert r.finite and r.bit_identical, r
+    assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r
+
+
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("context", [1, 17, 1000])
 @pytest.mark.parametrize("model", MODELS)
@@ -48,15 +62,7 @@ def test_qkv_finished_by_the_attention_splits_matches_reference_over_64_steps(mo
     """KernelConfig(qkv_in_attn=True): ATTN_IN's parts signal, every ATTN_PARTIAL finishes its heads from them and
     the split holding the step's position stores its K/V row (context 1: the only position; the 64 steps then
     read every row the splits stored)."""
-    import dataclasses
-
-    from mimw.megakernel.gpu.check import check_decode
-    from mimw.megakernel.gpu.config import KernelConfig
-
-    spec = get_preset(model)
-    r = check_decode(spec, context, steps=64, kcfg=dataclasses.replace(KernelConfig.for_spec(spec), qkv_in_attn=True))
-    assert r.finite and r.bit_identical, r
-    assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r
+    _matches_reference_over_64_steps(model, context, qkv_in_attn=True)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
@@ -65,16 +71,7 @@ def test_qkv_finished_by_the_attention_splits_matches_reference_over_64_steps(mo
 def test_kv_pipeline_matches_reference_over_64_steps(model, context):
     """KernelConfig(kv_pipeline=True): an attention split's later blocks through two cp.async stages in shared
     memory (contexts where splits have several blocks; the newest row patched into whichever block holds it)."""
-    import dataclasses
-
-    from mimw.megakernel.gpu.check import check_decode
-    from mimw.megakernel.gpu.config import KernelConfig
-
-    spec = get_preset(model)
-    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), kv_pipeline=True, ring=0)
-    r = check_decode(spec, context, steps=64, kcfg=kcfg)
-    assert r.finite and r.bit_identical, r
-    assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r
+    _matches_reference_over_64_steps(model, context, kv_pipeline=True, ring=0)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
@@ -83,16 +80,7 @@ def test_merged_releases_match_reference_over_64_steps(model):
     """KernelConfig(merge_signals=True) with 256 KB blocks (runs of same-stage blocks on every shape): a run
     releases once, adding its length; a run whose earlier blocks' stores were not covered would differ between
     repeats or from the reference."""
-    import dataclasses
-
-    from mimw.megakernel.gpu.check import check_decode
-    from mimw.megakernel.gpu.config import KernelConfig
-
-    spec = get_preset(model)
-    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), merge_signals=True, max_block_kb=256)
-    r = check_decode(spec, 17, steps=64, kcfg=kcfg)
-    assert r.finite and r.bit_identical, r
-    assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r
+    _matches_reference_over_64_steps(model, 17, merge_signals=True, max_block_kb=256)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
@@ -104,18 +92,9 @@ def test_versioned_words_match_reference_over_64_steps(model, context, versioned
     "probe": act, x and attn with the stagings probed one word in 16 (vprobe). Every launch starts from poisoned
     words (-1), so a reader that ran before its writer would spin forever, and one that took a stale word would
     differ from the reference or between repeats."""
-    import dataclasses
-
-    from mimw.megakernel.gpu.check import check_decode
-    from mimw.megakernel.gpu.config import KernelConfig
-
-    spec = get_preset(model)
     every, probe = versioned == "all", versioned == "probe"
-    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), flag_act=True, flag_x=every or probe,
-                               flag_attn=every or probe, flag_q=every, vprobe=16 if probe else 1)
-    r = check_decode(spec, context, steps=64, kcfg=kcfg)
-    assert r.finite and r.bit_identical, r
-    assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r
+    _matches_reference_over_64_steps(model, context, flag_act=True, flag_x=every or probe, flag_attn=every or probe,
+                                     flag_q=every, vprobe=16 if probe else 1)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
