@@ -215,6 +215,26 @@ def test_kv_pipeline_compiles_to_cp_async_without_spills_and_takes_ring_room():
         KernelConfig(kv_pipeline=True).check(spec)  # the 8B: the default 10-slot ring leaves no room
 
 
+@pytest.mark.slow
+def test_o_proj_in_column_parts_compiles_without_spills_and_drops_the_combining_ticket():
+    for name, parts in (("llama-3.2-1b", 8), ("llama-3.1-8b", 4)):  # one KV group a part; two (a static loop)
+        spec = get_preset(name)
+        ptx = compile_sm90a(spec, KernelConfig(o_parts=parts)).asm["ptx"]
+        assert ptxas_report(ptx)["spill_stores"] == 0
+    base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+    ticket = "atom.global.gpu.acq_rel.add"  # ATTN_IN's ticket and the combining splits' ticket; only the former
+    assert ptx.count(ticket) == base.count(ticket) - 1
+
+
+def test_o_parts_must_fit_the_kernel():
+    with pytest.raises(ValueError, match="must divide the 8 KV heads"):
+        KernelConfig(o_parts=3).check(get_preset("llama-3.2-1b"))
+    with pytest.raises(ValueError, match="power-of-two number of heads, not 3"):  # 24 query heads on 8 KV heads
+        KernelConfig(tile_k=128, o_parts=8).check(get_preset("llama-3.2-3b"))
+    with pytest.raises(ValueError, match="o_parts excludes flag_x"):
+        KernelConfig(o_parts=8, flag_act=True, flag_x=True).check(get_preset("llama-3.2-1b"))
+
+
 def test_versioned_attn_needs_versioned_x():
     with pytest.raises(ValueError, match="flag_attn needs flag_x"):
         KernelConfig(flag_attn=True).check(get_preset("llama-3.2-1b"))

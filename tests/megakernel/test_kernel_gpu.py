@@ -83,6 +83,26 @@ def test_merged_releases_match_reference_over_64_steps(model):
     _matches_reference_over_64_steps(model, 17, merge_signals=True, max_block_kb=256)
 
 
+O_PARTS = [("llama-3.2-1b", 8), ("llama-3.2-1b", 2), ("llama-3.1-8b", 8), ("qwen3-8b", 4)]
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("context", [1, 1000])
+@pytest.mark.parametrize("model,parts", O_PARTS, ids=[f"{m}-p{p}" for m, p in O_PARTS])
+def test_o_proj_in_column_parts_matches_reference_over_64_steps(model, parts, context):
+    """KernelConfig(o_parts=N): no combining split; every O_PROJ block combines its KV groups' splits (one group a
+    part, or several: a static loop) and stores its x part, part 0 with the residual; MLP_IN and DOWN_PROJ sum the
+    parts (SmolLM2's 3-head groups are not a power of two: not served)."""
+    _matches_reference_over_64_steps(model, context, o_parts=parts)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-8b"])
+def test_o_proj_in_column_parts_with_the_heads_finished_in_attention_matches_reference(model):
+    """o_parts with qkv_in_attn (variant tr32-op8-qkvattn): a layer without a ticket."""
+    _matches_reference_over_64_steps(model, 17, o_parts=8 if model == "llama-3.2-1b" else 4, qkv_in_attn=True)
+
+
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("versioned", ["act", "all", "probe"])
 @pytest.mark.parametrize("context", [17, 1000])

@@ -525,3 +525,73 @@ def test_qkv_finished_in_attention_with_merged_releases_matches_reference():
     cfg = ProgramConfig(tile_k=16, qkv_parts=3, max_block_bytes=2048, qkv_in_attn=True, merge_signals=True)
     prog = _vm_against_reference("tiny-qwen3", 3, 16, (1, 1), (20, 9), cfg)
     assert any(i.OP == isa.Op.ATTN_IN and i.signal_n > 1 for i in prog.instructions())
+
+
+O_PARTS = [  # ProgramConfig(o_parts): (preset, num_sms, seg_lens, contexts, o_parts, extra options)
+    ("tiny-llama", 7, (1,), (14,), 2, {}),  # one KV group a part
+    ("tiny-llama", 3, (1,), (30,), 1, {}),  # one part: it combines every group, x_part[0] is x
+    ("tiny-qwen3", 132, (4,), (30,), 2, dict(qkv_parts=3, qkv_in_attn=True)),  # a verify block; heads finished late
+    ("tiny-qwen2", 5, (1, 1), (5, 20), 1, dict(merge_signals=True, max_block_bytes=2048)),  # bias; a batch; runs
+    ("tiny-llama3", 132, (1, 1, 1, 1), (13, 16, 33, 2), 2, dict(flag_act=True)),  # versioned act beside the parts
+]
+
+
+@pytest.mark.parametrize("name,num_sms,seg_lens,contexts,o_parts,extra", O_PARTS,
+                         ids=[f"{c[0]}-sm{c[1]}-p{c[4]}" for c in O_PARTS])
+def test_vm_with_o_proj_in_column_parts_matches_reference(name, num_sms, seg_lens, contexts, o_parts, extra):
+    """ProgramConfig(o_parts): the attention splits signal their part's counter (no tickets, no combine, no
+    ATTN_REDUCE); each O_PROJ instruction combines its groups' splits, multiplies its columns of W_o and stores
+    x_part (part 0 with the residual); MLP_IN and DOWN_PROJ sum the parts."""
+    prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts,
+                                 ProgramConfig(tile_k=16, o_parts=o_parts, **extra))
+    spec = prog.spec
+    by = lambda op: [i for i in prog.instructions() if i.OP == op]  # noqa: E731
+    assert not by(isa.Op.ATTN_REDUCE)
+    assert all(not i.combine and i.ticket == isa.NO_COUNTER for i in by(isa.Op.ATTN_PARTIAL))
+    o = by(isa.Op.O_PROJ)
+    assert {(i.part, i.n_parts) for i in o} == {(p, o_parts) for p in range(o_parts)}
+    for layer in range(spec.num_layers):  # every part covers every row once
+        for p in range(o_parts):
+            rows = sorted((i.row0, i.nrows) for i in o if i.layer == layer and i.part == p)
+            assert sum(n for _, n in rows) == spec.hidden_size and rows[0][0] == 0
+    assert not any("ticket" in c.name for c in prog.counters if ".attn" in c.name)
+
+
+def test_o_parts_must_fit_the_model():
+    spec = get_preset("tiny-llama")  # 2 KV heads, 64 query columns
+    with pytest.raises(ValueError, match="must divide the 2 KV heads"):
+        build_program(spec, StepShape((1,)), 3, ProgramConfig(tile_k=16, o_parts=3))
+    with pytest.raises(ValueError, match="not whole 64-column tiles"):
+        build_program(spec, StepShape((1,)), 3, ProgramConfig(tile_k=64, o_parts=2))
+    with pytest.raises(ValueError, match="o_parts excludes flag_x"):
+        build_program(spec, StepShape((1,)), 3, ProgramConfig(tile_k=16, o_parts=2, flag_x=True))
+
+
+@pytest.mark.parametrize("op,what", [(isa.Op.O_PROJ, "partials of its groups"), (isa.Op.MLP_IN, "x parts")])
+def test_o_parts_a_removed_dependency_is_caught(op, what):
+    """An O_PROJ part that does not wait for its groups' splits, an MLP_IN that does not wait for every part: data
+    readiness sees the read of what was not yet written."""
+    spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
+    prog = build_program(spec, StepShape((1,)), 7, ProgramConfig(tile_k=16, o_parts=2))
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, op, lambda ins: ins.layer == 1)
+    words[s, i, isa.Word.WAIT] = isa.NO_COUNTER
+    vm = VM(prog, w, cache, (words, lengths))
+    for e in _dependency_errors(vm, prog, cache, ([3], [14], tables, (1,)), 30):
+        if what in e:
+            return
+    pytest.fail(f"removing the wait of {isa.decode(words[s, i].tolist())} went unnoticed in 30 interleavings")
+
+
+def test_o_parts_readiness_catches_the_next_layer_overwriting_x_parts_down_proj_still_reads():
+    prog, w, cache, state, scratch = _setup("tiny-llama", 7, (1,), (14,), ProgramConfig(tile_k=16, o_parts=2))
+    run = VM(prog, w, cache).start(state, scratch)
+    d = prog.spec.hidden_size
+    for p in range(2):
+        run.readiness.after(isa.OProj(layer=0, row0=0, nrows=d, part=p, n_parts=2))
+    run.readiness.after(isa.MlpIn(layer=0, row0=0, nrows=prog.spec.intermediate_size))
+    down = isa.DownProj(layer=0, row0=0, nrows=d)
+    run.readiness.before(down)  # layer 0's parts and act are in place
+    run.readiness.after(isa.OProj(layer=1, row0=0, nrows=d, part=1, n_parts=2))
+    with pytest.raises(DependencyError, match=r"x parts' rows at version \[1\], needs version 0"):
+        run.readiness.before(down)

@@ -28,6 +28,11 @@ Instructions (M = tokens in the step, D = hidden, hd = head_dim, G = query heads
   ATTN_REDUCE   combine the splits' partials -> attention output rows for the G heads     (layer, kv head, seg)
                 (programs without ``combine``: one stage and one counter hop more).
   O_PROJ        x[rows] += W_o[rows] . attn                                                 a block of D rows
+                With ``n_parts`` > 0 (ProgramConfig.o_parts) one column part of it, the columns of Hkv / n_parts
+                KV groups: it combines those groups' attention splits itself (no ticket, no ATTN_REDUCE), and
+                x_part[part, rows] = (part 0: x[rows] +) W_o[rows, part's columns] . attn[part's columns]; the
+                readers of x after O_PROJ (MLP_IN, DOWN_PROJ) sum the parts in part order.
+                                                                             a block of D rows x part
   MLP_IN        act[rows] = SiLU(W_gate[rows] . h) * (W_up[rows] . h), h = RMSNorm(x)      a block of I rows
   DOWN_PROJ     x[rows] += W_down[rows] . act                                               a block of D rows
   LM_HEAD       logits[rows] = W_lm[rows] . RMSNorm(x)                                      a block of vocab rows
@@ -65,12 +70,14 @@ class Word(IntEnum):
     LAYER = 1
     A = 2  # ATTN_IN: head (q heads, then k heads, then v heads); PARTIAL/REDUCE: kv head; matvecs: first row
     B = 3  # ATTN_IN: column part; PARTIAL/REDUCE: segment; matvecs: number of rows
-    C = 4  # ATTN_IN: number of column parts; PARTIAL: split index
-    D = 5  # ATTN_IN: ticket counter (-1: one part, no ticket); PARTIAL/REDUCE: number of splits of the segment
+    C = 4  # ATTN_IN: number of column parts; PARTIAL: split index; O_PROJ: column part (with n_parts > 0)
+    D = 5  # ATTN_IN: ticket counter (-1: one part, no ticket); PARTIAL/REDUCE: number of splits of the segment;
+    #        O_PROJ: number of column parts (0: the whole row, after a combined attention)
     WAIT = 6  # counter to wait on, -1 for none
     WAIT_COUNT = 7  # signals that counter receives per step
     SIGNAL = 8  # counter to signal when done, -1 for none
-    E = 9  # ATTN_PARTIAL: ticket counter of the combining splits (-1: none)
+    E = 9  # ATTN_PARTIAL: ticket counter of the combining splits (-1: none); O_PROJ with parts: the attention
+    #        splits of each segment it combines
     F = 10  # ATTN_PARTIAL: 1 if the splits combine themselves (no ATTN_REDUCE follows)
     FLAGS = 11  # versioned-word bits: READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED; QKV_IN_ATTN
     G = 12  # ATTN_PARTIAL with QKV_IN_ATTN: ATTN_IN's column parts it sums (0 otherwise)
@@ -203,6 +210,11 @@ class RowBlock(Instruction):
 @dataclass(frozen=True)
 class OProj(RowBlock):
     OP: ClassVar[Op] = Op.O_PROJ
+    part: int = 0  # with n_parts > 0: which column part (KV groups [part, part + 1) * Hkv / n_parts)
+    n_parts: int = 0  # 0: the whole row over the combined attention output (attn)
+    n_splits: int = 0  # with n_parts > 0: the attention splits per segment whose partials it combines
+    FIELDS: ClassVar[dict[str, Word]] = {**RowBlock.FIELDS, "part": Word.C, "n_parts": Word.D,
+                                         "n_splits": Word.E}
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,10 @@ class ProgramConfig:
     # the whole stage anyway, so the earlier releases (a loaded round trip each) bought nothing
     qkv_in_attn: bool = False  # ATTN_IN's heads finished by the ATTN_PARTIALs that read them (isa.QKV_IN_ATTN):
     # no tickets in ATTN_IN, its parts signal the group's counter directly; not with flag_q (no finished q words)
+    o_parts: int = 0  # O_PROJ split over its columns into this many parts of Hkv / o_parts KV groups each (0: one
+    # O_PROJ stage over the combined attention output): the attention splits neither combine nor draw tickets,
+    # they signal their part's counter; each O_PROJ instruction (part, row block) combines its groups' partials
+    # itself and stores x_part[part, rows], part 0 with the residual; MLP_IN and DOWN_PROJ sum the parts (isa.py)
     signal_logits: bool = True  # LM_HEAD blocks signal a counter; no instruction waits on it (the launch's end
     # publishes the logits), so False spares each block the release (its barrier and fenced atomic)
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
@@ -85,6 +89,22 @@ class ProgramConfig:
             raise ValueError("flag_attn needs flag_x: without a counter, O_PROJ's reads of x must be versioned too")
         if self.qkv_in_attn and self.flag_q:
             raise ValueError("qkv_in_attn and flag_q exclude each other: with qkv_in_attn no finisher writes q words")
+        if self.o_parts < 0:
+            raise ValueError(f"o_parts={self.o_parts}: 0 (one O_PROJ stage) or a positive number of column parts")
+        if self.o_parts and (self.flag_x or self.flag_attn):
+            raise ValueError("o_parts excludes flag_x and flag_attn: its x parts and partials are not versioned "
+                             "words")
+
+    def check_spec(self, spec: ModelSpec) -> None:
+        """Raise ValueError where this config cannot serve ``spec``: o_parts must divide the KV heads, and each
+        part's columns (its groups' query heads) must be whole column tiles."""
+        if self.o_parts:
+            hkv, cols = spec.num_kv_heads, spec.q_size
+            if hkv % self.o_parts:
+                raise ValueError(f"o_parts={self.o_parts} must divide the {hkv} KV heads")
+            if (cols // self.o_parts) % self.tile_k:
+                raise ValueError(f"o_parts={self.o_parts}: a part's {cols // self.o_parts} columns are not whole "
+                                 f"{self.tile_k}-column tiles")
 
 
 @dataclass(frozen=True)
@@ -219,7 +239,7 @@ def cost(spec: ModelSpec, shape: StepShape, ins: Instruction, cfg: ProgramConfig
     elif isinstance(ins, AttnReduce):
         b = ins.n_splits * spec.group_size * hd * 4 * shape.seg_lens[ins.seg]
     elif isinstance(ins, OProj):
-        b = ins.nrows * spec.q_size * 2
+        b = ins.nrows * spec.q_size // max(1, ins.n_parts) * 2
     elif isinstance(ins, MlpIn):
         b = 2 * ins.nrows * d * 2
     elif isinstance(ins, DownProj):
@@ -235,6 +255,7 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     if num_sms <= 0:
         raise ValueError(f"num_sms must be positive, got {num_sms}")
     cfg.check()
+    cfg.check_spec(spec)
     counters: list[Counter] = []
 
     def counter(name: str, count: int) -> int:
@@ -247,7 +268,8 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     if not 1 <= n_parts <= -(-spec.hidden_size // cfg.tile_k):
         raise ValueError(f"qkv_parts={n_parts} must be between 1 and the {spec.hidden_size}-column row's tile count")
     segs = range(len(shape.seg_lens))
-    o_blocks = row_blocks(spec.hidden_size, spec.q_size * 2, num_sms, cfg)
+    op = cfg.o_parts  # O_PROJ column parts (0: none)
+    o_blocks = row_blocks(spec.hidden_size, spec.q_size // max(1, op) * 2, -(-num_sms // max(1, op)), cfg)
     # MLP_IN: a weight tile holds tile_rows/2 gate and tile_rows/2 up rows (gpu/pack.py), so blocks of outputs
     # come in tile_rows/2 steps (896 blocks instead of 448 for the 8B's 132 SMs: a 3% makespan excess, not 18%)
     mlp_blocks = row_blocks(spec.intermediate_size, 2 * spec.hidden_size * 2, num_sms, cfg, cfg.tile_rows // 2)
@@ -275,30 +297,43 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
                               wait_count=prev_n, signal=qkv[group(h)], flags=(vx if l > 0 else 0) | vq | late)
                        for h in range(hq + 2 * hkv) for p in range(n_parts)])
         fin = n_parts if late else 0  # the parts an ATTN_PARTIAL sums when it finishes its heads
-        red = isa.NO_COUNTER if cfg.flag_attn else counter(f"L{l}.attn_out", hkv * len(segs))
-        if cfg.combine_splits:  # the last split of each (kv head, segment) combines: one hop fewer
-            tick = {(k, s): counter(f"L{l}.attn_ticket.kv{k}.seg{s}", n_splits[s]) if n_splits[s] > 1
-                    else isa.NO_COUNTER for k in range(hkv) for s in segs}
-            stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], ticket=tick[k, s],
-                                       combine=1, n_parts=fin, wait=qkv[k], wait_count=qkv_n, signal=red,
-                                       flags=va | (isa.READS_Q if cfg.flag_q else 0) | late)
-                           for k in range(hkv) for s in segs for i in range(n_splits[s])])
-        else:
-            part = {(k, s): counter(f"L{l}.attn.kv{k}.seg{s}", n_splits[s]) for k in range(hkv) for s in segs}
+        pq = (isa.READS_Q if cfg.flag_q else 0) | late
+        if op:  # every split signals its O_PROJ part's counter; each O_PROJ instruction combines its groups
+            gpp = hkv // op  # KV groups per part
+            opart = [counter(f"L{l}.attn.part{p}", gpp * sum(n_splits)) for p in range(op)]
             stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], n_parts=fin,
-                                       wait=qkv[k], wait_count=qkv_n, signal=part[k, s],
-                                       flags=(isa.READS_Q if cfg.flag_q else 0) | late)
+                                       wait=qkv[k], wait_count=qkv_n, signal=opart[k // gpp], flags=pq)
                            for k in range(hkv) for s in segs for i in range(n_splits[s])])
-            stages.append([AttnReduce(layer=l, kv_head=k, seg=s, n_splits=n_splits[s], wait=part[k, s],
-                                      wait_count=n_splits[s], signal=red, flags=va)
-                           for k in range(hkv) for s in segs])
-        # x rows: versioned words (no counter), or a counter per stage
-        o = isa.NO_COUNTER if cfg.flag_x else counter(f"L{l}.o_proj", len(o_blocks))
-        o_flags = ((isa.WRITES_VERSIONED | (vx if l > 0 else 0)) if cfg.flag_x else 0) | \
-            (isa.READS_ATTN if cfg.flag_attn else 0)
-        stages.append([OProj(layer=l, row0=r, nrows=n, wait=red, wait_count=0 if cfg.flag_attn else hkv * len(segs),
-                             signal=o, flags=o_flags) for r, n in o_blocks])
-        o_n = 0 if cfg.flag_x else len(o_blocks)
+            o = counter(f"L{l}.o_proj", op * len(o_blocks))
+            stages.append([OProj(layer=l, row0=r, nrows=n, part=p, n_parts=op, n_splits=n_splits[0], wait=opart[p],
+                                 wait_count=gpp * sum(n_splits), signal=o)
+                           for p in range(op) for r, n in o_blocks])
+            o_n = op * len(o_blocks)
+        else:
+            red = isa.NO_COUNTER if cfg.flag_attn else counter(f"L{l}.attn_out", hkv * len(segs))
+            if cfg.combine_splits:  # the last split of each (kv head, segment) combines: one hop fewer
+                tick = {(k, s): counter(f"L{l}.attn_ticket.kv{k}.seg{s}", n_splits[s]) if n_splits[s] > 1
+                        else isa.NO_COUNTER for k in range(hkv) for s in segs}
+                stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s],
+                                           ticket=tick[k, s], combine=1, n_parts=fin, wait=qkv[k], wait_count=qkv_n,
+                                           signal=red, flags=va | pq)
+                               for k in range(hkv) for s in segs for i in range(n_splits[s])])
+            else:
+                part = {(k, s): counter(f"L{l}.attn.kv{k}.seg{s}", n_splits[s]) for k in range(hkv) for s in segs}
+                stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], n_parts=fin,
+                                           wait=qkv[k], wait_count=qkv_n, signal=part[k, s], flags=pq)
+                               for k in range(hkv) for s in segs for i in range(n_splits[s])])
+                stages.append([AttnReduce(layer=l, kv_head=k, seg=s, n_splits=n_splits[s], wait=part[k, s],
+                                          wait_count=n_splits[s], signal=red, flags=va)
+                               for k in range(hkv) for s in segs])
+            # x rows: versioned words (no counter), or a counter per stage
+            o = isa.NO_COUNTER if cfg.flag_x else counter(f"L{l}.o_proj", len(o_blocks))
+            o_flags = ((isa.WRITES_VERSIONED | (vx if l > 0 else 0)) if cfg.flag_x else 0) | \
+                (isa.READS_ATTN if cfg.flag_attn else 0)
+            stages.append([OProj(layer=l, row0=r, nrows=n, wait=red,
+                                 wait_count=0 if cfg.flag_attn else hkv * len(segs), signal=o, flags=o_flags)
+                           for r, n in o_blocks])
+            o_n = 0 if cfg.flag_x else len(o_blocks)
         if cfg.flag_act:  # the act words carry their version: DOWN_PROJ waits on them, not on a counter
             stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=o_n,
                                  flags=vx | isa.WRITES_VERSIONED) for r, n in mlp_blocks])

@@ -4,7 +4,9 @@ The counters are the program's claim that an instruction runs only after the dat
 checks the claim independently. Every region of step data carries a *version*, the producer that last wrote it
 during this step (-1: not written this step):
 
-    x        [D]              2l+1 after layer l's O_PROJ of those columns, 2l+2 after its DOWN_PROJ
+    x        [D]              2l+1 after layer l's O_PROJ of those columns, 2l+2 after its DOWN_PROJ (with
+                              O_PROJ parts, ProgramConfig.o_parts, O_PROJ writes x_part instead: x stays 2l)
+    x_part   [P, D]           layer whose O_PROJ part p wrote those columns (ProgramConfig.o_parts)
     qkv_part [H, P]           layer whose ATTN_IN wrote part p of head h (H = Hq + 2 Hkv); with isa.QKV_IN_ATTN
                               the ATTN_PARTIALs read it (q, kv: unused)
     q        [Hq]             layer whose ATTN_IN wrote the head (all M tokens at once)
@@ -39,6 +41,7 @@ class Readiness:
         self.program, self.state = program, state
         m, full = shape.num_tokens, lambda *s: np.full(s, -1, dtype=np.int32)  # noqa: E731
         self.x = full(sp.hidden_size)
+        self.x_part = full(max(1, program.config.o_parts), sp.hidden_size)
         self.qkv_part = full(sp.num_heads + 2 * sp.num_kv_heads, program.qkv_parts)
         self.q = full(sp.num_heads)
         self.kv = np.zeros((sp.num_layers, 2, sp.num_kv_heads), dtype=bool)
@@ -120,7 +123,9 @@ class Readiness:
             return
         L = ins.layer
         if op in (Op.ATTN_IN, Op.MLP_IN, Op.LM_HEAD):
-            if op != Op.ATTN_IN or L > 0:  # layer 0's ATTN_IN normalises the embedding rows
+            if op == Op.MLP_IN and self.program.config.o_parts:  # x is the sum of the O_PROJ parts
+                self._require(ins, "x parts", self.x_part, L)
+            elif op != Op.ATTN_IN or L > 0:  # layer 0's ATTN_IN normalises the embedding rows
                 rows, want = self._x_need(ins)
                 self._require(ins, "x", self.x[rows], want)
         elif op == Op.ATTN_PARTIAL:
@@ -141,14 +146,25 @@ class Readiness:
         elif op == Op.ATTN_REDUCE:
             self._require_partials(ins)
         elif op == Op.O_PROJ:
-            self._require(ins, "attn", self.attn, L)
+            if ins.n_parts:  # its groups' partials, every token's, and (part 0) the residual rows
+                gpp = self.program.spec.num_kv_heads // ins.n_parts
+                heads = slice(ins.part * gpp * self.program.spec.group_size,
+                              (ins.part + 1) * gpp * self.program.spec.group_size)
+                self._require(ins, "partials of its groups", self.part[:, heads, : ins.n_splits], L)
+                if ins.part > 0:
+                    return
+            else:
+                self._require(ins, "attn", self.attn, L)
             if L > 0:
                 rows, want = self._x_need(ins)
                 self._require(ins, "x rows", self.x[rows], want)
         elif op == Op.DOWN_PROJ:
             self._require(ins, "act", self.act, L)
             rows, want = self._x_need(ins)
-            self._require(ins, "x rows", self.x[rows], want)
+            if self.program.config.o_parts:  # the residual is the sum of the O_PROJ parts' rows
+                self._require(ins, "x parts' rows", self.x_part[:, rows], L)
+            else:
+                self._require(ins, "x rows", self.x[rows], want)
 
     def after(self, ins: Instruction) -> None:
         """Record what ``ins`` wrote."""
@@ -159,6 +175,8 @@ class Readiness:
             self.part[self._seg(ins.seg), self._group(ins.kv_head), ins.split] = ins.layer
         elif op == Op.ATTN_REDUCE:
             self.attn[self._seg(ins.seg), self._group(ins.kv_head)] = ins.layer
+        elif op == Op.O_PROJ and ins.n_parts:
+            self.x_part[ins.part, ins.row0: ins.row0 + ins.nrows] = ins.layer
         elif op in (Op.O_PROJ, Op.DOWN_PROJ):
             self.x[ins.row0: ins.row0 + ins.nrows] = 2 * ins.layer + (1 if op == Op.O_PROJ else 2)
         elif op == Op.MLP_IN:

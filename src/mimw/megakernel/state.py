@@ -16,7 +16,10 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
   part_o [M, Hq, SPLITS, hd]   unnormalised partial attention outputs   sum_j exp(s_j - m) v_j
   part_ml [M, Hq, SPLITS, 2]   running max m (scaled scores, natural log domain) and sum l = sum_j exp(s_j - m);
                                an empty split stores m = EMPTY_M, l = 0, o = 0
-  attn [M, Hq*hd]              attention output (input of O_PROJ)
+  attn [M, Hq*hd]              attention output (input of O_PROJ; not written with O_PROJ parts)
+  x_part [P, M, D]             with O_PROJ parts (ProgramConfig.o_parts, P of them; [1, M, D] unused otherwise):
+                               part p's W_o . attn over its columns, part 0 plus the residual; x after O_PROJ is
+                               their sum in part order (MLP_IN, DOWN_PROJ)
   act [M, I]                   SiLU(gate) * up (input of DOWN_PROJ)
   logits [M, V]
   act_words [M, I] int64       the GPU's act when the program versions it (ProgramConfig.flag_act): version << 32 |
@@ -94,13 +97,15 @@ class Scratch:
     attn: torch.Tensor
     act: torch.Tensor
     logits: torch.Tensor
+    x_part: torch.Tensor
     act_words: torch.Tensor
     x_words: torch.Tensor
     attn_words: torch.Tensor
     q_words: torch.Tensor
 
     def poison(self) -> None:
-        for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits):
+        for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits,
+                  self.x_part):
             t.fill_(float("nan"))
         self.act_words.fill_(-1)  # no version: a reader waits for a real write
         self.x_words.fill_(-1)
@@ -126,6 +131,7 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         attn=f(m, sp.q_size),
         act=f(m, sp.intermediate_size),
         logits=f(m, sp.vocab_size),
+        x_part=f(max(1, prog.config.o_parts), m, sp.hidden_size),
         act_words=torch.full((m, sp.intermediate_size), -1, dtype=torch.int64, device=device),
         x_words=torch.full((m, sp.hidden_size), -1, dtype=torch.int64, device=device),
         attn_words=torch.full((m, sp.q_size), -1, dtype=torch.int64, device=device),

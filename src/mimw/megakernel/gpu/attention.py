@@ -282,12 +282,11 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
 
 
 @gluon.jit
-def reduce(kvh, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ: gl.constexpr, HKV: gl.constexpr,
-           HD: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, R3: gl.constexpr, ver=0,
-           VERSIONED: gl.constexpr = False):
-    """attn[h] = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s over the splits, for the G heads at once (every
-    partial is loaded in one round of independent loads). ``VERSIONED``: attn is versioned words (version ``ver``,
-    versioned.py)."""
+def _combine(kvh, n_splits, SPLITS, po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr,
+             SP2: gl.constexpr, GP: gl.constexpr, R3: gl.constexpr):
+    """The G heads of KV group ``kvh`` combined over splits [0, n_splits): attn[h] = sum_s e^(m_s - M) o_s /
+    sum_s e^(m_s - M) l_s, [GP, HD] fp32 in SliceLayout(1, R3) (padding heads 0); every partial is loaded in one
+    round of independent loads. Reference: ops/attn_reduce.combine."""
     G: gl.constexpr = HQ // HKV
     GS: gl.constexpr = gl.SliceLayout(2, R3)  # [GP, SP2]
     GD: gl.constexpr = gl.SliceLayout(1, R3)  # [GP, HD]
@@ -305,7 +304,19 @@ def reduce(kvh, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ: gl.constexpr, H
     w = gl.exp2((ms - gl.expand_dims(mx, 1)) * LOG2E)
     den = gl.sum(w * ls, axis=1)
     o = gl.sum(gl.expand_dims(w, 2) * po, axis=1)  # [GP, HD]
-    o = o / gl.expand_dims(gl.convert_layout(den, gl.SliceLayout(1, GD)), 1)
+    return o / gl.expand_dims(gl.convert_layout(den, gl.SliceLayout(1, GD)), 1)
+
+
+@gluon.jit
+def reduce(kvh, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ: gl.constexpr, HKV: gl.constexpr,
+           HD: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, R3: gl.constexpr, ver=0,
+           VERSIONED: gl.constexpr = False):
+    """ATTN_REDUCE (or the combining split): the group's combined heads (``_combine``) stored to attn.
+    ``VERSIONED``: attn is versioned words (version ``ver``, versioned.py)."""
+    G: gl.constexpr = HQ // HKV
+    GD: gl.constexpr = gl.SliceLayout(1, R3)  # [GP, HD]
+    o = _combine(kvh, n_splits, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, SP2, GP, R3)
+    offs_d = gl.arange(0, HD, gl.SliceLayout(0, GD))
     offs_og = gl.arange(0, GP, gl.SliceLayout(1, GD))
     out = attn_ptr + gl.expand_dims((kvh * G + offs_og) * HD, 1) + gl.expand_dims(offs_d, 0)
     keep = gl.expand_dims(offs_og < G, 1) & gl.expand_dims(offs_d >= 0, 0)  # [GP, HD]
@@ -313,3 +324,19 @@ def reduce(kvh, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ: gl.constexpr, H
         versioned.store_masked(out, o, ver, keep)
     else:
         gl.store(out, o, mask=keep)
+
+
+@gluon.jit
+def stage_groups(hbuf, g0, n_splits, SPLITS, po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr,
+                 HD: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, R3: gl.constexpr, OG: gl.constexpr):
+    """O_PROJ in column parts (KernelConfig.o_parts): KV groups g0 .. g0 + OG - 1 combined from their splits
+    (``_combine``) and staged, rounded to bf16 as ``matvec.stage_plain`` rounds attn, at their own columns of
+    ``hbuf`` (group g's G heads are columns [g G HD, (g + 1) G HD); G is a power of two, KernelConfig.check).
+    Reference: ops/o_proj (parts)."""
+    NGR: gl.constexpr = hbuf.type.shape[0] * hbuf.type.shape[1] // (GP * HD)
+    # rank-2 layout of a rank-3 shape (as hbuf's): groups are indexed at run time
+    groups = hbuf._reinterpret(gl.bfloat16, [NGR, GP, HD], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    for j in gl.static_range(OG):
+        o = _combine(g0 + j, n_splits, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, SP2, GP, R3)
+        groups.index(g0 + j).store(o.to(gl.bfloat16))
+    gl.thread_barrier()  # staged vector visible to every compute warp before the first row tile reads it

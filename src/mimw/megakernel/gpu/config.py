@@ -51,6 +51,12 @@ class KernelConfig:
     # default shape) come off the ring's room; not yet measured
     qkv_in_attn: bool = False  # QKV_IN_ATTN: ATTN_IN's heads finished by the ATTN_PARTIALs that read them
     # (isa.QKV_IN_ATTN, ProgramConfig.qkv_in_attn): no ticket, no finisher round trip in ATTN_IN; not yet measured
+    o_parts: int = 0  # O_PARTS: O_PROJ split over its columns into this many parts of Hkv / o_parts KV groups
+    # (ProgramConfig.o_parts): the attention splits signal their part's counter (no ticket, no combining split),
+    # each O_PROJ block combines its groups' partials itself and stores its x part; MLP_IN's staging and
+    # DOWN_PROJ's residual rows sum the parts. A ticket, a release and a staging round trip leave the attention ->
+    # O_PROJ hop; every MLP_IN staging reads o_parts vectors instead of one (bench/NOTES.md session 14); not yet
+    # measured
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -115,7 +121,8 @@ class KernelConfig:
                              combine_splits=self.combine_splits, fixed_cost_bytes=self.fixed_cost_kb * 1024,
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
                              flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn,
-                             flag_q=self.flag_q, qkv_in_attn=self.qkv_in_attn, merge_signals=self.merge_signals)
+                             flag_q=self.flag_q, qkv_in_attn=self.qkv_in_attn, merge_signals=self.merge_signals,
+                             o_parts=self.o_parts)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -137,6 +144,10 @@ class KernelConfig:
             raise ValueError(f"vprobe={self.vprobe}: 1 (spin on the missing words) or a power-of-two probe stride "
                              "up to 256")
         self.program_config().check()  # flag_attn needs flag_x; qkv_in_attn excludes flag_q
+        self.program_config().check_spec(spec)  # o_parts: whole KV groups and column tiles a part
+        if self.o_parts and spec.group_size & (spec.group_size - 1):
+            raise ValueError(f"o_parts: the kernel stages whole groups of a power-of-two number of heads, "
+                             f"not {spec.group_size}")
         if self.mma not in (0, 1):
             raise ValueError(f"mma={self.mma}: 0 (CUDA cores) or 1 (tensor cores)")
         if self.mma:
@@ -215,7 +226,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
-        MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline,
+        MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline, O_PARTS=kcfg.o_parts,
         NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
@@ -243,7 +254,7 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
         "x_ptr": "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32",
-        "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32",
+        "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "xp_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32",
         "qscale": "fp32", "trace_ptr": "*i64", "tiles_ptr": "*i64", "MAXT": "i32",
     }
     sig.update({f"{name}_ptr": "*i64" for name, words in kcfg.versioned().items() if words})

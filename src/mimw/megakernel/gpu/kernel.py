@@ -95,7 +95,7 @@ def _mlp_tiles_past_ring(prog_ptr, MAXLEN, i, n, layer, a, b, gu_ptr, offs, D: g
 def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready, tiles_ptr,
             MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
             TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, L2_MLP: gl.constexpr, INFLIGHT: gl.constexpr,
-            TRACE_TILES: gl.constexpr):
+            O_PARTS: gl.constexpr, TRACE_TILES: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     NQKV: gl.constexpr = HQ + 2 * HKV
     KT_D: gl.constexpr = (D + TK - 1) // TK
@@ -123,7 +123,13 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, 
                                       (b + 1) * KT_D // n_parts, bufs, empty, ready, it, TR, TK, TILED, stamps,
                                       INFLIGHT)
         elif op == OP_O_PROJ:
-            it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, 0, KT_Q, bufs, empty, ready, it, TR, TK,
+            k0 = 0
+            k1 = KT_Q
+            if O_PARTS > 0:  # column part C of O_PARTS (KernelConfig.o_parts): its KV groups' column tiles
+                part = _field(w, offs, W_C)
+                k0 = part * KT_Q // O_PARTS
+                k1 = (part + 1) * KT_Q // O_PARTS
+            it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, k0, k1, bufs, empty, ready, it, TR, TK,
                                       TILED, stamps, INFLIGHT)
         elif op == OP_MLP_IN:
             it = producer_weight_rows(d_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready, it,
@@ -139,14 +145,15 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, 
 @gluon.jit
 def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
              emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
-             kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-             eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf,
+             kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
+             SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr,
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
-             NL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+             O_PARTS: gl.constexpr, NL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
+             num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -195,6 +202,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         b = _field(w, offs, W_B)
         wait = _field(w, offs, W_WAIT)
         key = op * 65536 + layer
+        if O_PARTS > 0:  # an O_PROJ part stages only its own columns: another part restages
+            key = key + _field(w, offs, W_C) * 1048576
         restage = key != staged
         staged = key
         if TRACE:
@@ -250,7 +259,9 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             else:
                 sig = -1  # an earlier part: no signal
         elif op == OP_ATTN_PARTIAL:
-            if _field(w, offs, W_F) != 0:  # combining splits (isa.py): the last one reduces the group and signals
+            # combining splits (isa.py): the last one reduces the group and signals (never with O_PROJ parts: the
+            # O_PROJ blocks combine the splits)
+            if (O_PARTS == 0) and (_field(w, offs, W_F) != 0):
                 n_splits = _field(w, offs, W_D)
                 if ticket_is_last(cnt_ptr, _field(w, offs, W_E), n_splits, epoch):
                     attention.reduce(a, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP, R3,
@@ -261,17 +272,26 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             attention.reduce(a, _field(w, offs, W_D), SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP,
                              R3, vstep + layer, FLAG_ATTN)
         elif op == OP_O_PROJ:
-            if restage:
-                if FLAG_ATTN:  # versioned attn words (isa.READS_ATTN): this load is the wait for attention
-                    matvec.stage_versioned(hbuf, attn_ptr, HQ * HD, vstep + layer, KT_Q, SG, S2, FLAG_ATTN)
-                else:
-                    matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, SG, S2)
-            it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row, layer == 0,
-                                      LAY, stamps, vstep + 2 * layer, vstep + 2 * layer + 1, FLAG_X)
+            if O_PARTS > 0:  # column part C (KernelConfig.o_parts): it combines its groups' splits itself
+                part = _field(w, offs, W_C)
+                if restage:
+                    attention.stage_groups(hbuf, part * (HKV // O_PARTS), _field(w, offs, W_E), SPLITS, po_ptr,
+                                           pml_ptr, HQ, HKV, HD, SP2, GP, R3, HKV // O_PARTS)
+                it = matvec.residual_rows(bufs, empty, ready, hbuf, it, (part + 1) * KT_Q // O_PARTS, a, b // TR,
+                                          x_ptr, emb_row, layer == 0, LAY, stamps, k0=part * KT_Q // O_PARTS,
+                                          out_ptr=xp_ptr + part * D, add_res=part == 0)
+            else:
+                if restage:
+                    if FLAG_ATTN:  # versioned attn words (isa.READS_ATTN): this load is the wait for attention
+                        matvec.stage_versioned(hbuf, attn_ptr, HQ * HD, vstep + layer, KT_Q, SG, S2, FLAG_ATTN)
+                    else:
+                        matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, SG, S2)
+                it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row,
+                                          layer == 0, LAY, stamps, vstep + 2 * layer, vstep + 2 * layer + 1, FLAG_X)
         elif op == OP_MLP_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2,
-                                    vstep + 2 * layer + 1, FLAG_X)
+                                    vstep + 2 * layer + 1, FLAG_X, xp_ptr, O_PARTS)
             it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, 2 * b // TR, act_ptr, LAY, stamps,
                                    vstep + layer, FLAG_ACT)
         elif op == OP_DOWN_PROJ:
@@ -281,7 +301,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 else:
                     matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,
-                                      stamps, vstep + 2 * layer + 1, vstep + 2 * layer + 2, FLAG_X)
+                                      stamps, vstep + 2 * layer + 1, vstep + 2 * layer + 2, FLAG_X, xp_ptr=xp_ptr,
+                                      XP=O_PARTS, XS=D)
         elif op == OP_LM_HEAD:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2,
@@ -315,16 +336,16 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
 def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
                d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr,
                emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
-               kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-               eps, qscale, trace_ptr, tiles_ptr, MAXT,
+               kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
+               SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT,
                D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
                TILED: gl.constexpr, L2_MLP: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
-               QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, NL: gl.constexpr,
-               TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
+               NL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -343,10 +364,10 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
     gl.warp_specialize([
         (_compute, (prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
-                    kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, SPLITS,
-                    eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
+                    kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
+                    SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
                     HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
-                    QKV_IN_ATTN, MERGE, kvbuf, KVP, NL, TRACE, TRACE_TILES, num_warps)),
+                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, NL, TRACE, TRACE_TILES, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
-                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, INFLIGHT, TRACE_TILES)),
+                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, INFLIGHT, O_PARTS, TRACE_TILES)),
     ], [1], [LOADER_REGS])

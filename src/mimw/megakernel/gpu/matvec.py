@@ -97,15 +97,29 @@ def _group_offsets(g0, SG: gl.constexpr, TK: gl.constexpr, S2: gl.constexpr):
 
 
 @gluon.jit
-def _residual_group(x_ptr, emb_ptr, from_embed, o, lo, K, ver=0, VX: gl.constexpr = 0):
+def _sum_parts(xp_ptr, o, m, K, XP: gl.constexpr):
+    """x after an O_PROJ in column parts (KernelConfig.o_parts): the XP parts' vectors at offsets ``o`` (mask ``m``;
+    part p at ``xp_ptr + p * K``) summed in part order, fp32; every part's load is issued before the sum.
+    Reference: ops/common.x_after_attention."""
+    v = gl.load(xp_ptr + o, mask=m, other=0.0, cache_modifier=".cg")
+    for p in gl.static_range(1, XP):
+        v += gl.load(xp_ptr + p * K + o, mask=m, other=0.0, cache_modifier=".cg")
+    return v
+
+
+@gluon.jit
+def _residual_group(x_ptr, emb_ptr, from_embed, o, lo, K, ver=0, VX: gl.constexpr = 0, xp_ptr=None,
+                    XP: gl.constexpr = 0):
     """The residual row at offsets ``o`` (the group from element ``lo``; masked past K) as fp32: x (written by other
-    CTAs this step: through L2; ``VX``: versioned words, waited for at version ``ver``, VX > 1 the probe stride), or
-    for layer 0 the bf16 embedding row."""
+    CTAs this step: through L2; ``VX``: versioned words, waited for at version ``ver``, VX > 1 the probe stride;
+    ``XP``: the sum of the XP O_PROJ parts at ``xp_ptr``), or for layer 0 the bf16 embedding row."""
     if from_embed:
         v = gl.load(emb_ptr + o, mask=o < K, other=0.0).to(gl.float32)
     else:
         if VX:  # VX > 1: the probe stride (KernelConfig.vprobe)
             v = versioned.wait_vector(x_ptr, o, lo, K, ver, VX)
+        elif XP > 0:
+            v = _sum_parts(xp_ptr, o, o < K, K, XP)
         else:
             v = gl.load(x_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
     return v
@@ -113,17 +127,17 @@ def _residual_group(x_ptr, emb_ptr, from_embed, o, lo, K, ver=0, VX: gl.constexp
 
 @gluon.jit
 def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.constexpr, SG: gl.constexpr,
-                 S2: gl.constexpr, ver=0, VX: gl.constexpr = 0):
+                 S2: gl.constexpr, ver=0, VX: gl.constexpr = 0, xp_ptr=None, XP: gl.constexpr = 0):
     """hbuf <- (x * rsqrt(mean(x^2) + eps)).to(bf16) * norm_w, x = the fp32 residual row, or (layer 0) the bf16
     embedding row at ``emb_ptr``. When the row fits one staging group (KT <= SG: every model up to 4096 wide at
     TK = 256) x and the norm weights are loaded once, together: one L2 round trip. Wider rows take two passes
     over x (sum of squares, then scale and store), each in groups of SG column tiles whose loads are all in
     flight together. ``VX``: x is versioned words, waited for at version ``ver`` (isa.READS_X); VX > 1: probed
-    one word in VX (versioned.wait)."""
+    one word in VX (versioned.wait). ``XP``: x is the sum of the XP O_PROJ parts at ``xp_ptr`` (o_parts)."""
     TK: gl.constexpr = hbuf.type.shape[1]
     if KT <= SG:
         o = _group_offsets(0, SG, TK, S2)
-        v = _residual_group(x_ptr, emb_ptr, from_embed, o, 0, K, ver, VX)
+        v = _residual_group(x_ptr, emb_ptr, from_embed, o, 0, K, ver, VX, xp_ptr, XP)
         w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
         rs = gl.rsqrt(gl.sum(gl.sum(v * v, axis=1), axis=0) / K + eps)
         _group(hbuf, 0, SG).store((v * rs).to(gl.bfloat16) * w)
@@ -131,12 +145,12 @@ def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.cons
         ss = gl.zeros([SG, TK], gl.float32, S2)
         for g0 in gl.static_range(0, KT, SG):
             o = _group_offsets(g0, SG, TK, S2)
-            v = _residual_group(x_ptr, emb_ptr, from_embed, o, g0 * TK, K, ver, VX)
+            v = _residual_group(x_ptr, emb_ptr, from_embed, o, g0 * TK, K, ver, VX, xp_ptr, XP)
             ss += v * v
         rs = gl.rsqrt(gl.sum(gl.sum(ss, axis=1), axis=0) / K + eps)
         for g0 in gl.static_range(0, KT, SG):
             o = _group_offsets(g0, SG, TK, S2)
-            v = _residual_group(x_ptr, emb_ptr, from_embed, o, g0 * TK, K, ver, VX)
+            v = _residual_group(x_ptr, emb_ptr, from_embed, o, g0 * TK, K, ver, VX, xp_ptr, XP)
             w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
             _group(hbuf, g0, SG).store((v * rs).to(gl.bfloat16) * w)
     gl.thread_barrier()  # staged vector visible to every compute warp before the first row tile reads it
@@ -170,27 +184,40 @@ def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S
 
 @gluon.jit
 def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
-                  LAY: gl.constexpr, stamps=None, ver_in=0, ver_out=0, VX: gl.constexpr = False):
-    """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h, tile by tile (the residual is x itself, or for
-    layer 0's O_PROJ the bf16 embedding row). Each row tile's residual is requested before its dot product, so
-    its round trip overlaps the tile loop. ``VX``: x is versioned words: the residual rows are waited for at
-    ``ver_in``, the new rows stored at ``ver_out`` (isa.READS_X, isa.WRITES_VERSIONED)."""
+                  LAY: gl.constexpr, stamps=None, ver_in=0, ver_out=0, VX: gl.constexpr = False, k0=0, out_ptr=None,
+                  add_res=True, xp_ptr=None, XP: gl.constexpr = 0, XS=0):
+    """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h over column tiles [k0, KT), tile by tile (the
+    residual is x itself, or for layer 0's O_PROJ the bf16 embedding row). Each row tile's residual is requested
+    before its dot product, so its round trip overlaps the tile loop. ``VX``: x is versioned words: the residual
+    rows are waited for at ``ver_in``, the new rows stored at ``ver_out`` (isa.READS_X, isa.WRITES_VERSIONED).
+    O_PROJ in column parts (KernelConfig.o_parts): ``out_ptr`` (its x part) instead of x, and the residual only
+    where ``add_res`` (part 0); DOWN_PROJ after them: ``XP`` > 0, the residual is the sum of the XP parts at
+    ``xp_ptr``, ``XS`` apart."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
+    if out_ptr is None:
+        out = x_ptr
+    else:
+        out = out_ptr
     for r in range(n_tiles):
         rows = row0 + r * TR + offs_r
-        if res_from_embed:
-            res = gl.load(res_ptr + rows).to(gl.float32)
-        else:
-            if VX:
-                res = versioned.wait(x_ptr + rows, rows >= 0, ver_in)  # TR words: no probe
+        if add_res:
+            if res_from_embed:
+                res = gl.load(res_ptr + rows).to(gl.float32)
             else:
-                res = gl.load(x_ptr + rows, cache_modifier=".cg")
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
-        if VX:
-            versioned.store(x_ptr + rows, res + acc, ver_out)
+                if VX:
+                    res = versioned.wait(x_ptr + rows, rows >= 0, ver_in)  # TR words: no probe
+                elif XP > 0:
+                    res = _sum_parts(xp_ptr, rows, rows >= 0, XS, XP)
+                else:
+                    res = gl.load(x_ptr + rows, cache_modifier=".cg")
         else:
-            gl.store(x_ptr + rows, res + acc)
+            res = gl.zeros([TR], gl.float32, gl.SliceLayout(1, LAY))
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, KT, LAY, stamps)
+        if VX:
+            versioned.store(out + rows, res + acc, ver_out)
+        else:
+            gl.store(out + rows, res + acc)
     return it
 
 

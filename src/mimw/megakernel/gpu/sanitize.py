@@ -6,7 +6,9 @@ a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path),
 (tensor cores and CUDA cores), the SmolLM2 twice more with every versioned-word flag (the second time with the
 stagings probed, vprobe=16), and once with its heads finished by the attention splits and its releases merged
 (qkv_in_attn, merge_signals), and once with its attention's later K/V blocks through shared memory at context 300
-(kv_pipeline). Exits non-zero if logits are wrong.
+(kv_pipeline); and the tiny Qwen3 with O_PROJ in column parts (o_parts 2 and 1: one group a part, two in one;
+CUDA-core consumer, 128-column tiles so that a part's 128 columns are one tile). Exits non-zero if logits are
+wrong.
 
 First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
 shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
@@ -85,6 +87,11 @@ def main() -> int:
     r = check_decode(small, 300, steps=2, graph=False, num_sms=8, kcfg=kcfg)
     print("kv_pipeline", r, flush=True)
     ok &= r.ok()
+    for parts in (2, 1):  # O_PROJ blocks that combine the splits themselves; the MLP_IN / DOWN_PROJ sums of parts
+        kcfg = dataclasses.replace(KernelConfig.for_spec(tiny), tile_k=128, mma=0, o_parts=parts)
+        r = check_decode(tiny, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)
+        print(f"o_parts={parts}", r, flush=True)
+        ok &= r.ok()
     return 0 if ok else 1
 
 

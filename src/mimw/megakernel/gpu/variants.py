@@ -97,6 +97,13 @@ VARIANTS = {
     "tr32-merge": KernelConfig(merge_signals=True),
     "tr32-merge-b256": KernelConfig(merge_signals=True, max_block_kb=256),
     "tr32-qkvattn-merge": KernelConfig(qkv_in_attn=True, merge_signals=True),
+    # O_PROJ in column parts of 8 / 4 / 2 KV groups: no combining split, each block combines its groups' splits,
+    # MLP_IN and DOWN_PROJ sum the parts (o_parts); with the heads finished in attention a layer has no ticket left
+    "tr32-op8": KernelConfig(o_parts=8),
+    "tr32-op4": KernelConfig(o_parts=4),
+    "tr32-op2": KernelConfig(o_parts=2),
+    "tr32-op8-qkvattn": KernelConfig(o_parts=8, qkv_in_attn=True),
+    "tr32-op8-qkvattn-merge": KernelConfig(o_parts=8, qkv_in_attn=True, merge_signals=True),
     # without early dispatch a reader arrives later and spins less: if flag_act gains here, early spinning costs
     "tr32-nodisp": KernelConfig(dispatch=False),
     "tr32-flag-nodisp": KernelConfig(flag_act=True, dispatch=False),

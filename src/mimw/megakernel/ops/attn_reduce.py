@@ -15,12 +15,19 @@ from ..isa import AttnReduce
 from .common import OpContext
 
 
-def solve(ctx: OpContext, ins: AttnReduce) -> None:
+def combine(ctx: OpContext, kv_head: int, seg: int, n_splits: int) -> torch.Tensor:
+    """The group's attention output [T, G*hd] for the segment's T tokens, from splits [0, n_splits)' partials."""
     spec, sc = ctx.spec, ctx.scratch
-    g, hd = spec.group_size, spec.head_dim
-    toks, heads = ctx.seg_tokens(ins.seg), slice(ins.kv_head * g, (ins.kv_head + 1) * g)
-    o = sc.part_o[toks, heads, : ins.n_splits]  # [T, G, n, hd]
-    m, l = sc.part_ml[toks, heads, : ins.n_splits].unbind(-1)  # [T, G, n] each
+    g = spec.group_size
+    toks, heads = ctx.seg_tokens(seg), slice(kv_head * g, (kv_head + 1) * g)
+    o = sc.part_o[toks, heads, :n_splits]  # [T, G, n, hd]
+    m, l = sc.part_ml[toks, heads, :n_splits].unbind(-1)  # [T, G, n] each
     w = torch.exp(m - m.amax(-1, keepdim=True))  # [T, G, n]
     out = (w[..., None] * o).sum(-2) / (w * l).sum(-1)[..., None]  # [T, G, hd]
-    sc.attn[toks, ins.kv_head * g * hd: (ins.kv_head + 1) * g * hd] = out.reshape(out.shape[0], g * hd)
+    return out.reshape(out.shape[0], g * spec.head_dim)
+
+
+def solve(ctx: OpContext, ins: AttnReduce) -> None:
+    gh = ctx.spec.group_size * ctx.spec.head_dim
+    ctx.scratch.attn[ctx.seg_tokens(ins.seg), ins.kv_head * gh: (ins.kv_head + 1) * gh] = \
+        combine(ctx, ins.kv_head, ins.seg, ins.n_splits)

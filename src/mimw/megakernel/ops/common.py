@@ -59,6 +59,19 @@ def residual(ctx: OpContext, layer: int, cols: slice = slice(None)) -> torch.Ten
     return ctx.scratch.x[:, cols]
 
 
+def x_after_attention(ctx: OpContext, cols: slice = slice(None)) -> torch.Tensor:
+    """The residual stream after this layer's O_PROJ, columns ``cols``: [M, n] fp32. scratch.x, or with O_PROJ
+    parts (ProgramConfig.o_parts) the sum of scratch.x_part over the parts in part order (part 0 holds the
+    residual), as MLP_IN's staging and DOWN_PROJ's residual rows sum them on the GPU."""
+    if not ctx.program.config.o_parts:
+        return ctx.scratch.x[:, cols]
+    parts = ctx.scratch.x_part[:, :, cols]
+    out = parts[0].clone()
+    for p in range(1, parts.shape[0]):
+        out += parts[p]
+    return out
+
+
 def matvec(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """h [M, K] fp32 times the weight rows w [n, K] (any dtype, upcast) -> [M, n] fp32."""
     return h @ w.float().t()
