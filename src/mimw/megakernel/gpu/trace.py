@@ -98,14 +98,15 @@ def tile_counts(program: Program, tile_rows: int, tile_k: int) -> list[list[int]
     hd = spec.head_dim
     kt = lambda k: -(-k // tile_k)  # noqa: E731
     kt_d, kt_q, kt_i = kt(spec.hidden_size), kt(spec.q_size), kt(spec.intermediate_size)
+    part = lambda k, p, n: (p + 1) * k // n - p * k // n  # noqa: E731  column tiles of part p of n
     out = []
     for q in program.queues:
         row = []
         for ins in q:
             if isinstance(ins, isa.AttnIn):
-                row.append(hd // tile_rows * ((ins.part + 1) * kt_d // ins.n_parts - ins.part * kt_d // ins.n_parts))
-            elif isinstance(ins, isa.OProj):
-                row.append(ins.nrows // tile_rows * kt_q)
+                row.append(hd // tile_rows * part(kt_d, ins.part, ins.n_parts))
+            elif isinstance(ins, isa.OProj):  # with n_parts: its part's columns (ProgramConfig.o_parts)
+                row.append(ins.nrows // tile_rows * (part(kt_q, ins.part, ins.n_parts) if ins.n_parts else kt_q))
             elif isinstance(ins, isa.MlpIn):
                 row.append(2 * ins.nrows // tile_rows * kt_d)
             elif isinstance(ins, isa.DownProj):
