@@ -19,6 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from . import versioned
+from .matvec import MAX_PARTS
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -84,9 +85,10 @@ def _finish_rows(qkvp_ptr, n_parts, hoff, d, m, layer, pos, bias_ptr, nw_ptr, in
         biasp = gl.load(bb + dp, mask=m, other=0.0).to(gl.float32)
     y = gl.load(qkvp_ptr + hoff + d, mask=m, other=0.0, cache_modifier=".cg")
     yp = gl.load(qkvp_ptr + hoff + dp, mask=m, other=0.0, cache_modifier=".cg")
-    for p in range(1, n_parts):
-        y += gl.load(qkvp_ptr + p * NQKV * HD + hoff + d, mask=m, other=0.0, cache_modifier=".cg")
-        yp += gl.load(qkvp_ptr + p * NQKV * HD + hoff + dp, mask=m, other=0.0, cache_modifier=".cg")
+    for p in gl.static_range(1, MAX_PARTS):  # unrolled and masked: every part's loads in flight together
+        mp = m & (p < n_parts)
+        y += gl.load(qkvp_ptr + p * NQKV * HD + hoff + d, mask=mp, other=0.0, cache_modifier=".cg")
+        yp += gl.load(qkvp_ptr + p * NQKV * HD + hoff + dp, mask=mp, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         y += bias
         yp += biasp

@@ -143,6 +143,9 @@ class KernelConfig:
         if self.vprobe not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"vprobe={self.vprobe}: 1 (spin on the missing words) or a power-of-two probe stride "
                              "up to 256")
+        if not 0 <= self.qkv_parts <= 8:
+            raise ValueError(f"qkv_parts={self.qkv_parts}: 0 (the cost model's choice, at most 8) or 1..8 (the "
+                             "finisher's unrolled sum, matvec.MAX_PARTS)")
         self.program_config().check()  # flag_attn needs flag_x; qkv_in_attn excludes flag_q
         self.program_config().check_spec(spec)  # o_parts: whole KV groups and column tiles a part
         if self.o_parts and spec.group_size & (spec.group_size - 1):

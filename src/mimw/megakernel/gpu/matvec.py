@@ -17,6 +17,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from . import versioned
 from .orchestration import consumer_acquire, consumer_release
 
+MAX_PARTS: gl.constexpr = gl.constexpr(8)  # ATTN_IN column parts a head may have (KernelConfig.check)
+
 
 @gluon.jit
 def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None):
@@ -300,9 +302,12 @@ def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_
     src = qkvp_ptr + head * HD
     a = gl.load(src + i, cache_modifier=".cg")
     b = gl.load(src + HD // 2 + i, cache_modifier=".cg")
-    for p in range(1, n_parts):
-        a += gl.load(src + p * NQKV * HD + i, cache_modifier=".cg")
-        b += gl.load(src + p * NQKV * HD + HD // 2 + i, cache_modifier=".cg")
+    # the parts unrolled and masked, so every part's loads are in flight together (a loop over n_parts would wait
+    # for each part's round trip before issuing the next one's loads)
+    for p in gl.static_range(1, MAX_PARTS):
+        mp = i * 0 + p < n_parts
+        a += gl.load(src + p * NQKV * HD + i, mask=mp, other=0.0, cache_modifier=".cg")
+        b += gl.load(src + p * NQKV * HD + HD // 2 + i, mask=mp, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         a += bias_a
         b += bias_b
