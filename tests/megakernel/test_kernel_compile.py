@@ -247,3 +247,10 @@ def test_min_split_tokens_reaches_the_scheduler():
     splits = [build_program(spec, StepShape((1,), 1024), 132, KernelConfig(min_split_tokens=m).program_config())
               .n_splits for m in (32, 128, 256)]
     assert splits == [(16,), (8,), (4,)]
+
+
+def test_qkv_parts_beyond_the_finishers_unrolled_sum_are_refused():
+    spec = get_preset("llama-3.2-1b")
+    KernelConfig(qkv_parts=8).check(spec)
+    with pytest.raises(ValueError, match="qkv_parts=9"):
+        KernelConfig(qkv_parts=9).check(spec)
