@@ -44,19 +44,21 @@ class KernelConfig:
     # signal nothing, ATTN_PARTIAL polls no counter
     merge_signals: bool = False  # MERGE: a run of same-counter instructions on one SM releases once, at its end
     # (ProgramConfig.merge_signals, isa.Word.SIGNAL_N): 92 of the 8B's 224 MLP_IN blocks a layer follow one of their
-    # own stage on the same SM; not yet measured
+    # own stage on the same SM; measured +1.1% (1B) / +0.1% (8B) at 9c38a10
     kv_pipeline: bool = False  # KVP: an attention split's later K/V blocks through shared memory, two stages of
     # cp.async (attention.partial): at context 8192 a split has 8 (1B) / 16 (8B) blocks and each later one cost a
     # round trip in series (bench/NOTES.md session 13 §6); 4 * BT * HD * 2 bytes of shared memory (32 KB at every
-    # default shape) come off the ring's room; not yet measured
+    # default shape) come off the ring's room; measured -1.8% (1B and 8B) at context 8192, +1.2% / +0.9% at 1024
+    # (9c38a10)
     qkv_in_attn: bool = False  # QKV_IN_ATTN: ATTN_IN's heads finished by the ATTN_PARTIALs that read them
-    # (isa.QKV_IN_ATTN, ProgramConfig.qkv_in_attn): no ticket, no finisher round trip in ATTN_IN; not yet measured
+    # (isa.QKV_IN_ATTN, ProgramConfig.qkv_in_attn): no ticket, no finisher round trip in ATTN_IN; measured +0.5% (1B)
+    # / +5.5% (8B) at 1b8fdc5: each split's finish costs more than ATTN_IN's tail saves
     o_parts: int = 0  # O_PARTS: O_PROJ split over its columns into this many parts of Hkv / o_parts KV groups
     # (ProgramConfig.o_parts): the attention splits signal their part's counter (no ticket, no combining split),
     # each O_PROJ block combines its groups' partials itself and stores its x part; MLP_IN's staging and
     # DOWN_PROJ's residual rows sum the parts. A ticket, a release and a staging round trip leave the attention ->
-    # O_PROJ hop; every MLP_IN staging reads o_parts vectors instead of one (bench/NOTES.md session 14); not yet
-    # measured
+    # O_PROJ hop; every MLP_IN staging reads o_parts vectors instead of one (bench/NOTES.md session 14): at 8,
+    # -0.2% (1B) / +1.3% (8B) at 9c38a10 (the part blocks' many short row tiles cost what the hop saves)
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
