@@ -226,6 +226,17 @@ def test_o_proj_in_column_parts_compiles_without_spills_and_drops_the_combining_
     assert ptx.count(ticket) == base.count(ticket) - 1
 
 
+@pytest.mark.slow
+def test_fold_shuffle_epilogue_compiles_without_spills_and_with_fewer_barriers():
+    spec = get_preset("llama-3.2-1b")
+    ptx = compile_sm90a(spec, KernelConfig(fold_shuffle=True)).asm["ptx"]
+    assert ptxas_report(ptx)["spill_stores"] == 0
+    base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+    # two layout conversions (a barrier each) leave every inlined copy of the tensor-core epilogue
+    assert ptx.count("bar.sync") == base.count("bar.sync") - 12
+    assert ptx.count("shfl.sync") > base.count("shfl.sync")
+
+
 def test_o_parts_must_fit_the_kernel():
     with pytest.raises(ValueError, match="must divide the 8 KV heads"):
         KernelConfig(o_parts=3).check(get_preset("llama-3.2-1b"))

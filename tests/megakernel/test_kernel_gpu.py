@@ -83,6 +83,15 @@ def test_merged_releases_match_reference_over_64_steps(model):
     _matches_reference_over_64_steps(model, 17, merge_signals=True, max_block_kb=256)
 
 
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("context", [17, 1000])
+@pytest.mark.parametrize("model", MODELS)
+def test_fold_shuffle_epilogue_matches_reference_over_64_steps(model, context):
+    """KernelConfig(fold_shuffle=True): the tensor-core epilogue sums the folds by warp shuffles in the layout the
+    reshape gives (matvec.dot_tile_mma); a wrong lane mapping would put another row's fold into a row."""
+    _matches_reference_over_64_steps(model, context, fold_shuffle=True)
+
+
 O_PARTS = [("llama-3.2-1b", 8), ("llama-3.2-1b", 2), ("llama-3.1-8b", 8), ("qwen3-8b", 4)]
 
 

@@ -59,6 +59,10 @@ class KernelConfig:
     # DOWN_PROJ's residual rows sum the parts. A ticket, a release and a staging round trip leave the attention ->
     # O_PROJ hop; every MLP_IN staging reads o_parts vectors instead of one (bench/NOTES.md session 14): at 8,
     # -0.2% (1B) / +1.3% (8B) at 9c38a10 (the part blocks' many short row tiles cost what the hop saves)
+    fold_shuffle: bool = False  # SHFL: the tensor-core epilogue sums a row's folds with warp shuffles (the diagonal
+    # reshaped in place) instead of two layout conversions through shared memory: one barrier a row tile instead of
+    # three (matvec.dot_tile_mma); the O_PROJ part blocks (o_parts) pay that epilogue on 4-8x more row tiles; not
+    # yet run on the GPU
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -231,7 +235,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
-        MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline, O_PARTS=kcfg.o_parts,
+        MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline, O_PARTS=kcfg.o_parts, SHFL=kcfg.fold_shuffle,
         NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,

@@ -152,8 +152,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr,
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
-             O_PARTS: gl.constexpr, NL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
-             num_warps: gl.constexpr):
+             O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, TRACE: gl.constexpr,
+             TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -248,7 +248,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                                     vstep + 2 * layer, FLAG_X)
             n_parts = _field(w, offs, W_C)
             it = matvec.qkv_part(bufs, empty, ready, hbuf, it, b * KT_D // n_parts, (b + 1) * KT_D // n_parts, a, b,
-                                 qkvp_ptr, HQ + 2 * HKV, HD, LAY, stamps)
+                                 qkvp_ptr, HQ + 2 * HKV, HD, LAY, stamps, SHFL)
             if QKV_IN_ATTN:
                 pass  # isa.QKV_IN_ATTN: the part signals; the ATTN_PARTIALs finish the head
             # ticket (isa.py): the last part finishes the head
@@ -279,7 +279,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                                            pml_ptr, HQ, HKV, HD, SP2, GP, R3, HKV // O_PARTS)
                 it = matvec.residual_rows(bufs, empty, ready, hbuf, it, (part + 1) * KT_Q // O_PARTS, a, b // TR,
                                           x_ptr, emb_row, layer == 0, LAY, stamps, k0=part * KT_Q // O_PARTS,
-                                          out_ptr=xp_ptr + part * D, add_res=part == 0)
+                                          out_ptr=xp_ptr + part * D, add_res=part == 0, SHFL=SHFL)
             else:
                 if restage:
                     if FLAG_ATTN:  # versioned attn words (isa.READS_ATTN): this load is the wait for attention
@@ -287,13 +287,14 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                     else:
                         matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, SG, S2)
                 it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row,
-                                          layer == 0, LAY, stamps, vstep + 2 * layer, vstep + 2 * layer + 1, FLAG_X)
+                                          layer == 0, LAY, stamps, vstep + 2 * layer, vstep + 2 * layer + 1, FLAG_X,
+                                          SHFL=SHFL)
         elif op == OP_MLP_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2,
                                     vstep + 2 * layer + 1, FLAG_X, xp_ptr, O_PARTS)
             it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, 2 * b // TR, act_ptr, LAY, stamps,
-                                   vstep + layer, FLAG_ACT)
+                                   vstep + layer, FLAG_ACT, SHFL)
         elif op == OP_DOWN_PROJ:
             if restage:
                 if FLAG_ACT:  # versioned act words (isa.READS_ACT): this load is the wait for MLP_IN
@@ -302,12 +303,12 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                     matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,
                                       stamps, vstep + 2 * layer + 1, vstep + 2 * layer + 2, FLAG_X, xp_ptr=xp_ptr,
-                                      XP=O_PARTS, XS=D)
+                                      XP=O_PARTS, XS=D, SHFL=SHFL)
         elif op == OP_LM_HEAD:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2,
                                     vstep + 2 * NL, FLAG_X)
-            it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY, stamps)
+            it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY, stamps, SHFL)
         if TRACE:
             t_release = globaltimer()
         sig_n = 1
@@ -345,7 +346,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                TILED: gl.constexpr, L2_MLP: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
                QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
-               NL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               SHFL: gl.constexpr, NL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
+               num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -367,7 +369,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
                     HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
-                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, NL, TRACE, TRACE_TILES, num_warps)),
+                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, TRACE, TRACE_TILES, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, INFLIGHT, O_PARTS, TRACE_TILES)),
     ], [1], [LOADER_REGS])

@@ -21,14 +21,15 @@ MAX_PARTS: gl.constexpr = gl.constexpr(8)  # ATTN_IN column parts a head may hav
 
 
 @gluon.jit
-def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None):
+def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False):
     """One row tile: sum over column tiles [k0, k1) of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it').
     The ring's slot shape selects the consumer: [TR, TK] slots are reduced on the CUDA cores (bf16 -> fp32 converts
-    and FMAs), folded [TR * TK / FK, FK] slots on the tensor cores (``dot_tile_mma``)."""
+    and FMAs), folded [TR * TK / FK, FK] slots on the tensor cores (``dot_tile_mma``; ``SHFL``: its folds summed by
+    warp shuffles, KernelConfig.fold_shuffle)."""
     if bufs.type.shape[2] == hbuf.type.shape[1]:
         out, it = _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
     else:
-        out, it = dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
+        out, it = dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL)
     return out, it
 
 
@@ -47,7 +48,7 @@ def _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamp
 
 
 @gluon.jit
-def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None):
+def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False):
     """``dot_tile`` on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). A tile-major [TR, TK] block
     read as a row-major [FR, FK] matrix (FK = 32, FR = TR * NF, NF = TK / FK folds) has row NF r + j = W[r, FK j ..
     FK j + FK): the TMA descriptor describes the same bytes that way (``KernelConfig.tile_box``). Against the
@@ -55,7 +56,10 @@ def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps
     partial dot over fold j, so row r = sum_j D[NF r + j, j]. Per tile each warp issues FR / 16 / num_warps * 2
     ldmatrix.x4 and as many mma.sync, instead of TR * TK / 32 / num_warps converts and FMAs per thread. Releasing slots
     in pairs was measured slower (triton 3.6 places a barrier before every arrive anyway; bench/NOTES.md, session
-    11)."""
+    11). The epilogue sums each row's NF folds: by default through two layout conversions (three barriers and
+    shared-memory round trips a row tile); with ``SHFL`` the diagonal [FR] is reshaped in place to [TR, NF] — row
+    NF r + j sits in lane group j of one warp in the mma layout, so the fold sum is a warp shuffle reduction —
+    and one conversion remains, to the caller's layout."""
     FR: gl.constexpr = bufs.type.shape[1]
     FK: gl.constexpr = bufs.type.shape[2]
     TK: gl.constexpr = hbuf.type.shape[1]
@@ -77,7 +81,10 @@ def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps
     r = gl.arange(0, FR, gl.SliceLayout(1, MMA))
     j = gl.arange(0, NF, gl.SliceLayout(0, MMA))
     diag = gl.sum(gl.where(gl.expand_dims(r % NF, 1) == gl.expand_dims(j, 0), acc, 0.0), axis=1)  # [FR]
-    folds = gl.reshape(gl.convert_layout(diag, gl.BlockedLayout([NF], [32], [NW], [0])), [TR, NF])
+    if SHFL:
+        folds = gl.reshape(diag, [TR, NF])  # the layout follows (a linear layout): no data moves
+    else:
+        folds = gl.reshape(gl.convert_layout(diag, gl.BlockedLayout([NF], [32], [NW], [0])), [TR, NF])
     return gl.convert_layout(gl.sum(folds, axis=1), gl.SliceLayout(1, LAY)), it
 
 
@@ -187,7 +194,7 @@ def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S
 @gluon.jit
 def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
                   LAY: gl.constexpr, stamps=None, ver_in=0, ver_out=0, VX: gl.constexpr = False, k0=0, out_ptr=None,
-                  add_res=True, xp_ptr=None, XP: gl.constexpr = 0, XS=0):
+                  add_res=True, xp_ptr=None, XP: gl.constexpr = 0, XS=0, SHFL: gl.constexpr = False):
     """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h over column tiles [k0, KT), tile by tile (the
     residual is x itself, or for layer 0's O_PROJ the bf16 embedding row). Each row tile's residual is requested
     before its dot product, so its round trip overlaps the tile loop. ``VX``: x is versioned words: the residual
@@ -215,7 +222,7 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
                     res = gl.load(x_ptr + rows, cache_modifier=".cg")
         else:
             res = gl.zeros([TR], gl.float32, gl.SliceLayout(1, LAY))
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, KT, LAY, stamps)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, KT, LAY, stamps, SHFL)
         if VX:
             versioned.store(out + rows, res + acc, ver_out)
         else:
@@ -224,25 +231,26 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
 
 
 @gluon.jit
-def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl.constexpr, stamps=None):
+def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl.constexpr, stamps=None,
+               SHFL: gl.constexpr = False):
     """LM_HEAD: out[rows] = W[rows] . h."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps, SHFL)
         gl.store(out_ptr + row0 + r * TR + offs_r, acc)
     return it
 
 
 @gluon.jit
 def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl.constexpr, stamps=None, ver=0,
-               VERSIONED: gl.constexpr = False):
+               VERSIONED: gl.constexpr = False, SHFL: gl.constexpr = False):
     """MLP_IN: every row tile holds TR/2 gate rows then the TR/2 up rows of the same outputs (pack.py), so one tile
     yields TR/2 outputs act[rows] = silu(gate . h) * (up . h) and MLP_IN blocks come in TR/2-row steps.
     ``VERSIONED``: act is a vector of versioned words, stored with version ``ver``."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     for t in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps, SHFL)
         a2 = gl.reshape(acc, [2, TR // 2])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
         h = gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, a2.type.layout)), 1)
         g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
@@ -257,14 +265,14 @@ def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl
 
 @gluon.jit
 def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: gl.constexpr, HD: gl.constexpr,
-             LAY: gl.constexpr, stamps=None):
+             LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False):
     """ATTN_IN, every part (M = 1): qkv_part[part, head] = W[head rows, column tiles k0..k1) . h, fp32 to global
     scratch (the head's finisher may run on another SM)."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     out = qkvp_ptr + (part * NQKV + head) * HD
     for r in gl.static_range(HD // TR):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL)
         gl.store(out + r * TR + offs_r, acc)
     return it
 

@@ -104,6 +104,10 @@ VARIANTS = {
     "tr32-op2": KernelConfig(o_parts=2),
     "tr32-op8-qkvattn": KernelConfig(o_parts=8, qkv_in_attn=True),
     "tr32-op8-qkvattn-merge": KernelConfig(o_parts=8, qkv_in_attn=True, merge_signals=True),
+    # the tensor-core epilogue's folds summed by warp shuffles (one barrier a row tile instead of three); with the
+    # O_PROJ parts, whose blocks have 4-8x more row tiles (the 8B's compile spills 12 bytes)
+    "tr32-shfl": KernelConfig(fold_shuffle=True),
+    "tr32-shfl-op8": KernelConfig(fold_shuffle=True, o_parts=8),
     # without early dispatch a reader arrives later and spins less: if flag_act gains here, early spinning costs
     "tr32-nodisp": KernelConfig(dispatch=False),
     "tr32-flag-nodisp": KernelConfig(flag_act=True, dispatch=False),
