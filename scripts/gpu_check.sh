@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The megakernel's verification on a Hopper GPU, from the working tree (nothing installed; needs torch and triton
-# 3.6 with Gluon, as on the H200 machine): the GPU tests (4 shapes x contexts 1/17/1000/8191, 64 steps each, both
-# consumers, the heads finished in attention, merged releases, the K/V pipeline, the standalone GEMV and the
-# engine's megakernel backend),
-# compute-sanitizer synccheck and racecheck on small shapes, and the per-instruction trace of the 1B and 8B shapes
-# at context 1024. Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
-#   bash scripts/gpu_check.sh            # ~15 minutes on an H200: tests (53) ~7, versioned (25) ~4,
-#                                        # sanitize ~2.5, trace ~2.5 — so split it over two calls with PARTS
-#   COMMIT=<sha> VARIANTS=a,b bash scripts/gpu_check.sh   # record the commit; time these KernelConfig variants
-#   TRACE_TILES=1 bash scripts/gpu_check.sh                # the trace also stamps every weight tile
-#   PARTS="tests versioned" bash scripts/gpu_check.sh      # only these parts (default: all four; the whole
-#                                                          # script runs past one 10-minute device call)
-# "versioned": the opt-in versioned-word tests, in their own process under a time limit (a reader whose words
-# never come spins: a hang must not eat the call).
+# 3.6 with Gluon, as on the H200 machine), in parts that each fit one 10-minute device call:
+#   tests      the default kernel: 4 shapes x contexts 1/17/1000/8191 x 64 steps with the tensor-core consumer, the
+#              CUDA-core one at 1/8191, the traced launch, the standalone GEMV, the engine's backend (29, ~4 min)
+#   optin      the opt-in kernels' tests: heads finished in attention, the K/V pipeline, merged releases, O_PROJ in
+#              column parts, the shuffle epilogue (42, ~5.5 min)
+#   versioned  the versioned-word tests (25, ~4 min), in their own process under a time limit (a reader whose
+#              words never come spins: a hang must not eat the call)
+#   sanitize   compute-sanitizer synccheck and racecheck on small shapes (~2.5 min; racecheck is cut at 200 s)
+#   trace      the per-instruction trace of the 1B and 8B shapes at context 1024 (~2.5 min)
+# Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
+#   PARTS="tests sanitize" bash scripts/gpu_check.sh        # these parts (default: all five, past one call)
+#   COMMIT=<sha> VARIANTS=a,b PARTS=trace bash scripts/gpu_check.sh   # record the commit; time these variants
+#   TRACE_TILES=1 PARTS=trace bash scripts/gpu_check.sh      # the trace also stamps every weight tile
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -21,14 +21,21 @@ mkdir -p "$out"
 sanitizer=${COMPUTE_SANITIZER:-compute-sanitizer}
 declare -A rc
 
-parts=" ${PARTS:-tests versioned sanitize trace} "
+parts=" ${PARTS:-tests optin versioned sanitize trace} "
 has() { [[ "$parts" == *" $1 "* ]]; }
 
 if has tests; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py tests/megakernel/test_gemv_gpu.py \
-        tests/engine/test_megakernel_backend_gpu.py -k "not versioned" > "$out/gpu-tests.log" 2>&1
+        tests/engine/test_megakernel_backend_gpu.py -k "megakernel_matches_reference or traced_launch or gemv or backend" \
+        > "$out/gpu-tests.log" 2>&1
     rc[gpu-tests]=$?
     tail -n 3 "$out/gpu-tests.log"
+fi
+if has optin; then
+    python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
+        -k "not versioned and not megakernel_matches_reference and not traced_launch" > "$out/optin-tests.log" 2>&1
+    rc[optin]=$?
+    tail -n 3 "$out/optin-tests.log"
 fi
 if has versioned; then
     timeout "${VERSIONED_TIMEOUT:-330}" python3 -m pytest -v -x -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
