@@ -300,6 +300,8 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         pq = (isa.READS_Q if cfg.flag_q else 0) | late
         if op:  # every split signals its O_PROJ part's counter; each O_PROJ instruction combines its groups
             gpp = hkv // op  # KV groups per part
+            if len(set(n_splits)) != 1:  # an O_PROJ block carries one split count for every segment (isa.Word.E)
+                raise ValueError(f"o_parts needs the same attention splits in every segment, got {n_splits}")
             opart = [counter(f"L{l}.attn.part{p}", gpp * sum(n_splits)) for p in range(op)]
             stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], n_parts=fin,
                                        wait=qkv[k], wait_count=qkv_n, signal=opart[k // gpp], flags=pq)
