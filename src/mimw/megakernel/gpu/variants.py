@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this tree; the GPU "
                     "machine's copy may carry a stale .git, so pass the hash taken where the repository is)")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # before the runs: a missing directory must not lose their JSON at the end
     bw = read_bandwidth()
     print(f"read bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     rows = []
