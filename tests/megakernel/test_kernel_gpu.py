@@ -185,6 +185,16 @@ def test_traced_launch_stamps_every_tile_in_order_and_computes_the_same_logits()
         assert bool((want > 0).all()) and bool((want <= issued).all()) and bool((issued <= c_has).all())
         assert bool((c_want <= c_has).all())
         assert bool((t[s, n:] == 0).all())  # nothing stamped past this SM's tiles
-    ins = dec.trace.cpu()  # per instruction: start <= dependency met <= outputs stored <= signalled
+    from mimw.megakernel import isa
+
+    full = dec.trace.cpu()
+    ins = full[..., :4]  # per instruction: start <= dependency met <= outputs stored <= signalled
+    words = dec.words.cpu()
     for s, n in enumerate(dec.lens.cpu().tolist()):
         assert bool((ins[s, :n, 0] > 0).all()) and bool((ins[s, :n, :-1] <= ins[s, :n, 1:]).all())
+        for i in range(n):  # ATTN_PARTIAL's phases: met <= block 0 <= later blocks <= partial stored <= stored
+            if int(words[s, i, isa.Word.OP]) == isa.Op.ATTN_PARTIAL:
+                ready, stored = int(full[s, i, 1]), int(full[s, i, 2])
+                first, rest, part, ticket = full[s, i, 4:8].tolist()
+                assert ready <= first <= rest <= part <= stored
+                assert ticket == 0 or part <= ticket <= stored

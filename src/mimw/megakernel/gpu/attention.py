@@ -20,6 +20,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from . import versioned
 from .matvec import MAX_PARTS
+from .orchestration import globaltimer_after
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -184,7 +185,7 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
             po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
             qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr, ver=0,
             VQ: gl.constexpr = False, fin_q=None, fin_k=None, fin_v=None, tok_page=0, FIN: gl.constexpr = False,
-            kvbuf=None, KVP: gl.constexpr = False):
+            kvbuf=None, KVP: gl.constexpr = False, TRACE: gl.constexpr = False):
     """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v) and its cache rows ``row0``. Warp w keeps
     its own online-softmax state over its BTW positions of every block (all reductions inside the block stay within
     a warp); the NW states are merged once at the end. ``VQ`` (isa.READS_Q): there was no wait; q and the new row
@@ -193,7 +194,9 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     (isa.QKV_IN_ATTN): q and the new row are ``finish_heads``' (fin_q, fin_k, fin_v), and the split holding ``pos``
     stores the row to the cache (page ``tok_page``) for later steps. ``KVP`` (KernelConfig.kv_pipeline): the
     later blocks come through shared memory (``kvbuf``, two stages): blocks 1 and 2 are requested before block 0 is
-    computed, block b + 2 as soon as block b is read, the block-table gather one block further ahead."""
+    computed, block b + 2 as soon as block b is read, the block-table gather one block further ahead. ``TRACE``:
+    returns %globaltimer after block 0, after the later blocks and after the partial's stores (trace.py's
+    ATTN_PARTIAL phases), each read once the phase's results exist; else (0, 0, 0)."""
     G: gl.constexpr = HQ // HKV
     KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
     Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
@@ -247,6 +250,11 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
         rnext = _rows(bt_ptr, seg, MAXP, lo + 3 * BT + tk, hi, layer, NP, kvh, HKV, PS)
     # block 0 (prefetched, patched), then the rest of the split: one round trip per block, or (KVP) pipelined
     m_i, l_i, o = _block(q4, k, v, lo + ts < hi, m_i, l_i, o, Q3)
+    t_first = 0
+    t_rest = 0
+    t_stored = 0
+    if TRACE:  # q's round trip and block 0 (its loads issued before the wait)
+        t_first = globaltimer_after(_dep(l_i))
     for t0 in range(lo + BT, hi, BT):
         t = t0 + tk
         if KVP:
@@ -267,6 +275,8 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
         m_i, l_i, o = _block(q4, k, v, t0 + ts < hi, m_i, l_i, o, Q3)
     if KVP:
         async_copy.wait_group(0)  # no copy may land in kvbuf after this instruction
+    if TRACE:
+        t_rest = globaltimer_after(_dep(l_i))
     # merge the warps' states
     mx = gl.max(m_i, axis=0)  # [GP]
     wn = gl.exp2(m_i - gl.expand_dims(mx, 0))
@@ -281,6 +291,18 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     sbase = (kvh * G + gs) * SPLITS + split
     gl.store(pml_ptr + sbase * 2, gl.where(l_f > 0.0, mx * LN2, EMPTY_M), mask=gs < G)
     gl.store(pml_ptr + sbase * 2 + 1, l_f, mask=gs < G)
+    if TRACE:
+        t_stored = globaltimer_after(_dep(l_f))
+    return t_first, t_rest, t_stored
+
+
+@gluon.jit
+def _dep(x):
+    """An int32 scalar that exists only once every element of ``x`` ([A] or [A, B] fp32) does (for
+    ``globaltimer_after``)."""
+    if len(x.shape) == 2:
+        x = gl.sum(x, axis=1)
+    return gl.sum(x, axis=0).to(gl.int32, bitcast=True)
 
 
 @gluon.jit

@@ -17,6 +17,7 @@ from ..program import StepShape, build_program
 from ..state import alloc_scratch, alloc_state
 from .config import KernelConfig, constexprs
 from .pack import pack
+from .orchestration import TRACE_STAMPS
 from .trace import tile_counts
 
 
@@ -51,9 +52,10 @@ class MegakernelDecoder:
         lay = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
         self.descs = [TensorDescriptor.from_tensor(t.view(-1, box[1]) if kcfg.mma else t, box, lay)
                       for t in (self.w.qkv, self.w.o, self.w.gu, self.w.down, self.w.lm)]
-        # [num_sms, max_len, 4] int64 ns timestamps per instruction when kcfg.trace, else a 1-element dummy
-        self.trace = torch.zeros((self.num_sms, self.words.shape[1], 4) if kcfg.trace else (1,), dtype=torch.int64,
-                                 device=dev)
+        # [num_sms, max_len, TRACE_STAMPS] int64 ns timestamps per instruction when kcfg.trace (trace.summarize), else
+        # a 1-element dummy
+        self.trace = torch.zeros((self.num_sms, self.words.shape[1], TRACE_STAMPS.value) if kcfg.trace else (1,),
+                                 dtype=torch.int64, device=dev)
         # [num_sms, max tiles per SM, 4] int64 ns per weight tile when kcfg.trace_tiles (trace.summarize_tiles)
         self.max_tiles = 1
         if kcfg.trace_tiles:

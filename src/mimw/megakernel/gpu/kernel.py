@@ -19,8 +19,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .. import isa
 from . import attention, matvec, versioned
-from .orchestration import (counter_signal, counter_wait, globaltimer, l2_prefetch, producer_weight_rows,
-                            ring_init, ticket_is_last)
+from .orchestration import (TRACE_STAMPS, counter_signal, counter_wait, globaltimer, globaltimer_after, l2_prefetch,
+                            producer_weight_rows, ring_init, ticket_is_last)
 
 _C = isa.kernel_constants()
 NWORDS: gl.constexpr = gl.constexpr(_C["NWORDS"])
@@ -208,6 +208,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         staged = key
         if TRACE:
             t_start = globaltimer()
+            t_first = t_start  # ATTN_PARTIAL's phase stamps (0 in the trace: not an ATTN_PARTIAL, or no ticket)
+            t_rest = t_start
+            t_stored = t_start
+            t_ticket = t_start * 0
         target = (epoch + 1) * _field(w, offs, W_WAIT_COUNT)
         if DISPATCH:  # a wait this partition already saw met (consecutive blocks of one stage) is not polled again
             if (wait == met_wait) & (target == met_target):
@@ -233,9 +237,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                                                     kn_ptr, invf_ptr, eps, HQ, HKV, HD, GP, HAS_BIAS, QK_NORM,
                                                     num_warps, L4)
             # (FLAG_Q and QKV_IN_ATTN exclude each other: KernelConfig.check)
-            attention.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr,
-                              MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4,
-                              vstep + layer, FLAG_Q, fq, fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP)
+            t_first, t_rest, t_stored = attention.partial(
+                layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
+                SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4, vstep + layer, FLAG_Q, fq,
+                fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP, TRACE)
         else:
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
@@ -263,7 +268,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             # O_PROJ blocks combine the splits)
             if (O_PARTS == 0) and (_field(w, offs, W_F) != 0):
                 n_splits = _field(w, offs, W_D)
-                if ticket_is_last(cnt_ptr, _field(w, offs, W_E), n_splits, epoch):
+                last = ticket_is_last(cnt_ptr, _field(w, offs, W_E), n_splits, epoch)
+                if TRACE:
+                    t_ticket = globaltimer_after(last.to(gl.int32))
+                if last:
                     attention.reduce(a, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP, R3,
                                      vstep + layer, FLAG_ATTN)
                 else:
@@ -320,12 +328,18 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             counter_signal(cnt_ptr, sig, sig_n)
         else:
             gl.thread_barrier()  # hbuf is rewritten by the next instruction
-        if TRACE:  # [start, dependency met, outputs stored, signalled] of instruction i on this SM
-            tb = trace_ptr + (pid * MAXLEN + i) * 4
+        if TRACE:  # [start, dependency met, outputs stored, signalled] of instruction i on this SM; ATTN_PARTIAL
+            # also [block 0 done, later blocks done, partial stored, ticket drawn] (trace.py)
+            tb = trace_ptr + (pid * MAXLEN + i) * TRACE_STAMPS
             gl.store(tb, t_start)
             gl.store(tb + 1, t_ready)
             gl.store(tb + 2, t_release)
             gl.store(tb + 3, globaltimer())
+            if op == OP_ATTN_PARTIAL:
+                gl.store(tb + 4, t_first)
+                gl.store(tb + 5, t_rest)
+                gl.store(tb + 6, t_stored)
+                gl.store(tb + 7, t_ticket)
     # step bookkeeping: the last CTA to finish moves every counter target on to the next step
     gl.thread_barrier()
     done = gl.atomic_add(cnt_ptr + NCNT, 1, sem="acq_rel", scope="gpu")

@@ -57,6 +57,22 @@ def globaltimer():
 
 
 @gluon.jit
+def globaltimer_after(dep):
+    """``globaltimer`` read only once ``dep`` (an int32 scalar computed from the phase's results) exists: the timer
+    read is predicated on it, so neither the compiler nor ptxas can issue it before the work that produced ``dep``
+    (an unpredicated read may be scheduled ahead of the arithmetic it is meant to follow)."""
+    offs = gl.arange(0, 32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    t = gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $1, -2147483647; @p mov.u64 $0, %globaltimer; @!p mov.u64 $0, 0; }",
+        "=l,r", [offs * 0 + dep], dtype=gl.int64, is_pure=False, pack=1)
+    return gl.max(t, axis=0)
+
+
+# int64 stamps per instruction in a trace (trace.py): four for every op, four more for ATTN_PARTIAL
+TRACE_STAMPS: gl.constexpr = gl.constexpr(8)
+
+
+@gluon.jit
 def stamp(ptr):
     """Store %globaltimer at ``ptr`` from lane 0 of each warp: no cross-warp reduction, so a per-tile stamp costs
     a timer read and a store."""

@@ -26,18 +26,35 @@ from .. import isa
 from ..program import Program
 
 
+ATTN_PHASES = ("q_and_block0", "later_blocks", "merge_and_store", "ticket", "combine")
+
+
 def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -> dict:
-    """trace [num_sms, max_len, 4] int64 ns (start, dependency met, outputs stored, signalled); words/lengths: the
-    encoded program. Times in microseconds; per opcode the wait, the busy time and, within it, the release (outputs
-    stored -> signalled: the barrier and the counter's release, which waits until the stores are visible)."""
+    """trace [num_sms, max_len, 4 or 8] int64 ns (start, dependency met, outputs stored, signalled; for
+    ATTN_PARTIAL also block 0 done, later blocks done, partial stored, ticket drawn (0: no ticket), kernel.py);
+    words/lengths: the encoded program. Times in microseconds; per opcode the wait, the busy time and, within it, the
+    release (outputs stored -> signalled: the barrier and the counter's release, which waits until the stores are
+    visible); with 8 stamps, ``attn_phases_us``: ATTN_PARTIAL's busy time before its release, split into q's round
+    trip with block 0, the later blocks, the warps' merge with the partial's stores, the ticket (splits that draw
+    one) and the combine (the last split's; 0 for the others)."""
     t, w, n = trace.cpu(), words.cpu(), lengths.cpu()
     valid = [(s, i) for s in range(t.shape[0]) for i in range(int(n[s]))]
     t0 = min(int(t[s, i, 0]) for s, i in valid)
     per_op: dict[str, dict] = defaultdict(lambda: dict(count=0, wait_us=0.0, busy_us=0.0, release_us=0.0))
     stages: dict[tuple[int, int], list[float]] = {}
+    phases: dict[str, list[float]] = {k: [] for k in ATTN_PHASES}
     for s, i in valid:
         op, layer = isa.Op(int(w[s, i, isa.Word.OP])), int(w[s, i, isa.Word.LAYER])
-        start, ready, stored, done = (int(x) - t0 for x in t[s, i])
+        start, ready, stored, done = (int(x) - t0 for x in t[s, i, :4])
+        if op == isa.Op.ATTN_PARTIAL and t.shape[2] >= 8:
+            first, rest, part, ticket = (int(x) for x in t[s, i, 4:8])
+            first, rest, part = first - t0, rest - t0, part - t0
+            phases["q_and_block0"].append((first - ready) / 1e3)
+            phases["later_blocks"].append((rest - first) / 1e3)
+            phases["merge_and_store"].append((part - rest) / 1e3)
+            if ticket:  # a combining split drew its ticket; the last one then combined
+                phases["ticket"].append((ticket - t0 - part) / 1e3)
+                phases["combine"].append((stored - (ticket - t0)) / 1e3)
         d = per_op[op.name]
         d["count"] += 1
         d["wait_us"] += (ready - start) / 1e3
@@ -51,7 +68,10 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -
            for k, v in per_op.items()}
     windows = [dict(op=isa.Op(o).name, layer=l, first_ready_us=a, last_done_us=b)
                for (o, l), (a, b) in sorted(stages.items(), key=lambda kv: kv[1][0])]
-    return dict(step_us=end / 1e3, ops=ops, stages=windows, critical_path_us=critical_path(windows), origin_ns=t0)
+    out = dict(step_us=end / 1e3, ops=ops, stages=windows, critical_path_us=critical_path(windows), origin_ns=t0)
+    if phases["q_and_block0"]:
+        out["attn_phases_us"] = {k: sum(v) / len(v) for k, v in phases.items() if v}
+    return out
 
 
 LAYER_STAGES = ("ATTN_IN", "ATTN_PARTIAL", "ATTN_REDUCE", "O_PROJ", "MLP_IN", "DOWN_PROJ")
@@ -81,6 +101,8 @@ def format_summary(s: dict, layers: int = 2) -> str:
     for k, v in s["ops"].items():
         lines.append(f"{k:14s} {v['count']:6d} {v['mean_wait_us']:13.2f} {v['mean_busy_us']:13.2f} "
                      f"{v['mean_release_us']:14.2f}")
+    if s.get("attn_phases_us"):
+        lines.append("ATTN_PARTIAL busy, mean us: " + ", ".join(f"{k} {v:.2f}" for k, v in s["attn_phases_us"].items()))
     if s.get("critical_path_us"):
         lines.append("critical path per layer (mean over layers 1..L-1, us): " + ", ".join(
             f"{k} {v:.1f}" for k, v in s["critical_path_us"].items()))
@@ -149,7 +171,7 @@ def summarize_tiles(tiles: torch.Tensor, program: Program, tile_rows: int, tile_
         for i, (ins, n) in enumerate(zip(q, counts[s])):
             rec.extend((ins.OP.name, *t[s][j]) for j in range(k, k + n))
             if ins_t is not None and n:
-                _, ready, stored, done = ins_t[s][i]
+                _, ready, stored, done = ins_t[s][i][:4]
                 wait = sum(t[s][j][3] - t[s][j][2] for j in range(k, k + n))
                 work = sum(t[s][j + 1][2] - t[s][j][3] for j in range(k, k + n - 1))
                 ph[ins.OP.name].append([(t[s][k][2] - ready) / 1e3, wait / 1e3, work / 1e3,
