@@ -63,6 +63,9 @@ class KernelConfig:
     # reshaped in place) instead of two layout conversions through shared memory: one barrier a row tile instead of
     # three (matvec.dot_tile_mma); the O_PROJ part blocks (o_parts) pay that epilogue on 4-8x more row tiles; not
     # yet run on the GPU
+    attn_mma: bool = False  # ATTN_MMA: an attention split's Q K^T and P V on the tensor cores (attention_mma.py):
+    # the per-block cost at long contexts is arithmetic (~1.2 us a 64-position block, bench/NOTES.md session 14);
+    # bf16 q and P; not with qkv_in_attn, flag_q or kv_pipeline; not yet run on the GPU
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -154,6 +157,14 @@ class KernelConfig:
                              "finisher's unrolled sum, matvec.MAX_PARTS)")
         self.program_config().check()  # flag_attn needs flag_x; qkv_in_attn excludes flag_q
         self.program_config().check_spec(spec)  # o_parts: whole KV groups and column tiles a part
+        if self.attn_mma:
+            if self.qkv_in_attn or self.flag_q or self.kv_pipeline:
+                raise ValueError("attn_mma takes q and the newest K/V row from memory, one block at a time: not with "
+                                 "qkv_in_attn, flag_q or kv_pipeline")
+            bt = attn_block(spec)
+            if spec.group_size > 16 or bt % (8 * self.num_warps) or bt % 16 or spec.head_dim % (8 * self.num_warps):
+                raise ValueError(f"attn_mma: {spec.group_size} heads a group, {bt}-position blocks and head_dim "
+                                 f"{spec.head_dim} do not tile {self.num_warps} warps' 16 x 8 mma blocks")
         if self.o_parts and spec.group_size & (spec.group_size - 1):
             raise ValueError(f"o_parts: the kernel stages whole groups of a power-of-two number of heads, "
                              f"not {spec.group_size}")
@@ -236,6 +247,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
         MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline, O_PARTS=kcfg.o_parts, SHFL=kcfg.fold_shuffle,
+        ATTN_MMA=kcfg.attn_mma,
         NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,

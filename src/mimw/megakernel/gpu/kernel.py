@@ -18,7 +18,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .. import isa
-from . import attention, matvec, versioned
+from . import attention, attention_mma, matvec, versioned
 from .orchestration import (TRACE_STAMPS, counter_signal, counter_wait, globaltimer, globaltimer_after, l2_prefetch,
                             producer_weight_rows, ring_init, ticket_is_last)
 
@@ -152,8 +152,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr,
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
-             O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, TRACE: gl.constexpr,
-             TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+             O_PARTS: gl.constexpr, SHFL: gl.constexpr, ATTN_MMA: gl.constexpr, NL: gl.constexpr,
+             TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -225,8 +225,12 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             kvh = a
             split = _field(w, offs, W_C)
             n_splits = _field(w, offs, W_D)
-            k0, v0, row0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr, MAXP,
-                                              NP, HKV, HD, PS, BT, num_warps, L4)
+            if ATTN_MMA:  # KernelConfig.attn_mma: the block's products on the tensor cores (attention_mma.py)
+                k0, v0, rk0, rv0 = attention_mma.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr,
+                                                          bt_ptr, MAXP, NP, HKV, HD, PS, BT, num_warps)
+            else:
+                k0, v0, row0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr,
+                                                  MAXP, NP, HKV, HD, PS, BT, num_warps, L4)
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
             if TRACE:
@@ -236,11 +240,16 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 fq, fk, fv = attention.finish_heads(layer, kvh, pos, _field(w, offs, W_G), qkvp_ptr, bias_ptr, qn_ptr,
                                                     kn_ptr, invf_ptr, eps, HQ, HKV, HD, GP, HAS_BIAS, QK_NORM,
                                                     num_warps, L4)
-            # (FLAG_Q and QKV_IN_ATTN exclude each other: KernelConfig.check)
-            t_first, t_rest, t_stored = attention.partial(
-                layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
-                SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4, vstep + layer, FLAG_Q, fq,
-                fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP, TRACE)
+            # (FLAG_Q and QKV_IN_ATTN exclude each other, and ATTN_MMA both and KVP: KernelConfig.check)
+            if ATTN_MMA:
+                attention_mma.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, rk0, rv0, q_ptr, kc_ptr,
+                                      vc_ptr, bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT,
+                                      num_warps)
+            else:
+                t_first, t_rest, t_stored = attention.partial(
+                    layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
+                    SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4, vstep + layer, FLAG_Q,
+                    fq, fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP, TRACE)
         else:
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
@@ -360,8 +369,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                TILED: gl.constexpr, L2_MLP: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
                QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
-               SHFL: gl.constexpr, NL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
-               num_warps: gl.constexpr):
+               SHFL: gl.constexpr, ATTN_MMA: gl.constexpr, NL: gl.constexpr, TRACE: gl.constexpr,
+               TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -383,7 +392,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
                     HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
-                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, TRACE, TRACE_TILES, num_warps)),
+                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, ATTN_MMA, NL, TRACE, TRACE_TILES,
+                    num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, INFLIGHT, O_PARTS, TRACE_TILES)),
     ], [1], [LOADER_REGS])

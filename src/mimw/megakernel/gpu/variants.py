@@ -107,6 +107,9 @@ VARIANTS = {
     # the tensor-core epilogue's folds summed by warp shuffles (one barrier a row tile instead of three); with the
     # O_PROJ parts, whose blocks have 4-8x more row tiles (the 8B's compile spills 12 bytes)
     "tr32-shfl": KernelConfig(fold_shuffle=True),
+    # an attention split's two products on the tensor cores (attention_mma.py); its gain is at long contexts:
+    # run with --context 8192 too
+    "tr32-amma": KernelConfig(attn_mma=True),
     "tr32-shfl-op8": KernelConfig(fold_shuffle=True, o_parts=8),
     # without early dispatch a reader arrives later and spins less: if flag_act gains here, early spinning costs
     "tr32-nodisp": KernelConfig(dispatch=False),
