@@ -241,12 +241,15 @@ def test_fold_shuffle_epilogue_compiles_without_spills_and_with_fewer_barriers()
 def test_attention_on_the_tensor_cores_compiles_without_spills_and_replaces_the_fma_attention():
     for name in ("llama-3.2-1b", "llama-3.1-8b", "smollm2-135m"):  # head_dim 64 / 128; 3 heads a group, padded
         spec = get_preset(name)
-        ptx = compile_sm90a(spec, KernelConfig(attn_mma=True)).asm["ptx"]
+        ptx = compile_sm90a(spec, KernelConfig(attn_mma=1)).asm["ptx"]
         assert ptxas_report(ptx)["spill_stores"] == 0
         base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
         assert ptx.count("mma.sync") > base.count("mma.sync")  # S = Q K^T and O += P V on the tensor cores
     with pytest.raises(ValueError, match="not with qkv_in_attn, flag_q or kv_pipeline"):
-        KernelConfig(attn_mma=True, kv_pipeline=True, ring=0).check(get_preset("llama-3.2-1b"))
+        KernelConfig(attn_mma=1, kv_pipeline=True, ring=0).check(get_preset("llama-3.2-1b"))
+    assert ptxas_report(compile_sm90a(spec, KernelConfig(attn_mma=2)).asm["ptx"])["spill_stores"] == 0
+    with pytest.raises(ValueError, match="attn_mma=4: 1 or 2 blocks"):
+        KernelConfig(attn_mma=4).check(spec)
 
 
 def test_o_parts_must_fit_the_kernel():

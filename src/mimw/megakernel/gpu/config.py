@@ -63,9 +63,11 @@ class KernelConfig:
     # reshaped in place) instead of two layout conversions through shared memory: one barrier a row tile instead of
     # three (matvec.dot_tile_mma); the O_PROJ part blocks (o_parts) pay that epilogue on 4-8x more row tiles; not
     # yet run on the GPU
-    attn_mma: bool = False  # ATTN_MMA: an attention split's Q K^T and P V on the tensor cores (attention_mma.py):
-    # the per-block cost at long contexts is arithmetic (~1.2 us a 64-position block, bench/NOTES.md session 14);
-    # bf16 q and P; not with qkv_in_attn, flag_q or kv_pipeline; not yet run on the GPU
+    attn_mma: int = 0  # ATTN_MMA: an attention split's Q K^T and P V on the tensor cores (attention_mma.py), in
+    # blocks of attn_mma x attn_block positions (0: off, the FMA attention): the per-block cost at long contexts is
+    # arithmetic (~0.65 us a 64-position block, bench/NOTES.md session 14 §5); larger blocks share each block's
+    # cross-warp barriers among more positions; bf16 q and P; not with qkv_in_attn, flag_q or kv_pipeline; not
+    # yet run on the GPU
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -161,10 +163,12 @@ class KernelConfig:
             if self.qkv_in_attn or self.flag_q or self.kv_pipeline:
                 raise ValueError("attn_mma takes q and the newest K/V row from memory, one block at a time: not with "
                                  "qkv_in_attn, flag_q or kv_pipeline")
-            bt = attn_block(spec)
-            if spec.group_size > 16 or bt % (8 * self.num_warps) or bt % 16 or spec.head_dim % (8 * self.num_warps):
-                raise ValueError(f"attn_mma: {spec.group_size} heads a group, {bt}-position blocks and head_dim "
-                                 f"{spec.head_dim} do not tile {self.num_warps} warps' 16 x 8 mma blocks")
+            bt = attn_block(spec) * self.attn_mma
+            if self.attn_mma not in (1, 2) or spec.group_size > 16 or bt % (8 * self.num_warps) or bt % 16 \
+                    or spec.head_dim % (8 * self.num_warps):
+                raise ValueError(f"attn_mma={self.attn_mma}: 1 or 2 blocks of positions at once (4 spills), and {spec.group_size} "
+                                 f"heads a group, {bt}-position blocks and head_dim {spec.head_dim} that tile "
+                                 f"{self.num_warps} warps' 16 x 8 mma blocks")
         if self.o_parts and spec.group_size & (spec.group_size - 1):
             raise ValueError(f"o_parts: the kernel stages whole groups of a power-of-two number of heads, "
                              f"not {spec.group_size}")

@@ -225,9 +225,9 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             kvh = a
             split = _field(w, offs, W_C)
             n_splits = _field(w, offs, W_D)
-            if ATTN_MMA:  # KernelConfig.attn_mma: the block's products on the tensor cores (attention_mma.py)
+            if ATTN_MMA > 0:  # KernelConfig.attn_mma: a block's products on the tensor cores (attention_mma.py)
                 k0, v0, rk0, rv0 = attention_mma.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr,
-                                                          bt_ptr, MAXP, NP, HKV, HD, PS, BT, num_warps)
+                                                          bt_ptr, MAXP, NP, HKV, HD, PS, BT * ATTN_MMA, num_warps)
             else:
                 k0, v0, row0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr,
                                                   MAXP, NP, HKV, HD, PS, BT, num_warps, L4)
@@ -241,10 +241,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                                                     kn_ptr, invf_ptr, eps, HQ, HKV, HD, GP, HAS_BIAS, QK_NORM,
                                                     num_warps, L4)
             # (FLAG_Q and QKV_IN_ATTN exclude each other, and ATTN_MMA both and KVP: KernelConfig.check)
-            if ATTN_MMA:
+            if ATTN_MMA > 0:
                 attention_mma.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, rk0, rv0, q_ptr, kc_ptr,
-                                      vc_ptr, bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT,
-                                      num_warps)
+                                      vc_ptr, bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale,
+                                      BT * ATTN_MMA, num_warps)
             else:
                 t_first, t_rest, t_stored = attention.partial(
                     layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,

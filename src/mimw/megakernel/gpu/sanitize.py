@@ -88,7 +88,7 @@ def main() -> int:
     print("kv_pipeline", r, flush=True)
     ok &= r.ok()
     # the attention's products on the tensor cores: 3 heads a group padded to 16 rows, five blocks a split at 300
-    kcfg = dataclasses.replace(KernelConfig.for_spec(small), qkv_parts=2, attn_mma=True)
+    kcfg = dataclasses.replace(KernelConfig.for_spec(small), qkv_parts=2, attn_mma=1)
     r = check_decode(small, 300, steps=2, graph=False, num_sms=8, kcfg=kcfg)
     print("attn_mma", r, flush=True)
     ok &= r.ok()

@@ -109,7 +109,8 @@ VARIANTS = {
     "tr32-shfl": KernelConfig(fold_shuffle=True),
     # an attention split's two products on the tensor cores (attention_mma.py); its gain is at long contexts:
     # run with --context 8192 too
-    "tr32-amma": KernelConfig(attn_mma=True),
+    "tr32-amma": KernelConfig(attn_mma=1),
+    "tr32-amma2": KernelConfig(attn_mma=2),  # blocks of 128 (1B) / 64 (8B) positions: half the barriers a position
     "tr32-shfl-op8": KernelConfig(fold_shuffle=True, o_parts=8),
     # without early dispatch a reader arrives later and spins less: if flag_act gains here, early spinning costs
     "tr32-nodisp": KernelConfig(dispatch=False),
