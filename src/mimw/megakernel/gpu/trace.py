@@ -36,7 +36,8 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -
     release (outputs stored -> signalled: the barrier and the counter's release, which waits until the stores are
     visible); with 8 stamps, ``attn_phases_us``: ATTN_PARTIAL's busy time before its release, split into q's round
     trip with block 0, the later blocks, the warps' merge with the partial's stores, the ticket (splits that draw
-    one) and the combine (the last split's; 0 for the others)."""
+    one) and the combine (the last split's; 0 for the others). Each phase stamp waits for a cross-warp reduction
+    of the phase's results, so a traced split runs a little slower than an untraced one."""
     t, w, n = trace.cpu(), words.cpu(), lengths.cpu()
     valid = [(s, i) for s in range(t.shape[0]) for i in range(int(n[s]))]
     t0 = min(int(t[s, i, 0]) for s, i in valid)
