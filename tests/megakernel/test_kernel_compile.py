@@ -8,6 +8,19 @@ from mimw.megakernel.gpu.config import KernelConfig, compile_sm90a, ptxas_report
 from mimw.models.spec import get_preset
 
 
+def _ptx(spec, kcfg: KernelConfig = KernelConfig()) -> str:
+    """The megakernel's PTX for ``spec`` and ``kcfg``, compiled for sm_90a on the CPU."""
+    return compile_sm90a(spec, kcfg).asm["ptx"]
+
+
+def _spill_free_ptx(spec, kcfg: KernelConfig) -> str:
+    """``_ptx``, asserting that ptxas stores no register to the stack for it."""
+    ptx = _ptx(spec, kcfg)
+    rep = ptxas_report(ptx)
+    assert rep["spill_stores"] == 0, rep
+    return ptx
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
 def test_megakernel_compiles_for_sm90a_with_tma_and_no_spills(model):
@@ -133,9 +146,8 @@ def test_default_tiles_fit_every_preset_with_a_head_of_32_or_more():
 @pytest.mark.slow
 def test_inflight_cap_compiles_without_spills_and_a_cap_past_the_ring_is_the_ring():
     spec = get_preset("llama-3.2-1b")
-    ptx = compile_sm90a(spec, KernelConfig(inflight=4)).asm["ptx"]
-    assert ptxas_report(ptx)["spill_stores"] == 0
-    assert ptx != compile_sm90a(spec, KernelConfig(inflight=0)).asm["ptx"]  # the loader's wait for tile it - 4
+    ptx = _spill_free_ptx(spec, KernelConfig(inflight=4))
+    assert ptx != _ptx(spec, KernelConfig(inflight=0))  # the loader's wait for tile it - 4
     assert KernelConfig(inflight=10).inflight_cap(spec) == 0  # the default ring has 10 slots: no cap
     assert KernelConfig(inflight=9).inflight_cap(spec) == 9 and KernelConfig(ring=4).inflight_cap(spec) == 0
     with pytest.raises(ValueError, match="inflight=-1"):
@@ -149,10 +161,9 @@ def test_versioned_words_compile_without_spills():
                      ("llama-3.2-1b", dict(flag_q=True)), ("llama-3.2-1b", every), ("smollm2-135m", every),
                      ("qwen3-8b", every)):
         spec = get_preset(name)
-        ptx = compile_sm90a(spec, KernelConfig(**kw)).asm["ptx"]
-        assert ptxas_report(ptx)["spill_stores"] == 0
+        ptx = _spill_free_ptx(spec, KernelConfig(**kw))
         assert "st.relaxed.gpu.global.b64" in ptx and "ld.relaxed.gpu.global.b64" in ptx
-        base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+        base = _ptx(spec)
         assert "relaxed.gpu.global.b64" not in base  # the default kernel is untouched by them
 
 
@@ -161,16 +172,15 @@ def test_versioned_x_compiles_for_a_row_wider_than_one_staging_group():
     # hidden 8192 = 32 column tiles > SG = 16: stage_normed's two passes over x, both waiting on versions
     spec = get_preset("llama-3.1-8b").with_(hidden_size=8192, num_layers=2)
     kcfg = KernelConfig(flag_act=True, flag_x=True, flag_attn=True)  # (with flag_q too this shape spills 4 bytes)
-    assert ptxas_report(compile_sm90a(spec, kcfg).asm["ptx"])["spill_stores"] == 0
+    _spill_free_ptx(spec, kcfg)
 
 
 @pytest.mark.slow
 def test_probed_versioned_stagings_compile_without_spills_and_add_a_probe_loop():
     spec = get_preset("llama-3.2-1b")
-    plain = compile_sm90a(spec, KernelConfig(flag_act=True, flag_x=True)).asm["ptx"]
+    plain = _ptx(spec, KernelConfig(flag_act=True, flag_x=True))
     for kw in (dict(flag_act=True), dict(flag_act=True, flag_x=True)):  # (with flag_attn too: 4 bytes of spill,
-        ptx = compile_sm90a(spec, KernelConfig(vprobe=16, **kw)).asm["ptx"]  # all four flags: 88)
-        assert ptxas_report(ptx)["spill_stores"] == 0
+        ptx = _spill_free_ptx(spec, KernelConfig(vprobe=16, **kw))  # all four flags: 88)
     # the probe loops are more relaxed loads than the unprobed kernel has
     assert ptx.count("ld.relaxed.gpu.global.b64") > plain.count("ld.relaxed.gpu.global.b64")
     with pytest.raises(ValueError, match="vprobe=3"):
@@ -181,9 +191,8 @@ def test_probed_versioned_stagings_compile_without_spills_and_add_a_probe_loop()
 def test_qkv_finished_in_attention_compiles_without_spills_and_drops_attn_ins_ticket():
     for name in ("llama-3.2-1b", "qwen3-8b"):  # qwen3: the q/k norm in the splits' finish
         spec = get_preset(name)
-        ptx = compile_sm90a(spec, KernelConfig(qkv_in_attn=True)).asm["ptx"]
-        assert ptxas_report(ptx)["spill_stores"] == 0
-    base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+        ptx = _spill_free_ptx(spec, KernelConfig(qkv_in_attn=True))
+    base = _ptx(spec)
     ticket = "atom.global.gpu.acq_rel.add"  # ATTN_IN's ticket and the combining splits' ticket; only the latter
     assert ptx.count(ticket) == base.count(ticket) - 1
     with pytest.raises(ValueError, match="qkv_in_attn and flag_q"):
@@ -193,9 +202,8 @@ def test_qkv_finished_in_attention_compiles_without_spills_and_drops_attn_ins_ti
 @pytest.mark.slow
 def test_merged_releases_compile_without_spills_and_add_the_runs_length():
     spec = get_preset("llama-3.1-8b")
-    ptx = compile_sm90a(spec, KernelConfig(merge_signals=True)).asm["ptx"]
-    assert ptxas_report(ptx)["spill_stores"] == 0
-    base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+    ptx = _spill_free_ptx(spec, KernelConfig(merge_signals=True))
+    base = _ptx(spec)
     assert ptx != base  # the release adds the word's SIGNAL_N, and a zero skips it
     rel = "atom.global.gpu.release.add"
     assert ptx.count(rel) == base.count(rel) > 0  # the same release sites
@@ -207,10 +215,9 @@ def test_kv_pipeline_compiles_to_cp_async_without_spills_and_takes_ring_room():
         spec = get_preset(name)
         kcfg = KernelConfig(kv_pipeline=True, ring=0)
         assert kcfg.ring_slots(spec) == slots == KernelConfig(ring=0).ring_slots(spec) - 2  # 32 KB: two slots
-        k = compile_sm90a(spec, kcfg)
-        assert ptxas_report(k.asm["ptx"])["spill_stores"] == 0
-        assert "cp.async.cg.shared.global" in k.asm["ptx"] and "cp.async.wait_group" in k.asm["ptx"]
-    assert "cp.async.cg" not in compile_sm90a(spec, KernelConfig()).asm["ptx"]
+        ptx = _spill_free_ptx(spec, kcfg)
+        assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    assert "cp.async.cg" not in _ptx(spec)
     with pytest.raises(ValueError, match="do not fit"):
         KernelConfig(kv_pipeline=True).check(spec)  # the 8B: the default 10-slot ring leaves no room
 
@@ -219,9 +226,8 @@ def test_kv_pipeline_compiles_to_cp_async_without_spills_and_takes_ring_room():
 def test_o_proj_in_column_parts_compiles_without_spills_and_drops_the_combining_ticket():
     for name, parts in (("llama-3.2-1b", 8), ("llama-3.1-8b", 4)):  # one KV group a part; two (a static loop)
         spec = get_preset(name)
-        ptx = compile_sm90a(spec, KernelConfig(o_parts=parts)).asm["ptx"]
-        assert ptxas_report(ptx)["spill_stores"] == 0
-    base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+        ptx = _spill_free_ptx(spec, KernelConfig(o_parts=parts))
+    base = _ptx(spec)
     ticket = "atom.global.gpu.acq_rel.add"  # ATTN_IN's ticket and the combining splits' ticket; only the former
     assert ptx.count(ticket) == base.count(ticket) - 1
 
@@ -229,9 +235,8 @@ def test_o_proj_in_column_parts_compiles_without_spills_and_drops_the_combining_
 @pytest.mark.slow
 def test_fold_shuffle_epilogue_compiles_without_spills_and_with_fewer_barriers():
     spec = get_preset("llama-3.2-1b")
-    ptx = compile_sm90a(spec, KernelConfig(fold_shuffle=True)).asm["ptx"]
-    assert ptxas_report(ptx)["spill_stores"] == 0
-    base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+    ptx = _spill_free_ptx(spec, KernelConfig(fold_shuffle=True))
+    base = _ptx(spec)
     # two layout conversions (a barrier each) leave every inlined copy of the tensor-core epilogue
     assert ptx.count("bar.sync") == base.count("bar.sync") - 12
     assert ptx.count("shfl.sync") > base.count("shfl.sync")
@@ -241,13 +246,12 @@ def test_fold_shuffle_epilogue_compiles_without_spills_and_with_fewer_barriers()
 def test_attention_on_the_tensor_cores_compiles_without_spills_and_replaces_the_fma_attention():
     for name in ("llama-3.2-1b", "llama-3.1-8b", "smollm2-135m"):  # head_dim 64 / 128; 3 heads a group, padded
         spec = get_preset(name)
-        ptx = compile_sm90a(spec, KernelConfig(attn_mma=1)).asm["ptx"]
-        assert ptxas_report(ptx)["spill_stores"] == 0
-        base = compile_sm90a(spec, KernelConfig()).asm["ptx"]
+        ptx = _spill_free_ptx(spec, KernelConfig(attn_mma=1))
+        base = _ptx(spec)
         assert ptx.count("mma.sync") > base.count("mma.sync")  # S = Q K^T and O += P V on the tensor cores
     with pytest.raises(ValueError, match="not with qkv_in_attn, flag_q or kv_pipeline"):
         KernelConfig(attn_mma=1, kv_pipeline=True, ring=0).check(get_preset("llama-3.2-1b"))
-    assert ptxas_report(compile_sm90a(spec, KernelConfig(attn_mma=2)).asm["ptx"])["spill_stores"] == 0
+    _spill_free_ptx(spec, KernelConfig(attn_mma=2))
     with pytest.raises(ValueError, match="attn_mma=4: 1 or 2 blocks"):
         KernelConfig(attn_mma=4).check(spec)
 
