@@ -22,20 +22,38 @@ per-warp states at the end. Scores are in the base-2 domain (q pre-scaled by hd^
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.runtime.jit import constexpr_function
 
 from .attention import EMPTY_M, LN2, _rows, split_range
 
 ROWS: gl.constexpr = gl.constexpr(16)  # an mma tile's rows: the group's heads, padded
 
 
+@constexpr_function
+def _acc_layout(NW):
+    """S [16, BT] and O [16, HD]: mma.sync accumulators, the NW warps side by side along N."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+
+
+@constexpr_function
+def _operand(index, NW):
+    """Operand ``index`` (0: A, 1: B) of an mma.sync into ``_acc_layout(NW)``, bf16 pairs along K."""
+    return gl.DotOperandLayout(operand_index=index, parent=_acc_layout(NW), k_width=2)
+
+
+@constexpr_function
+def _v_layout(HD, NW):
+    """V [BT, HD] as loaded: 16-byte vectors along HD, a warp's lanes across HD first."""
+    tpd = 32 if HD // 8 > 32 else HD // 8
+    return gl.BlockedLayout([1, 8], [32 // tpd, tpd], [NW, 1], [1, 0])
+
+
 @gluon.jit
 def _block_kv(kc_ptr, vc_ptr, row_k, row_v, m_k, m_v, HD: gl.constexpr, BT: gl.constexpr, NW: gl.constexpr):
     """One block's K^T [HD, BT] in the B-operand layout of S = Q K^T, and V [BT, HD] in 16-byte vectors, from cache
     rows ``row_k`` / ``row_v`` (the same rows in the two layouts' position slices; masked positions load 0)."""
-    SL: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
-    KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=SL, k_width=2)
-    TPD: gl.constexpr = 32 if HD // 8 > 32 else HD // 8
-    VL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPD, TPD], [NW, 1], [1, 0])
+    KB: gl.constexpr = _operand(1, NW)
+    VL: gl.constexpr = _v_layout(HD, NW)
     dk = gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(1, KB)), 1)
     kt = gl.load(kc_ptr + gl.expand_dims(row_k, 0) * HD + dk, mask=gl.expand_dims(m_k, 0) & (dk >= 0), other=0.0,
                  cache_modifier=".cg")
@@ -48,11 +66,8 @@ def _block_kv(kc_ptr, vc_ptr, row_k, row_v, m_k, m_v, HD: gl.constexpr, BT: gl.c
 @gluon.jit
 def _positions2(lo, BT: gl.constexpr, HD: gl.constexpr, NW: gl.constexpr):
     """Positions lo .. lo + BT - 1 in the position slices of K^T's operand layout and of V's load layout."""
-    SL: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
-    KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=SL, k_width=2)
-    TPD: gl.constexpr = 32 if HD // 8 > 32 else HD // 8
-    VL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPD, TPD], [NW, 1], [1, 0])
-    return lo + gl.arange(0, BT, gl.SliceLayout(0, KB)), lo + gl.arange(0, BT, gl.SliceLayout(1, VL))
+    tk = lo + gl.arange(0, BT, gl.SliceLayout(0, _operand(1, NW)))
+    return tk, lo + gl.arange(0, BT, gl.SliceLayout(1, _v_layout(HD, NW)))
 
 
 @gluon.jit
@@ -72,9 +87,7 @@ def prefetch(layer, kvh, seg, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr,
 def _step(q, kt, v, t0, hi, m_i, l_i, o, BT: gl.constexpr, HD: gl.constexpr, NW: gl.constexpr):
     """One block of the online softmax for all the heads at once: S = Q K^T on the tensor cores, masked past
     ``hi``, the running max / sum updated, O rescaled and P V added on the tensor cores."""
-    SL: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
-    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=SL, k_width=2)
-    VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=SL, k_width=2)
+    SL: gl.constexpr = _acc_layout(NW)
     s = mma_v2(q, kt, gl.zeros([ROWS, BT], gl.float32, SL))
     valid = gl.expand_dims(t0 + gl.arange(0, BT, gl.SliceLayout(0, SL)) < hi, 0)
     s = gl.where(valid, s, EMPTY_M)
@@ -82,7 +95,8 @@ def _step(q, kt, v, t0, hi, m_i, l_i, o, BT: gl.constexpr, HD: gl.constexpr, NW:
     alpha = gl.exp2(m_i - m_new)
     p = gl.where(valid, gl.exp2(s - gl.expand_dims(m_new, 1)), 0.0)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    o = mma_v2(gl.convert_layout(p.to(gl.bfloat16), PA), gl.convert_layout(v, VB), o * gl.expand_dims(alpha, 1))
+    o = mma_v2(gl.convert_layout(p.to(gl.bfloat16), _operand(0, NW)), gl.convert_layout(v, _operand(1, NW)),
+               o * gl.expand_dims(alpha, 1))
     return m_new, l_i, o
 
 
@@ -94,8 +108,8 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, kt, v, rk, rv, q_ptr, kc
     newest row's reload), then every block of the split through ``_step``, then the partial (o, m, l) of the G heads
     stored in ``attention.partial``'s format."""
     G: gl.constexpr = HQ // HKV
-    SL: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
-    QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=SL, k_width=2)
+    SL: gl.constexpr = _acc_layout(NW)
+    QA: gl.constexpr = _operand(0, NW)
     lo, hi = split_range(split, n_splits, ctx)
     gq = gl.expand_dims(gl.arange(0, ROWS, gl.SliceLayout(1, QA)), 1)
     dq = gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, QA)), 0)
