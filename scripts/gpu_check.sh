@@ -26,8 +26,8 @@ has() { [[ "$parts" == *" $1 "* ]]; }
 
 if has tests; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py tests/megakernel/test_gemv_gpu.py \
-        tests/engine/test_megakernel_backend_gpu.py -k "megakernel_matches_reference or traced_launch or gemv or backend" \
-        > "$out/gpu-tests.log" 2>&1
+        tests/engine/test_megakernel_backend_gpu.py \
+        -k "megakernel_matches_reference or traced_launch or gemv or backend" > "$out/gpu-tests.log" 2>&1
     rc[gpu-tests]=$?
     tail -n 3 "$out/gpu-tests.log"
 fi

@@ -157,8 +157,9 @@ class KernelConfig:
         if not 0 <= self.qkv_parts <= 8:
             raise ValueError(f"qkv_parts={self.qkv_parts}: 0 (the cost model's choice, at most 8) or 1..8 (the "
                              "finisher's unrolled sum, matvec.MAX_PARTS)")
-        self.program_config().check()  # flag_attn needs flag_x; qkv_in_attn excludes flag_q
-        self.program_config().check_spec(spec)  # o_parts: whole KV groups and column tiles a part
+        pcfg = self.program_config()
+        pcfg.check()  # flag_attn needs flag_x; qkv_in_attn excludes flag_q
+        pcfg.check_spec(spec)  # o_parts: whole KV groups and column tiles a part
         if self.attn_mma:
             if self.qkv_in_attn or self.flag_q or self.kv_pipeline:
                 raise ValueError("attn_mma takes q and the newest K/V row from memory, one block at a time: not with "
@@ -166,9 +167,9 @@ class KernelConfig:
             bt = attn_block(spec) * self.attn_mma
             if self.attn_mma not in (1, 2) or spec.group_size > 16 or bt % (8 * self.num_warps) or bt % 16 \
                     or spec.head_dim % (8 * self.num_warps):
-                raise ValueError(f"attn_mma={self.attn_mma}: 1 or 2 blocks of positions at once (4 spills), and {spec.group_size} "
-                                 f"heads a group, {bt}-position blocks and head_dim {spec.head_dim} that tile "
-                                 f"{self.num_warps} warps' 16 x 8 mma blocks")
+                raise ValueError(f"attn_mma={self.attn_mma}: 1 or 2 blocks of positions at once (4 spills), and "
+                                 f"{spec.group_size} heads a group, {bt}-position blocks and head_dim {spec.head_dim} "
+                                 f"that tile {self.num_warps} warps' 16 x 8 mma blocks")
         if self.o_parts and spec.group_size & (spec.group_size - 1):
             raise ValueError(f"o_parts: the kernel stages whole groups of a power-of-two number of heads, "
                              f"not {spec.group_size}")
@@ -279,8 +280,8 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
         "x_ptr": "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32",
-        "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "xp_ptr": "*fp32", "SPLITS": "i32", "eps": "fp32",
-        "qscale": "fp32", "trace_ptr": "*i64", "tiles_ptr": "*i64", "MAXT": "i32",
+        "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "xp_ptr": "*fp32", "SPLITS": "i32",
+        "eps": "fp32", "qscale": "fp32", "trace_ptr": "*i64", "tiles_ptr": "*i64", "MAXT": "i32",
     }
     sig.update({f"{name}_ptr": "*i64" for name, words in kcfg.versioned().items() if words})
     # every pointer 16-byte aligned, as the launch specializes torch's allocations (cp.async needs it to move
