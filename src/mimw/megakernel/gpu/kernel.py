@@ -53,6 +53,13 @@ def _field(w, offs, k: gl.constexpr):
 
 
 @gluon.jit
+def _part_tiles(part, KT, n_parts):
+    """Column tiles [k0, k1) of part ``part`` of ``n_parts`` over KT column tiles (program.column_part): ATTN_IN's
+    column parts, O_PROJ's (KernelConfig.o_parts)."""
+    return part * KT // n_parts, (part + 1) * KT // n_parts
+
+
+@gluon.jit
 def _words(prog_ptr, MAXLEN, i, offs, n):
     """Instruction i of this CTA's queue (i < n; zeros past the queue's end): all NWORDS words in one vector load."""
     return gl.load(prog_ptr + (gl.program_id(0) * MAXLEN + i) * NWORDS + offs, mask=(offs < NWORDS) & (i < n),
@@ -119,16 +126,14 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, 
             prev_op = op
         if op == OP_ATTN_IN:
             n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
-            it = producer_weight_rows(d_qkv, D, (layer * NQKV + a) * HD, HD // TR, b * KT_D // n_parts,
-                                      (b + 1) * KT_D // n_parts, bufs, empty, ready, it, TR, TK, TILED, stamps,
-                                      INFLIGHT)
+            k0, k1 = _part_tiles(b, KT_D, n_parts)
+            it = producer_weight_rows(d_qkv, D, (layer * NQKV + a) * HD, HD // TR, k0, k1, bufs, empty, ready, it,
+                                      TR, TK, TILED, stamps, INFLIGHT)
         elif op == OP_O_PROJ:
             k0 = 0
             k1 = KT_Q
             if O_PARTS > 0:  # column part C of O_PARTS (KernelConfig.o_parts): its KV groups' column tiles
-                part = _field(w, offs, W_C)
-                k0 = part * KT_Q // O_PARTS
-                k1 = (part + 1) * KT_Q // O_PARTS
+                k0, k1 = _part_tiles(_field(w, offs, W_C), KT_Q, O_PARTS)
             it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, k0, k1, bufs, empty, ready, it, TR, TK,
                                       TILED, stamps, INFLIGHT)
         elif op == OP_MLP_IN:
@@ -261,8 +266,9 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 matvec.stage_normed(hbuf, x_ptr, emb_row, layer == 0, anorm_ptr + layer * D, D, eps, KT_D, SG, S2,
                                     vstep + 2 * layer, FLAG_X)
             n_parts = _field(w, offs, W_C)
-            it = matvec.qkv_part(bufs, empty, ready, hbuf, it, b * KT_D // n_parts, (b + 1) * KT_D // n_parts, a, b,
-                                 qkvp_ptr, HQ + 2 * HKV, HD, LAY, stamps, SHFL)
+            k0, k1 = _part_tiles(b, KT_D, n_parts)
+            it = matvec.qkv_part(bufs, empty, ready, hbuf, it, k0, k1, a, b, qkvp_ptr, HQ + 2 * HKV, HD, LAY, stamps,
+                                 SHFL)
             if QKV_IN_ATTN:
                 pass  # isa.QKV_IN_ATTN: the part signals; the ATTN_PARTIALs finish the head
             # ticket (isa.py): the last part finishes the head
@@ -294,9 +300,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 if restage:
                     attention.stage_groups(hbuf, part * (HKV // O_PARTS), _field(w, offs, W_E), SPLITS, po_ptr,
                                            pml_ptr, HQ, HKV, HD, SP2, GP, R3, HKV // O_PARTS)
-                it = matvec.residual_rows(bufs, empty, ready, hbuf, it, (part + 1) * KT_Q // O_PARTS, a, b // TR,
-                                          x_ptr, emb_row, layer == 0, LAY, stamps, k0=part * KT_Q // O_PARTS,
-                                          out_ptr=xp_ptr + part * D, add_res=part == 0, SHFL=SHFL)
+                k0, k1 = _part_tiles(part, KT_Q, O_PARTS)
+                it = matvec.residual_rows(bufs, empty, ready, hbuf, it, k1, a, b // TR, x_ptr, emb_row, layer == 0,
+                                          LAY, stamps, k0=k0, out_ptr=xp_ptr + part * D, add_res=part == 0,
+                                          SHFL=SHFL)
             else:
                 if restage:
                     if FLAG_ATTN:  # versioned attn words (isa.READS_ATTN): this load is the wait for attention
