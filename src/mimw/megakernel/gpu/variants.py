@@ -119,6 +119,13 @@ VARIANTS = {
     "tr32-split128": KernelConfig(min_split_tokens=128),
     "tr32-split256": KernelConfig(min_split_tokens=256),
     "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
+    # with the in-flight cap a loader's rate is its 4 tiles over their latency: tiles already in L2 come back sooner
+    "tr32-mma-l2mlp12": KernelConfig(mma=1, l2_mlp_ahead=12),
+    "tr32-mma-l2mlp24": KernelConfig(mma=1, l2_mlp_ahead=24),
+    # ATTN_IN in one column part a head (no ticket, no finisher: the head's own SM ropes and stores it) or three/four
+    "tr32-qp1": KernelConfig(qkv_parts=1),
+    "tr32-qp3": KernelConfig(qkv_parts=3),
+    "tr32-qp4": KernelConfig(qkv_parts=4),
     "tr32-l2mlp6": KernelConfig(l2_mlp_ahead=6, mma=0),  # L2 prefetch of MLP_IN tiles past the ring, during attention
     "tr32-l2mlp16": KernelConfig(l2_mlp_ahead=16, mma=0),
     "tr32-deep": KernelConfig(ring=0),  # ring as deep as shared memory allows (12 slots for the 1B, 11 for the 8B)
