@@ -58,17 +58,6 @@ def test_standalone_gemv_compiles_for_sm90a():
 
 
 @pytest.mark.slow
-def test_l2_look_ahead_of_mlp_in_tiles_is_in_the_loader_only_when_asked_for():
-    spec = get_preset("llama-3.2-1b")
-    assert "cp.async.bulk.prefetch.L2" in compile_sm90a(spec, KernelConfig(l2_mlp_ahead=6)).asm["ptx"]
-    assert "cp.async.bulk.prefetch.L2" not in compile_sm90a(spec, KernelConfig()).asm["ptx"]
-    with pytest.raises(ValueError, match="tile-major"):
-        KernelConfig(l2_mlp_ahead=6, tile_major=False).check(spec)
-    with pytest.raises(ValueError, match="0..32"):
-        KernelConfig(l2_mlp_ahead=33).check(spec)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"])
 def test_tensor_core_matvec_consumer_compiles_to_ldmatrix_and_mma_sync_without_spills(model):
     spec = get_preset(model)
@@ -240,20 +229,6 @@ def test_fold_shuffle_epilogue_compiles_without_spills_and_with_fewer_barriers()
     # two layout conversions (a barrier each) leave every inlined copy of the tensor-core epilogue
     assert ptx.count("bar.sync") == base.count("bar.sync") - 12
     assert ptx.count("shfl.sync") > base.count("shfl.sync")
-
-
-@pytest.mark.slow
-def test_attention_on_the_tensor_cores_compiles_without_spills_and_replaces_the_fma_attention():
-    for name in ("llama-3.2-1b", "llama-3.1-8b", "smollm2-135m"):  # head_dim 64 / 128; 3 heads a group, padded
-        spec = get_preset(name)
-        ptx = _spill_free_ptx(spec, KernelConfig(attn_mma=1))
-        base = _ptx(spec)
-        assert ptx.count("mma.sync") > base.count("mma.sync")  # S = Q K^T and O += P V on the tensor cores
-    with pytest.raises(ValueError, match="not with qkv_in_attn, flag_q or kv_pipeline"):
-        KernelConfig(attn_mma=1, kv_pipeline=True, ring=0).check(get_preset("llama-3.2-1b"))
-    _spill_free_ptx(spec, KernelConfig(attn_mma=2))
-    with pytest.raises(ValueError, match="attn_mma=4: 1 or 2 blocks"):
-        KernelConfig(attn_mma=4).check(spec)
 
 
 def test_o_parts_must_fit_the_kernel():

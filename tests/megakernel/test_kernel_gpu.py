@@ -84,22 +84,6 @@ def test_merged_releases_match_reference_over_64_steps(model):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("context", [1, 1000, 8191])
-@pytest.mark.parametrize("model", MODELS)
-def test_attention_on_the_tensor_cores_matches_reference_over_64_steps(model, context):
-    """KernelConfig(attn_mma=1): an attention split's Q K^T and P V on mma.sync (attention_mma.py), bf16 q and
-    P; context 1: one position, the rest of the tile masked; 8191: 8-16 blocks a split, the newest row in the last."""
-    _matches_reference_over_64_steps(model, context, attn_mma=1)
-
-
-@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("model", MODELS)
-def test_attention_on_the_tensor_cores_in_double_blocks_matches_reference_over_64_steps(model):
-    """KernelConfig(attn_mma=2): blocks of twice the positions (context 8191: four or eight a split)."""
-    _matches_reference_over_64_steps(model, 8191, attn_mma=2)
-
-
-@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("context", [17, 1000])
 @pytest.mark.parametrize("model", MODELS)
 def test_fold_shuffle_epilogue_matches_reference_over_64_steps(model, context):

@@ -21,9 +21,6 @@ class KernelConfig:
     num_warps: int = 4  # compute partition warps
     loader_regs: int = 48  # register budget of the one-warp loader partition (what session 9's runs measured)
     page_size: int = 16
-    l2_mlp_ahead: int = 0  # L2_MLP: tiles past the ring prefetched into L2 at a layer's first MLP_IN block on
-    # each SM, while compute is in attention (kernel._mlp_tiles_past_ring; needs tile_major; measured neutral to
-    # +5% with either consumer, session 11)
     inflight: int = 4  # INFLIGHT: weight tiles the loader may have requested and not yet landed (0: the ring's NB);
     # fewer requests queued in the memory system shorten every round trip the step's hops make (the counter
     # release's MEMBAR, the polls, the staging loads): at 4, tile latency 4.4 -> 1.9 us and the step -2.6% (1B) /
@@ -61,13 +58,8 @@ class KernelConfig:
     # -0.2% (1B) / +1.3% (8B) at 9c38a10 (the part blocks' many short row tiles cost what the hop saves)
     fold_shuffle: bool = False  # SHFL: the tensor-core epilogue sums a row's folds with warp shuffles (the diagonal
     # reshaped in place) instead of two layout conversions through shared memory: one barrier a row tile instead of
-    # three (matvec.dot_tile_mma); the O_PROJ part blocks (o_parts) pay that epilogue on 4-8x more row tiles; not
-    # yet run on the GPU
-    attn_mma: int = 0  # ATTN_MMA: an attention split's Q K^T and P V on the tensor cores (attention_mma.py), in
-    # blocks of attn_mma x attn_block positions (0: off, the FMA attention): the per-block cost at long contexts is
-    # arithmetic (~0.65 us a 64-position block, bench/NOTES.md session 14 §5); larger blocks share each block's
-    # cross-warp barriers among more positions; bf16 q and P; not with qkv_in_attn, flag_q or kv_pipeline; not
-    # yet run on the GPU
+    # three (matvec.dot_tile_mma); the O_PROJ part blocks (o_parts) pay that epilogue on 4-8x more row tiles;
+    # within +-1% of the default in three runs (bench/NOTES.md session 15)
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -144,10 +136,6 @@ class KernelConfig:
                 raise ValueError(f"{name}={getattr(spec, name)} must be a multiple of tile_rows={tr}")
         if self.tile_k % (32 * self.num_warps):
             raise ValueError("tile_k must be a multiple of 32 * num_warps")
-        if self.l2_mlp_ahead and not self.tile_major:
-            raise ValueError("l2_mlp_ahead needs tile-major weights (tile_major=True)")
-        if not 0 <= self.l2_mlp_ahead <= 32:
-            raise ValueError(f"l2_mlp_ahead={self.l2_mlp_ahead}: one tile per loader lane, 0..32")
         self.ring_slots(spec)  # raises if the ring does not fit (beside the kv_pipeline's stages)
         if self.inflight < 0:
             raise ValueError(f"inflight={self.inflight}: 0 (the whole ring) or a positive cap")
@@ -160,16 +148,6 @@ class KernelConfig:
         pcfg = self.program_config()
         pcfg.check()  # flag_attn needs flag_x; qkv_in_attn excludes flag_q
         pcfg.check_spec(spec)  # o_parts: whole KV groups and column tiles a part
-        if self.attn_mma:
-            if self.qkv_in_attn or self.flag_q or self.kv_pipeline:
-                raise ValueError("attn_mma takes q and the newest K/V row from memory, one block at a time: not with "
-                                 "qkv_in_attn, flag_q or kv_pipeline")
-            bt = attn_block(spec) * self.attn_mma
-            if self.attn_mma not in (1, 2) or spec.group_size > 16 or bt % (8 * self.num_warps) or bt % 16 \
-                    or spec.head_dim % (8 * self.num_warps):
-                raise ValueError(f"attn_mma={self.attn_mma}: 1 or 2 blocks of positions at once (4 spills), and "
-                                 f"{spec.group_size} heads a group, {bt}-position blocks and head_dim {spec.head_dim} "
-                                 f"that tile {self.num_warps} warps' 16 x 8 mma blocks")
         if self.o_parts and spec.group_size & (spec.group_size - 1):
             raise ValueError(f"o_parts: the kernel stages whole groups of a power-of-two number of heads, "
                              f"not {spec.group_size}")
@@ -247,12 +225,11 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
-        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, L2_MLP=kcfg.l2_mlp_ahead, INFLIGHT=kcfg.inflight_cap(spec),
+        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec),
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
         MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline, O_PARTS=kcfg.o_parts, SHFL=kcfg.fold_shuffle,
-        ATTN_MMA=kcfg.attn_mma,
         NL=spec.num_layers,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
@@ -276,7 +253,7 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
     sig = {
         "prog_ptr": "*i32", "qlen_ptr": "*i32", "MAXLEN": "i32", "tok_ptr": "*i32", "pos_ptr": "*i32",
         "ctx_ptr": "*i32", "bt_ptr": "*i32", "MAXP": "i32", "cnt_ptr": "*i32", "NCNT": "i32",
-        "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc, "gu_ptr": "*bf16",
+        "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc,
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",
         "x_ptr": "*fp32", "qkvp_ptr": "*fp32", "q_ptr": "*fp32", "po_ptr": "*fp32", "pml_ptr": "*fp32",

@@ -81,7 +81,7 @@ class MegakernelDecoder:
         buf = self.versioned_buffers
         megakernel[(self.num_sms,)](
             self.words, self.lens, self.words.shape[1], s.tokens, s.positions, s.seg_ctx, s.block_tables,
-            s.block_tables.shape[1], s.counters, len(self.program.counters), *self.descs, w.gu,
+            s.block_tables.shape[1], s.counters, len(self.program.counters), *self.descs,
             w.embed, w.attn_norm, w.mlp_norm, w.final_norm, w.bias, w.q_norm, w.k_norm, w.inv_freq,
             c.k, c.v, c.layout.num_pages, buf["x"], x.qkv_part, buf["q"], x.part_o, x.part_ml, buf["attn"], buf["act"],
             x.logits, x.x_part, self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634,

@@ -18,8 +18,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .. import isa
-from . import attention, attention_mma, matvec, versioned
-from .orchestration import (TRACE_STAMPS, counter_signal, counter_wait, globaltimer, globaltimer_after, l2_prefetch,
+from . import attention, matvec, versioned
+from .orchestration import (TRACE_STAMPS, counter_signal, counter_wait, globaltimer, globaltimer_after,
                             producer_weight_rows, ring_init, ticket_is_last)
 
 _C = isa.kernel_constants()
@@ -74,34 +74,9 @@ def _fetch(prog_ptr, MAXLEN, i, offs):
 
 
 @gluon.jit
-def _mlp_tiles_past_ring(prog_ptr, MAXLEN, i, n, layer, a, b, gu_ptr, offs, D: gl.constexpr, I: gl.constexpr,
-                         NB: gl.constexpr, TR: gl.constexpr, TK: gl.constexpr, AHEAD: gl.constexpr,
-                         WL: gl.constexpr):
-    """The loader at the first MLP_IN block of a layer on this SM (instruction i: outputs [a, a + b)): prefetch into
-    L2 the AHEAD tiles that follow the ring's NB in this block and the next one (if instruction i + 1 is MLP_IN).
-    The loader gets here while compute is in the layer's attention, when the rings are full and HBM is asked for
-    under half its rate (bench/NOTES.md, session 10). Tile-major weights: a block's tiles are contiguous."""
-    KT_D: gl.constexpr = (D + TK - 1) // TK
-    n0 = 2 * b // TR * KT_D
-    base0 = (layer * 2 * I + 2 * a) // TR * KT_D
-    n1 = 0
-    base1 = 0
-    if i + 1 < n:
-        _, op1, layer1, a1, b1 = _fetch(prog_ptr, MAXLEN, i + 1, offs)
-        if op1 == OP_MLP_IN:
-            n1 = 2 * b1 // TR * KT_D
-            base1 = (layer1 * 2 * I + 2 * a1) // TR * KT_D
-    lane = gl.arange(0, 32, WL)
-    t = NB + lane
-    tile = gl.where(t < n0, base0 + t, base1 + t - n0)
-    size = gl.where((lane < AHEAD) & (t < n0 + n1), TR * TK * 2, 0)
-    l2_prefetch(gu_ptr + tile.to(gl.int64) * (TR * TK), size)
-
-
-@gluon.jit
-def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready, tiles_ptr,
+def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, tiles_ptr,
             MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
-            TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, L2_MLP: gl.constexpr, INFLIGHT: gl.constexpr,
+            TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, INFLIGHT: gl.constexpr,
             O_PARTS: gl.constexpr, TRACE_TILES: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     NQKV: gl.constexpr = HQ + 2 * HKV
@@ -116,14 +91,8 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, 
     else:
         stamps = None
     it = 0
-    prev_op = -1
     for i in range(n):
         w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
-        if L2_MLP > 0:
-            if op == OP_MLP_IN and prev_op != OP_MLP_IN:
-                _mlp_tiles_past_ring(prog_ptr, MAXLEN, i, n, layer, a, b, gu_ptr, offs, D, I, bufs.type.shape[0], TR,
-                                     TK, L2_MLP, WL)
-            prev_op = op
         if op == OP_ATTN_IN:
             n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
             k0, k1 = _part_tiles(b, KT_D, n_parts)
@@ -157,7 +126,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr,
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
-             O_PARTS: gl.constexpr, SHFL: gl.constexpr, ATTN_MMA: gl.constexpr, NL: gl.constexpr,
+             O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr,
              TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
@@ -230,12 +199,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             kvh = a
             split = _field(w, offs, W_C)
             n_splits = _field(w, offs, W_D)
-            if ATTN_MMA > 0:  # KernelConfig.attn_mma: a block's products on the tensor cores (attention_mma.py)
-                k0, v0, rk0, rv0 = attention_mma.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr,
-                                                          bt_ptr, MAXP, NP, HKV, HD, PS, BT * ATTN_MMA, num_warps)
-            else:
-                k0, v0, row0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr,
-                                                  MAXP, NP, HKV, HD, PS, BT, num_warps, L4)
+            k0, v0, row0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr,
+                                              MAXP, NP, HKV, HD, PS, BT, num_warps, L4)
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
             if TRACE:
@@ -245,16 +210,11 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 fq, fk, fv = attention.finish_heads(layer, kvh, pos, _field(w, offs, W_G), qkvp_ptr, bias_ptr, qn_ptr,
                                                     kn_ptr, invf_ptr, eps, HQ, HKV, HD, GP, HAS_BIAS, QK_NORM,
                                                     num_warps, L4)
-            # (FLAG_Q and QKV_IN_ATTN exclude each other, and ATTN_MMA both and KVP: KernelConfig.check)
-            if ATTN_MMA > 0:
-                attention_mma.partial(layer, kvh, b, split, n_splits, ctx, pos, k0, v0, rk0, rv0, q_ptr, kc_ptr,
-                                      vc_ptr, bt_ptr, MAXP, NP, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale,
-                                      BT * ATTN_MMA, num_warps)
-            else:
-                t_first, t_rest, t_stored = attention.partial(
-                    layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
-                    SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4, vstep + layer, FLAG_Q,
-                    fq, fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP, TRACE)
+            # (FLAG_Q and QKV_IN_ATTN exclude each other: KernelConfig.check)
+            t_first, t_rest, t_stored = attention.partial(
+                layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
+                SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4, vstep + layer, FLAG_Q,
+                fq, fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP, TRACE)
         else:
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
@@ -365,7 +325,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
 
 @gluon.jit
 def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT,
-               d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr,
+               d_qkv, d_o, d_gu, d_down, d_lm,
                emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
                SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT,
@@ -373,10 +333,10 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
                TR: gl.constexpr, TK: gl.constexpr, NB: gl.constexpr, KT_ROWS: gl.constexpr, SG: gl.constexpr,
                BT: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, LOADER_REGS: gl.constexpr,
-               TILED: gl.constexpr, L2_MLP: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
+               TILED: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
                QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
-               SHFL: gl.constexpr, ATTN_MMA: gl.constexpr, NL: gl.constexpr, TRACE: gl.constexpr,
+               SHFL: gl.constexpr, NL: gl.constexpr, TRACE: gl.constexpr,
                TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
@@ -399,8 +359,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
                     HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
-                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, ATTN_MMA, NL, TRACE, TRACE_TILES,
+                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, TRACE, TRACE_TILES,
                     num_warps)),
-        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, gu_ptr, bufs, empty, ready,
-                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, L2_MLP, INFLIGHT, O_PARTS, TRACE_TILES)),
+        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
+                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, O_PARTS, TRACE_TILES)),
     ], [1], [LOADER_REGS])

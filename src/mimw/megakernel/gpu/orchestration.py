@@ -138,16 +138,6 @@ def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs,
 
 
 @gluon.jit
-def l2_prefetch(ptrs, nbytes):
-    """Hint L2 to fetch ``nbytes[l]`` bytes at ``ptrs[l]`` for every lane l with nbytes > 0 (a multiple of 16,
-    16-byte aligned): one ``cp.async.bulk.prefetch.L2`` per lane. No completion and no effect on results; the
-    ring's TMA load of those bytes later hits L2."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, nbytes], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def consumer_acquire(bufs, ready, it, layout: gl.constexpr, stamps=None):
     """Compute: wait for tile ``it`` and read it into registers with ``layout``. Returns (tile, slot index).
     ``stamps`` (tile trace): compute's time before and after the wait for the tile's bytes go to

@@ -107,10 +107,6 @@ VARIANTS = {
     # the tensor-core epilogue's folds summed by warp shuffles (one barrier a row tile instead of three); with the
     # O_PROJ parts, whose blocks have 4-8x more row tiles (the 8B's compile spills 12 bytes)
     "tr32-shfl": KernelConfig(fold_shuffle=True),
-    # an attention split's two products on the tensor cores (attention_mma.py); its gain is at long contexts:
-    # run with --context 8192 too
-    "tr32-amma": KernelConfig(attn_mma=1),
-    "tr32-amma2": KernelConfig(attn_mma=2),  # blocks of 128 (1B) / 64 (8B) positions: half the barriers a position
     "tr32-shfl-op8": KernelConfig(fold_shuffle=True, o_parts=8),
     # without early dispatch a reader arrives later and spins less: if flag_act gains here, early spinning costs
     "tr32-nodisp": KernelConfig(dispatch=False),
@@ -118,16 +114,10 @@ VARIANTS = {
     # fewer, longer attention splits (context 1024: 8 / 4 splits a KV head instead of 16)
     "tr32-split128": KernelConfig(min_split_tokens=128),
     "tr32-split256": KernelConfig(min_split_tokens=256),
-    "tr32-mma-l2mlp6": KernelConfig(mma=1, l2_mlp_ahead=6),  # a faster consumer may use the attention-window prefetch
-    # with the in-flight cap a loader's rate is its 4 tiles over their latency: tiles already in L2 come back sooner
-    "tr32-mma-l2mlp12": KernelConfig(mma=1, l2_mlp_ahead=12),
-    "tr32-mma-l2mlp24": KernelConfig(mma=1, l2_mlp_ahead=24),
     # ATTN_IN in one column part a head (no ticket, no finisher: the head's own SM ropes and stores it) or three/four
     "tr32-qp1": KernelConfig(qkv_parts=1),
     "tr32-qp3": KernelConfig(qkv_parts=3),
     "tr32-qp4": KernelConfig(qkv_parts=4),
-    "tr32-l2mlp6": KernelConfig(l2_mlp_ahead=6, mma=0),  # L2 prefetch of MLP_IN tiles past the ring, during attention
-    "tr32-l2mlp16": KernelConfig(l2_mlp_ahead=16, mma=0),
     "tr32-deep": KernelConfig(ring=0),  # ring as deep as shared memory allows (12 slots for the 1B, 11 for the 8B)
     "tr16-tk512-nb10": KernelConfig(tile_rows=16, tile_k=512, ring=10),
     "tr16-tk256-nb20": KernelConfig(tile_rows=16, tile_k=256, ring=20),
