@@ -1,0 +1,131 @@
+"""Thread-block clusters for the megakernel: the probe that decides whether tickets can move on chip.
+
+Twice a layer the megakernel joins the parts of one result through global memory: ATTN_IN's column parts of a
+head (a ticket, then the finisher loads the other parts' sums) and the attention splits of a KV group (a ticket,
+then the combine loads every split's partial). Each join is a release fence, an atomic round trip and a round of
+loads through L2, ~1-2 us under the weight stream (bench/NOTES.md, sessions 12-15). On Hopper, CTAs launched as a
+*cluster* can write each other's shared memory (``mapa`` + ``st.shared::cluster``, distributed shared memory) and
+meet at a hardware cluster barrier (``barrier.cluster.arrive.release`` / ``wait.acquire``) without leaving the
+GPC. If that is much cheaper than the ticket, the parts of a join placed on the CTAs of one cluster can swap
+partials on chip.
+
+Two things must hold first, and this probe tests both on the GPU:
+1. **Launching a Gluon kernel in clusters.** Triton 3.6 launches clusters only for ``num_ctas > 1``, which also
+   makes every Gluon layout span the cluster's CTAs (each would need a CGA layout). ``launch_in_clusters`` compiles
+   for one CTA and then sets the launch's ``num_ctas`` (and its dynamic shared memory) in the compiled kernel's
+   packed launch metadata: the driver launches ``grid * cluster`` CTAs in clusters of ``cluster``, and the code,
+   compiled for one CTA, sees ``program_id`` = its CTA index.
+2. **Shared memory outside Triton's allocator.** Gluon 3.6 exposes no shared-memory address, so the exchange
+   region is the dynamic shared memory requested past Triton's own (``region`` bytes from ``global_smem``, the
+   kernel's dynamic shared memory symbol), addressed only through inline asm.
+
+``probe`` checks an exchange between the two CTAs of each pair (reference: ``exchange_reference``) and times
+``ITERS`` rounds of (store to the peer, cluster barrier) against ``ITERS`` rounds of a pair's global ticket
+(``counter_signal`` + ``counter_wait``: the megakernel's join).
+"""
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .orchestration import counter_signal, counter_wait, globaltimer
+
+
+@gluon.jit
+def cluster_rank(like):
+    """%cluster_ctarank (this CTA's index in its cluster), shaped like the int32 tensor ``like``."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r,r", [like], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def store_to_peer(offset, rank, value):
+    """Store fp32 ``value`` at byte ``offset`` of the dynamic shared memory of CTA ``rank`` of this cluster
+    (element-wise; ``mapa`` turns the local shared address into the peer's window in the cluster's space)."""
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, r; mov.u32 a, global_smem; add.u32 a, a, $1; mapa.shared::cluster.u32 r, a, $2; "
+        "st.shared::cluster.f32 [r], $3; mov.u32 $0, 0; }",
+        "=r,r,r,f", [offset, rank, value], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def load_local(offset):
+    """fp32 at byte ``offset`` of this CTA's dynamic shared memory (element-wise)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.f32 $0, [a]; }",
+        "=f,r", [offset], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def cluster_sync(like):
+    """Every thread of every CTA in the cluster arrives (release: its shared-memory stores to any CTA of the
+    cluster are visible after the wait) and waits (acquire). ``.aligned``: all threads of a warp execute it
+    together, so it is issued once per element of a one-element-per-thread tensor ``like``."""
+    gl.inline_asm_elementwise(
+        "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; mov.u32 $0, 0;",
+        "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def probe(out_ptr, ns_ptr, cnt_ptr, region, ITERS: gl.constexpr, num_warps: gl.constexpr):
+    """CTA pid of a cluster of two: thread t stores pid * 1000 + t into its peer's region, then reads its own
+    (``out[pid, t]``); then ``ns[pid]`` = (ns per cluster round, ns per global ticket round) over ITERS rounds."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    T: gl.constexpr = 32 * num_warps
+    t = gl.arange(0, T, L)
+    pid = gl.program_id(0)
+    peer = cluster_rank(t) ^ 1
+    offset = region + t * 4
+    store_to_peer(offset, peer, (pid * 1000 + t).to(gl.float32))
+    cluster_sync(t)
+    gl.store(out_ptr + pid * T + t, load_local(offset))
+    cluster_sync(t)  # the peer has read its region before the rounds below write it again
+    t0 = globaltimer()
+    for i in range(ITERS):
+        store_to_peer(offset, peer, (t + i).to(gl.float32))
+        cluster_sync(t)
+    t1 = globaltimer()
+    for i in range(ITERS):  # the megakernel's join: release add, then poll until both CTAs of the pair added
+        counter_signal(cnt_ptr, pid // 2)
+        counter_wait(cnt_ptr, pid // 2, 2 * (i + 1))
+    t2 = globaltimer()
+    gl.store(ns_ptr + pid * 2, (t1 - t0) // ITERS)
+    gl.store(ns_ptr + pid * 2 + 1, (t2 - t1) // ITERS)
+
+
+def exchange_reference(n_ctas: int, threads: int) -> torch.Tensor:
+    """What ``probe`` leaves in ``out`` [n_ctas, threads]: CTA pid reads what its pair mate pid ^ 1 stored."""
+    pid = torch.arange(n_ctas).unsqueeze(1)
+    return ((pid ^ 1) * 1000 + torch.arange(threads)).float()
+
+
+def launch_in_clusters(kernel, n_ctas: int, cluster: int, region_bytes: int, args: tuple, constexprs: dict):
+    """Launch ``kernel`` (compiled for one CTA) as ``n_ctas`` CTAs in clusters of ``cluster``, with
+    ``region_bytes`` of dynamic shared memory past Triton's own; ``args`` end with the region's byte offset, which
+    this fills in (a 16-byte multiple). Returns the compiled kernel."""
+    if n_ctas % cluster:
+        raise ValueError(f"{n_ctas} CTAs do not form clusters of {cluster}")
+    compiled = kernel.warmup(*args, 16, grid=(n_ctas // cluster,), **constexprs)
+    region = -(-compiled.metadata.shared // 16) * 16
+    num_warps, _, _ = compiled.packed_metadata
+    # the launcher runs grid x num_ctas CTAs, in clusters of num_ctas (triton/backends/nvidia/driver.py)
+    compiled.packed_metadata = (num_warps, cluster, region + region_bytes)
+    kernel[(n_ctas // cluster,)](*args, region, **constexprs)
+    return compiled
+
+
+def run_probe(n_ctas: int = 132, iters: int = 1000, num_warps: int = 4, device: str = "cuda") -> dict:
+    """``probe`` on ``n_ctas`` CTAs in clusters of two: whether the exchange matches, and the median ns of a
+    cluster round and of a global ticket round."""
+    threads = 32 * num_warps
+    out = torch.full((n_ctas, threads), float("nan"), device=device)
+    ns = torch.zeros(n_ctas, 2, dtype=torch.int64, device=device)
+    cnt = torch.zeros(n_ctas // 2, dtype=torch.int32, device=device)
+    launch_in_clusters(probe, n_ctas, 2, threads * 4, (out, ns, cnt), dict(ITERS=iters, num_warps=num_warps))
+    torch.cuda.synchronize()
+    ok = torch.equal(out.cpu(), exchange_reference(n_ctas, threads))
+    med = ns.float().median(dim=0).values.tolist()
+    return dict(exchange_ok=ok, cluster_round_ns=med[0], ticket_round_ns=med[1], ctas=n_ctas, iters=iters)
+
+
+if __name__ == "__main__":
+    print(run_probe())
