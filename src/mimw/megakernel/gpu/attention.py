@@ -254,7 +254,7 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     t_rest = 0
     t_stored = 0
     if TRACE:  # q's round trip and block 0 (its loads issued before the wait)
-        t_first = globaltimer_after(_dep(l_i))
+        t_first = globaltimer_after(_dep(l_i, o))
     for t0 in range(lo + BT, hi, BT):
         t = t0 + tk
         if KVP:
@@ -276,7 +276,7 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     if KVP:
         async_copy.wait_group(0)  # no copy may land in kvbuf after this instruction
     if TRACE:
-        t_rest = globaltimer_after(_dep(l_i))
+        t_rest = globaltimer_after(_dep(l_i, o))
     # merge the warps' states
     mx = gl.max(m_i, axis=0)  # [GP]
     wn = gl.exp2(m_i - gl.expand_dims(mx, 0))
@@ -297,12 +297,16 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
 
 
 @gluon.jit
-def _dep(x):
-    """An int32 scalar that exists only once every element of ``x`` ([A] or [A, B] fp32) does (for
+def _dep(x, y=None):
+    """An int32 scalar that exists only once every element of ``x`` ([A] or [A, B] fp32) does, and of ``y``
+    ([A, B, C] fp32: the block's P V, which the softmax sums alone do not wait for) if given (for
     ``globaltimer_after``)."""
     if len(x.shape) == 2:
         x = gl.sum(x, axis=1)
-    return gl.sum(x, axis=0).to(gl.int32, bitcast=True)
+    s = gl.sum(x, axis=0)
+    if y is not None:
+        s += gl.sum(gl.sum(gl.sum(y, axis=2), axis=1), axis=0) * 0.0  # a data dependency, not a value
+    return s.to(gl.int32, bitcast=True)
 
 
 @gluon.jit
