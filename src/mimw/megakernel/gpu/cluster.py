@@ -21,7 +21,10 @@ Two things must hold first, and this probe tests both on the GPU:
 
 ``probe`` checks an exchange between the two CTAs of each pair (reference: ``exchange_reference``) and times
 ``ITERS`` rounds of (store to the peer, cluster barrier) against ``ITERS`` rounds of a pair's global ticket
-(``counter_signal`` + ``counter_wait``: the megakernel's join).
+(``counter_signal`` + ``counter_wait``: the megakernel's join). A persistent kernel must also have every CTA
+resident at once: ``max_active_clusters`` asks the driver how many clusters of a size fit the GPU at a given
+shared-memory footprint (the megakernel takes ~220 KB an SM: one CTA an SM, 66 clusters of two on 132 SMs only
+if every GPC has an even number of SMs free).
 """
 import torch
 from triton.experimental import gluon
@@ -113,6 +116,36 @@ def launch_in_clusters(kernel, n_ctas: int, cluster: int, region_bytes: int, arg
     return compiled
 
 
+def max_active_clusters(function: int, cluster: int, threads: int, smem_bytes: int) -> int:
+    """cuOccupancyMaxActiveClusters for CUfunction ``function`` launched in clusters of ``cluster`` CTAs of
+    ``threads`` threads with ``smem_bytes`` of dynamic shared memory (the driver API through ctypes: torch and
+    triton expose no cluster occupancy query)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    class Attr(ctypes.Structure):  # CUlaunchAttribute: an enum id, padding to 8, a 64-byte value union
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+    class Config(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                    ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("num_attrs", ctypes.c_uint)]
+
+    fn = ctypes.c_void_p(function)
+    rc = cuda.cuFuncSetAttribute(fn, 8, ctypes.c_int(smem_bytes))  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if rc != 0:
+        raise RuntimeError(f"cuFuncSetAttribute({smem_bytes} bytes of dynamic shared memory): CUresult {rc}")
+    attr = Attr(id=4)  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
+    cfg = Config((ctypes.c_uint * 3)(cluster, 1, 1), (ctypes.c_uint * 3)(threads, 1, 1), smem_bytes, None,
+                 ctypes.pointer(attr), 1)
+    n = ctypes.c_int(0)
+    rc = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg))
+    if rc != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters: CUresult {rc}")
+    return n.value
+
+
 def run_probe(n_ctas: int = 132, iters: int = 1000, num_warps: int = 4, device: str = "cuda") -> dict:
     """``probe`` on ``n_ctas`` CTAs in clusters of two: whether the exchange matches, and the median ns of a
     cluster round and of a global ticket round."""
@@ -120,11 +153,15 @@ def run_probe(n_ctas: int = 132, iters: int = 1000, num_warps: int = 4, device: 
     out = torch.full((n_ctas, threads), float("nan"), device=device)
     ns = torch.zeros(n_ctas, 2, dtype=torch.int64, device=device)
     cnt = torch.zeros(n_ctas // 2, dtype=torch.int32, device=device)
-    launch_in_clusters(probe, n_ctas, 2, threads * 4, (out, ns, cnt), dict(ITERS=iters, num_warps=num_warps))
+    compiled = launch_in_clusters(probe, n_ctas, 2, threads * 4, (out, ns, cnt),
+                                  dict(ITERS=iters, num_warps=num_warps))
     torch.cuda.synchronize()
     ok = torch.equal(out.cpu(), exchange_reference(n_ctas, threads))
     med = ns.float().median(dim=0).values.tolist()
-    return dict(exchange_ok=ok, cluster_round_ns=med[0], ticket_round_ns=med[1], ctas=n_ctas, iters=iters)
+    fits = {kb: max_active_clusters(compiled.function, 2, threads, kb * 1024) for kb in (16, 220)}
+    return dict(exchange_ok=ok, cluster_round_ns=med[0], ticket_round_ns=med[1], ctas=n_ctas, iters=iters,
+                sms=torch.cuda.get_device_properties(device).multi_processor_count,
+                clusters_of_2_at_16kb=fits[16], clusters_of_2_at_220kb=fits[220])
 
 
 if __name__ == "__main__":
