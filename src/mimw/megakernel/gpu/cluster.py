@@ -104,7 +104,8 @@ def exchange_reference(n_ctas: int, threads: int) -> torch.Tensor:
 def launch_in_clusters(kernel, n_ctas: int, cluster: int, region_bytes: int, args: tuple, constexprs: dict):
     """Launch ``kernel`` (compiled for one CTA) as ``n_ctas`` CTAs in clusters of ``cluster``, with
     ``region_bytes`` of dynamic shared memory past Triton's own; ``args`` end with the region's byte offset, which
-    this fills in (a 16-byte multiple). Returns the compiled kernel."""
+    this fills in (a 16-byte multiple). Returns the compiled kernel: the JIT's cached one, so later launches of the
+    same specialization also run in clusters."""
     if n_ctas % cluster:
         raise ValueError(f"{n_ctas} CTAs do not form clusters of {cluster}")
     compiled = kernel.warmup(*args, 16, grid=(n_ctas // cluster,), **constexprs)
