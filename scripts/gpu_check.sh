@@ -9,6 +9,8 @@
 #              words never come spins: a hang must not eat the call)
 #   sanitize   compute-sanitizer synccheck and racecheck on small shapes (~2.5 min; racecheck is cut at 200 s)
 #   trace      the per-instruction trace of the 1B and 8B shapes at context 1024 (~2.5 min)
+#   cluster    the thread-block cluster probe (gpu/cluster.py): its test, then its timings (seconds; not in the
+#              default list)
 # Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
 #   PARTS="tests sanitize" bash scripts/gpu_check.sh        # these parts (default: all five, past one call)
 #   COMMIT=<sha> VARIANTS=a,b PARTS=trace bash scripts/gpu_check.sh   # record the commit; time these variants
@@ -53,6 +55,12 @@ if has sanitize; then
     # racecheck's reports per kernel and source line: ws_control (sanitize.py) is the warp_specialize baseline
     grep -o "access at [a-z_]*+0x[0-9a-f]* in [a-z_]*\.py:[0-9]*" "$out/racecheck.log" | sed 's/+0x[0-9a-f]*//' \
         | sort | uniq -c
+fi
+if has cluster; then
+    { python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_cluster.py \
+        && python3 -m mimw.megakernel.gpu.cluster; } > "$out/cluster.log" 2>&1
+    rc[cluster]=$?
+    tail -n 2 "$out/cluster.log"
 fi
 if has trace; then
     python3 -m mimw.megakernel.gpu.variants --models llama-3.2-1b,llama-3.1-8b --variants "${VARIANTS:-default}" \
