@@ -78,6 +78,8 @@ def probe(out_ptr, ns_ptr, cnt_ptr, region, ITERS: gl.constexpr, num_warps: gl.c
     pid = gl.program_id(0)
     peer = cluster_rank(t) ^ 1
     offset = region + t * 4
+    cluster_sync(t)  # the peer has started: its shared memory may not be written before (nor after it exits:
+    # the last remote store below precedes the last barrier)
     store_to_peer(offset, peer, (pid * 1000 + t).to(gl.float32))
     cluster_sync(t)
     gl.store(out_ptr + pid * T + t, load_local(offset))
