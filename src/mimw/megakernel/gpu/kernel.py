@@ -182,7 +182,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         staged = key
         if TRACE:
             t_start = globaltimer()
-            t_first = t_start  # ATTN_PARTIAL's phase stamps (0 in the trace: not an ATTN_PARTIAL, or no ticket)
+            t_first = t_start  # ATTN_PARTIAL's phase stamps, defined on every path (stored only for ATTN_PARTIAL;
+            # t_ticket stays 0 for a split that draws no ticket)
             t_rest = t_start
             t_stored = t_start
             t_ticket = t_start * 0

@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 
 from .. import isa
-from ..program import Program
+from ..program import Program, column_part
 
 
 ATTN_PHASES = ("q_and_block0", "later_blocks", "merge_and_store", "ticket", "combine")
@@ -122,15 +122,18 @@ def tile_counts(program: Program, tile_rows: int, tile_k: int) -> list[list[int]
     hd = spec.head_dim
     kt = lambda k: -(-k // tile_k)  # noqa: E731
     kt_d, kt_q, kt_i = kt(spec.hidden_size), kt(spec.q_size), kt(spec.intermediate_size)
-    part = lambda k, p, n: (p + 1) * k // n - p * k // n  # noqa: E731  column tiles of part p of n
+
+    def part(k: int, p: int, n: int) -> int:  # column tiles of part p of n over k columns
+        c0, c1 = column_part(k, tile_k, p, n)
+        return kt(c1 - c0)
     out = []
     for q in program.queues:
         row = []
         for ins in q:
             if isinstance(ins, isa.AttnIn):
-                row.append(hd // tile_rows * part(kt_d, ins.part, ins.n_parts))
+                row.append(hd // tile_rows * part(spec.hidden_size, ins.part, ins.n_parts))
             elif isinstance(ins, isa.OProj):  # with n_parts: its part's columns (ProgramConfig.o_parts)
-                row.append(ins.nrows // tile_rows * (part(kt_q, ins.part, ins.n_parts) if ins.n_parts else kt_q))
+                row.append(ins.nrows // tile_rows * (part(spec.q_size, ins.part, ins.n_parts) if ins.n_parts else kt_q))
             elif isinstance(ins, isa.MlpIn):
                 row.append(2 * ins.nrows // tile_rows * kt_d)
             elif isinstance(ins, isa.DownProj):
