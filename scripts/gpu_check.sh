@@ -57,8 +57,9 @@ if has sanitize; then
         | sort | uniq -c
 fi
 if has cluster; then
-    { python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_cluster.py \
-        && python3 -m mimw.megakernel.gpu.cluster; } > "$out/cluster.log" 2>&1
+    # under a time limit: a cluster barrier that a peer never reaches hangs the kernel
+    { timeout "${CLUSTER_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_cluster.py \
+        && timeout "${CLUSTER_TIMEOUT:-150}" python3 -m mimw.megakernel.gpu.cluster; } > "$out/cluster.log" 2>&1
     rc[cluster]=$?
     tail -n 2 "$out/cluster.log"
 fi
