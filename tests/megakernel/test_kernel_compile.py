@@ -259,3 +259,29 @@ def test_qkv_parts_beyond_the_finishers_unrolled_sum_are_refused():
     KernelConfig(qkv_parts=8).check(spec)
     with pytest.raises(ValueError, match="qkv_parts=9"):
         KernelConfig(qkv_parts=9).check(spec)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.1-8b"])
+def test_cluster_pairs_compile_to_a_distributed_shared_memory_exchange_without_spills(model):
+    """KernelConfig(cluster_qkv=True): ATTN_IN's parts store into the mate's shared memory (mapa +
+    st.shared::cluster), arrive on its barrier and wait on their own at cluster scope (gpu/cluster.py); the
+    default kernel has none of it, and no cluster barrier is used (Triton's padding warps never reach one)."""
+    spec = get_preset(model)
+    ptx = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), cluster_qkv=True))
+    for needle in ("mapa.shared::cluster.u32", "st.shared::cluster.f32", "fence.mbarrier_init.release.cluster",
+                   "mbarrier.arrive.release.cluster.shared::cluster.b64",
+                   "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64", "%dynamic_smem_size"):
+        assert needle in ptx, needle
+    assert "barrier.cluster" not in ptx
+    assert "mapa" not in _ptx(spec) and "%dynamic_smem_size" not in _ptx(spec)
+
+
+def test_cluster_pair_exchange_region_is_taken_from_the_ring_room():
+    from mimw.megakernel.gpu.cluster import pair_region_bytes
+    from mimw.megakernel.gpu.config import constexprs, exchange_bytes
+
+    spec = get_preset("llama-3.1-8b")
+    assert exchange_bytes(spec, KernelConfig()) == 0 and constexprs(spec, KernelConfig(), 16)["XB"] == 0
+    assert exchange_bytes(spec, KernelConfig(cluster_qkv=True)) == pair_region_bytes(128) == 16 + 2 * 2 * 128 * 4
+    with pytest.raises(ValueError, match="qkv_parts=3"):
+        KernelConfig(cluster_qkv=True, qkv_parts=3).check(spec)

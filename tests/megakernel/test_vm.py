@@ -595,3 +595,71 @@ def test_o_parts_readiness_catches_the_next_layer_overwriting_x_parts_down_proj_
     run.readiness.after(isa.OProj(layer=1, row0=0, nrows=d, part=1, n_parts=2))
     with pytest.raises(DependencyError, match=r"x parts' rows at version \[1\], needs version 0"):
         run.readiness.before(down)
+
+
+CLUSTER_CASES = [  # ProgramConfig(cluster_qkv): (preset, num_sms, seg_lens, contexts)
+    ("tiny-llama", 132, (1,), (14,)),  # every head on its own cluster
+    ("tiny-qwen3", 8, (4,), (30,)),  # q/k norms in part 0's finish; several pairs a layer on each cluster
+    ("tiny-qwen2", 2, (1, 1), (5, 20)),  # one cluster: every pair on SMs 0 and 1, back to back; bias
+]
+
+
+@pytest.mark.parametrize("name,num_sms,seg_lens,contexts", CLUSTER_CASES, ids=[c[0] for c in CLUSTER_CASES])
+def test_vm_with_cluster_pairs_matches_reference(name, num_sms, seg_lens, contexts):
+    """ProgramConfig(cluster_qkv): ATTN_IN's two parts of a head on SMs 2c and 2c + 1, no ticket; part 0 finishes
+    and signals."""
+    prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts, ProgramConfig(tile_k=16, cluster_qkv=True))
+    assert prog.qkv_parts == 2 and not any(".qkv_ticket." in c.name for c in prog.counters)
+    for s, q in enumerate(prog.queues):
+        for ins in q:
+            if ins.OP == isa.Op.ATTN_IN:
+                assert ins.flags & isa.CLUSTER_PAIR and ins.ticket == isa.NO_COUNTER and ins.part == s % 2
+                assert ins.has_finisher == (ins.part == 0) and (ins.signal == isa.NO_COUNTER) == (ins.part == 1)
+
+
+def test_cluster_pairs_need_two_parts_an_even_sm_count_and_a_finisher():
+    spec, _ = model("tiny-llama")
+    with pytest.raises(ValueError, match="odd"):
+        build_program(spec, StepShape((1,)), 7, ProgramConfig(tile_k=16, cluster_qkv=True))
+    with pytest.raises(ValueError, match="qkv_parts=3"):
+        build_program(spec, StepShape((1,)), 8, ProgramConfig(tile_k=16, cluster_qkv=True, qkv_parts=3))
+    with pytest.raises(ValueError, match="qkv_in_attn"):
+        build_program(spec, StepShape((1,)), 8, ProgramConfig(tile_k=16, cluster_qkv=True, qkv_in_attn=True))
+
+
+def _swapped_mates(name="tiny-qwen3", num_sms=8):
+    """A cluster_qkv program whose SM 1 holds its first two pair instructions in the other order (different heads
+    of one layer): SM 0 and SM 1 meet at different heads."""
+    spec, w, _, _, cache, tables, g = prefilled(name, 16, (40,), 1, 5)
+    prog = build_program(spec, StepShape((1,)), num_sms, ProgramConfig(tile_k=16, cluster_qkv=True))
+    words, lengths = prog.encode()
+    idx = [i for i in range(int(lengths[1])) if isa.decode(words[1, i].tolist()).OP == isa.Op.ATTN_IN][:2]
+    assert len(idx) == 2 and prog.queues[1][idx[0]].layer == prog.queues[1][idx[1]].layer
+    words[1, idx] = words[1, idx[::-1]].clone()
+    return prog, w, cache, tables, words, lengths
+
+
+def test_cluster_mates_that_meet_at_different_heads_are_caught():
+    prog, w, cache, tables, words, lengths = _swapped_mates()
+    vm = VM(prog, w, cache, (words, lengths))
+    state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
+    state.fill([3], [40], tables, (1,))
+    with pytest.raises(DependencyError, match="cluster mates disagree"):
+        vm.run_step(state, scratch, random.Random(0))
+    # and the program's own check names them before anything runs
+    from mimw.megakernel.program import cluster_mate_errors
+    queues = [[isa.decode(x) for x in words[s, : int(lengths[s])].tolist()] for s in range(prog.num_sms)]
+    assert any("does not pair" in e for e in cluster_mate_errors(queues))
+    assert cluster_mate_errors(prog.queues) == []
+
+
+def test_a_cluster_pair_whose_part_1_also_signals_is_caught():
+    prog, w, cache, state, scratch = _setup(num_sms=8, seg_lens=(1,), contexts=(40,),
+                                            config=ProgramConfig(tile_k=16, cluster_qkv=True))
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.ATTN_IN, lambda ins: ins.part == 0)
+    mate = [j for j in range(int(lengths[s ^ 1])) if isa.decode(words[s ^ 1, j].tolist()).OP == isa.Op.ATTN_IN]
+    k = [j for j in range(int(lengths[s])) if isa.decode(words[s, j].tolist()).OP == isa.Op.ATTN_IN].index(i)
+    words[s ^ 1, mate[k], isa.Word.SIGNAL] = words[s, i, isa.Word.SIGNAL]  # part 1 signals the group too
+    with pytest.raises(DependencyError, match="counters off|waits for"):
+        VM(prog, w, cache, (words, lengths)).run_step(state, scratch, random.Random(0))

@@ -79,7 +79,8 @@ class Word(IntEnum):
     E = 9  # ATTN_PARTIAL: ticket counter of the combining splits (-1: none); O_PROJ with parts: the attention
     #        splits of each segment it combines
     F = 10  # ATTN_PARTIAL: 1 if the splits combine themselves (no ATTN_REDUCE follows)
-    FLAGS = 11  # versioned-word bits: READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED; QKV_IN_ATTN
+    FLAGS = 11  # versioned-word bits: READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED; QKV_IN_ATTN;
+    #             CLUSTER_PAIR
     G = 12  # ATTN_PARTIAL with QKV_IN_ATTN: ATTN_IN's column parts it sums (0 otherwise)
     SIGNAL_N = 13  # how much the release adds to SIGNAL: 1; with merged releases (ProgramConfig.merge_signals) the
     #                length of the run of same-counter instructions on this SM it ends, and 0 for the others
@@ -105,6 +106,14 @@ READS_Q = 16  # reads its query heads, and (a split holding this step's position
 # q in registers, and stores this step's K/V rows that fall in its split to the paged cache before reading it.
 # One counter hop's ticket and the finisher's round trips leave ATTN_IN; each split redoes G + 2 heads' finish.
 QKV_IN_ATTN = 32
+# Word.FLAGS, not a versioned-word bit: ATTN_IN's two column parts of a head run on the two CTAs of one thread-block
+# cluster (SMs 2c and 2c + 1, the same ordinal among the paired instructions of both queues; ProgramConfig.
+# cluster_qkv). Each part stores its partial into both CTAs' shared memory and arrives on the other's barrier; part
+# 0 waits for part 1's, sums the two in part order and finishes the head (the ticketed finisher's math) and only it
+# signals; part 1 also waits for part 0's before it moves on, so a slot is rewritten only after it was read
+# (gpu/cluster.py). No ticket, no global round trip of partials. The pair is a rendezvous: part 0 cannot finish
+# until its mate has run part 1 (the VM runs the two together).
+CLUSTER_PAIR = 64
 
 
 @dataclass(frozen=True)
@@ -117,7 +126,7 @@ class Instruction:
     wait_count: int = 0
     signal: int = NO_COUNTER
     signal_n: int = 1  # what the release adds to ``signal`` (0: none, a later instruction of the run adds it)
-    flags: int = 0  # READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED | QKV_IN_ATTN
+    flags: int = 0  # READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED | QKV_IN_ATTN | CLUSTER_PAIR
 
     @property
     def has_finisher(self) -> bool:
@@ -156,6 +165,8 @@ class AttnIn(Instruction):
 
     @property
     def has_finisher(self) -> bool:
+        if self.flags & CLUSTER_PAIR:  # part 0 of a cluster pair finishes the head, part 1 only hands its sums over
+            return self.part == 0
         return not self.flags & QKV_IN_ATTN  # with QKV_IN_ATTN the ATTN_PARTIALs finish the heads they read
 
     @property

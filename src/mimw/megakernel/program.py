@@ -80,6 +80,9 @@ class ProgramConfig:
     # itself and stores x_part[part, rows], part 0 with the residual; MLP_IN and DOWN_PROJ sum the parts (isa.py)
     signal_logits: bool = True  # LM_HEAD blocks signal a counter; no instruction waits on it (the launch's end
     # publishes the logits), so False spares each block the release (its barrier and fenced atomic)
+    cluster_qkv: bool = False  # ATTN_IN's two column parts of every head on the two CTAs of a thread-block cluster
+    # (SMs 2c, 2c + 1; isa.CLUSTER_PAIR): the parts swap sums through distributed shared memory instead of a ticket
+    # and a global round trip; needs two parts (qkv_parts 0 or 2), an even SM count, and no qkv_in_attn
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
 
     def check(self) -> None:
@@ -91,6 +94,10 @@ class ProgramConfig:
             raise ValueError("qkv_in_attn and flag_q exclude each other: with qkv_in_attn no finisher writes q words")
         if self.o_parts < 0:
             raise ValueError(f"o_parts={self.o_parts}: 0 (one O_PROJ stage) or a positive number of column parts")
+        if self.cluster_qkv and self.qkv_parts not in (0, 2):
+            raise ValueError(f"cluster_qkv pairs two column parts a head, not qkv_parts={self.qkv_parts}")
+        if self.cluster_qkv and self.qkv_in_attn:
+            raise ValueError("cluster_qkv and qkv_in_attn exclude each other: with qkv_in_attn ATTN_IN has no finisher")
         if self.o_parts and (self.flag_x or self.flag_attn):
             raise ValueError("o_parts excludes flag_x and flag_attn: its x parts and partials are not versioned "
                              "words")
@@ -165,6 +172,8 @@ class Program:
         for c, n in zip(self.counters, sig):
             if n != c.count:
                 raise AssertionError(f"counter {c.name} is signalled {n} times per step, expected {c.count}")
+        if errors := cluster_mate_errors(self.queues):
+            raise AssertionError("; ".join(errors[:4]))
 
 
 def row_blocks(rows: int, row_bytes: int, num_sms: int, cfg: ProgramConfig,
@@ -204,8 +213,8 @@ def qkv_parts(spec: ModelSpec, num_sms: int, cfg: ProgramConfig) -> int:
     (each part pays the fixed cost and, when split, the ticket cost; at most 8 parts, never more than the column
     tiles); within 5% of the best, fewer parts win (each part costs ~2 us of fixed latency the model only
     approximates)."""
-    if cfg.qkv_parts:
-        return cfg.qkv_parts
+    if cfg.qkv_parts or cfg.cluster_qkv:
+        return cfg.qkv_parts or 2
     heads, kt = spec.num_heads + 2 * spec.num_kv_heads, -(-spec.hidden_size // cfg.tile_k)
     head_bytes = spec.head_dim * spec.hidden_size * 2
 
@@ -277,6 +286,9 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     lm_blocks = row_blocks(spec.vocab_size, spec.hidden_size * 2, num_sms, cfg)
 
     stages: list[list[Instruction]] = []
+    paired: set[int] = set()  # stages whose instructions go to cluster mates in pairs (ATTN_IN with cluster_qkv)
+    if cfg.cluster_qkv and num_sms % 2:
+        raise ValueError(f"cluster_qkv places pairs on clusters of two SMs: {num_sms} SMs is odd")
     prev, prev_n = isa.NO_COUNTER, 0  # counter that marks the residual stream x complete for this layer
     vx = isa.READS_X if cfg.flag_x else 0
     va = isa.WRITES_VERSIONED if cfg.flag_attn else 0
@@ -291,10 +303,15 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         def group(h: int) -> int:  # which KV group a q/k/v head feeds
             return h // g if h < hq else (h - hq) % hkv
 
-        tickets = [counter(f"L{l}.qkv_ticket.h{h}", n_parts) if n_parts > 1 and not late else isa.NO_COUNTER
+        ticketed = n_parts > 1 and not late and not cfg.cluster_qkv
+        tickets = [counter(f"L{l}.qkv_ticket.h{h}", n_parts) if ticketed else isa.NO_COUNTER
                    for h in range(hq + 2 * hkv)]
+        pair = isa.CLUSTER_PAIR if cfg.cluster_qkv else 0  # part 1 of a pair hands its sums to part 0: no signal
+        if pair:
+            paired.add(len(stages))
         stages.append([AttnIn(layer=l, head=h, part=p, n_parts=n_parts, ticket=tickets[h], wait=prev,
-                              wait_count=prev_n, signal=qkv[group(h)], flags=(vx if l > 0 else 0) | vq | late)
+                              wait_count=prev_n, signal=isa.NO_COUNTER if pair and p else qkv[group(h)],
+                              flags=(vx if l > 0 else 0) | vq | late | pair)
                        for h in range(hq + 2 * hkv) for p in range(n_parts)])
         fin = n_parts if late else 0  # the parts an ATTN_PARTIAL sums when it finishes its heads
         pq = (isa.READS_Q if cfg.flag_q else 0) | late
@@ -357,7 +374,10 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
 
     queues: list[list[Instruction]] = [[] for _ in range(num_sms)]
     total = [0.0] * num_sms
-    for stage in stages:
+    for k, stage in enumerate(stages):
+        if k in paired:
+            place_pairs(spec, shape, cfg, stage, queues, total)
+            continue
         heap = [(0.0, total[s], s) for s in range(num_sms)]
         heapq.heapify(heap)
         costed = sorted(((cost(spec, shape, i, cfg), k, i) for k, i in enumerate(stage)), key=lambda t: (-t[0], t[1]))
@@ -371,6 +391,45 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     prog = Program(spec, shape, num_sms, cfg, queues, counters, n_splits, n_parts, total)
     prog.validate()
     return prog
+
+
+def place_pairs(spec: ModelSpec, shape: StepShape, cfg: ProgramConfig, stage: list[Instruction],
+                queues: list[list[Instruction]], total: list[float]) -> None:
+    """Place a stage of cluster pairs (isa.CLUSTER_PAIR, parts 0 and 1 of each head, in that order): each head to
+    the cluster (SMs 2c, 2c + 1) with the least load in this stage, ties to the least total load,
+    longest-processing-time first as in ``build_program``; part 0 on 2c, part 1 on 2c + 1. Both SMs of a cluster
+    get the same heads in the same order, so the k-th pair instruction of one queue meets the k-th of its mate's."""
+    heap = [(0.0, total[2 * c] + total[2 * c + 1], c) for c in range(len(queues) // 2)]
+    heapq.heapify(heap)
+    heads = [(stage[j], stage[j + 1]) for j in range(0, len(stage), 2)]
+    costed = sorted(((max(cost(spec, shape, a, cfg), cost(spec, shape, b, cfg)), k, a, b)
+                     for k, (a, b) in enumerate(heads)), key=lambda t: (-t[0], t[1]))
+    for c_, _, a, b in costed:
+        load, tot, c = heapq.heappop(heap)
+        queues[2 * c].append(a)
+        queues[2 * c + 1].append(b)
+        total[2 * c] += c_
+        total[2 * c + 1] += c_
+        heapq.heappush(heap, (load + c_, tot + 2 * c_, c))
+
+
+def cluster_mate_errors(queues: list[list[Instruction]]) -> list[str]:
+    """Why the cluster pairs of ``queues`` cannot meet (empty: they can): the k-th CLUSTER_PAIR instruction of SM
+    2c must be part 0 and the k-th of SM 2c + 1 part 1 of the same (layer, head), both queues holding equally
+    many."""
+    out = []
+    pairs = [[ins for ins in q if ins.flags & isa.CLUSTER_PAIR] for q in queues]
+    if any(pairs) and len(queues) % 2:
+        return [f"{len(queues)} SMs do not form clusters of two"]
+    for c in range(len(queues) // 2):
+        a, b = pairs[2 * c], pairs[2 * c + 1]
+        if len(a) != len(b):
+            out.append(f"SMs {2 * c}, {2 * c + 1} hold {len(a)} and {len(b)} cluster-pair instructions")
+        for x, y in zip(a, b):
+            if (x.OP, x.layer, x.head, x.part, y.OP, y.layer, y.head, y.part) != (
+                    isa.Op.ATTN_IN, y.layer, y.head, 0, isa.Op.ATTN_IN, x.layer, x.head, 1) or x.n_parts != 2:
+                out.append(f"SMs {2 * c}, {2 * c + 1}: {x} does not pair with {y}")
+    return out
 
 
 def merge_signals(queue: list[Instruction]) -> list[Instruction]:

@@ -11,6 +11,9 @@ Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
     instruction with a finisher (ATTN_IN parts, combining ATTN_PARTIAL splits, isa.py) first adds 1 to
     ``counters[ticket]``; only the part that brings it to ``(epoch + 1) * ticket_count`` runs the finisher and
     signals.
+  * A cluster pair (``isa.CLUSTER_PAIR``: ATTN_IN's two parts of a head on SMs 2c and 2c + 1) is a rendezvous:
+    it runs once both SMs have it at their heads with their waits met, both parts together; then part 0
+    finishes the head and signals. Mates that reach different pairs raise ``DependencyError``.
   * An instruction that reads versioned words (``isa.READS_X``, ``READS_Q``, ``READS_ATTN``, ``READS_ACT``) also
     waits until every word it reads carries the version it needs (``Readiness.versions_ready``); their writers
     (``isa.WRITES_VERSIONED``) signal no counter.
@@ -105,6 +108,7 @@ class StepRun:
         # counter -> heap of (signals[counter] at which the head may run, SM) of the SMs whose head waits on it
         self.blocked: dict[int, list[tuple[int, int]]] = {}
         self.data_blocked: list[int] = []  # SMs whose head's counter is met but whose versioned input is not
+        self.pair_waiting: set[int] = set()  # SMs whose head (isa.CLUSTER_PAIR) may run but whose mate is not there
         self.unfinished = prog.num_sms
         for s in range(prog.num_sms):
             self._place(s)
@@ -146,9 +150,25 @@ class StepRun:
                                   f"{self.target(ins)}, it is {self.counters[ins.wait]}")
         if not self.readiness.versions_ready(ins):
             raise DependencyError(f"SM {sm}: {ins} waits for the versioned words it reads")
+        if ins.flags & isa.CLUSTER_PAIR:  # a rendezvous: both parts run, then part 0 finishes and signals
+            mate = sm ^ 1
+            if mate not in self.ready or self.head(mate) is None or not self.head(mate).flags & isa.CLUSTER_PAIR:
+                raise DependencyError(f"SM {sm}: {ins} waits for its cluster mate, SM {mate}")
+            parts = sorted([(ins.part, sm, ins), (self.head(mate).part, mate, self.head(mate))])
+            for _, _, part in parts:
+                self.readiness.before(part)
+                SOLVERS[part.OP](self.ctx, part)
+                self.readiness.after(part)
+            for _, s_, part in parts:
+                self._finish_and_advance(s_, part)
+            return
         self.readiness.before(ins)
         SOLVERS[ins.OP](self.ctx, ins)
         self.readiness.after(ins)
+        self._finish_and_advance(sm, ins)
+
+    def _finish_and_advance(self, sm: int, ins: Instruction) -> None:
+        """After ins's solve on SM ``sm``: its finisher if it is the last part, its signal, the next head."""
         signal = ins.signal
         if ins.has_finisher:
             if self._last_part(ins):
@@ -190,6 +210,16 @@ class StepRun:
             self.counters[self.done_i] = i32(self.counters[self.done_i] + 1)
             if self.counters[self.done_i] == i32((self.epoch + 1) * self.program.num_sms):
                 self.counters[self.epoch_i] = i32(self.counters[self.epoch_i] + 1)
+        elif ins.flags & isa.CLUSTER_PAIR and self.may_run(ins):  # ready once its mate is at the same pair
+            mate = sm ^ 1
+            if mate not in self.pair_waiting:
+                self.pair_waiting.add(sm)
+                return
+            other = self.head(mate)
+            if (other.layer, other.head, other.part) != (ins.layer, ins.head, 1 - ins.part):
+                raise DependencyError(f"cluster mates disagree: SM {sm} holds {ins}, SM {mate} holds {other}")
+            self.pair_waiting.remove(mate)
+            self.ready += [sm, mate]
         elif self.may_run(ins):
             self.ready.append(sm)
         elif self.counter_met(ins):
@@ -222,6 +252,7 @@ class StepRun:
                  f"{self.target(self.head(s))}, it is {self.counters[c]}"
                  for c, waiting in sorted(self.blocked.items()) for _, s in sorted(waiting)]
         lines += [f"  SM {s}: {self.head(s)} waits for the versioned words it reads" for s in self.data_blocked]
+        lines += [f"  SM {s}: {self.head(s)} waits for its cluster mate, SM {s ^ 1}" for s in sorted(self.pair_waiting)]
         return f"deadlock in step (epoch {self.epoch}): no queue head may run, {self.unfinished} queues " \
                f"unfinished:\n" + "\n".join(lines[:20]) + ("\n  ..." if len(lines) > 20 else "")
 

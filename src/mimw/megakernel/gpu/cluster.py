@@ -97,6 +97,92 @@ def probe(out_ptr, ns_ptr, cnt_ptr, region, ITERS: gl.constexpr, num_warps: gl.c
     gl.store(ns_ptr + pid * 2 + 1, (t2 - t1) // ITERS)
 
 
+# --- ATTN_IN's cluster pairs (isa.CLUSTER_PAIR, KernelConfig.cluster_qkv) ------------------------------------------
+# The exchange region is the last ``pair_region_bytes(HD)`` bytes of the dynamic shared memory (``in_clusters``
+# launches the kernel with that much past Triton's own, rounded up to 16 bytes): two mbarriers ``full[2]`` (8 bytes
+# each, 16 bytes in all), then two slots of [2 parts, HD] fp32. Exchange n of a CTA (its n-th pair instruction, the
+# same head as its mate's n-th) uses slot and barrier n % 2 at phase parity (n // 2) % 2. Each part stores its sums
+# into its own slot and its mate's, then every compute thread arrives on the mate's ``full`` (release, cluster
+# scope: its remote stores before it) and waits on its own (acquire). A CTA reaches exchange n + 2 only after its
+# mate arrived for n + 1, which the mate does after it finished exchange n: a slot is never rewritten before it was
+# read, and a barrier never runs a phase ahead of its waiter.
+
+
+def pair_region_bytes(head_dim: int) -> int:
+    """Bytes of the pair exchange region: two mbarriers, two slots of two parts' [head_dim] fp32 sums."""
+    return 16 + 2 * 2 * head_dim * 4
+
+
+# Each asm below first leaves in register ``a`` the shared address of the exchange region (the dynamic shared
+# memory's last XB bytes, XB in operand ``$2``): a = global_smem + %dynamic_smem_size - XB (+ the byte offset $1)
+@gluon.jit
+def pair_init(tid, XB: gl.constexpr):
+    """At the start of the compute partition (``tid``: one element per compute thread): thread 0 initializes both
+    ``full`` barriers for one arrival per compute thread of the mate and fences the init for the cluster. The
+    kernel then publishes it through global memory (its word in ``ready``, kernel.py), and a CTA waits for its
+    mate's word before its first remote store: a cluster barrier (``barrier.cluster``) cannot be used, it counts
+    every thread of both CTAs, and the warps Triton pads the warp-specialized CTA with never reach it."""
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; mov.u32 g, global_smem; "
+        "add.u32 a, a, g; setp.eq.u32 p, $1, 0; @p mbarrier.init.shared::cta.b64 [a], $3; add.u32 a, a, 8; "
+        "@p mbarrier.init.shared::cta.b64 [a], $3; @p fence.mbarrier_init.release.cluster; mov.u32 $0, 0; }",
+        "=r,r,r,r", [tid, tid * 0 + XB, tid * 0 + tid.shape[0]], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _slot_offset(idx, part, n, HD: gl.constexpr):
+    """Byte offset in the exchange region of element ``idx`` of part ``part``'s sums in exchange ``n``'s slot."""
+    return 16 + (n % 2) * (2 * HD * 4) + part * (HD * 4) + idx * 4
+
+
+@gluon.jit
+def pair_store(value, idx, part, n, XB: gl.constexpr, HD: gl.constexpr):
+    """Exchange ``n``: store part ``part``'s fp32 sums ``value`` at positions ``idx`` of the head, in this CTA's
+    slot and in its mate's (``mapa`` to the other rank of the cluster of two)."""
+    off = _slot_offset(idx, part, n, HD)
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g, r, k; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; mov.u32 g, global_smem; "
+        "add.u32 a, a, g; add.u32 a, a, $1; st.shared.f32 [a], $3; mov.u32 k, %cluster_ctarank; xor.b32 k, k, 1; "
+        "mapa.shared::cluster.u32 r, a, k; st.shared::cluster.f32 [r], $3; mov.u32 $0, 0; }",
+        "=r,r,r,f", [off, off * 0 + XB, value], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def pair_meet(tid, n, XB: gl.constexpr):
+    """Exchange ``n``, after this thread's ``pair_store``s: arrive on the mate's ``full[n % 2]`` (release, cluster
+    scope), then wait on this CTA's until the mate's threads all arrived (acquire, parity (n // 2) % 2). The
+    partition barrier after it orders this CTA's own slot stores before other threads read them."""
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g, r, k; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; "
+        "mov.u32 g, global_smem; add.u32 a, a, g; add.u32 a, a, $1; mov.u32 k, %cluster_ctarank; xor.b32 k, k, 1; "
+        "mapa.shared::cluster.u32 r, a, k; mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r]; "
+        "WAIT: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [a], $3; @!p bra WAIT; "
+        "mov.u32 $0, 0; }",
+        "=r,r,r,r", [tid * 0 + (n % 2) * 8, tid * 0 + XB, tid * 0 + (n // 2) % 2], dtype=gl.int32, is_pure=False,
+        pack=1)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def pair_load(idx, part, n, XB: gl.constexpr, HD: gl.constexpr):
+    """Exchange ``n``: part ``part``'s sums at positions ``idx`` of the head, from this CTA's slot."""
+    off = _slot_offset(idx, part, n, HD)
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; mov.u32 g, global_smem; "
+        "add.u32 a, a, g; add.u32 a, a, $1; ld.shared.f32 $0, [a]; }",
+        "=f,r,r", [off, off * 0 + XB], dtype=gl.float32, is_pure=False, pack=1)
+
+
+def in_clusters(compiled, cluster: int, extra_bytes: int):
+    """Make every launch of ``compiled`` (a CompiledKernel for one CTA: the JIT's cached kernel of one
+    specialization) run its grid x ``cluster`` CTAs in clusters of ``cluster``, with ``extra_bytes`` of dynamic
+    shared memory past Triton's own (rounded up to 16 bytes): triton 3.6's launcher takes the cluster size and the
+    dynamic shared memory from the packed launch metadata (num_warps, num_ctas, shared). Idempotent."""
+    num_warps = compiled.packed_metadata[0]
+    compiled.packed_metadata = (num_warps, cluster, -(-compiled.metadata.shared // 16) * 16 + extra_bytes)
+    return compiled
+
+
 def exchange_reference(n_ctas: int, threads: int) -> torch.Tensor:
     """What ``probe`` leaves in ``out`` [n_ctas, threads]: CTA pid reads what its pair mate pid ^ 1 stored."""
     pid = torch.arange(n_ctas).unsqueeze(1)
@@ -110,12 +196,8 @@ def launch_in_clusters(kernel, n_ctas: int, cluster: int, region_bytes: int, arg
     same specialization also run in clusters."""
     if n_ctas % cluster:
         raise ValueError(f"{n_ctas} CTAs do not form clusters of {cluster}")
-    compiled = kernel.warmup(*args, 16, grid=(n_ctas // cluster,), **constexprs)
-    region = -(-compiled.metadata.shared // 16) * 16
-    num_warps, _, _ = compiled.packed_metadata
-    # the launcher runs grid x num_ctas CTAs, in clusters of num_ctas (triton/backends/nvidia/driver.py)
-    compiled.packed_metadata = (num_warps, cluster, region + region_bytes)
-    kernel[(n_ctas // cluster,)](*args, region, **constexprs)
+    compiled = in_clusters(kernel.warmup(*args, 16, grid=(n_ctas // cluster,), **constexprs), cluster, region_bytes)
+    kernel[(n_ctas // cluster,)](*args, -(-compiled.metadata.shared // 16) * 16, **constexprs)
     return compiled
 
 

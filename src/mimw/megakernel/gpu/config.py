@@ -60,6 +60,11 @@ class KernelConfig:
     # reshaped in place) instead of two layout conversions through shared memory: one barrier a row tile instead of
     # three (matvec.dot_tile_mma); the O_PROJ part blocks (o_parts) pay that epilogue on 4-8x more row tiles;
     # within +-1% of the default in three runs (bench/NOTES.md session 15)
+    cluster_qkv: bool = False  # XB: ATTN_IN's two column parts of a head on the two CTAs of a thread-block cluster
+    # (isa.CLUSTER_PAIR, ProgramConfig.cluster_qkv): they swap sums through distributed shared memory and an
+    # mbarrier (gpu/cluster.py) instead of a ticket and a global round trip; the kernel is launched in clusters of
+    # two with the exchange region past Triton's shared memory; the cluster probe measured a pair round 0.23 us
+    # against a global ticket round 0.58 us on an idle H200 (bench/NOTES.md session 16)
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -95,7 +100,8 @@ class KernelConfig:
         184 KB for the 1B and 205 KB for the 8B at 10 slots): 12 for the Llama-1B shape, 11 for the 8B."""
         slot = self.tile_rows * self.tile_k * 2
         kv = 4 * attn_block(spec) * spec.head_dim * 2 if self.kv_pipeline else 0  # two stages of K and V
-        fit = (SHARED_BYTES - _hbuf_rows(spec, self.tile_k) * self.tile_k * 2 - SCRATCH_BYTES - kv) // slot
+        xb = exchange_bytes(spec, self)  # the cluster pairs' exchange region
+        fit = (SHARED_BYTES - _hbuf_rows(spec, self.tile_k) * self.tile_k * 2 - SCRATCH_BYTES - kv - xb) // slot
         if self.ring > fit:
             raise ValueError(f"ring={self.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
         if fit < 2:
@@ -125,7 +131,7 @@ class KernelConfig:
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
                              flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn,
                              flag_q=self.flag_q, qkv_in_attn=self.qkv_in_attn, merge_signals=self.merge_signals,
-                             o_parts=self.o_parts)
+                             o_parts=self.o_parts, cluster_qkv=self.cluster_qkv)
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -215,6 +221,16 @@ def parse_options(text: str) -> dict:
     return out
 
 
+def exchange_bytes(spec: ModelSpec, kcfg: KernelConfig) -> int:
+    """XB: the bytes of dynamic shared memory past Triton's own that the cluster pairs exchange through (0: no
+    cluster pairs, the kernel launched one CTA at a time)."""
+    if not kcfg.cluster_qkv:
+        return 0
+    from .cluster import pair_region_bytes  # device code: imported only where clusters are asked for
+
+    return pair_region_bytes(spec.head_dim)
+
+
 def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
     kcfg.check(spec)
     return dict(
@@ -230,7 +246,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
         MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline, O_PARTS=kcfg.o_parts, SHFL=kcfg.fold_shuffle,
-        NL=spec.num_layers,
+        NL=spec.num_layers, XB=exchange_bytes(spec, kcfg),
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
     )
@@ -253,6 +269,7 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
     sig = {
         "prog_ptr": "*i32", "qlen_ptr": "*i32", "MAXLEN": "i32", "tok_ptr": "*i32", "pos_ptr": "*i32",
         "ctx_ptr": "*i32", "bt_ptr": "*i32", "MAXP": "i32", "cnt_ptr": "*i32", "NCNT": "i32",
+        "rdy_ptr": "*i32",
         "d_qkv": desc, "d_o": desc, "d_gu": desc, "d_down": desc, "d_lm": desc,
         "emb_ptr": "*bf16", "anorm_ptr": "*bf16", "mnorm_ptr": "*bf16", "fnorm_ptr": "*bf16", "bias_ptr": bias_t,
         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "invf_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "NP": "i32",

@@ -62,8 +62,12 @@ class MegakernelDecoder:
             self.max_tiles = max(1, *map(sum, tile_counts(self.program, kcfg.tile_rows, kcfg.tile_k)))
         self.tiles = torch.zeros((self.num_sms, self.max_tiles, 4) if kcfg.trace_tiles else (1,), dtype=torch.int64,
                                  device=dev)
+        # cluster pairs (KernelConfig.cluster_qkv): each CTA's word moves to epoch + 1 once its exchange barriers
+        # exist in a launch (kernel.py; never reset, like the counters); unused otherwise
+        self.ready_words = torch.zeros(self.num_sms, dtype=torch.int32, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs_set = False
+        self.in_clusters = False  # cluster pairs: the compiled kernel is set to launch in clusters (launch())
 
     def set_inputs(self, token: int, position: int, block_table: Sequence[int]) -> None:
         self.state.fill([token], [position], [block_table], [1])
@@ -72,6 +76,7 @@ class MegakernelDecoder:
     def launch(self) -> None:
         """One decode step with the current step state. The state must hold a real step: a launch on an empty state
         would append K/V for position 0 through page 0 of the (zeroed) block table, overwriting a live page."""
+        from . import cluster
         from .kernel import megakernel
 
         if not self.inputs_set:
@@ -79,14 +84,28 @@ class MegakernelDecoder:
         s, x, w, c = self.state, self.scratch, self.w, self.cache
         sp = self.spec
         buf = self.versioned_buffers
-        megakernel[(self.num_sms,)](
+        args = (
             self.words, self.lens, self.words.shape[1], s.tokens, s.positions, s.seg_ctx, s.block_tables,
-            s.block_tables.shape[1], s.counters, len(self.program.counters), *self.descs,
+            s.block_tables.shape[1], s.counters, len(self.program.counters), self.ready_words, *self.descs,
             w.embed, w.attn_norm, w.mlp_norm, w.final_norm, w.bias, w.q_norm, w.k_norm, w.inv_freq,
             c.k, c.v, c.layout.num_pages, buf["x"], x.qkv_part, buf["q"], x.part_o, x.part_ml, buf["attn"], buf["act"],
             x.logits, x.x_part, self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634,
-            self.trace, self.tiles, self.max_tiles,
-            **self.ce)
+            self.trace, self.tiles, self.max_tiles)
+        if self.ce["XB"]:  # cluster pairs (KernelConfig.cluster_qkv): clusters of two CTAs, the exchange region past
+            # Triton's shared memory; the JIT's cached kernel of this specialization is set up once, before it runs
+            grid = (self.num_sms // 2,)
+            if not self.in_clusters:
+                compiled = cluster.in_clusters(megakernel.warmup(*args, grid=grid, **self.ce), 2, self.ce["XB"])
+                compiled._init_handles()  # load it: the occupancy query needs the CUfunction
+                num_warps, _, smem = compiled.packed_metadata
+                fit = cluster.max_active_clusters(compiled.function, 2, 32 * num_warps, smem)
+                if fit < grid[0]:  # a persistent kernel whose CTAs are not all resident would wait forever
+                    raise RuntimeError(f"cluster_qkv: {fit} clusters of two fit this GPU at {smem} bytes of shared "
+                                       f"memory, the kernel needs {grid[0]} resident ({self.num_sms} SMs)")
+                self.in_clusters = True
+            megakernel[grid](*args, **self.ce)
+        else:
+            megakernel[(self.num_sms,)](*args, **self.ce)
 
     def capture(self) -> None:
         """Record one launch in a CUDA graph; later ``run``/``step`` calls replay it. The warm-up launch before the

@@ -14,7 +14,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from . import versioned
+from . import cluster, versioned
 from .orchestration import consumer_acquire, consumer_release
 
 MAX_PARTS: gl.constexpr = gl.constexpr(8)  # ATTN_IN column parts a head may have (KernelConfig.check)
@@ -265,15 +265,19 @@ def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl
 
 @gluon.jit
 def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: gl.constexpr, HD: gl.constexpr,
-             LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False):
+             LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False, xn=0, XB: gl.constexpr = 0):
     """ATTN_IN, every part (M = 1): qkv_part[part, head] = W[head rows, column tiles k0..k1) . h, fp32 to global
-    scratch (the head's finisher may run on another SM)."""
+    scratch (the head's finisher may run on another SM), or (``XB``: a cluster pair, isa.CLUSTER_PAIR) into
+    exchange ``xn``'s slot of this CTA and of its mate (cluster.pair_store)."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     out = qkvp_ptr + (part * NQKV + head) * HD
     for r in gl.static_range(HD // TR):
         acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL)
-        gl.store(out + r * TR + offs_r, acc)
+        if XB > 0:
+            cluster.pair_store(acc, r * TR + offs_r, part, xn, XB, HD)
+        else:
+            gl.store(out + r * TR + offs_r, acc)
     return it
 
 
@@ -281,7 +285,7 @@ def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: g
 def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_ptr, bias_ptr, qn_ptr, kn_ptr,
                invf_ptr, eps, NP, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
                HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, TR: gl.constexpr, E2: gl.constexpr, ver=0,
-               VQ: gl.constexpr = False):
+               VQ: gl.constexpr = False, xn=0, XB: gl.constexpr = 0):
     """ATTN_IN, the head's last part: y = sum of the parts in part order (+bias) (+RMSNorm) (+RoPE), then store:
     q heads to q_ptr, k/v heads into the paged cache row of this token (page ``tok_page``). The halves a = y[:HD/2]
     and b = y[HD/2:] are held as [HD/2TR, TR] tiles (RoPE pairs element i with i + HD/2). ``VQ`` (isa.READS_Q):
@@ -307,15 +311,19 @@ def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_
         bb = bias_ptr + (layer * NQKV + head) * HD
         bias_a = gl.load(bb + i).to(gl.float32)
         bias_b = gl.load(bb + HD // 2 + i).to(gl.float32)
-    src = qkvp_ptr + head * HD
-    a = gl.load(src + i, cache_modifier=".cg")
-    b = gl.load(src + HD // 2 + i, cache_modifier=".cg")
-    # the parts unrolled and masked, so every part's loads are in flight together (a loop over n_parts would wait
-    # for each part's round trip before issuing the next one's loads)
-    for p in gl.static_range(1, MAX_PARTS):
-        mp = i * 0 + p < n_parts
-        a += gl.load(src + p * NQKV * HD + i, mask=mp, other=0.0, cache_modifier=".cg")
-        b += gl.load(src + p * NQKV * HD + HD // 2 + i, mask=mp, other=0.0, cache_modifier=".cg")
+    if XB > 0:  # a cluster pair (isa.CLUSTER_PAIR): both parts' sums are in this CTA's exchange slot, part order
+        a = cluster.pair_load(i, 0, xn, XB, HD) + cluster.pair_load(i, 1, xn, XB, HD)
+        b = cluster.pair_load(HD // 2 + i, 0, xn, XB, HD) + cluster.pair_load(HD // 2 + i, 1, xn, XB, HD)
+    else:
+        src = qkvp_ptr + head * HD
+        a = gl.load(src + i, cache_modifier=".cg")
+        b = gl.load(src + HD // 2 + i, cache_modifier=".cg")
+        # the parts unrolled and masked, so every part's loads are in flight together (a loop over n_parts would
+        # wait for each part's round trip before issuing the next one's loads)
+        for p in gl.static_range(1, MAX_PARTS):
+            mp = i * 0 + p < n_parts
+            a += gl.load(src + p * NQKV * HD + i, mask=mp, other=0.0, cache_modifier=".cg")
+            b += gl.load(src + p * NQKV * HD + HD // 2 + i, mask=mp, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         a += bias_a
         b += bias_b
