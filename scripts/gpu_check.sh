@@ -9,8 +9,9 @@
 #              words never come spins: a hang must not eat the call)
 #   sanitize   compute-sanitizer synccheck and racecheck on small shapes (~2.5 min; racecheck is cut at 200 s)
 #   trace      the per-instruction trace of the 1B and 8B shapes at context 1024 (~2.5 min)
-#   cluster    the thread-block cluster probe (gpu/cluster.py): its test, then its timings (seconds; not in the
-#              default list)
+#   cluster    thread-block clusters (gpu/cluster.py): the probe's test, the cluster-pair kernel's (cluster_qkv:
+#              4 shapes x contexts 1/1000/8191 x 64 steps), then the probe's timings (~2 min; not in the default
+#              list)
 # Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
 #   PARTS="tests sanitize" bash scripts/gpu_check.sh        # these parts (default: all five, past one call)
 #   COMMIT=<sha> VARIANTS=a,b PARTS=trace bash scripts/gpu_check.sh   # record the commit; time these variants
@@ -35,7 +36,8 @@ if has tests; then
 fi
 if has optin; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
-        -k "not versioned and not megakernel_matches_reference and not traced_launch" > "$out/optin-tests.log" 2>&1
+        -k "not versioned and not megakernel_matches_reference and not traced_launch and not cluster_pairs" \
+        > "$out/optin-tests.log" 2>&1
     rc[optin]=$?
     tail -n 3 "$out/optin-tests.log"
 fi
@@ -58,8 +60,9 @@ if has sanitize; then
 fi
 if has cluster; then
     # under a time limit: a cluster barrier that a peer never reaches hangs the kernel
-    { timeout "${CLUSTER_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_cluster.py \
-        && timeout "${CLUSTER_TIMEOUT:-150}" python3 -m mimw.megakernel.gpu.cluster; } > "$out/cluster.log" 2>&1
+    { timeout "${CLUSTER_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_cluster.py \
+        tests/megakernel/test_kernel_gpu.py -k "cluster" \
+        && timeout "${CLUSTER_TIMEOUT:-300}" python3 -m mimw.megakernel.gpu.cluster; } > "$out/cluster.log" 2>&1
     rc[cluster]=$?
     tail -n 2 "$out/cluster.log"
 fi
