@@ -86,3 +86,22 @@ def test_attn_in_is_split_so_that_a_layers_heads_cover_the_sms():
     assert qkv_parts(get_preset("llama-3.1-8b"), 1, cfg) == 1  # one SM: splitting only adds fixed costs
     with pytest.raises(ValueError, match="qkv_parts"):
         build_program(get_preset("tiny-llama"), StepShape((1,)), 7, ProgramConfig(tile_k=256, qkv_parts=2))
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_cluster_pairs_put_each_head_of_a_layer_on_its_own_cluster(name):
+    """cluster_qkv at the real shapes on 132 SMs: a layer's 48 heads on 48 of the 66 clusters (one pair each, part
+    0 on the even SM), the mates' k-th pair instructions the same head, and no ticket counters."""
+    spec = get_preset(name)
+    prog = build_program(spec, StepShape((1,), 1024), 132, ProgramConfig(tile_rows=32, tile_k=256, cluster_qkv=True))
+    heads = spec.num_heads + 2 * spec.num_kv_heads
+    for layer in range(spec.num_layers):
+        where = {}
+        for s, q in enumerate(prog.queues):
+            for ins in q:
+                if ins.OP == isa.Op.ATTN_IN and ins.layer == layer:
+                    assert ins.part == s % 2 and ins.flags & isa.CLUSTER_PAIR
+                    where.setdefault(ins.head, []).append(s)
+        assert len(where) == heads and all(len(v) == 2 and v[1] == v[0] + 1 for v in where.values())
+        assert len({v[0] for v in where.values()}) == heads  # one head a cluster
+    assert not any("qkv_ticket" in c.name for c in prog.counters)
