@@ -261,18 +261,27 @@ def test_qkv_parts_beyond_the_finishers_unrolled_sum_are_refused():
         KernelConfig(qkv_parts=9).check(spec)
 
 
+CLUSTER_PTX = {  # cluster_qkv mode -> what its exchange compiles to, and what it must not
+    1: (("st.shared::cluster.f32", "mbarrier.arrive.release.cluster.shared::cluster.b64"), ("st.async",)),
+    2: (("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32", "mbarrier.arrive.expect_tx.shared::cta.b64"),
+        ("mbarrier.arrive.release.cluster",)),
+}
+
+
+@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.1-8b"])
-def test_cluster_pairs_compile_to_a_distributed_shared_memory_exchange_without_spills(model):
-    """KernelConfig(cluster_qkv=True): ATTN_IN's parts store into the mate's shared memory (mapa +
-    st.shared::cluster), arrive on its barrier and wait on their own at cluster scope (gpu/cluster.py); the
-    default kernel has none of it, and no cluster barrier is used (Triton's padding warps never reach one)."""
+def test_cluster_pairs_compile_to_a_distributed_shared_memory_exchange_without_spills(model, mode):
+    """KernelConfig(cluster_qkv=1 | 2): ATTN_IN's parts store into the mate's shared memory (mapa; plain remote
+    stores and a release arrival on the mate's barrier, or asynchronous stores that count their bytes there) and
+    wait on their own barrier at cluster scope (gpu/cluster.py); the default kernel has none of it, and no cluster
+    barrier is used (Triton's padding warps never reach one)."""
     spec = get_preset(model)
-    ptx = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), cluster_qkv=True))
-    for needle in ("mapa.shared::cluster.u32", "st.shared::cluster.f32", "fence.mbarrier_init.release.cluster",
-                   "mbarrier.arrive.release.cluster.shared::cluster.b64",
-                   "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64", "%dynamic_smem_size"):
+    ptx = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), cluster_qkv=mode))
+    present, absent = CLUSTER_PTX[mode]
+    for needle in ("mapa.shared::cluster.u32", "fence.mbarrier_init.release.cluster",
+                   "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64", "%dynamic_smem_size") + present:
         assert needle in ptx, needle
-    assert "barrier.cluster" not in ptx
+    assert not any(needle in ptx for needle in absent + ("barrier.cluster",))
     assert "mapa" not in _ptx(spec) and "%dynamic_smem_size" not in _ptx(spec)
 
 
@@ -282,6 +291,8 @@ def test_cluster_pair_exchange_region_is_taken_from_the_ring_room():
 
     spec = get_preset("llama-3.1-8b")
     assert exchange_bytes(spec, KernelConfig()) == 0 and constexprs(spec, KernelConfig(), 16)["XB"] == 0
-    assert exchange_bytes(spec, KernelConfig(cluster_qkv=True)) == pair_region_bytes(128) == 16 + 2 * 2 * 128 * 4
+    assert exchange_bytes(spec, KernelConfig(cluster_qkv=2)) == pair_region_bytes(128) == 16 + 2 * 2 * 128 * 4
     with pytest.raises(ValueError, match="qkv_parts=3"):
-        KernelConfig(cluster_qkv=True, qkv_parts=3).check(spec)
+        KernelConfig(cluster_qkv=1, qkv_parts=3).check(spec)
+    with pytest.raises(ValueError, match="cluster_qkv=3"):
+        KernelConfig(cluster_qkv=3).check(spec)

@@ -95,11 +95,13 @@ def test_fold_shuffle_epilogue_matches_reference_over_64_steps(model, context):
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("context", [1, 1000, 8191])
 @pytest.mark.parametrize("model", MODELS)
-def test_cluster_pairs_match_reference_over_64_steps(model, context):
-    """KernelConfig(cluster_qkv=True): launched in clusters of two, ATTN_IN's two parts of a head swap their sums
-    through distributed shared memory and part 0 finishes the head (gpu/cluster.py); 64 steps run 64 launches of
-    2 x layers exchanges a CTA pair at most, so both slots and both barrier phases turn over many times."""
-    _matches_reference_over_64_steps(model, context, cluster_qkv=True)
+@pytest.mark.parametrize("mode", [1, 2])
+def test_cluster_pairs_match_reference_over_64_steps(mode, model, context):
+    """KernelConfig(cluster_qkv=1 | 2): launched in clusters of two, ATTN_IN's two parts of a head swap their sums
+    through distributed shared memory (remote stores and release arrivals, or asynchronous stores counted on the
+    mate's barrier) and part 0 finishes the head (gpu/cluster.py); every launch runs one exchange a layer on each
+    pair of CTAs holding a head, so both slots and both barrier phases turn over many times in 64 steps."""
+    _matches_reference_over_64_steps(model, context, cluster_qkv=mode)
 
 
 O_PARTS = [("llama-3.2-1b", 8), ("llama-3.2-1b", 2), ("llama-3.1-8b", 8), ("qwen3-8b", 4)]

@@ -116,9 +116,10 @@ def pair_region_bytes(head_dim: int) -> int:
 # Each asm below first leaves in register ``a`` the shared address of the exchange region (the dynamic shared
 # memory's last XB bytes, XB in operand ``$2``): a = global_smem + %dynamic_smem_size - XB (+ the byte offset $1)
 @gluon.jit
-def pair_init(tid, XB: gl.constexpr):
+def pair_init(tid, XB: gl.constexpr, XA: gl.constexpr):
     """At the start of the compute partition (``tid``: one element per compute thread): thread 0 initializes both
-    ``full`` barriers for one arrival per compute thread of the mate and fences the init for the cluster. The
+    ``full`` barriers (for one arrival per compute thread of the mate; ``XA``, the asynchronous stores: for its
+    own one arrival, which also expects the mate's bytes) and fences the init for the cluster. The
     kernel then publishes it through global memory (its word in ``ready``, kernel.py), and a CTA waits for its
     mate's word before its first remote store: a cluster barrier (``barrier.cluster``) cannot be used, it counts
     every thread of both CTAs, and the warps Triton pads the warp-specialized CTA with never reach it."""
@@ -126,7 +127,8 @@ def pair_init(tid, XB: gl.constexpr):
         "{ .reg .u32 a, g; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; mov.u32 g, global_smem; "
         "add.u32 a, a, g; setp.eq.u32 p, $1, 0; @p mbarrier.init.shared::cta.b64 [a], $3; add.u32 a, a, 8; "
         "@p mbarrier.init.shared::cta.b64 [a], $3; @p fence.mbarrier_init.release.cluster; mov.u32 $0, 0; }",
-        "=r,r,r,r", [tid, tid * 0 + XB, tid * 0 + tid.shape[0]], dtype=gl.int32, is_pure=False, pack=1)
+        "=r,r,r,r", [tid, tid * 0 + XB, tid * 0 + (1 if XA else tid.shape[0])], dtype=gl.int32, is_pure=False,
+        pack=1)
 
 
 @gluon.jit
@@ -160,6 +162,40 @@ def pair_meet(tid, n, XB: gl.constexpr):
         "mov.u32 $0, 0; }",
         "=r,r,r,r", [tid * 0 + (n % 2) * 8, tid * 0 + XB, tid * 0 + (n // 2) % 2], dtype=gl.int32, is_pure=False,
         pack=1)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def pair_store_async(value, idx, part, n, XB: gl.constexpr, HD: gl.constexpr):
+    """``pair_store`` with asynchronous remote stores (KernelConfig.cluster_qkv=2): ``value`` [TR] (TR <= 32) in the
+    layout ``[1], [32], [num_warps]``, whose element e threads e, e + 32, ... of the partition hold; every copy is
+    stored locally, and the copy of thread e alone goes to the mate with ``st.async``, which adds its 4 bytes to the
+    transaction count of the mate's ``full[n % 2]`` when it lands: no fence, no arrival from this side."""
+    gl.static_assert(value.shape[0] <= 32, "one owner thread an element: at most 32 rows a tile")
+    off = _slot_offset(idx, part, n, HD)
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g, b, r, q, k, t; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; "
+        "mov.u32 g, global_smem; add.u32 a, a, g; add.u32 b, a, $3; add.u32 a, a, $1; st.shared.f32 [a], $5; "
+        "mov.u32 t, %tid.x; setp.lt.u32 p, t, $4; mov.u32 k, %cluster_ctarank; xor.b32 k, k, 1; "
+        "mapa.shared::cluster.u32 r, a, k; mapa.shared::cluster.u32 q, b, k; "
+        "@p st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [r], $5, [q]; mov.u32 $0, 0; }",
+        "=r,r,r,r,r,f", [off, off * 0 + XB, off * 0 + (n % 2) * 8, off * 0 + value.shape[0], value], dtype=gl.int32,
+        is_pure=False, pack=1)
+
+
+@gluon.jit
+def pair_meet_async(tid, n, XB: gl.constexpr, HD: gl.constexpr):
+    """``pair_meet`` for ``pair_store_async``: thread 0 arrives on this CTA's ``full[n % 2]`` expecting the mate's
+    HD * 4 bytes (they may have landed already: the transaction count runs negative until then), then every
+    thread waits for the phase (parity (n // 2) % 2), and a partition barrier orders this CTA's own slot stores."""
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g; .reg .pred p, z; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; "
+        "mov.u32 g, global_smem; add.u32 a, a, g; add.u32 a, a, $1; setp.eq.u32 z, $4, 0; "
+        "@z mbarrier.arrive.expect_tx.shared::cta.b64 _, [a], $5; "
+        "WAIT: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [a], $3; @!p bra WAIT; "
+        "mov.u32 $0, 0; }",
+        "=r,r,r,r,r,r", [tid * 0 + (n % 2) * 8, tid * 0 + XB, tid * 0 + (n // 2) % 2, tid, tid * 0 + HD * 4],
+        dtype=gl.int32, is_pure=False, pack=1)
     gl.thread_barrier()
 
 

@@ -60,11 +60,13 @@ class KernelConfig:
     # reshaped in place) instead of two layout conversions through shared memory: one barrier a row tile instead of
     # three (matvec.dot_tile_mma); the O_PROJ part blocks (o_parts) pay that epilogue on 4-8x more row tiles;
     # within +-1% of the default in three runs (bench/NOTES.md session 15)
-    cluster_qkv: bool = False  # XB: ATTN_IN's two column parts of a head on the two CTAs of a thread-block cluster
+    cluster_qkv: int = 0  # XB, XA: ATTN_IN's two column parts of a head on the two CTAs of a thread-block cluster
     # (isa.CLUSTER_PAIR, ProgramConfig.cluster_qkv): they swap sums through distributed shared memory and an
     # mbarrier (gpu/cluster.py) instead of a ticket and a global round trip; the kernel is launched in clusters of
     # two with the exchange region past Triton's shared memory; the cluster probe measured a pair round 0.23 us
-    # against a global ticket round 0.58 us on an idle H200 (bench/NOTES.md session 16)
+    # against a global ticket round 0.58 us on an idle H200 (bench/NOTES.md session 16). 1: remote stores, then
+    # every thread arrives on the mate's barrier with release at cluster scope (a MEMBAR.GPU in the SASS); 2
+    # (XA): asynchronous remote stores (st.async) that count their bytes on the mate's barrier, no fence
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -131,7 +133,7 @@ class KernelConfig:
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
                              flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn,
                              flag_q=self.flag_q, qkv_in_attn=self.qkv_in_attn, merge_signals=self.merge_signals,
-                             o_parts=self.o_parts, cluster_qkv=self.cluster_qkv)
+                             o_parts=self.o_parts, cluster_qkv=bool(self.cluster_qkv))
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -157,6 +159,11 @@ class KernelConfig:
         if self.o_parts and spec.group_size & (spec.group_size - 1):
             raise ValueError(f"o_parts: the kernel stages whole groups of a power-of-two number of heads, "
                              f"not {spec.group_size}")
+        if self.cluster_qkv not in (0, 1, 2):
+            raise ValueError(f"cluster_qkv={self.cluster_qkv}: 0 (tickets), 1 (remote stores and release arrivals) or "
+                             "2 (asynchronous remote stores)")
+        if self.cluster_qkv == 2 and self.tile_rows > 32:
+            raise ValueError("cluster_qkv=2 stores a row tile from one owner thread an element: tile_rows <= 32")
         if self.mma not in (0, 1):
             raise ValueError(f"mma={self.mma}: 0 (CUDA cores) or 1 (tensor cores)")
         if self.mma:
@@ -246,7 +253,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
         MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline, O_PARTS=kcfg.o_parts, SHFL=kcfg.fold_shuffle,
-        NL=spec.num_layers, XB=exchange_bytes(spec, kcfg),
+        NL=spec.num_layers, XB=exchange_bytes(spec, kcfg), XA=kcfg.cluster_qkv == 2,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
     )

@@ -126,7 +126,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr,
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
-             O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr,
+             O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
              TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
@@ -162,7 +162,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
     tid = gl.arange(0, 32 * num_warps, WL)  # one element per compute thread
     if XB > 0:  # cluster pairs (isa.CLUSTER_PAIR): the exchange barriers, then this CTA's ready word moves to
         # epoch + 1 (release); the mate waits for it before its first exchange (cluster.pair_init)
-        cluster.pair_init(tid, XB)
+        cluster.pair_init(tid, XB, XA)
         counter_signal(rdy_ptr, pid)
     xn = 0  # exchanges (cluster pair instructions) this CTA has run in this launch
     it = 0
@@ -238,13 +238,19 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 if xn == 0:  # the mate's exchange barriers exist before this CTA's first remote store and arrive
                     counter_wait(rdy_ptr, pid ^ 1, epoch + 1)
             it = matvec.qkv_part(bufs, empty, ready, hbuf, it, k0, k1, a, b, qkvp_ptr, HQ + 2 * HKV, HD, LAY, stamps,
-                                 SHFL, xn, XB)
+                                 SHFL, xn, XB, XA)
             if XB > 0:  # a cluster pair: the parts swap sums on chip, part 0 finishes (part 1's word: no signal)
-                cluster.pair_meet(tid, xn, XB)
+                # the finish's step-independent inputs are requested before the exchange's wait, not after it
+                pre = matvec.qkv_finish_inputs(layer, a, bias_ptr, qn_ptr, kn_ptr, invf_ptr, HQ, HKV, HD, HAS_BIAS,
+                                               QK_NORM, TR, E2)
+                if XA:
+                    cluster.pair_meet_async(tid, xn, XB, HD)
+                else:
+                    cluster.pair_meet(tid, xn, XB)
                 if b == 0:
                     matvec.qkv_finish(layer, a, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_ptr, bias_ptr,
                                       qn_ptr, kn_ptr, invf_ptr, eps, NP, HQ, HKV, HD, PS, HAS_BIAS, QK_NORM, TR, E2,
-                                      vstep + layer, FLAG_Q, xn, XB)
+                                      vstep + layer, FLAG_Q, xn, XB, pre)
                 xn += 1
             elif QKV_IN_ATTN:
                 pass  # isa.QKV_IN_ATTN: the part signals; the ATTN_PARTIALs finish the head
@@ -353,7 +359,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                TILED: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
                QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
-               SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, TRACE: gl.constexpr,
+               SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, TRACE: gl.constexpr,
                TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
@@ -376,7 +382,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
                     HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
-                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, TRACE, TRACE_TILES,
+                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, TRACE, TRACE_TILES,
                     num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, O_PARTS, TRACE_TILES)),

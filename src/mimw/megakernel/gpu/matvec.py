@@ -265,41 +265,45 @@ def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl
 
 @gluon.jit
 def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: gl.constexpr, HD: gl.constexpr,
-             LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False, xn=0, XB: gl.constexpr = 0):
+             LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False, xn=0, XB: gl.constexpr = 0,
+             XA: gl.constexpr = False):
     """ATTN_IN, every part (M = 1): qkv_part[part, head] = W[head rows, column tiles k0..k1) . h, fp32 to global
     scratch (the head's finisher may run on another SM), or (``XB``: a cluster pair, isa.CLUSTER_PAIR) into
-    exchange ``xn``'s slot of this CTA and of its mate (cluster.pair_store)."""
+    exchange ``xn``'s slot of this CTA and of its mate (cluster.pair_store; ``XA``: pair_store_async)."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
+    NW: gl.constexpr = gl.num_warps()
+    OWN: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])  # element e: lane e % 32 of every warp
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     out = qkvp_ptr + (part * NQKV + head) * HD
     for r in gl.static_range(HD // TR):
         acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL)
         if XB > 0:
-            cluster.pair_store(acc, r * TR + offs_r, part, xn, XB, HD)
+            if XA:
+                cluster.pair_store_async(gl.convert_layout(acc, OWN), r * TR + gl.arange(0, TR, OWN), part, xn, XB,
+                                         HD)
+            else:
+                cluster.pair_store(acc, r * TR + offs_r, part, xn, XB, HD)
         else:
             gl.store(out + r * TR + offs_r, acc)
     return it
 
 
 @gluon.jit
-def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_ptr, bias_ptr, qn_ptr, kn_ptr,
-               invf_ptr, eps, NP, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
-               HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, TR: gl.constexpr, E2: gl.constexpr, ver=0,
-               VQ: gl.constexpr = False, xn=0, XB: gl.constexpr = 0):
-    """ATTN_IN, the head's last part: y = sum of the parts in part order (+bias) (+RMSNorm) (+RoPE), then store:
-    q heads to q_ptr, k/v heads into the paged cache row of this token (page ``tok_page``). The halves a = y[:HD/2]
-    and b = y[HD/2:] are held as [HD/2TR, TR] tiles (RoPE pairs element i with i + HD/2). ``VQ`` (isa.READS_Q):
-    q_ptr holds versioned words for every head, [Hq + 2 Hkv, HD]: a q head is stored there at version ``ver``, and
-    a k/v head's new row too (its bf16 values), besides the paged cache, which later steps read."""
+def qkv_finish_inputs(layer, head, bias_ptr, qn_ptr, kn_ptr, invf_ptr, HQ: gl.constexpr, HKV: gl.constexpr,
+                      HD: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, TR: gl.constexpr,
+                      E2: gl.constexpr):
+    """What ``qkv_finish`` reads that does not depend on this step, as [HD/2TR, TR] tiles of the two half heads:
+    (inverse frequencies, q/k norm weights a and b, bias a and b; zeros where the model has none)."""
     NQKV: gl.constexpr = HQ + 2 * HKV
     HH: gl.constexpr = HD // (2 * TR)
     ti = gl.arange(0, HH, gl.SliceLayout(1, E2))
     ri = gl.arange(0, TR, gl.SliceLayout(0, E2))
     i = gl.expand_dims(ti, 1) * TR + gl.expand_dims(ri, 0)  # [HH, TR]: index within the half head
-    # the loads that do not depend on this step first (inverse frequencies, q/k norm weights, bias): in flight with
-    # the parts' loads, not a round trip after them (the parts' loop and the q/k norm's reduction, a barrier, stand
-    # between them in program order)
     inv_f = gl.load(invf_ptr + i)
+    nw_a = inv_f * 0.0
+    nw_b = inv_f * 0.0
+    bias_a = inv_f * 0.0
+    bias_b = inv_f * 0.0
     if head < HQ:
         nw = qn_ptr + layer * HD
     else:
@@ -311,6 +315,34 @@ def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_
         bb = bias_ptr + (layer * NQKV + head) * HD
         bias_a = gl.load(bb + i).to(gl.float32)
         bias_b = gl.load(bb + HD // 2 + i).to(gl.float32)
+    return inv_f, nw_a, nw_b, bias_a, bias_b
+
+
+@gluon.jit
+def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_ptr, bias_ptr, qn_ptr, kn_ptr,
+               invf_ptr, eps, NP, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
+               HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, TR: gl.constexpr, E2: gl.constexpr, ver=0,
+               VQ: gl.constexpr = False, xn=0, XB: gl.constexpr = 0, pre=None):
+    """ATTN_IN, the head's last part: y = sum of the parts in part order (+bias) (+RMSNorm) (+RoPE), then store:
+    q heads to q_ptr, k/v heads into the paged cache row of this token (page ``tok_page``). The halves a = y[:HD/2]
+    and b = y[HD/2:] are held as [HD/2TR, TR] tiles (RoPE pairs element i with i + HD/2). ``VQ`` (isa.READS_Q):
+    q_ptr holds versioned words for every head, [Hq + 2 Hkv, HD]: a q head is stored there at version ``ver``, and
+    a k/v head's new row too (its bf16 values), besides the paged cache, which later steps read. ``XB`` (a cluster
+    pair): the parts' sums come from the exchange slot of ``xn``, and ``pre`` holds ``qkv_finish_inputs``, loaded
+    before the exchange's wait."""
+    NQKV: gl.constexpr = HQ + 2 * HKV
+    HH: gl.constexpr = HD // (2 * TR)
+    ti = gl.arange(0, HH, gl.SliceLayout(1, E2))
+    ri = gl.arange(0, TR, gl.SliceLayout(0, E2))
+    i = gl.expand_dims(ti, 1) * TR + gl.expand_dims(ri, 0)  # [HH, TR]: index within the half head
+    if XB > 0:
+        inv_f, nw_a, nw_b, bias_a, bias_b = pre
+    else:
+        # the loads that do not depend on this step first (inverse frequencies, q/k norm weights, bias): in flight
+        # with the parts' loads, not a round trip after them (the parts' loop and the q/k norm's reduction, a
+        # barrier, stand between them in program order)
+        inv_f, nw_a, nw_b, bias_a, bias_b = qkv_finish_inputs(layer, head, bias_ptr, qn_ptr, kn_ptr, invf_ptr, HQ,
+                                                              HKV, HD, HAS_BIAS, QK_NORM, TR, E2)
     if XB > 0:  # a cluster pair (isa.CLUSTER_PAIR): both parts' sums are in this CTA's exchange slot, part order
         a = cluster.pair_load(i, 0, xn, XB, HD) + cluster.pair_load(i, 1, xn, XB, HD)
         b = cluster.pair_load(HD // 2 + i, 0, xn, XB, HD) + cluster.pair_load(HD // 2 + i, 1, xn, XB, HD)

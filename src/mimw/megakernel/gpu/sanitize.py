@@ -72,10 +72,11 @@ def main() -> int:
     tiny, small = get_preset("tiny-qwen3"), get_preset("smollm2-135m").with_(num_layers=2)
     # first (racecheck runs out of time after a few cases): ATTN_IN's cluster pairs, their shared-memory exchange
     # through the mate's slots and barriers (gpu/cluster.py), 8 SMs in 4 clusters of two
-    r = check_decode(small, 40, steps=2, graph=False, num_sms=8,
-                     kcfg=dataclasses.replace(KernelConfig.for_spec(small), cluster_qkv=True))
-    print("cluster_qkv", r, flush=True)
-    ok &= r.ok()
+    for mode in (1, 2):  # remote stores and release arrivals; asynchronous stores counted on the mate's barrier
+        r = check_decode(small, 40, steps=2, graph=False, num_sms=8,
+                         kcfg=dataclasses.replace(KernelConfig.for_spec(small), cluster_qkv=mode))
+        print(f"cluster_qkv={mode}", r, flush=True)
+        ok &= r.ok()
     # both matvec consumers (tensor cores, the default, first), and the versioned words on the tensor cores (all
     # four flags; then the stagings probed one word in 16)
     for spec, parts, mma, flag, probe, late in ((tiny, 0, 1, False, 1, False), (small, 2, 1, False, 1, False),
