@@ -282,7 +282,8 @@ def test_cluster_pairs_compile_to_a_distributed_shared_memory_exchange_without_s
                    "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64", "%dynamic_smem_size") + present:
         assert needle in ptx, needle
     assert not any(needle in ptx for needle in absent + ("barrier.cluster",))
-    assert "mapa" not in _ptx(spec) and "%dynamic_smem_size" not in _ptx(spec)
+    tickets = _ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), cluster_qkv=0))
+    assert "mapa" not in tickets and "%dynamic_smem_size" not in tickets
 
 
 def test_cluster_pair_exchange_region_is_taken_from_the_ring_room():
@@ -290,9 +291,21 @@ def test_cluster_pair_exchange_region_is_taken_from_the_ring_room():
     from mimw.megakernel.gpu.config import constexprs, exchange_bytes
 
     spec = get_preset("llama-3.1-8b")
-    assert exchange_bytes(spec, KernelConfig()) == 0 and constexprs(spec, KernelConfig(), 16)["XB"] == 0
-    assert exchange_bytes(spec, KernelConfig(cluster_qkv=2)) == pair_region_bytes(128) == 16 + 2 * 2 * 128 * 4
-    with pytest.raises(ValueError, match="qkv_parts=3"):
-        KernelConfig(cluster_qkv=1, qkv_parts=3).check(spec)
+    assert KernelConfig().cluster_qkv == 2  # the default since session 16
+    assert exchange_bytes(spec, KernelConfig(cluster_qkv=0)) == 0 and constexprs(spec, KernelConfig(cluster_qkv=0),
+                                                                                 16)["XB"] == 0
+    assert exchange_bytes(spec, KernelConfig()) == pair_region_bytes(128) == 16 + 2 * 2 * 128 * 4
     with pytest.raises(ValueError, match="cluster_qkv=3"):
         KernelConfig(cluster_qkv=3).check(spec)
+
+
+def test_cluster_pairs_are_off_where_no_pair_can_form():
+    """No two parts a head (qkv_parts 1 or 3, or qkv_in_attn's finisherless parts), an odd SM count, or a hidden
+    size of one column tile: the launch runs tickets, and its kernel has no exchange."""
+    spec, tiny = get_preset("llama-3.2-1b"), get_preset("tiny-qwen3")
+    for kw in (dict(qkv_parts=1), dict(qkv_parts=3), dict(qkv_in_attn=True)):
+        kcfg = KernelConfig(**kw)
+        assert kcfg.clusters() == 0 and not kcfg.program_config().cluster_qkv
+    assert KernelConfig().for_launch(spec, 132).clusters() == 2
+    assert KernelConfig().for_launch(spec, 131).clusters() == 0
+    assert KernelConfig.for_spec(tiny).for_launch(tiny, 8).clusters() == 0  # 64 columns: one 512-column tile

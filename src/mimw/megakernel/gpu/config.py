@@ -6,6 +6,7 @@ Hopper on any machine (no GPU needed) — used by CI to catch compile errors and
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...models.spec import ModelSpec
@@ -60,13 +61,14 @@ class KernelConfig:
     # reshaped in place) instead of two layout conversions through shared memory: one barrier a row tile instead of
     # three (matvec.dot_tile_mma); the O_PROJ part blocks (o_parts) pay that epilogue on 4-8x more row tiles;
     # within +-1% of the default in three runs (bench/NOTES.md session 15)
-    cluster_qkv: int = 0  # XB, XA: ATTN_IN's two column parts of a head on the two CTAs of a thread-block cluster
+    cluster_qkv: int = 2  # XB, XA: ATTN_IN's two column parts of a head on the two CTAs of a thread-block cluster
     # (isa.CLUSTER_PAIR, ProgramConfig.cluster_qkv): they swap sums through distributed shared memory and an
     # mbarrier (gpu/cluster.py) instead of a ticket and a global round trip; the kernel is launched in clusters of
-    # two with the exchange region past Triton's shared memory; the cluster probe measured a pair round 0.23 us
-    # against a global ticket round 0.58 us on an idle H200 (bench/NOTES.md session 16). 1: remote stores, then
-    # every thread arrives on the mate's barrier with release at cluster scope (a MEMBAR.GPU in the SASS); 2
-    # (XA): asynchronous remote stores (st.async) that count their bytes on the mate's barrier, no fence
+    # two with the exchange region past Triton's shared memory. 0: tickets. 1: remote stores, then every thread
+    # arrives on the mate's barrier with release at cluster scope (a MEMBAR.GPU in the SASS). 2 (XA, the default
+    # since session 16): asynchronous remote stores (st.async) that count their bytes on the mate's barrier, no
+    # fence; measured -2.3% (1B) / -1.5% (8B) against tickets, mode 1 -1.9% / -1.0% (b2a8ca6, bench/NOTES.md
+    # session 16). In effect only where a head has two parts to pair (``clusters()``)
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -102,7 +104,7 @@ class KernelConfig:
         184 KB for the 1B and 205 KB for the 8B at 10 slots): 12 for the Llama-1B shape, 11 for the 8B."""
         slot = self.tile_rows * self.tile_k * 2
         kv = 4 * attn_block(spec) * spec.head_dim * 2 if self.kv_pipeline else 0  # two stages of K and V
-        xb = exchange_bytes(spec, self)  # the cluster pairs' exchange region
+        xb = exchange_bytes(spec, self)  # the cluster pairs' exchange region (0 without them)
         fit = (SHARED_BYTES - _hbuf_rows(spec, self.tile_k) * self.tile_k * 2 - SCRATCH_BYTES - kv - xb) // slot
         if self.ring > fit:
             raise ValueError(f"ring={self.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
@@ -121,6 +123,18 @@ class KernelConfig:
             return self.tile_rows * self.tile_k // MMA_K, MMA_K
         return self.tile_rows, self.tile_k
 
+    def clusters(self) -> int:
+        """The cluster pairs' mode in effect: ``cluster_qkv``, or 0 where ATTN_IN has no two parts to pair (qkv_parts
+        set to another count, or qkv_in_attn, whose parts have no finisher)."""
+        return 0 if self.qkv_in_attn or self.qkv_parts not in (0, 2) else self.cluster_qkv
+
+    def for_launch(self, spec: ModelSpec, num_sms: int) -> "KernelConfig":
+        """This config as one launch on ``num_sms`` SMs runs it: without cluster pairs where none can form (an odd
+        SM count, or a hidden size of fewer than two column tiles to split a head over)."""
+        if self.clusters() and (num_sms % 2 or -(-spec.hidden_size // self.tile_k) < 2):
+            return dataclasses.replace(self, cluster_qkv=0)
+        return self
+
     def versioned(self) -> dict[str, bool]:
         """Which scratch buffers the kernel takes as versioned words (int64 ``<name>_words``, state.py) rather
         than fp32 ``<name>``: one place for the kernel's argument types and the decoder's buffers."""
@@ -133,7 +147,7 @@ class KernelConfig:
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
                              flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn,
                              flag_q=self.flag_q, qkv_in_attn=self.qkv_in_attn, merge_signals=self.merge_signals,
-                             o_parts=self.o_parts, cluster_qkv=bool(self.cluster_qkv))
+                             o_parts=self.o_parts, cluster_qkv=bool(self.clusters()))
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -162,7 +176,7 @@ class KernelConfig:
         if self.cluster_qkv not in (0, 1, 2):
             raise ValueError(f"cluster_qkv={self.cluster_qkv}: 0 (tickets), 1 (remote stores and release arrivals) or "
                              "2 (asynchronous remote stores)")
-        if self.cluster_qkv == 2 and self.tile_rows > 32:
+        if self.clusters() == 2 and self.tile_rows > 32:
             raise ValueError("cluster_qkv=2 stores a row tile from one owner thread an element: tile_rows <= 32")
         if self.mma not in (0, 1):
             raise ValueError(f"mma={self.mma}: 0 (CUDA cores) or 1 (tensor cores)")
@@ -231,7 +245,7 @@ def parse_options(text: str) -> dict:
 def exchange_bytes(spec: ModelSpec, kcfg: KernelConfig) -> int:
     """XB: the bytes of dynamic shared memory past Triton's own that the cluster pairs exchange through (0: no
     cluster pairs, the kernel launched one CTA at a time)."""
-    if not kcfg.cluster_qkv:
+    if not kcfg.clusters():
         return 0
     from .cluster import pair_region_bytes  # device code: imported only where clusters are asked for
 
@@ -253,7 +267,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
         MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline, O_PARTS=kcfg.o_parts, SHFL=kcfg.fold_shuffle,
-        NL=spec.num_layers, XB=exchange_bytes(spec, kcfg), XA=kcfg.cluster_qkv == 2,
+        NL=spec.num_layers, XB=exchange_bytes(spec, kcfg), XA=kcfg.clusters() == 2,
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
     )

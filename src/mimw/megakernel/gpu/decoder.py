@@ -37,6 +37,7 @@ class MegakernelDecoder:
         dev = cache.device
         self.spec, self.cache, self.kcfg, self.use_graph = spec, cache, kcfg, use_graph
         self.num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
+        kcfg = self.kcfg = kcfg.for_launch(spec, self.num_sms)  # no cluster pairs where none can form
         self.program = build_program(spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
         words, lens = self.program.encode()
         self.words, self.lens = words.to(dev), lens.to(dev)
@@ -101,7 +102,8 @@ class MegakernelDecoder:
                 fit = cluster.max_active_clusters(compiled.function, 2, 32 * num_warps, smem)
                 if fit < grid[0]:  # a persistent kernel whose CTAs are not all resident would wait forever
                     raise RuntimeError(f"cluster_qkv: {fit} clusters of two fit this GPU at {smem} bytes of shared "
-                                       f"memory, the kernel needs {grid[0]} resident ({self.num_sms} SMs)")
+                                       f"memory, the kernel needs {grid[0]} resident ({self.num_sms} SMs); run "
+                                       f"with KernelConfig(cluster_qkv=0) (tickets, no clusters)")
                 self.in_clusters = True
             megakernel[grid](*args, **self.ce)
         else:

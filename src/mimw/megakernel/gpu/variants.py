@@ -120,9 +120,10 @@ VARIANTS = {
     "tr32-qp4": KernelConfig(qkv_parts=4),
     # ATTN_IN's two parts of a head on the two CTAs of a cluster, swapping sums through distributed shared memory
     # (no ticket, no global round trip of partials; gpu/cluster.py); with the deeper ring the exchange leaves room for
-    "tr32-cluster": KernelConfig(cluster_qkv=1),
-    "tr32-cluster-async": KernelConfig(cluster_qkv=2),  # st.async: no release fence on the sending side
-    "tr32-cluster-deep": KernelConfig(cluster_qkv=1, ring=0),
+    # (the default since session 16: asynchronous remote stores, st.async); tickets as before it; remote stores with
+    # release arrivals (a MEMBAR.GPU on every thread)
+    "tr32-tickets": KernelConfig(cluster_qkv=0),
+    "tr32-cluster-release": KernelConfig(cluster_qkv=1),
     "tr32-deep": KernelConfig(ring=0),  # ring as deep as shared memory allows (12 slots for the 1B, 11 for the 8B)
     "tr16-tk512-nb10": KernelConfig(tile_rows=16, tile_k=512, ring=10),
     "tr16-tk256-nb20": KernelConfig(tile_rows=16, tile_k=256, ring=20),
