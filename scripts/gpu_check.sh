@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The megakernel's verification on a Hopper GPU, from the working tree (nothing installed; needs torch and triton
 # 3.6 with Gluon, as on the H200 machine), in parts that each fit one 10-minute device call:
-#   tests      the default kernel: 4 shapes x contexts 1/17/1000/8191 x 64 steps with the tensor-core consumer, the
+#   tests      the default kernel (cluster pairs, st.async): 4 shapes x contexts 1/17/1000/8191 x 64 steps with the tensor-core consumer, the
 #              CUDA-core one at 1/8191, the traced launch, the standalone GEMV, the engine's backend (29, ~4 min)
 #   optin      the opt-in kernels' tests: heads finished in attention, the K/V pipeline, merged releases, O_PROJ in
 #              column parts, the shuffle epilogue (42, ~6 min)
@@ -9,9 +9,9 @@
 #              words never come spins: a hang must not eat the call)
 #   sanitize   compute-sanitizer synccheck and racecheck on small shapes (~2.5 min; racecheck is cut at 200 s)
 #   trace      the per-instruction trace of the 1B and 8B shapes at context 1024 (~2.5 min)
-#   cluster    thread-block clusters (gpu/cluster.py): the probe's test, the cluster-pair kernel's (cluster_qkv:
-#              4 shapes x contexts 1/1000/8191 x 64 steps), then the probe's timings (~2 min; not in the default
-#              list)
+#   cluster    thread-block clusters (gpu/cluster.py): the probe's test, the GPU file's cluster_qkv modes beside
+#              the default (0, tickets; 1, release arrivals: 4 shapes x contexts 1/1000/8191 x 64 steps), then the
+#              probe's timings (~4 min; not in the default list)
 # Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
 #   PARTS="tests sanitize" bash scripts/gpu_check.sh        # these parts (default: all five, past one call)
 #   COMMIT=<sha> VARIANTS=a,b PARTS=trace bash scripts/gpu_check.sh   # record the commit; time these variants
