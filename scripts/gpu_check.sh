@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The megakernel's verification on a Hopper GPU, from the working tree (nothing installed; needs torch and triton
 # 3.6 with Gluon, as on the H200 machine), in parts that each fit one 10-minute device call:
-#   tests      the default kernel (cluster pairs, st.async): 4 shapes x contexts 1/17/1000/8191 x 64 steps with the tensor-core consumer, the
-#              CUDA-core one at 1/8191, the traced launch, the standalone GEMV, the engine's backend (29, ~4 min)
+#   tests      the default kernel (cluster pairs, st.async): 4 shapes x contexts 1/17/1000/8191 x 64 steps with
+#              the tensor-core consumer, the CUDA-core one at 1/8191, the traced launch, the standalone GEMV, the
+#              engine's backend (29, ~4 min)
 #   optin      the opt-in kernels' tests: heads finished in attention, the K/V pipeline, merged releases, O_PROJ in
 #              column parts, the shuffle epilogue (42, ~6 min)
 #   versioned  the versioned-word tests (25, ~4 min), in their own process under a time limit (a reader whose

@@ -279,10 +279,12 @@ def run_probe(n_ctas: int = 132, iters: int = 1000, num_warps: int = 4, device: 
     torch.cuda.synchronize()
     ok = torch.equal(out.cpu(), exchange_reference(n_ctas, threads))
     med = ns.float().median(dim=0).values.tolist()
-    fits = {kb: max_active_clusters(compiled.function, 2, threads, kb * 1024) for kb in (16, 220)}
+    # clusters of 2 (the ATTN_IN pairs), 4 and 8 (the portable maximum: a KV head's attention splits): how many fit
+    # with 16 KB an SM, and with the megakernel's ~213 KB (the 1B with the deepest ring) and 220 KB
+    fits = {f"clusters_of_{c}_at_{kb}kb": max_active_clusters(compiled.function, c, threads, kb * 1024)
+            for c in (2, 4, 8) for kb in (16, 213, 220)}
     return dict(exchange_ok=ok, cluster_round_ns=med[0], ticket_round_ns=med[1], ctas=n_ctas, iters=iters,
-                sms=torch.cuda.get_device_properties(device).multi_processor_count,
-                clusters_of_2_at_16kb=fits[16], clusters_of_2_at_220kb=fits[220])
+                sms=torch.cuda.get_device_properties(device).multi_processor_count, **fits)
 
 
 if __name__ == "__main__":
