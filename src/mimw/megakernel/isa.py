@@ -19,7 +19,8 @@ Instructions (M = tokens in the step, D = hidden, hd = head_dim, G = query heads
   ATTN_IN       y_part = RMSNorm(x)[cols] . W_qkv[head rows, cols] over one part of the columns -> qkv_part
                 scratch; the LAST of the head's parts to finish (ticket counter ``Word.D``) sums the parts in part
                 order, then (+bias) (+q/k RMSNorm) + RoPE; q heads -> q buffer, k/v heads -> appended to the paged
-                KV cache at each token's position, and only it signals.                  one head x M tokens x part
+                KV cache at each token's position, and only it signals (``CLUSTER_PAIR``: no ticket, part 0
+                finishes after the two parts swapped their sums on chip).              one head x M tokens x part
   ATTN_PARTIAL  softmax(q K^T) V over one split of one segment's context, for the G query heads
                 of one KV head -> (o, m, l) partials. With ``combine`` set, the splits also do ATTN_REDUCE's
                 work: the last split to finish (ticket counter ``Word.E``; a lone split needs none) combines the

@@ -7,7 +7,9 @@ Roles (``gl.warp_specialize``):
   loader (1 warp, small register budget): walks the SAME queue and streams every weight tile of every matvec
       instruction with TMA into the ring. It never waits on a counter, so it prefetches the next instructions'
       weights (next layer included) while compute waits for dependencies: the ring is the only bound.
-At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH, which moves every
+With cluster pairs (``XB``, KernelConfig.cluster_qkv) the CTAs run in clusters of two and ATTN_IN's two parts of a
+head, on the two CTAs of a cluster, swap their sums through distributed shared memory (gpu/cluster.py) instead of
+a ticket. At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH, which moves every
 counter's step-numbered target for the next launch (no reset kernel, CUDA-graph friendly).
 
 Instruction words are fetched with one vector load and unpacked with masked reductions; opcode and field
