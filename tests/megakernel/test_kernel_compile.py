@@ -181,7 +181,7 @@ def test_qkv_finished_in_attention_compiles_without_spills_and_drops_attn_ins_ti
     for name in ("llama-3.2-1b", "qwen3-8b"):  # qwen3: the q/k norm in the splits' finish
         spec = get_preset(name)
         ptx = _spill_free_ptx(spec, KernelConfig(qkv_in_attn=True))
-    base = _ptx(spec)
+    base = _ptx(spec, KernelConfig(cluster_qkv=0))  # (qkv_in_attn runs without cluster pairs: KernelConfig.clusters)
     ticket = "atom.global.gpu.acq_rel.add"  # ATTN_IN's ticket and the combining splits' ticket; only the latter
     assert ptx.count(ticket) == base.count(ticket) - 1
     with pytest.raises(ValueError, match="qkv_in_attn and flag_q"):
@@ -300,10 +300,10 @@ def test_cluster_pair_exchange_region_is_taken_from_the_ring_room():
 
 
 def test_cluster_pairs_are_off_where_no_pair_can_form():
-    """No two parts a head (qkv_parts 1 or 3, or qkv_in_attn's finisherless parts), an odd SM count, or a hidden
-    size of one column tile: the launch runs tickets, and its kernel has no exchange."""
+    """No two parts a head (qkv_parts 1 or 3, or qkv_in_attn's finisherless parts), the versioned words, an odd SM
+    count, or a hidden size of one column tile: the launch runs tickets, and its kernel has no exchange."""
     spec, tiny = get_preset("llama-3.2-1b"), get_preset("tiny-qwen3")
-    for kw in (dict(qkv_parts=1), dict(qkv_parts=3), dict(qkv_in_attn=True)):
+    for kw in (dict(qkv_parts=1), dict(qkv_parts=3), dict(qkv_in_attn=True), dict(flag_act=True), dict(flag_q=True)):
         kcfg = KernelConfig(**kw)
         assert kcfg.clusters() == 0 and not kcfg.program_config().cluster_qkv
     assert KernelConfig().for_launch(spec, 132).clusters() == 2

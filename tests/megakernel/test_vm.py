@@ -327,9 +327,10 @@ def test_vm_with_fewer_larger_matvec_blocks_matches_reference():
     from mimw.megakernel.gpu.config import KernelConfig
 
     old = dict(fixed_cost_kb=16, max_block_kb=256)
-    big = KernelConfig().program_config()
-    prog = _vm_against_reference("smollm2-135m", 3, 16, (1,), (14,), big)  # the real widths, two layers
-    small = build_program(prog.spec, StepShape((1,), 14), 3, KernelConfig(**old).program_config())
+    big = KernelConfig().program_config()  # with the default's cluster pairs (an even SM count)
+    prog = _vm_against_reference("smollm2-135m", 4, 16, (1,), (14,), big)  # the real widths, two layers
+    assert big.cluster_qkv and any(i.flags & isa.CLUSTER_PAIR for i in prog.instructions())
+    small = build_program(prog.spec, StepShape((1,), 14), 4, KernelConfig(**old).program_config())
     assert len(list(prog.instructions())) < 0.7 * len(list(small.instructions()))
     llama = get_preset("llama-3.2-1b")
     before = build_program(llama, StepShape((1,), 1024), 132, KernelConfig(**old).program_config())

@@ -68,7 +68,7 @@ class KernelConfig:
     # arrives on the mate's barrier with release at cluster scope (a MEMBAR.GPU in the SASS). 2 (XA, the default
     # since session 16): asynchronous remote stores (st.async) that count their bytes on the mate's barrier, no
     # fence; measured -2.3% (1B) / -1.5% (8B) against tickets, mode 1 -1.9% / -1.0% (b2a8ca6, bench/NOTES.md
-    # session 16). In effect only where a head has two parts to pair (``clusters()``)
+    # session 16). In effect only where a head has two parts to pair and without versioned words (``clusters()``)
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -125,8 +125,11 @@ class KernelConfig:
 
     def clusters(self) -> int:
         """The cluster pairs' mode in effect: ``cluster_qkv``, or 0 where ATTN_IN has no two parts to pair (qkv_parts
-        set to another count, or qkv_in_attn, whose parts have no finisher)."""
-        return 0 if self.qkv_in_attn or self.qkv_parts not in (0, 2) else self.cluster_qkv
+        set to another count, or qkv_in_attn, whose parts have no finisher) and with the versioned words (opt-in,
+        measured slower, and their kernels spill 4-24 bytes beside the exchange: they keep the tickets they were
+        measured with)."""
+        versioned = self.flag_act or self.flag_x or self.flag_attn or self.flag_q
+        return 0 if self.qkv_in_attn or versioned or self.qkv_parts not in (0, 2) else self.cluster_qkv
 
     def for_launch(self, spec: ModelSpec, num_sms: int) -> "KernelConfig":
         """This config as one launch on ``num_sms`` SMs runs it: without cluster pairs where none can form (an odd
