@@ -98,7 +98,7 @@ def test_fold_shuffle_epilogue_matches_reference_over_64_steps(model, context):
 @pytest.mark.parametrize("mode", [0, 1])
 def test_cluster_pairs_match_reference_over_64_steps(mode, model, context):
     """KernelConfig(cluster_qkv=0 | 1), beside the default 2 (asynchronous stores counted on the mate's barrier,
-    which every other test runs): 0, ATTN_IN's parts join with tickets, no clusters; 1, launched in clusters of
+    which the default kernel's tests run): 0, ATTN_IN's parts join with tickets, no clusters; 1, launched in clusters of
     two, the parts swap their sums with remote stores and release arrivals and part 0 finishes the head
     (gpu/cluster.py); every launch runs one exchange a layer on each pair of CTAs holding a head, so both slots and
     both barrier phases turn over many times in 64 steps."""

@@ -71,8 +71,8 @@ def main() -> int:
         return 0 if ok else 1
     tiny, small = get_preset("tiny-qwen3"), get_preset("smollm2-135m").with_(num_layers=2)
     # first (racecheck runs out of time after a few cases): ATTN_IN's cluster pairs, their shared-memory exchange
-    # through the mate's slots and barriers (gpu/cluster.py), 8 SMs in 4 clusters of two; the later cases run the
-    # default's asynchronous stores where a shape has two column tiles (SmolLM2), tickets elsewhere
+    # through the mate's slots and barriers (gpu/cluster.py), 8 SMs in 4 clusters of two; of the later cases, those
+    # on SmolLM2 (two column tiles) without versioned words or qkv_in_attn run the default's pairs, the rest tickets
     for mode in (2, 1):  # asynchronous stores counted on the mate's barrier; remote stores and release arrivals
         r = check_decode(small, 40, steps=2, graph=False, num_sms=8,
                          kcfg=dataclasses.replace(KernelConfig.for_spec(small), cluster_qkv=mode))
