@@ -286,7 +286,6 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     lm_blocks = row_blocks(spec.vocab_size, spec.hidden_size * 2, num_sms, cfg)
 
     stages: list[list[Instruction]] = []
-    paired: set[int] = set()  # stages whose instructions go to cluster mates in pairs (ATTN_IN with cluster_qkv)
     if cfg.cluster_qkv and num_sms % 2:
         raise ValueError(f"cluster_qkv places pairs on clusters of two SMs: {num_sms} SMs is odd")
     prev, prev_n = isa.NO_COUNTER, 0  # counter that marks the residual stream x complete for this layer
@@ -307,8 +306,6 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         tickets = [counter(f"L{l}.qkv_ticket.h{h}", n_parts) if ticketed else isa.NO_COUNTER
                    for h in range(hq + 2 * hkv)]
         pair = isa.CLUSTER_PAIR if cfg.cluster_qkv else 0  # part 1 of a pair hands its sums to part 0: no signal
-        if pair:
-            paired.add(len(stages))
         stages.append([AttnIn(layer=l, head=h, part=p, n_parts=n_parts, ticket=tickets[h], wait=prev,
                               wait_count=prev_n, signal=isa.NO_COUNTER if pair and p else qkv[group(h)],
                               flags=(vx if l > 0 else 0) | vq | late | pair)
@@ -374,8 +371,8 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
 
     queues: list[list[Instruction]] = [[] for _ in range(num_sms)]
     total = [0.0] * num_sms
-    for k, stage in enumerate(stages):
-        if k in paired:
+    for stage in stages:
+        if stage and stage[0].flags & isa.CLUSTER_PAIR:  # ATTN_IN with cluster_qkv: heads go to cluster mates
             place_pairs(spec, shape, cfg, stage, queues, total)
             continue
         heap = [(0.0, total[s], s) for s in range(num_sms)]

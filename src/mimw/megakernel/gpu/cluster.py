@@ -1,4 +1,6 @@
-"""Thread-block clusters for the megakernel: the probe that decides whether tickets can move on chip.
+"""Thread-block clusters for the megakernel: the launch in clusters, ATTN_IN's cluster pairs' exchange through
+distributed shared memory (the default since session 16, below ``pair_region_bytes``), and the probe that decided
+whether tickets could move on chip.
 
 Twice a layer the megakernel joins the parts of one result through global memory: ATTN_IN's column parts of a
 head (a ticket, then the finisher loads the other parts' sums) and the attention splits of a KV group (a ticket,

@@ -335,18 +335,16 @@ def qkv_finish(layer, head, n_parts, pos, tok_page, qkvp_ptr, q_ptr, kc_ptr, vc_
     ti = gl.arange(0, HH, gl.SliceLayout(1, E2))
     ri = gl.arange(0, TR, gl.SliceLayout(0, E2))
     i = gl.expand_dims(ti, 1) * TR + gl.expand_dims(ri, 0)  # [HH, TR]: index within the half head
-    if XB > 0:
+    if XB > 0:  # a cluster pair (isa.CLUSTER_PAIR): both parts' sums are in this CTA's exchange slot, part order
         inv_f, nw_a, nw_b, bias_a, bias_b = pre
+        a = cluster.pair_load(i, 0, xn, XB, HD) + cluster.pair_load(i, 1, xn, XB, HD)
+        b = cluster.pair_load(HD // 2 + i, 0, xn, XB, HD) + cluster.pair_load(HD // 2 + i, 1, xn, XB, HD)
     else:
         # the loads that do not depend on this step first (inverse frequencies, q/k norm weights, bias): in flight
         # with the parts' loads, not a round trip after them (the parts' loop and the q/k norm's reduction, a
         # barrier, stand between them in program order)
         inv_f, nw_a, nw_b, bias_a, bias_b = qkv_finish_inputs(layer, head, bias_ptr, qn_ptr, kn_ptr, invf_ptr, HQ,
                                                               HKV, HD, HAS_BIAS, QK_NORM, TR, E2)
-    if XB > 0:  # a cluster pair (isa.CLUSTER_PAIR): both parts' sums are in this CTA's exchange slot, part order
-        a = cluster.pair_load(i, 0, xn, XB, HD) + cluster.pair_load(i, 1, xn, XB, HD)
-        b = cluster.pair_load(HD // 2 + i, 0, xn, XB, HD) + cluster.pair_load(HD // 2 + i, 1, xn, XB, HD)
-    else:
         src = qkvp_ptr + head * HD
         a = gl.load(src + i, cache_modifier=".cg")
         b = gl.load(src + HD // 2 + i, cache_modifier=".cg")
