@@ -105,6 +105,30 @@ def test_cluster_pairs_match_reference_over_64_steps(mode, model, context):
     _matches_reference_over_64_steps(model, context, cluster_qkv=mode)
 
 
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
+    """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)
+    gets the ticketed program with a warning, and decodes what the reference decodes; the cluster kernel, which would
+    wait forever for CTAs that never start, is never launched."""
+    from mimw.kv.pages import KVLayout, PagedKVCache
+    from mimw.megakernel import isa
+    from mimw.megakernel.gpu import cluster
+    from mimw.megakernel.gpu.config import KernelConfig
+    from mimw.megakernel.gpu.decoder import MegakernelDecoder
+    from mimw.models.weights import random_weights
+
+    spec = get_preset("smollm2-135m")
+    assert KernelConfig.for_spec(spec).clusters() == 2  # the default would run in clusters
+    monkeypatch.setattr(cluster, "max_active_clusters", lambda *a, **k: 0)
+    cache = PagedKVCache(KVLayout.for_spec(spec, KernelConfig.for_spec(spec).page_size, 8, torch.bfloat16), "cuda")
+    with pytest.warns(RuntimeWarning, match="0 clusters of two fit"):
+        dec = MegakernelDecoder(random_weights(spec, 0, dtype=torch.bfloat16, device="cuda"), cache)
+    assert dec.cluster_fallback and dec.kcfg.cluster_qkv == 0 and dec.ce["XB"] == 0
+    assert not any(i.flags & isa.CLUSTER_PAIR for i in dec.program.instructions())
+    with pytest.warns(RuntimeWarning, match="runs with tickets"):
+        _matches_reference_over_64_steps("smollm2-135m", 1000)
+
+
 O_PARTS = [("llama-3.2-1b", 8), ("llama-3.2-1b", 2), ("llama-3.1-8b", 8), ("qwen3-8b", 4)]
 
 

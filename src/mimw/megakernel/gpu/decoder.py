@@ -7,6 +7,8 @@ With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling 
 """
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Sequence
 
 import torch
@@ -35,24 +37,44 @@ class MegakernelDecoder:
         if cache.layout.dtype != torch.bfloat16 or cache.device.type != "cuda":
             raise ValueError("the megakernel needs a bf16 KV cache on a CUDA device")
         dev = cache.device
-        self.spec, self.cache, self.kcfg, self.use_graph = spec, cache, kcfg, use_graph
+        self.spec, self.cache, self.use_graph = spec, cache, use_graph
         self.num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
-        kcfg = self.kcfg = kcfg.for_launch(spec, self.num_sms)  # no cluster pairs where none can form
-        self.program = build_program(spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
+        self.max_pages = max_pages_per_seq or cache.layout.num_pages
+        kcfg = kcfg.for_launch(spec, self.num_sms)  # no cluster pairs where none can form
+        self.w = pack(weights, kcfg.tile_rows, dev, kcfg.tile_k if kcfg.tile_major else None)
+        box = list(kcfg.tile_box())  # [TR, TK], or a tile-major block's bytes as [TR * TK / 32, 32] (mma)
+        lay = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+        self.descs = [TensorDescriptor.from_tensor(t.view(-1, box[1]) if kcfg.mma else t, box, lay)
+                      for t in (self.w.qkv, self.w.o, self.w.gu, self.w.down, self.w.lm)]
+        # cluster pairs (KernelConfig.cluster_qkv): each CTA's word moves to epoch + 1 once its exchange barriers
+        # exist in a launch (kernel.py; never reset, like the counters); unused otherwise
+        self.ready_words = torch.zeros(self.num_sms, dtype=torch.int32, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs_set = False
+        self.cluster_fallback: str | None = None  # why the cluster pairs fell back to tickets on this GPU, if they did
+        self._plan(kcfg, context_hint)
+        if self.ce["XB"]:
+            why = self._launch_in_clusters()
+            if why is not None:  # a persistent kernel whose CTAs are not all resident would wait forever
+                warnings.warn(f"{why}: the megakernel runs with tickets (KernelConfig(cluster_qkv=0)) instead",
+                              RuntimeWarning, stacklevel=2)
+                self.cluster_fallback = why
+                self._plan(dataclasses.replace(kcfg, cluster_qkv=0), context_hint)
+
+    def _plan(self, kcfg: KernelConfig, context_hint: int) -> None:
+        """The step program for ``kcfg``, its step state and scratch, the kernel's constexprs and trace buffers
+        (everything that depends on the cluster pairs; the packed weights do not)."""
+        dev = self.cache.device
+        self.kcfg = kcfg
+        self.program = build_program(self.spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
         words, lens = self.program.encode()
         self.words, self.lens = words.to(dev), lens.to(dev)
-        self.max_pages = max_pages_per_seq or cache.layout.num_pages
         self.state = alloc_state(self.program, self.max_pages, dev)
         self.scratch = alloc_scratch(self.program, dev)
         # x, q, attn, act as the kernel takes them: fp32, or the int64 versioned words (KernelConfig.versioned)
         self.versioned_buffers = {name: getattr(self.scratch, f"{name}_words" if words else name)
                                   for name, words in kcfg.versioned().items()}
-        self.w = pack(weights, kcfg.tile_rows, dev, kcfg.tile_k if kcfg.tile_major else None)
-        self.ce = constexprs(spec, kcfg, self.program.max_splits)
-        box = list(kcfg.tile_box())  # [TR, TK], or a tile-major block's bytes as [TR * TK / 32, 32] (mma)
-        lay = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
-        self.descs = [TensorDescriptor.from_tensor(t.view(-1, box[1]) if kcfg.mma else t, box, lay)
-                      for t in (self.w.qkv, self.w.o, self.w.gu, self.w.down, self.w.lm)]
+        self.ce = constexprs(self.spec, kcfg, self.program.max_splits)
         # [num_sms, max_len, TRACE_STAMPS] int64 ns timestamps per instruction when kcfg.trace (trace.summarize), else
         # a 1-element dummy
         self.trace = torch.zeros((self.num_sms, self.words.shape[1], TRACE_STAMPS.value) if kcfg.trace else (1,),
@@ -63,12 +85,35 @@ class MegakernelDecoder:
             self.max_tiles = max(1, *map(sum, tile_counts(self.program, kcfg.tile_rows, kcfg.tile_k)))
         self.tiles = torch.zeros((self.num_sms, self.max_tiles, 4) if kcfg.trace_tiles else (1,), dtype=torch.int64,
                                  device=dev)
-        # cluster pairs (KernelConfig.cluster_qkv): each CTA's word moves to epoch + 1 once its exchange barriers
-        # exist in a launch (kernel.py; never reset, like the counters); unused otherwise
-        self.ready_words = torch.zeros(self.num_sms, dtype=torch.int32, device=dev)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.inputs_set = False
-        self.in_clusters = False  # cluster pairs: the compiled kernel is set to launch in clusters (launch())
+
+    def _launch_in_clusters(self) -> str | None:
+        """Compile the cluster-pair kernel (the JIT's cached kernel of this specialization, which every later launch
+        finds) and set it to launch in clusters of two CTAs with the exchange region past Triton's shared memory.
+        Returns None, or why it cannot run here: fewer clusters of two fit the GPU at once than it needs resident."""
+        from . import cluster
+        from .kernel import megakernel
+
+        grid = (self.num_sms // 2,)
+        compiled = cluster.in_clusters(megakernel.warmup(*self._args(), grid=grid, **self.ce), 2, self.ce["XB"])
+        compiled._init_handles()  # load it: the occupancy query needs the CUfunction
+        num_warps, _, smem = compiled.packed_metadata
+        fit = cluster.max_active_clusters(compiled.function, 2, 32 * num_warps, smem)
+        if fit < grid[0]:
+            return (f"cluster_qkv: {fit} clusters of two fit this GPU at {smem} bytes of shared memory, the kernel "
+                    f"needs {grid[0]} resident ({self.num_sms} SMs)")
+        return None
+
+    def _args(self) -> tuple:
+        s, x, w, c = self.state, self.scratch, self.w, self.cache
+        sp = self.spec
+        buf = self.versioned_buffers
+        return (
+            self.words, self.lens, self.words.shape[1], s.tokens, s.positions, s.seg_ctx, s.block_tables,
+            s.block_tables.shape[1], s.counters, len(self.program.counters), self.ready_words, *self.descs,
+            w.embed, w.attn_norm, w.mlp_norm, w.final_norm, w.bias, w.q_norm, w.k_norm, w.inv_freq,
+            c.k, c.v, c.layout.num_pages, buf["x"], x.qkv_part, buf["q"], x.part_o, x.part_ml, buf["attn"], buf["act"],
+            x.logits, x.x_part, self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634,
+            self.trace, self.tiles, self.max_tiles)
 
     def set_inputs(self, token: int, position: int, block_table: Sequence[int]) -> None:
         self.state.fill([token], [position], [block_table], [1])
@@ -77,37 +122,12 @@ class MegakernelDecoder:
     def launch(self) -> None:
         """One decode step with the current step state. The state must hold a real step: a launch on an empty state
         would append K/V for position 0 through page 0 of the (zeroed) block table, overwriting a live page."""
-        from . import cluster
         from .kernel import megakernel
 
         if not self.inputs_set:
             raise RuntimeError("set_inputs() must be called before the first launch")
-        s, x, w, c = self.state, self.scratch, self.w, self.cache
-        sp = self.spec
-        buf = self.versioned_buffers
-        args = (
-            self.words, self.lens, self.words.shape[1], s.tokens, s.positions, s.seg_ctx, s.block_tables,
-            s.block_tables.shape[1], s.counters, len(self.program.counters), self.ready_words, *self.descs,
-            w.embed, w.attn_norm, w.mlp_norm, w.final_norm, w.bias, w.q_norm, w.k_norm, w.inv_freq,
-            c.k, c.v, c.layout.num_pages, buf["x"], x.qkv_part, buf["q"], x.part_o, x.part_ml, buf["attn"], buf["act"],
-            x.logits, x.x_part, self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634,
-            self.trace, self.tiles, self.max_tiles)
-        if self.ce["XB"]:  # cluster pairs (KernelConfig.cluster_qkv): clusters of two CTAs, the exchange region past
-            # Triton's shared memory; the JIT's cached kernel of this specialization is set up once, before it runs
-            grid = (self.num_sms // 2,)
-            if not self.in_clusters:
-                compiled = cluster.in_clusters(megakernel.warmup(*args, grid=grid, **self.ce), 2, self.ce["XB"])
-                compiled._init_handles()  # load it: the occupancy query needs the CUfunction
-                num_warps, _, smem = compiled.packed_metadata
-                fit = cluster.max_active_clusters(compiled.function, 2, 32 * num_warps, smem)
-                if fit < grid[0]:  # a persistent kernel whose CTAs are not all resident would wait forever
-                    raise RuntimeError(f"cluster_qkv: {fit} clusters of two fit this GPU at {smem} bytes of shared "
-                                       f"memory, the kernel needs {grid[0]} resident ({self.num_sms} SMs); run "
-                                       f"with KernelConfig(cluster_qkv=0) (tickets, no clusters)")
-                self.in_clusters = True
-            megakernel[grid](*args, **self.ce)
-        else:
-            megakernel[(self.num_sms,)](*args, **self.ce)
+        # cluster pairs (KernelConfig.cluster_qkv): the kernel __init__ set to launch in clusters of two CTAs
+        megakernel[(self.num_sms // 2 if self.ce["XB"] else self.num_sms,)](*self._args(), **self.ce)
 
     def capture(self) -> None:
         """Record one launch in a CUDA graph; later ``run``/``step`` calls replay it. The warm-up launch before the
