@@ -144,6 +144,21 @@ def test_inflight_cap_compiles_without_spills_and_a_cap_past_the_ring_is_the_rin
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_release_hold_compiles_without_spills(model):
+    """KernelConfig(quiet=N): compute arrives once more (after a streaming release), the loader waits once more
+    (before tile N of a new stage's instruction); off (-1), the kernel is the default's."""
+    spec = get_preset(model)
+    base = _ptx(spec, KernelConfig.for_spec(spec))
+    for q in (0, 2):
+        ptx = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), quiet=q))
+        assert ptx.count("mbarrier.arrive") == base.count("mbarrier.arrive") + 1
+        assert ptx.count("mbarrier.try_wait") > base.count("mbarrier.try_wait")
+    with pytest.raises(ValueError, match="quiet=-2"):
+        KernelConfig(quiet=-2).check(spec)
+
+
+@pytest.mark.slow
 def test_versioned_words_compile_without_spills():
     every = dict(flag_act=True, flag_x=True, flag_attn=True, flag_q=True)
     for name, kw in (("llama-3.2-1b", dict(flag_act=True)), ("llama-3.2-1b", dict(flag_act=True, flag_x=True)),

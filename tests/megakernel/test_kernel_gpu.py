@@ -105,6 +105,18 @@ def test_cluster_pairs_match_reference_over_64_steps(mode, model, context):
     _matches_reference_over_64_steps(model, context, cluster_qkv=mode)
 
 
+QUIET_CASES = [(m, 0, 1000) for m in MODELS] + [("llama-3.2-1b", 2, 8191), ("llama-3.1-8b", 2, 17)]
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model,quiet,context", QUIET_CASES)
+def test_release_hold_matches_reference_over_64_steps(model, quiet, context):
+    """KernelConfig(quiet=N): the loader holds a new stage's tiles past the N-th until compute's previous release
+    (orchestration.py); a hold that let a tile overtake its slot's barriers, or that never ended, would differ or
+    hang."""
+    _matches_reference_over_64_steps(model, context, quiet=quiet)
+
+
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
     """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)

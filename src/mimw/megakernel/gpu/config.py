@@ -26,6 +26,10 @@ class KernelConfig:
     # fewer requests queued in the memory system shorten every round trip the step's hops make (the counter
     # release's MEMBAR, the polls, the staging loads): at 4, tile latency 4.4 -> 1.9 us and the step -2.6% (1B) /
     # -3.4% (8B) at 8865813, -1.8% / -3.8% at 3e53b96 (2 too few: +5%); the default since session 13
+    quiet: int = -1  # QUIET (-1: off): at most ``quiet`` tiles of a streaming instruction are requested before this
+    # SM's previous signalling streaming instruction has released its counter, where the two wait for different
+    # counters (a new stage): the release's MEMBAR waits for this CTA's memory traffic, and the tiles the loader
+    # requested last are still in flight behind it (session 17; opt-in until measured)
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
@@ -162,6 +166,8 @@ class KernelConfig:
         if self.tile_k % (32 * self.num_warps):
             raise ValueError("tile_k must be a multiple of 32 * num_warps")
         self.ring_slots(spec)  # raises if the ring does not fit (beside the kv_pipeline's stages)
+        if self.quiet < -1:
+            raise ValueError(f"quiet={self.quiet}: -1 (off) or the tiles an instruction may request before the release")
         if self.inflight < 0:
             raise ValueError(f"inflight={self.inflight}: 0 (the whole ring) or a positive cap")
         if self.vprobe not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -265,7 +271,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
-        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec),
+        LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec), QUIET=kcfg.quiet,
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,

@@ -55,6 +55,12 @@ def _field(w, offs, k: gl.constexpr):
 
 
 @gluon.jit
+def _streams(op):
+    """Whether instruction ``op`` streams weight tiles through the ring (the loader's instructions)."""
+    return (op == OP_ATTN_IN) | (op == OP_O_PROJ) | (op == OP_MLP_IN) | (op == OP_DOWN_PROJ) | (op == OP_LM_HEAD)
+
+
+@gluon.jit
 def _part_tiles(part, KT, n_parts):
     """Column tiles [k0, k1) of part ``part`` of ``n_parts`` over KT column tiles (program.column_part): ATTN_IN's
     column parts, O_PROJ's (KernelConfig.o_parts)."""
@@ -76,9 +82,9 @@ def _fetch(prog_ptr, MAXLEN, i, offs):
 
 
 @gluon.jit
-def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, tiles_ptr,
+def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel, tiles_ptr,
             MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
-            TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, INFLIGHT: gl.constexpr,
+            TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, INFLIGHT: gl.constexpr, QUIET: gl.constexpr,
             O_PARTS: gl.constexpr, TRACE_TILES: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     NQKV: gl.constexpr = HQ + 2 * HKV
@@ -92,44 +98,61 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
         stamps = tiles_ptr + pid * MAXT * 4
     else:
         stamps = None
+    if QUIET >= 0:  # the release hold (KernelConfig.quiet, orchestration.py): compute arrives on ``rel`` after the
+        # release of every streaming instruction whose word signals; this loader counts them (``released``) and
+        # remembers the last one's wait
+        hold = rel
+    else:
+        hold = None
+    released = 0
+    prev_wait = -2
     it = 0
     for i in range(n):
         w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
+        hold_at = -1  # a streaming instruction of a new stage: its tile QUIET waits for the previous release
+        if QUIET >= 0:
+            if _streams(op) & (released > 0) & (_field(w, offs, W_WAIT) != prev_wait):
+                hold_at = it + QUIET
+        par = (released - 1) & 1
         if op == OP_ATTN_IN:
             n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
             k0, k1 = _part_tiles(b, KT_D, n_parts)
             it = producer_weight_rows(d_qkv, D, (layer * NQKV + a) * HD, HD // TR, k0, k1, bufs, empty, ready, it,
-                                      TR, TK, TILED, stamps, INFLIGHT)
+                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par)
         elif op == OP_O_PROJ:
             k0 = 0
             k1 = KT_Q
             if O_PARTS > 0:  # column part C of O_PARTS (KernelConfig.o_parts): its KV groups' column tiles
                 k0, k1 = _part_tiles(_field(w, offs, W_C), KT_Q, O_PARTS)
             it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, k0, k1, bufs, empty, ready, it, TR, TK,
-                                      TILED, stamps, INFLIGHT)
+                                      TILED, stamps, INFLIGHT, hold, hold_at, par)
         elif op == OP_MLP_IN:
             it = producer_weight_rows(d_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready, it,
-                                      TR, TK, TILED, stamps, INFLIGHT)
+                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par)
         elif op == OP_DOWN_PROJ:
             it = producer_weight_rows(d_down, I, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR, TK,
-                                      TILED, stamps, INFLIGHT)
+                                      TILED, stamps, INFLIGHT, hold, hold_at, par)
         elif op == OP_LM_HEAD:
             it = producer_weight_rows(d_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, TILED, stamps,
-                                      INFLIGHT)
+                                      INFLIGHT, hold, hold_at, par)
+        if QUIET >= 0:
+            if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
+                released += 1
+                prev_wait = _field(w, offs, W_WAIT)
 
 
 @gluon.jit
 def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT, rdy_ptr,
              emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
              kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
-             SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf,
+             SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf,
              D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
              PS: gl.constexpr, HAS_BIAS: gl.constexpr, QK_NORM: gl.constexpr, BT: gl.constexpr,
              SP2: gl.constexpr, GP: gl.constexpr, WR: gl.constexpr, SG: gl.constexpr,
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
              O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
-             TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+             QUIET: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -329,6 +352,9 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             counter_signal(cnt_ptr, sig, sig_n)
         else:
             gl.thread_barrier()  # hbuf is rewritten by the next instruction
+        if QUIET >= 0:  # the release hold: the loader's count of signalling streaming instructions (_loader)
+            if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
+                mbarrier.arrive(rel.index(0), count=1)
         if TRACE:  # [start, dependency met, outputs stored, signalled] of instruction i on this SM; ATTN_PARTIAL
             # also [block 0 done, later blocks done, partial stored, ticket drawn] (trace.py)
             tb = trace_ptr + (pid * MAXLEN + i) * TRACE_STAMPS
@@ -361,8 +387,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                TILED: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
                QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
-               SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, TRACE: gl.constexpr,
-               TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, QUIET: gl.constexpr,
+               TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -378,14 +404,20 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
     else:
         kvbuf = hbuf  # unused
     ring_init(empty, ready, NB)
+    # the release hold (KernelConfig.quiet): one arrival a phase, compute's after each streaming release
+    if QUIET >= 0:
+        rel = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(rel.index(0), count=1)
+    else:
+        rel = empty  # unused
     gl.warp_specialize([
         (_compute, (prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT, rdy_ptr,
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
-                    SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, hbuf, D, HQ, HKV, HD, I, PS,
+                    SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I, PS,
                     HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
-                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, TRACE, TRACE_TILES,
+                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, QUIET, TRACE, TRACE_TILES,
                     num_warps)),
-        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready,
-                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, O_PARTS, TRACE_TILES)),
+        (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
+                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, O_PARTS, TRACE_TILES)),
     ], [1], [LOADER_REGS])

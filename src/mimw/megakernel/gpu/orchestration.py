@@ -17,6 +17,16 @@ Roles
     waits on a dependency counter — weights (and past KV) do not depend on this step's activations — so it runs
     ahead across instruction and layer boundaries, bounded only by the ring depth.
 
+The release hold (opt-in, ``KernelConfig.quiet``)
+    A counter's release (``counter_signal``) is a ``MEMBAR.GPU`` that waits until this CTA's memory traffic is
+    acknowledged, and under the weight stream that is as long as the tiles the loader requested last take to land.
+    With a hold, compute arrives on a one-count mbarrier after each release of a streaming instruction, and the
+    loader, starting a streaming instruction of a new stage, requests only its first ``quiet`` tiles before the
+    phase of the previous release has completed (``release_hold``): the release then meets fewer tiles in flight.
+    The phase is named by its parity only: while compute is two or more releases behind, the parity also names an
+    older phase and the loader may pass early. That loses only the hold (the ring's barriers still order every
+    tile), never liveness: compute reaches the release the loader waits for with tiles already requested.
+
 Counters (cross-CTA dependencies)
     int32 words in global memory.  ``counter_signal``: a partition barrier (every thread's stores of this
     instruction precede it), then one thread's ``atom.add.release.gpu``.  ``counter_wait``: one thread polls with
@@ -81,16 +91,21 @@ def stamp(ptr):
 
 
 @gluon.jit
-def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT: gl.constexpr = 0):
+def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT: gl.constexpr = 0, hold=None,
+                  hold_at=-1, hold_parity=0):
     """Loader: wait for slot it % NB to be free, then TMA the [rows, cols] box at (row, col) of ``desc`` into it.
     Returns it + 1. ``stamps`` (tile trace, trace.py): the loader's time before and after the wait for the slot go
     to ``stamps[4 it]`` and ``stamps[4 it + 1]``. ``INFLIGHT`` > 0 caps the tiles requested but not yet landed:
     tile it is issued only once tile it - INFLIGHT has landed (its ``ready`` phase; the slot of that tile is not
     reissued before tile it - INFLIGHT + NB > it, so the parity cannot have moved on). The ring still buffers NB
-    landed tiles; only the requests queued in the memory system are bounded."""
+    landed tiles; only the requests queued in the memory system are bounded. ``hold`` (KernelConfig.quiet): tile
+    ``hold_at`` waits for the phase of parity ``hold_parity`` of the mbarrier ``hold`` first (``release_hold``)."""
     NB: gl.constexpr = bufs.type.shape[0]
     idx = it % NB
     ph = (it // NB) & 1
+    if hold is not None:
+        if it == hold_at:
+            mbarrier.wait(hold.index(0), hold_parity)
     if INFLIGHT > 0:
         if it >= INFLIGHT:
             j = it - INFLIGHT
@@ -107,19 +122,20 @@ def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT:
 
 @gluon.jit
 def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: gl.constexpr, TK: gl.constexpr,
-                  stamps=None, INFLIGHT: gl.constexpr = 0):
+                  stamps=None, INFLIGHT: gl.constexpr = 0, hold=None, hold_at=-1, hold_parity=0):
     """Loader: stream rows [row0, row0 + n_row_tiles*TR) of ``desc``, row tile by row tile, column tiles [k0, k1)
     of each."""
     for r in range(n_row_tiles):
         for k in range(k0, k1):
-            it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it, stamps, INFLIGHT)
+            it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it, stamps, INFLIGHT, hold, hold_at,
+                               hold_parity)
     return it
 
 
 @gluon.jit
 def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs, empty, ready, it,
                          TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, stamps=None,
-                         INFLIGHT: gl.constexpr = 0):
+                         INFLIGHT: gl.constexpr = 0, hold=None, hold_at=-1, hold_parity=0):
     """``producer_rows`` over a [*, K] weight matrix. ``TILED``: the matrix is stored tile-major
     (``pack.tile_major``: tile (row tile R, column tile c) is the contiguous [TR, TK] block number R * KT + c of a
     [*, TK] matrix, which ``desc`` describes — or of the same bytes as a [*, 32] matrix, TR * TK / 32 rows a tile,
@@ -131,9 +147,10 @@ def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs,
         for r in range(n_row_tiles):
             for k in range(k0, k1):
                 it = producer_load(desc, ((row0 // TR + r) * KT + k) * BR, 0, bufs, empty, ready, it, stamps,
-                                   INFLIGHT)
+                                   INFLIGHT, hold, hold_at, hold_parity)
     else:
-        it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK, stamps, INFLIGHT)
+        it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK, stamps, INFLIGHT, hold,
+                           hold_at, hold_parity)
     return it
 
 
