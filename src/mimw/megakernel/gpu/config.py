@@ -26,10 +26,12 @@ class KernelConfig:
     # fewer requests queued in the memory system shorten every round trip the step's hops make (the counter
     # release's MEMBAR, the polls, the staging loads): at 4, tile latency 4.4 -> 1.9 us and the step -2.6% (1B) /
     # -3.4% (8B) at 8865813, -1.8% / -3.8% at 3e53b96 (2 too few: +5%); the default since session 13
-    quiet: int = -1  # QUIET (-1: off): at most ``quiet`` tiles of a streaming instruction are requested before this
+    quiet: int = 2  # QUIET (-1: off): at most ``quiet`` tiles of a streaming instruction are requested before this
     # SM's previous signalling streaming instruction has released its counter, where the two wait for different
     # counters (a new stage): the release's MEMBAR waits for this CTA's memory traffic, and the tiles the loader
-    # requested last are still in flight behind it (session 17; opt-in until measured)
+    # requested last are still in flight behind it. Measured at 9ea1dc4: the streaming releases 2.5 -> 0.8 us
+    # (1B MLP_IN), 2.8 -> 0.8 (8B O_PROJ), the step -1.7% (1B) / -1.7% (8B); 0 and 4: -1.7 / -1.3%, -2.2 / -1.1%.
+    # The default since session 17
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4

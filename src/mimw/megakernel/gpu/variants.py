@@ -71,9 +71,9 @@ VARIANTS = {
     # session 11's default (before a4a86e4's run): no early dispatch, LM_HEAD signals, 16 KB fixed cost, 256 KB blocks
     "tr32-s11": KernelConfig(dispatch=False, signal_logits=True, fixed_cost_kb=16, max_block_kb=256),
     # at most this many weight tiles requested and not landed per SM (the default 4; the ring still buffers 10)
-    "tr32-quiet0": KernelConfig(quiet=0),  # a new stage's tiles wait for the SM's previous release (session 17)
-    "tr32-quiet2": KernelConfig(quiet=2),  # ... past its first two
-    "tr32-quiet4": KernelConfig(quiet=4),
+    "tr32-loud": KernelConfig(quiet=-1),  # no release hold (the default until session 17)
+    "tr32-quiet0": KernelConfig(quiet=0),  # a new stage's tiles all wait for the SM's previous release
+    "tr32-quiet4": KernelConfig(quiet=4),  # ... past its first four (the default: two)
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
