@@ -157,6 +157,10 @@ def test_release_hold_compiles_without_spills(model):
         assert ptx.count("mbarrier.try_wait") > base.count("mbarrier.try_wait")
     with pytest.raises(ValueError, match="quiet=-2"):
         KernelConfig(quiet=-2).check(spec)
+    # quiet_early: the same arrivals, moved before the release's fenced add
+    early = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), quiet_early=True))
+    late = _ptx(spec, KernelConfig.for_spec(spec))
+    assert early.count("mbarrier.arrive") == late.count("mbarrier.arrive") and early != late
 
 
 @pytest.mark.slow

@@ -118,6 +118,15 @@ def test_release_hold_matches_reference_over_64_steps(model, quiet, context):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model,context", [("smollm2-135m", 1000), ("llama-3.2-1b", 8191), ("llama-3.1-8b", 17),
+                                           ("qwen3-8b", 1000)])
+def test_release_hold_ended_before_the_fence_matches_reference_over_64_steps(model, context):
+    """KernelConfig(quiet_early=True): compute ends the hold once its outputs are stored, before the release's
+    fence; the loader's requests then overlap the fence (only the timing may change, never a result)."""
+    _matches_reference_over_64_steps(model, context, quiet_early=True)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
     """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)
     gets the ticketed program with a warning, and decodes what the reference decodes; the cluster kernel, which would

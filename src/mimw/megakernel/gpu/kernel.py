@@ -152,7 +152,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
              O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
-             QUIET: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+             QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
+             num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -348,13 +349,19 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             sig_n = _field(w, offs, W_SIGNAL_N)
             if sig_n == 0:
                 sig = -1
+        if QUIET >= 0:  # the release hold: the loader's count of signalling streaming instructions (_loader)
+            if QUIET_EARLY:  # once the outputs are stored, before the release's fence: the loader requests
+                # again while the fence waits (the arrive's partition barrier orders every thread's stores first)
+                if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
+                    mbarrier.arrive(rel.index(0), count=1)
         if sig >= 0:
             counter_signal(cnt_ptr, sig, sig_n)
         else:
             gl.thread_barrier()  # hbuf is rewritten by the next instruction
-        if QUIET >= 0:  # the release hold: the loader's count of signalling streaming instructions (_loader)
-            if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
-                mbarrier.arrive(rel.index(0), count=1)
+        if QUIET >= 0:
+            if not QUIET_EARLY:  # after the release
+                if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
+                    mbarrier.arrive(rel.index(0), count=1)
         if TRACE:  # [start, dependency met, outputs stored, signalled] of instruction i on this SM; ATTN_PARTIAL
             # also [block 0 done, later blocks done, partial stored, ticket drawn] (trace.py)
             tb = trace_ptr + (pid * MAXLEN + i) * TRACE_STAMPS
@@ -388,7 +395,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
                QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
                SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, QUIET: gl.constexpr,
-               TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               QUIET_EARLY: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -416,7 +423,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I, PS,
                     HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
-                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, QUIET, TRACE, TRACE_TILES,
+                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, QUIET, QUIET_EARLY, TRACE, TRACE_TILES,
                     num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, O_PARTS, TRACE_TILES)),

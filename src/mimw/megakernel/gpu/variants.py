@@ -74,6 +74,8 @@ VARIANTS = {
     "tr32-loud": KernelConfig(quiet=-1),  # no release hold (the default until session 17)
     "tr32-quiet0": KernelConfig(quiet=0),  # a new stage's tiles all wait for the SM's previous release
     "tr32-quiet4": KernelConfig(quiet=4),  # ... past its first four (the default: two)
+    "tr32-early": KernelConfig(quiet_early=True),  # the hold ends before the release's fence, not after it
+    "tr32-early0": KernelConfig(quiet=0, quiet_early=True),
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
