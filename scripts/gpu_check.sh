@@ -6,7 +6,7 @@
 #              engine's backend (29, ~4 min)
 #   optin      the opt-in kernels' tests: heads finished in attention, the K/V pipeline, merged releases, O_PROJ in
 #              column parts, the shuffle epilogue, the release hold's other settings, the decoder's fall-back to
-#              tickets, the hold ended before the fence (53, ~7.5 min)
+#              tickets, the hold ended before the fence or at some boundaries only (55, ~8 min)
 #   versioned  the versioned-word tests (25, ~4 min), in their own process under a time limit (a reader whose
 #              words never come spins: a hang must not eat the call)
 #   sanitize   compute-sanitizer synccheck and racecheck on small shapes (~2.5 min; racecheck is cut at 200 s)

@@ -126,6 +126,7 @@ def test_megakernel_options_parse_to_typed_kernel_config_fields():
 
     kw = parse_options(" inflight=4, flag_act=true,flag_x=0 ,")
     assert kw == {"inflight": 4, "flag_act": True, "flag_x": False} and parse_options("") == {}
+    assert parse_options("quiet_ops=MLP_IN+DOWN_PROJ") == {"quiet_ops": ("MLP_IN", "DOWN_PROJ")}
     assert dataclasses.replace(KernelConfig(), **kw).inflight == 4
     for bad in ("ring", "ring=ten", "nosuch=1", "dispatch=2"):
         with pytest.raises(ValueError, match="megakernel option"):

@@ -157,6 +157,13 @@ def test_release_hold_compiles_without_spills(model):
         assert ptx.count("mbarrier.try_wait") > base.count("mbarrier.try_wait")
     with pytest.raises(ValueError, match="quiet=-2"):
         KernelConfig(quiet=-2).check(spec)
+    # quiet_ops: the held ops as a bit mask over isa.Op (every streaming op by default), streaming ops only
+    from mimw.megakernel import isa
+
+    assert KernelConfig().held_ops() == sum(1 << int(op) for op in isa.STREAMING_OPS)
+    assert KernelConfig(quiet_ops=("MLP_IN", "DOWN_PROJ")).held_ops() == (1 << 5) | (1 << 6)
+    with pytest.raises(ValueError, match="streaming ops only"):
+        KernelConfig(quiet_ops=("ATTN_PARTIAL",)).check(spec)
     # quiet_early: the same arrivals, moved before the release's fenced add
     early = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), quiet_early=True))
     late = _ptx(spec, KernelConfig.for_spec(spec))

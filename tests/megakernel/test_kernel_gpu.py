@@ -127,6 +127,13 @@ def test_release_hold_ended_before_the_fence_matches_reference_over_64_steps(mod
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-8b"])
+def test_release_hold_at_some_boundaries_matches_reference_over_64_steps(model):
+    """KernelConfig(quiet_ops=...): the hold only into MLP_IN and DOWN_PROJ instructions."""
+    _matches_reference_over_64_steps(model, 1000, quiet_ops=("MLP_IN", "DOWN_PROJ"))
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
     """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)
     gets the ticketed program with a warning, and decodes what the reference decodes; the cluster kernel, which would

@@ -64,6 +64,10 @@ class Op(IntEnum):
     LM_HEAD = 7
 
 
+# the ops whose instructions stream weight tiles through the ring (the GPU loader's instructions)
+STREAMING_OPS = (Op.ATTN_IN, Op.O_PROJ, Op.MLP_IN, Op.DOWN_PROJ, Op.LM_HEAD)
+
+
 class Word(IntEnum):
     """Position of each field in an encoded instruction."""
 
@@ -270,8 +274,10 @@ def decode(words) -> Instruction:
 
 
 def kernel_constants() -> dict[str, int]:
-    """Constexpr values the Gluon kernel takes from this module: OP_<NAME>, W_<FIELD>, NWORDS."""
+    """Constexpr values the Gluon kernel takes from this module: OP_<NAME>, W_<FIELD>, NWORDS, and STREAMING (the
+    bit mask 1 << op of STREAMING_OPS)."""
     out = {f"OP_{o.name}": int(o) for o in Op}
+    out["STREAMING"] = sum(1 << int(o) for o in STREAMING_OPS)
     out.update({f"W_{w.name}": int(w) for w in Word})
     out["NWORDS"] = NWORDS
     return out

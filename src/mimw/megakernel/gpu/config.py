@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ...models.spec import ModelSpec
+from .. import isa
 from ..program import ProgramConfig
 
 
@@ -32,6 +33,8 @@ class KernelConfig:
     # requested last are still in flight behind it. Measured at 9ea1dc4: the streaming releases 2.5 -> 0.8 us
     # (1B MLP_IN), 2.8 -> 0.8 (8B O_PROJ), the step -1.7% (1B) / -1.7% (8B); 0 and 4: -1.7 / -1.3%, -2.2 / -1.1%.
     # The default since session 17
+    quiet_ops: tuple[str, ...] = ()  # QUIET_OPS: the streaming ops (isa.Op names) whose instructions the hold
+    # applies to; () = every one (session 17, opt-in, not yet measured: the hold's cost differs by boundary)
     quiet_early: bool = False  # QUIET_EARLY: compute ends the hold once its outputs are stored, before the release's
     # fence rather than after it, so the loader requests again while the fence waits: if the fence waits only for
     # the traffic issued before it (the stores' acknowledgements ahead of later tile data), the release stays quiet
@@ -122,6 +125,11 @@ class KernelConfig:
             raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
         return self.ring or fit
 
+    def held_ops(self) -> int:
+        """QUIET_OPS: the bit mask (1 << isa.Op) of the ops whose instructions the release hold applies to."""
+        ops = [isa.Op[name] for name in self.quiet_ops] or isa.STREAMING_OPS
+        return sum(1 << int(op) for op in ops)
+
     def inflight_cap(self, spec: ModelSpec) -> int:
         """INFLIGHT: ``inflight``, or 0 (no cap beyond the ring) where the ring has no more slots than that."""
         return self.inflight if self.inflight < self.ring_slots(spec) else 0
@@ -172,6 +180,9 @@ class KernelConfig:
         if self.tile_k % (32 * self.num_warps):
             raise ValueError("tile_k must be a multiple of 32 * num_warps")
         self.ring_slots(spec)  # raises if the ring does not fit (beside the kv_pipeline's stages)
+        streaming = [op.name for op in isa.STREAMING_OPS]
+        if not set(self.quiet_ops) <= set(streaming):
+            raise ValueError(f"quiet_ops={self.quiet_ops}: the hold applies to streaming ops only, {streaming}")
         if self.quiet < -1:
             raise ValueError(f"quiet={self.quiet}: -1 (off) or the tiles an instruction may request before the release")
         if self.inflight < 0:
@@ -231,8 +242,8 @@ def _pow2(n: int) -> int:
 
 def parse_options(text: str) -> dict:
     """``"inflight=4,flag_act=1"`` -> ``{"inflight": 4, "flag_act": True}``: KernelConfig fields to override, typed
-    from the dataclass (ints; booleans as 1/0/true/false). Unknown names and bad values raise ValueError naming
-    what is accepted. The empty string is no override."""
+    from the dataclass (ints; booleans as 1/0/true/false; tuples as names joined by '+'). Unknown names and bad
+    values raise ValueError naming what is accepted. The empty string is no override."""
     from dataclasses import fields
 
     types = {f.name: f.type for f in fields(KernelConfig)}
@@ -249,6 +260,8 @@ def parse_options(text: str) -> dict:
             if value.lower() not in ("1", "0", "true", "false"):
                 raise ValueError(f"megakernel option {name}={value!r}: expected 1/0/true/false")
             out[name] = value.lower() in ("1", "true")
+        elif str(types[name]).startswith("tuple"):  # names joined by '+': quiet_ops=MLP_IN+DOWN_PROJ
+            out[name] = tuple(v.strip() for v in value.split("+") if v.strip())
         else:
             try:
                 out[name] = int(value)
@@ -278,7 +291,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec), QUIET=kcfg.quiet,
-        QUIET_EARLY=kcfg.quiet_early,
+        QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(),
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,

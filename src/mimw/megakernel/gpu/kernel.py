@@ -46,6 +46,7 @@ OP_O_PROJ: gl.constexpr = gl.constexpr(_C["OP_O_PROJ"])
 OP_MLP_IN: gl.constexpr = gl.constexpr(_C["OP_MLP_IN"])
 OP_DOWN_PROJ: gl.constexpr = gl.constexpr(_C["OP_DOWN_PROJ"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(_C["OP_LM_HEAD"])
+STREAMING: gl.constexpr = gl.constexpr(_C["STREAMING"])
 WP2: gl.constexpr = gl.constexpr(16)  # NWORDS rounded up to a power of two for the vector fetch
 
 
@@ -56,8 +57,8 @@ def _field(w, offs, k: gl.constexpr):
 
 @gluon.jit
 def _streams(op):
-    """Whether instruction ``op`` streams weight tiles through the ring (the loader's instructions)."""
-    return (op == OP_ATTN_IN) | (op == OP_O_PROJ) | (op == OP_MLP_IN) | (op == OP_DOWN_PROJ) | (op == OP_LM_HEAD)
+    """Whether instruction ``op`` streams weight tiles through the ring (isa.STREAMING_OPS: the loader's)."""
+    return ((STREAMING >> op) & 1) != 0
 
 
 @gluon.jit
@@ -85,7 +86,7 @@ def _fetch(prog_ptr, MAXLEN, i, offs):
 def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel, tiles_ptr,
             MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
             TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, INFLIGHT: gl.constexpr, QUIET: gl.constexpr,
-            O_PARTS: gl.constexpr, TRACE_TILES: gl.constexpr):
+            QUIET_OPS: gl.constexpr, O_PARTS: gl.constexpr, TRACE_TILES: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     NQKV: gl.constexpr = HQ + 2 * HKV
     KT_D: gl.constexpr = (D + TK - 1) // TK
@@ -111,7 +112,8 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
         w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
         hold_at = -1  # a streaming instruction of a new stage: its tile QUIET waits for the previous release
         if QUIET >= 0:
-            if _streams(op) & (released > 0) & (_field(w, offs, W_WAIT) != prev_wait):
+            # QUIET_OPS (KernelConfig.held_ops): the streaming ops whose instructions are held
+            if (((QUIET_OPS >> op) & 1) != 0) & (released > 0) & (_field(w, offs, W_WAIT) != prev_wait):
                 hold_at = it + QUIET
         par = (released - 1) & 1
         if op == OP_ATTN_IN:
@@ -395,7 +397,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
                QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
                SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, QUIET: gl.constexpr,
-               QUIET_EARLY: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
+               num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -421,10 +424,11 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
         (_compute, (prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT, rdy_ptr,
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
-                    SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I, PS,
-                    HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
+                    SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I,
+                    PS, HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
                     QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, QUIET, QUIET_EARLY, TRACE, TRACE_TILES,
                     num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
-                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, O_PARTS, TRACE_TILES)),
+                   tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, QUIET_OPS, O_PARTS,
+                   TRACE_TILES)),
     ], [1], [LOADER_REGS])

@@ -22,7 +22,8 @@ The release hold (``KernelConfig.quiet``, the default since session 17)
     acknowledged, and under the weight stream that is as long as the tiles the loader requested last take to land.
     With a hold, compute arrives on a one-count mbarrier after each release of a streaming instruction, and the
     loader, starting a streaming instruction of a new stage, requests only its first ``quiet`` tiles before the
-    phase of the previous release has completed (``producer_load``'s ``hold``): the release then meets fewer tiles in flight.
+    phase of the previous release has completed (``producer_load``'s ``hold``): the release then meets fewer
+    tiles in flight.
     The phase is named by its parity only: while compute is two or more releases behind, the parity also names an
     older phase and the loader may pass early. That loses only the hold (the ring's barriers still order every
     tile), never liveness: compute reaches the release the loader waits for with tiles already requested.

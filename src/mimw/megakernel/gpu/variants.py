@@ -76,6 +76,10 @@ VARIANTS = {
     "tr32-quiet4": KernelConfig(quiet=4),  # ... past its first four (the default: two)
     "tr32-early": KernelConfig(quiet_early=True),  # the hold ends before the release's fence, not after it
     "tr32-early0": KernelConfig(quiet=0, quiet_early=True),
+    # the hold at some boundaries only: into MLP_IN and DOWN_PROJ (not the next layer's ATTN_IN, parked through
+    # the attention window, nor O_PROJ), and everywhere but ATTN_IN
+    "tr32-hold-mlp": KernelConfig(quiet_ops=("MLP_IN", "DOWN_PROJ")),
+    "tr32-hold-noattn": KernelConfig(quiet_ops=("O_PROJ", "MLP_IN", "DOWN_PROJ", "LM_HEAD")),
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
