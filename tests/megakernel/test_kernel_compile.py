@@ -170,6 +170,19 @@ def test_release_hold_compiles_without_spills(model):
     assert early.count("mbarrier.arrive") == late.count("mbarrier.arrive") and early != late
 
 
+def test_the_kernels_streaming_ops_are_the_isa_list():
+    """kernel._streams spells out isa.STREAMING_OPS as comparisons (what the GPU runs measured); they must agree."""
+    import inspect
+    import re
+
+    from mimw.megakernel import isa
+    from mimw.megakernel.gpu import kernel
+
+    src = inspect.getsource(kernel._streams.fn)
+    assert set(re.findall(r"op == OP_(\w+)", src)) == {op.name for op in isa.STREAMING_OPS}
+    assert isa.kernel_constants()["STREAMING"] == sum(1 << int(op) for op in isa.STREAMING_OPS)
+
+
 @pytest.mark.slow
 def test_versioned_words_compile_without_spills():
     every = dict(flag_act=True, flag_x=True, flag_attn=True, flag_q=True)

@@ -57,8 +57,9 @@ def _field(w, offs, k: gl.constexpr):
 
 @gluon.jit
 def _streams(op):
-    """Whether instruction ``op`` streams weight tiles through the ring (isa.STREAMING_OPS: the loader's)."""
-    return ((STREAMING >> op) & 1) != 0
+    """Whether instruction ``op`` streams weight tiles through the ring: isa.STREAMING_OPS, the loader's (a test
+    holds the two lists equal)."""
+    return (op == OP_ATTN_IN) | (op == OP_O_PROJ) | (op == OP_MLP_IN) | (op == OP_DOWN_PROJ) | (op == OP_LM_HEAD)
 
 
 @gluon.jit
@@ -112,8 +113,10 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
         w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
         hold_at = -1  # a streaming instruction of a new stage: its tile QUIET waits for the previous release
         if QUIET >= 0:
-            # QUIET_OPS (KernelConfig.held_ops): the streaming ops whose instructions are held
-            if (((QUIET_OPS >> op) & 1) != 0) & (released > 0) & (_field(w, offs, W_WAIT) != prev_wait):
+            held = _streams(op)
+            if QUIET_OPS != STREAMING:  # KernelConfig.held_ops: the hold for some streaming ops only
+                held = ((QUIET_OPS >> op) & 1) != 0
+            if held & (released > 0) & (_field(w, offs, W_WAIT) != prev_wait):
                 hold_at = it + QUIET
         par = (released - 1) & 1
         if op == OP_ATTN_IN:
