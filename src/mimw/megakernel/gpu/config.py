@@ -146,7 +146,7 @@ class KernelConfig:
         set to another count, or qkv_in_attn, whose parts have no finisher) and with the versioned words (opt-in,
         measured slower, and their kernels spill 4-24 bytes beside the exchange: they keep the tickets they were
         measured with)."""
-        versioned = self.flag_act or self.flag_x or self.flag_attn or self.flag_q
+        versioned = any(self.versioned().values())
         return 0 if self.qkv_in_attn or versioned or self.qkv_parts not in (0, 2) else self.cluster_qkv
 
     def for_launch(self, spec: ModelSpec, num_sms: int) -> "KernelConfig":

@@ -54,7 +54,7 @@ class MegakernelDecoder:
         self.cluster_fallback: str | None = None  # why the cluster pairs fell back to tickets on this GPU, if they did
         self._plan(kcfg, context_hint)
         if self.ce["XB"]:
-            why = self._launch_in_clusters()
+            why = self._set_up_clusters()
             if why is not None:  # a persistent kernel whose CTAs are not all resident would wait forever
                 warnings.warn(f"{why}: the megakernel runs with tickets (KernelConfig(cluster_qkv=0)) instead",
                               RuntimeWarning, stacklevel=2)
@@ -86,7 +86,7 @@ class MegakernelDecoder:
         self.tiles = torch.zeros((self.num_sms, self.max_tiles, 4) if kcfg.trace_tiles else (1,), dtype=torch.int64,
                                  device=dev)
 
-    def _launch_in_clusters(self) -> str | None:
+    def _set_up_clusters(self) -> str | None:
         """Compile the cluster-pair kernel (the JIT's cached kernel of this specialization, which every later launch
         finds) and set it to launch in clusters of two CTAs with the exchange region past Triton's shared memory.
         Returns None, or why it cannot run here: fewer clusters of two fit the GPU at once than it needs resident."""

@@ -133,7 +133,8 @@ def tile_counts(program: Program, tile_rows: int, tile_k: int) -> list[list[int]
             if isinstance(ins, isa.AttnIn):
                 row.append(hd // tile_rows * part(spec.hidden_size, ins.part, ins.n_parts))
             elif isinstance(ins, isa.OProj):  # with n_parts: its part's columns (ProgramConfig.o_parts)
-                row.append(ins.nrows // tile_rows * (part(spec.q_size, ins.part, ins.n_parts) if ins.n_parts else kt_q))
+                cols = part(spec.q_size, ins.part, ins.n_parts) if ins.n_parts else kt_q
+                row.append(ins.nrows // tile_rows * cols)
             elif isinstance(ins, isa.MlpIn):
                 row.append(2 * ins.nrows // tile_rows * kt_d)
             elif isinstance(ins, isa.DownProj):
