@@ -1,6 +1,7 @@
 """CI (CPU only): every megakernel specialisation compiles for sm_90a, its PTX streams weights with TMA bulk tensor
 copies completing on mbarriers, and ptxas reports no register spills."""
 import dataclasses
+import re
 
 import pytest
 
@@ -168,6 +169,28 @@ def test_release_hold_compiles_without_spills(model):
     early = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), quiet_early=True))
     late = _ptx(spec, KernelConfig.for_spec(spec))
     assert early.count("mbarrier.arrive") == late.count("mbarrier.arrive") and early != late
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_deeper_in_flight_cap_for_some_ops_compiles_without_spills(model):
+    """KernelConfig(inflight_deep=N, deep_ops=...): those ops' loads under the cap N (the loader's compare with N
+    appears in the PTX), the default kernel untouched (inflight_deep 0: no run-time choice of cap)."""
+    from mimw.megakernel import isa
+
+    spec = get_preset(model)
+    base = _ptx(spec, KernelConfig.for_spec(spec))
+    deep = dataclasses.replace(KernelConfig.for_spec(spec), deep_ops=("DOWN_PROJ",), inflight_deep=8)
+    ptx = _spill_free_ptx(spec, deep)
+    assert re.search(r"setp\.lt\.s32\s+%p\d+, %r\d+, 8;", ptx) and not re.search(
+        r"setp\.lt\.s32\s+%p\d+, %r\d+, 8;", base)
+    assert deep.deep_cap(spec) == (8, 1 << int(isa.Op.DOWN_PROJ))
+    assert KernelConfig().deep_cap(spec) == (0, 0) and KernelConfig(inflight_deep=8).deep_cap(spec) == (0, 0)
+    assert KernelConfig(inflight=0, deep_ops=("DOWN_PROJ",), inflight_deep=8).deep_cap(spec) == (0, 0)  # no cap
+    with pytest.raises(ValueError, match="streaming ops only"):
+        KernelConfig(deep_ops=("ATTN_PARTIAL",), inflight_deep=8).check(spec)
+    with pytest.raises(ValueError, match="inflight_deep=10"):
+        KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=10).check(spec)  # the ring's 10 slots
 
 
 def test_the_kernels_streaming_ops_are_the_isa_list():

@@ -134,6 +134,14 @@ def test_release_hold_at_some_boundaries_matches_reference_over_64_steps(model):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model,context", [("smollm2-135m", 17), ("llama-3.2-1b", 1000), ("llama-3.1-8b", 8191)])
+def test_deeper_in_flight_cap_for_some_ops_matches_reference_over_64_steps(model, context):
+    """KernelConfig(inflight_deep=8, deep_ops=...): more tiles in flight for ATTN_IN, O_PROJ and DOWN_PROJ than for
+    the other ops; the loader switches caps between instructions (only the timing may change, never a result)."""
+    _matches_reference_over_64_steps(model, context, deep_ops=("ATTN_IN", "O_PROJ", "DOWN_PROJ"), inflight_deep=8)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
     """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)
     gets the ticketed program with a warning, and decodes what the reference decodes; the cluster kernel, which would

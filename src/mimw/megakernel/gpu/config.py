@@ -39,6 +39,12 @@ class KernelConfig:
     # fence rather than after it, so the loader requests again while the fence waits: if the fence waits only for
     # the traffic issued before it (the stores' acknowledgements ahead of later tile data), the release stays quiet
     # and the held tiles come ~1 release sooner (session 17, opt-in, not yet measured)
+    inflight_deep: int = 0  # DEEP (0: off): the in-flight cap for the instructions of ``deep_ops`` instead of
+    # ``inflight``. A stage streamed by fewer SMs than the GPU has (the 1B's DOWN_PROJ and O_PROJ: 64 row tiles a
+    # layer on 132 SMs) draws only those SMs' share of HBM at the common cap (session 17: one tile fewer in flight
+    # slowed the 1B's DOWN_PROJ 10.2 -> 11.0 us); more of its tiles in flight let its SMs draw the rest (session 18,
+    # opt-in, not yet measured)
+    deep_ops: tuple[str, ...] = ()  # DEEP_OPS: the streaming ops (isa.Op names) under ``inflight_deep``
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
@@ -130,6 +136,13 @@ class KernelConfig:
         ops = [isa.Op[name] for name in self.quiet_ops] or isa.STREAMING_OPS
         return sum(1 << int(op) for op in ops)
 
+    def deep_cap(self, spec: ModelSpec) -> tuple[int, int]:
+        """(DEEP, DEEP_OPS): ``inflight_deep`` and the bit mask (1 << isa.Op) of ``deep_ops``; (0, 0) where either is
+        unset or the ring has no common cap (``inflight_cap`` 0: every op already has the whole ring)."""
+        if not (self.inflight_deep and self.deep_ops and self.inflight_cap(spec)):
+            return 0, 0
+        return self.inflight_deep, sum(1 << int(isa.Op[name]) for name in self.deep_ops)
+
     def inflight_cap(self, spec: ModelSpec) -> int:
         """INFLIGHT: ``inflight``, or 0 (no cap beyond the ring) where the ring has no more slots than that."""
         return self.inflight if self.inflight < self.ring_slots(spec) else 0
@@ -183,6 +196,11 @@ class KernelConfig:
         streaming = [op.name for op in isa.STREAMING_OPS]
         if not set(self.quiet_ops) <= set(streaming):
             raise ValueError(f"quiet_ops={self.quiet_ops}: the hold applies to streaming ops only, {streaming}")
+        if not set(self.deep_ops) <= set(streaming):
+            raise ValueError(f"deep_ops={self.deep_ops}: the in-flight cap applies to streaming ops only, {streaming}")
+        if not 0 <= self.inflight_deep < self.ring_slots(spec):
+            raise ValueError(f"inflight_deep={self.inflight_deep}: 0 (off) or a cap under the ring's "
+                             f"{self.ring_slots(spec)} slots")
         if self.quiet < -1:
             raise ValueError(f"quiet={self.quiet}: -1 (off) or the tiles an instruction may request before the release")
         if self.inflight < 0:
@@ -292,6 +310,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec), QUIET=kcfg.quiet,
         QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(),
+        DEEP=kcfg.deep_cap(spec)[0], DEEP_OPS=kcfg.deep_cap(spec)[1],
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,

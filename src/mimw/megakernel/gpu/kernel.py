@@ -87,7 +87,8 @@ def _fetch(prog_ptr, MAXLEN, i, offs):
 def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel, tiles_ptr,
             MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
             TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, INFLIGHT: gl.constexpr, QUIET: gl.constexpr,
-            QUIET_OPS: gl.constexpr, O_PARTS: gl.constexpr, TRACE_TILES: gl.constexpr):
+            QUIET_OPS: gl.constexpr, O_PARTS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
+            TRACE_TILES: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     NQKV: gl.constexpr = HQ + 2 * HKV
     KT_D: gl.constexpr = (D + TK - 1) // TK
@@ -119,27 +120,30 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
             if held & (released > 0) & (_field(w, offs, W_WAIT) != prev_wait):
                 hold_at = it + QUIET
         par = (released - 1) & 1
+        deep = False
+        if DEEP > 0:  # KernelConfig.inflight_deep: these ops' tiles under the cap DEEP instead of INFLIGHT
+            deep = ((DEEP_OPS >> op) & 1) != 0
         if op == OP_ATTN_IN:
             n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
             k0, k1 = _part_tiles(b, KT_D, n_parts)
             it = producer_weight_rows(d_qkv, D, (layer * NQKV + a) * HD, HD // TR, k0, k1, bufs, empty, ready, it,
-                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par)
+                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP)
         elif op == OP_O_PROJ:
             k0 = 0
             k1 = KT_Q
             if O_PARTS > 0:  # column part C of O_PARTS (KernelConfig.o_parts): its KV groups' column tiles
                 k0, k1 = _part_tiles(_field(w, offs, W_C), KT_Q, O_PARTS)
             it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, k0, k1, bufs, empty, ready, it, TR, TK,
-                                      TILED, stamps, INFLIGHT, hold, hold_at, par)
+                                      TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP)
         elif op == OP_MLP_IN:
             it = producer_weight_rows(d_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready, it,
-                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par)
+                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP)
         elif op == OP_DOWN_PROJ:
             it = producer_weight_rows(d_down, I, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR, TK,
-                                      TILED, stamps, INFLIGHT, hold, hold_at, par)
+                                      TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP)
         elif op == OP_LM_HEAD:
             it = producer_weight_rows(d_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, TILED, stamps,
-                                      INFLIGHT, hold, hold_at, par)
+                                      INFLIGHT, hold, hold_at, par, deep, DEEP)
         if QUIET >= 0:
             if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
                 released += 1
@@ -400,8 +404,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
                QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
                SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, QUIET: gl.constexpr,
-               QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
-               num_warps: gl.constexpr):
+               QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
+               TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -433,5 +437,5 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, QUIET_OPS, O_PARTS,
-                   TRACE_TILES)),
+                   DEEP, DEEP_OPS, TRACE_TILES)),
     ], [1], [LOADER_REGS])

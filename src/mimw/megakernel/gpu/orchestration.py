@@ -93,14 +93,16 @@ def stamp(ptr):
 
 @gluon.jit
 def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT: gl.constexpr = 0, hold=None,
-                  hold_at=-1, hold_parity=0):
+                  hold_at=-1, hold_parity=0, deep=False, DEEP: gl.constexpr = 0):
     """Loader: wait for slot it % NB to be free, then TMA the [rows, cols] box at (row, col) of ``desc`` into it.
     Returns it + 1. ``stamps`` (tile trace, trace.py): the loader's time before and after the wait for the slot go
     to ``stamps[4 it]`` and ``stamps[4 it + 1]``. ``INFLIGHT`` > 0 caps the tiles requested but not yet landed:
     tile it is issued only once tile it - INFLIGHT has landed (its ``ready`` phase; the slot of that tile is not
     reissued before tile it - INFLIGHT + NB > it, so the parity cannot have moved on). The ring still buffers NB
     landed tiles; only the requests queued in the memory system are bounded. ``hold`` (KernelConfig.quiet): tile
-    ``hold_at`` waits for the phase of parity ``hold_parity`` of the mbarrier ``hold`` first (``release_hold``)."""
+    ``hold_at`` waits for the phase of parity ``hold_parity`` of the mbarrier ``hold`` first (``release_hold``).
+    ``DEEP`` > 0 (KernelConfig.inflight_deep): where ``deep`` holds, the cap is DEEP instead of INFLIGHT (DEEP < NB:
+    tile it - DEEP's slot is not reissued before tile it - DEEP + NB > it either)."""
     NB: gl.constexpr = bufs.type.shape[0]
     idx = it % NB
     ph = (it // NB) & 1
@@ -108,9 +110,15 @@ def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT:
         if it == hold_at:
             mbarrier.wait(hold.index(0), hold_parity)
     if INFLIGHT > 0:
-        if it >= INFLIGHT:
-            j = it - INFLIGHT
-            mbarrier.wait(ready.index(j % NB), (j // NB) & 1)
+        if DEEP > 0:
+            cap = INFLIGHT + (DEEP - INFLIGHT) * deep.to(gl.int32)
+            if it >= cap:
+                j = it - cap
+                mbarrier.wait(ready.index(j % NB), (j // NB) & 1)
+        else:
+            if it >= INFLIGHT:
+                j = it - INFLIGHT
+                mbarrier.wait(ready.index(j % NB), (j // NB) & 1)
     if stamps is not None:
         stamp(stamps + 4 * it)
     mbarrier.wait(empty.index(idx), ph ^ 1)
@@ -123,20 +131,22 @@ def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT:
 
 @gluon.jit
 def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: gl.constexpr, TK: gl.constexpr,
-                  stamps=None, INFLIGHT: gl.constexpr = 0, hold=None, hold_at=-1, hold_parity=0):
+                  stamps=None, INFLIGHT: gl.constexpr = 0, hold=None, hold_at=-1, hold_parity=0, deep=False,
+                  DEEP: gl.constexpr = 0):
     """Loader: stream rows [row0, row0 + n_row_tiles*TR) of ``desc``, row tile by row tile, column tiles [k0, k1)
     of each."""
     for r in range(n_row_tiles):
         for k in range(k0, k1):
             it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it, stamps, INFLIGHT, hold, hold_at,
-                               hold_parity)
+                               hold_parity, deep, DEEP)
     return it
 
 
 @gluon.jit
 def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs, empty, ready, it,
                          TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, stamps=None,
-                         INFLIGHT: gl.constexpr = 0, hold=None, hold_at=-1, hold_parity=0):
+                         INFLIGHT: gl.constexpr = 0, hold=None, hold_at=-1, hold_parity=0, deep=False,
+                         DEEP: gl.constexpr = 0):
     """``producer_rows`` over a [*, K] weight matrix. ``TILED``: the matrix is stored tile-major
     (``pack.tile_major``: tile (row tile R, column tile c) is the contiguous [TR, TK] block number R * KT + c of a
     [*, TK] matrix, which ``desc`` describes — or of the same bytes as a [*, 32] matrix, TR * TK / 32 rows a tile,
@@ -148,10 +158,10 @@ def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs,
         for r in range(n_row_tiles):
             for k in range(k0, k1):
                 it = producer_load(desc, ((row0 // TR + r) * KT + k) * BR, 0, bufs, empty, ready, it, stamps,
-                                   INFLIGHT, hold, hold_at, hold_parity)
+                                   INFLIGHT, hold, hold_at, hold_parity, deep, DEEP)
     else:
         it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK, stamps, INFLIGHT, hold,
-                           hold_at, hold_parity)
+                           hold_at, hold_parity, deep, DEEP)
     return it
 
 

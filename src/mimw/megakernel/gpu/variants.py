@@ -80,6 +80,12 @@ VARIANTS = {
     # the attention window, nor O_PROJ), and everywhere but ATTN_IN
     "tr32-hold-mlp": KernelConfig(quiet_ops=("MLP_IN", "DOWN_PROJ")),
     "tr32-hold-noattn": KernelConfig(quiet_ops=("O_PROJ", "MLP_IN", "DOWN_PROJ", "LM_HEAD")),
+    # more tiles in flight only where fewer SMs stream a stage (the 1B's DOWN_PROJ and O_PROJ: 64 row tiles a layer)
+    "tr32-deepdown6": KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=6),
+    "tr32-deepdown8": KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=8),
+    "tr32-deepsparse8": KernelConfig(deep_ops=("ATTN_IN", "O_PROJ", "DOWN_PROJ"), inflight_deep=8),
+    "tr32-deepdown8-noattn": KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=8,
+                                          quiet_ops=("O_PROJ", "MLP_IN", "DOWN_PROJ", "LM_HEAD")),
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
