@@ -5,8 +5,10 @@
 #              the tensor-core consumer, the CUDA-core one at 1/8191, the traced launch, the standalone GEMV, the
 #              engine's backend (29, ~4 min)
 #   optin      the opt-in kernels' tests: heads finished in attention, the K/V pipeline, merged releases, O_PROJ in
-#              column parts, the shuffle epilogue, the release hold's other settings, the decoder's fall-back to
-#              tickets, the hold ended before the fence or at some boundaries only (55, ~8 min)
+#              column parts, the shuffle epilogue (42, ~7 min)
+#   hold       the loader's request settings: the release hold's other settings, ended before the fence or at some
+#              boundaries only, the deeper in-flight cap for some ops, and the decoder's fall-back to tickets (16,
+#              ~3 min)
 #   versioned  the versioned-word tests (25, ~4 min), in their own process under a time limit (a reader whose
 #              words never come spins: a hang must not eat the call)
 #   sanitize   compute-sanitizer synccheck and racecheck on small shapes (~2.5 min; racecheck is cut at 200 s)
@@ -15,7 +17,7 @@
 #              the default (0, tickets; 1, release arrivals: 4 shapes x contexts 1/1000/8191 x 64 steps), then the
 #              probe's timings (~4 min; not in the default list)
 # Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
-#   PARTS="tests sanitize" bash scripts/gpu_check.sh        # these parts (default: all five, past one call)
+#   PARTS="tests sanitize" bash scripts/gpu_check.sh        # these parts (default: all six, past one call)
 #   COMMIT=<sha> VARIANTS=a,b PARTS=trace bash scripts/gpu_check.sh   # record the commit; time these variants
 #   TRACE_TILES=1 PARTS=trace bash scripts/gpu_check.sh      # the trace also stamps every weight tile
 set -u
@@ -26,7 +28,7 @@ mkdir -p "$out"
 sanitizer=${COMPUTE_SANITIZER:-compute-sanitizer}
 declare -A rc
 
-parts=" ${PARTS:-tests optin versioned sanitize trace} "
+parts=" ${PARTS:-tests optin hold versioned sanitize trace} "
 has() { [[ "$parts" == *" $1 "* ]]; }
 
 if has tests; then
@@ -36,12 +38,19 @@ if has tests; then
     rc[gpu-tests]=$?
     tail -n 3 "$out/gpu-tests.log"
 fi
+hold_k="(release_hold or deeper_in_flight or falls_back)"
 if has optin; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
-        -k "not versioned and not megakernel_matches_reference and not traced_launch and not cluster_pairs" \
+        -k "not versioned and not megakernel_matches_reference and not traced_launch and not cluster_pairs and not $hold_k" \
         > "$out/optin-tests.log" 2>&1
     rc[optin]=$?
     tail -n 3 "$out/optin-tests.log"
+fi
+if has hold; then
+    python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
+        -k "$hold_k" > "$out/hold-tests.log" 2>&1
+    rc[hold]=$?
+    tail -n 3 "$out/hold-tests.log"
 fi
 if has versioned; then
     timeout "${VERSIONED_TIMEOUT:-330}" python3 -m pytest -v -x -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
