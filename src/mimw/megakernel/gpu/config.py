@@ -34,16 +34,19 @@ class KernelConfig:
     # (1B MLP_IN), 2.8 -> 0.8 (8B O_PROJ), the step -1.7% (1B) / -1.7% (8B); 0 and 4: -1.7 / -1.3%, -2.2 / -1.1%.
     # The default since session 17
     quiet_ops: tuple[str, ...] = ()  # QUIET_OPS: the streaming ops (isa.Op names) whose instructions the hold
-    # applies to; () = every one (session 17, opt-in, not yet measured: the hold's cost differs by boundary)
+    # applies to; () = every one (session 17, opt-in). Measured at b8036be: all but ATTN_IN -1.2% (1B) / 0.0% (8B),
+    # MLP_IN and DOWN_PROJ only -0.4% / +0.8%, within the default's drift (bench/NOTES.md session 18)
     quiet_early: bool = False  # QUIET_EARLY: compute ends the hold once its outputs are stored, before the release's
     # fence rather than after it, so the loader requests again while the fence waits: if the fence waits only for
     # the traffic issued before it (the stores' acknowledgements ahead of later tile data), the release stays quiet
-    # and the held tiles come ~1 release sooner (session 17, opt-in, not yet measured)
+    # and the held tiles come ~1 release sooner (session 17, opt-in). Measured at b8036be: +2.3% (1B) / +1.8% (8B),
+    # the releases' cost back: the fence also waits for the requests issued after the arrival
     inflight_deep: int = 0  # DEEP (0: off): the in-flight cap for the instructions of ``deep_ops`` instead of
     # ``inflight``. A stage streamed by fewer SMs than the GPU has (the 1B's DOWN_PROJ and O_PROJ: 64 row tiles a
     # layer on 132 SMs) draws only those SMs' share of HBM at the common cap (session 17: one tile fewer in flight
-    # slowed the 1B's DOWN_PROJ 10.2 -> 11.0 us); more of its tiles in flight let its SMs draw the rest (session 18,
-    # opt-in, not yet measured)
+    # slowed the 1B's DOWN_PROJ 10.2 -> 11.0 us). Opt-in (session 18); measured at 06d2a52 with DOWN_PROJ at 6 / 8:
+    # -0.5% / -0.6% (1B), -0.2% / +0.4% (8B): those instructions are bound by their consumers' work on the tiles, not
+    # by their requests in flight (bench/NOTES.md session 18 §1, §3)
     deep_ops: tuple[str, ...] = ()  # DEEP_OPS: the streaming ops (isa.Op names) under ``inflight_deep``
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
