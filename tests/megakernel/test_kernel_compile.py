@@ -193,6 +193,26 @@ def test_deeper_in_flight_cap_for_some_ops_compiles_without_spills(model):
         KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=10).check(spec)  # the ring's 10 slots
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_per_warp_releases_compile_without_spills(model):
+    """KernelConfig(warp_release=True): every tile loop's release is one arrive per warp on the barriers past
+    Triton's shared memory (no partition barrier before it: fewer bar.sync than the default), the default kernel
+    has none of it, and the barriers' bytes come before the cluster exchange region."""
+    spec = get_preset(model)
+    base = _ptx(spec, KernelConfig.for_spec(spec))
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), warp_release=True)
+    ptx = _spill_free_ptx(spec, kcfg)
+    arrive = "mbarrier.arrive.release.cta.shared::cta.b64 _"
+    assert ptx.count(arrive) >= 5 and arrive not in base  # one per matvec tile loop (ATTN_IN .. LM_HEAD)
+    assert ptx.count("bar.sync") < base.count("bar.sync") and "bar.warp.sync" in ptx
+    nb = kcfg.ring_slots(spec)
+    assert kcfg.release_bytes(nb) == -(-8 * nb // 16) * 16 and KernelConfig().release_bytes(nb) == 0
+    assert kcfg.region_bytes(spec) == kcfg.release_bytes(nb) + KernelConfig.for_spec(spec).region_bytes(spec)
+    with pytest.raises(ValueError, match="warp_release"):
+        KernelConfig(warp_release=True, mma=0).check(spec)
+
+
 def test_the_kernels_streaming_ops_are_the_isa_list():
     """kernel._streams spells out isa.STREAMING_OPS as comparisons (what the GPU runs measured); they must agree."""
     import inspect

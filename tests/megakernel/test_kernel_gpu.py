@@ -142,6 +142,16 @@ def test_deeper_in_flight_cap_for_some_ops_matches_reference_over_64_steps(model
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model,context,clusters", [("smollm2-135m", 17, 2), ("llama-3.2-1b", 1000, 2),
+                                                    ("llama-3.1-8b", 8191, 2), ("qwen3-8b", 1000, 2),
+                                                    ("llama-3.2-1b", 1000, 0)])
+def test_per_warp_releases_match_reference_over_64_steps(model, context, clusters):
+    """KernelConfig(warp_release=True): each consumer warp hands a ring slot back on its own, on barriers in the
+    dynamic shared memory past Triton's (with the cluster exchange region after them, or alone: cluster_qkv 0)."""
+    _matches_reference_over_64_steps(model, context, warp_release=True, cluster_qkv=clusters)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
     """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)
     gets the ticketed program with a warning, and decodes what the reference decodes; the cluster kernel, which would

@@ -48,6 +48,10 @@ class KernelConfig:
     # -0.5% / -0.6% (1B), -0.2% / +0.4% (8B): those instructions are bound by their consumers' work on the tiles, not
     # by their requests in flight (bench/NOTES.md session 18 §1, §3)
     deep_ops: tuple[str, ...] = ()  # DEEP_OPS: the streaming ops (isa.Op names) under ``inflight_deep``
+    warp_release: bool = False  # WREL: each consumer warp hands a ring slot back on its own (its lane 0 arrives on an
+    # empty barrier counted in warps, in the dynamic shared memory past Triton's; orchestration.warp_release)
+    # instead of one thread after a partition barrier: the SASS of the tile loop has two CTA barriers a tile around
+    # Triton's single-thread release, which keep the warps in lockstep (session 18, opt-in, not yet run on a GPU)
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
@@ -127,12 +131,23 @@ class KernelConfig:
         slot = self.tile_rows * self.tile_k * 2
         kv = 4 * attn_block(spec) * spec.head_dim * 2 if self.kv_pipeline else 0  # two stages of K and V
         xb = exchange_bytes(spec, self)  # the cluster pairs' exchange region (0 without them)
+        xb += self.release_bytes(self.ring or 16)  # and the per-warp releases' empty barriers (at most 16 slots)
         fit = (SHARED_BYTES - _hbuf_rows(spec, self.tile_k) * self.tile_k * 2 - SCRATCH_BYTES - kv - xb) // slot
         if self.ring > fit:
             raise ValueError(f"ring={self.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
         if fit < 2:
             raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
         return self.ring or fit
+
+    def release_bytes(self, slots: int) -> int:
+        """WREL: bytes of dynamic shared memory for the per-warp releases' empty barriers (``warp_release``), one
+        8-byte mbarrier a ring slot rounded up to 16; 0 without them."""
+        return -(-8 * slots // 16) * 16 if self.warp_release else 0
+
+    def region_bytes(self, spec: ModelSpec) -> int:
+        """Dynamic shared memory past Triton's own: the per-warp releases' barriers, then the cluster exchange
+        region (the last bytes)."""
+        return self.release_bytes(self.ring_slots(spec)) + exchange_bytes(spec, self)
 
     def held_ops(self) -> int:
         """QUIET_OPS: the bit mask (1 << isa.Op) of the ops whose instructions the release hold applies to."""
@@ -201,6 +216,8 @@ class KernelConfig:
             raise ValueError(f"quiet_ops={self.quiet_ops}: the hold applies to streaming ops only, {streaming}")
         if not set(self.deep_ops) <= set(streaming):
             raise ValueError(f"deep_ops={self.deep_ops}: the in-flight cap applies to streaming ops only, {streaming}")
+        if self.warp_release and not (self.mma and self.tile_major):
+            raise ValueError("warp_release: the per-warp releases are built for the tensor-core consumer (mma=1)")
         if not 0 <= self.inflight_deep < self.ring_slots(spec):
             raise ValueError(f"inflight_deep={self.inflight_deep}: 0 (off) or a cap under the ring's "
                              f"{self.ring_slots(spec)} slots")
@@ -314,6 +331,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec), QUIET=kcfg.quiet,
         QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(),
         DEEP=kcfg.deep_cap(spec)[0], DEEP_OPS=kcfg.deep_cap(spec)[1],
+        WREL=kcfg.release_bytes(kcfg.ring_slots(spec)),
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,

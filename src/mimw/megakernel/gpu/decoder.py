@@ -60,6 +60,12 @@ class MegakernelDecoder:
                               RuntimeWarning, stacklevel=2)
                 self.cluster_fallback = why
                 self._plan(dataclasses.replace(kcfg, cluster_qkv=0), context_hint)
+        if self.ce["WREL"] and not self.ce["XB"]:  # per-warp releases without clusters: their barriers' region
+            from . import cluster
+            from .kernel import megakernel
+
+            cluster.in_clusters(megakernel.warmup(*self._args(), grid=(self.num_sms,), **self.ce), 1,
+                                self.kcfg.region_bytes(self.spec))
 
     def _plan(self, kcfg: KernelConfig, context_hint: int) -> None:
         """The step program for ``kcfg``, its step state and scratch, the kernel's constexprs and trace buffers
@@ -94,7 +100,8 @@ class MegakernelDecoder:
         from .kernel import megakernel
 
         grid = (self.num_sms // 2,)
-        compiled = cluster.in_clusters(megakernel.warmup(*self._args(), grid=grid, **self.ce), 2, self.ce["XB"])
+        compiled = cluster.in_clusters(megakernel.warmup(*self._args(), grid=grid, **self.ce), 2,
+                                       self.kcfg.region_bytes(self.spec))  # the exchange (and WREL's barriers)
         compiled._init_handles()  # load it: the occupancy query needs the CUfunction
         num_warps, _, smem = compiled.packed_metadata
         fit = cluster.max_active_clusters(compiled.function, 2, 32 * num_warps, smem)

@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .. import isa
 from . import attention, cluster, matvec, versioned
 from .orchestration import (TRACE_STAMPS, counter_signal, counter_wait, globaltimer, globaltimer_after,
-                            producer_weight_rows, ring_init, ticket_is_last)
+                            producer_weight_rows, ring_init, ticket_is_last, warp_ring_init)
 
 _C = isa.kernel_constants()
 NWORDS: gl.constexpr = gl.constexpr(_C["NWORDS"])
@@ -88,7 +88,7 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
             MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
             TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, INFLIGHT: gl.constexpr, QUIET: gl.constexpr,
             QUIET_OPS: gl.constexpr, O_PARTS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
-            TRACE_TILES: gl.constexpr):
+            WOFF: gl.constexpr, TRACE_TILES: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     NQKV: gl.constexpr = HQ + 2 * HKV
     KT_D: gl.constexpr = (D + TK - 1) // TK
@@ -127,23 +127,23 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
             n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
             k0, k1 = _part_tiles(b, KT_D, n_parts)
             it = producer_weight_rows(d_qkv, D, (layer * NQKV + a) * HD, HD // TR, k0, k1, bufs, empty, ready, it,
-                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP)
+                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
         elif op == OP_O_PROJ:
             k0 = 0
             k1 = KT_Q
             if O_PARTS > 0:  # column part C of O_PARTS (KernelConfig.o_parts): its KV groups' column tiles
                 k0, k1 = _part_tiles(_field(w, offs, W_C), KT_Q, O_PARTS)
             it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, k0, k1, bufs, empty, ready, it, TR, TK,
-                                      TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP)
+                                      TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
         elif op == OP_MLP_IN:
             it = producer_weight_rows(d_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready, it,
-                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP)
+                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
         elif op == OP_DOWN_PROJ:
             it = producer_weight_rows(d_down, I, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR, TK,
-                                      TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP)
+                                      TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
         elif op == OP_LM_HEAD:
             it = producer_weight_rows(d_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, TILED, stamps,
-                                      INFLIGHT, hold, hold_at, par, deep, DEEP)
+                                      INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
         if QUIET >= 0:
             if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
                 released += 1
@@ -161,8 +161,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
              O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
-             QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
-             num_warps: gl.constexpr):
+             QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, WOFF: gl.constexpr, TRACE: gl.constexpr,
+             TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -273,7 +273,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 if xn == 0:  # the mate's exchange barriers exist before this CTA's first remote store and arrive
                     counter_wait(rdy_ptr, pid ^ 1, epoch + 1)
             it = matvec.qkv_part(bufs, empty, ready, hbuf, it, k0, k1, a, b, qkvp_ptr, HQ + 2 * HKV, HD, LAY, stamps,
-                                 SHFL, xn, XB, XA)
+                                 SHFL, xn, XB, XA, WOFF)
             if XB > 0:  # a cluster pair: the parts swap sums on chip, part 0 finishes (part 1's word: no signal)
                 # the finish's step-independent inputs are requested before the exchange's wait, not after it
                 pre = matvec.qkv_finish_inputs(layer, a, bias_ptr, qn_ptr, kn_ptr, invf_ptr, HQ, HKV, HD, HAS_BIAS,
@@ -321,7 +321,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                 k0, k1 = _part_tiles(part, KT_Q, O_PARTS)
                 it = matvec.residual_rows(bufs, empty, ready, hbuf, it, k1, a, b // TR, x_ptr, emb_row, layer == 0,
                                           LAY, stamps, k0=k0, out_ptr=xp_ptr + part * D, add_res=part == 0,
-                                          SHFL=SHFL)
+                                          SHFL=SHFL, WOFF=WOFF)
             else:
                 if restage:
                     if FLAG_ATTN:  # versioned attn words (isa.READS_ATTN): this load is the wait for attention
@@ -330,13 +330,13 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                         matvec.stage_plain(hbuf, attn_ptr, HQ * HD, KT_Q, SG, S2)
                 it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_Q, a, b // TR, x_ptr, emb_row,
                                           layer == 0, LAY, stamps, vstep + 2 * layer, vstep + 2 * layer + 1, FLAG_X,
-                                          SHFL=SHFL)
+                                          SHFL=SHFL, WOFF=WOFF)
         elif op == OP_MLP_IN:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, mnorm_ptr + layer * D, D, eps, KT_D, SG, S2,
                                     vstep + 2 * layer + 1, FLAG_X, xp_ptr, O_PARTS)
             it = matvec.gated_rows(bufs, empty, ready, hbuf, it, KT_D, a, 2 * b // TR, act_ptr, LAY, stamps,
-                                   vstep + layer, FLAG_ACT, SHFL)
+                                   vstep + layer, FLAG_ACT, SHFL, WOFF)
         elif op == OP_DOWN_PROJ:
             if restage:
                 if FLAG_ACT:  # versioned act words (isa.READS_ACT): this load is the wait for MLP_IN
@@ -345,12 +345,13 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                     matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
             it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,
                                       stamps, vstep + 2 * layer + 1, vstep + 2 * layer + 2, FLAG_X, xp_ptr=xp_ptr,
-                                      XP=O_PARTS, XS=D, SHFL=SHFL)
+                                      XP=O_PARTS, XS=D, SHFL=SHFL, WOFF=WOFF)
         elif op == OP_LM_HEAD:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2,
                                     vstep + 2 * NL, FLAG_X)
-            it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY, stamps, SHFL)
+            it = matvec.plain_rows(bufs, empty, ready, hbuf, it, KT_D, a, b // TR, logits_ptr, LAY, stamps, SHFL,
+                                   WOFF)
         if TRACE:
             t_release = globaltimer()
         sig_n = 1
@@ -405,7 +406,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
                SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, QUIET: gl.constexpr,
                QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
-               TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               WREL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -421,6 +422,12 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
     else:
         kvbuf = hbuf  # unused
     ring_init(empty, ready, NB)
+    # per-warp slot releases (KernelConfig.warp_release): the empty barriers the warps arrive on, WREL bytes before
+    # the cluster exchange region at the end of the dynamic shared memory (orchestration.warp_release)
+    WOFF: gl.constexpr = XB + WREL if WREL > 0 else 0
+    if WREL > 0:
+        warp_ring_init(gl.arange(0, 32 * num_warps, gl.BlockedLayout([1], [32], [num_warps], [0])), NB, WOFF,
+                       num_warps)
     # the release hold (KernelConfig.quiet): one arrival a phase, compute's after each streaming release
     if QUIET >= 0:
         rel = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -433,9 +440,9 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I,
                     PS, HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
-                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, QUIET, QUIET_EARLY, TRACE, TRACE_TILES,
-                    num_warps)),
+                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, QUIET, QUIET_EARLY, WOFF, TRACE,
+                    TRACE_TILES, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, QUIET_OPS, O_PARTS,
-                   DEEP, DEEP_OPS, TRACE_TILES)),
+                   DEEP, DEEP_OPS, WOFF, TRACE_TILES)),
     ], [1], [LOADER_REGS])

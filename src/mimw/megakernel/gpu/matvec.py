@@ -15,21 +15,24 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from . import cluster, versioned
-from .orchestration import consumer_acquire, consumer_release
+from .orchestration import consumer_acquire, consumer_release, warp_release
 
 MAX_PARTS: gl.constexpr = gl.constexpr(8)  # ATTN_IN column parts a head may have (KernelConfig.check)
 
 
 @gluon.jit
-def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False):
+def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False,
+             WOFF: gl.constexpr = 0):
     """One row tile: sum over column tiles [k0, k1) of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it').
     The ring's slot shape selects the consumer: [TR, TK] slots are reduced on the CUDA cores (bf16 -> fp32 converts
     and FMAs), folded [TR * TK / FK, FK] slots on the tensor cores (``dot_tile_mma``; ``SHFL``: its folds summed by
-    warp shuffles, KernelConfig.fold_shuffle)."""
+    warp shuffles, KernelConfig.fold_shuffle; ``WOFF`` > 0: its slots released warp by warp, KernelConfig.
+    warp_release, orchestration.warp_release)."""
     if bufs.type.shape[2] == hbuf.type.shape[1]:
+        gl.static_assert(WOFF == 0, "per-warp releases: the tensor-core consumer only")
         out, it = _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
     else:
-        out, it = dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL)
+        out, it = dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL, WOFF)
     return out, it
 
 
@@ -48,7 +51,8 @@ def _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamp
 
 
 @gluon.jit
-def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False):
+def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False,
+                 WOFF: gl.constexpr = 0):
     """``dot_tile`` on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). A tile-major [TR, TK] block
     read as a row-major [FR, FK] matrix (FK = 32, FR = TR * NF, NF = TK / FK folds) has row NF r + j = W[r, FK j ..
     FK j + FK): the TMA descriptor describes the same bytes that way (``KernelConfig.tile_box``). Against the
@@ -75,7 +79,10 @@ def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps
     for k in range(k0, k1):
         a, idx = consumer_acquire(bufs, ready, it, AL, stamps)
         b = h3.index(k).permute((1, 0)).load(BL)
-        consumer_release(empty, idx)
+        if WOFF > 0:  # KernelConfig.warp_release: each warp hands the slot back once its own reads are done
+            warp_release(idx, WOFF, NW)
+        else:
+            consumer_release(empty, idx)
         acc = mma_v2(a, b, acc)
         it += 1
     r = gl.arange(0, FR, gl.SliceLayout(1, MMA))
@@ -194,7 +201,8 @@ def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S
 @gluon.jit
 def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
                   LAY: gl.constexpr, stamps=None, ver_in=0, ver_out=0, VX: gl.constexpr = False, k0=0, out_ptr=None,
-                  add_res=True, xp_ptr=None, XP: gl.constexpr = 0, XS=0, SHFL: gl.constexpr = False):
+                  add_res=True, xp_ptr=None, XP: gl.constexpr = 0, XS=0, SHFL: gl.constexpr = False,
+                  WOFF: gl.constexpr = 0):
     """O_PROJ / DOWN_PROJ: x[rows] = residual[rows] + W[rows] . h over column tiles [k0, KT), tile by tile (the
     residual is x itself, or for layer 0's O_PROJ the bf16 embedding row). Each row tile's residual is requested
     before its dot product, so its round trip overlaps the tile loop. ``VX``: x is versioned words: the residual
@@ -222,7 +230,7 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
                     res = gl.load(x_ptr + rows, cache_modifier=".cg")
         else:
             res = gl.zeros([TR], gl.float32, gl.SliceLayout(1, LAY))
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, KT, LAY, stamps, SHFL)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, KT, LAY, stamps, SHFL, WOFF)
         if VX:
             versioned.store(out + rows, res + acc, ver_out)
         else:
@@ -232,25 +240,25 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
 
 @gluon.jit
 def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl.constexpr, stamps=None,
-               SHFL: gl.constexpr = False):
+               SHFL: gl.constexpr = False, WOFF: gl.constexpr = 0):
     """LM_HEAD: out[rows] = W[rows] . h."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     for r in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps, SHFL)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps, SHFL, WOFF)
         gl.store(out_ptr + row0 + r * TR + offs_r, acc)
     return it
 
 
 @gluon.jit
 def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl.constexpr, stamps=None, ver=0,
-               VERSIONED: gl.constexpr = False, SHFL: gl.constexpr = False):
+               VERSIONED: gl.constexpr = False, SHFL: gl.constexpr = False, WOFF: gl.constexpr = 0):
     """MLP_IN: every row tile holds TR/2 gate rows then the TR/2 up rows of the same outputs (pack.py), so one tile
     yields TR/2 outputs act[rows] = silu(gate . h) * (up . h) and MLP_IN blocks come in TR/2-row steps.
     ``VERSIONED``: act is a vector of versioned words, stored with version ``ver``."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     for t in range(n_tiles):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps, SHFL)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, 0, KT, LAY, stamps, SHFL, WOFF)
         a2 = gl.reshape(acc, [2, TR // 2])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
         h = gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, a2.type.layout)), 1)
         g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
@@ -266,7 +274,7 @@ def gated_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, act_ptr, LAY: gl
 @gluon.jit
 def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: gl.constexpr, HD: gl.constexpr,
              LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False, xn=0, XB: gl.constexpr = 0,
-             XA: gl.constexpr = False):
+             XA: gl.constexpr = False, WOFF: gl.constexpr = 0):
     """ATTN_IN, every part (M = 1): qkv_part[part, head] = W[head rows, column tiles k0..k1) . h, fp32 to global
     scratch (the head's finisher may run on another SM), or (``XB``: a cluster pair, isa.CLUSTER_PAIR) into
     exchange ``xn``'s slot of this CTA and of its mate (cluster.pair_store; ``XA``: pair_store_async)."""
@@ -276,7 +284,7 @@ def qkv_part(bufs, empty, ready, hbuf, it, k0, k1, head, part, qkvp_ptr, NQKV: g
     offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
     out = qkvp_ptr + (part * NQKV + head) * HD
     for r in gl.static_range(HD // TR):
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL, WOFF)
         if XB > 0:
             if XA:
                 cluster.pair_store_async(gl.convert_layout(acc, OWN), r * TR + gl.arange(0, TR, OWN), part, xn, XB,

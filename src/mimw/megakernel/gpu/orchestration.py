@@ -51,6 +51,51 @@ def ring_init(empty, ready, NB: gl.constexpr):
         mbarrier.init(ready.index(i), count=1)
 
 
+# Per-warp slot releases (KernelConfig.warp_release): the NB ``empty`` barriers live in the dynamic shared memory past
+# Triton's own (Gluon gives no shared address of its allocations, so inline asm could not arrive on them), at
+# %dynamic_smem_size - WOFF + 8 i (WOFF: the bytes from barrier 0 to the end of the dynamic shared memory, which
+# holds the cluster exchange region after them, gpu/cluster.py). Each counts its phase in warps: every consumer
+# warp's lane 0 arrives once the warp's own reads of the slot are done. Triton's single-thread release
+# (``consumer_release``) needs a partition barrier before it, and its barrier-insertion pass adds a second at the
+# top of every tile loop: two CTA barriers a tile that keep the warps in lockstep (bench/NOTES.md session 18).
+@gluon.jit
+def warp_ring_init(tid, NB: gl.constexpr, WOFF: gl.constexpr, NW: gl.constexpr):
+    """Before ``gl.warp_specialize`` (``tid``: one element a thread of the partition running it): thread 0
+    initialises the NB empty barriers for NW arrivals a phase; the specialisation's start orders it before the
+    loader's first wait."""
+    for i in gl.static_range(NB):
+        gl.inline_asm_elementwise(
+            "{ .reg .u32 a, g; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; "
+            "mov.u32 g, global_smem; add.u32 a, a, g; setp.eq.u32 p, $1, 0; @p mbarrier.init.shared::cta.b64 [a], $3; "
+            "mov.u32 $0, 0; }",
+            "=r,r,r,r", [tid, tid * 0 + (WOFF - 8 * i), tid * 0 + NW], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def warp_release(idx, WOFF: gl.constexpr, NW: gl.constexpr):
+    """Compute, after its reads of slot ``idx`` were issued: each warp synchronises its lanes (``bar.warp.sync``
+    orders their shared-memory reads) and its lane 0 arrives on empty barrier ``idx`` (release: those reads are
+    performed first). No partition barrier: the warps move on independently."""
+    lane = gl.arange(0, 32 * NW, gl.BlockedLayout([1], [32], [NW], [0]))
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g, l; .reg .pred p; bar.warp.sync -1; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $1; "
+        "mov.u32 g, global_smem; add.u32 a, a, g; add.u32 a, a, $2; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+        "@p mbarrier.arrive.release.cta.shared::cta.b64 _, [a]; mov.u32 $0, 0; }",
+        "=r,r,r", [lane * 0 + WOFF, lane * 0 + idx * 8], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def warp_ring_wait(idx, parity, WOFF: gl.constexpr):
+    """Loader (one warp): wait for the phase of parity ``parity`` of empty barrier ``idx`` (``warp_release``)."""
+    lane = gl.arange(0, 32, gl.BlockedLayout([1], [32], [1], [0]))
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $1; mov.u32 g, global_smem; "
+        "add.u32 a, a, g; add.u32 a, a, $2; WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [a], $3; "
+        "@!p bra WAIT; mov.u32 $0, 0; }",
+        "=r,r,r,r", [lane * 0 + WOFF, lane * 0 + idx * 8, lane * 0 + parity], dtype=gl.int32, is_pure=False,
+        pack=1)
+
+
 @gluon.jit
 def _timer_lanes():
     """(%globaltimer per lane [32], lane index [32]); every warp of the partition holds all 32 lanes."""
@@ -93,7 +138,7 @@ def stamp(ptr):
 
 @gluon.jit
 def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT: gl.constexpr = 0, hold=None,
-                  hold_at=-1, hold_parity=0, deep=False, DEEP: gl.constexpr = 0):
+                  hold_at=-1, hold_parity=0, deep=False, DEEP: gl.constexpr = 0, WOFF: gl.constexpr = 0):
     """Loader: wait for slot it % NB to be free, then TMA the [rows, cols] box at (row, col) of ``desc`` into it.
     Returns it + 1. ``stamps`` (tile trace, trace.py): the loader's time before and after the wait for the slot go
     to ``stamps[4 it]`` and ``stamps[4 it + 1]``. ``INFLIGHT`` > 0 caps the tiles requested but not yet landed:
@@ -102,7 +147,8 @@ def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT:
     landed tiles; only the requests queued in the memory system are bounded. ``hold`` (KernelConfig.quiet): tile
     ``hold_at`` waits for the phase of parity ``hold_parity`` of the mbarrier ``hold`` first (``release_hold``).
     ``DEEP`` > 0 (KernelConfig.inflight_deep): where ``deep`` holds, the cap is DEEP instead of INFLIGHT (DEEP < NB:
-    tile it - DEEP's slot is not reissued before tile it - DEEP + NB > it either)."""
+    tile it - DEEP's slot is not reissued before tile it - DEEP + NB > it either). ``WOFF`` > 0
+    (KernelConfig.warp_release): the slot's empty barrier is ``warp_release``'s, not ``empty``."""
     NB: gl.constexpr = bufs.type.shape[0]
     idx = it % NB
     ph = (it // NB) & 1
@@ -121,7 +167,10 @@ def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT:
                 mbarrier.wait(ready.index(j % NB), (j // NB) & 1)
     if stamps is not None:
         stamp(stamps + 4 * it)
-    mbarrier.wait(empty.index(idx), ph ^ 1)
+    if WOFF > 0:
+        warp_ring_wait(idx, ph ^ 1, WOFF)
+    else:
+        mbarrier.wait(empty.index(idx), ph ^ 1)
     if stamps is not None:
         stamp(stamps + 4 * it + 1)
     mbarrier.expect(ready.index(idx), desc.block_type.nbytes)
@@ -132,13 +181,13 @@ def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT:
 @gluon.jit
 def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: gl.constexpr, TK: gl.constexpr,
                   stamps=None, INFLIGHT: gl.constexpr = 0, hold=None, hold_at=-1, hold_parity=0, deep=False,
-                  DEEP: gl.constexpr = 0):
+                  DEEP: gl.constexpr = 0, WOFF: gl.constexpr = 0):
     """Loader: stream rows [row0, row0 + n_row_tiles*TR) of ``desc``, row tile by row tile, column tiles [k0, k1)
     of each."""
     for r in range(n_row_tiles):
         for k in range(k0, k1):
             it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it, stamps, INFLIGHT, hold, hold_at,
-                               hold_parity, deep, DEEP)
+                               hold_parity, deep, DEEP, WOFF)
     return it
 
 
@@ -146,7 +195,7 @@ def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: g
 def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs, empty, ready, it,
                          TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, stamps=None,
                          INFLIGHT: gl.constexpr = 0, hold=None, hold_at=-1, hold_parity=0, deep=False,
-                         DEEP: gl.constexpr = 0):
+                         DEEP: gl.constexpr = 0, WOFF: gl.constexpr = 0):
     """``producer_rows`` over a [*, K] weight matrix. ``TILED``: the matrix is stored tile-major
     (``pack.tile_major``: tile (row tile R, column tile c) is the contiguous [TR, TK] block number R * KT + c of a
     [*, TK] matrix, which ``desc`` describes — or of the same bytes as a [*, 32] matrix, TR * TK / 32 rows a tile,
@@ -158,10 +207,10 @@ def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs,
         for r in range(n_row_tiles):
             for k in range(k0, k1):
                 it = producer_load(desc, ((row0 // TR + r) * KT + k) * BR, 0, bufs, empty, ready, it, stamps,
-                                   INFLIGHT, hold, hold_at, hold_parity, deep, DEEP)
+                                   INFLIGHT, hold, hold_at, hold_parity, deep, DEEP, WOFF)
     else:
         it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK, stamps, INFLIGHT, hold,
-                           hold_at, hold_parity, deep, DEEP)
+                           hold_at, hold_parity, deep, DEEP, WOFF)
     return it
 
 

@@ -86,6 +86,9 @@ VARIANTS = {
     "tr32-deepsparse8": KernelConfig(deep_ops=("ATTN_IN", "O_PROJ", "DOWN_PROJ"), inflight_deep=8),
     "tr32-deepdown8-noattn": KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=8,
                                           quiet_ops=("O_PROJ", "MLP_IN", "DOWN_PROJ", "LM_HEAD")),
+    # each consumer warp releases a ring slot on its own (no partition barrier a tile)
+    "tr32-wrel": KernelConfig(warp_release=True),
+    "tr32-wrel-deepdown8": KernelConfig(warp_release=True, deep_ops=("DOWN_PROJ",), inflight_deep=8),
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
