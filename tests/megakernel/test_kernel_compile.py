@@ -213,6 +213,28 @@ def test_per_warp_releases_compile_without_spills(model):
         KernelConfig(warp_release=True, mma=0).check(spec)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_down_proj_pairs_compile_without_spills(model):
+    """KernelConfig(cluster_down=True): DOWN_PROJ's column halves swap a row tile's sums with one more st.async
+    exchange (beside ATTN_IN's), in effect only with cluster_qkv 2 (the program pairs the 1B's row blocks, not the
+    8B's: ProgramConfig.cluster_down)."""
+    from mimw.megakernel.program import StepShape, build_program
+
+    spec = get_preset(model)
+    base = _ptx(spec, KernelConfig.for_spec(spec))
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), cluster_down=True)
+    ptx = _spill_free_ptx(spec, kcfg)
+    assert ptx.count("st.async") == base.count("st.async") + 1
+    assert kcfg.down_pairs() and kcfg.program_config().cluster_down
+    assert not dataclasses.replace(kcfg, cluster_qkv=0).down_pairs()  # tickets: no cluster launch, no pairs
+    with pytest.raises(ValueError, match="cluster_qkv=2"):
+        dataclasses.replace(kcfg, cluster_qkv=1).check(spec)
+    prog = build_program(spec, StepShape((1,), 1024), 132, kcfg.program_config())
+    paired = any(i.OP.name == "DOWN_PROJ" and i.n_parts == 2 for i in prog.instructions())
+    assert paired == (model == "llama-3.2-1b")
+
+
 def test_the_kernels_streaming_ops_are_the_isa_list():
     """kernel._streams spells out isa.STREAMING_OPS as comparisons (what the GPU runs measured); they must agree."""
     import inspect

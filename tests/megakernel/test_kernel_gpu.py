@@ -152,6 +152,15 @@ def test_per_warp_releases_match_reference_over_64_steps(model, context, cluster
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model,context,extra", [("llama-3.2-1b", 1000, {}), ("llama-3.2-1b", 8191, {}),
+                                                 ("smollm2-135m", 17, {}), ("llama-3.2-1b", 17, {"warp_release": True})])
+def test_down_proj_pairs_match_reference_over_64_steps(model, context, extra):
+    """KernelConfig(cluster_down=True): DOWN_PROJ's column halves of a row block on cluster mates, part 0 adding
+    part 1's sums (through shared memory) and the residual (the 1B's and SmolLM2's row blocks are few enough)."""
+    _matches_reference_over_64_steps(model, context, cluster_down=True, **extra)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
     """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)
     gets the ticketed program with a warning, and decodes what the reference decodes; the cluster kernel, which would

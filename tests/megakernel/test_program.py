@@ -105,3 +105,24 @@ def test_cluster_pairs_put_each_head_of_a_layer_on_its_own_cluster(name):
         assert len(where) == heads and all(len(v) == 2 and v[1] == v[0] + 1 for v in where.values())
         assert len({v[0] for v in where.values()}) == heads  # one head a cluster
     assert not any("qkv_ticket" in c.name for c in prog.counters)
+
+
+@pytest.mark.parametrize("name,paired", [("llama-3.2-1b", True), ("llama-3.1-8b", False)])
+def test_down_proj_pairs_where_its_row_blocks_leave_half_the_sms_idle(name, paired):
+    """cluster_down on 132 SMs: the 1B's 64 DOWN_PROJ row tiles a layer become 64 pairs of column halves on 64 of
+    the 66 clusters (128 SMs); the 8B's 128 row tiles fill the SMs already and stay whole."""
+    spec = get_preset(name)
+    cfg = ProgramConfig(tile_rows=32, tile_k=256, cluster_qkv=True, cluster_down=True)
+    prog = build_program(spec, StepShape((1,), 1024), 132, cfg)
+    from mimw.megakernel.program import cluster_mate_errors
+
+    assert cluster_mate_errors(prog.queues) == []
+    for layer in (0, spec.num_layers - 1):
+        downs = [(s, i) for s, q in enumerate(prog.queues) for i in q if i.OP == isa.Op.DOWN_PROJ and i.layer == layer]
+        sms = {s for s, _ in downs}
+        if paired:
+            assert len(downs) == 128 and len(sms) == 128 and all(i.part == s % 2 and i.n_parts == 2 for s, i in downs)
+        else:
+            assert len(downs) == 128 and all(not i.flags & isa.CLUSTER_PAIR and i.n_parts == 0 for _, i in downs)
+    count = next(c.count for c in prog.counters if c.name == "L0.down_proj")
+    assert count == (64 if paired else 128)

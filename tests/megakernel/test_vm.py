@@ -618,6 +618,34 @@ def test_vm_with_cluster_pairs_matches_reference(name, num_sms, seg_lens, contex
                 assert ins.has_finisher == (ins.part == 0) and (ins.signal == isa.NO_COUNTER) == (ins.part == 1)
 
 
+@pytest.mark.parametrize("name,num_sms,seg_lens,contexts", CLUSTER_CASES, ids=[c[0] for c in CLUSTER_CASES])
+def test_vm_with_down_proj_pairs_matches_reference(name, num_sms, seg_lens, contexts):
+    """ProgramConfig(cluster_down): where DOWN_PROJ's row blocks are at most half the SMs, their two column halves
+    run on SMs 2c and 2c + 1; part 0 adds part 1's sums and the residual, and alone signals."""
+    prog = _vm_against_reference(name, num_sms, 16, seg_lens, contexts,
+                                 ProgramConfig(tile_k=16, cluster_qkv=True, cluster_down=True))
+    downs = [(s, ins) for s, q in enumerate(prog.queues) for ins in q if ins.OP == isa.Op.DOWN_PROJ]
+    blocks = {(ins.layer, ins.row0) for _, ins in downs}
+    paired = 2 * len(blocks) // prog.spec.num_layers <= num_sms
+    assert all(bool(ins.flags & isa.CLUSTER_PAIR) == paired for _, ins in downs) and downs
+    if paired:
+        assert len(downs) == 2 * len(blocks)
+        for s, ins in downs:
+            assert ins.part == s % 2 and ins.n_parts == 2 and ins.has_finisher == (ins.part == 0)
+            assert (ins.signal == isa.NO_COUNTER) == (ins.part == 1)
+    from mimw.megakernel.program import cluster_mate_errors
+    assert cluster_mate_errors(prog.queues) == []
+
+
+def test_down_proj_pairs_need_the_cluster_launch_and_no_versioned_x():
+    spec, _ = model("tiny-llama")
+    with pytest.raises(ValueError, match="cluster_down needs cluster_qkv"):
+        build_program(spec, StepShape((1,)), 8, ProgramConfig(tile_k=16, cluster_down=True))
+    with pytest.raises(ValueError, match="cluster_down excludes"):
+        build_program(spec, StepShape((1,)), 8, ProgramConfig(tile_k=16, cluster_qkv=True, cluster_down=True,
+                                                                 o_parts=2))
+
+
 def test_cluster_pairs_need_two_parts_an_even_sm_count_and_a_finisher():
     spec, _ = model("tiny-llama")
     with pytest.raises(ValueError, match="odd"):

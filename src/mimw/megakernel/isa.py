@@ -117,7 +117,8 @@ QKV_IN_ATTN = 32
 # 0 waits for part 1's, sums the two in part order and finishes the head (the ticketed finisher's math) and only it
 # signals; part 1 also waits for part 0's before it moves on, so a slot is rewritten only after it was read
 # (gpu/cluster.py). No ticket, no global round trip of partials. The pair is a rendezvous: part 0 cannot finish
-# until its mate has run part 1 (the VM runs the two together).
+# until its mate has run part 1 (the VM runs the two together). DOWN_PROJ pairs the same way (ProgramConfig.
+# cluster_down): the two column halves of a row block, part 0 adding part 1's sums and the residual (``mate_key``).
 CLUSTER_PAIR = 64
 
 
@@ -137,6 +138,11 @@ class Instruction:
     def has_finisher(self) -> bool:
         """Whether a part of this instruction (the last to draw its ticket) runs ops.FINISHERS[OP] after it."""
         return False
+
+    def mate_key(self) -> tuple:
+        """What the two parts of a cluster pair (CLUSTER_PAIR) share: op, layer and the unit they split (ATTN_IN's
+        head, DOWN_PROJ's row block); the parts differ in ``part`` only."""
+        raise ValueError(f"{self} does not run in cluster pairs")
 
     @property
     def ticket_count(self) -> int:
@@ -177,6 +183,9 @@ class AttnIn(Instruction):
     @property
     def ticket_count(self) -> int:
         return self.n_parts
+
+    def mate_key(self) -> tuple:
+        return self.OP, self.layer, self.head, self.n_parts
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,16 @@ class MlpIn(RowBlock):
 @dataclass(frozen=True)
 class DownProj(RowBlock):
     OP: ClassVar[Op] = Op.DOWN_PROJ
+    part: int = 0  # with n_parts 2 (a cluster pair, CLUSTER_PAIR; ProgramConfig.cluster_down): which column half
+    n_parts: int = 0  # 0: every column of the rows, the residual added here
+    FIELDS: ClassVar[dict[str, Word]] = {**RowBlock.FIELDS, "part": Word.C, "n_parts": Word.D}
+
+    @property
+    def has_finisher(self) -> bool:  # part 0 of a pair adds its mate's sums and the residual, and stores x
+        return bool(self.flags & CLUSTER_PAIR) and self.part == 0
+
+    def mate_key(self) -> tuple:
+        return self.OP, self.layer, self.row0, self.nrows, self.n_parts
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,10 @@ class ProgramConfig:
     cluster_qkv: bool = False  # ATTN_IN's two column parts of every head on the two CTAs of a thread-block cluster
     # (SMs 2c, 2c + 1; isa.CLUSTER_PAIR): the parts swap sums through distributed shared memory instead of a ticket
     # and a global round trip; needs two parts (qkv_parts 0 or 2), an even SM count, and no qkv_in_attn
+    cluster_down: bool = False  # DOWN_PROJ's two column halves of a row block on the two CTAs of a cluster
+    # (isa.CLUSTER_PAIR, as ATTN_IN's heads with cluster_qkv, which it needs), where the row blocks are at most
+    # half the SMs (the 1B: 64 for 132): twice the SMs work on the stage; part 0 adds part 1's sums (shared memory)
+    # and the residual and signals. Not with versioned x or act, O_PROJ parts or merged releases
     sm_bytes_per_us: float = 34e3  # HBM bandwidth / SM count, for cost-model reports
 
     def check(self) -> None:
@@ -98,6 +102,10 @@ class ProgramConfig:
             raise ValueError(f"cluster_qkv pairs two column parts a head, not qkv_parts={self.qkv_parts}")
         if self.cluster_qkv and self.qkv_in_attn:
             raise ValueError("cluster_qkv and qkv_in_attn exclude each other: with qkv_in_attn ATTN_IN has no finisher")
+        if self.cluster_down and not self.cluster_qkv:
+            raise ValueError("cluster_down needs cluster_qkv: the kernel runs in clusters only with ATTN_IN's pairs")
+        if self.cluster_down and (self.flag_x or self.flag_act or self.o_parts or self.merge_signals):
+            raise ValueError("cluster_down excludes flag_x, flag_act, o_parts and merge_signals")
         if self.o_parts and (self.flag_x or self.flag_attn):
             raise ValueError("o_parts excludes flag_x and flag_attn: its x parts and partials are not versioned "
                              "words")
@@ -252,7 +260,7 @@ def cost(spec: ModelSpec, shape: StepShape, ins: Instruction, cfg: ProgramConfig
     elif isinstance(ins, MlpIn):
         b = 2 * ins.nrows * d * 2
     elif isinstance(ins, DownProj):
-        b = ins.nrows * spec.intermediate_size * 2
+        b = ins.nrows * spec.intermediate_size // max(1, ins.n_parts) * 2
     elif isinstance(ins, LmHead):
         b = ins.nrows * d * 2
     else:
@@ -285,6 +293,8 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     down_blocks = row_blocks(spec.hidden_size, spec.intermediate_size * 2, num_sms, cfg)
     lm_blocks = row_blocks(spec.vocab_size, spec.hidden_size * 2, num_sms, cfg)
 
+    # DOWN_PROJ's row blocks in column halves on cluster mates, where they leave half the SMs idle or more
+    pair_down = cfg.cluster_down and 2 * len(down_blocks) <= num_sms and -(-spec.intermediate_size // cfg.tile_k) > 1
     stages: list[list[Instruction]] = []
     if cfg.cluster_qkv and num_sms % 2:
         raise ValueError(f"cluster_qkv places pairs on clusters of two SMs: {num_sms} SMs is odd")
@@ -361,9 +371,14 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
                            for r, n in mlp_blocks])
             down_wait, down_n, down_flags = mlp, len(mlp_blocks), 0
         down = isa.NO_COUNTER if cfg.flag_x else counter(f"L{l}.down_proj", len(down_blocks))
-        stages.append([DownProj(layer=l, row0=r, nrows=n, wait=down_wait, wait_count=down_n, signal=down,
-                                flags=down_flags | ((vx | isa.WRITES_VERSIONED) if cfg.flag_x else 0))
-                       for r, n in down_blocks])
+        if pair_down:  # column halves on cluster mates: part 0 finishes the rows and alone signals
+            stages.append([DownProj(layer=l, row0=r, nrows=n, part=p, n_parts=2, wait=down_wait, wait_count=down_n,
+                                    signal=isa.NO_COUNTER if p else down, flags=down_flags | isa.CLUSTER_PAIR)
+                           for r, n in down_blocks for p in range(2)])
+        else:
+            stages.append([DownProj(layer=l, row0=r, nrows=n, wait=down_wait, wait_count=down_n, signal=down,
+                                    flags=down_flags | ((vx | isa.WRITES_VERSIONED) if cfg.flag_x else 0))
+                           for r, n in down_blocks])
         prev, prev_n = down, 0 if cfg.flag_x else len(down_blocks)
     lm = counter("lm_head", len(lm_blocks)) if cfg.signal_logits else isa.NO_COUNTER
     stages.append([LmHead(layer=0, row0=r, nrows=n, wait=prev, wait_count=prev_n, signal=lm, flags=vx)
@@ -372,7 +387,7 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     queues: list[list[Instruction]] = [[] for _ in range(num_sms)]
     total = [0.0] * num_sms
     for stage in stages:
-        if stage and stage[0].flags & isa.CLUSTER_PAIR:  # ATTN_IN with cluster_qkv: heads go to cluster mates
+        if stage and stage[0].flags & isa.CLUSTER_PAIR:  # cluster_qkv / cluster_down: pairs go to cluster mates
             place_pairs(spec, shape, cfg, stage, queues, total)
             continue
         heap = [(0.0, total[s], s) for s in range(num_sms)]
@@ -392,10 +407,10 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
 
 def place_pairs(spec: ModelSpec, shape: StepShape, cfg: ProgramConfig, stage: list[Instruction],
                 queues: list[list[Instruction]], total: list[float]) -> None:
-    """Place a stage of cluster pairs (isa.CLUSTER_PAIR, parts 0 and 1 of each head, in that order): each head to
-    the cluster (SMs 2c, 2c + 1) with the least load in this stage, ties to the least total load,
+    """Place a stage of cluster pairs (isa.CLUSTER_PAIR, parts 0 and 1 of each head or row block, in that order):
+    each pair to the cluster (SMs 2c, 2c + 1) with the least load in this stage, ties to the least total load,
     longest-processing-time first as in ``build_program``; part 0 on 2c, part 1 on 2c + 1. Both SMs of a cluster
-    get the same heads in the same order, so the k-th pair instruction of one queue meets the k-th of its mate's."""
+    get the same pairs in the same order, so the k-th pair instruction of one queue meets the k-th of its mate's."""
     heap = [(0.0, total[2 * c] + total[2 * c + 1], c) for c in range(len(queues) // 2)]
     heapq.heapify(heap)
     heads = [(stage[j], stage[j + 1]) for j in range(0, len(stage), 2)]
@@ -412,8 +427,8 @@ def place_pairs(spec: ModelSpec, shape: StepShape, cfg: ProgramConfig, stage: li
 
 def cluster_mate_errors(queues: list[list[Instruction]]) -> list[str]:
     """Why the cluster pairs of ``queues`` cannot meet (empty: they can): the k-th CLUSTER_PAIR instruction of SM
-    2c must be part 0 and the k-th of SM 2c + 1 part 1 of the same (layer, head), both queues holding equally
-    many."""
+    2c must be part 0 and the k-th of SM 2c + 1 part 1 of the same pair (``mate_key``: ATTN_IN's head, DOWN_PROJ's
+    row block), both queues holding equally many."""
     out = []
     pairs = [[ins for ins in q if ins.flags & isa.CLUSTER_PAIR] for q in queues]
     if any(pairs) and len(queues) % 2:
@@ -423,8 +438,7 @@ def cluster_mate_errors(queues: list[list[Instruction]]) -> list[str]:
         if len(a) != len(b):
             out.append(f"SMs {2 * c}, {2 * c + 1} hold {len(a)} and {len(b)} cluster-pair instructions")
         for x, y in zip(a, b):
-            if (x.OP, x.layer, x.head, x.part, y.OP, y.layer, y.head, y.part) != (
-                    isa.Op.ATTN_IN, y.layer, y.head, 0, isa.Op.ATTN_IN, x.layer, x.head, 1) or x.n_parts != 2:
+            if x.mate_key() != y.mate_key() or (x.part, y.part, x.n_parts) != (0, 1, 2):
                 out.append(f"SMs {2 * c}, {2 * c + 1}: {x} does not pair with {y}")
     return out
 

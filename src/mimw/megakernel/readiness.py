@@ -7,6 +7,8 @@ during this step (-1: not written this step):
     x        [D]              2l+1 after layer l's O_PROJ of those columns, 2l+2 after its DOWN_PROJ (with
                               O_PROJ parts, ProgramConfig.o_parts, O_PROJ writes x_part instead: x stays 2l)
     x_part   [P, D]           layer whose O_PROJ part p wrote those columns (ProgramConfig.o_parts)
+    down_part [2, D]          layer whose DOWN_PROJ column half p wrote those rows' sums (ProgramConfig.
+                              cluster_down); part 0's finish reads both and writes x (2l+2)
     qkv_part [H, P]           layer whose ATTN_IN wrote part p of head h (H = Hq + 2 Hkv); with isa.QKV_IN_ATTN
                               the ATTN_PARTIALs read it (q, kv: unused)
     q        [Hq]             layer whose ATTN_IN wrote the head (all M tokens at once)
@@ -42,6 +44,7 @@ class Readiness:
         m, full = shape.num_tokens, lambda *s: np.full(s, -1, dtype=np.int32)  # noqa: E731
         self.x = full(sp.hidden_size)
         self.x_part = full(max(1, program.config.o_parts), sp.hidden_size)
+        self.down_part = full(2, sp.hidden_size)
         self.qkv_part = full(sp.num_heads + 2 * sp.num_kv_heads, program.qkv_parts)
         self.q = full(sp.num_heads)
         self.kv = np.zeros((sp.num_layers, 2, sp.num_kv_heads), dtype=bool)
@@ -160,6 +163,8 @@ class Readiness:
                 self._require(ins, "x rows", self.x[rows], want)
         elif op == Op.DOWN_PROJ:
             self._require(ins, "act", self.act, L)
+            if ins.n_parts and ins.part:  # a pair's part 1: its column half only, no residual
+                return
             rows, want = self._x_need(ins)
             if self.program.config.o_parts:  # the residual is the sum of the O_PROJ parts' rows
                 self._require(ins, "x parts' rows", self.x_part[:, rows], L)
@@ -177,6 +182,8 @@ class Readiness:
             self.attn[self._seg(ins.seg), self._group(ins.kv_head)] = ins.layer
         elif op == Op.O_PROJ and ins.n_parts:
             self.x_part[ins.part, ins.row0: ins.row0 + ins.nrows] = ins.layer
+        elif op == Op.DOWN_PROJ and ins.n_parts:  # a pair's half: x is written by part 0's finish
+            self.down_part[ins.part, ins.row0: ins.row0 + ins.nrows] = ins.layer
         elif op in (Op.O_PROJ, Op.DOWN_PROJ):
             self.x[ins.row0: ins.row0 + ins.nrows] = 2 * ins.layer + (1 if op == Op.O_PROJ else 2)
         elif op == Op.MLP_IN:
@@ -193,6 +200,8 @@ class Readiness:
         partials of its segment and group."""
         if ins.OP == Op.ATTN_PARTIAL:
             self._require_partials(ins)
+        elif ins.OP == Op.DOWN_PROJ:
+            self._require(ins, "column halves", self.down_part[:, ins.row0: ins.row0 + ins.nrows], ins.layer)
         else:
             self._require(ins, "qkv parts", self.qkv_part[ins.head, : ins.n_parts], ins.layer)
 
@@ -200,6 +209,8 @@ class Readiness:
         hq, hkv = self.program.spec.num_heads, self.program.spec.num_kv_heads
         if ins.OP == Op.ATTN_PARTIAL:
             self.attn[self._seg(ins.seg), self._group(ins.kv_head)] = ins.layer
+        elif ins.OP == Op.DOWN_PROJ:
+            self.x[ins.row0: ins.row0 + ins.nrows] = 2 * ins.layer + 2
         elif ins.head < hq:
             self.q[ins.head] = ins.layer
         else:

@@ -20,6 +20,9 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
   x_part [P, M, D]             with O_PROJ parts (ProgramConfig.o_parts, P of them; [1, M, D] unused otherwise):
                                part p's W_o . attn over its columns, part 0 plus the residual; x after O_PROJ is
                                their sum in part order (MLP_IN, DOWN_PROJ)
+  down_part [2, M, D]          with DOWN_PROJ's cluster pairs (ProgramConfig.cluster_down; [1, M, D] unused
+                               otherwise): each column half's sums, in the VM only (the GPU's halves meet in shared
+                               memory, gpu/cluster.py)
   act [M, I]                   SiLU(gate) * up (input of DOWN_PROJ)
   logits [M, V]
   act_words [M, I] int64       the GPU's act when the program versions it (ProgramConfig.flag_act): version << 32 |
@@ -98,6 +101,7 @@ class Scratch:
     act: torch.Tensor
     logits: torch.Tensor
     x_part: torch.Tensor
+    down_part: torch.Tensor
     act_words: torch.Tensor
     x_words: torch.Tensor
     attn_words: torch.Tensor
@@ -105,7 +109,7 @@ class Scratch:
 
     def poison(self) -> None:
         for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits,
-                  self.x_part):
+                  self.x_part, self.down_part):
             t.fill_(float("nan"))
         self.act_words.fill_(-1)  # no version: a reader waits for a real write
         self.x_words.fill_(-1)
@@ -132,6 +136,7 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         act=f(m, sp.intermediate_size),
         logits=f(m, sp.vocab_size),
         x_part=f(max(1, prog.config.o_parts), m, sp.hidden_size),
+        down_part=f(2 if prog.config.cluster_down else 1, m, sp.hidden_size),
         act_words=torch.full((m, sp.intermediate_size), -1, dtype=torch.int64, device=device),
         x_words=torch.full((m, sp.hidden_size), -1, dtype=torch.int64, device=device),
         attn_words=torch.full((m, sp.q_size), -1, dtype=torch.int64, device=device),

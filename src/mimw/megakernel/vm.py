@@ -11,9 +11,10 @@ Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
     instruction with a finisher (ATTN_IN parts, combining ATTN_PARTIAL splits, isa.py) first adds 1 to
     ``counters[ticket]``; only the part that brings it to ``(epoch + 1) * ticket_count`` runs the finisher and
     signals.
-  * A cluster pair (``isa.CLUSTER_PAIR``: ATTN_IN's two parts of a head on SMs 2c and 2c + 1) is a rendezvous:
-    it runs once both SMs have it at their heads with their waits met, both parts together; then part 0
-    finishes the head and signals. Mates that reach different pairs raise ``DependencyError``.
+  * A cluster pair (``isa.CLUSTER_PAIR``: ATTN_IN's two parts of a head, or DOWN_PROJ's two column halves of a
+    row block, on SMs 2c and 2c + 1) is a rendezvous: it runs once both SMs have it at their heads with their
+    waits met, both parts together; then part 0 finishes (the head; the rows' sum and residual) and signals.
+    Mates that reach different pairs raise ``DependencyError``.
   * An instruction that reads versioned words (``isa.READS_X``, ``READS_Q``, ``READS_ATTN``, ``READS_ACT``) also
     waits until every word it reads carries the version it needs (``Readiness.versions_ready``); their writers
     (``isa.WRITES_VERSIONED``) signal no counter.
@@ -195,7 +196,7 @@ class StepRun:
 
     def _last_part(self, ins) -> bool:
         """Draw ins's ticket (if it has one): is it the last of its ticket_count parts in this step?"""
-        t = ins.ticket
+        t = getattr(ins, "ticket", isa.NO_COUNTER)  # a cluster pair's part 0 finishes without one
         if t == isa.NO_COUNTER:
             return True
         self.counters[t] = i32(self.counters[t] + 1)
@@ -216,7 +217,7 @@ class StepRun:
                 self.pair_waiting.add(sm)
                 return
             other = self.head(mate)
-            if (other.layer, other.head, other.part) != (ins.layer, ins.head, 1 - ins.part):
+            if other.mate_key() != ins.mate_key() or other.part != 1 - ins.part:
                 raise DependencyError(f"cluster mates disagree: SM {sm} holds {ins}, SM {mate} holds {other}")
             self.pair_waiting.remove(mate)
             self.ready += [sm, mate]

@@ -186,17 +186,19 @@ def pair_store_async(value, idx, part, n, XB: gl.constexpr, HD: gl.constexpr):
 
 
 @gluon.jit
-def pair_meet_async(tid, n, XB: gl.constexpr, HD: gl.constexpr):
+def pair_meet_async(tid, n, XB: gl.constexpr, HD: gl.constexpr, NBYTES: gl.constexpr = 0):
     """``pair_meet`` for ``pair_store_async``: thread 0 arrives on this CTA's ``full[n % 2]`` expecting the mate's
-    HD * 4 bytes (they may have landed already: the transaction count runs negative until then), then every
-    thread waits for the phase (parity (n // 2) % 2), and a partition barrier orders this CTA's own slot stores."""
+    HD * 4 bytes (``NBYTES`` where given: DOWN_PROJ's pairs swap one row tile's sums an exchange; they may have
+    landed already: the transaction count runs negative until then), then every thread waits for the phase
+    (parity (n // 2) % 2), and a partition barrier orders this CTA's own slot stores."""
+    EXPECT: gl.constexpr = NBYTES if NBYTES > 0 else HD * 4
     gl.inline_asm_elementwise(
         "{ .reg .u32 a, g; .reg .pred p, z; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; "
         "mov.u32 g, global_smem; add.u32 a, a, g; add.u32 a, a, $1; setp.eq.u32 z, $4, 0; "
         "@z mbarrier.arrive.expect_tx.shared::cta.b64 _, [a], $5; "
         "WAIT: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [a], $3; @!p bra WAIT; "
         "mov.u32 $0, 0; }",
-        "=r,r,r,r,r,r", [tid * 0 + (n % 2) * 8, tid * 0 + XB, tid * 0 + (n // 2) % 2, tid, tid * 0 + HD * 4],
+        "=r,r,r,r,r,r", [tid * 0 + (n % 2) * 8, tid * 0 + XB, tid * 0 + (n // 2) % 2, tid, tid * 0 + EXPECT],
         dtype=gl.int32, is_pure=False, pack=1)
     gl.thread_barrier()
 

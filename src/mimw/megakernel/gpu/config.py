@@ -95,6 +95,11 @@ class KernelConfig:
     # since session 16): asynchronous remote stores (st.async) that count their bytes on the mate's barrier, no
     # fence; measured -2.3% (1B) / -1.5% (8B) against tickets, mode 1 -1.9% / -1.0% (b2a8ca6, bench/NOTES.md
     # session 16). In effect only where a head has two parts to pair and without versioned words (``clusters()``)
+    cluster_down: bool = False  # XD: DOWN_PROJ's two column halves of a row block on the two CTAs of a cluster
+    # where its row blocks are at most half the SMs (the 1B's 64 row tiles on 132 SMs; ProgramConfig.cluster_down):
+    # part 1 sends its row tile's sums to part 0 with st.async (cluster_qkv's mode 2 exchange, which it needs),
+    # part 0 adds them and the residual and stores x. The 1B's DOWN_PROJ instructions are bound by their own work
+    # on the tiles (session 18 §3): twice the SMs, half the tiles each (session 18, opt-in, not yet run on a GPU)
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -180,6 +185,11 @@ class KernelConfig:
         versioned = any(self.versioned().values())
         return 0 if self.qkv_in_attn or versioned or self.qkv_parts not in (0, 2) else self.cluster_qkv
 
+    def down_pairs(self) -> bool:
+        """XD: DOWN_PROJ's cluster pairs in effect: ``cluster_down`` where the cluster pairs run with asynchronous
+        stores (``clusters()`` 2)."""
+        return self.cluster_down and self.clusters() == 2
+
     def for_launch(self, spec: ModelSpec, num_sms: int) -> "KernelConfig":
         """This config as one launch on ``num_sms`` SMs runs it: without cluster pairs where none can form (an odd
         SM count, or a hidden size of fewer than two column tiles to split a head over)."""
@@ -199,7 +209,8 @@ class KernelConfig:
                              max_block_bytes=self.max_block_kb * 1024, signal_logits=self.signal_logits,
                              flag_act=self.flag_act, flag_x=self.flag_x, flag_attn=self.flag_attn,
                              flag_q=self.flag_q, qkv_in_attn=self.qkv_in_attn, merge_signals=self.merge_signals,
-                             o_parts=self.o_parts, cluster_qkv=bool(self.clusters()))
+                             o_parts=self.o_parts, cluster_qkv=bool(self.clusters()),
+                             cluster_down=self.down_pairs())
 
     def check(self, spec: ModelSpec) -> None:
         tr = self.tile_rows
@@ -216,6 +227,8 @@ class KernelConfig:
             raise ValueError(f"quiet_ops={self.quiet_ops}: the hold applies to streaming ops only, {streaming}")
         if not set(self.deep_ops) <= set(streaming):
             raise ValueError(f"deep_ops={self.deep_ops}: the in-flight cap applies to streaming ops only, {streaming}")
+        if self.cluster_down and self.cluster_qkv == 1:
+            raise ValueError("cluster_down exchanges with st.async: it needs cluster_qkv=2, not 1")
         if self.warp_release and not (self.mma and self.tile_major):
             raise ValueError("warp_release: the per-warp releases are built for the tensor-core consumer (mma=1)")
         if not 0 <= self.inflight_deep < self.ring_slots(spec):
@@ -336,7 +349,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
         MERGE=kcfg.merge_signals, KVP=kcfg.kv_pipeline, O_PARTS=kcfg.o_parts, SHFL=kcfg.fold_shuffle,
-        NL=spec.num_layers, XB=exchange_bytes(spec, kcfg), XA=kcfg.clusters() == 2,
+        NL=spec.num_layers, XB=exchange_bytes(spec, kcfg), XA=kcfg.clusters() == 2, XD=kcfg.down_pairs(),
         TRACE=kcfg.trace, TRACE_TILES=kcfg.trace_tiles,
         num_warps=kcfg.num_warps,
     )

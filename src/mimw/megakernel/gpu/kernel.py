@@ -88,7 +88,7 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
             MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
             TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, INFLIGHT: gl.constexpr, QUIET: gl.constexpr,
             QUIET_OPS: gl.constexpr, O_PARTS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
-            WOFF: gl.constexpr, TRACE_TILES: gl.constexpr):
+            WOFF: gl.constexpr, XD: gl.constexpr, TRACE_TILES: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     NQKV: gl.constexpr = HQ + 2 * HKV
     KT_D: gl.constexpr = (D + TK - 1) // TK
@@ -139,7 +139,13 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
             it = producer_weight_rows(d_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready, it,
                                       TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
         elif op == OP_DOWN_PROJ:
-            it = producer_weight_rows(d_down, I, layer * D + a, b // TR, 0, KT_I, bufs, empty, ready, it, TR, TK,
+            k0 = 0
+            k1 = KT_I
+            if XD:  # a cluster pair's column half (KernelConfig.cluster_down)
+                n_parts = _field(w, offs, W_D)
+                if n_parts > 1:
+                    k0, k1 = _part_tiles(_field(w, offs, W_C), KT_I, n_parts)
+            it = producer_weight_rows(d_down, I, layer * D + a, b // TR, k0, k1, bufs, empty, ready, it, TR, TK,
                                       TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
         elif op == OP_LM_HEAD:
             it = producer_weight_rows(d_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, TILED, stamps,
@@ -161,7 +167,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              DISPATCH: gl.constexpr, FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr,
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
              O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
-             QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, WOFF: gl.constexpr, TRACE: gl.constexpr,
+             XD: gl.constexpr, QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, WOFF: gl.constexpr, TRACE: gl.constexpr,
              TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
@@ -343,9 +349,21 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                     matvec.stage_versioned(hbuf, act_ptr, I, vstep + layer, KT_I, SG, S2, FLAG_ACT)
                 else:
                     matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
-            it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,
-                                      stamps, vstep + 2 * layer + 1, vstep + 2 * layer + 2, FLAG_X, xp_ptr=xp_ptr,
-                                      XP=O_PARTS, XS=D, SHFL=SHFL, WOFF=WOFF)
+            if XD:  # DOWN_PROJ's cluster pairs (KernelConfig.cluster_down): column halves of a row block on mates
+                n_parts = _field(w, offs, W_D)
+                if n_parts > 1:
+                    if xn == 0:  # the mate's exchange barriers exist before this CTA's first remote store
+                        counter_wait(rdy_ptr, pid ^ 1, epoch + 1)
+                    k0, k1 = _part_tiles(_field(w, offs, W_C), KT_I, n_parts)
+                    it, xn = matvec.residual_rows_pair(bufs, empty, ready, hbuf, it, k0, k1, a, b // TR, x_ptr,
+                                                       _field(w, offs, W_C), xn, tid, LAY, XB, HD, stamps, SHFL, WOFF)
+                else:
+                    it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False,
+                                              LAY, stamps, SHFL=SHFL, WOFF=WOFF)
+            else:
+                it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False, LAY,
+                                          stamps, vstep + 2 * layer + 1, vstep + 2 * layer + 2, FLAG_X, xp_ptr=xp_ptr,
+                                          XP=O_PARTS, XS=D, SHFL=SHFL, WOFF=WOFF)
         elif op == OP_LM_HEAD:
             if restage:
                 matvec.stage_normed(hbuf, x_ptr, emb_row, False, fnorm_ptr, D, eps, KT_D, SG, S2,
@@ -404,7 +422,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                TILED: gl.constexpr, INFLIGHT: gl.constexpr, DISPATCH: gl.constexpr,
                FLAG_ACT: gl.constexpr, FLAG_X: gl.constexpr, FLAG_ATTN: gl.constexpr, FLAG_Q: gl.constexpr,
                QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, KVP: gl.constexpr, O_PARTS: gl.constexpr,
-               SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, QUIET: gl.constexpr,
+               SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, XD: gl.constexpr,
+               QUIET: gl.constexpr,
                QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
                WREL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
@@ -440,9 +459,9 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     kc_ptr, vc_ptr, NP, x_ptr, qkvp_ptr, q_ptr, po_ptr, pml_ptr, attn_ptr, act_ptr, logits_ptr, xp_ptr,
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I,
                     PS, HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
-                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, QUIET, QUIET_EARLY, WOFF, TRACE,
+                    QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, XD, QUIET, QUIET_EARLY, WOFF, TRACE,
                     TRACE_TILES, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, QUIET_OPS, O_PARTS,
-                   DEEP, DEEP_OPS, WOFF, TRACE_TILES)),
+                   DEEP, DEEP_OPS, WOFF, XD, TRACE_TILES)),
     ], [1], [LOADER_REGS])

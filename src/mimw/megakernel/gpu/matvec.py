@@ -239,6 +239,32 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
 
 
 @gluon.jit
+def residual_rows_pair(bufs, empty, ready, hbuf, it, k0, k1, row0, n_tiles, x_ptr, part, xn, tid,
+                       LAY: gl.constexpr, XB: gl.constexpr, HD: gl.constexpr, stamps=None, SHFL: gl.constexpr = False,
+                       WOFF: gl.constexpr = 0):
+    """DOWN_PROJ as a cluster pair (ProgramConfig.cluster_down, isa.CLUSTER_PAIR): each row tile's sums over this
+    part's column tiles [k0, k1) go to both CTAs' exchange slots (cluster.pair_store_async; one exchange a row
+    tile, ``xn`` onwards); after the meet, part 0 stores x[rows] = x[rows] + (half 0 + half 1), both halves read
+    from its slot in part order (ops/down_proj.finish); part 1 stores nothing. Returns (it, xn)."""
+    TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
+    NW: gl.constexpr = gl.num_warps()
+    OWN: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])  # element e: lane e % 32 of every warp
+    offs_r = gl.arange(0, TR, gl.SliceLayout(1, LAY))
+    first = part == 0
+    for r in range(n_tiles):
+        rows = row0 + r * TR + offs_r
+        res = gl.load(x_ptr + rows, mask=(rows >= 0) & first, other=0.0, cache_modifier=".cg")  # in flight now
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL, WOFF)
+        cluster.pair_store_async(gl.convert_layout(acc, OWN), gl.arange(0, TR, OWN), part, xn, XB, HD)
+        cluster.pair_meet_async(tid, xn, XB, HD, TR * 4)
+        lo = cluster.pair_load(offs_r, 0, xn, XB, HD)
+        hi = cluster.pair_load(offs_r, 1, xn, XB, HD)
+        gl.store(x_ptr + rows, res + (lo + hi), mask=(rows >= 0) & first)
+        xn += 1
+    return it, xn
+
+
+@gluon.jit
 def plain_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, out_ptr, LAY: gl.constexpr, stamps=None,
                SHFL: gl.constexpr = False, WOFF: gl.constexpr = 0):
     """LM_HEAD: out[rows] = W[rows] . h."""

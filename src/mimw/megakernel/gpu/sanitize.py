@@ -3,6 +3,7 @@
     compute-sanitizer --tool racecheck python3 -m mimw.megakernel.gpu.sanitize
 Two small shapes on 8 SMs, two decode steps each, no CUDA graph: a tiny Qwen3 (16-row tiles, one ATTN_IN part) and
 a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path), each with both matvec consumers
+(first, on 72 SMs, SmolLM2 with the per-warp releases and DOWN_PROJ's cluster pairs; then its ATTN_IN pairs alone)
 (tensor cores and CUDA cores), the SmolLM2 twice more with every versioned-word flag (the second time with the
 stagings probed, vprobe=16), and once with its heads finished by the attention splits and its releases merged
 (qkv_in_attn, merge_signals), at context 300 once with its attention's later K/V blocks through shared memory
@@ -73,6 +74,12 @@ def main() -> int:
     # first (racecheck runs out of time after a few cases): ATTN_IN's cluster pairs, their shared-memory exchange
     # through the mate's slots and barriers (gpu/cluster.py), 8 SMs in 4 clusters of two; of the later cases, those
     # on SmolLM2 (two column tiles) without versioned words or qkv_in_attn run the default's pairs, the rest tickets
+    # session 18's opt-ins first: the per-warp releases (inline-asm empty barriers past Triton's shared memory)
+    # and DOWN_PROJ's cluster pairs, which pair only where its 36 row blocks are at most half the SMs (72 here)
+    r = check_decode(small, 40, steps=2, graph=False, num_sms=72,
+                     kcfg=dataclasses.replace(KernelConfig.for_spec(small), cluster_down=True, warp_release=True))
+    print("cluster_down warp_release", r, flush=True)
+    ok &= r.ok()
     for mode in (2, 1):  # asynchronous stores counted on the mate's barrier; remote stores and release arrivals
         r = check_decode(small, 40, steps=2, graph=False, num_sms=8,
                          kcfg=dataclasses.replace(KernelConfig.for_spec(small), cluster_qkv=mode))

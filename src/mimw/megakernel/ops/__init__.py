@@ -31,6 +31,7 @@ SOLVERS: dict[Op, Callable[[OpContext, Instruction], None]] = {
 FINISHERS: dict[Op, Callable[[OpContext, Instruction], None]] = {
     Op.ATTN_IN: attn_in.finish,
     Op.ATTN_PARTIAL: attn_reduce.solve,  # combining splits: the same fields (layer, kv_head, seg, n_splits)
+    Op.DOWN_PROJ: down_proj.finish,  # part 0 of a cluster pair (ProgramConfig.cluster_down)
 }
 
 __all__ = ["OpContext", "SOLVERS", "FINISHERS"]
