@@ -9,7 +9,8 @@ Roles (``gl.warp_specialize``):
       weights (next layer included) while compute waits for dependencies: the ring is the only bound.
 With cluster pairs (``XB``, KernelConfig.cluster_qkv) the CTAs run in clusters of two and ATTN_IN's two parts of a
 head, on the two CTAs of a cluster, swap their sums through distributed shared memory (gpu/cluster.py) instead of
-a ticket. At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH, which moves every
+a ticket (``XD``, KernelConfig.cluster_down: DOWN_PROJ's column halves of a row block too). With ``WREL``
+(KernelConfig.warp_release) each compute warp releases a ring slot on its own (orchestration.warp_release). At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH, which moves every
 counter's step-numbered target for the next launch (no reset kernel, CUDA-graph friendly).
 
 Instruction words are fetched with one vector load and unpacked with masked reductions; opcode and field
