@@ -50,8 +50,8 @@ class KernelConfig:
     deep_ops: tuple[str, ...] = ()  # DEEP_OPS: the streaming ops (isa.Op names) under ``inflight_deep``
     warp_release: bool = False  # WREL: each consumer warp hands a ring slot back on its own (its lane 0 arrives on an
     # empty barrier counted in warps, in the dynamic shared memory past Triton's; orchestration.warp_release)
-    # instead of one thread after a partition barrier: the SASS of the tile loop has two CTA barriers a tile around
-    # Triton's single-thread release, which keep the warps in lockstep (session 18, opt-in, not yet run on a GPU)
+    # instead of one thread after a partition barrier: one of the tile loop's two CTA barriers a tile (the other
+    # comes with Triton's mbarrier.wait and stays) (session 18, opt-in, not yet run on a GPU)
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
@@ -343,7 +343,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec), QUIET=kcfg.quiet,
         QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(),
-        DEEP=kcfg.deep_cap(spec)[0], DEEP_OPS=kcfg.deep_cap(spec)[1],
+        **dict(zip(("DEEP", "DEEP_OPS"), kcfg.deep_cap(spec))),
         WREL=kcfg.release_bytes(kcfg.ring_slots(spec)),
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,

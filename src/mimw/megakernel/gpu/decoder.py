@@ -61,11 +61,7 @@ class MegakernelDecoder:
                 self.cluster_fallback = why
                 self._plan(dataclasses.replace(kcfg, cluster_qkv=0), context_hint)
         if self.ce["WREL"] and not self.ce["XB"]:  # per-warp releases without clusters: their barriers' region
-            from . import cluster
-            from .kernel import megakernel
-
-            cluster.in_clusters(megakernel.warmup(*self._args(), grid=(self.num_sms,), **self.ce), 1,
-                                self.kcfg.region_bytes(self.spec))
+            self._compile_for_launch(1)
 
     def _plan(self, kcfg: KernelConfig, context_hint: int) -> None:
         """The step program for ``kcfg``, its step state and scratch, the kernel's constexprs and trace buffers
@@ -97,11 +93,9 @@ class MegakernelDecoder:
         finds) and set it to launch in clusters of two CTAs with the exchange region past Triton's shared memory.
         Returns None, or why it cannot run here: fewer clusters of two fit the GPU at once than it needs resident."""
         from . import cluster
-        from .kernel import megakernel
 
+        compiled = self._compile_for_launch(2)
         grid = (self.num_sms // 2,)
-        compiled = cluster.in_clusters(megakernel.warmup(*self._args(), grid=grid, **self.ce), 2,
-                                       self.kcfg.region_bytes(self.spec))  # the exchange (and WREL's barriers)
         compiled._init_handles()  # load it: the occupancy query needs the CUfunction
         num_warps, _, smem = compiled.packed_metadata
         fit = cluster.max_active_clusters(compiled.function, 2, 32 * num_warps, smem)
@@ -109,6 +103,17 @@ class MegakernelDecoder:
             return (f"cluster_qkv: {fit} clusters of two fit this GPU at {smem} bytes of shared memory, the kernel "
                     f"needs {grid[0]} resident ({self.num_sms} SMs)")
         return None
+
+    def _compile_for_launch(self, cluster_size: int):
+        """Compile this specialization (the JIT's cached kernel, which every later launch finds) and set it to launch
+        in clusters of ``cluster_size`` CTAs with the dynamic shared memory past Triton's that it needs
+        (``KernelConfig.region_bytes``: the per-warp releases' barriers, the cluster exchange)."""
+        from . import cluster
+        from .kernel import megakernel
+
+        grid = (self.num_sms // cluster_size,)
+        return cluster.in_clusters(megakernel.warmup(*self._args(), grid=grid, **self.ce), cluster_size,
+                                   self.kcfg.region_bytes(self.spec))
 
     def _args(self) -> tuple:
         s, x, w, c = self.state, self.scratch, self.w, self.cache

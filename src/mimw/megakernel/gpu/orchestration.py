@@ -56,8 +56,8 @@ def ring_init(empty, ready, NB: gl.constexpr):
 # %dynamic_smem_size - WOFF + 8 i (WOFF: the bytes from barrier 0 to the end of the dynamic shared memory, which
 # holds the cluster exchange region after them, gpu/cluster.py). Each counts its phase in warps: every consumer
 # warp's lane 0 arrives once the warp's own reads of the slot are done. Triton's single-thread release
-# (``consumer_release``) needs a partition barrier before it, and its barrier-insertion pass adds a second at the
-# top of every tile loop: two CTA barriers a tile that keep the warps in lockstep (bench/NOTES.md session 18).
+# (``consumer_release``) needs a partition barrier before it: one of the two CTA barriers a tile loop has (the other
+# comes with every ``mbarrier.wait`` in a multi-warp partition and stays; bench/NOTES.md session 18 §4).
 @gluon.jit
 def warp_ring_init(tid, NB: gl.constexpr, WOFF: gl.constexpr, NW: gl.constexpr):
     """Before ``gl.warp_specialize`` (``tid``: one element a thread of the partition running it): thread 0
