@@ -216,20 +216,22 @@ def test_per_warp_releases_compile_without_spills(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
 def test_down_proj_pairs_compile_without_spills(model):
-    """KernelConfig(cluster_down=True): DOWN_PROJ's column halves swap a row tile's sums with one more st.async
-    exchange (beside ATTN_IN's), in effect only with cluster_qkv 2 (the program pairs the 1B's row blocks, not the
-    8B's: ProgramConfig.cluster_down)."""
+    """KernelConfig.cluster_down (the default): DOWN_PROJ's column halves swap a row tile's sums with one more
+    st.async exchange (beside ATTN_IN's), in effect only with cluster_qkv 2 and without O_PROJ parts or merged
+    releases (the program pairs the 1B's row blocks, not the 8B's: ProgramConfig.cluster_down)."""
     from mimw.megakernel.program import StepShape, build_program
 
     spec = get_preset(model)
-    base = _ptx(spec, KernelConfig.for_spec(spec))
-    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), cluster_down=True)
+    kcfg = KernelConfig.for_spec(spec)
+    base = _ptx(spec, dataclasses.replace(kcfg, cluster_down=False))
     ptx = _spill_free_ptx(spec, kcfg)
     assert ptx.count("st.async") == base.count("st.async") + 1
     assert kcfg.down_pairs() and kcfg.program_config().cluster_down
-    assert not dataclasses.replace(kcfg, cluster_qkv=0).down_pairs()  # tickets: no cluster launch, no pairs
-    with pytest.raises(ValueError, match="cluster_qkv=2"):
-        dataclasses.replace(kcfg, cluster_qkv=1).check(spec)
+    for other in ({"cluster_qkv": 0}, {"cluster_qkv": 1}, {"o_parts": 8}, {"merge_signals": True},
+                  {"flag_act": True}, {"cluster_down": False}):
+        off = dataclasses.replace(kcfg, **other)
+        off.check(spec)  # the default's pairs never make another setting invalid
+        assert not off.down_pairs() and not off.program_config().cluster_down
     prog = build_program(spec, StepShape((1,), 1024), 132, kcfg.program_config())
     paired = any(i.OP.name == "DOWN_PROJ" and i.n_parts == 2 for i in prog.instructions())
     assert paired == (model == "llama-3.2-1b")
@@ -331,8 +333,9 @@ def test_fold_shuffle_epilogue_compiles_without_spills_and_with_fewer_barriers()
     spec = get_preset("llama-3.2-1b")
     ptx = _spill_free_ptx(spec, KernelConfig(fold_shuffle=True))
     base = _ptx(spec)
-    # two layout conversions (a barrier each) leave every inlined copy of the tensor-core epilogue
-    assert ptx.count("bar.sync") == base.count("bar.sync") - 12
+    # two layout conversions (a barrier each) leave every inlined copy of the tensor-core epilogue (seven with
+    # DOWN_PROJ's cluster pairs, the default: its half's row tiles have their own)
+    assert ptx.count("bar.sync") == base.count("bar.sync") - 14
     assert ptx.count("shfl.sync") > base.count("shfl.sync")
 
 

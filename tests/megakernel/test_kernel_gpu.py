@@ -152,12 +152,16 @@ def test_per_warp_releases_match_reference_over_64_steps(model, context, cluster
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("model,context,extra", [("llama-3.2-1b", 1000, {}), ("llama-3.2-1b", 8191, {}),
-                                                 ("smollm2-135m", 17, {}), ("llama-3.2-1b", 17, {"warp_release": True})])
+@pytest.mark.parametrize("model,context,extra", [("llama-3.2-1b", 1000, {"cluster_down": False}),
+                                                 ("smollm2-135m", 17, {"cluster_down": False}),
+                                                 ("llama-3.2-1b", 8191, {"cluster_qkv": 1}),
+                                                 ("llama-3.2-1b", 17, {"warp_release": True})])
 def test_down_proj_pairs_match_reference_over_64_steps(model, context, extra):
-    """KernelConfig(cluster_down=True): DOWN_PROJ's column halves of a row block on cluster mates, part 0 adding
-    part 1's sums (through shared memory) and the residual (the 1B's and SmolLM2's row blocks are few enough)."""
-    _matches_reference_over_64_steps(model, context, cluster_down=True, **extra)
+    """DOWN_PROJ's column halves of a row block on cluster mates (KernelConfig.cluster_down, the default: the
+    reference tests run them on the 1B and SmolLM2) beside the kernels without them: the whole row blocks of the
+    default until session 19, and cluster_qkv's mode 1, whose pairs keep DOWN_PROJ whole; and with the per-warp
+    releases."""
+    _matches_reference_over_64_steps(model, context, **extra)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")

@@ -95,11 +95,13 @@ class KernelConfig:
     # since session 16): asynchronous remote stores (st.async) that count their bytes on the mate's barrier, no
     # fence; measured -2.3% (1B) / -1.5% (8B) against tickets, mode 1 -1.9% / -1.0% (b2a8ca6, bench/NOTES.md
     # session 16). In effect only where a head has two parts to pair and without versioned words (``clusters()``)
-    cluster_down: bool = False  # XD: DOWN_PROJ's two column halves of a row block on the two CTAs of a cluster
+    cluster_down: bool = True  # XD: DOWN_PROJ's two column halves of a row block on the two CTAs of a cluster
     # where its row blocks are at most half the SMs (the 1B's 64 row tiles on 132 SMs; ProgramConfig.cluster_down):
-    # part 1 sends its row tile's sums to part 0 with st.async (cluster_qkv's mode 2 exchange, which it needs),
-    # part 0 adds them and the residual and stores x. The 1B's DOWN_PROJ instructions are bound by their own work
-    # on the tiles (session 18 §3): twice the SMs, half the tiles each (session 18, opt-in, not yet run on a GPU)
+    # part 1 sends its row tile's sums to part 0 with st.async, part 0 adds them and the residual and stores x. The
+    # 1B's DOWN_PROJ instructions were bound by their own work on the tiles (session 18 §3): twice the SMs, half the
+    # tiles each. Measured -2.3% (1B; DOWN_PROJ's window 11.2 -> 9.4 us), 8B unchanged (its 128 row blocks do not
+    # pair) at d7946e5 (bench/NOTES.md session 19). In effect with cluster_qkv's mode 2 exchange only, and not with
+    # o_parts or merged releases (``down_pairs()``)
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -187,8 +189,9 @@ class KernelConfig:
 
     def down_pairs(self) -> bool:
         """XD: DOWN_PROJ's cluster pairs in effect: ``cluster_down`` where the cluster pairs run with asynchronous
-        stores (``clusters()`` 2)."""
-        return self.cluster_down and self.clusters() == 2
+        stores (``clusters()`` 2: not with tickets, release arrivals or versioned words), and neither O_PROJ parts
+        (their x parts are summed in DOWN_PROJ's residual rows) nor merged releases (a half does not signal)."""
+        return self.cluster_down and self.clusters() == 2 and not (self.o_parts or self.merge_signals)
 
     def for_launch(self, spec: ModelSpec, num_sms: int) -> "KernelConfig":
         """This config as one launch on ``num_sms`` SMs runs it: without cluster pairs where none can form (an odd
@@ -227,8 +230,6 @@ class KernelConfig:
             raise ValueError(f"quiet_ops={self.quiet_ops}: the hold applies to streaming ops only, {streaming}")
         if not set(self.deep_ops) <= set(streaming):
             raise ValueError(f"deep_ops={self.deep_ops}: the in-flight cap applies to streaming ops only, {streaming}")
-        if self.cluster_down and self.cluster_qkv == 1:
-            raise ValueError("cluster_down exchanges with st.async: it needs cluster_qkv=2, not 1")
         if self.warp_release and not (self.mma and self.tile_major):
             raise ValueError("warp_release: the per-warp releases are built for the tensor-core consumer (mma=1)")
         if not 0 <= self.inflight_deep < self.ring_slots(spec):

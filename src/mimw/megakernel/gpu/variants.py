@@ -89,9 +89,8 @@ VARIANTS = {
     # each consumer warp releases a ring slot on its own (no partition barrier a tile)
     "tr32-wrel": KernelConfig(warp_release=True),
     "tr32-wrel-deepdown8": KernelConfig(warp_release=True, deep_ops=("DOWN_PROJ",), inflight_deep=8),
-    # DOWN_PROJ's column halves on cluster mates where its row blocks leave half the SMs idle (the 1B)
-    "tr32-xdown": KernelConfig(cluster_down=True),
-    "tr32-xdown-wrel": KernelConfig(cluster_down=True, warp_release=True),
+    # DOWN_PROJ's row blocks whole on one SM each, half the SMs idle in the 1B's stage (the default until session 19)
+    "tr32-noxdown": KernelConfig(cluster_down=False),
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
