@@ -63,11 +63,21 @@ def test_mlp_in_blocks_come_in_half_tiles_so_the_8b_stage_balances():
     assert max(per_sm) == 7
 
 
-@pytest.mark.parametrize("ctx,n", [(1, 16), (17, 4), (1000, 16), (8191, 16), (5, 5)])
-def test_split_ranges_partition_the_context(ctx, n):
-    ranges = [split_range(ctx, s, n) for s in range(n)]
+@pytest.mark.parametrize("ctx,n,new", [(1, 16, 1), (17, 4, 1), (1000, 16, 1), (8191, 16, 1), (5, 5, 1),
+                                       (1025, 16, 1), (8193, 16, 1), (40, 16, 4), (4, 3, 4)])
+def test_split_ranges_partition_the_context(ctx, n, new):
+    ranges = [split_range(ctx, s, n, new) for s in range(n)]
     covered = [p for lo, hi in ranges for p in range(lo, hi)]
     assert covered == list(range(ctx))
+    assert all(p in range(*ranges[-1]) for p in range(ctx - new, ctx))  # the last split holds the step's tokens
+    past = -(-(ctx - new) // n)  # and no split more than its share of the past
+    assert all(min(hi, ctx - new) - lo <= past for lo, hi in ranges)
+
+
+def test_split_ranges_keep_the_past_in_whole_blocks():
+    """Context 1024 (+1 new) on 16 splits: 64 past positions a split, one 64-position block on the GPU (the new row
+    in the last split, read after the wait), not 65 positions and two blocks in every split."""
+    assert [split_range(1025, s, 16) for s in (0, 1, 15)] == [(0, 64), (64, 128), (960, 1025)]
 
 
 @pytest.mark.parametrize("k,tile_k,n", [(2048, 256, 3), (4096, 256, 3), (576, 256, 2), (64, 16, 3), (4096, 256, 16)])

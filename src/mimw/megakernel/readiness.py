@@ -63,7 +63,8 @@ class Readiness:
         return slice(t0, t0 + self.program.shape.seg_lens[seg])
 
     def _split(self, ins) -> tuple[int, int]:
-        return split_range(int(self.state.seg_ctx[ins.seg]), ins.split, ins.n_splits)
+        return split_range(int(self.state.seg_ctx[ins.seg]), ins.split, ins.n_splits,
+                           self.program.shape.seg_lens[ins.seg])
 
     def _require(self, ins: Instruction, what: str, ver: np.ndarray, want: int) -> None:
         if not bool((ver == want).all()):

@@ -145,8 +145,13 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
     )
 
 
-def split_range(ctx: int, split: int, n_splits: int) -> tuple[int, int]:
-    """Positions [lo, hi) of attention split ``split`` over a context of ``ctx`` positions (possibly empty)."""
-    chunk = -(-ctx // n_splits)
-    lo = min(ctx, split * chunk)
-    return lo, min(ctx, lo + chunk)
+def split_range(ctx: int, split: int, n_splits: int, new: int = 1) -> tuple[int, int]:
+    """Positions [lo, hi) of attention split ``split`` over a context of ``ctx`` positions (possibly empty), whose
+    last ``new`` are this step's tokens: the ``ctx - new`` past positions go in chunks of ``ceil((ctx - new) /
+    n_splits)``, and the last split also takes this step's positions. So the past blocks of a split do not grow by
+    a step's tokens (context 1024 on 16 splits: 64 past positions each, one 64-position block on the GPU, not 65),
+    and the split that holds this step's rows is always the last (the GPU reads them after its wait, with q)."""
+    past = max(ctx - new, 0)
+    chunk = -(-past // n_splits)
+    lo = min(past, split * chunk)
+    return lo, (ctx if split == n_splits - 1 else min(past, lo + chunk))

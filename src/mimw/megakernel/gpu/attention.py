@@ -7,9 +7,11 @@ for the scores of all GP heads (GP = G rounded up to a power of two; padding hea
 stored). Each warp owns BT / num_warps consecutive positions of every block and keeps its own online-softmax state,
 so every reduction inside the loop stays within a warp; the warps' states merge once at the end. The first block's
 past K/V is requested BEFORE the instruction's dependency wait (``prefetch``): it does not depend on this step,
-only the newest row (position ``pos``, written by ATTN_IN) does, and that row alone is reloaded after the wait.
-Later blocks cost one round trip each (K and V requested together); holding the next block's K/V in registers
-too would spill, the compute partition being at its 255-register limit.
+only the newest row (position ``pos``, written by ATTN_IN) does. The blocks hold past positions only
+(``split_range``: the last split also holds ``pos``): that split reads the newest row after the wait, in the
+round trip of q, and adds it to warp 0's state as one more position. Later blocks cost one round trip each (K
+and V requested together); holding the next block's K/V in registers too would spill, the compute partition
+being at its 255-register limit.
 Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax
 uses exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). K/V rows are read
 with 16-byte vector loads through L2 (.cg): the newest row was written by another CTA in this step.
@@ -42,16 +44,6 @@ def _kv(kc_ptr, vc_ptr, row, m, d3, HD: gl.constexpr):
     k = gl.load(kc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
     v = gl.load(vc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
     return k, v
-
-
-@gluon.jit
-def _later(t, hi, pos, SKIP_POS: gl.constexpr):
-    """Which positions ``t`` of a later block to copy: those in the split, but not ``pos`` when its row comes from
-    this step's words or finish instead of the cache (SKIP_POS)."""
-    if SKIP_POS:
-        return (t < hi) & (t != pos)
-    else:
-        return t < hi
 
 
 @gluon.jit
@@ -143,26 +135,27 @@ def _positions(BT: gl.constexpr, NW: gl.constexpr, L2: gl.constexpr):
 
 @gluon.jit
 def split_range(split, n_splits, ctx):
-    chunk = (ctx + n_splits - 1) // n_splits
-    lo = gl.minimum(split * chunk, ctx)
-    return lo, gl.minimum(lo + chunk, ctx)
+    """state.split_range with one new position (M = 1): the ctx - 1 past positions in chunks, the last split also
+    holding position ctx - 1. Returns (lo, hi, the end of the past positions in [lo, hi))."""
+    past = ctx - 1
+    chunk = (past + n_splits - 1) // n_splits
+    lo = gl.minimum(split * chunk, past)
+    hp = gl.minimum(lo + chunk, past)
+    return lo, gl.where(split == n_splits - 1, ctx, hp), hp
 
 
 @gluon.jit
 def prefetch(layer, kvh, seg, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
              HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr, BT: gl.constexpr, NW: gl.constexpr,
              L4: gl.constexpr):
-    """ATTN_PARTIAL, before its dependency wait: the first block's past K/V (every position but ``pos``, which
-    ATTN_IN writes in this step) does not depend on the step, so its round trip overlaps the wait. Returns (k, v,
-    the block's cache rows): ``partial`` reloads the newest row from those rows without a second block-table
-    gather after the wait."""
+    """ATTN_PARTIAL, before its dependency wait: the first block's K/V (past positions only; ``pos``, which ATTN_IN
+    writes in this step, is never in a block) does not depend on the step, so its round trip overlaps the wait."""
     KV3: gl.constexpr = gl.SliceLayout(1, L4)
-    lo, hi = split_range(split, n_splits, ctx)
+    lo, hi, hp = split_range(split, n_splits, ctx)
     t = lo + _positions(BT, NW, gl.SliceLayout(2, KV3))
     d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
-    row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
-    k, v = _kv(kc_ptr, vc_ptr, row, (t < hi) & (t != pos), d3, HD)
-    return k, v, row
+    row = _rows(bt_ptr, seg, MAXP, t, hp, layer, NP, kvh, HKV, PS)
+    return _kv(kc_ptr, vc_ptr, row, t < hp, d3, HD)
 
 
 @gluon.jit
@@ -181,18 +174,19 @@ def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
 
 
 @gluon.jit
-def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP, SPLITS,
+def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP, SPLITS,
             po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
             qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr, ver=0,
             VQ: gl.constexpr = False, fin_q=None, fin_k=None, fin_v=None, tok_page=0, FIN: gl.constexpr = False,
             kvbuf=None, KVP: gl.constexpr = False, TRACE: gl.constexpr = False):
-    """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v) and its cache rows ``row0``. Warp w keeps
-    its own online-softmax state over its BTW positions of every block (all reductions inside the block stay within
-    a warp); the NW states are merged once at the end. ``VQ`` (isa.READS_Q): there was no wait; q and the new row
-    (position ``pos``) are versioned words at ``q_ptr`` ([Hq + 2 Hkv, HD], qkv_finish) and their loads are the wait
-    — the new row only for the split that holds ``pos``; the cache is never read at ``pos``. ``FIN``
+    """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v). Warp w keeps its own online-softmax
+    state over its BTW positions of every block (all reductions inside the block stay within a warp); the NW states
+    are merged once at the end. The blocks cover the split's past positions [lo, hp); the split that holds ``pos``
+    (the last) reads the new row with q, after the wait (from the cache, page ``tok_page``, where ATTN_IN stored
+    it), and adds it to warp 0's state after the blocks. ``VQ`` (isa.READS_Q): there was no wait; q and the new row
+    are versioned words at ``q_ptr`` ([Hq + 2 Hkv, HD], qkv_finish) and their loads are the wait. ``FIN``
     (isa.QKV_IN_ATTN): q and the new row are ``finish_heads``' (fin_q, fin_k, fin_v), and the split holding ``pos``
-    stores the row to the cache (page ``tok_page``) for later steps. ``KVP`` (KernelConfig.kv_pipeline): the
+    stores the row to the cache for later steps. ``KVP`` (KernelConfig.kv_pipeline): the
     later blocks come through shared memory (``kvbuf``, two stages): blocks 1 and 2 are requested before block 0 is
     computed, block b + 2 as soon as block b is read, the block-table gather one block further ahead. ``TRACE``:
     returns %globaltimer after block 0, after the later blocks and after the partial's stores (trace.py's
@@ -201,7 +195,7 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
     Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
     S3: gl.constexpr = gl.SliceLayout(3, L4)  # [NW, GP, BTW] scores
-    lo, hi = split_range(split, n_splits, ctx)
+    lo, hi, hp = split_range(split, n_splits, ctx)
     tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
     ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
     d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
@@ -216,46 +210,41 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
     else:
         q = gl.load(q_ptr + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * qscale
     q4 = gl.expand_dims(q, 2)
-    # the newest row (position pos) was written by ATTN_IN after prefetch: reload just that row into the block, at
-    # the rows prefetch gathered (one round trip after the wait, with q's, not two)
-    t = lo + tk
-    addr = gl.expand_dims(row0, 2) * HD + d3
-    new = gl.expand_dims((t < hi) & (t == pos), 2)
-    if VQ or FIN:  # the row is not the cache's: patched into whichever block holds pos
-        here = (d3 * 0 + ((lo <= pos) & (pos < hi)).to(gl.int32)) != 0  # this split holds pos
-        if FIN:  # finished here; the split holding pos also stores it for later steps
-            k_new = fin_k.to(gl.bfloat16)
-            v_new = fin_v.to(gl.bfloat16)
-            at = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD + d3
-            gl.store(kc_ptr + at, k_new, mask=here)
-            gl.store(vc_ptr + at, v_new, mask=here)
-        else:  # from the finisher's versioned words (zeros, no load, for a split without pos)
-            k_new = versioned.wait(q_ptr + (HQ + kvh) * HD + d3, here, ver).to(gl.bfloat16)
-            v_new = versioned.wait(q_ptr + (HQ + HKV + kvh) * HD + d3, here, ver).to(gl.bfloat16)
-        k = gl.where(new, k_new, k)
-        v = gl.where(new, v_new, v)
-    else:
-        k = gl.load(kc_ptr + addr, mask=new, other=k, cache_modifier=".cg")
-        v = gl.load(vc_ptr + addr, mask=new, other=v, cache_modifier=".cg")
+    # the newest row (position pos) [1, 1, HD], in flight with q's loads: only the split holding pos reads it
+    holds = (lo <= pos) & (pos < hi)
+    here = (d3 * 0 + holds.to(gl.int32)) != 0
+    if FIN:  # finished here; the split holding pos also stores it for later steps
+        k_new = fin_k.to(gl.bfloat16)
+        v_new = fin_v.to(gl.bfloat16)
+        at = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD + d3
+        gl.store(kc_ptr + at, k_new, mask=here)
+        gl.store(vc_ptr + at, v_new, mask=here)
+    elif VQ:  # from the finisher's versioned words (zeros, no load, for a split without pos), rounded as cached
+        k_new = versioned.wait(q_ptr + (HQ + kvh) * HD + d3, here, ver).to(gl.bfloat16)
+        v_new = versioned.wait(q_ptr + (HQ + HKV + kvh) * HD + d3, here, ver).to(gl.bfloat16)
+    else:  # from the cache, where ATTN_IN stored it before it signalled
+        at = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD + d3
+        k_new = gl.load(kc_ptr + at, mask=here, other=0.0, cache_modifier=".cg")
+        v_new = gl.load(vc_ptr + at, mask=here, other=0.0, cache_modifier=".cg")
     m_i = gl.full([NW, GP], EMPTY_M, gl.float32, gl.SliceLayout(2, S3))
     l_i = gl.zeros([NW, GP], gl.float32, gl.SliceLayout(2, S3))
     o = gl.zeros([NW, GP, HD], gl.float32, Q3)
     if KVP:  # blocks 1 and 2 in flight while block 0 is computed; the rows of block 3 gathered
         t1 = lo + BT + tk
-        _copy_block(kvbuf, 1, kc_ptr, vc_ptr, _rows(bt_ptr, seg, MAXP, t1, hi, layer, NP, kvh, HKV, PS),
-                    _later(t1, hi, pos, VQ or FIN), d3, HD)
+        _copy_block(kvbuf, 1, kc_ptr, vc_ptr, _rows(bt_ptr, seg, MAXP, t1, hp, layer, NP, kvh, HKV, PS), t1 < hp,
+                    d3, HD)
         t2 = lo + 2 * BT + tk
-        _copy_block(kvbuf, 0, kc_ptr, vc_ptr, _rows(bt_ptr, seg, MAXP, t2, hi, layer, NP, kvh, HKV, PS),
-                    _later(t2, hi, pos, VQ or FIN), d3, HD)
-        rnext = _rows(bt_ptr, seg, MAXP, lo + 3 * BT + tk, hi, layer, NP, kvh, HKV, PS)
-    # block 0 (prefetched, patched), then the rest of the split: one round trip per block, or (KVP) pipelined
-    m_i, l_i, o = _block(q4, k, v, lo + ts < hi, m_i, l_i, o, Q3)
+        _copy_block(kvbuf, 0, kc_ptr, vc_ptr, _rows(bt_ptr, seg, MAXP, t2, hp, layer, NP, kvh, HKV, PS), t2 < hp,
+                    d3, HD)
+        rnext = _rows(bt_ptr, seg, MAXP, lo + 3 * BT + tk, hp, layer, NP, kvh, HKV, PS)
+    # block 0 (prefetched), then the rest of the split's past: one round trip per block, or (KVP) pipelined
+    m_i, l_i, o = _block(q4, k, v, lo + ts < hp, m_i, l_i, o, Q3)
     t_first = 0
     t_rest = 0
     t_stored = 0
     if TRACE:  # q's round trip and block 0 (its loads issued before the wait)
         t_first = globaltimer_after(_dep(l_i, o))
-    for t0 in range(lo + BT, hi, BT):
+    for t0 in range(lo + BT, hp, BT):
         t = t0 + tk
         if KVP:
             st = ((t0 - lo) // BT) % 2
@@ -263,18 +252,17 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, row0, q_ptr, kc_pt
             k = kvbuf.index(2 * st).load(KV3)
             v = kvbuf.index(2 * st + 1).load(KV3)
             t2 = t + 2 * BT
-            _copy_block(kvbuf, st, kc_ptr, vc_ptr, rnext, _later(t2, hi, pos, VQ or FIN), d3, HD)
-            rnext = _rows(bt_ptr, seg, MAXP, t + 3 * BT, hi, layer, NP, kvh, HKV, PS)
+            _copy_block(kvbuf, st, kc_ptr, vc_ptr, rnext, t2 < hp, d3, HD)
+            rnext = _rows(bt_ptr, seg, MAXP, t + 3 * BT, hp, layer, NP, kvh, HKV, PS)
         else:
-            row = _rows(bt_ptr, seg, MAXP, t, hi, layer, NP, kvh, HKV, PS)
-            k, v = _kv(kc_ptr, vc_ptr, row, _later(t, hi, pos, VQ or FIN), d3, HD)
-        if VQ or FIN:
-            new = gl.expand_dims((t < hi) & (t == pos), 2)
-            k = gl.where(new, k_new, k)
-            v = gl.where(new, v_new, v)
-        m_i, l_i, o = _block(q4, k, v, t0 + ts < hi, m_i, l_i, o, Q3)
+            row = _rows(bt_ptr, seg, MAXP, t, hp, layer, NP, kvh, HKV, PS)
+            k, v = _kv(kc_ptr, vc_ptr, row, t < hp, d3, HD)
+        m_i, l_i, o = _block(q4, k, v, t0 + ts < hp, m_i, l_i, o, Q3)
     if KVP:
         async_copy.wait_group(0)  # no copy may land in kvbuf after this instruction
+    if holds:  # the newest row: one more position, warp 0's first (the rest of the block masked)
+        one = gl.zeros([NW, BT // NW, HD], gl.float32, KV3)
+        m_i, l_i, o = _block(q4, one + k_new.to(gl.float32), one + v_new.to(gl.float32), ts == 0, m_i, l_i, o, Q3)
     if TRACE:
         t_rest = globaltimer_after(_dep(l_i, o))
     # merge the warps' states

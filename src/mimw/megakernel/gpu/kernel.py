@@ -248,7 +248,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             kvh = a
             split = _field(w, offs, W_C)
             n_splits = _field(w, offs, W_D)
-            k0, v0, row0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr,
+            k0, v0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr,
                                               MAXP, NP, HKV, HD, PS, BT, num_warps, L4)
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
@@ -261,7 +261,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                                                     num_warps, L4)
             # (FLAG_Q and QKV_IN_ATTN exclude each other: KernelConfig.check)
             t_first, t_rest, t_stored = attention.partial(
-                layer, kvh, b, split, n_splits, ctx, pos, k0, v0, row0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
+                layer, kvh, b, split, n_splits, ctx, pos, k0, v0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
                 SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4, vstep + layer, FLAG_Q,
                 fq, fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP, TRACE)
         else:

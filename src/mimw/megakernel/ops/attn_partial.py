@@ -1,7 +1,8 @@
 """ATTN_PARTIAL: attention of one segment's query tokens over one split of its context, for the G query heads
 that share one KV head.
 
-    ctx = seg_ctx[seg];  [lo, hi) = split_range(ctx, split, n_splits)       (possibly empty)
+    ctx = seg_ctx[seg];  [lo, hi) = split_range(ctx, split, n_splits, seg_len)   (possibly empty; the last
+    split holds the segment's new positions)
     for every query token t of the segment (position p_t) and query head h of the group (h = kv_head*G + j):
         s_j   = (q[t, h] . K[j]) * hd^-0.5        for j in [lo, hi), masked out where j > p_t (causal)
         m     = max_j s_j                       (EMPTY_M when no j survives)
@@ -31,7 +32,7 @@ def solve(ctx: OpContext, ins: AttnPartial) -> None:
     spec, sc = ctx.spec, ctx.scratch
     g, hd = spec.group_size, spec.head_dim
     toks, heads = ctx.seg_tokens(ins.seg), slice(ins.kv_head * g, (ins.kv_head + 1) * g)
-    lo, hi = split_range(int(ctx.state.seg_ctx[ins.seg]), ins.split, ins.n_splits)
+    lo, hi = split_range(int(ctx.state.seg_ctx[ins.seg]), ins.split, ins.n_splits, toks.stop - toks.start)
     if lo == hi:
         sc.part_o[toks, heads, ins.split] = 0.0
         sc.part_ml[toks, heads, ins.split, 0] = EMPTY_M
