@@ -30,29 +30,35 @@ def test_summary_adds_up_waits_busy_times_and_stage_windows():
 def test_summary_splits_attn_partial_busy_time_into_its_phases_from_the_four_extra_stamps():
     from mimw.megakernel import isa
 
-    prog = build_program(get_preset("tiny-llama"), StepShape((1,), 32), 3)
+    prog = build_program(get_preset("tiny-llama"), StepShape((1,), 256), 8)
     words, lens = prog.encode()
-    trace = torch.zeros(3, words.shape[1], 8, dtype=torch.int64)
-    n_attn = n_ticket = 0
-    for s in range(3):
+    trace = torch.zeros(8, words.shape[1], 8, dtype=torch.int64)
+    n_attn = n_ticket = n_last = 0
+    for s in range(8):
         t = 5000 + 1000 * s
         for i in range(int(lens[s])):
             trace[s, i, :4] = torch.tensor([t, t + 1000, t + 2600, t + 3000])
             if int(words[s, i, isa.Word.OP]) == isa.Op.ATTN_PARTIAL:  # q + block 0 0.5 us, later blocks 0.3, merge
                 n_attn += 1                                               # and stores 0.2; a ticket on odd SMs
                 trace[s, i, 4:7] = torch.tensor([t + 1500, t + 1800, t + 2000])
+                if int(words[s, i, isa.Word.C]) == int(words[s, i, isa.Word.D]) - 1:  # the split with the new row:
+                    n_last += 1                                                    # later blocks 0.4, merge 0.1
+                    trace[s, i, 5] = t + 1900
                 if s % 2:
                     n_ticket += 1
                     trace[s, i, 7] = t + 2100  # ticket 0.1 us, then the combine until stored (0.5 us)
             t += 3000
     out = summarize(trace, words, lens)
-    assert n_attn and n_ticket and n_ticket < n_attn
+    assert n_attn and n_ticket and n_ticket < n_attn and 0 < n_last < n_attn
     ph = out["attn_phases_us"]
-    assert ph["q_and_block0"] == pytest.approx(0.5) and ph["later_blocks"] == pytest.approx(0.3)
-    assert ph["merge_and_store"] == pytest.approx(0.2)
+    assert ph["q_and_block0"] == pytest.approx(0.5)
+    assert ph["later_blocks"] == pytest.approx((0.3 * (n_attn - n_last) + 0.4 * n_last) / n_attn)
+    assert ph["merge_and_store"] == pytest.approx((0.2 * (n_attn - n_last) + 0.1 * n_last) / n_attn)
+    last = out["attn_last_split_us"]
+    assert last["later_blocks"] == pytest.approx(0.4) and last["merge_and_store"] == pytest.approx(0.1)
     assert ph["ticket"] == pytest.approx(0.1) and ph["combine"] == pytest.approx(0.5)  # only splits with a ticket
     assert out["ops"]["ATTN_PARTIAL"]["mean_busy_us"] == pytest.approx(2.0)  # the first four stamps as before
-    assert "ATTN_PARTIAL busy" in format_summary(out)
+    assert "ATTN_PARTIAL busy" in format_summary(out) and "the last splits" in format_summary(out)
     assert "attn_phases_us" not in summarize(trace[:, :, :4], words, lens)  # a 4-stamp trace has no phases
 
 

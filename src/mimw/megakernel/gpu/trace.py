@@ -36,7 +36,8 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -
     release (outputs stored -> signalled: the barrier and the counter's release, which waits until the stores are
     visible); with 8 stamps, ``attn_phases_us``: ATTN_PARTIAL's busy time before its release, split into q's round
     trip with block 0, the later blocks, the warps' merge with the partial's stores, the ticket (splits that draw
-    one) and the combine (the last split's; 0 for the others). Each phase stamp waits for a cross-warp reduction
+    one) and the combine (the last split's; 0 for the others), and ``attn_last_split_us`` the same for the splits
+    that hold the step's own row (split n_splits - 1, state.split_range). Each phase stamp waits for a cross-warp reduction
     of the phase's results (the stamps after block 0 and after the later blocks, for the softmax sums and the P V
     accumulator both), so a traced split runs a little slower than an untraced one."""
     t, w, n = trace.cpu(), words.cpu(), lengths.cpu()
@@ -45,18 +46,20 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -
     per_op: dict[str, dict] = defaultdict(lambda: dict(count=0, wait_us=0.0, busy_us=0.0, release_us=0.0))
     stages: dict[tuple[int, int], list[float]] = {}
     phases: dict[str, list[float]] = {k: [] for k in ATTN_PHASES}
+    last: dict[str, list[float]] = {k: [] for k in ATTN_PHASES}  # the splits holding the step's row (the last)
     for s, i in valid:
         op, layer = isa.Op(int(w[s, i, isa.Word.OP])), int(w[s, i, isa.Word.LAYER])
         start, ready, stored, done = (int(x) - t0 for x in t[s, i, :4])
         if op == isa.Op.ATTN_PARTIAL and t.shape[2] >= 8:
             first, rest, part, ticket = (int(x) for x in t[s, i, 4:8])
             first, rest, part = first - t0, rest - t0, part - t0
-            phases["q_and_block0"].append((first - ready) / 1e3)
-            phases["later_blocks"].append((rest - first) / 1e3)
-            phases["merge_and_store"].append((part - rest) / 1e3)
+            to = last if int(w[s, i, isa.Word.C]) == int(w[s, i, isa.Word.D]) - 1 else phases
+            to["q_and_block0"].append((first - ready) / 1e3)
+            to["later_blocks"].append((rest - first) / 1e3)
+            to["merge_and_store"].append((part - rest) / 1e3)
             if ticket:  # a combining split drew its ticket; the last one then combined
-                phases["ticket"].append((ticket - t0 - part) / 1e3)
-                phases["combine"].append((stored - (ticket - t0)) / 1e3)
+                to["ticket"].append((ticket - t0 - part) / 1e3)
+                to["combine"].append((stored - (ticket - t0)) / 1e3)
         d = per_op[op.name]
         d["count"] += 1
         d["wait_us"] += (ready - start) / 1e3
@@ -71,8 +74,9 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -
     windows = [dict(op=isa.Op(o).name, layer=l, first_ready_us=a, last_done_us=b)
                for (o, l), (a, b) in sorted(stages.items(), key=lambda kv: kv[1][0])]
     out = dict(step_us=end / 1e3, ops=ops, stages=windows, critical_path_us=critical_path(windows), origin_ns=t0)
-    if phases["q_and_block0"]:
-        out["attn_phases_us"] = {k: sum(v) / len(v) for k, v in phases.items() if v}
+    if phases["q_and_block0"] or last["q_and_block0"]:
+        out["attn_phases_us"] = {k: sum(v + last[k]) / len(v + last[k]) for k, v in phases.items() if v + last[k]}
+        out["attn_last_split_us"] = {k: sum(v) / len(v) for k, v in last.items() if v}
     return out
 
 
@@ -105,6 +109,9 @@ def format_summary(s: dict, layers: int = 2) -> str:
                      f"{v['mean_release_us']:14.2f}")
     if s.get("attn_phases_us"):
         lines.append("ATTN_PARTIAL busy, mean us: " + ", ".join(f"{k} {v:.2f}" for k, v in s["attn_phases_us"].items()))
+    if s.get("attn_last_split_us"):
+        lines.append("  of it the last splits (the step's row): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in s["attn_last_split_us"].items()))
     if s.get("critical_path_us"):
         lines.append("critical path per layer (mean over layers 1..L-1, us): " + ", ".join(
             f"{k} {v:.1f}" for k, v in s["critical_path_us"].items()))

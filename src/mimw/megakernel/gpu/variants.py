@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--check-steps", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--trace", action="store_true", help="also record one traced step per variant (gpu/trace.py)")
+    ap.add_argument("--save-trace", action="store_true", help="with --trace, also save each traced step's stamps "
+                    "and program (trace-<model>-<variant>.pt under --out: trace, words, lens) for analysis off the GPU")
     ap.add_argument("--trace-tiles", action="store_true", help="with --trace, also stamp every weight tile (load "
                     "latency, the loaders' wait for slots, bytes issued per stage window)")
     ap.add_argument("--timelines", default="default", help="variants whose tile trace is also drawn as a timeline "
@@ -202,6 +204,9 @@ def main() -> None:
                     tdec.step(5, a.context, table)  # the second, warm launch is the one recorded
                     torch.cuda.synchronize()
                     row["trace"] = summarize(tdec.trace, tdec.words, tdec.lens)
+                    if a.save_trace:
+                        torch.save(dict(trace=tdec.trace.cpu(), words=tdec.words.cpu(), lens=tdec.lens.cpu()),
+                                   os.path.join(a.out, f"trace-{model}-{name}.pt"))
                     print(format_summary(row["trace"]), flush=True)
                     if a.trace_tiles:
                         tr = row["trace"]
