@@ -9,9 +9,9 @@ so every reduction inside the loop stays within a warp; the warps' states merge 
 past K/V is requested BEFORE the instruction's dependency wait (``prefetch``): it does not depend on this step,
 only the newest row (position ``pos``, written by ATTN_IN) does. The blocks hold past positions only
 (``split_range``: the last split also holds ``pos``): that split reads the newest row after the wait, in the
-round trip of q, and adds it to warp 0's state as one more position. Later blocks cost one round trip each (K
-and V requested together); holding the next block's K/V in registers too would spill, the compute partition
-being at its 255-register limit.
+round trip of q, and adds it to warp 0's state as one more position before block 0. Later blocks cost one round
+trip each (K and V requested together); holding the next block's K/V in registers too would spill, the compute
+partition being at its 255-register limit.
 Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax
 uses exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). K/V rows are read
 with 16-byte vector loads through L2 (.cg): the newest row was written by another CTA in this step.
@@ -183,7 +183,7 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     state over its BTW positions of every block (all reductions inside the block stay within a warp); the NW states
     are merged once at the end. The blocks cover the split's past positions [lo, hp); the split that holds ``pos``
     (the last) reads the new row with q, after the wait (from the cache, page ``tok_page``, where ATTN_IN stored
-    it), and adds it to warp 0's state after the blocks. ``VQ`` (isa.READS_Q): there was no wait; q and the new row
+    it), and adds it to warp 0's state before block 0. ``VQ`` (isa.READS_Q): there was no wait; q and the new row
     are versioned words at ``q_ptr`` ([Hq + 2 Hkv, HD], qkv_finish) and their loads are the wait. ``FIN``
     (isa.QKV_IN_ATTN): q and the new row are ``finish_heads``' (fin_q, fin_k, fin_v), and the split holding ``pos``
     stores the row to the cache for later steps. ``KVP`` (KernelConfig.kv_pipeline): the
@@ -237,6 +237,10 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
         _copy_block(kvbuf, 0, kc_ptr, vc_ptr, _rows(bt_ptr, seg, MAXP, t2, hp, layer, NP, kvh, HKV, PS), t2 < hp,
                     d3, HD)
         rnext = _rows(bt_ptr, seg, MAXP, lo + 3 * BT + tk, hp, layer, NP, kvh, HKV, PS)
+    if holds:  # the newest row first, its loads in q's round trip: one position, warp 0's first (the rest of the
+        # block masked). After the blocks it cost ~1 us more (its loads sank to their use, a round trip of their own)
+        one = gl.zeros([NW, BT // NW, HD], gl.float32, KV3)
+        m_i, l_i, o = _block(q4, one + k_new.to(gl.float32), one + v_new.to(gl.float32), ts == 0, m_i, l_i, o, Q3)
     # block 0 (prefetched), then the rest of the split's past: one round trip per block, or (KVP) pipelined
     m_i, l_i, o = _block(q4, k, v, lo + ts < hp, m_i, l_i, o, Q3)
     t_first = 0
@@ -260,9 +264,6 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
         m_i, l_i, o = _block(q4, k, v, t0 + ts < hp, m_i, l_i, o, Q3)
     if KVP:
         async_copy.wait_group(0)  # no copy may land in kvbuf after this instruction
-    if holds:  # the newest row: one more position, warp 0's first (the rest of the block masked)
-        one = gl.zeros([NW, BT // NW, HD], gl.float32, KV3)
-        m_i, l_i, o = _block(q4, one + k_new.to(gl.float32), one + v_new.to(gl.float32), ts == 0, m_i, l_i, o, Q3)
     if TRACE:
         t_rest = globaltimer_after(_dep(l_i, o))
     # merge the warps' states

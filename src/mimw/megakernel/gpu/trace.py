@@ -37,9 +37,9 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -
     visible); with 8 stamps, ``attn_phases_us``: ATTN_PARTIAL's busy time before its release, split into q's round
     trip with block 0, the later blocks, the warps' merge with the partial's stores, the ticket (splits that draw
     one) and the combine (the last split's; 0 for the others), and ``attn_last_split_us`` the same for the splits
-    that hold the step's own row (split n_splits - 1, state.split_range). Each phase stamp waits for a cross-warp reduction
-    of the phase's results (the stamps after block 0 and after the later blocks, for the softmax sums and the P V
-    accumulator both), so a traced split runs a little slower than an untraced one."""
+    that hold the step's own row (split n_splits - 1, state.split_range). Each phase stamp waits for a cross-warp
+    reduction of the phase's results (the stamps after block 0 and after the later blocks, for the softmax sums and
+    the P V accumulator both), so a traced split runs a little slower than an untraced one."""
     t, w, n = trace.cpu(), words.cpu(), lengths.cpu()
     valid = [(s, i) for s in range(t.shape[0]) for i in range(int(n[s]))]
     t0 = min(int(t[s, i, 0]) for s, i in valid)
