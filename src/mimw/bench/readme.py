@@ -47,7 +47,7 @@ def table(runs: list[tuple[Path, dict, int]], link_dir: str = "results") -> str:
     lines = ["| model | context | backend | ms/step | tokens/s | × floor | vs best peer | check | GPU, date, commit |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
     for p, doc, c in runs:
-        where = (f"{doc.get('gpu', '?')}, {doc.get('date', '?')}, `{doc.get('commit', '?')}` "
+        where = (f"{doc.get('gpu', '?')}, {doc.get('date', '?')}, `{str(doc.get('commit', '?'))[:7]}` "
                  f"([json]({link_dir}/{p.name}))")
         rows = sorted((r for r in doc["results"] if r.get("ms_per_step") and r["context"] == c),
                       key=lambda r: r["ms_per_step"])
