@@ -11,7 +11,8 @@
 #              the per-warp releases, DOWN_PROJ's cluster pairs, and the decoder's fall-back to tickets (25, ~5 min)
 #   versioned  the versioned-word tests (25, ~4 min), in their own process under a time limit (a reader whose
 #              words never come spins: a hang must not eat the call)
-#   sanitize   compute-sanitizer synccheck and racecheck on small shapes (~2.5 min; racecheck is cut at 200 s)
+#   sanitize   compute-sanitizer synccheck (each case in its own process) and racecheck on small shapes (~5 min;
+#              racecheck is cut at 200 s; SANITIZE_ARGS=--hold-count: every kernel with the hold's count)
 #   trace      the per-instruction trace of the 1B and 8B shapes at context 1024 (~2.5 min)
 #   cluster    thread-block clusters (gpu/cluster.py): the probe's test, the GPU file's cluster_qkv modes beside
 #              the default (0, tickets; 1, release arrivals: 4 shapes x contexts 1/1000/8191 x 64 steps), then the
@@ -38,7 +39,7 @@ if has tests; then
     rc[gpu-tests]=$?
     tail -n 3 "$out/gpu-tests.log"
 fi
-hold_k="(release_hold or deeper_in_flight or per_warp_releases or down_proj_pairs or falls_back)"
+hold_k="(release_hold or hold_count or deeper_in_flight or per_warp_releases or down_proj_pairs or falls_back)"
 if has optin; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
         -k "not versioned and not megakernel_matches_reference and not traced_launch and not cluster_pairs and not $hold_k" \
@@ -59,12 +60,21 @@ if has versioned; then
     tail -n 3 "$out/versioned-tests.log"
 fi
 if has sanitize; then
-    for tool in synccheck racecheck; do
-        timeout "${SANITIZER_TIMEOUT:-200}" "$sanitizer" --tool "$tool" python3 -m mimw.megakernel.gpu.sanitize \
-            > "$out/$tool.log" 2>&1
-        rc[$tool]=$?
+    # synccheck case by case, each in its own process (an error aborts the launch and the process's CUDA context);
+    # SANITIZE_ARGS=--hold-count runs every kernel with the release hold's count instead of its mbarrier
+    : > "$out/synccheck.log"
+    rc[synccheck]=0
+    for case in $(python3 -m mimw.megakernel.gpu.sanitize --list ${SANITIZE_ARGS:-}); do
+        echo "### $case" >> "$out/synccheck.log"
+        timeout "${SANITIZER_TIMEOUT:-200}" "$sanitizer" --tool synccheck --print-limit 5 \
+            python3 -m mimw.megakernel.gpu.sanitize --case "$case" ${SANITIZE_ARGS:-} >> "$out/synccheck.log" 2>&1 \
+            || rc[synccheck]=1
+        echo "$case: $(grep -h "ERROR SUMMARY" "$out/synccheck.log" | tail -n 1)"
     done
-    grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$out/synccheck.log" "$out/racecheck.log"
+    timeout "${SANITIZER_TIMEOUT:-200}" "$sanitizer" --tool racecheck python3 -m mimw.megakernel.gpu.sanitize \
+        ${SANITIZE_ARGS:-} > "$out/racecheck.log" 2>&1
+    rc[racecheck]=$?
+    grep -h "RACECHECK SUMMARY" "$out/racecheck.log"
     # racecheck's reports per kernel and source line: ws_control (sanitize.py) is the warp_specialize baseline
     grep -o "access at [a-z_]*+0x[0-9a-f]* in [a-z_]*\.py:[0-9]*" "$out/racecheck.log" | sed 's/+0x[0-9a-f]*//' \
         | sort | uniq -c

@@ -213,6 +213,31 @@ def test_per_warp_releases_compile_without_spills(model):
         KernelConfig(warp_release=True, mma=0).check(spec)
 
 
+def test_hold_count_takes_one_word_past_tritons_shared_memory_only_with_the_hold():
+    spec = get_preset("llama-3.2-1b")
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), hold_count=True)
+    assert kcfg.hold_bytes() == 16 and KernelConfig.for_spec(spec).hold_bytes() == 0
+    assert dataclasses.replace(kcfg, quiet=-1).hold_bytes() == 0  # no hold, nothing to count
+    assert kcfg.region_bytes(spec) == 16 + KernelConfig.for_spec(spec).region_bytes(spec)
+    assert kcfg.ring_slots(spec) == KernelConfig.for_spec(spec).ring_slots(spec)  # 16 bytes cost no ring slot
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_hold_count_compiles_without_spills_and_without_the_holds_barrier(model):
+    """KernelConfig(hold_count=True): compute's thread 0 adds one to a shared-memory word after each streaming
+    release (red.shared.add), the loader spins on it with atomic reads (one site a streaming op's producer loop), and
+    the hold's mbarrier and its arrive (with the partition barrier before Triton's single-thread arrive) are gone;
+    the default kernel has none of it."""
+    spec = get_preset(model)
+    base = _ptx(spec, KernelConfig.for_spec(spec))
+    ptx = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), hold_count=True))
+    assert ptx.count("red.shared.add.u32") == 1 and "red.shared.add" not in base
+    assert ptx.count("atom.shared.add.u32") >= 5 and "atom.shared.add" not in base
+    assert ptx.count("mbarrier.arrive") == base.count("mbarrier.arrive") - 1
+    assert ptx.count("bar.sync") < base.count("bar.sync")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
 def test_down_proj_pairs_compile_without_spills(model):

@@ -118,6 +118,17 @@ def test_release_hold_matches_reference_over_64_steps(model, quiet, context):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model,context,extra", [("smollm2-135m", 17, {"cluster_qkv": 0}), ("llama-3.2-1b", 1000, {}),
+                                                 ("llama-3.1-8b", 8191, {}), ("qwen3-8b", 1000, {"quiet": 0}),
+                                                 ("llama-3.2-1b", 17, {"warp_release": True})])
+def test_hold_count_matches_reference_over_64_steps(model, context, extra):
+    """KernelConfig(hold_count=True): the release hold waits for compute's count of its releases (a shared-memory
+    word past Triton's: alone without clusters, before the per-warp releases' barriers with them) instead of an
+    mbarrier's phase; only the timing may change, and a count that never reached its target would hang."""
+    _matches_reference_over_64_steps(model, context, hold_count=True, **extra)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("model,context", [("smollm2-135m", 1000), ("llama-3.2-1b", 8191), ("llama-3.1-8b", 17),
                                            ("qwen3-8b", 1000)])
 def test_release_hold_ended_before_the_fence_matches_reference_over_64_steps(model, context):

@@ -33,6 +33,11 @@ class KernelConfig:
     # requested last are still in flight behind it. Measured at 9ea1dc4: the streaming releases 2.5 -> 0.8 us
     # (1B MLP_IN), 2.8 -> 0.8 (8B O_PROJ), the step -1.7% (1B) / -1.7% (8B); 0 and 4: -1.7 / -1.3%, -2.2 / -1.1%.
     # The default since session 17
+    hold_count: bool = False  # HCNT: the release hold through compute's count of its releases, a word in the
+    # dynamic shared memory past Triton's (orchestration.hold_count_*), instead of an mbarrier the loader waits on
+    # only at a stage's first instruction: compute-sanitizer's synccheck reports "Missing wait" on that barrier,
+    # whose other phases nobody waits for (bench/NOTES.md session 19 §2). A count has no phases to miss or alias.
+    # Opt-in, not yet run on a GPU
     quiet_ops: tuple[str, ...] = ()  # QUIET_OPS: the streaming ops (isa.Op names) whose instructions the hold
     # applies to; () = every one (session 17, opt-in). Measured at b8036be: all but ATTN_IN -1.2% (1B) / 0.0% (8B),
     # MLP_IN and DOWN_PROJ only -0.4% / +0.8%, within the default's drift (bench/NOTES.md session 18)
@@ -139,6 +144,7 @@ class KernelConfig:
         kv = 4 * attn_block(spec) * spec.head_dim * 2 if self.kv_pipeline else 0  # two stages of K and V
         xb = exchange_bytes(spec, self)  # the cluster pairs' exchange region (0 without them)
         xb += self.release_bytes(self.ring or 16)  # and the per-warp releases' empty barriers (at most 16 slots)
+        xb += self.hold_bytes()  # and the release hold's count
         fit = (SHARED_BYTES - _hbuf_rows(spec, self.tile_k) * self.tile_k * 2 - SCRATCH_BYTES - kv - xb) // slot
         if self.ring > fit:
             raise ValueError(f"ring={self.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
@@ -151,10 +157,15 @@ class KernelConfig:
         8-byte mbarrier a ring slot rounded up to 16; 0 without them."""
         return -(-8 * slots // 16) * 16 if self.warp_release else 0
 
+    def hold_bytes(self) -> int:
+        """HCNT: bytes of dynamic shared memory for the release hold's count (``hold_count``, with the hold on):
+        one 32-bit word, 16 bytes; 0 otherwise."""
+        return 16 if self.hold_count and self.quiet >= 0 else 0
+
     def region_bytes(self, spec: ModelSpec) -> int:
-        """Dynamic shared memory past Triton's own: the per-warp releases' barriers, then the cluster exchange
-        region (the last bytes)."""
-        return self.release_bytes(self.ring_slots(spec)) + exchange_bytes(spec, self)
+        """Dynamic shared memory past Triton's own: the release hold's count, the per-warp releases' barriers, then
+        the cluster exchange region (the last bytes)."""
+        return self.hold_bytes() + self.release_bytes(self.ring_slots(spec)) + exchange_bytes(spec, self)
 
     def held_ops(self) -> int:
         """QUIET_OPS: the bit mask (1 << isa.Op) of the ops whose instructions the release hold applies to."""
@@ -345,7 +356,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec), QUIET=kcfg.quiet,
         QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(),
         **dict(zip(("DEEP", "DEEP_OPS"), kcfg.deep_cap(spec))),
-        WREL=kcfg.release_bytes(kcfg.ring_slots(spec)),
+        WREL=kcfg.release_bytes(kcfg.ring_slots(spec)), HCNT=bool(kcfg.hold_bytes()),
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,

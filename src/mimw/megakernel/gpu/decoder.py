@@ -60,8 +60,8 @@ class MegakernelDecoder:
                               RuntimeWarning, stacklevel=2)
                 self.cluster_fallback = why
                 self._plan(dataclasses.replace(kcfg, cluster_qkv=0), context_hint)
-        if self.ce["WREL"] and not self.ce["XB"]:  # per-warp releases without clusters: their barriers' region
-            self._compile_for_launch(1)
+        if (self.ce["WREL"] or self.ce["HCNT"]) and not self.ce["XB"]:  # the region past Triton's without clusters
+            self._compile_for_launch(1)  # (the per-warp releases' barriers, the release hold's count)
 
     def _plan(self, kcfg: KernelConfig, context_hint: int) -> None:
         """The step program for ``kcfg``, its step state and scratch, the kernel's constexprs and trace buffers
@@ -107,7 +107,8 @@ class MegakernelDecoder:
     def _compile_for_launch(self, cluster_size: int):
         """Compile this specialization (the JIT's cached kernel, which every later launch finds) and set it to launch
         in clusters of ``cluster_size`` CTAs with the dynamic shared memory past Triton's that it needs
-        (``KernelConfig.region_bytes``: the per-warp releases' barriers, the cluster exchange)."""
+        (``KernelConfig.region_bytes``: the release hold's count, the per-warp releases' barriers, the cluster
+        exchange)."""
         from . import cluster
         from .kernel import megakernel
 

@@ -23,7 +23,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .. import isa
 from . import attention, cluster, matvec, versioned
 from .orchestration import (TRACE_STAMPS, counter_signal, counter_wait, globaltimer, globaltimer_after,
-                            producer_weight_rows, ring_init, ticket_is_last, warp_ring_init)
+                            hold_count_add, hold_count_init, producer_weight_rows, ring_init, ticket_is_last,
+                            warp_ring_init)
 
 _C = isa.kernel_constants()
 NWORDS: gl.constexpr = gl.constexpr(_C["NWORDS"])
@@ -89,7 +90,7 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
             MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
             TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, INFLIGHT: gl.constexpr, QUIET: gl.constexpr,
             QUIET_OPS: gl.constexpr, O_PARTS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
-            WOFF: gl.constexpr, XD: gl.constexpr, TRACE_TILES: gl.constexpr):
+            WOFF: gl.constexpr, XD: gl.constexpr, TRACE_TILES: gl.constexpr, HOFF: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     NQKV: gl.constexpr = HQ + 2 * HKV
     KT_D: gl.constexpr = (D + TK - 1) // TK
@@ -120,7 +121,9 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
                 held = ((QUIET_OPS >> op) & 1) != 0
             if held & (released > 0) & (_field(w, offs, W_WAIT) != prev_wait):
                 hold_at = it + QUIET
-        par = (released - 1) & 1
+        par = (released - 1) & 1  # the phase of that release; with HOFF (hold_count) its number, a count
+        if HOFF > 0:
+            par = released
         deep = False
         if DEEP > 0:  # KernelConfig.inflight_deep: these ops' tiles under the cap DEEP instead of INFLIGHT
             deep = ((DEEP_OPS >> op) & 1) != 0
@@ -128,17 +131,17 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
             n_parts = _field(w, offs, W_C)  # column part b of n_parts (program.column_part)
             k0, k1 = _part_tiles(b, KT_D, n_parts)
             it = producer_weight_rows(d_qkv, D, (layer * NQKV + a) * HD, HD // TR, k0, k1, bufs, empty, ready, it,
-                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
+                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF, HOFF)
         elif op == OP_O_PROJ:
             k0 = 0
             k1 = KT_Q
             if O_PARTS > 0:  # column part C of O_PARTS (KernelConfig.o_parts): its KV groups' column tiles
                 k0, k1 = _part_tiles(_field(w, offs, W_C), KT_Q, O_PARTS)
             it = producer_weight_rows(d_o, HQ * HD, layer * D + a, b // TR, k0, k1, bufs, empty, ready, it, TR, TK,
-                                      TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
+                                      TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF, HOFF)
         elif op == OP_MLP_IN:
             it = producer_weight_rows(d_gu, D, layer * 2 * I + 2 * a, 2 * b // TR, 0, KT_D, bufs, empty, ready, it,
-                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
+                                      TR, TK, TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF, HOFF)
         elif op == OP_DOWN_PROJ:
             k0 = 0
             k1 = KT_I
@@ -147,10 +150,10 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
                 if n_parts > 1:
                     k0, k1 = _part_tiles(_field(w, offs, W_C), KT_I, n_parts)
             it = producer_weight_rows(d_down, I, layer * D + a, b // TR, k0, k1, bufs, empty, ready, it, TR, TK,
-                                      TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
+                                      TILED, stamps, INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF, HOFF)
         elif op == OP_LM_HEAD:
             it = producer_weight_rows(d_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, TILED, stamps,
-                                      INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF)
+                                      INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF, HOFF)
         if QUIET >= 0:
             if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
                 released += 1
@@ -169,7 +172,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
              O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
              XD: gl.constexpr, QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, WOFF: gl.constexpr, TRACE: gl.constexpr,
-             TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+             TRACE_TILES: gl.constexpr, HOFF: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -382,7 +385,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             if QUIET_EARLY:  # once the outputs are stored, before the release's fence: the loader requests
                 # again while the fence waits (the arrive's partition barrier orders every thread's stores first)
                 if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
-                    mbarrier.arrive(rel.index(0), count=1)
+                    if HOFF > 0:
+                        hold_count_add(tid, HOFF)
+                    else:
+                        mbarrier.arrive(rel.index(0), count=1)
         if sig >= 0:
             counter_signal(cnt_ptr, sig, sig_n)
         else:
@@ -390,7 +396,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         if QUIET >= 0:
             if not QUIET_EARLY:  # after the release
                 if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
-                    mbarrier.arrive(rel.index(0), count=1)
+                    if HOFF > 0:
+                        hold_count_add(tid, HOFF)
+                    else:
+                        mbarrier.arrive(rel.index(0), count=1)
         if TRACE:  # [start, dependency met, outputs stored, signalled] of instruction i on this SM; ATTN_PARTIAL
             # also [block 0 done, later blocks done, partial stored, ticket drawn] (trace.py)
             tb = trace_ptr + (pid * MAXLEN + i) * TRACE_STAMPS
@@ -426,7 +435,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, XD: gl.constexpr,
                QUIET: gl.constexpr,
                QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
-               WREL: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               WREL: gl.constexpr, HCNT: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
+               num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -448,12 +458,17 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
     if WREL > 0:
         warp_ring_init(gl.arange(0, 32 * num_warps, gl.BlockedLayout([1], [32], [num_warps], [0])), NB, WOFF,
                        num_warps)
-    # the release hold (KernelConfig.quiet): one arrival a phase, compute's after each streaming release
-    if QUIET >= 0:
+    # the release hold (KernelConfig.quiet): one arrival a phase, compute's after each streaming release; or
+    # (HCNT, KernelConfig.hold_count) compute's count of those releases, 16 bytes before the per-warp releases'
+    # barriers in the dynamic shared memory past Triton's (orchestration.hold_count_*)
+    HOFF: gl.constexpr = XB + WREL + 16 if HCNT else 0
+    if HCNT:
+        hold_count_init(gl.arange(0, 32 * num_warps, gl.BlockedLayout([1], [32], [num_warps], [0])), HOFF)
+    if (QUIET >= 0) and not HCNT:
         rel = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(rel.index(0), count=1)
     else:
-        rel = empty  # unused
+        rel = empty  # unused (its index 0 is never waited on or arrived at)
     gl.warp_specialize([
         (_compute, (prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT, rdy_ptr,
                     emb_ptr, anorm_ptr, mnorm_ptr, fnorm_ptr, bias_ptr, qn_ptr, kn_ptr, invf_ptr,
@@ -461,8 +476,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I,
                     PS, HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
                     QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, XD, QUIET, QUIET_EARLY, WOFF, TRACE,
-                    TRACE_TILES, num_warps)),
+                    TRACE_TILES, HOFF, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, QUIET_OPS, O_PARTS,
-                   DEEP, DEEP_OPS, WOFF, XD, TRACE_TILES)),
+                   DEEP, DEEP_OPS, WOFF, XD, TRACE_TILES, HOFF)),
     ], [1], [LOADER_REGS])

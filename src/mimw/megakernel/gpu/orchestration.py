@@ -97,6 +97,40 @@ def warp_ring_wait(idx, parity, WOFF: gl.constexpr):
 
 
 @gluon.jit
+def hold_count_init(tid, HOFF: gl.constexpr):
+    """KernelConfig.hold_count, before ``gl.warp_specialize`` (``tid``: one element a thread): thread 0 zeroes the
+    release count, a 32-bit word HOFF bytes before the end of the dynamic shared memory; the specialisation's start
+    orders it before either partition's first access."""
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; mov.u32 g, global_smem; "
+        "add.u32 a, a, g; setp.eq.u32 p, $1, 0; @p st.volatile.shared.u32 [a], 0; mov.u32 $0, 0; }",
+        "=r,r,r", [tid, tid * 0 + HOFF], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def hold_count_add(tid, HOFF: gl.constexpr):
+    """KernelConfig.hold_count, compute after a streaming release: thread 0 (whose release add and its fence
+    precede this in program order) adds one to the count with a shared-memory atomic. The count's only writer; the
+    loader reads it atomically too (no plain access of the word races another: racecheck)."""
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; mov.u32 g, global_smem; "
+        "add.u32 a, a, g; setp.eq.u32 p, $1, 0; @p red.shared.add.u32 [a], 1; mov.u32 $0, 0; }",
+        "=r,r,r", [tid, tid * 0 + HOFF], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def hold_count_wait(target, HOFF: gl.constexpr):
+    """KernelConfig.hold_count, the loader (one warp): spin until compute's release count reaches ``target``. A
+    count, not an mbarrier's phases: no phase goes unwaited and none can alias (KernelConfig.quiet)."""
+    lane = gl.arange(0, 32, gl.BlockedLayout([1], [32], [1], [0]))
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a, g, c; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $1; mov.u32 g, global_smem; "
+        "add.u32 a, a, g; SPIN: atom.shared.add.u32 c, [a], 0; setp.lt.s32 p, c, $2; @!p bra DONE; "
+        "nanosleep.u32 32; bra SPIN; DONE: mov.u32 $0, 0; }",
+        "=r,r,r", [lane * 0 + HOFF, lane * 0 + target], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _timer_lanes():
     """(%globaltimer per lane [32], lane index [32]); every warp of the partition holds all 32 lanes."""
     offs = gl.arange(0, 32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
@@ -138,7 +172,8 @@ def stamp(ptr):
 
 @gluon.jit
 def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT: gl.constexpr = 0, hold=None,
-                  hold_at=-1, hold_parity=0, deep=False, DEEP: gl.constexpr = 0, WOFF: gl.constexpr = 0):
+                  hold_at=-1, hold_parity=0, deep=False, DEEP: gl.constexpr = 0, WOFF: gl.constexpr = 0,
+                  HOFF: gl.constexpr = 0):
     """Loader: wait for slot it % NB to be free, then TMA the [rows, cols] box at (row, col) of ``desc`` into it.
     Returns it + 1. ``stamps`` (tile trace, trace.py): the loader's time before and after the wait for the slot go
     to ``stamps[4 it]`` and ``stamps[4 it + 1]``. ``INFLIGHT`` > 0 caps the tiles requested but not yet landed:
@@ -148,13 +183,18 @@ def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT:
     ``hold_at`` waits for the phase of parity ``hold_parity`` of the mbarrier ``hold`` first (``release_hold``).
     ``DEEP`` > 0 (KernelConfig.inflight_deep): where ``deep`` holds, the cap is DEEP instead of INFLIGHT (DEEP < NB:
     tile it - DEEP's slot is not reissued before tile it - DEEP + NB > it either). ``WOFF`` > 0
-    (KernelConfig.warp_release): the slot's empty barrier is ``warp_release``'s, not ``empty``."""
+    (KernelConfig.warp_release): the slot's empty barrier is ``warp_release``'s, not ``empty``. ``HOFF`` > 0
+    (KernelConfig.hold_count): the hold waits for compute's release count to reach ``hold_parity`` instead
+    (``hold_count_wait``)."""
     NB: gl.constexpr = bufs.type.shape[0]
     idx = it % NB
     ph = (it // NB) & 1
     if hold is not None:
         if it == hold_at:
-            mbarrier.wait(hold.index(0), hold_parity)
+            if HOFF > 0:
+                hold_count_wait(hold_parity, HOFF)
+            else:
+                mbarrier.wait(hold.index(0), hold_parity)
     if INFLIGHT > 0:
         if DEEP > 0:
             cap = INFLIGHT + (DEEP - INFLIGHT) * deep.to(gl.int32)
@@ -181,13 +221,13 @@ def producer_load(desc, row, col, bufs, empty, ready, it, stamps=None, INFLIGHT:
 @gluon.jit
 def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: gl.constexpr, TK: gl.constexpr,
                   stamps=None, INFLIGHT: gl.constexpr = 0, hold=None, hold_at=-1, hold_parity=0, deep=False,
-                  DEEP: gl.constexpr = 0, WOFF: gl.constexpr = 0):
+                  DEEP: gl.constexpr = 0, WOFF: gl.constexpr = 0, HOFF: gl.constexpr = 0):
     """Loader: stream rows [row0, row0 + n_row_tiles*TR) of ``desc``, row tile by row tile, column tiles [k0, k1)
     of each."""
     for r in range(n_row_tiles):
         for k in range(k0, k1):
             it = producer_load(desc, row0 + r * TR, k * TK, bufs, empty, ready, it, stamps, INFLIGHT, hold, hold_at,
-                               hold_parity, deep, DEEP, WOFF)
+                               hold_parity, deep, DEEP, WOFF, HOFF)
     return it
 
 
@@ -195,7 +235,7 @@ def producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR: g
 def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs, empty, ready, it,
                          TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, stamps=None,
                          INFLIGHT: gl.constexpr = 0, hold=None, hold_at=-1, hold_parity=0, deep=False,
-                         DEEP: gl.constexpr = 0, WOFF: gl.constexpr = 0):
+                         DEEP: gl.constexpr = 0, WOFF: gl.constexpr = 0, HOFF: gl.constexpr = 0):
     """``producer_rows`` over a [*, K] weight matrix. ``TILED``: the matrix is stored tile-major
     (``pack.tile_major``: tile (row tile R, column tile c) is the contiguous [TR, TK] block number R * KT + c of a
     [*, TK] matrix, which ``desc`` describes — or of the same bytes as a [*, 32] matrix, TR * TK / 32 rows a tile,
@@ -207,10 +247,10 @@ def producer_weight_rows(desc, K: gl.constexpr, row0, n_row_tiles, k0, k1, bufs,
         for r in range(n_row_tiles):
             for k in range(k0, k1):
                 it = producer_load(desc, ((row0 // TR + r) * KT + k) * BR, 0, bufs, empty, ready, it, stamps,
-                                   INFLIGHT, hold, hold_at, hold_parity, deep, DEEP, WOFF)
+                                   INFLIGHT, hold, hold_at, hold_parity, deep, DEEP, WOFF, HOFF)
     else:
         it = producer_rows(desc, row0, n_row_tiles, k0, k1, bufs, empty, ready, it, TR, TK, stamps, INFLIGHT, hold,
-                           hold_at, hold_parity, deep, DEEP, WOFF)
+                           hold_at, hold_parity, deep, DEEP, WOFF, HOFF)
     return it
 
 

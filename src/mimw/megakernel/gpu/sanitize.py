@@ -1,15 +1,15 @@
 """Small-shape megakernel run for compute-sanitizer (racecheck / synccheck / memcheck):
 
-    compute-sanitizer --tool racecheck python3 -m mimw.megakernel.gpu.sanitize
-Two small shapes on 8 SMs, two decode steps each, no CUDA graph: a tiny Qwen3 (16-row tiles, one ATTN_IN part) and
-a 2-layer SmolLM2 with ATTN_IN in 2 column parts (the ticket and finisher path), each with both matvec consumers
-(first, on 72 SMs, SmolLM2 with the per-warp releases and DOWN_PROJ's cluster pairs; then its ATTN_IN pairs alone)
-(tensor cores and CUDA cores), the SmolLM2 twice more with every versioned-word flag (the second time with the
-stagings probed, vprobe=16), and once with its heads finished by the attention splits and its releases merged
-(qkv_in_attn, merge_signals), at context 300 once with its attention's later K/V blocks through shared memory
-(kv_pipeline); and the tiny Qwen3 with
-O_PROJ in column parts (o_parts 2 and 1: one group a part, two in one; CUDA-core consumer, 128-column tiles so that
-a part's 128 columns are one tile). Exits non-zero if logits are wrong.
+    compute-sanitizer --tool racecheck python3 -m mimw.megakernel.gpu.sanitize [--case NAME] [--hold-count]
+Named cases (``cases``; ``--list``), two decode steps each, no CUDA graph: first the default kernel on a 2-layer
+SmolLM2 on 72 SMs (DOWN_PROJ's cluster pairs beside ATTN_IN's), then its ATTN_IN pairs alone on 8 SMs (both
+exchange modes); a tiny Qwen3 (16-row tiles, one ATTN_IN part) and the SmolLM2 with ATTN_IN in 2 column parts, each
+with both matvec consumers (tensor cores and CUDA cores), the SmolLM2 twice more with every versioned-word flag
+(the second time with the stagings probed, vprobe=16), and once with its heads finished by the attention splits
+and its releases merged (qkv_in_attn, merge_signals), at context 300 once with its attention's later K/V blocks
+through shared memory (kv_pipeline); the tiny Qwen3 with O_PROJ in column parts (o_parts 2 and 1: one group a
+part, two in one; CUDA-core consumer, 128-column tiles so that a part's 128 columns are one tile); last the per-warp
+releases. Exits non-zero if logits are wrong.
 
 First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
 shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
@@ -65,53 +65,63 @@ def run_control(num_warps: int = 4) -> bool:
     return bool(torch.equal(out.cpu(), torch.arange(n, dtype=torch.int32)))
 
 
-def main() -> int:
-    ok = run_control()
-    print(f"ws_control: {'ok' if ok else 'WRONG'}", flush=True)
-    if "--control" in sys.argv[1:]:
-        return 0 if ok else 1
+def cases(hold_count: bool = False) -> dict[str, tuple]:
+    """The named cases, in order: name -> (spec, context, num_sms, kcfg). ``hold_count``: every kernel with the
+    release hold's count (KernelConfig.hold_count) instead of its mbarrier."""
     tiny, small = get_preset("tiny-qwen3"), get_preset("smollm2-135m").with_(num_layers=2)
-    # first (racecheck runs out of time after a few cases): ATTN_IN's cluster pairs, their shared-memory exchange
-    # through the mate's slots and barriers (gpu/cluster.py), 8 SMs in 4 clusters of two; of the later cases, those
-    # on SmolLM2 (two column tiles) without versioned words or qkv_in_attn run the default's pairs, the rest tickets
-    # the default kernel with DOWN_PROJ's cluster pairs (they pair where its 36 row blocks are at most half the SMs:
-    # 72 here)
-    r = check_decode(small, 40, steps=2, graph=False, num_sms=72, kcfg=KernelConfig.for_spec(small))
-    print("cluster_down", r, flush=True)
-    ok &= r.ok()
-    for mode in (2, 1):  # asynchronous stores counted on the mate's barrier; remote stores and release arrivals
-        r = check_decode(small, 40, steps=2, graph=False, num_sms=8,
-                         kcfg=dataclasses.replace(KernelConfig.for_spec(small), cluster_qkv=mode))
-        print(f"cluster_qkv={mode}", r, flush=True)
-        ok &= r.ok()
+
+    def cfg(spec, **kw):
+        return dataclasses.replace(KernelConfig.for_spec(spec), hold_count=hold_count, **kw)
+
+    out = {}
+    # first (racecheck runs out of time after a few cases): the default kernel on 72 SMs, where DOWN_PROJ's 36 row
+    # blocks pair over cluster mates beside ATTN_IN's heads; then ATTN_IN's pairs alone, 8 SMs in 4 clusters of two,
+    # with asynchronous stores counted on the mate's barrier and with remote stores and release arrivals
+    out["cluster_down"] = (small, 40, 72, cfg(small))
+    for mode in (2, 1):
+        out[f"cluster_qkv={mode}"] = (small, 40, 8, cfg(small, cluster_qkv=mode))
     # both matvec consumers (tensor cores, the default, first), and the versioned words on the tensor cores (all
-    # four flags; then the stagings probed one word in 16)
+    # four flags; then the stagings probed one word in 16); of these, those on SmolLM2 (two column tiles) without
+    # versioned words or qkv_in_attn run the default's pairs, the rest tickets
     for spec, parts, mma, flag, probe, late in ((tiny, 0, 1, False, 1, False), (small, 2, 1, False, 1, False),
                                                 (small, 2, 1, True, 1, False), (small, 2, 1, True, 16, False),
                                                 (small, 2, 1, False, 1, True), (tiny, 0, 0, False, 1, False),
                                                 (small, 2, 0, False, 1, False)):
-        kcfg = dataclasses.replace(KernelConfig.for_spec(spec), qkv_parts=parts, mma=mma, flag_act=flag,
-                                   flag_x=flag, flag_attn=flag, flag_q=flag, vprobe=probe, qkv_in_attn=late,
-                                   merge_signals=late)
-        r = check_decode(spec, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)
-        print(f"mma={mma} versioned={flag} vprobe={probe} qkv_in_attn={late} merge_signals={late}", r, flush=True)
-        ok &= r.ok()
+        name = f"{spec.name}:mma={mma},versioned={flag},vprobe={probe},qkv_in_attn={late}"
+        out[name] = (spec, 40, 8, cfg(spec, qkv_parts=parts, mma=mma, flag_act=flag, flag_x=flag, flag_attn=flag,
+                                      flag_q=flag, vprobe=probe, qkv_in_attn=late, merge_signals=late))
     # the K/V pipeline's shared-memory stages: a context long enough for three blocks a split
-    kcfg = dataclasses.replace(KernelConfig.for_spec(small), qkv_parts=2, kv_pipeline=True, ring=0)
-    r = check_decode(small, 300, steps=2, graph=False, num_sms=8, kcfg=kcfg)
-    print("kv_pipeline", r, flush=True)
-    ok &= r.ok()
+    out["kv_pipeline"] = (small, 300, 8, cfg(small, qkv_parts=2, kv_pipeline=True, ring=0))
     for parts in (2, 1):  # O_PROJ blocks that combine the splits themselves; the MLP_IN / DOWN_PROJ sums of parts
-        kcfg = dataclasses.replace(KernelConfig.for_spec(tiny), tile_k=128, mma=0, o_parts=parts)
-        r = check_decode(tiny, 40, steps=2, graph=False, num_sms=8, kcfg=kcfg)
-        print(f"o_parts={parts}", r, flush=True)
+        out[f"o_parts={parts}"] = (tiny, 40, 8, cfg(tiny, tile_k=128, mma=0, o_parts=parts))
+    # last (opt-in, measured slower): the per-warp releases, inline-asm empty barriers past Triton's shared memory
+    out["warp_release"] = (small, 40, 72, cfg(small, warp_release=True))
+    return out
+
+
+def main() -> int:
+    """``--control``: the control kernel alone; ``--list``: the case names; ``--case NAME``: that case alone (a
+    synccheck error aborts the launch and leaves the process's CUDA context unusable: scripts/gpu_check.sh runs
+    each case in its own process); ``--hold-count``: every case with KernelConfig.hold_count."""
+    argv = sys.argv[1:]
+    todo = cases("--hold-count" in argv)
+    if "--list" in argv:
+        print("\n".join(todo))
+        return 0
+    ok = run_control()
+    print(f"ws_control: {'ok' if ok else 'WRONG'}", flush=True)
+    if "--control" in argv:
+        return 0 if ok else 1
+    if "--case" in argv:
+        name = argv[argv.index("--case") + 1]
+        if name not in todo:
+            print(f"no case {name!r}; --list names them", file=sys.stderr)
+            return 2
+        todo = {name: todo[name]}
+    for name, (spec, context, num_sms, kcfg) in todo.items():
+        r = check_decode(spec, context, steps=2, graph=False, num_sms=num_sms, kcfg=kcfg)
+        print(name, r, flush=True)
         ok &= r.ok()
-    # last (opt-in, measured slower): the per-warp releases, inline-asm empty barriers past Triton's shared memory;
-    # synccheck reported "Missing wait" on them at c53aa92 (bench/NOTES.md session 19 §2)
-    r = check_decode(small, 40, steps=2, graph=False, num_sms=72,
-                     kcfg=dataclasses.replace(KernelConfig.for_spec(small), warp_release=True))
-    print("warp_release", r, flush=True)
-    ok &= r.ok()
     return 0 if ok else 1
 
 

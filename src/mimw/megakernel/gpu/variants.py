@@ -79,6 +79,8 @@ VARIANTS = {
     # the hold at some boundaries only: into MLP_IN and DOWN_PROJ (not the next layer's ATTN_IN, parked through
     # the attention window, nor O_PROJ), and everywhere but ATTN_IN
     "tr32-hold-mlp": KernelConfig(quiet_ops=("MLP_IN", "DOWN_PROJ")),
+    # the hold through compute's count of its releases in shared memory instead of an mbarrier's phases
+    "tr32-holdcount": KernelConfig(hold_count=True),
     "tr32-hold-noattn": KernelConfig(quiet_ops=("O_PROJ", "MLP_IN", "DOWN_PROJ", "LM_HEAD")),
     # more tiles in flight only where fewer SMs stream a stage (the 1B's DOWN_PROJ and O_PROJ: 64 row tiles a layer)
     "tr32-deepdown6": KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=6),
