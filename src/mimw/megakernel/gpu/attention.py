@@ -213,17 +213,16 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     # the newest row (position pos) [1, 1, HD], in flight with q's loads: only the split holding pos reads it
     holds = (lo <= pos) & (pos < hi)
     here = (d3 * 0 + holds.to(gl.int32)) != 0
+    at = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD + d3  # the row's place in the cache
     if FIN:  # finished here; the split holding pos also stores it for later steps
         k_new = fin_k.to(gl.bfloat16)
         v_new = fin_v.to(gl.bfloat16)
-        at = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD + d3
         gl.store(kc_ptr + at, k_new, mask=here)
         gl.store(vc_ptr + at, v_new, mask=here)
     elif VQ:  # from the finisher's versioned words (zeros, no load, for a split without pos), rounded as cached
         k_new = versioned.wait(q_ptr + (HQ + kvh) * HD + d3, here, ver).to(gl.bfloat16)
         v_new = versioned.wait(q_ptr + (HQ + HKV + kvh) * HD + d3, here, ver).to(gl.bfloat16)
     else:  # from the cache, where ATTN_IN stored it before it signalled
-        at = (((layer * NP + tok_page) * HKV + kvh) * PS + pos % PS) * HD + d3
         k_new = gl.load(kc_ptr + at, mask=here, other=0.0, cache_modifier=".cg")
         v_new = gl.load(vc_ptr + at, mask=here, other=0.0, cache_modifier=".cg")
     m_i = gl.full([NW, GP], EMPTY_M, gl.float32, gl.SliceLayout(2, S3))

@@ -97,25 +97,29 @@ def warp_ring_wait(idx, parity, WOFF: gl.constexpr):
 
 
 @gluon.jit
-def hold_count_init(tid, HOFF: gl.constexpr):
-    """KernelConfig.hold_count, before ``gl.warp_specialize`` (``tid``: one element a thread): thread 0 zeroes the
-    release count, a 32-bit word HOFF bytes before the end of the dynamic shared memory; the specialisation's start
-    orders it before either partition's first access."""
+def _thread0_hold_word(tid, HOFF: gl.constexpr, INSN: gl.constexpr):
+    """Thread 0 of the partition running it (``tid``: one element a thread) applies ``INSN`` (PTX with the word's
+    address in ``a``) to the release hold's count, a 32-bit word HOFF bytes before the end of the dynamic shared
+    memory."""
     gl.inline_asm_elementwise(
         "{ .reg .u32 a, g; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; mov.u32 g, global_smem; "
-        "add.u32 a, a, g; setp.eq.u32 p, $1, 0; @p st.volatile.shared.u32 [a], 0; mov.u32 $0, 0; }",
+        "add.u32 a, a, g; setp.eq.u32 p, $1, 0; @p " + INSN.value + "; mov.u32 $0, 0; }",
         "=r,r,r", [tid, tid * 0 + HOFF], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def hold_count_init(tid, HOFF: gl.constexpr):
+    """KernelConfig.hold_count, before ``gl.warp_specialize``: the count starts at 0; the specialisation's start
+    orders it before either partition's first access."""
+    _thread0_hold_word(tid, HOFF, "st.shared.u32 [a], 0")
 
 
 @gluon.jit
 def hold_count_add(tid, HOFF: gl.constexpr):
     """KernelConfig.hold_count, compute after a streaming release: thread 0 (whose release add and its fence
-    precede this in program order) adds one to the count with a shared-memory atomic. The count's only writer; the
-    loader reads it atomically too (no plain access of the word races another: racecheck)."""
-    gl.inline_asm_elementwise(
-        "{ .reg .u32 a, g; .reg .pred p; mov.u32 a, %dynamic_smem_size; sub.u32 a, a, $2; mov.u32 g, global_smem; "
-        "add.u32 a, a, g; setp.eq.u32 p, $1, 0; @p red.shared.add.u32 [a], 1; mov.u32 $0, 0; }",
-        "=r,r,r", [tid, tid * 0 + HOFF], dtype=gl.int32, is_pure=False, pack=1)
+    precede this in program order) adds one with a shared-memory atomic. The count's only writer; the loader reads
+    it atomically too (no plain access of the word races another: racecheck)."""
+    _thread0_hold_word(tid, HOFF, "red.shared.add.u32 [a], 1")
 
 
 @gluon.jit
