@@ -6,7 +6,7 @@
 #              engine's backend (29, ~4 min)
 #   optin      the opt-in kernels' tests: heads finished in attention, the K/V pipeline, merged releases, O_PROJ in
 #              column parts, the shuffle epilogue (42, ~7 min)
-#   hold       the ring's request and release settings and session 18's builds: the release hold's other
+#   hold       the ring's request and release settings and sessions 18-19's builds: the release hold's other
 #              settings, ended before the fence or at some boundaries only, the deeper in-flight cap for some ops,
 #              the per-warp releases, DOWN_PROJ's cluster pairs, and the decoder's fall-back to tickets (25, ~5 min)
 #   versioned  the versioned-word tests (25, ~4 min), in their own process under a time limit (a reader whose
@@ -39,7 +39,8 @@ if has tests; then
     rc[gpu-tests]=$?
     tail -n 3 "$out/gpu-tests.log"
 fi
-hold_k="(release_hold or hold_count or deeper_in_flight or per_warp_releases or down_proj_pairs or falls_back)"
+hold_k="(release_hold or hold_count or attention_row or deeper_in_flight or per_warp_releases or down_proj_pairs or \
+    falls_back)"
 if has optin; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
         -k "not versioned and not megakernel_matches_reference and not traced_launch and not cluster_pairs and not $hold_k" \

@@ -239,6 +239,17 @@ def test_hold_count_compiles_without_spills_and_without_the_holds_barrier(model)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("opts", [{}, {"qkv_in_attn": True}, {"flag_q": True, "flag_x": True}])
+def test_attention_row_as_one_position_compiles_without_spills(opts):
+    """KernelConfig(attn_row=True) on the 1B, with the step's row from the cache, the finished parts or versioned
+    words: a different kernel from the default's (its masked block for the row is gone), and spill-free."""
+    spec = get_preset("llama-3.2-1b")
+    base = _ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), **opts))
+    ptx = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), attn_row=True, **opts))
+    assert ptx != base and len(ptx) < len(base)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
 def test_down_proj_pairs_compile_without_spills(model):
     """KernelConfig.cluster_down (the default): DOWN_PROJ's column halves swap a row tile's sums with one more

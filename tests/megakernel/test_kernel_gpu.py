@@ -176,6 +176,17 @@ def test_down_proj_pairs_match_reference_over_64_steps(model, context, extra):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model,context,extra", [("llama-3.2-1b", 1, {}), ("llama-3.2-1b", 1000, {}),
+                                                 ("llama-3.1-8b", 8191, {}), ("qwen3-8b", 17, {}),
+                                                 ("llama-3.2-1b", 17, {"qkv_in_attn": True}),
+                                                 ("llama-3.2-1b", 17, {"flag_q": True, "flag_x": True})])
+def test_attention_row_as_one_position_matches_reference_over_64_steps(model, context, extra):
+    """KernelConfig(attn_row=True): the split holding the step's row adds it as a block one position wide (at
+    context 1 the only position); with the row from the cache, from the finished parts and from versioned words."""
+    _matches_reference_over_64_steps(model, context, attn_row=True, **extra)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
     """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)
     gets the ticketed program with a warning, and decodes what the reference decodes; the cluster kernel, which would

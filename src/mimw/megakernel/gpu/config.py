@@ -107,6 +107,10 @@ class KernelConfig:
     # tiles each. Measured -2.3% (1B; DOWN_PROJ's window 11.2 -> 9.4 us), 8B unchanged (its 128 row blocks do not
     # pair) at d7946e5 (bench/NOTES.md session 19). In effect with cluster_qkv's mode 2 exchange only, and not with
     # o_parts or merged releases (``down_pairs()``)
+    attn_row: bool = False  # ROW1: the attention split that holds the step's row (the last, state.split_range)
+    # adds it as a block one position wide instead of a masked 64-position block (attention.partial): traced at
+    # 46549a9 that split's block-0 phase took 2.44 us against 1.59 for the others and it drew the combining ticket
+    # (bench/NOTES.md session 19 §1); opt-in, not yet run on a GPU
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -356,7 +360,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec), QUIET=kcfg.quiet,
         QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(),
         **dict(zip(("DEEP", "DEEP_OPS"), kcfg.deep_cap(spec))),
-        WREL=kcfg.release_bytes(kcfg.ring_slots(spec)), HCNT=bool(kcfg.hold_bytes()),
+        WREL=kcfg.release_bytes(kcfg.ring_slots(spec)), HCNT=bool(kcfg.hold_bytes()), ROW1=kcfg.attn_row,
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,

@@ -93,6 +93,8 @@ VARIANTS = {
     "tr32-wrel-deepdown8": KernelConfig(warp_release=True, deep_ops=("DOWN_PROJ",), inflight_deep=8),
     # DOWN_PROJ's row blocks whole on one SM each, half the SMs idle in the 1B's stage (the default until session 19)
     "tr32-noxdown": KernelConfig(cluster_down=False),
+    # the attention's step row as a one-position block in the split that holds it (not a masked 64-position block)
+    "tr32-row1": KernelConfig(attn_row=True),
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
