@@ -39,7 +39,7 @@ if has tests; then
     rc[gpu-tests]=$?
     tail -n 3 "$out/gpu-tests.log"
 fi
-hold_k="(release_hold or hold_count or attention_row or deeper_in_flight or per_warp_releases or down_proj_pairs or \
+hold_k="(release_hold or hold_count or attention_row or down_half_stage or deeper_in_flight or per_warp_releases or down_proj_pairs or \
     falls_back)"
 if has optin; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \

@@ -239,6 +239,17 @@ def test_hold_count_compiles_without_spills_and_without_the_holds_barrier(model)
 
 
 @pytest.mark.slow
+def test_down_half_stage_compiles_without_spills_in_effect_only_with_the_pairs():
+    """KernelConfig(down_half_stage=True): a different, spill-free 1B kernel; no effect (the default's PTX) where
+    DOWN_PROJ has no pairs (cluster_down off)."""
+    spec = get_preset("llama-3.2-1b")
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), down_half_stage=True)
+    assert _spill_free_ptx(spec, kcfg) != _ptx(spec, KernelConfig.for_spec(spec))
+    off = dataclasses.replace(kcfg, cluster_down=False)
+    assert _ptx(spec, off) == _ptx(spec, dataclasses.replace(off, down_half_stage=False))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("opts", [{}, {"qkv_in_attn": True}, {"flag_q": True, "flag_x": True}])
 def test_attention_row_as_one_position_compiles_without_spills(opts):
     """KernelConfig(attn_row=True) on the 1B, with the step's row from the cache, the finished parts or versioned

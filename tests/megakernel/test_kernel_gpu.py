@@ -187,6 +187,16 @@ def test_attention_row_as_one_position_matches_reference_over_64_steps(model, co
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model,context,extra", [("llama-3.2-1b", 1000, {}), ("llama-3.2-1b", 8191, {}),
+                                                 ("smollm2-135m", 17, {}), ("llama-3.1-8b", 17, {}),
+                                                 ("llama-3.2-1b", 17, {"attn_row": True})])
+def test_down_half_stage_matches_reference_over_64_steps(model, context, extra):
+    """KernelConfig(down_half_stage=True): a DOWN_PROJ half stages only the act column tiles it multiplies (the 1B:
+    one staging group of two; SmolLM2: both halves in one group; the 8B: no pairs, every group)."""
+    _matches_reference_over_64_steps(model, context, down_half_stage=True, **extra)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
     """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)
     gets the ticketed program with a warning, and decodes what the reference decodes; the cluster kernel, which would

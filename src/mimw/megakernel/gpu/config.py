@@ -107,6 +107,10 @@ class KernelConfig:
     # tiles each. Measured -2.3% (1B; DOWN_PROJ's window 11.2 -> 9.4 us), 8B unchanged (its 128 row blocks do not
     # pair) at d7946e5 (bench/NOTES.md session 19). In effect with cluster_qkv's mode 2 exchange only, and not with
     # o_parts or merged releases (``down_pairs()``)
+    down_half_stage: bool = False  # XDS: a DOWN_PROJ half (cluster_down) stages only the act column tiles it
+    # multiplies: one staging group of the 1B's two (8192 of 16384 activations, 16 column tiles), so one round trip
+    # instead of two before its first tile (a whole DOWN_PROJ staged in 1.47 us, session 18 §3); in effect with
+    # ``down_pairs()``; opt-in, not yet run on a GPU
     attn_row: bool = False  # ROW1: the attention split that holds the step's row (the last, state.split_range)
     # adds it as a block one position wide instead of a masked 64-position block (attention.partial): traced at
     # 46549a9 that split's block-0 phase took 2.44 us against 1.59 for the others and it drew the combining ticket
@@ -361,6 +365,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(),
         **dict(zip(("DEEP", "DEEP_OPS"), kcfg.deep_cap(spec))),
         WREL=kcfg.release_bytes(kcfg.ring_slots(spec)), HCNT=bool(kcfg.hold_bytes()), ROW1=kcfg.attn_row,
+        XDS=kcfg.down_half_stage and kcfg.down_pairs(),
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,

@@ -172,7 +172,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              FLAG_Q: gl.constexpr, QKV_IN_ATTN: gl.constexpr, MERGE: gl.constexpr, kvbuf, KVP: gl.constexpr,
              O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
              XD: gl.constexpr, QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, WOFF: gl.constexpr, TRACE: gl.constexpr,
-             TRACE_TILES: gl.constexpr, HOFF: gl.constexpr, ROW1: gl.constexpr, num_warps: gl.constexpr):
+             TRACE_TILES: gl.constexpr, HOFF: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr,
+             num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -229,6 +230,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
         key = op * 65536 + layer
         if O_PARTS > 0:  # an O_PROJ part stages only its own columns: another part restages
             key = key + _field(w, offs, W_C) * 1048576
+        if XDS:  # so does a DOWN_PROJ half (KernelConfig.down_half_stage; W_C its part)
+            key = key + (op == OP_DOWN_PROJ).to(gl.int32) * _field(w, offs, W_C) * 1048576
         restage = key != staged
         staged = key
         if TRACE:
@@ -351,6 +354,9 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             if restage:
                 if FLAG_ACT:  # versioned act words (isa.READS_ACT): this load is the wait for MLP_IN
                     matvec.stage_versioned(hbuf, act_ptr, I, vstep + layer, KT_I, SG, S2, FLAG_ACT)
+                elif XDS:  # a cluster pair's half stages its own column tiles only (KernelConfig.down_half_stage)
+                    h0, h1 = _part_tiles(_field(w, offs, W_C), KT_I, gl.maximum(_field(w, offs, W_D), 1))
+                    matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2, h0, h1, True)
                 else:
                     matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
             if XD:  # DOWN_PROJ's cluster pairs (KernelConfig.cluster_down): column halves of a row block on mates
@@ -435,7 +441,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, XD: gl.constexpr,
                QUIET: gl.constexpr,
                QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
-               WREL: gl.constexpr, HCNT: gl.constexpr, ROW1: gl.constexpr, TRACE: gl.constexpr,
+               WREL: gl.constexpr, HCNT: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr, TRACE: gl.constexpr,
                TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
@@ -476,7 +482,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I,
                     PS, HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
                     QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, XD, QUIET, QUIET_EARLY, WOFF, TRACE,
-                    TRACE_TILES, HOFF, ROW1, num_warps)),
+                    TRACE_TILES, HOFF, ROW1, XDS, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, QUIET_OPS, O_PARTS,
                    DEEP, DEEP_OPS, WOFF, XD, TRACE_TILES, HOFF)),

@@ -173,13 +173,19 @@ def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.cons
 
 
 @gluon.jit
-def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.constexpr):
+def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.constexpr, k0=0, k1=0,
+                PART: gl.constexpr = False):
     """hbuf <- src (fp32 activations written by other CTAs this step) rounded to bf16; zeros past K. Loads go in
-    groups of SG column tiles, all in flight together."""
+    groups of SG column tiles, all in flight together. ``PART`` (KernelConfig.down_half_stage): only the groups
+    that hold a column tile of [k0, k1) are loaded (a DOWN_PROJ half reads no other); the others' loads are masked,
+    no request and no round trip, and stage zeros."""
     TK: gl.constexpr = hbuf.type.shape[1]
     for g0 in gl.static_range(0, KT, SG):
         o = _group_offsets(g0, SG, TK, S2)
-        v = gl.load(src_ptr + o, mask=o < K, other=0.0, cache_modifier=".cg")
+        m = o < K
+        if PART:
+            m = m & (g0 + SG > k0) & (g0 < k1)
+        v = gl.load(src_ptr + o, mask=m, other=0.0, cache_modifier=".cg")
         _group(hbuf, g0, SG).store(v.to(gl.bfloat16))
     gl.thread_barrier()
 

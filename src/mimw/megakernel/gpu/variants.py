@@ -95,6 +95,9 @@ VARIANTS = {
     "tr32-noxdown": KernelConfig(cluster_down=False),
     # the attention's step row as a one-position block in the split that holds it (not a masked 64-position block)
     "tr32-row1": KernelConfig(attn_row=True),
+    # a DOWN_PROJ half stages only its own column tiles of act (one staging group of two on the 1B)
+    "tr32-xds": KernelConfig(down_half_stage=True),
+    "tr32-row1-xds": KernelConfig(attn_row=True, down_half_stage=True),
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
