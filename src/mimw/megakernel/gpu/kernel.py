@@ -9,9 +9,12 @@ Roles (``gl.warp_specialize``):
       weights (next layer included) while compute waits for dependencies: the ring is the only bound.
 With cluster pairs (``XB``, KernelConfig.cluster_qkv) the CTAs run in clusters of two and ATTN_IN's two parts of a
 head, on the two CTAs of a cluster, swap their sums through distributed shared memory (gpu/cluster.py) instead of
-a ticket (``XD``, KernelConfig.cluster_down: DOWN_PROJ's column halves of a row block too). With ``WREL``
-(KernelConfig.warp_release) each compute warp releases a ring slot on its own (orchestration.warp_release). At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH, which moves every
-counter's step-numbered target for the next launch (no reset kernel, CUDA-graph friendly).
+a ticket (``XD``, KernelConfig.cluster_down: DOWN_PROJ's column halves of a row block too; ``XDS``,
+down_half_stage: a half stages only its own columns). With ``WREL`` (KernelConfig.warp_release) each compute warp
+releases a ring slot on its own (orchestration.warp_release); with ``HCNT`` (hold_count) the release hold counts
+releases in a shared-memory word instead of an mbarrier's phases; ``ROW1`` (attn_row): the attention's step row
+as a one-position block. At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH,
+which moves every counter's step-numbered target for the next launch (no reset kernel, CUDA-graph friendly).
 
 Instruction words are fetched with one vector load and unpacked with masked reductions; opcode and field
 positions are constexprs taken from ``megakernel.isa`` (the single source of truth).
@@ -255,7 +258,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             split = _field(w, offs, W_C)
             n_splits = _field(w, offs, W_D)
             k0, v0 = attention.prefetch(layer, kvh, b, split, n_splits, ctx, pos, kc_ptr, vc_ptr, bt_ptr,
-                                              MAXP, NP, HKV, HD, PS, BT, num_warps, L4)
+                                        MAXP, NP, HKV, HD, PS, BT, num_warps, L4)
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
             if TRACE:
