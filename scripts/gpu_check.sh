@@ -13,8 +13,9 @@
 #              one position, a DOWN_PROJ half staging its own columns (16, ~3.5 min)
 #   versioned  the versioned-word tests (25, ~4 min), in their own process under a time limit (a reader whose
 #              words never come spins: a hang must not eat the call)
-#   sanitize   compute-sanitizer synccheck (each case in its own process) and racecheck on small shapes (~5 min;
-#              racecheck is cut at 200 s; SANITIZE_ARGS=--hold-count: every kernel with the hold's count)
+#   sanitize   compute-sanitizer synccheck (case by case, each in its own process, if it errs) and racecheck on
+#              small shapes (~5 min; racecheck is cut at 200 s; SANITIZE_ARGS=--hold-count: every kernel with the
+#              hold's count)
 #   trace      the per-instruction trace of the 1B and 8B shapes at context 1024 (~2.5 min)
 #   cluster    thread-block clusters (gpu/cluster.py): the probe's test, the GPU file's cluster_qkv modes beside
 #              the default (0, tickets; 1, release arrivals: 4 shapes x contexts 1/1000/8191 x 64 steps), then the
@@ -70,17 +71,22 @@ if has versioned; then
     tail -n 3 "$out/versioned-tests.log"
 fi
 if has sanitize; then
-    # synccheck case by case, each in its own process (an error aborts the launch and the process's CUDA context);
+    # synccheck over every case in one process; if it errs (an error aborts the launch and the process's CUDA
+    # context, hiding the later cases), again case by case, each in its own process, to say which cases err.
     # SANITIZE_ARGS=--hold-count runs every kernel with the release hold's count instead of its mbarrier
-    : > "$out/synccheck.log"
-    rc[synccheck]=0
-    for case in $(python3 -m mimw.megakernel.gpu.sanitize --list ${SANITIZE_ARGS:-}); do
-        echo "### $case" >> "$out/synccheck.log"
-        timeout "${SANITIZER_TIMEOUT:-200}" "$sanitizer" --tool synccheck --print-limit 5 \
-            python3 -m mimw.megakernel.gpu.sanitize --case "$case" ${SANITIZE_ARGS:-} >> "$out/synccheck.log" 2>&1 \
-            || rc[synccheck]=1
-        echo "$case: $(grep -h "ERROR SUMMARY" "$out/synccheck.log" | tail -n 1)"
-    done
+    timeout "${SANITIZER_TIMEOUT:-200}" "$sanitizer" --tool synccheck --print-limit 5 \
+        python3 -m mimw.megakernel.gpu.sanitize ${SANITIZE_ARGS:-} > "$out/synccheck.log" 2>&1
+    rc[synccheck]=$?
+    grep -h "ERROR SUMMARY" "$out/synccheck.log"
+    if [[ ${rc[synccheck]} != 0 ]]; then
+        for case in $(python3 -m mimw.megakernel.gpu.sanitize --list ${SANITIZE_ARGS:-}); do
+            echo "### $case" >> "$out/synccheck-cases.log"
+            timeout "${SANITIZER_TIMEOUT:-200}" "$sanitizer" --tool synccheck --print-limit 5 \
+                python3 -m mimw.megakernel.gpu.sanitize --case "$case" ${SANITIZE_ARGS:-} \
+                >> "$out/synccheck-cases.log" 2>&1
+            echo "$case: $(grep -h "ERROR SUMMARY" "$out/synccheck-cases.log" | tail -n 1)"
+        done
+    fi
     timeout "${SANITIZER_TIMEOUT:-200}" "$sanitizer" --tool racecheck python3 -m mimw.megakernel.gpu.sanitize \
         ${SANITIZE_ARGS:-} > "$out/racecheck.log" 2>&1
     rc[racecheck]=$?
