@@ -27,3 +27,9 @@ def test_the_list_is_one_name_a_line_for_the_shell_loop():
     out = subprocess.run([sys.executable, "-m", "mimw.megakernel.gpu.sanitize", "--list", "--hold-count"],
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == list(cases()) and all(" " not in n for n in out)
+
+
+def test_an_unknown_or_missing_case_is_a_clear_error_before_the_gpu_is_touched():
+    for args in (["--case", "no-such-case"], ["--case"]):
+        r = subprocess.run([sys.executable, "-m", "mimw.megakernel.gpu.sanitize", *args], capture_output=True, text=True)
+        assert r.returncode == 2 and "--list names them" in r.stderr, r.stderr

@@ -108,16 +108,16 @@ def main() -> int:
     if "--list" in argv:
         print("\n".join(todo))
         return 0
-    ok = run_control()
-    print(f"ws_control: {'ok' if ok else 'WRONG'}", flush=True)
-    if "--control" in argv:
-        return 0 if ok else 1
-    if "--case" in argv:
-        name = argv[argv.index("--case") + 1]
+    if "--case" in argv:  # checked before anything touches the GPU
+        name = argv[argv.index("--case") + 1] if argv.index("--case") + 1 < len(argv) else ""
         if name not in todo:
             print(f"no case {name!r}; --list names them", file=sys.stderr)
             return 2
         todo = {name: todo[name]}
+    ok = run_control()
+    print(f"ws_control: {'ok' if ok else 'WRONG'}", flush=True)
+    if "--control" in argv:
+        return 0 if ok else 1
     for name, (spec, context, num_sms, kcfg) in todo.items():
         r = check_decode(spec, context, steps=2, graph=False, num_sms=num_sms, kcfg=kcfg)
         print(name, r, flush=True)
