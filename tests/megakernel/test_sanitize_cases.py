@@ -31,5 +31,6 @@ def test_the_list_is_one_name_a_line_for_the_shell_loop():
 
 def test_an_unknown_or_missing_case_is_a_clear_error_before_the_gpu_is_touched():
     for args in (["--case", "no-such-case"], ["--case"]):
-        r = subprocess.run([sys.executable, "-m", "mimw.megakernel.gpu.sanitize", *args], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-m", "mimw.megakernel.gpu.sanitize", *args], capture_output=True,
+                           text=True)
         assert r.returncode == 2 and "--list names them" in r.stderr, r.stderr
