@@ -107,11 +107,11 @@ class KernelConfig:
     # tiles each. Measured -2.3% (1B; DOWN_PROJ's window 11.2 -> 9.4 us), 8B unchanged (its 128 row blocks do not
     # pair) at d7946e5 (bench/NOTES.md session 19). In effect with cluster_qkv's mode 2 exchange only, and not with
     # o_parts or merged releases (``down_pairs()``)
-    down_half_stage: bool = False  # XDS: a DOWN_PROJ half (cluster_down) stages only the act column tiles it
+    down_half_stage: bool = True  # XDS: a DOWN_PROJ half (cluster_down) stages only the act column tiles it
     # multiplies: one staging group of the 1B's two (8192 of 16384 activations, 16 column tiles), so one round trip
     # instead of two before its first tile (a whole DOWN_PROJ staged in 1.47 us, session 18 §3); in effect with
     # ``down_pairs()``; opt-in, not yet run on a GPU
-    attn_row: bool = False  # ROW1: the attention split that holds the step's row (the last, state.split_range)
+    attn_row: bool = True  # ROW1: the attention split that holds the step's row (the last, state.split_range)
     # adds it as a block one position wide instead of a masked 64-position block (attention.partial): traced at
     # 46549a9 that split's block-0 phase took 2.44 us against 1.59 for the others and it drew the combining ticket
     # (bench/NOTES.md session 19 §1); opt-in, not yet run on a GPU

@@ -93,11 +93,11 @@ VARIANTS = {
     "tr32-wrel-deepdown8": KernelConfig(warp_release=True, deep_ops=("DOWN_PROJ",), inflight_deep=8),
     # DOWN_PROJ's row blocks whole on one SM each, half the SMs idle in the 1B's stage (the default until session 19)
     "tr32-noxdown": KernelConfig(cluster_down=False),
-    # the attention's step row as a one-position block in the split that holds it (not a masked 64-position block)
-    "tr32-row1": KernelConfig(attn_row=True),
-    # a DOWN_PROJ half stages only its own column tiles of act (one staging group of two on the 1B)
-    "tr32-xds": KernelConfig(down_half_stage=True),
-    "tr32-row1-xds": KernelConfig(attn_row=True, down_half_stage=True),
+    # the attention's step row as a masked 64-position block in the split that holds it (not a one-position block)
+    "tr32-norow1": KernelConfig(attn_row=False),
+    # a DOWN_PROJ half stages all of act's column tiles (two staging groups on the 1B), not only its own
+    "tr32-noxds": KernelConfig(down_half_stage=False),
+    "tr32-s19": KernelConfig(attn_row=False, down_half_stage=False),  # the default until session 20
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),
