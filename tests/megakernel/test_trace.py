@@ -85,17 +85,23 @@ def test_trace_build_records_globaltimer_and_the_default_build_does_not():
     assert "%globaltimer" not in compile_sm90a(spec, KernelConfig(tile_rows=16)).asm["ptx"]
 
 
-@pytest.mark.parametrize("name,tile_rows,tile_k,o_parts", [("llama-3.2-1b", 32, 256, 0), ("tiny-qwen3", 16, 512, 0),
-                                                          ("smollm2-135m", 32, 256, 0), ("llama-3.2-1b", 32, 256, 8),
-                                                          ("llama-3.1-8b", 32, 256, 4)])
-def test_tile_counts_cover_every_streamed_weight_tile_once(name, tile_rows, tile_k, o_parts):
-    # the host mirror of the ring's tile counter: all SMs together stream each of the five matrices once
+@pytest.mark.parametrize("name,tile_rows,tile_k,o_parts,down", [
+    ("llama-3.2-1b", 32, 256, 0, False), ("tiny-qwen3", 16, 512, 0, False), ("smollm2-135m", 32, 256, 0, False),
+    ("llama-3.2-1b", 32, 256, 8, False), ("llama-3.1-8b", 32, 256, 4, False), ("llama-3.2-1b", 32, 256, 0, True)])
+def test_tile_counts_cover_every_streamed_weight_tile_once(name, tile_rows, tile_k, o_parts, down):
+    # the host mirror of the ring's tile counter: all SMs together stream each of the five matrices once (with
+    # DOWN_PROJ's cluster pairs, each half its own column tiles)
+    from mimw.megakernel import isa
+    from mimw.megakernel.gpu.config import KernelConfig
     from mimw.megakernel.gpu.trace import tile_counts
     from mimw.megakernel.program import ProgramConfig
 
     spec = get_preset(name)
-    prog = build_program(spec, StepShape((1,), 64), 132, ProgramConfig(tile_rows=tile_rows, tile_k=tile_k,
-                                                                     o_parts=o_parts))
+    cfg = (KernelConfig.for_spec(spec).program_config() if down  # the default's: ATTN_IN and DOWN_PROJ in pairs
+           else ProgramConfig(tile_rows=tile_rows, tile_k=tile_k, o_parts=o_parts))
+    prog = build_program(spec, StepShape((1,), 64), 132, cfg)
+    pairs = [i for q in prog.queues for i in q if isinstance(i, isa.DownProj) and i.n_parts > 1]
+    assert bool(pairs) == down
     kt = lambda k: -(-k // tile_k)  # noqa: E731
     heads = spec.num_heads + 2 * spec.num_kv_heads
     per_layer = (heads * spec.head_dim * kt(spec.hidden_size) + spec.hidden_size * kt(spec.q_size)

@@ -144,8 +144,9 @@ def tile_counts(program: Program, tile_rows: int, tile_k: int) -> list[list[int]
                 row.append(ins.nrows // tile_rows * cols)
             elif isinstance(ins, isa.MlpIn):
                 row.append(2 * ins.nrows // tile_rows * kt_d)
-            elif isinstance(ins, isa.DownProj):
-                row.append(ins.nrows // tile_rows * kt_i)
+            elif isinstance(ins, isa.DownProj):  # a cluster pair's half: its column tiles (ProgramConfig.cluster_down)
+                cols = part(spec.intermediate_size, ins.part, ins.n_parts) if ins.n_parts > 1 else kt_i
+                row.append(ins.nrows // tile_rows * cols)
             elif isinstance(ins, isa.LmHead):
                 row.append(ins.nrows // tile_rows * kt_d)
             else:
