@@ -9,8 +9,9 @@
 #   hold       the ring's request and release settings and session 18's builds: the release hold's other
 #              settings, ended before the fence or at some boundaries only, the deeper in-flight cap for some ops,
 #              the per-warp releases, DOWN_PROJ's cluster pairs, and the decoder's fall-back to tickets (25, ~5 min)
-#   pending    the opt-in builds not yet measured (session 19): the hold as a count, the step's attention row as
-#              one position, a DOWN_PROJ half staging its own columns (16, ~3.5 min)
+#   s19        session 19's builds: the hold as a count (opt-in), the step's attention row as one position and a
+#              DOWN_PROJ half staging its own columns (the default since session 20) beside their off settings (17,
+#              ~3.5 min)
 #   versioned  the versioned-word tests (25, ~4 min), in their own process under a time limit (a reader whose
 #              words never come spins: a hang must not eat the call)
 #   sanitize   compute-sanitizer synccheck (case by case, each in its own process, if it errs) and racecheck on
@@ -32,7 +33,7 @@ mkdir -p "$out"
 sanitizer=${COMPUTE_SANITIZER:-compute-sanitizer}
 declare -A rc
 
-parts=" ${PARTS:-tests optin hold pending versioned sanitize trace} "
+parts=" ${PARTS:-tests optin hold s19 versioned sanitize trace} "
 has() { [[ "$parts" == *" $1 "* ]]; }
 
 if has tests; then
@@ -43,11 +44,11 @@ if has tests; then
     tail -n 3 "$out/gpu-tests.log"
 fi
 hold_k="(release_hold or deeper_in_flight or per_warp_releases or down_proj_pairs or falls_back)"
-pend_k="(hold_count or attention_row or down_half_stage)"
+s19_k="(hold_count or attention_row or down_half_stage)"
 if has optin; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
         -k "not versioned and not megakernel_matches_reference and not traced_launch and not cluster_pairs and not $hold_k \
-            and not $pend_k" \
+            and not $s19_k" \
         > "$out/optin-tests.log" 2>&1
     rc[optin]=$?
     tail -n 3 "$out/optin-tests.log"
@@ -58,11 +59,11 @@ if has hold; then
     rc[hold]=$?
     tail -n 3 "$out/hold-tests.log"
 fi
-if has pending; then
+if has s19; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
-        -k "$pend_k" > "$out/pending-tests.log" 2>&1
-    rc[pending]=$?
-    tail -n 3 "$out/pending-tests.log"
+        -k "$s19_k" > "$out/s19-tests.log" 2>&1
+    rc[s19]=$?
+    tail -n 3 "$out/s19-tests.log"
 fi
 if has versioned; then
     timeout "${VERSIONED_TIMEOUT:-330}" python3 -m pytest -v -x -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \

@@ -240,11 +240,12 @@ def test_hold_count_compiles_without_spills_and_without_the_holds_barrier(model)
 
 @pytest.mark.slow
 def test_down_half_stage_compiles_without_spills_in_effect_only_with_the_pairs():
-    """KernelConfig(down_half_stage=True): a different, spill-free 1B kernel; no effect (the default's PTX) where
-    DOWN_PROJ has no pairs (cluster_down off)."""
+    """KernelConfig.down_half_stage (the default): a spill-free 1B kernel, different from the one staging all of
+    act's columns; no effect where DOWN_PROJ has no pairs (cluster_down off)."""
     spec = get_preset("llama-3.2-1b")
-    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), down_half_stage=True)
-    assert _spill_free_ptx(spec, kcfg) != _ptx(spec, KernelConfig.for_spec(spec))
+    kcfg = KernelConfig.for_spec(spec)
+    assert kcfg.down_half_stage
+    assert _spill_free_ptx(spec, kcfg) != _ptx(spec, dataclasses.replace(kcfg, down_half_stage=False))
     off = dataclasses.replace(kcfg, cluster_down=False)
     assert _ptx(spec, off) == _ptx(spec, dataclasses.replace(off, down_half_stage=False))
 
@@ -252,11 +253,13 @@ def test_down_half_stage_compiles_without_spills_in_effect_only_with_the_pairs()
 @pytest.mark.slow
 @pytest.mark.parametrize("opts", [{}, {"qkv_in_attn": True}, {"flag_q": True, "flag_x": True}])
 def test_attention_row_as_one_position_compiles_without_spills(opts):
-    """KernelConfig(attn_row=True) on the 1B, with the step's row from the cache, the finished parts or versioned
-    words: a different kernel from the default's (its masked block for the row is gone), and spill-free."""
+    """KernelConfig.attn_row (the default) on the 1B, with the step's row from the cache, the finished parts or
+    versioned words: a shorter kernel than the one adding the row as a masked 64-position block, and spill-free."""
     spec = get_preset("llama-3.2-1b")
-    base = _ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), **opts))
-    ptx = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), attn_row=True, **opts))
+    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), **opts)
+    assert kcfg.attn_row
+    base = _ptx(spec, dataclasses.replace(kcfg, attn_row=False))
+    ptx = _spill_free_ptx(spec, kcfg)
     assert ptx != base and len(ptx) < len(base)
 
 

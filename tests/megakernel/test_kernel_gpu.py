@@ -176,24 +176,28 @@ def test_down_proj_pairs_match_reference_over_64_steps(model, context, extra):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("model,context,extra", [("llama-3.2-1b", 1, {}), ("llama-3.2-1b", 1000, {}),
-                                                 ("llama-3.1-8b", 8191, {}), ("qwen3-8b", 17, {}),
+@pytest.mark.parametrize("model,context,extra", [("llama-3.2-1b", 1, {}), ("llama-3.2-1b", 1000, {"attn_row": False}),
+                                                 ("llama-3.1-8b", 8191, {"attn_row": False}), ("qwen3-8b", 17, {}),
                                                  ("llama-3.2-1b", 17, {"qkv_in_attn": True}),
+                                                 ("llama-3.2-1b", 17, {"qkv_in_attn": True, "attn_row": False}),
                                                  ("llama-3.2-1b", 17, {"flag_q": True, "flag_x": True})])
 def test_attention_row_as_one_position_matches_reference_over_64_steps(model, context, extra):
-    """KernelConfig(attn_row=True): the split holding the step's row adds it as a block one position wide (at
-    context 1 the only position); with the row from the cache, from the finished parts and from versioned words."""
-    _matches_reference_over_64_steps(model, context, attn_row=True, **extra)
+    """KernelConfig.attn_row (the default since session 20): the split holding the step's row adds it as a block
+    one position wide (at context 1 the only position); with the row from the cache, from the finished parts and
+    from versioned words; and off (attn_row=False): the row as a masked 64-position block."""
+    _matches_reference_over_64_steps(model, context, **extra)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("model,context,extra", [("llama-3.2-1b", 1000, {}), ("llama-3.2-1b", 8191, {}),
-                                                 ("smollm2-135m", 17, {}), ("llama-3.1-8b", 17, {}),
-                                                 ("llama-3.2-1b", 17, {"attn_row": True})])
+@pytest.mark.parametrize("model,context,extra", [("llama-3.2-1b", 1000, {"down_half_stage": False}),
+                                                 ("llama-3.2-1b", 8191, {}), ("smollm2-135m", 17, {}),
+                                                 ("llama-3.1-8b", 17, {}),
+                                                 ("llama-3.2-1b", 17, {"attn_row": False, "down_half_stage": False})])
 def test_down_half_stage_matches_reference_over_64_steps(model, context, extra):
-    """KernelConfig(down_half_stage=True): a DOWN_PROJ half stages only the act column tiles it multiplies (the 1B:
-    one staging group of two; SmolLM2: both halves in one group; the 8B: no pairs, every group)."""
-    _matches_reference_over_64_steps(model, context, down_half_stage=True, **extra)
+    """KernelConfig.down_half_stage (the default since session 20): a DOWN_PROJ half stages only the act column
+    tiles it multiplies (the 1B: one staging group of two; SmolLM2: both halves in one group; the 8B: no pairs,
+    every group); and off: each half stages all of act (the default until session 20)."""
+    _matches_reference_over_64_steps(model, context, **extra)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")

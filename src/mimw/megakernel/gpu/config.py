@@ -36,8 +36,9 @@ class KernelConfig:
     hold_count: bool = False  # HCNT: the release hold through compute's count of its releases, a word in the
     # dynamic shared memory past Triton's (orchestration.hold_count_*), instead of an mbarrier the loader waits on
     # only at a stage's first instruction: compute-sanitizer's synccheck reports "Missing wait" on that barrier,
-    # whose other phases nobody waits for (bench/NOTES.md session 19 §2). A count has no phases to miss or alias.
-    # Opt-in, not yet run on a GPU
+    # whose other phases nobody waits for (bench/NOTES.md session 19 §2). A count has no phases to miss or alias:
+    # synccheck 0 errors on every sanitize.py case at d6bd909. Opt-in: measured 1B -0.1% / +0.2%, 8B +0.9% / +0.4%
+    # in two runs (session 20)
     quiet_ops: tuple[str, ...] = ()  # QUIET_OPS: the streaming ops (isa.Op names) whose instructions the hold
     # applies to; () = every one (session 17, opt-in). Measured at b8036be: all but ATTN_IN -1.2% (1B) / 0.0% (8B),
     # MLP_IN and DOWN_PROJ only -0.4% / +0.8%, within the default's drift (bench/NOTES.md session 18)
@@ -56,7 +57,8 @@ class KernelConfig:
     warp_release: bool = False  # WREL: each consumer warp hands a ring slot back on its own (its lane 0 arrives on an
     # empty barrier counted in warps, in the dynamic shared memory past Triton's; orchestration.warp_release)
     # instead of one thread after a partition barrier: one of the tile loop's two CTA barriers a tile (the other
-    # comes with Triton's mbarrier.wait and stays) (session 18, opt-in, not yet run on a GPU)
+    # comes with Triton's mbarrier.wait and stays) (session 18, opt-in). Measured at d7946e5: +1.9% (1B) / +0.3% (8B)
+    # (bench/NOTES.md session 19 §0)
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
@@ -110,11 +112,11 @@ class KernelConfig:
     down_half_stage: bool = True  # XDS: a DOWN_PROJ half (cluster_down) stages only the act column tiles it
     # multiplies: one staging group of the 1B's two (8192 of 16384 activations, 16 column tiles), so one round trip
     # instead of two before its first tile (a whole DOWN_PROJ staged in 1.47 us, session 18 §3); in effect with
-    # ``down_pairs()``; opt-in, not yet run on a GPU
+    # ``down_pairs()``. Measured at d6bd909: 1B -1.3% alone, -2.4% with attn_row; the 8B has no pairs (session 20)
     attn_row: bool = True  # ROW1: the attention split that holds the step's row (the last, state.split_range)
     # adds it as a block one position wide instead of a masked 64-position block (attention.partial): traced at
     # 46549a9 that split's block-0 phase took 2.44 us against 1.59 for the others and it drew the combining ticket
-    # (bench/NOTES.md session 19 §1); opt-in, not yet run on a GPU
+    # (bench/NOTES.md session 19 §1). Measured at d6bd909: 1B -1.5%, 8B -0.9% (session 20)
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
