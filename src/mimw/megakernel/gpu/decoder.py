@@ -69,10 +69,12 @@ class MegakernelDecoder:
         dev = self.cache.device
         self.kcfg = kcfg
         self.program = build_program(self.spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
-        if kcfg.vpart() and waiting_combiner_errors(self.program.queues):  # a combiner could wait on a split behind
-            # it: the ticketed combine, where the last split to arrive combines and nobody waits
-            warnings.warn(f"{waiting_combiner_errors(self.program.queues)[0]}: the megakernel draws tickets "
-                          "(KernelConfig(attn_vpart=False)) instead", RuntimeWarning, stacklevel=3)
+        # a combiner that waits could wait on a split queued behind it: then the ticketed combine, where the last
+        # split to arrive combines and nobody waits
+        stuck = waiting_combiner_errors(self.program.queues) if kcfg.vpart() else []
+        if stuck:
+            warnings.warn(f"{stuck[0]}: the megakernel draws tickets (KernelConfig(attn_vpart=False)) instead",
+                          RuntimeWarning, stacklevel=3)
             return self._plan(dataclasses.replace(kcfg, attn_vpart=False), context_hint)
         words, lens = self.program.encode()
         self.words, self.lens = words.to(dev), lens.to(dev)
