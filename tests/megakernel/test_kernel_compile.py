@@ -264,32 +264,6 @@ def test_attention_row_as_one_position_compiles_without_spills(opts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("opts", [{}, {"flag_attn": True, "flag_x": True}])
-def test_attn_vpart_compiles_without_spills_on_the_1b(opts):
-    """KernelConfig.attn_vpart on the 1B (head_dim 64), alone and with versioned attn words: the partials' 64-bit
-    stores and polling loads, no ticket's atomic in the attention; spill-free (with the K/V pipeline it spills 8
-    bytes, on the 8B's head_dim 128 some 750: its combine holds [4, 16, 128] words)."""
-    spec = get_preset("llama-3.2-1b")
-    kcfg = dataclasses.replace(KernelConfig.for_spec(spec), **opts)
-    base = _ptx(spec, kcfg)
-    ptx = _spill_free_ptx(spec, dataclasses.replace(kcfg, attn_vpart=True))
-    assert ptx.count("st.relaxed.gpu.global.b64") > base.count("st.relaxed.gpu.global.b64")
-    assert ptx.count("ld.relaxed.gpu.global.b64") > base.count("ld.relaxed.gpu.global.b64")
-    assert ptx.count("atom.global.gpu.acq_rel") < base.count("atom.global.gpu.acq_rel")
-
-
-@pytest.mark.slow
-def test_attn_vpart_not_in_effect_where_o_proj_combines():
-    """attn_vpart has no effect (the kernel's PTX unchanged) with O_PROJ's column parts, which combine the splits
-    from plain partials, or without combining splits (ATTN_REDUCE)."""
-    spec = get_preset("llama-3.2-1b")
-    for kw in ({"o_parts": 2}, {"combine_splits": False}):
-        kcfg = dataclasses.replace(KernelConfig.for_spec(spec), **kw)
-        assert not dataclasses.replace(kcfg, attn_vpart=True).vpart()
-        assert _ptx(spec, kcfg) == _ptx(spec, dataclasses.replace(kcfg, attn_vpart=True))
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
 def test_down_proj_pairs_compile_without_spills(model):
     """KernelConfig.cluster_down (the default): DOWN_PROJ's column halves swap a row tile's sums with one more

@@ -201,18 +201,6 @@ def test_down_half_stage_matches_reference_over_64_steps(model, context, extra):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("model,context,extra", [("llama-3.2-1b", 1, {}), ("llama-3.2-1b", 1000, {}),
-                                                 ("llama-3.2-1b", 8191, {}), ("smollm2-135m", 17, {}),
-                                                 ("qwen3-8b", 1000, {}),
-                                                 ("llama-3.2-1b", 1000, {"flag_attn": True, "flag_x": True}),
-                                                 ("llama-3.2-1b", 1000, {"kv_pipeline": True, "ring": 0})])
-def test_attn_vpart_matches_reference_over_64_steps(model, context, extra):
-    """KernelConfig.attn_vpart: the splits store their partials as versioned words and the last split combines
-    them without a ticket (its loads are the wait); with versioned attn words and with the K/V pipeline."""
-    _matches_reference_over_64_steps(model, context, attn_vpart=True, **extra)
-
-
-@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
     """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)
     gets the ticketed program with a warning, and decodes what the reference decodes; the cluster kernel, which would

@@ -136,25 +136,3 @@ def test_down_proj_pairs_where_its_row_blocks_leave_half_the_sms_idle(name, pair
             assert len(downs) == 128 and all(not i.flags & isa.CLUSTER_PAIR and i.n_parts == 0 for _, i in downs)
     count = next(c.count for c in prog.counters if c.name == "L0.down_proj")
     assert count == (64 if paired else 128)
-
-
-@pytest.mark.parametrize("name", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"])
-@pytest.mark.parametrize("num_sms,context", [(132, 1024), (132, 8191), (72, 300), (72, 40), (16, 8191)])
-def test_waiting_combiners_come_after_their_layers_other_splits_in_every_queue(name, num_sms, context):
-    """KernelConfig.attn_vpart's combiner waits for its group's partials: built programs queue no split of a layer
-    behind one of that layer's combiners (so every partial is stored whatever the combiners wait for), and a queue
-    reordered so that one is, is caught."""
-    import dataclasses
-
-    from mimw.megakernel.program import waiting_combiner_errors
-
-    spec = get_preset(name)
-    prog = build_program(spec, StepShape((1,), context), num_sms, ProgramConfig(tile_rows=32, tile_k=256))
-    assert waiting_combiner_errors(prog.queues) == []
-    queues = [list(q) for q in prog.queues]
-    sm, i = next((s, k) for s, q in enumerate(queues) for k, ins in enumerate(q)
-                 if isinstance(ins, isa.AttnPartial) and ins.combine and ins.split == ins.n_splits - 1 > 0)
-    other = dataclasses.replace(queues[sm][i], split=0)  # a split of the same layer queued behind the combiner
-    queues[sm].insert(i + 1, other)
-    errors = waiting_combiner_errors(queues)
-    assert len(errors) == 1 and f"SM {sm}" in errors[0] and f"layer {other.layer}" in errors[0]

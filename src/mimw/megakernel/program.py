@@ -443,25 +443,6 @@ def cluster_mate_errors(queues: list[list[Instruction]]) -> list[str]:
     return out
 
 
-def waiting_combiner_errors(queues: list[list[Instruction]]) -> list[str]:
-    """Why a combining split that waits for its group's partials (gpu KernelConfig.attn_vpart: the last split
-    combines, no ticket) could deadlock in ``queues`` (empty: it cannot): an SM runs its queue in order, so a split
-    queued behind a waiting combiner of its layer on the same SM might be one that combiner, or another SM's,
-    waits for. Sufficient: in every queue, no other split of a layer's combining attention after that layer's
-    first combiner."""
-    out = []
-    for sm, q in enumerate(queues):
-        combining = set()  # layers whose combiner this queue has passed
-        for ins in q:
-            if isinstance(ins, isa.AttnPartial) and ins.combine and ins.n_splits > 1:
-                last = ins.split == ins.n_splits - 1
-                if not last and ins.layer in combining:
-                    out.append(f"SM {sm}: {ins} is queued behind a combining split of layer {ins.layer}")
-                if last:
-                    combining.add(ins.layer)
-    return out
-
-
 def merge_signals(queue: list[Instruction]) -> list[Instruction]:
     """One release per run of consecutive instructions that signal the same counter and have no finisher: the last
     adds the run's length (``signal_n``), the others add nothing. Their readers wait for the counter's whole count,

@@ -33,8 +33,6 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
                                epoch * 65536 + Readiness's x version (2l+1 after O_PROJ, 2l+2 after DOWN_PROJ).
   attn_words [M, Hq*hd] int64  the GPU's attn when the program versions it (ProgramConfig.flag_attn); version =
                                epoch * 65536 + layer.
-  part_o_words, part_ml_words  the GPU's part_o and part_ml as versioned words (int64, the same shapes) when the
-                               kernel versions them (gpu KernelConfig.attn_vpart); version = epoch * 65536 + layer.
   q_words [M, Hq+2Hkv, hd] int64  the GPU's q when the program versions it (ProgramConfig.flag_q): the q heads, then
                                this step's new K then V row of each KV head (also appended to the paged cache);
                                version = epoch * 65536 + layer.
@@ -108,8 +106,6 @@ class Scratch:
     x_words: torch.Tensor
     attn_words: torch.Tensor
     q_words: torch.Tensor
-    part_o_words: torch.Tensor
-    part_ml_words: torch.Tensor
 
     def poison(self) -> None:
         for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits,
@@ -119,8 +115,6 @@ class Scratch:
         self.x_words.fill_(-1)
         self.attn_words.fill_(-1)
         self.q_words.fill_(-1)
-        self.part_o_words.fill_(-1)
-        self.part_ml_words.fill_(-1)
 
 
 def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu") -> StepState:
@@ -148,9 +142,6 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         attn_words=torch.full((m, sp.q_size), -1, dtype=torch.int64, device=device),
         q_words=torch.full((m, sp.num_heads + 2 * sp.num_kv_heads, sp.head_dim), -1, dtype=torch.int64,
                            device=device),
-        part_o_words=torch.full((m, sp.num_heads, prog.max_splits, sp.head_dim), -1, dtype=torch.int64,
-                                device=device),
-        part_ml_words=torch.full((m, sp.num_heads, prog.max_splits, 2), -1, dtype=torch.int64, device=device),
     )
 
 

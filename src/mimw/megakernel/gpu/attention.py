@@ -178,8 +178,7 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
             po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
             qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr, ver=0,
             VQ: gl.constexpr = False, fin_q=None, fin_k=None, fin_v=None, tok_page=0, FIN: gl.constexpr = False,
-            kvbuf=None, KVP: gl.constexpr = False, TRACE: gl.constexpr = False, ROW1: gl.constexpr = False,
-            VPART: gl.constexpr = False):
+            kvbuf=None, KVP: gl.constexpr = False, TRACE: gl.constexpr = False, ROW1: gl.constexpr = False):
     """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v). Warp w keeps its own online-softmax
     state over its BTW positions of every block (all reductions inside the block stay within a warp); the NW states
     are merged once at the end. The blocks cover the split's past positions [lo, hp); the split that holds ``pos``
@@ -193,8 +192,7 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     returns %globaltimer after block 0, after the later blocks and after the partial's stores (trace.py's
     ATTN_PARTIAL phases), each read once the phase's results exist; else (0, 0, 0). ``ROW1``
     (KernelConfig.attn_row): the new row is a one-position block ([NW, GP, 1] scores, warp 0's alone), not a
-    masked BT-position one. ``VPART`` (KernelConfig.attn_vpart): the partials are versioned words of version
-    ``ver`` (versioned.py; the combining split's loads are its wait), not fp32."""
+    masked BT-position one."""
     G: gl.constexpr = HQ // HKV
     KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
     Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
@@ -283,19 +281,11 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     go = gl.arange(0, GP, gl.SliceLayout(1, O2))
     do = gl.arange(0, HD, gl.SliceLayout(0, O2))
     base = (kvh * G + go) * SPLITS + split
-    po_at = po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0)
-    if VPART:
-        versioned.store_masked(po_at, o_f, ver, gl.expand_dims(go < G, 1) & gl.expand_dims(do >= 0, 0))
-    else:
-        gl.store(po_at, o_f, mask=gl.expand_dims(go < G, 1))
+    gl.store(po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f, mask=gl.expand_dims(go < G, 1))
     gs = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, S3)))
     sbase = (kvh * G + gs) * SPLITS + split
-    if VPART:
-        versioned.store_masked(pml_ptr + sbase * 2, gl.where(l_f > 0.0, mx * LN2, EMPTY_M), ver, gs < G)
-        versioned.store_masked(pml_ptr + sbase * 2 + 1, l_f, ver, gs < G)
-    else:
-        gl.store(pml_ptr + sbase * 2, gl.where(l_f > 0.0, mx * LN2, EMPTY_M), mask=gs < G)
-        gl.store(pml_ptr + sbase * 2 + 1, l_f, mask=gs < G)
+    gl.store(pml_ptr + sbase * 2, gl.where(l_f > 0.0, mx * LN2, EMPTY_M), mask=gs < G)
+    gl.store(pml_ptr + sbase * 2 + 1, l_f, mask=gs < G)
     if TRACE:
         t_stored = globaltimer_after(_dep(l_f))
     return t_first, t_rest, t_stored
@@ -316,12 +306,10 @@ def _dep(x, y=None):
 
 @gluon.jit
 def _combine(kvh, n_splits, SPLITS, po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr,
-             SP2: gl.constexpr, GP: gl.constexpr, R3: gl.constexpr, ver=0, VPART: gl.constexpr = False):
+             SP2: gl.constexpr, GP: gl.constexpr, R3: gl.constexpr):
     """The G heads of KV group ``kvh`` combined over splits [0, n_splits): attn[h] = sum_s e^(m_s - M) o_s /
     sum_s e^(m_s - M) l_s, [GP, HD] fp32 in SliceLayout(1, R3) (padding heads 0); every partial is loaded in one
-    round of independent loads. ``VPART``: the partials are versioned words (version ``ver``), fetched in that one
-    round and then completed, each buffer loading again only the words not yet at ``ver``. Reference:
-    ops/attn_reduce.combine."""
+    round of independent loads. Reference: ops/attn_reduce.combine."""
     G: gl.constexpr = HQ // HKV
     GS: gl.constexpr = gl.SliceLayout(2, R3)  # [GP, SP2]
     GD: gl.constexpr = gl.SliceLayout(1, R3)  # [GP, HD]
@@ -329,22 +317,12 @@ def _combine(kvh, n_splits, SPLITS, po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.c
     offs_s = gl.arange(0, SP2, gl.SliceLayout(0, GS))
     base = gl.expand_dims((kvh * G + offs_g) * SPLITS, 1) + gl.expand_dims(offs_s, 0)  # [GP, SP2]
     valid = gl.expand_dims(offs_g < G, 1) & gl.expand_dims(offs_s < n_splits, 0)
-    if VPART:
-        d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, GD)), 0), 1)  # [1, 1, HD]
-        po_at = po_ptr + gl.expand_dims(base * HD, 2) + d3  # [GP, SP2, HD]
-        wm = versioned.fetch(pml_ptr + base * 2, valid, ver)
-        wl = versioned.fetch(pml_ptr + base * 2 + 1, valid, ver)
-        wo = versioned.fetch(po_at, gl.expand_dims(valid, 2) & (d3 >= 0), ver)
-        ms = gl.where(valid, versioned.finish(pml_ptr + base * 2, wm, ver), EMPTY_M)
-        ls = versioned.finish(pml_ptr + base * 2 + 1, wl, ver)
-        po = versioned.finish(po_at, wo, ver)
-    else:
-        ms = gl.load(pml_ptr + base * 2, mask=valid, other=EMPTY_M, cache_modifier=".cg")
-        ls = gl.load(pml_ptr + base * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
-        offs_d = gl.arange(0, HD, gl.SliceLayout(0, GD))
-        d3 = gl.expand_dims(gl.expand_dims(offs_d, 0), 1)  # [1, 1, HD]
-        po = gl.load(po_ptr + gl.expand_dims(base * HD, 2) + d3, mask=gl.expand_dims(valid, 2), other=0.0,
-                     cache_modifier=".cg")  # [GP, SP2, HD]
+    ms = gl.load(pml_ptr + base * 2, mask=valid, other=EMPTY_M, cache_modifier=".cg")
+    ls = gl.load(pml_ptr + base * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
+    offs_d = gl.arange(0, HD, gl.SliceLayout(0, GD))
+    d3 = gl.expand_dims(gl.expand_dims(offs_d, 0), 1)  # [1, 1, HD]
+    po = gl.load(po_ptr + gl.expand_dims(base * HD, 2) + d3, mask=gl.expand_dims(valid, 2), other=0.0,
+                 cache_modifier=".cg")  # [GP, SP2, HD]
     mx = gl.max(ms, axis=1)
     w = gl.exp2((ms - gl.expand_dims(mx, 1)) * LOG2E)
     den = gl.sum(w * ls, axis=1)
@@ -355,13 +333,12 @@ def _combine(kvh, n_splits, SPLITS, po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.c
 @gluon.jit
 def reduce(kvh, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ: gl.constexpr, HKV: gl.constexpr,
            HD: gl.constexpr, SP2: gl.constexpr, GP: gl.constexpr, R3: gl.constexpr, ver=0,
-           VERSIONED: gl.constexpr = False, VPART: gl.constexpr = False):
+           VERSIONED: gl.constexpr = False):
     """ATTN_REDUCE (or the combining split): the group's combined heads (``_combine``) stored to attn.
-    ``VERSIONED``: attn is versioned words (version ``ver``, versioned.py); ``VPART``: so are the partials (the
-    same version)."""
+    ``VERSIONED``: attn is versioned words (version ``ver``, versioned.py)."""
     G: gl.constexpr = HQ // HKV
     GD: gl.constexpr = gl.SliceLayout(1, R3)  # [GP, HD]
-    o = _combine(kvh, n_splits, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, SP2, GP, R3, ver, VPART)
+    o = _combine(kvh, n_splits, SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, SP2, GP, R3)
     offs_d = gl.arange(0, HD, gl.SliceLayout(0, GD))
     offs_og = gl.arange(0, GP, gl.SliceLayout(1, GD))
     out = attn_ptr + gl.expand_dims((kvh * G + offs_og) * HD, 1) + gl.expand_dims(offs_d, 0)

@@ -117,12 +117,6 @@ class KernelConfig:
     # adds it as a block one position wide instead of a masked 64-position block (attention.partial): traced at
     # 46549a9 that split's block-0 phase took 2.44 us against 1.59 for the others and it drew the combining ticket
     # (bench/NOTES.md session 19 §1). Measured at d6bd909: 1B -1.5%, 8B -0.9% (session 20)
-    attn_vpart: bool = False  # VPART: the attention splits store their partials (o, m, l) as versioned words
-    # (versioned.py, version epoch * 65536 + layer) and the split holding the step's row (the last) always combines,
-    # its loads of the partials the wait: no ticket. The combining split's chain loses the ticket's partition
-    # barrier and acq_rel add (~1.0 us a layer, traced: the "ticket" phase, session 20) for polling loads it did as
-    # plain loads before. In effect with combining splits and without O_PROJ parts (``vpart()``); opt-in, not yet
-    # run on a GPU
     vprobe: int = 1  # a versioned staging of x, attn or act (not the few words of q, K/V or a residual tile) that
     # finds words missing spins on one word in vprobe (versioned.wait's probes), then loads the missing ones again:
     # 1/vprobe of the polling traffic an early reader sends to L2, for one more round trip when it had to wait; the
@@ -211,13 +205,8 @@ class KernelConfig:
         set to another count, or qkv_in_attn, whose parts have no finisher) and with the versioned words (opt-in,
         measured slower, and their kernels spill 4-24 bytes beside the exchange: they keep the tickets they were
         measured with)."""
-        versioned = any(self.versioned().values())  # x, q, attn, act (not the partials: ``vpart()``)
+        versioned = any(self.versioned().values())
         return 0 if self.qkv_in_attn or versioned or self.qkv_parts not in (0, 2) else self.cluster_qkv
-
-    def vpart(self) -> bool:
-        """VPART: ``attn_vpart`` in effect: where the splits combine themselves (``combine_splits``) and O_PROJ is
-        whole (its column parts combine the splits from plain partials)."""
-        return self.attn_vpart and self.combine_splits and not self.o_parts
 
     def down_pairs(self) -> bool:
         """XD: DOWN_PROJ's cluster pairs in effect: ``cluster_down`` where the cluster pairs run with asynchronous
@@ -378,7 +367,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(),
         **dict(zip(("DEEP", "DEEP_OPS"), kcfg.deep_cap(spec))),
         WREL=kcfg.release_bytes(kcfg.ring_slots(spec)), HCNT=bool(kcfg.hold_bytes()), ROW1=kcfg.attn_row,
-        XDS=kcfg.down_half_stage and kcfg.down_pairs(), VPART=kcfg.vpart(),
+        XDS=kcfg.down_half_stage and kcfg.down_pairs(),
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,
@@ -415,8 +404,6 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
         "eps": "fp32", "qscale": "fp32", "trace_ptr": "*i64", "tiles_ptr": "*i64", "MAXT": "i32",
     }
     sig.update({f"{name}_ptr": "*i64" for name, words in kcfg.versioned().items() if words})
-    if kcfg.vpart():  # the attention partials as versioned words
-        sig.update(po_ptr="*i64", pml_ptr="*i64")
     # every pointer 16-byte aligned, as the launch specializes torch's allocations (cp.async needs it to move
     # 16-byte vectors, and the loads vectorize as they do on the GPU)
     aligned = {(megakernel.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()

@@ -15,7 +15,7 @@ import torch
 
 from ...kv.pages import PagedKVCache
 from ...models.weights import ModelWeights
-from ..program import StepShape, build_program, waiting_combiner_errors
+from ..program import StepShape, build_program
 from ..state import alloc_scratch, alloc_state
 from .config import KernelConfig, constexprs
 from .pack import pack
@@ -69,13 +69,6 @@ class MegakernelDecoder:
         dev = self.cache.device
         self.kcfg = kcfg
         self.program = build_program(self.spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
-        # a combiner that waits could wait on a split queued behind it: then the ticketed combine, where the last
-        # split to arrive combines and nobody waits
-        stuck = waiting_combiner_errors(self.program.queues) if kcfg.vpart() else []
-        if stuck:
-            warnings.warn(f"{stuck[0]}: the megakernel draws tickets (KernelConfig(attn_vpart=False)) instead",
-                          RuntimeWarning, stacklevel=3)
-            return self._plan(dataclasses.replace(kcfg, attn_vpart=False), context_hint)
         words, lens = self.program.encode()
         self.words, self.lens = words.to(dev), lens.to(dev)
         self.state = alloc_state(self.program, self.max_pages, dev)
@@ -83,9 +76,6 @@ class MegakernelDecoder:
         # x, q, attn, act as the kernel takes them: fp32, or the int64 versioned words (KernelConfig.versioned)
         self.versioned_buffers = {name: getattr(self.scratch, f"{name}_words" if words else name)
                                   for name, words in kcfg.versioned().items()}
-        # the attention partials: fp32, or versioned words (KernelConfig.attn_vpart)
-        sc = self.scratch
-        self.partials = (sc.part_o_words, sc.part_ml_words) if kcfg.vpart() else (sc.part_o, sc.part_ml)
         self.ce = constexprs(self.spec, kcfg, self.program.max_splits)
         # [num_sms, max_len, TRACE_STAMPS] int64 ns timestamps per instruction when kcfg.trace (trace.summarize), else
         # a 1-element dummy
@@ -134,7 +124,7 @@ class MegakernelDecoder:
             self.words, self.lens, self.words.shape[1], s.tokens, s.positions, s.seg_ctx, s.block_tables,
             s.block_tables.shape[1], s.counters, len(self.program.counters), self.ready_words, *self.descs,
             w.embed, w.attn_norm, w.mlp_norm, w.final_norm, w.bias, w.q_norm, w.k_norm, w.inv_freq,
-            c.k, c.v, c.layout.num_pages, buf["x"], x.qkv_part, buf["q"], *self.partials, buf["attn"], buf["act"],
+            c.k, c.v, c.layout.num_pages, buf["x"], x.qkv_part, buf["q"], x.part_o, x.part_ml, buf["attn"], buf["act"],
             x.logits, x.x_part, self.program.max_splits, sp.rms_norm_eps, sp.head_dim ** -0.5 * 1.4426950408889634,
             self.trace, self.tiles, self.max_tiles)
 

@@ -13,8 +13,7 @@ a ticket (``XD``, KernelConfig.cluster_down: DOWN_PROJ's column halves of a row 
 down_half_stage: a half stages only its own columns). With ``WREL`` (KernelConfig.warp_release) each compute warp
 releases a ring slot on its own (orchestration.warp_release); with ``HCNT`` (hold_count) the release hold counts
 releases in a shared-memory word instead of an mbarrier's phases; ``ROW1`` (attn_row): the attention's step row
-as a one-position block; ``VPART`` (attn_vpart): the attention partials as versioned words, combined by the last
-split without a ticket. At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH,
+as a one-position block. At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH,
 which moves every counter's step-numbered target for the next launch (no reset kernel, CUDA-graph friendly).
 
 Instruction words are fetched with one vector load and unpacked with masked reductions; opcode and field
@@ -177,7 +176,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
              XD: gl.constexpr, QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, WOFF: gl.constexpr, TRACE: gl.constexpr,
              TRACE_TILES: gl.constexpr, HOFF: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr,
-             VPART: gl.constexpr, num_warps: gl.constexpr):
+             num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -273,7 +272,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             t_first, t_rest, t_stored = attention.partial(
                 layer, kvh, b, split, n_splits, ctx, pos, k0, v0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
                 SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4, vstep + layer, FLAG_Q,
-                fq, fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP, TRACE, ROW1, VPART)
+                fq, fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP, TRACE, ROW1)
         else:
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
@@ -318,17 +317,12 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             # O_PROJ blocks combine the splits)
             if (O_PARTS == 0) and (_field(w, offs, W_F) != 0):
                 n_splits = _field(w, offs, W_D)
-                if VPART:  # versioned partials (KernelConfig.attn_vpart): the split holding the step's row (the
-                    # last) combines, its loads of the partials the wait; after a barrier, its own are visible
-                    gl.thread_barrier()
-                    last = _field(w, offs, W_C) == n_splits - 1
-                else:
-                    last = ticket_is_last(cnt_ptr, _field(w, offs, W_E), n_splits, epoch)
+                last = ticket_is_last(cnt_ptr, _field(w, offs, W_E), n_splits, epoch)
                 if TRACE:
                     t_ticket = globaltimer_after(last.to(gl.int32))
                 if last:
                     attention.reduce(a, n_splits, SPLITS, po_ptr, pml_ptr, attn_ptr, HQ, HKV, HD, SP2, GP, R3,
-                                     vstep + layer, FLAG_ATTN, VPART)
+                                     vstep + layer, FLAG_ATTN)
                 else:
                     sig = -1
         elif op == OP_ATTN_REDUCE:
@@ -450,8 +444,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, XD: gl.constexpr,
                QUIET: gl.constexpr,
                QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
-               WREL: gl.constexpr, HCNT: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr, VPART: gl.constexpr,
-               TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               WREL: gl.constexpr, HCNT: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr, TRACE: gl.constexpr,
+               TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -491,7 +485,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I,
                     PS, HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
                     QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, XD, QUIET, QUIET_EARLY, WOFF, TRACE,
-                    TRACE_TILES, HOFF, ROW1, XDS, VPART, num_warps)),
+                    TRACE_TILES, HOFF, ROW1, XDS, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, QUIET_OPS, O_PARTS,
                    DEEP, DEEP_OPS, WOFF, XD, TRACE_TILES, HOFF)),

@@ -92,8 +92,6 @@ def cases(hold_count: bool = False) -> dict[str, tuple]:
                                       flag_q=flag, vprobe=probe, qkv_in_attn=late, merge_signals=late))
     # the K/V pipeline's shared-memory stages: a context long enough for three blocks a split
     out["kv_pipeline"] = (small, 300, 8, cfg(small, qkv_parts=2, kv_pipeline=True, ring=0))
-    # the attention partials as versioned words, combined by the last split without a ticket (several splits a head)
-    out["attn_vpart"] = (small, 300, 72, cfg(small, attn_vpart=True))
     for parts in (2, 1):  # O_PROJ blocks that combine the splits themselves; the MLP_IN / DOWN_PROJ sums of parts
         out[f"o_parts={parts}"] = (tiny, 40, 8, cfg(tiny, tile_k=128, mma=0, o_parts=parts))
     # last (opt-in, measured slower): the per-warp releases, inline-asm empty barriers past Triton's shared memory

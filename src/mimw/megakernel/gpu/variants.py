@@ -98,8 +98,6 @@ VARIANTS = {
     # a DOWN_PROJ half stages all of act's column tiles (two staging groups on the 1B), not only its own
     "tr32-noxds": KernelConfig(down_half_stage=False),
     "tr32-s19": KernelConfig(attn_row=False, down_half_stage=False),  # the default until session 20
-    # the attention partials as versioned words: the last split combines, no ticket (spills on head_dim 128)
-    "tr32-vpart": KernelConfig(attn_vpart=True),
     "tr32-if0": KernelConfig(inflight=0),  # the whole ring in flight (the default until session 13)
     "tr32-if2": KernelConfig(inflight=2),
     "tr32-if3": KernelConfig(inflight=3),

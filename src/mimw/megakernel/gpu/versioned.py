@@ -57,24 +57,6 @@ def _spin(ptrs, inb, ver):
 
 
 @gluon.jit
-def fetch(ptrs, inb, ver):
-    """The words at ``ptrs`` where ``inb`` (elsewhere a word of version ``ver`` holding 0.0), loaded once and not
-    waited on: several buffers' loads in one round trip, each then completed by ``finish``."""
-    return _load(ptrs, (inb.to(gl.int64) * 0 + ver) << 32, inb.to(gl.int32))
-
-
-@gluon.jit
-def finish(ptrs, words, ver):
-    """The fp32 payloads of ``fetch``'s ``words`` once every one carries version ``ver``: only those not yet at it
-    are loaded again, until none is missing (a partition-wide count, so every thread leaves the loop together)."""
-    ok = (words >> 32).to(gl.int32) == ver
-    while gl.sum((~ok).to(gl.int32), axis=None) > 0:
-        words = _load(ptrs, words, (~ok).to(gl.int32))
-        ok = (words >> 32).to(gl.int32) == ver
-    return words.to(gl.int32).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
 def wait(ptrs, inb, ver, probes=None, pinb=None):
     """The fp32 payloads of the words at ``ptrs`` (any rank; where ``inb``, 0.0 elsewhere) once every one carries
     version ``ver``: all are loaded, then only those not yet at ``ver`` again, until none is missing (a
@@ -83,11 +65,16 @@ def wait(ptrs, inb, ver, probes=None, pinb=None):
     ``probes`` (a few of the same words, where ``pinb``): when the first load finds words missing, spin on the
     probes first, then load the missing words again: the polling traffic an early reader sends to L2 while its
     producers still stream is the probes', for one more round trip once they land (``probe_ptrs``)."""
-    words = fetch(ptrs, inb, ver)
+    words = (inb.to(gl.int64) * 0 + ver) << 32  # where not inb: a word of version ver holding 0.0
+    words = _load(ptrs, words, inb.to(gl.int32))
+    ok = (words >> 32).to(gl.int32) == ver
     if probes is not None:
-        if gl.sum(((words >> 32).to(gl.int32) != ver).to(gl.int32), axis=None) > 0:
+        if gl.sum((~ok).to(gl.int32), axis=None) > 0:
             _spin(probes, pinb, ver)
-    return finish(ptrs, words, ver)
+    while gl.sum((~ok).to(gl.int32), axis=None) > 0:
+        words = _load(ptrs, words, (~ok).to(gl.int32))
+        ok = (words >> 32).to(gl.int32) == ver
+    return words.to(gl.int32).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
