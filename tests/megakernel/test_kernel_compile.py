@@ -169,6 +169,11 @@ def test_release_hold_compiles_without_spills(model):
     early = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), quiet_early=True))
     late = _ptx(spec, KernelConfig.for_spec(spec))
     assert early.count("mbarrier.arrive") == late.count("mbarrier.arrive") and early != late
+    # hold_marks=False: compute announces every signalling streaming release and the loader applies the rule itself
+    # (sessions 17-20), against the default's marks on the words (gpu/hold.py): the same arrive and wait sites
+    unmarked = _spill_free_ptx(spec, dataclasses.replace(KernelConfig.for_spec(spec), hold_marks=False))
+    assert unmarked.count("mbarrier.arrive") == late.count("mbarrier.arrive") and unmarked != late
+    assert unmarked.count("mbarrier.try_wait") == late.count("mbarrier.try_wait")
 
 
 @pytest.mark.slow

@@ -118,6 +118,15 @@ def test_release_hold_matches_reference_over_64_steps(model, quiet, context):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("model,context", [("smollm2-135m", 1000), ("llama-3.1-8b", 17)])
+def test_release_hold_unmarked_matches_reference_over_64_steps(model, context):
+    """KernelConfig(hold_marks=False): compute announces every signalling streaming release and the loader applies
+    the hold's rule itself (sessions 17-20), beside the default's marks on the words (gpu/hold.py), which the default
+    kernel's tests run."""
+    _matches_reference_over_64_steps(model, context, hold_marks=False)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("model,context,extra", [("smollm2-135m", 17, {"cluster_qkv": 0}), ("llama-3.2-1b", 1000, {}),
                                                  ("llama-3.1-8b", 8191, {}), ("qwen3-8b", 1000, {"quiet": 0}),
                                                  ("llama-3.2-1b", 17, {"warp_release": True})])

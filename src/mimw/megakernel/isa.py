@@ -85,7 +85,7 @@ class Word(IntEnum):
     #        splits of each segment it combines
     F = 10  # ATTN_PARTIAL: 1 if the splits combine themselves (no ATTN_REDUCE follows)
     FLAGS = 11  # versioned-word bits: READS_X | READS_ACT | READS_ATTN | READS_Q | WRITES_VERSIONED; QKV_IN_ATTN;
-    #             CLUSTER_PAIR
+    #             CLUSTER_PAIR; the GPU kernel's HOLD_ARRIVE | HOLD_WAIT
     G = 12  # ATTN_PARTIAL with QKV_IN_ATTN: ATTN_IN's column parts it sums (0 otherwise)
     SIGNAL_N = 13  # how much the release adds to SIGNAL: 1; with merged releases (ProgramConfig.merge_signals) the
     #                length of the run of same-counter instructions on this SM it ends, and 0 for the others
@@ -120,6 +120,12 @@ QKV_IN_ATTN = 32
 # until its mate has run part 1 (the VM runs the two together). DOWN_PROJ pairs the same way (ProgramConfig.
 # cluster_down): the two column halves of a row block, part 0 adding part 1's sums and the residual (``mate_key``).
 CLUSTER_PAIR = 64
+# Word.FLAGS, marks for the GPU kernel's release hold (KernelConfig.quiet; gpu/hold.py sets them on the encoded words
+# from the program and the kernel's tiling, the VM ignores them): HOLD_ARRIVE, compute announces this instruction's
+# release on the hold's mbarrier; HOLD_WAIT, the loader holds this instruction's tiles past the first ``quiet`` until
+# the last announced release. Every announced release is waited for, so no barrier phase completes unwaited.
+HOLD_ARRIVE = 128
+HOLD_WAIT = 256
 
 
 @dataclass(frozen=True)
@@ -293,10 +299,11 @@ def decode(words) -> Instruction:
 
 
 def kernel_constants() -> dict[str, int]:
-    """Constexpr values the Gluon kernel takes from this module: OP_<NAME>, W_<FIELD>, NWORDS, and STREAMING (the
-    bit mask 1 << op of STREAMING_OPS)."""
+    """Constexpr values the Gluon kernel takes from this module: OP_<NAME>, W_<FIELD>, NWORDS, STREAMING (the
+    bit mask 1 << op of STREAMING_OPS), and the release hold's marks HOLD_ARRIVE and HOLD_WAIT."""
     out = {f"OP_{o.name}": int(o) for o in Op}
     out["STREAMING"] = sum(1 << int(o) for o in STREAMING_OPS)
+    out["HOLD_ARRIVE"], out["HOLD_WAIT"] = HOLD_ARRIVE, HOLD_WAIT
     out.update({f"W_{w.name}": int(w) for w in Word})
     out["NWORDS"] = NWORDS
     return out

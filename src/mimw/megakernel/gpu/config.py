@@ -39,6 +39,10 @@ class KernelConfig:
     # whose other phases nobody waits for (bench/NOTES.md session 19 §2). A count has no phases to miss or alias:
     # synccheck 0 errors on every sanitize.py case at d6bd909. Opt-in: measured 1B -0.1% / +0.2%, 8B +0.9% / +0.4%
     # in two runs (session 20)
+    hold_marks: bool = True  # HMARK: compute announces only the releases the loader holds for, and the loader holds
+    # only where marked, both read off the program by the host (gpu/hold.py, isa.HOLD_ARRIVE / HOLD_WAIT on the
+    # words): every phase of the hold's mbarrier is waited for, so synccheck has no "Missing wait" to report. False:
+    # compute arrives after every signalling streaming release and the loader applies the rule itself (sessions 17-20)
     quiet_ops: tuple[str, ...] = ()  # QUIET_OPS: the streaming ops (isa.Op names) whose instructions the hold
     # applies to; () = every one (session 17, opt-in). Measured at b8036be: all but ATTN_IN -1.2% (1B) / 0.0% (8B),
     # MLP_IN and DOWN_PROJ only -0.4% / +0.8%, within the default's drift (bench/NOTES.md session 18)
@@ -364,7 +368,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
         SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec), QUIET=kcfg.quiet,
-        QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(),
+        QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(), HMARK=kcfg.hold_marks and kcfg.quiet >= 0,
         **dict(zip(("DEEP", "DEEP_OPS"), kcfg.deep_cap(spec))),
         WREL=kcfg.release_bytes(kcfg.ring_slots(spec)), HCNT=bool(kcfg.hold_bytes()), ROW1=kcfg.attn_row,
         XDS=kcfg.down_half_stage and kcfg.down_pairs(),

@@ -18,6 +18,7 @@ from ...models.weights import ModelWeights
 from ..program import StepShape, build_program
 from ..state import alloc_scratch, alloc_state
 from .config import KernelConfig, constexprs
+from .hold import check_marks, hold_marks, mark_words
 from .pack import pack
 from .orchestration import TRACE_STAMPS
 from .trace import tile_counts
@@ -70,6 +71,10 @@ class MegakernelDecoder:
         self.kcfg = kcfg
         self.program = build_program(self.spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
         words, lens = self.program.encode()
+        if kcfg.hold_marks:  # the release hold's marks (gpu/hold.py): which releases compute announces
+            marks = hold_marks(self.program, kcfg)
+            check_marks(marks)
+            words = mark_words(words, marks)
         self.words, self.lens = words.to(dev), lens.to(dev)
         self.state = alloc_state(self.program, self.max_pages, dev)
         self.scratch = alloc_scratch(self.program, dev)

@@ -12,7 +12,8 @@ head, on the two CTAs of a cluster, swap their sums through distributed shared m
 a ticket (``XD``, KernelConfig.cluster_down: DOWN_PROJ's column halves of a row block too; ``XDS``,
 down_half_stage: a half stages only its own columns). With ``WREL`` (KernelConfig.warp_release) each compute warp
 releases a ring slot on its own (orchestration.warp_release); with ``HCNT`` (hold_count) the release hold counts
-releases in a shared-memory word instead of an mbarrier's phases; ``ROW1`` (attn_row): the attention's step row
+releases in a shared-memory word instead of an mbarrier's phases; with ``HMARK`` (hold_marks, the default) compute
+announces only the releases the loader holds for, as marked on the words by the host (gpu/hold.py); ``ROW1`` (attn_row): the attention's step row
 as a one-position block. At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH,
 which moves every counter's step-numbered target for the next launch (no reset kernel, CUDA-graph friendly).
 
@@ -44,6 +45,9 @@ W_E: gl.constexpr = gl.constexpr(_C["W_E"])
 W_F: gl.constexpr = gl.constexpr(_C["W_F"])
 W_G: gl.constexpr = gl.constexpr(_C["W_G"])
 W_SIGNAL_N: gl.constexpr = gl.constexpr(_C["W_SIGNAL_N"])
+W_FLAGS: gl.constexpr = gl.constexpr(_C["W_FLAGS"])
+HOLD_ARRIVE: gl.constexpr = gl.constexpr(_C["HOLD_ARRIVE"])
+HOLD_WAIT: gl.constexpr = gl.constexpr(_C["HOLD_WAIT"])
 OP_ATTN_IN: gl.constexpr = gl.constexpr(_C["OP_ATTN_IN"])
 OP_ATTN_PARTIAL: gl.constexpr = gl.constexpr(_C["OP_ATTN_PARTIAL"])
 OP_ATTN_REDUCE: gl.constexpr = gl.constexpr(_C["OP_ATTN_REDUCE"])
@@ -65,6 +69,16 @@ def _streams(op):
     """Whether instruction ``op`` streams weight tiles through the ring: isa.STREAMING_OPS, the loader's (a test
     holds the two lists equal)."""
     return (op == OP_ATTN_IN) | (op == OP_O_PROJ) | (op == OP_MLP_IN) | (op == OP_DOWN_PROJ) | (op == OP_LM_HEAD)
+
+
+@gluon.jit
+def _announces(w, offs, op, HMARK: gl.constexpr):
+    """Whether compute announces this instruction's release on the release hold (and the loader counts it): with
+    HMARK where the host marked it (isa.HOLD_ARRIVE, gpu/hold.py), else every signalling streaming instruction."""
+    if HMARK:
+        return (_field(w, offs, W_FLAGS) & HOLD_ARRIVE) != 0
+    else:
+        return _streams(op) & (_field(w, offs, W_SIGNAL) >= 0)
 
 
 @gluon.jit
@@ -93,7 +107,8 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
             MAXT, D: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, I: gl.constexpr,
             TR: gl.constexpr, TK: gl.constexpr, TILED: gl.constexpr, INFLIGHT: gl.constexpr, QUIET: gl.constexpr,
             QUIET_OPS: gl.constexpr, O_PARTS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
-            WOFF: gl.constexpr, XD: gl.constexpr, TRACE_TILES: gl.constexpr, HOFF: gl.constexpr):
+            WOFF: gl.constexpr, XD: gl.constexpr, TRACE_TILES: gl.constexpr, HOFF: gl.constexpr,
+            HMARK: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     NQKV: gl.constexpr = HQ + 2 * HKV
     KT_D: gl.constexpr = (D + TK - 1) // TK
@@ -119,11 +134,15 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
         w, op, layer, a, b = _fetch(prog_ptr, MAXLEN, i, offs)
         hold_at = -1  # a streaming instruction of a new stage: its tile QUIET waits for the previous release
         if QUIET >= 0:
-            held = _streams(op)
-            if QUIET_OPS != STREAMING:  # KernelConfig.held_ops: the hold for some streaming ops only
-                held = ((QUIET_OPS >> op) & 1) != 0
-            if held & (released > 0) & (_field(w, offs, W_WAIT) != prev_wait):
-                hold_at = it + QUIET
+            if HMARK:  # where the host marked it (gpu/hold.py reads the rule below off the program)
+                if (_field(w, offs, W_FLAGS) & HOLD_WAIT) != 0:
+                    hold_at = it + QUIET
+            else:
+                held = _streams(op)
+                if QUIET_OPS != STREAMING:  # KernelConfig.held_ops: the hold for some streaming ops only
+                    held = ((QUIET_OPS >> op) & 1) != 0
+                if held & (released > 0) & (_field(w, offs, W_WAIT) != prev_wait):
+                    hold_at = it + QUIET
         par = (released - 1) & 1  # the phase of that release; with HOFF (hold_count) its number, a count
         if HOFF > 0:
             par = released
@@ -158,7 +177,7 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
             it = producer_weight_rows(d_lm, D, a, b // TR, 0, KT_D, bufs, empty, ready, it, TR, TK, TILED, stamps,
                                       INFLIGHT, hold, hold_at, par, deep, DEEP, WOFF, HOFF)
         if QUIET >= 0:
-            if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
+            if _announces(w, offs, op, HMARK):
                 released += 1
                 prev_wait = _field(w, offs, W_WAIT)
 
@@ -176,7 +195,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
              XD: gl.constexpr, QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, WOFF: gl.constexpr, TRACE: gl.constexpr,
              TRACE_TILES: gl.constexpr, HOFF: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr,
-             num_warps: gl.constexpr):
+             HMARK: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -390,10 +409,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             sig_n = _field(w, offs, W_SIGNAL_N)
             if sig_n == 0:
                 sig = -1
-        if QUIET >= 0:  # the release hold: the loader's count of signalling streaming instructions (_loader)
+        if QUIET >= 0:  # the release hold: the releases the loader counts (_announces, _loader)
             if QUIET_EARLY:  # once the outputs are stored, before the release's fence: the loader requests
                 # again while the fence waits (the arrive's partition barrier orders every thread's stores first)
-                if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
+                if _announces(w, offs, op, HMARK):
                     if HOFF > 0:
                         hold_count_add(tid, HOFF)
                     else:
@@ -404,7 +423,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             gl.thread_barrier()  # hbuf is rewritten by the next instruction
         if QUIET >= 0:
             if not QUIET_EARLY:  # after the release
-                if _streams(op) & (_field(w, offs, W_SIGNAL) >= 0):
+                if _announces(w, offs, op, HMARK):
                     if HOFF > 0:
                         hold_count_add(tid, HOFF)
                     else:
@@ -444,8 +463,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr, XD: gl.constexpr,
                QUIET: gl.constexpr,
                QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
-               WREL: gl.constexpr, HCNT: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr, TRACE: gl.constexpr,
-               TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               WREL: gl.constexpr, HCNT: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr, HMARK: gl.constexpr,
+               TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -467,7 +486,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
     if WREL > 0:
         warp_ring_init(gl.arange(0, 32 * num_warps, gl.BlockedLayout([1], [32], [num_warps], [0])), NB, WOFF,
                        num_warps)
-    # the release hold (KernelConfig.quiet): one arrival a phase, compute's after each streaming release; or
+    # the release hold (KernelConfig.quiet): one arrival a phase, compute's after each announced release; or
     # (HCNT, KernelConfig.hold_count) compute's count of those releases, 16 bytes before the per-warp releases'
     # barriers in the dynamic shared memory past Triton's (orchestration.hold_count_*)
     HOFF: gl.constexpr = XB + WREL + 16 if HCNT else 0
@@ -485,8 +504,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I,
                     PS, HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
                     QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, XD, QUIET, QUIET_EARLY, WOFF, TRACE,
-                    TRACE_TILES, HOFF, ROW1, XDS, num_warps)),
+                    TRACE_TILES, HOFF, ROW1, XDS, HMARK, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, QUIET_OPS, O_PARTS,
-                   DEEP, DEEP_OPS, WOFF, XD, TRACE_TILES, HOFF)),
+                   DEEP, DEEP_OPS, WOFF, XD, TRACE_TILES, HOFF, HMARK)),
     ], [1], [LOADER_REGS])
