@@ -18,7 +18,7 @@ from ..program import ProgramConfig
 class KernelConfig:
     tile_rows: int = 32  # TR: weight tile rows (also the scheduler's row-block granule)
     tile_k: int = 256  # TK: weight tile columns (bf16); 16 KB tiles at 32 x 256 (best of the first sweep)
-    ring: int = 10  # NB: ring slots (0: as many as fit in shared memory, ring_slots(): 12 for the 1B, 11 for
+    ring: int = 0  # NB: ring slots (0: as many as fit in shared memory, ring_slots(): 12 for the 1B, 11 for
     # the 8B, measured -0.5% / +0.2% against 10, noise, at 29bb7db; 10 is what the committed bench tables ran)
     num_warps: int = 4  # compute partition warps
     loader_regs: int = 48  # register budget of the one-warp loader partition (what session 9's runs measured)
