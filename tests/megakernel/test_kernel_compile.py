@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from mimw.megakernel.gpu.config import KernelConfig, compile_sm90a, ptxas_report
+from mimw.megakernel.gpu.config import SHARED_BYTES, KernelConfig, compile_sm90a, ptxas_report
 from mimw.models.spec import get_preset
 
 
@@ -14,11 +14,20 @@ def _ptx(spec, kcfg: KernelConfig = KernelConfig()) -> str:
     return compile_sm90a(spec, kcfg).asm["ptx"]
 
 
+def _assert_fits_shared(spec, kcfg: KernelConfig, compiled) -> None:
+    """Triton's shared memory (the ring as ``KernelConfig.ring_slots`` sized it, the staging buffer, the compiler's
+    scratch) and the dynamic region past it that the launch adds fit in one sm_90 CTA."""
+    need = compiled.metadata.shared + kcfg.region_bytes(spec)
+    assert need <= SHARED_BYTES, (spec.name, kcfg, compiled.metadata.shared, kcfg.region_bytes(spec))
+
+
 def _spill_free_ptx(spec, kcfg: KernelConfig) -> str:
-    """``_ptx``, asserting that ptxas stores no register to the stack for it."""
-    ptx = _ptx(spec, kcfg)
+    """``_ptx``, asserting that ptxas stores no register to the stack for it and that it fits in shared memory."""
+    k = compile_sm90a(spec, kcfg)
+    ptx = k.asm["ptx"]
     rep = ptxas_report(ptx)
     assert rep["spill_stores"] == 0, rep
+    _assert_fits_shared(spec, kcfg, k)
     return ptx
 
 
@@ -27,6 +36,7 @@ def _spill_free_ptx(spec, kcfg: KernelConfig) -> str:
 def test_megakernel_compiles_for_sm90a_with_tma_and_no_spills(model):
     k = compile_sm90a(get_preset(model), KernelConfig(), max_splits=16)
     ptx = k.asm["ptx"]
+    _assert_fits_shared(get_preset(model), KernelConfig(), k)  # the ring as deep as shared memory allows
     assert ".target sm_90a" in ptx
     assert "cp.async.bulk.tensor" in ptx  # TMA weight tiles
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive" in ptx  # the ring's ready/empty barriers
@@ -118,7 +128,7 @@ def test_early_dispatch_is_the_default_and_compiles_without_spills_either_way():
 
 
 def test_ring_is_as_deep_as_shared_memory_allows_and_an_explicit_one_must_fit():
-    assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.2-1b")) == 12  # 16 KB staging buffer (32 rows)
+    assert KernelConfig().ring == 0  # the default since session 21    assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.2-1b")) == 12  # 16 KB staging buffer (32 rows)
     assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.1-8b")) == 11  # 32 KB staging buffer (14336 -> 64)
     assert KernelConfig(ring=10).ring_slots(get_preset("llama-3.1-8b")) == 10
     with pytest.raises(ValueError, match="ring=12"):
@@ -138,7 +148,8 @@ def test_inflight_cap_compiles_without_spills_and_a_cap_past_the_ring_is_the_rin
     spec = get_preset("llama-3.2-1b")
     ptx = _spill_free_ptx(spec, KernelConfig(inflight=4))
     assert ptx != _ptx(spec, KernelConfig(inflight=0))  # the loader's wait for tile it - 4
-    assert KernelConfig(inflight=10).inflight_cap(spec) == 0  # the default ring has 10 slots: no cap
+    assert KernelConfig(inflight=12).inflight_cap(spec) == 0  # the default ring has 12 slots on the 1B: no cap
+    assert KernelConfig(ring=10, inflight=10).inflight_cap(spec) == 0 and KernelConfig(inflight=10).inflight_cap(spec) == 10
     assert KernelConfig(inflight=9).inflight_cap(spec) == 9 and KernelConfig(ring=4).inflight_cap(spec) == 0
     with pytest.raises(ValueError, match="inflight=-1"):
         KernelConfig(inflight=-1).check(spec)
@@ -195,7 +206,9 @@ def test_deeper_in_flight_cap_for_some_ops_compiles_without_spills(model):
     with pytest.raises(ValueError, match="streaming ops only"):
         KernelConfig(deep_ops=("ATTN_PARTIAL",), inflight_deep=8).check(spec)
     with pytest.raises(ValueError, match="inflight_deep=10"):
-        KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=10).check(spec)  # the ring's 10 slots
+        KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=10, ring=10).check(spec)  # the ring's 10 slots
+    with pytest.raises(ValueError, match="inflight_deep=12"):
+        KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=12).check(spec)  # the default ring: 12 or 11 slots
 
 
 @pytest.mark.slow
@@ -370,7 +383,7 @@ def test_kv_pipeline_compiles_to_cp_async_without_spills_and_takes_ring_room():
         assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
     assert "cp.async.cg" not in _ptx(spec)
     with pytest.raises(ValueError, match="do not fit"):
-        KernelConfig(kv_pipeline=True).check(spec)  # the 8B: the default 10-slot ring leaves no room
+        KernelConfig(kv_pipeline=True, ring=10).check(spec)  # the 8B: a 10-slot ring leaves no room for it
 
 
 @pytest.mark.slow

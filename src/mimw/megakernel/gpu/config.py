@@ -19,7 +19,8 @@ class KernelConfig:
     tile_rows: int = 32  # TR: weight tile rows (also the scheduler's row-block granule)
     tile_k: int = 256  # TK: weight tile columns (bf16); 16 KB tiles at 32 x 256 (best of the first sweep)
     ring: int = 0  # NB: ring slots (0: as many as fit in shared memory, ring_slots(): 12 for the 1B, 11 for
-    # the 8B, measured -0.5% / +0.2% against 10, noise, at 29bb7db; 10 is what the committed bench tables ran)
+    # the 8B). Against 10: -0.5% / +0.2% at 29bb7db (noise then); -1.3% / -0.9% at fa1ad1d in two pairs each, the
+    # default since session 21 (bench/NOTES.md; traced: the 1B's MLP_IN and DOWN_PROJ -0.2 / -0.4 us a layer)
     num_warps: int = 4  # compute partition warps
     loader_regs: int = 48  # register budget of the one-warp loader partition (what session 9's runs measured)
     page_size: int = 16

@@ -154,7 +154,8 @@ VARIANTS = {
     # the release hold announced at every signalling streaming release, the loader applying the rule itself (the
     # default until session 21; synccheck's "Missing wait"), against the host's marks (gpu/hold.py)
     "tr32-nomarks": KernelConfig(hold_marks=False),
-    "tr32-deep": KernelConfig(ring=0),  # ring as deep as shared memory allows (12 slots for the 1B, 11 for the 8B)
+    "tr32-ring10": KernelConfig(ring=10),  # the ring's depth before session 21 (the default now: as deep as shared
+    # memory allows, 12 slots for the 1B, 11 for the 8B)
     "tr16-tk512-nb10": KernelConfig(tile_rows=16, tile_k=512, ring=10),
     "tr16-tk256-nb20": KernelConfig(tile_rows=16, tile_k=256, ring=20),
     "tr32-tk512-nb5": KernelConfig(tile_rows=32, tile_k=512, ring=5),
