@@ -128,7 +128,8 @@ def test_early_dispatch_is_the_default_and_compiles_without_spills_either_way():
 
 
 def test_ring_is_as_deep_as_shared_memory_allows_and_an_explicit_one_must_fit():
-    assert KernelConfig().ring == 0  # the default since session 21    assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.2-1b")) == 12  # 16 KB staging buffer (32 rows)
+    assert KernelConfig().ring == 0  # the default since session 21
+    assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.2-1b")) == 12  # 16 KB staging buffer (32 rows)
     assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.1-8b")) == 11  # 32 KB staging buffer (14336 -> 64)
     assert KernelConfig(ring=10).ring_slots(get_preset("llama-3.1-8b")) == 10
     with pytest.raises(ValueError, match="ring=12"):
@@ -149,7 +150,8 @@ def test_inflight_cap_compiles_without_spills_and_a_cap_past_the_ring_is_the_rin
     ptx = _spill_free_ptx(spec, KernelConfig(inflight=4))
     assert ptx != _ptx(spec, KernelConfig(inflight=0))  # the loader's wait for tile it - 4
     assert KernelConfig(inflight=12).inflight_cap(spec) == 0  # the default ring has 12 slots on the 1B: no cap
-    assert KernelConfig(ring=10, inflight=10).inflight_cap(spec) == 0 and KernelConfig(inflight=10).inflight_cap(spec) == 10
+    assert KernelConfig(ring=10, inflight=10).inflight_cap(spec) == 0
+    assert KernelConfig(inflight=10).inflight_cap(spec) == 10
     assert KernelConfig(inflight=9).inflight_cap(spec) == 9 and KernelConfig(ring=4).inflight_cap(spec) == 0
     with pytest.raises(ValueError, match="inflight=-1"):
         KernelConfig(inflight=-1).check(spec)

@@ -35,9 +35,10 @@ class KernelConfig:
     # (1B MLP_IN), 2.8 -> 0.8 (8B O_PROJ), the step -1.7% (1B) / -1.7% (8B); 0 and 4: -1.7 / -1.3%, -2.2 / -1.1%.
     # The default since session 17
     hold_count: bool = False  # HCNT: the release hold through compute's count of its releases, a word in the
-    # dynamic shared memory past Triton's (orchestration.hold_count_*), instead of an mbarrier the loader waits on
-    # only at a stage's first instruction: compute-sanitizer's synccheck reports "Missing wait" on that barrier,
-    # whose other phases nobody waits for (bench/NOTES.md session 19 §2). A count has no phases to miss or alias:
+    # dynamic shared memory past Triton's (orchestration.hold_count_*), instead of the mbarrier. Built when compute
+    # arrived at every release and the loader waited only at a stage's first instruction, so synccheck reported
+    # "Missing wait" on the barrier's unwaited phases (bench/NOTES.md session 19 §2; ``hold_marks`` has since removed
+    # them). A count has no phases to miss or alias:
     # synccheck 0 errors on every sanitize.py case at d6bd909. Opt-in: measured 1B -0.1% / +0.2%, 8B +0.9% / +0.4%
     # in two runs (session 20)
     hold_marks: bool = True  # HMARK: compute announces only the releases the loader holds for, and the loader holds

@@ -13,8 +13,8 @@ a ticket (``XD``, KernelConfig.cluster_down: DOWN_PROJ's column halves of a row 
 down_half_stage: a half stages only its own columns). With ``WREL`` (KernelConfig.warp_release) each compute warp
 releases a ring slot on its own (orchestration.warp_release); with ``HCNT`` (hold_count) the release hold counts
 releases in a shared-memory word instead of an mbarrier's phases; with ``HMARK`` (hold_marks, the default) compute
-announces only the releases the loader holds for, as marked on the words by the host (gpu/hold.py); ``ROW1`` (attn_row): the attention's step row
-as a one-position block. At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH,
+announces only the releases the loader holds for, as marked on the words by the host (gpu/hold.py); ``ROW1``
+(attn_row): the attention's step row as a one-position block. At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH,
 which moves every counter's step-numbered target for the next launch (no reset kernel, CUDA-graph friendly).
 
 Instruction words are fetched with one vector load and unpacked with masked reductions; opcode and field
