@@ -7,8 +7,9 @@
 #   optin      the opt-in kernels' tests: heads finished in attention, the K/V pipeline, merged releases, O_PROJ in
 #              column parts, the shuffle epilogue (42, ~7 min)
 #   hold       the ring's request and release settings and session 18's builds: the release hold's other
-#              settings, ended before the fence or at some boundaries only, the deeper in-flight cap for some ops,
-#              the per-warp releases, DOWN_PROJ's cluster pairs, and the decoder's fall-back to tickets (25, ~5 min)
+#              settings, ended before the fence or at some boundaries only, or without the host's marks (the
+#              setting before session 21), the deeper in-flight cap for some ops, the per-warp releases, DOWN_PROJ's
+#              cluster pairs, and the decoder's fall-back to tickets (27, ~5.5 min)
 #   s19        session 19's builds: the hold as a count (opt-in), the step's attention row as one position and a
 #              DOWN_PROJ half staging its own columns (the default since session 20) beside their off settings (17,
 #              ~3.5 min)
