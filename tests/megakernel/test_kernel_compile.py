@@ -487,3 +487,30 @@ def test_cluster_pairs_are_off_where_no_pair_can_form():
     assert KernelConfig().for_launch(spec, 132).clusters() == 2
     assert KernelConfig().for_launch(spec, 131).clusters() == 0
     assert KernelConfig.for_spec(tiny).for_launch(tiny, 8).clusters() == 0  # 64 columns: one 512-column tile
+
+
+@pytest.mark.slow
+def test_half_hbuf_compiles_without_spills_and_gives_the_1b_ring_a_thirteenth_slot():
+    """KernelConfig(half_hbuf=True): the staging buffer holds the widest of D, q_size and half of I (the 1B: 16
+    column tiles, 8 KB, instead of 32), and the ring takes the bytes: 13 slots, still within shared memory."""
+    from mimw.megakernel.gpu.config import down_halves_only
+    from mimw.megakernel.program import StepShape, build_program
+
+    spec = get_preset("llama-3.2-1b")
+    base = KernelConfig.for_spec(spec)
+    kcfg = dataclasses.replace(base, half_hbuf=True)
+    assert not base.half_hbuf and kcfg.compact_hbuf()
+    assert (kcfg.hbuf_rows(spec), base.hbuf_rows(spec)) == (16, 32)
+    assert (kcfg.ring_slots(spec), base.ring_slots(spec)) == (13, 12)
+    ptx = _spill_free_ptx(spec, kcfg)  # and fits with the 13 slots
+    assert ptx != _ptx(spec, base)
+    # in effect only with the halves staging their own columns
+    assert not dataclasses.replace(kcfg, down_half_stage=False).compact_hbuf()
+    assert not dataclasses.replace(kcfg, cluster_qkv=0).compact_hbuf()
+    assert dataclasses.replace(kcfg, down_half_stage=False).hbuf_rows(spec) == 32
+    # SmolLM2: I = 1536 (6 column tiles, halves of 3) under D = 576 (3): 4 rows either way
+    small = get_preset("smollm2-135m")
+    assert dataclasses.replace(KernelConfig.for_spec(small), half_hbuf=True).hbuf_rows(small) == 4
+    # what the decoder checks: every DOWN_PROJ a half on 132 SMs; on 72 the 1B's 64 row blocks are not paired
+    prog = lambda sms: build_program(spec, StepShape((1,), 1024), sms, kcfg.program_config())  # noqa: E731
+    assert down_halves_only(prog(132)) and not down_halves_only(prog(72))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ...models.spec import ModelSpec
 from .. import isa
-from ..program import ProgramConfig
+from ..program import Program, ProgramConfig
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,11 @@ class KernelConfig:
     # multiplies: one staging group of the 1B's two (8192 of 16384 activations, 16 column tiles), so one round trip
     # instead of two before its first tile (a whole DOWN_PROJ staged in 1.47 us, session 18 §3); in effect with
     # ``down_pairs()``. Measured at d6bd909: 1B -1.3% alone, -2.4% with attn_row; the 8B has no pairs (session 20)
+    half_hbuf: bool = False  # XDC: with ``down_half_stage`` in effect, each DOWN_PROJ half stages its act columns
+    # from the staging buffer's first row and reads them there, so the buffer holds the widest of D, q_size and half
+    # of I (the 1B: 8 KB instead of 16) and the ring takes the bytes freed (``ring_slots``: 13 slots on the 1B
+    # instead of 12). Every DOWN_PROJ of the program must then be a half: the decoder plans without it where one is
+    # not (a launch on too few SMs for the pairs). Opt-in (session 21, built and CPU-compiled, not yet run on a GPU)
     attn_row: bool = True  # ROW1: the attention split that holds the step's row (the last, state.split_range)
     # adds it as a block one position wide instead of a masked 64-position block (attention.partial): traced at
     # 46549a9 that split's block-0 phase took 2.44 us against 1.59 for the others and it drew the combining ticket
@@ -161,12 +166,25 @@ class KernelConfig:
         xb = exchange_bytes(spec, self)  # the cluster pairs' exchange region (0 without them)
         xb += self.release_bytes(self.ring or 16)  # and the per-warp releases' empty barriers (at most 16 slots)
         xb += self.hold_bytes()  # and the release hold's count
-        fit = (SHARED_BYTES - _hbuf_rows(spec, self.tile_k) * self.tile_k * 2 - SCRATCH_BYTES - kv - xb) // slot
+        fit = (SHARED_BYTES - self.hbuf_rows(spec) * self.tile_k * 2 - SCRATCH_BYTES - kv - xb) // slot
         if self.ring > fit:
             raise ValueError(f"ring={self.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
         if fit < 2:
             raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
         return self.ring or fit
+
+    def compact_hbuf(self) -> bool:
+        """XDC: ``half_hbuf`` in effect: with the DOWN_PROJ halves staging their own columns (``down_half_stage``
+        and ``down_pairs()``)."""
+        return self.half_hbuf and self.down_half_stage and self.down_pairs()
+
+    def hbuf_rows(self, spec: ModelSpec) -> int:
+        """KT_ROWS: the staging buffer's [TK] rows, the widest staged input's column tiles rounded up to a power of
+        two: D, q_size or I, or with ``compact_hbuf()`` half of I's column tiles in place of I's."""
+        kt = lambda k: -(-k // self.tile_k)  # noqa: E731
+        widest = max(kt(spec.hidden_size), kt(spec.q_size))
+        return _pow2(max(widest, -(-kt(spec.intermediate_size) // 2) if self.compact_hbuf()
+                         else kt(spec.intermediate_size)))
 
     def release_bytes(self, slots: int) -> int:
         """WREL: bytes of dynamic shared memory for the per-warp releases' empty barriers (``warp_release``), one
@@ -299,7 +317,10 @@ class KernelConfig:
 
 MMA_K = 32  # columns of a folded tile row (matvec.dot_tile_mma): two k16 steps of mma.sync
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
-SCRATCH_BYTES = 10 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers)
+SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers):
+# ~4.3 KB in the default kernels (session 21: Triton's shared memory less the ring and the staging buffer); 10 KB
+# until session 21 gave no kernel in variants.py another slot at 8 KB. Every kernel the compile tests build is
+# checked to fit (test_kernel_compile._assert_fits_shared)
 
 
 def attn_block(spec: ModelSpec) -> int:
@@ -307,9 +328,11 @@ def attn_block(spec: ModelSpec) -> int:
     return max(8, 4096 // spec.head_dim)
 
 
-def _hbuf_rows(spec: ModelSpec, tile_k: int) -> int:
-    """KT_ROWS: the staging buffer's [TK] rows, the widest input's column tiles rounded up to a power of two."""
-    return _pow2(-(-max(spec.hidden_size, spec.q_size, spec.intermediate_size) // tile_k))
+def down_halves_only(program: Program) -> bool:
+    """Whether every DOWN_PROJ of ``program`` is a cluster pair's half: what the staging buffer sized for the
+    halves (``KernelConfig.half_hbuf``) can stage; the scheduler pairs none where the row blocks are more than
+    half the SMs."""
+    return all(ins.n_parts == 2 for ins in program.instructions() if isinstance(ins, isa.DownProj))
 
 
 def _pow2(n: int) -> int:
@@ -364,16 +387,16 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
     return dict(
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, PS=kcfg.page_size, HAS_BIAS=spec.attention_bias, QK_NORM=spec.qk_norm,
-        TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring_slots(spec), KT_ROWS=_hbuf_rows(spec, kcfg.tile_k),
+        TR=kcfg.tile_rows, TK=kcfg.tile_k, NB=kcfg.ring_slots(spec), KT_ROWS=kcfg.hbuf_rows(spec),
         BT=attn_block(spec), SP2=_pow2(max_splits), GP=_pow2(spec.group_size),
         WR=min(kcfg.num_warps, kcfg.tile_rows // 4),
         # staging group: SG column tiles loaded at once, 32 fp32 registers a thread
-        SG=min(_hbuf_rows(spec, kcfg.tile_k), 4096 // kcfg.tile_k),
+        SG=min(kcfg.hbuf_rows(spec), 4096 // kcfg.tile_k),
         LOADER_REGS=kcfg.loader_regs, TILED=kcfg.tile_major, INFLIGHT=kcfg.inflight_cap(spec), QUIET=kcfg.quiet,
         QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(), HMARK=kcfg.hold_marks and kcfg.quiet >= 0,
         **dict(zip(("DEEP", "DEEP_OPS"), kcfg.deep_cap(spec))),
         WREL=kcfg.release_bytes(kcfg.ring_slots(spec)), HCNT=bool(kcfg.hold_bytes()), ROW1=kcfg.attn_row,
-        XDS=kcfg.down_half_stage and kcfg.down_pairs(),
+        XDS=kcfg.down_half_stage and kcfg.down_pairs(), XDC=kcfg.compact_hbuf(),
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,

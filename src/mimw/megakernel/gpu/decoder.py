@@ -17,7 +17,7 @@ from ...kv.pages import PagedKVCache
 from ...models.weights import ModelWeights
 from ..program import StepShape, build_program
 from ..state import alloc_scratch, alloc_state
-from .config import KernelConfig, constexprs
+from .config import KernelConfig, constexprs, down_halves_only
 from .hold import check_marks, hold_marks, mark_words
 from .pack import pack
 from .orchestration import TRACE_STAMPS
@@ -70,6 +70,11 @@ class MegakernelDecoder:
         dev = self.cache.device
         self.kcfg = kcfg
         self.program = build_program(self.spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
+        if kcfg.compact_hbuf() and not down_halves_only(self.program):
+            # the staging buffer sized for DOWN_PROJ's halves cannot stage a whole one (too few SMs for the pairs)
+            warnings.warn("DOWN_PROJ runs unpaired in this program: the megakernel stages it whole "
+                          "(KernelConfig(half_hbuf=False)) instead", RuntimeWarning, stacklevel=3)
+            return self._plan(dataclasses.replace(kcfg, half_hbuf=False), context_hint)
         words, lens = self.program.encode()
         if kcfg.hold_marks:  # the release hold's marks (gpu/hold.py): which releases compute announces
             marks = hold_marks(self.program, kcfg)

@@ -10,11 +10,12 @@ Roles (``gl.warp_specialize``):
 With cluster pairs (``XB``, KernelConfig.cluster_qkv) the CTAs run in clusters of two and ATTN_IN's two parts of a
 head, on the two CTAs of a cluster, swap their sums through distributed shared memory (gpu/cluster.py) instead of
 a ticket (``XD``, KernelConfig.cluster_down: DOWN_PROJ's column halves of a row block too; ``XDS``,
-down_half_stage: a half stages only its own columns). With ``WREL`` (KernelConfig.warp_release) each compute warp
-releases a ring slot on its own (orchestration.warp_release); with ``HCNT`` (hold_count) the release hold counts
-releases in a shared-memory word instead of an mbarrier's phases; with ``HMARK`` (hold_marks, the default) compute
-announces only the releases the loader holds for, as marked on the words by the host (gpu/hold.py); ``ROW1``
-(attn_row): the attention's step row as a one-position block. At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH,
+down_half_stage: a half stages only its own columns; ``XDC``, half_hbuf: from the staging buffer's first row, the
+buffer sized for the halves). With ``WREL`` (KernelConfig.warp_release) each compute warp releases a ring slot on
+its own (orchestration.warp_release); with ``HCNT`` (hold_count) the release hold counts releases in a shared-memory
+word instead of an mbarrier's phases; with ``HMARK`` (hold_marks, the default) compute announces only the releases
+the loader holds for, as marked on the words by the host (gpu/hold.py); ``ROW1`` (attn_row): the attention's step
+row as a one-position block. At the end each CTA adds 1 to the DONE counter; the CTA that completes it bumps EPOCH,
 which moves every counter's step-numbered target for the next launch (no reset kernel, CUDA-graph friendly).
 
 Instruction words are fetched with one vector load and unpacked with masked reductions; opcode and field
@@ -195,7 +196,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
              XD: gl.constexpr, QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, WOFF: gl.constexpr, TRACE: gl.constexpr,
              TRACE_TILES: gl.constexpr, HOFF: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr,
-             HMARK: gl.constexpr, num_warps: gl.constexpr):
+             HMARK: gl.constexpr, XDC: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -212,6 +213,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
     KT_D: gl.constexpr = (D + TK - 1) // TK
     KT_Q: gl.constexpr = (HQ * HD + TK - 1) // TK
     KT_I: gl.constexpr = (I + TK - 1) // TK
+    KT_H: gl.constexpr = (KT_I + 1) // 2  # a DOWN_PROJ half's column tiles, at most (XDC)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     epoch = gl.load(cnt_ptr + NCNT + 1, cache_modifier=".cg")
@@ -378,7 +380,10 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                     matvec.stage_versioned(hbuf, act_ptr, I, vstep + layer, KT_I, SG, S2, FLAG_ACT)
                 elif XDS:  # a cluster pair's half stages its own column tiles only (KernelConfig.down_half_stage)
                     h0, h1 = _part_tiles(_field(w, offs, W_C), KT_I, gl.maximum(_field(w, offs, W_D), 1))
-                    matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2, h0, h1, True)
+                    if XDC:  # from the staging buffer's first row (KernelConfig.half_hbuf; every DOWN_PROJ a half)
+                        matvec.stage_span(hbuf, act_ptr, I, h0, h1, KT_H, SG, S2)
+                    else:
+                        matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2, h0, h1, True)
                 else:
                     matvec.stage_plain(hbuf, act_ptr, I, KT_I, SG, S2)
             if XD:  # DOWN_PROJ's cluster pairs (KernelConfig.cluster_down): column halves of a row block on mates
@@ -388,7 +393,8 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
                         counter_wait(rdy_ptr, pid ^ 1, epoch + 1)
                     k0, k1 = _part_tiles(_field(w, offs, W_C), KT_I, n_parts)
                     it, xn = matvec.residual_rows_pair(bufs, empty, ready, hbuf, it, k0, k1, a, b // TR, x_ptr,
-                                                       _field(w, offs, W_C), xn, tid, LAY, XB, HD, stamps, SHFL, WOFF)
+                                                       _field(w, offs, W_C), xn, tid, LAY, XB, HD, stamps, SHFL, WOFF,
+                                                       XDC)
                 else:
                     it = matvec.residual_rows(bufs, empty, ready, hbuf, it, KT_I, a, b // TR, x_ptr, emb_row, False,
                                               LAY, stamps, SHFL=SHFL, WOFF=WOFF)
@@ -464,7 +470,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                QUIET: gl.constexpr,
                QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
                WREL: gl.constexpr, HCNT: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr, HMARK: gl.constexpr,
-               TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               XDC: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -504,7 +510,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I,
                     PS, HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
                     QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, XD, QUIET, QUIET_EARLY, WOFF, TRACE,
-                    TRACE_TILES, HOFF, ROW1, XDS, HMARK, num_warps)),
+                    TRACE_TILES, HOFF, ROW1, XDS, HMARK, XDC, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, QUIET_OPS, O_PARTS,
                    DEEP, DEEP_OPS, WOFF, XD, TRACE_TILES, HOFF, HMARK)),

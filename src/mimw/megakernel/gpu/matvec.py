@@ -22,27 +22,33 @@ MAX_PARTS: gl.constexpr = gl.constexpr(8)  # ATTN_IN column parts a head may hav
 
 @gluon.jit
 def dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False,
-             WOFF: gl.constexpr = 0):
+             WOFF: gl.constexpr = 0, REBASE: gl.constexpr = False):
     """One row tile: sum over column tiles [k0, k1) of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it').
+    Column tile k's chunk is staged row k of ``hbuf``, or with ``REBASE`` row k - k0 (``stage_span``,
+    KernelConfig.half_hbuf).
     The ring's slot shape selects the consumer: [TR, TK] slots are reduced on the CUDA cores (bf16 -> fp32 converts
     and FMAs), folded [TR * TK / FK, FK] slots on the tensor cores (``dot_tile_mma``; ``SHFL``: its folds summed by
     warp shuffles, KernelConfig.fold_shuffle; ``WOFF`` > 0: its slots released warp by warp, KernelConfig.
     warp_release, orchestration.warp_release)."""
     if bufs.type.shape[2] == hbuf.type.shape[1]:
         gl.static_assert(WOFF == 0, "per-warp releases: the tensor-core consumer only")
-        out, it = _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps)
+        out, it = _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, REBASE)
     else:
-        out, it = dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL, WOFF)
+        out, it = dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL, WOFF, REBASE)
     return out, it
 
 
 @gluon.jit
-def _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None):
+def _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None,
+                  REBASE: gl.constexpr = False):
     TR: gl.constexpr = bufs.type.shape[1]
     TK: gl.constexpr = bufs.type.shape[2]
     acc = gl.zeros([TR, TK], gl.float32, LAY)
     for k in range(k0, k1):
-        xk = hbuf.index(k).load(gl.SliceLayout(0, LAY)).to(gl.float32)
+        if REBASE:
+            xk = hbuf.index(k - k0).load(gl.SliceLayout(0, LAY)).to(gl.float32)
+        else:
+            xk = hbuf.index(k).load(gl.SliceLayout(0, LAY)).to(gl.float32)
         w, idx = consumer_acquire(bufs, ready, it, LAY, stamps)
         consumer_release(empty, idx)
         acc += w.to(gl.float32) * gl.expand_dims(xk, 0)
@@ -52,7 +58,7 @@ def _dot_tile_fma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamp
 
 @gluon.jit
 def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps=None, SHFL: gl.constexpr = False,
-                 WOFF: gl.constexpr = 0):
+                 WOFF: gl.constexpr = 0, REBASE: gl.constexpr = False):
     """``dot_tile`` on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). A tile-major [TR, TK] block
     read as a row-major [FR, FK] matrix (FK = 32, FR = TR * NF, NF = TK / FK folds) has row NF r + j = W[r, FK j ..
     FK j + FK): the TMA descriptor describes the same bytes that way (``KernelConfig.tile_box``). Against the
@@ -78,7 +84,10 @@ def dot_tile_mma(bufs, empty, ready, hbuf, it, k0, k1, LAY: gl.constexpr, stamps
     acc = gl.zeros([FR, NF], gl.float32, MMA)
     for k in range(k0, k1):
         a, idx = consumer_acquire(bufs, ready, it, AL, stamps)
-        b = h3.index(k).permute((1, 0)).load(BL)
+        if REBASE:  # KernelConfig.half_hbuf: the span [k0, k1) staged from row 0 (stage_span)
+            b = h3.index(k - k0).permute((1, 0)).load(BL)
+        else:
+            b = h3.index(k).permute((1, 0)).load(BL)
         if WOFF > 0:  # KernelConfig.warp_release: each warp hands the slot back once its own reads are done
             warp_release(idx, WOFF, NW)
         else:
@@ -191,6 +200,20 @@ def stage_plain(hbuf, src_ptr, K, KT: gl.constexpr, SG: gl.constexpr, S2: gl.con
 
 
 @gluon.jit
+def stage_span(hbuf, src_ptr, K, k0, k1, NT: gl.constexpr, SG: gl.constexpr, S2: gl.constexpr):
+    """KernelConfig.half_hbuf: hbuf rows 0 .. k1 - k0 <- column tiles [k0, k1) of src (fp32, written by other CTAs
+    this step) rounded to bf16, as ``stage_plain`` rounds them; zeros past K and past k1 (NT >= k1 - k0 rows
+    staged, in groups of SG column tiles whose loads are all in flight together). A DOWN_PROJ half's act columns:
+    the staging buffer then needs only the widest half's rows (``dot_tile`` reads row k - k0)."""
+    TK: gl.constexpr = hbuf.type.shape[1]
+    for g0 in gl.static_range(0, NT, SG):
+        o = k0 * TK + _group_offsets(g0, SG, TK, S2)
+        v = gl.load(src_ptr + o, mask=(o < K) & (o < k1 * TK), other=0.0, cache_modifier=".cg")
+        _group(hbuf, g0, SG).store(v.to(gl.bfloat16))
+    gl.thread_barrier()
+
+
+@gluon.jit
 def stage_versioned(hbuf, src_ptr, K, ver, KT: gl.constexpr, SG: gl.constexpr, S2: gl.constexpr,
                     PROBE: gl.constexpr = 1):
     """``stage_plain`` of a vector of versioned words (isa.READS_ACT): the load is the wait, group by group of SG
@@ -247,11 +270,12 @@ def residual_rows(bufs, empty, ready, hbuf, it, KT, row0, n_tiles, x_ptr, res_pt
 @gluon.jit
 def residual_rows_pair(bufs, empty, ready, hbuf, it, k0, k1, row0, n_tiles, x_ptr, part, xn, tid,
                        LAY: gl.constexpr, XB: gl.constexpr, HD: gl.constexpr, stamps=None, SHFL: gl.constexpr = False,
-                       WOFF: gl.constexpr = 0):
+                       WOFF: gl.constexpr = 0, REBASE: gl.constexpr = False):
     """DOWN_PROJ as a cluster pair (ProgramConfig.cluster_down, isa.CLUSTER_PAIR): each row tile's sums over this
     part's column tiles [k0, k1) go to both CTAs' exchange slots (cluster.pair_store_async; one exchange a row
     tile, ``xn`` onwards); after the meet, part 0 stores x[rows] = x[rows] + (half 0 + half 1), both halves read
-    from its slot in part order (ops/down_proj.finish); part 1 stores nothing. Returns (it, xn)."""
+    from its slot in part order (ops/down_proj.finish); part 1 stores nothing. ``REBASE`` (KernelConfig.half_hbuf):
+    the part's columns are staged from hbuf's first row (``stage_span``). Returns (it, xn)."""
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // hbuf.type.shape[1]  # TR x TK per slot
     NW: gl.constexpr = gl.num_warps()
     OWN: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])  # element e: lane e % 32 of every warp
@@ -260,7 +284,7 @@ def residual_rows_pair(bufs, empty, ready, hbuf, it, k0, k1, row0, n_tiles, x_pt
     for r in range(n_tiles):
         rows = row0 + r * TR + offs_r
         res = gl.load(x_ptr + rows, mask=(rows >= 0) & first, other=0.0, cache_modifier=".cg")  # in flight now
-        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL, WOFF)
+        acc, it = dot_tile(bufs, empty, ready, hbuf, it, k0, k1, LAY, stamps, SHFL, WOFF, REBASE)
         cluster.pair_store_async(gl.convert_layout(acc, OWN), gl.arange(0, TR, OWN), part, xn, XB, HD)
         cluster.pair_meet_async(tid, xn, XB, HD, TR * 4)
         lo = cluster.pair_load(offs_r, 0, xn, XB, HD)
