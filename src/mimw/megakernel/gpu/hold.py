@@ -31,14 +31,14 @@ def hold_marks(program: Program, kcfg: KernelConfig) -> list[list[int]]:
     marks = [[0] * len(q) for q in program.queues]
     if kcfg.quiet < 0:
         return marks
-    held = {isa.Op[name] for name in kcfg.quiet_ops} or set(isa.STREAMING_OPS)
+    held = kcfg.held_ops()  # the streaming ops the hold applies to, a bit mask over isa.Op (the kernel's QUIET_OPS)
     tiles = tile_counts(program, kcfg.tile_rows, kcfg.tile_k)
     for q, n_tiles, m in zip(program.queues, tiles, marks):
         last = None  # the SM's last signalling streaming instruction so far: the release a hold waits for
         last_wait = None
         for k, ins in enumerate(q):
             streams = ins.OP in isa.STREAMING_OPS
-            if (streams and ins.OP in held and last is not None and ins.wait != last_wait
+            if (held >> int(ins.OP) & 1 and last is not None and ins.wait != last_wait
                     and n_tiles[k] > kcfg.quiet):
                 m[last] |= isa.HOLD_ARRIVE
                 m[k] |= isa.HOLD_WAIT
@@ -61,14 +61,15 @@ def check_marks(marks: list[list[int]]) -> None:
     aliased); raises ValueError naming the first SM and instruction that breaks it."""
     for s, m in enumerate(marks):
         pending = None  # index of an announced release not yet waited for
+        announced = False  # any release announced so far (a later hold may wait again for the last one)
         for k, bits in enumerate(m):
             if bits & isa.HOLD_WAIT:
-                if pending is None and not any(b & isa.HOLD_ARRIVE for b in m[:k]):
+                if not announced:
                     raise ValueError(f"SM {s} instruction {k} holds for a release nobody announced")
                 pending = None
             if bits & isa.HOLD_ARRIVE:
                 if pending is not None:
                     raise ValueError(f"SM {s}: the release of instruction {pending} is announced and never waited for")
-                pending = k
+                pending, announced = k, True
         if pending is not None:
             raise ValueError(f"SM {s}: the release of instruction {pending} is announced and never waited for")

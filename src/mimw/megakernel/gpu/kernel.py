@@ -180,7 +180,8 @@ def _loader(prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, em
         if QUIET >= 0:
             if _announces(w, offs, op, HMARK):
                 released += 1
-                prev_wait = _field(w, offs, W_WAIT)
+                if not HMARK:  # the loader's own rule (above) compares the next stage's wait with it
+                    prev_wait = _field(w, offs, W_WAIT)
 
 
 @gluon.jit
