@@ -13,8 +13,8 @@
 #   s19        session 19's builds: the hold as a count (opt-in), the step's attention row as one position and a
 #              DOWN_PROJ half staging its own columns (the default since session 20) beside their off settings (17,
 #              ~3.5 min)
-#   pending    the opt-in build not yet run on a GPU (session 21): DOWN_PROJ's halves staged from the staging
-#              buffer's first row, the buffer sized for them (half_hbuf: 5, ~1.5 min)
+#   hbuf       the staging buffer sized for a whole DOWN_PROJ where the default (since session 22) sizes it for
+#              the halves (half_hbuf=False: 3, ~1 min)
 #   versioned  the versioned-word tests (25, ~4 min), in their own process under a time limit (a reader whose
 #              words never come spins: a hang must not eat the call)
 #   sanitize   compute-sanitizer synccheck (case by case, each in its own process, if it errs) and racecheck on
@@ -25,7 +25,7 @@
 #              the default (0, tickets; 1, release arrivals: 4 shapes x contexts 1/1000/8191 x 64 steps), then the
 #              probe's timings (~4 min; not in the default list)
 # Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
-#   PARTS="tests sanitize" bash scripts/gpu_check.sh        # these parts (default: all seven, past one call)
+#   PARTS="tests sanitize" bash scripts/gpu_check.sh        # these parts (default: all eight, past one call)
 #   COMMIT=<sha> VARIANTS=a,b PARTS=trace bash scripts/gpu_check.sh   # record the commit; time these variants
 #   TRACE_TILES=1 PARTS=trace bash scripts/gpu_check.sh      # the trace also stamps every weight tile
 set -u
@@ -36,7 +36,7 @@ mkdir -p "$out"
 sanitizer=${COMPUTE_SANITIZER:-compute-sanitizer}
 declare -A rc
 
-parts=" ${PARTS:-tests optin hold s19 pending versioned sanitize trace} "
+parts=" ${PARTS:-tests optin hold s19 hbuf versioned sanitize trace} "
 has() { [[ "$parts" == *" $1 "* ]]; }
 
 if has tests; then
@@ -48,11 +48,11 @@ if has tests; then
 fi
 hold_k="(release_hold or deeper_in_flight or per_warp_releases or down_proj_pairs or falls_back)"
 s19_k="(hold_count or attention_row or down_half_stage)"
-pend_k="half_hbuf"
+hbuf_k="whole_hbuf"
 if has optin; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
         -k "not versioned and not megakernel_matches_reference and not traced_launch and not cluster_pairs and not $hold_k \
-            and not $s19_k and not $pend_k" \
+            and not $s19_k and not $hbuf_k" \
         > "$out/optin-tests.log" 2>&1
     rc[optin]=$?
     tail -n 3 "$out/optin-tests.log"
@@ -69,11 +69,11 @@ if has s19; then
     rc[s19]=$?
     tail -n 3 "$out/s19-tests.log"
 fi
-if has pending; then
-    timeout "${PENDING_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
-        -k "$pend_k" > "$out/pending-tests.log" 2>&1
-    rc[pending]=$?
-    tail -n 3 "$out/pending-tests.log"
+if has hbuf; then
+    python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
+        -k "$hbuf_k" > "$out/hbuf-tests.log" 2>&1
+    rc[hbuf]=$?
+    tail -n 3 "$out/hbuf-tests.log"
 fi
 if has versioned; then
     timeout "${VERSIONED_TIMEOUT:-330}" python3 -m pytest -v -x -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \

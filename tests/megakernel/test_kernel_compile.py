@@ -129,11 +129,15 @@ def test_early_dispatch_is_the_default_and_compiles_without_spills_either_way():
 
 def test_ring_is_as_deep_as_shared_memory_allows_and_an_explicit_one_must_fit():
     assert KernelConfig().ring == 0  # the default since session 21
-    assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.2-1b")) == 12  # 16 KB staging buffer (32 rows)
-    assert KernelConfig(ring=0).ring_slots(get_preset("llama-3.1-8b")) == 11  # 32 KB staging buffer (14336 -> 64)
-    assert KernelConfig(ring=10).ring_slots(get_preset("llama-3.1-8b")) == 10
+    one_b, eight_b = get_preset("llama-3.2-1b"), get_preset("llama-3.1-8b")
+    # as launched on 132 SMs: the 1B's staging buffer sized for DOWN_PROJ's halves (8 KB, 16 rows; half_hbuf, the
+    # default since session 22), the 8B's for a whole unpaired DOWN_PROJ (32 KB: 14336 -> 28 column tiles -> 32)
+    assert KernelConfig(ring=0).for_launch(one_b, 132).ring_slots(one_b) == 13
+    assert KernelConfig(ring=0, half_hbuf=False).ring_slots(one_b) == 12  # 16 KB (32 rows)
+    assert KernelConfig(ring=0).for_launch(eight_b, 132).ring_slots(eight_b) == 11
+    assert KernelConfig(ring=10).for_launch(eight_b, 132).ring_slots(eight_b) == 10
     with pytest.raises(ValueError, match="ring=12"):
-        KernelConfig(ring=12).ring_slots(get_preset("llama-3.1-8b"))
+        KernelConfig(ring=12).for_launch(eight_b, 132).ring_slots(eight_b)
 
 
 def test_default_tiles_fit_every_preset_with_a_head_of_32_or_more():
@@ -377,15 +381,16 @@ def test_merged_releases_compile_without_spills_and_add_the_runs_length():
 
 @pytest.mark.slow
 def test_kv_pipeline_compiles_to_cp_async_without_spills_and_takes_ring_room():
-    for name, slots in (("llama-3.2-1b", 10), ("llama-3.1-8b", 9)):
+    for name, slots in (("llama-3.2-1b", 11), ("llama-3.1-8b", 9)):
         spec = get_preset(name)
-        kcfg = KernelConfig(kv_pipeline=True, ring=0)
-        assert kcfg.ring_slots(spec) == slots == KernelConfig(ring=0).ring_slots(spec) - 2  # 32 KB: two slots
+        kcfg = KernelConfig(kv_pipeline=True, ring=0).for_launch(spec, 132)
+        full = KernelConfig(ring=0).for_launch(spec, 132).ring_slots(spec)
+        assert kcfg.ring_slots(spec) == slots == full - 2  # 32 KB: two slots
         ptx = _spill_free_ptx(spec, kcfg)
         assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
     assert "cp.async.cg" not in _ptx(spec)
     with pytest.raises(ValueError, match="do not fit"):
-        KernelConfig(kv_pipeline=True, ring=10).check(spec)  # the 8B: a 10-slot ring leaves no room for it
+        KernelConfig(kv_pipeline=True, ring=10).for_launch(spec, 132).check(spec)  # the 8B: no room for it at 10
 
 
 @pytest.mark.slow
@@ -491,26 +496,33 @@ def test_cluster_pairs_are_off_where_no_pair_can_form():
 
 @pytest.mark.slow
 def test_half_hbuf_compiles_without_spills_and_gives_the_1b_ring_a_thirteenth_slot():
-    """KernelConfig(half_hbuf=True): the staging buffer holds the widest of D, q_size and half of I (the 1B: 16
-    column tiles, 8 KB, instead of 32), and the ring takes the bytes: 13 slots, still within shared memory."""
+    """KernelConfig.half_hbuf (the default since session 22): the staging buffer holds the widest of D, q_size and
+    half of I (the 1B: 16 column tiles, 8 KB, instead of 32), and the ring takes the bytes: 13 slots, still within
+    shared memory; ``for_launch`` turns it off where a DOWN_PROJ runs unpaired (the 8B; the 1B on 72 SMs)."""
     from mimw.megakernel.gpu.config import down_halves_only
     from mimw.megakernel.program import StepShape, build_program
 
     spec = get_preset("llama-3.2-1b")
-    base = KernelConfig.for_spec(spec)
-    kcfg = dataclasses.replace(base, half_hbuf=True)
-    assert not base.half_hbuf and kcfg.compact_hbuf()
-    assert (kcfg.hbuf_rows(spec), base.hbuf_rows(spec)) == (16, 32)
-    assert (kcfg.ring_slots(spec), base.ring_slots(spec)) == (13, 12)
+    kcfg = KernelConfig.for_spec(spec)
+    whole = dataclasses.replace(kcfg, half_hbuf=False)
+    assert kcfg.half_hbuf and kcfg.compact_hbuf() and kcfg.for_launch(spec, 132) == kcfg
+    assert (kcfg.hbuf_rows(spec), whole.hbuf_rows(spec)) == (16, 32)
+    assert (kcfg.ring_slots(spec), whole.ring_slots(spec)) == (13, 12)
     ptx = _spill_free_ptx(spec, kcfg)  # and fits with the 13 slots
-    assert ptx != _ptx(spec, base)
+    assert ptx != _spill_free_ptx(spec, whole)
     # in effect only with the halves staging their own columns
     assert not dataclasses.replace(kcfg, down_half_stage=False).compact_hbuf()
     assert not dataclasses.replace(kcfg, cluster_qkv=0).compact_hbuf()
     assert dataclasses.replace(kcfg, down_half_stage=False).hbuf_rows(spec) == 32
     # SmolLM2: I = 1536 (6 column tiles, halves of 3) under D = 576 (3): 4 rows either way
     small = get_preset("smollm2-135m")
-    assert dataclasses.replace(KernelConfig.for_spec(small), half_hbuf=True).hbuf_rows(small) == 4
-    # what the decoder checks: every DOWN_PROJ a half on 132 SMs; on 72 the 1B's 64 row blocks are not paired
+    assert KernelConfig.for_spec(small).hbuf_rows(small) == 4
+    # every DOWN_PROJ a half on 132 SMs; on 72 the 1B's 64 row blocks are not paired, nor the 8B's 128 on 132:
+    # the launch stages them whole, and the 8B compiles to the kernel it had before (the same PTX)
     prog = lambda sms: build_program(spec, StepShape((1,), 1024), sms, kcfg.program_config())  # noqa: E731
     assert down_halves_only(prog(132)) and not down_halves_only(prog(72))
+    assert kcfg.for_launch(spec, 72) == whole
+    eight_b = get_preset("llama-3.1-8b")
+    k8 = KernelConfig.for_spec(eight_b)
+    assert k8.for_launch(eight_b, 132) == dataclasses.replace(k8, half_hbuf=False)
+    assert _ptx(eight_b, k8) == _ptx(eight_b, dataclasses.replace(k8, half_hbuf=False))

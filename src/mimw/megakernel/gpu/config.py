@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ...models.spec import ModelSpec
 from .. import isa
-from ..program import Program, ProgramConfig
+from ..program import Program, ProgramConfig, StepShape, build_program
 
 
 @dataclass(frozen=True)
@@ -119,11 +119,12 @@ class KernelConfig:
     # multiplies: one staging group of the 1B's two (8192 of 16384 activations, 16 column tiles), so one round trip
     # instead of two before its first tile (a whole DOWN_PROJ staged in 1.47 us, session 18 §3); in effect with
     # ``down_pairs()``. Measured at d6bd909: 1B -1.3% alone, -2.4% with attn_row; the 8B has no pairs (session 20)
-    half_hbuf: bool = False  # XDC: with ``down_half_stage`` in effect, each DOWN_PROJ half stages its act columns
+    half_hbuf: bool = True  # XDC: with ``down_half_stage`` in effect, each DOWN_PROJ half stages its act columns
     # from the staging buffer's first row and reads them there, so the buffer holds the widest of D, q_size and half
     # of I (the 1B: 8 KB instead of 16) and the ring takes the bytes freed (``ring_slots``: 13 slots on the 1B
-    # instead of 12). Every DOWN_PROJ of the program must then be a half: the decoder plans without it where one is
-    # not (a launch on too few SMs for the pairs). Opt-in (session 21, built and CPU-compiled, not yet run on a GPU)
+    # instead of 12). Every DOWN_PROJ of the program must then be a half: ``for_launch`` turns it off where one is
+    # not (the 8B; the 1B on fewer than 128 SMs). Built in session 21; measured at 6e7b470 -0.5% / -0.3% (1B, two
+    # pairs), the 8B's kernel unchanged; the default since session 22 (bench/NOTES.md)
     attn_row: bool = True  # ROW1: the attention split that holds the step's row (the last, state.split_range)
     # adds it as a block one position wide instead of a masked 64-position block (attention.partial): traced at
     # 46549a9 that split's block-0 phase took 2.44 us against 1.59 for the others and it drew the combining ticket
@@ -240,10 +241,17 @@ class KernelConfig:
 
     def for_launch(self, spec: ModelSpec, num_sms: int) -> "KernelConfig":
         """This config as one launch on ``num_sms`` SMs runs it: without cluster pairs where none can form (an odd
-        SM count, or a hidden size of fewer than two column tiles to split a head over)."""
-        if self.clusters() and (num_sms % 2 or -(-spec.hidden_size // self.tile_k) < 2):
-            return dataclasses.replace(self, cluster_qkv=0)
-        return self
+        SM count, or a hidden size of fewer than two column tiles to split a head over), and with the staging
+        buffer sized for a whole DOWN_PROJ where the program has one unpaired (``half_hbuf``: the 8B's 128 row
+        blocks on 132 SMs, the 1B's 64 on fewer than 128)."""
+        kcfg = self
+        if kcfg.clusters() and (num_sms % 2 or -(-spec.hidden_size // kcfg.tile_k) < 2):
+            kcfg = dataclasses.replace(kcfg, cluster_qkv=0)
+        if kcfg.compact_hbuf():  # the pairing depends on the row blocks and the SMs, not on the context
+            program = build_program(spec, StepShape((1,), 1), num_sms, kcfg.program_config())
+            if not down_halves_only(program):
+                kcfg = dataclasses.replace(kcfg, half_hbuf=False)
+        return kcfg
 
     def versioned(self) -> dict[str, bool]:
         """Which scratch buffers the kernel takes as versioned words (int64 ``<name>_words``, state.py) rather
@@ -408,7 +416,8 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
 
 
 def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_splits: int = 16):
-    """Compile the megakernel for sm_90a without a GPU; returns triton's CompiledKernel (``.asm['ptx']``)."""
+    """Compile the megakernel for sm_90a without a GPU as ``kcfg.for_launch(spec, 132)`` (the kernel a decoder on
+    an H100 or H200 builds); returns triton's CompiledKernel (``.asm['ptx']``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -416,6 +425,7 @@ def compile_sm90a(spec: ModelSpec, kcfg: KernelConfig = KernelConfig(), max_spli
 
     from .kernel import megakernel
 
+    kcfg = kcfg.for_launch(spec, 132)  # as the decoder launches it on an H100's or H200's 132 SMs
     ce = constexprs(spec, kcfg, max_splits)
     box = list(kcfg.tile_box())
     lay = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)

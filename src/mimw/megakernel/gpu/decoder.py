@@ -70,11 +70,8 @@ class MegakernelDecoder:
         dev = self.cache.device
         self.kcfg = kcfg
         self.program = build_program(self.spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
-        if kcfg.compact_hbuf() and not down_halves_only(self.program):
-            # the staging buffer sized for DOWN_PROJ's halves cannot stage a whole one (too few SMs for the pairs)
-            warnings.warn("DOWN_PROJ runs unpaired in this program: the megakernel stages it whole "
-                          "(KernelConfig(half_hbuf=False)) instead", RuntimeWarning, stacklevel=3)
-            return self._plan(dataclasses.replace(kcfg, half_hbuf=False), context_hint)
+        # the staging buffer sized for DOWN_PROJ's halves cannot stage a whole one (KernelConfig.for_launch)
+        assert not kcfg.compact_hbuf() or down_halves_only(self.program), "half_hbuf with an unpaired DOWN_PROJ"
         words, lens = self.program.encode()
         if kcfg.hold_marks:  # the release hold's marks (gpu/hold.py): which releases compute announces
             marks = hold_marks(self.program, kcfg)

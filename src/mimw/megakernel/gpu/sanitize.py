@@ -94,8 +94,8 @@ def cases(hold_count: bool = False) -> dict[str, tuple]:
     out["kv_pipeline"] = (small, 300, 8, cfg(small, qkv_parts=2, kv_pipeline=True, ring=0))
     for parts in (2, 1):  # O_PROJ blocks that combine the splits themselves; the MLP_IN / DOWN_PROJ sums of parts
         out[f"o_parts={parts}"] = (tiny, 40, 8, cfg(tiny, tile_k=128, mma=0, o_parts=parts))
-    # the staging buffer sized for DOWN_PROJ's halves (opt-in, session 21): 72 SMs pair the 36 row blocks
-    out["half_hbuf"] = (small, 40, 72, cfg(small, half_hbuf=True))
+    # the staging buffer sized for a whole DOWN_PROJ beside the halves (the default before session 22)
+    out["whole_hbuf"] = (small, 40, 72, cfg(small, half_hbuf=False))
     # last (opt-in, measured slower): the per-warp releases, inline-asm empty barriers past Triton's shared memory
     out["warp_release"] = (small, 40, 72, cfg(small, warp_release=True))
     return out

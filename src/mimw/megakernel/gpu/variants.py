@@ -154,9 +154,9 @@ VARIANTS = {
     # the release hold announced at every signalling streaming release, the loader applying the rule itself (the
     # default until session 21; synccheck's "Missing wait"), against the host's marks (gpu/hold.py)
     "tr32-nomarks": KernelConfig(hold_marks=False),
-    # DOWN_PROJ's halves staged from the staging buffer's first row, the buffer sized for them, the ring one slot
-    # deeper on the 1B (13); the 8B's DOWN_PROJ is unpaired and the decoder plans without it (session 21)
-    "tr32-hhbuf": KernelConfig(half_hbuf=True),
+    # the staging buffer sized for a whole DOWN_PROJ where the halves stage their own columns (the default until
+    # session 22; the 1B's ring 12 slots instead of 13); the 8B's DOWN_PROJ is unpaired and stages whole either way
+    "tr32-wholehbuf": KernelConfig(half_hbuf=False),
     "tr32-ring10": KernelConfig(ring=10),  # the ring's depth before session 21 (the default now: as deep as shared
     # memory allows, 12 slots for the 1B, 11 for the 8B)
     "tr16-tk512-nb10": KernelConfig(tile_rows=16, tile_k=512, ring=10),
