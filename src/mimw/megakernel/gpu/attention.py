@@ -178,7 +178,8 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
             po_ptr, pml_ptr, HQ: gl.constexpr, HKV: gl.constexpr, HD: gl.constexpr, PS: gl.constexpr,
             qscale, BT: gl.constexpr, GP: gl.constexpr, NW: gl.constexpr, L4: gl.constexpr, ver=0,
             VQ: gl.constexpr = False, fin_q=None, fin_k=None, fin_v=None, tok_page=0, FIN: gl.constexpr = False,
-            kvbuf=None, KVP: gl.constexpr = False, TRACE: gl.constexpr = False, ROW1: gl.constexpr = False):
+            kvbuf=None, KVP: gl.constexpr = False, TRACE: gl.constexpr = False, ROW1: gl.constexpr = False,
+            mbuf=None, AMERGE: gl.constexpr = False):
     """ATTN_PARTIAL after its wait, given ``prefetch``'s first block (k, v). Warp w keeps its own online-softmax
     state over its BTW positions of every block (all reductions inside the block stay within a warp); the NW states
     are merged once at the end. The blocks cover the split's past positions [lo, hp); the split that holds ``pos``
@@ -192,7 +193,8 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     returns %globaltimer after block 0, after the later blocks and after the partial's stores (trace.py's
     ATTN_PARTIAL phases), each read once the phase's results exist; else (0, 0, 0). ``ROW1``
     (KernelConfig.attn_row): the new row is a one-position block ([NW, GP, 1] scores, warp 0's alone), not a
-    masked BT-position one."""
+    masked BT-position one. ``AMERGE`` (KernelConfig.attn_smem_merge): the warps' states are merged through
+    ``mbuf`` (the staging buffer, free during ATTN_PARTIAL) with one barrier (``_merge_smem``)."""
     G: gl.constexpr = HQ // HKV
     KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
     Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
@@ -273,22 +275,71 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     if TRACE:
         t_rest = globaltimer_after(_dep(l_i, o))
     # merge the warps' states
-    mx = gl.max(m_i, axis=0)  # [GP]
-    wn = gl.exp2(m_i - gl.expand_dims(mx, 0))
-    l_f = gl.sum(l_i * wn, axis=0)
-    o_f = gl.sum(o * gl.expand_dims(gl.convert_layout(wn, gl.SliceLayout(2, Q3)), 2), axis=0)  # [GP, HD]
-    O2: gl.constexpr = gl.SliceLayout(0, Q3)
-    go = gl.arange(0, GP, gl.SliceLayout(1, O2))
-    do = gl.arange(0, HD, gl.SliceLayout(0, O2))
-    base = (kvh * G + go) * SPLITS + split
-    gl.store(po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f, mask=gl.expand_dims(go < G, 1))
-    gs = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, S3)))
+    if AMERGE:
+        mx, l_f = _merge_smem(m_i, l_i, o, mbuf, kvh, split, SPLITS, po_ptr, G, GP, HD, NW)
+        gs = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, MERGE_L(GP, HD, NW))))
+    else:
+        mx = gl.max(m_i, axis=0)  # [GP]
+        wn = gl.exp2(m_i - gl.expand_dims(mx, 0))
+        l_f = gl.sum(l_i * wn, axis=0)
+        o_f = gl.sum(o * gl.expand_dims(gl.convert_layout(wn, gl.SliceLayout(2, Q3)), 2), axis=0)  # [GP, HD]
+        O2: gl.constexpr = gl.SliceLayout(0, Q3)
+        go = gl.arange(0, GP, gl.SliceLayout(1, O2))
+        do = gl.arange(0, HD, gl.SliceLayout(0, O2))
+        base = (kvh * G + go) * SPLITS + split
+        gl.store(po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f,
+                 mask=gl.expand_dims(go < G, 1))
+        gs = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, S3)))
     sbase = (kvh * G + gs) * SPLITS + split
     gl.store(pml_ptr + sbase * 2, gl.where(l_f > 0.0, mx * LN2, EMPTY_M), mask=gs < G)
     gl.store(pml_ptr + sbase * 2 + 1, l_f, mask=gs < G)
     if TRACE:
         t_stored = globaltimer_after(_dep(l_f))
     return t_first, t_rest, t_stored
+
+
+@gluon.constexpr_function
+def MERGE_L(GP, HD, NW):
+    """``_merge_smem``'s [NW, GP, HD] layout: the warp axis inside each thread, warps over the heads, lanes (two
+    columns each where HD allows) over HD."""
+    return gl.BlockedLayout([NW, 1, 2 if HD >= 64 else 1], [1, 1, 32], [1, NW, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _merge_smem(m_i, l_i, o, mbuf, kvh, split, SPLITS, po_ptr, G: gl.constexpr, GP: gl.constexpr, HD: gl.constexpr,
+                NW: gl.constexpr):
+    """KernelConfig.attn_smem_merge: the NW warps' online-softmax states (m_i, l_i [NW, GP], o [NW, GP, HD]) merged
+    through shared memory: each warp writes its state to ``mbuf`` (the staging buffer read as fp32: o, then m,
+    then l), one partition barrier, and each thread reads the NW states of its own [GP, HD] elements (the warp axis
+    inside the thread, ``MERGE_L``) and merges them with no further exchange; stores the split's o to ``po_ptr``
+    and returns (mx, l_f) [GP]. Triton's reductions over the warp axis took ~17 partition barriers (session 22:
+    1.6 us on the 1B, 2.6 on the 8B). The caller's barrier at the instruction's end orders these reads before the
+    next instruction's staging writes. Reference: ops/attn_partial (the warps are splits of the split)."""
+    gl.static_assert(mbuf.type.shape[0] * mbuf.type.shape[1] * 2 >= NW * GP * (HD + 2) * 4,
+                     "the staging buffer must hold the warps' attention states")
+    ROWS: gl.constexpr = mbuf.type.shape[0] * mbuf.type.shape[1] * 2 // (GP * HD * 4)
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    so = mbuf._reinterpret(gl.float32, [ROWS, GP, HD], FLAT).slice(0, NW)
+    sm = mbuf._reinterpret(gl.float32, [ROWS * HD, GP, 1], FLAT).slice(NW * HD, NW)  # [NW, GP, 1] past o
+    sl = mbuf._reinterpret(gl.float32, [ROWS * HD, GP, 1], FLAT).slice(NW * HD + NW, NW)
+    so.store(o)
+    sm.store(gl.expand_dims(m_i, 2))
+    sl.store(gl.expand_dims(l_i, 2))
+    gl.thread_barrier()
+    MG: gl.constexpr = MERGE_L(GP, HD, NW)
+    m = gl.sum(sm.load(MG), axis=2)  # [NW, GP] in SliceLayout(2, MG): the trailing axis is one wide
+    l = gl.sum(sl.load(MG), axis=2)
+    ow = so.load(MG)
+    mx = gl.max(m, axis=0)  # [GP]: the warp axis inside each thread
+    wn = gl.exp2(m - gl.expand_dims(mx, 0))
+    l_f = gl.sum(l * wn, axis=0)
+    o_f = gl.sum(ow * gl.expand_dims(wn, 2), axis=0)  # [GP, HD]
+    O2: gl.constexpr = gl.SliceLayout(0, MG)
+    go = gl.arange(0, GP, gl.SliceLayout(1, O2))
+    do = gl.arange(0, HD, gl.SliceLayout(0, O2))
+    base = (kvh * G + go) * SPLITS + split
+    gl.store(po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f, mask=gl.expand_dims(go < G, 1))
+    return mx, l_f
 
 
 @gluon.jit

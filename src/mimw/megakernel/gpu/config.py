@@ -125,6 +125,11 @@ class KernelConfig:
     # instead of 12). Every DOWN_PROJ of the program must then be a half: ``for_launch`` turns it off where one is
     # not (the 8B; the 1B on fewer than 128 SMs). Built in session 21; measured at 6e7b470 -0.5% / -0.3% (1B, two
     # pairs), the 8B's kernel unchanged; the default since session 22 (bench/NOTES.md)
+    attn_smem_merge: bool = True  # AMERGE: ATTN_PARTIAL merges its warps' online-softmax states through the
+    # staging buffer (free during attention) with one partition barrier (attention._merge_smem) instead of Triton's
+    # reductions over the warp axis (~17 barriers: traced at 1d943ce, 1.6 us a split on the 1B, 2.6 on the 8B,
+    # bench/NOTES.md session 22). In effect where the buffer holds the states (``smem_merge``: not SmolLM2's 2 KB).
+    # Opt-in (session 22)
     attn_row: bool = True  # ROW1: the attention split that holds the step's row (the last, state.split_range)
     # adds it as a block one position wide instead of a masked 64-position block (attention.partial): traced at
     # 46549a9 that split's block-0 phase took 2.44 us against 1.59 for the others and it drew the combining ticket
@@ -173,6 +178,13 @@ class KernelConfig:
         if fit < 2:
             raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
         return self.ring or fit
+
+    def smem_merge(self, spec: ModelSpec) -> bool:
+        """AMERGE: ``attn_smem_merge`` in effect: the staging buffer holds the compute warps' attention states
+        (o [num_warps, GP, head_dim], m and l [num_warps, GP], fp32), as attention._merge_smem asserts."""
+        gp = _pow2(spec.group_size)
+        need = self.num_warps * gp * (spec.head_dim + 2) * 4
+        return self.attn_smem_merge and need <= self.hbuf_rows(spec) * self.tile_k * 2
 
     def compact_hbuf(self) -> bool:
         """XDC: ``half_hbuf`` in effect: with the DOWN_PROJ halves staging their own columns (``down_half_stage``
@@ -404,7 +416,7 @@ def constexprs(spec: ModelSpec, kcfg: KernelConfig, max_splits: int) -> dict:
         QUIET_EARLY=kcfg.quiet_early, QUIET_OPS=kcfg.held_ops(), HMARK=kcfg.hold_marks and kcfg.quiet >= 0,
         **dict(zip(("DEEP", "DEEP_OPS"), kcfg.deep_cap(spec))),
         WREL=kcfg.release_bytes(kcfg.ring_slots(spec)), HCNT=bool(kcfg.hold_bytes()), ROW1=kcfg.attn_row,
-        XDS=kcfg.down_half_stage and kcfg.down_pairs(), XDC=kcfg.compact_hbuf(),
+        XDS=kcfg.down_half_stage and kcfg.down_pairs(), XDC=kcfg.compact_hbuf(), AMERGE=kcfg.smem_merge(spec),
         # the versioned stagings' flags carry their probe stride (versioned.wait's PROBE): 0 off, else vprobe
         DISPATCH=kcfg.dispatch, FLAG_ACT=kcfg.flag_act * kcfg.vprobe, FLAG_X=kcfg.flag_x * kcfg.vprobe,
         FLAG_ATTN=kcfg.flag_attn * kcfg.vprobe, FLAG_Q=kcfg.flag_q, QKV_IN_ATTN=kcfg.qkv_in_attn,

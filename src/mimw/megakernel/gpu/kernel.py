@@ -197,7 +197,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
              O_PARTS: gl.constexpr, SHFL: gl.constexpr, NL: gl.constexpr, XB: gl.constexpr, XA: gl.constexpr,
              XD: gl.constexpr, QUIET: gl.constexpr, QUIET_EARLY: gl.constexpr, WOFF: gl.constexpr, TRACE: gl.constexpr,
              TRACE_TILES: gl.constexpr, HOFF: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr,
-             HMARK: gl.constexpr, XDC: gl.constexpr, num_warps: gl.constexpr):
+             HMARK: gl.constexpr, XDC: gl.constexpr, AMERGE: gl.constexpr, num_warps: gl.constexpr):
     TK: gl.constexpr = hbuf.type.shape[1]
     TR: gl.constexpr = bufs.type.shape[1] * bufs.type.shape[2] // TK  # slots are [TR, TK] or folded (matvec.py)
     # weight tile [TR, TK]: 16-byte vectors along K; WR warps down the rows, the rest side by side along K
@@ -294,7 +294,7 @@ def _compute(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP
             t_first, t_rest, t_stored = attention.partial(
                 layer, kvh, b, split, n_splits, ctx, pos, k0, v0, q_ptr, kc_ptr, vc_ptr, bt_ptr, MAXP, NP,
                 SPLITS, po_ptr, pml_ptr, HQ, HKV, HD, PS, qscale, BT, GP, num_warps, L4, vstep + layer, FLAG_Q,
-                fq, fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP, TRACE, ROW1)
+                fq, fk, fv, tok_page, QKV_IN_ATTN, kvbuf, KVP, TRACE, ROW1, hbuf, AMERGE)
         else:
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
@@ -471,7 +471,8 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                QUIET: gl.constexpr,
                QUIET_EARLY: gl.constexpr, QUIET_OPS: gl.constexpr, DEEP: gl.constexpr, DEEP_OPS: gl.constexpr,
                WREL: gl.constexpr, HCNT: gl.constexpr, ROW1: gl.constexpr, XDS: gl.constexpr, HMARK: gl.constexpr,
-               XDC: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, num_warps: gl.constexpr):
+               XDC: gl.constexpr, AMERGE: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
+               num_warps: gl.constexpr):
     # ring slots: the descriptors' box, [TR, TK] or the folded [TR * TK / 32, 32] of tensor-core consumption
     bufs = gl.allocate_shared_memory(d_qkv.dtype, [NB, d_qkv.block_type.shape[0], d_qkv.block_type.shape[1]],
                                      d_qkv.layout)
@@ -511,7 +512,7 @@ def megakernel(prog_ptr, qlen_ptr, MAXLEN, tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MA
                     SPLITS, eps, qscale, trace_ptr, tiles_ptr, MAXT, bufs, empty, ready, rel, hbuf, D, HQ, HKV, HD, I,
                     PS, HAS_BIAS, QK_NORM, BT, SP2, GP, WR, SG, DISPATCH, FLAG_ACT, FLAG_X, FLAG_ATTN, FLAG_Q,
                     QKV_IN_ATTN, MERGE, kvbuf, KVP, O_PARTS, SHFL, NL, XB, XA, XD, QUIET, QUIET_EARLY, WOFF, TRACE,
-                    TRACE_TILES, HOFF, ROW1, XDS, HMARK, XDC, num_warps)),
+                    TRACE_TILES, HOFF, ROW1, XDS, HMARK, XDC, AMERGE, num_warps)),
         (_loader, (prog_ptr, qlen_ptr, MAXLEN, d_qkv, d_o, d_gu, d_down, d_lm, bufs, empty, ready, rel,
                    tiles_ptr, MAXT, D, HQ, HKV, HD, I, TR, TK, TILED, INFLIGHT, QUIET, QUIET_OPS, O_PARTS,
                    DEEP, DEEP_OPS, WOFF, XD, TRACE_TILES, HOFF, HMARK)),

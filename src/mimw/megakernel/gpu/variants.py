@@ -73,7 +73,10 @@ VARIANTS = {
     # at most this many weight tiles requested and not landed per SM (the default 4; the ring still buffers 10)
     "tr32-loud": KernelConfig(quiet=-1),  # no release hold (the default until session 17)
     "tr32-quiet0": KernelConfig(quiet=0),  # a new stage's tiles all wait for the SM's previous release
-    "tr32-quiet4": KernelConfig(quiet=4),  # ... past its first four (the default: two)
+    "tr32-quiet3": KernelConfig(quiet=3),  # ... past its first three (the default: two)
+    "tr32-quiet4": KernelConfig(quiet=4),  # ... past its first four
+    "tr32-quiet6": KernelConfig(quiet=6),
+    "tr32-quiet8": KernelConfig(quiet=8),
     "tr32-early": KernelConfig(quiet_early=True),  # the hold ends before the release's fence, not after it
     "tr32-early0": KernelConfig(quiet=0, quiet_early=True),
     # the hold at some boundaries only: into MLP_IN and DOWN_PROJ (not the next layer's ATTN_IN, parked through
@@ -157,6 +160,8 @@ VARIANTS = {
     # the staging buffer sized for a whole DOWN_PROJ where the halves stage their own columns (the default until
     # session 22; the 1B's ring 12 slots instead of 13); the 8B's DOWN_PROJ is unpaired and stages whole either way
     "tr32-wholehbuf": KernelConfig(half_hbuf=False),
+    # ATTN_PARTIAL's warps merge their softmax states through the staging buffer, one barrier (session 22)
+    "tr32-amerge": KernelConfig(attn_smem_merge=True),
     "tr32-ring10": KernelConfig(ring=10),  # the ring's depth before session 21 (the default now: as deep as shared
     # memory allows, 12 slots for the 1B, 11 for the 8B)
     "tr16-tk512-nb10": KernelConfig(tile_rows=16, tile_k=512, ring=10),
