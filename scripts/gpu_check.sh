@@ -13,8 +13,9 @@
 #   s19        session 19's builds: the hold as a count (opt-in), the step's attention row as one position and a
 #              DOWN_PROJ half staging its own columns (the default since session 20) beside their off settings (17,
 #              ~3.5 min)
-#   hbuf       the staging buffer sized for a whole DOWN_PROJ where the default (since session 22) sizes it for
-#              the halves (half_hbuf=False: 3, ~1 min)
+#   s22        session 22's defaults beside their off settings: the staging buffer sized for a whole DOWN_PROJ
+#              (half_hbuf=False: 3) and the attention warps' merge through shared memory and without it
+#              (attn_smem_merge: 12; ~2.5 min)
 #   versioned  the versioned-word tests (25, ~4 min), in their own process under a time limit (a reader whose
 #              words never come spins: a hang must not eat the call)
 #   sanitize   compute-sanitizer synccheck (case by case, each in its own process, if it errs) and racecheck on
@@ -36,7 +37,7 @@ mkdir -p "$out"
 sanitizer=${COMPUTE_SANITIZER:-compute-sanitizer}
 declare -A rc
 
-parts=" ${PARTS:-tests optin hold s19 hbuf versioned sanitize trace} "
+parts=" ${PARTS:-tests optin hold s19 s22 versioned sanitize trace} "
 has() { [[ "$parts" == *" $1 "* ]]; }
 
 if has tests; then
@@ -48,11 +49,11 @@ if has tests; then
 fi
 hold_k="(release_hold or deeper_in_flight or per_warp_releases or down_proj_pairs or falls_back)"
 s19_k="(hold_count or attention_row or down_half_stage)"
-hbuf_k="whole_hbuf"
+s22_k="(whole_hbuf or attn_smem_merge)"
 if has optin; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
         -k "not versioned and not megakernel_matches_reference and not traced_launch and not cluster_pairs and not $hold_k \
-            and not $s19_k and not $hbuf_k" \
+            and not $s19_k and not $s22_k" \
         > "$out/optin-tests.log" 2>&1
     rc[optin]=$?
     tail -n 3 "$out/optin-tests.log"
@@ -69,11 +70,11 @@ if has s19; then
     rc[s19]=$?
     tail -n 3 "$out/s19-tests.log"
 fi
-if has hbuf; then
+if has s22; then
     python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
-        -k "$hbuf_k" > "$out/hbuf-tests.log" 2>&1
-    rc[hbuf]=$?
-    tail -n 3 "$out/hbuf-tests.log"
+        -k "$s22_k" > "$out/s22-tests.log" 2>&1
+    rc[s22]=$?
+    tail -n 3 "$out/s22-tests.log"
 fi
 if has versioned; then
     timeout "${VERSIONED_TIMEOUT:-330}" python3 -m pytest -v -x -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \

@@ -138,6 +138,10 @@ def test_ring_is_as_deep_as_shared_memory_allows_and_an_explicit_one_must_fit():
     assert KernelConfig(ring=10).for_launch(eight_b, 132).ring_slots(eight_b) == 10
     with pytest.raises(ValueError, match="ring=12"):
         KernelConfig(ring=12).for_launch(eight_b, 132).ring_slots(eight_b)
+    # the per-warp releases: at most 10 slots (wrong logits at 12 and 13 on the H200, session 22)
+    assert KernelConfig(warp_release=True).for_launch(one_b, 132).ring_slots(one_b) == 10
+    with pytest.raises(ValueError, match="warp_release"):
+        KernelConfig(warp_release=True, ring=12).ring_slots(one_b)
 
 
 def test_default_tiles_fit_every_preset_with_a_head_of_32_or_more():
@@ -153,7 +157,8 @@ def test_inflight_cap_compiles_without_spills_and_a_cap_past_the_ring_is_the_rin
     spec = get_preset("llama-3.2-1b")
     ptx = _spill_free_ptx(spec, KernelConfig(inflight=4))
     assert ptx != _ptx(spec, KernelConfig(inflight=0))  # the loader's wait for tile it - 4
-    assert KernelConfig(inflight=12).inflight_cap(spec) == 0  # the default ring has 12 slots on the 1B: no cap
+    # the default ring has 13 slots on the 1B (the staging buffer sized for DOWN_PROJ's halves): no cap at 13
+    assert KernelConfig(inflight=13).inflight_cap(spec) == 0 and KernelConfig(inflight=12).inflight_cap(spec) == 12
     assert KernelConfig(ring=10, inflight=10).inflight_cap(spec) == 0
     assert KernelConfig(inflight=10).inflight_cap(spec) == 10
     assert KernelConfig(inflight=9).inflight_cap(spec) == 9 and KernelConfig(ring=4).inflight_cap(spec) == 0
@@ -213,8 +218,9 @@ def test_deeper_in_flight_cap_for_some_ops_compiles_without_spills(model):
         KernelConfig(deep_ops=("ATTN_PARTIAL",), inflight_deep=8).check(spec)
     with pytest.raises(ValueError, match="inflight_deep=10"):
         KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=10, ring=10).check(spec)  # the ring's 10 slots
-    with pytest.raises(ValueError, match="inflight_deep=12"):
-        KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=12).check(spec)  # the default ring: 12 or 11 slots
+    slots = KernelConfig().for_launch(spec, 132).ring_slots(spec)  # the default ring: 13 (1B) or 11 (8B) slots
+    with pytest.raises(ValueError, match=f"inflight_deep={slots}"):
+        KernelConfig(deep_ops=("DOWN_PROJ",), inflight_deep=slots).for_launch(spec, 132).check(spec)
 
 
 @pytest.mark.slow
@@ -526,3 +532,25 @@ def test_half_hbuf_compiles_without_spills_and_gives_the_1b_ring_a_thirteenth_sl
     k8 = KernelConfig.for_spec(eight_b)
     assert k8.for_launch(eight_b, 132) == dataclasses.replace(k8, half_hbuf=False)
     assert _ptx(eight_b, k8) == _ptx(eight_b, dataclasses.replace(k8, half_hbuf=False))
+
+
+@pytest.mark.slow
+def test_attn_smem_merge_is_the_default_where_the_staging_buffer_holds_the_warps_states():
+    """KernelConfig.attn_smem_merge (the default since session 22): ATTN_PARTIAL's warps merge through the staging
+    buffer with one barrier (attention._merge_smem), in effect where the buffer holds NW x GP x (HD + 2) fp32 (the
+    1B's 8 KB, the 8B's and Qwen3-8B's 16 KB; not SmolLM2's 2 KB); fewer partition barriers, spill-free, and the
+    same shared memory (the buffer is reused)."""
+    for name, fits in (("llama-3.2-1b", True), ("llama-3.1-8b", True), ("qwen3-8b", True), ("smollm2-135m", False)):
+        spec = get_preset(name)
+        kcfg = KernelConfig.for_spec(spec).for_launch(spec, 132)
+        assert kcfg.attn_smem_merge and kcfg.smem_merge(spec) == fits, name
+    spec = get_preset("llama-3.2-1b")
+    kcfg = KernelConfig.for_spec(spec)
+    off = dataclasses.replace(kcfg, attn_smem_merge=False)
+    on_k, off_k = compile_sm90a(spec, kcfg), compile_sm90a(spec, off)
+    assert ptxas_report(on_k.asm["ptx"])["spill_stores"] == 0
+    _assert_fits_shared(spec, kcfg, on_k)
+    assert on_k.metadata.shared == off_k.metadata.shared
+    assert on_k.asm["ptx"].count("bar.sync") < off_k.asm["ptx"].count("bar.sync")
+    small = get_preset("smollm2-135m")
+    assert _ptx(small) == _ptx(small, dataclasses.replace(KernelConfig.for_spec(small), attn_smem_merge=False))

@@ -129,12 +129,15 @@ def test_whole_hbuf_matches_reference_over_64_steps(model, context):
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("model,context", [("llama-3.2-1b", 1), ("llama-3.2-1b", 1000), ("llama-3.2-1b", 8191),
                                            ("llama-3.1-8b", 17), ("qwen3-8b", 1000), ("smollm2-135m", 17)])
-def test_attn_smem_merge_matches_reference_over_64_steps(model, context):
-    """KernelConfig(attn_smem_merge=True): ATTN_PARTIAL's warps merge their online-softmax states through the
-    staging buffer with one barrier (attention._merge_smem); a merge that read a state before its warp wrote it,
-    or a staging that overwrote the states before they were read, would differ or not repeat. SmolLM2's 2 KB
-    buffer does not hold the states: the kernel keeps Triton's merge there (KernelConfig.smem_merge)."""
-    _matches_reference_over_64_steps(model, context, attn_smem_merge=True)
+@pytest.mark.parametrize("merge", [True, False])
+def test_attn_smem_merge_matches_reference_over_64_steps(model, context, merge):
+    """KernelConfig.attn_smem_merge (the default since session 22; its six cases passed at d3137a7 as an opt-in):
+    ATTN_PARTIAL's warps merge their online-softmax states through the staging buffer with one barrier
+    (attention._merge_smem); a merge that read a state before its warp wrote it, or a staging that overwrote the
+    states before they were read, would differ or not repeat. SmolLM2's 2 KB buffer does not hold the states: the
+    kernel keeps Triton's merge there (KernelConfig.smem_merge). False: Triton's reductions over the warp axis
+    (the default before)."""
+    _matches_reference_over_64_steps(model, context, attn_smem_merge=merge)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the megakernel needs a Hopper (sm_90) GPU")

@@ -64,7 +64,7 @@ class KernelConfig:
     # empty barrier counted in warps, in the dynamic shared memory past Triton's; orchestration.warp_release)
     # instead of one thread after a partition barrier: one of the tile loop's two CTA barriers a tile (the other
     # comes with Triton's mbarrier.wait and stays) (session 18, opt-in). Measured at d7946e5: +1.9% (1B) / +0.3% (8B)
-    # (bench/NOTES.md session 19 §0)
+    # (bench/NOTES.md session 19 §0). Its ring is at most WARP_RELEASE_SLOTS deep (wrong results deeper, session 22)
     dispatch: bool = True  # DISPATCH: compute requests instruction i + 1's words before instruction i's work, and
     # does not poll again a dependency it already saw met (consecutive blocks of one stage); measured -1.3% (1B) /
     # -0.6% (8B) alone at fe6ffd2; with the next three defaults -3.9% / -2.0% against session 11's at a4a86e4
@@ -127,9 +127,9 @@ class KernelConfig:
     # pairs), the 8B's kernel unchanged; the default since session 22 (bench/NOTES.md)
     attn_smem_merge: bool = True  # AMERGE: ATTN_PARTIAL merges its warps' online-softmax states through the
     # staging buffer (free during attention) with one partition barrier (attention._merge_smem) instead of Triton's
-    # reductions over the warp axis (~17 barriers: traced at 1d943ce, 1.6 us a split on the 1B, 2.6 on the 8B,
-    # bench/NOTES.md session 22). In effect where the buffer holds the states (``smem_merge``: not SmolLM2's 2 KB).
-    # Opt-in (session 22)
+    # reductions over the warp axis (9 partition barriers in the SASS; traced at 1d943ce, 1.6 us a split on the 1B,
+    # 2.6 on the 8B). Measured -3.1% (1B) / -2.2% (8B) at 1d943ce, the default since session 22 (bench/NOTES.md).
+    # In effect where the buffer holds the states (``smem_merge``: not SmolLM2's 2 KB)
     attn_row: bool = True  # ROW1: the attention split that holds the step's row (the last, state.split_range)
     # adds it as a block one position wide instead of a masked 64-position block (attention.partial): traced at
     # 46549a9 that split's block-0 phase took 2.44 us against 1.59 for the others and it drew the combining ticket
@@ -177,6 +177,11 @@ class KernelConfig:
             raise ValueError(f"ring={self.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
         if fit < 2:
             raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
+        if self.warp_release:  # verified at 10 slots; at 12 and 13 it gave wrong logits on the H200 (session 22)
+            if self.ring > WARP_RELEASE_SLOTS:
+                raise ValueError(f"warp_release is correct on the GPU only up to {WARP_RELEASE_SLOTS} ring slots "
+                                 f"(ring={self.ring}; bench/NOTES.md session 22)")
+            return self.ring or min(fit, WARP_RELEASE_SLOTS)
         return self.ring or fit
 
     def smem_merge(self, spec: ModelSpec) -> bool:
@@ -337,6 +342,9 @@ class KernelConfig:
 
 MMA_K = 32  # columns of a folded tile row (matvec.dot_tile_mma): two k16 steps of mma.sync
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
+WARP_RELEASE_SLOTS = 10  # the deepest ring the per-warp releases (KernelConfig.warp_release) ran correctly with:
+# at 12 and 13 slots (the default depth since session 21) SmolLM2's and the 1B's logits were wrong on every run,
+# at 10 right on every run (session 22, cause not yet found; bench/NOTES.md)
 SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers):
 # ~4.3 KB in the default kernels (session 21: Triton's shared memory less the ring and the staging buffer); 10 KB
 # until session 21 gave no kernel in variants.py another slot at 8 KB. Every kernel the compile tests build is

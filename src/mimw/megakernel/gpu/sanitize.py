@@ -78,6 +78,10 @@ def cases(hold_count: bool = False) -> dict[str, tuple]:
     # blocks pair over cluster mates beside ATTN_IN's heads; then ATTN_IN's pairs alone, 8 SMs in 4 clusters of two,
     # with asynchronous stores counted on the mate's barrier and with remote stores and release arrivals
     out["cluster_down"] = (small, 40, 72, cfg(small))
+    # then ATTN_PARTIAL's warps merged through the staging buffer (the default since session 22) on a 2-layer
+    # Llama-1B shape with a small vocabulary: SmolLM2's buffer is too small for it (KernelConfig.smem_merge)
+    one_b = get_preset("llama-3.2-1b").with_(num_layers=2, vocab_size=4096)
+    out["attn_smem_merge"] = (one_b, 40, 72, cfg(one_b))
     for mode in (2, 1):
         out[f"cluster_qkv={mode}"] = (small, 40, 8, cfg(small, cluster_qkv=mode))
     # both matvec consumers (tensor cores, the default, first), and the versioned words on the tensor cores (all

@@ -160,8 +160,9 @@ VARIANTS = {
     # the staging buffer sized for a whole DOWN_PROJ where the halves stage their own columns (the default until
     # session 22; the 1B's ring 12 slots instead of 13); the 8B's DOWN_PROJ is unpaired and stages whole either way
     "tr32-wholehbuf": KernelConfig(half_hbuf=False),
-    # ATTN_PARTIAL's warps merge their softmax states through the staging buffer, one barrier (session 22)
-    "tr32-amerge": KernelConfig(attn_smem_merge=True),
+    # ATTN_PARTIAL's warps merged by Triton's reductions over the warp axis (the default until session 22), not
+    # through the staging buffer with one barrier (attention._merge_smem)
+    "tr32-tmerge": KernelConfig(attn_smem_merge=False),
     "tr32-ring10": KernelConfig(ring=10),  # the ring's depth before session 21 (the default now: as deep as shared
     # memory allows, 12 slots for the 1B, 11 for the 8B)
     "tr16-tk512-nb10": KernelConfig(tile_rows=16, tile_k=512, ring=10),
