@@ -70,8 +70,9 @@ class MegakernelDecoder:
         dev = self.cache.device
         self.kcfg = kcfg
         self.program = build_program(self.spec, StepShape((1,), context_hint), self.num_sms, kcfg.program_config())
-        # the staging buffer sized for DOWN_PROJ's halves cannot stage a whole one (KernelConfig.for_launch)
-        assert not kcfg.compact_hbuf() or down_halves_only(self.program), "half_hbuf with an unpaired DOWN_PROJ"
+        if kcfg.compact_hbuf() and not down_halves_only(self.program):  # KernelConfig.for_launch rules it out
+            raise RuntimeError("the staging buffer sized for DOWN_PROJ's halves (half_hbuf) cannot stage the "
+                               "unpaired DOWN_PROJ of this program: plan with KernelConfig.for_launch")
         words, lens = self.program.encode()
         if kcfg.hold_marks:  # the release hold's marks (gpu/hold.py): which releases compute announces
             marks = hold_marks(self.program, kcfg)
