@@ -276,20 +276,18 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
         t_rest = globaltimer_after(_dep(l_i, o))
     # merge the warps' states
     if AMERGE:
-        mx, l_f = _merge_smem(m_i, l_i, o, mbuf, kvh, split, SPLITS, po_ptr, G, GP, HD, NW)
-        gs = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, MERGE_L(GP, HD, NW))))
+        mx, l_f, o_f = _merge_smem(m_i, l_i, o, mbuf, GP, HD, NW)
     else:
         mx = gl.max(m_i, axis=0)  # [GP]
         wn = gl.exp2(m_i - gl.expand_dims(mx, 0))
         l_f = gl.sum(l_i * wn, axis=0)
         o_f = gl.sum(o * gl.expand_dims(gl.convert_layout(wn, gl.SliceLayout(2, Q3)), 2), axis=0)  # [GP, HD]
-        O2: gl.constexpr = gl.SliceLayout(0, Q3)
-        go = gl.arange(0, GP, gl.SliceLayout(1, O2))
-        do = gl.arange(0, HD, gl.SliceLayout(0, O2))
-        base = (kvh * G + go) * SPLITS + split
-        gl.store(po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f,
-                 mask=gl.expand_dims(go < G, 1))
-        gs = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, S3)))
+    O2: gl.constexpr = o_f.type.layout
+    go = gl.arange(0, GP, gl.SliceLayout(1, O2))
+    do = gl.arange(0, HD, gl.SliceLayout(0, O2))
+    base = (kvh * G + go) * SPLITS + split
+    gl.store(po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f, mask=gl.expand_dims(go < G, 1))
+    gs = gl.arange(0, GP, mx.type.layout)
     sbase = (kvh * G + gs) * SPLITS + split
     gl.store(pml_ptr + sbase * 2, gl.where(l_f > 0.0, mx * LN2, EMPTY_M), mask=gs < G)
     gl.store(pml_ptr + sbase * 2 + 1, l_f, mask=gs < G)
@@ -298,21 +296,13 @@ def partial(layer, kvh, seg, split, n_splits, ctx, pos, k, v, q_ptr, kc_ptr, vc_
     return t_first, t_rest, t_stored
 
 
-@gluon.constexpr_function
-def MERGE_L(GP, HD, NW):
-    """``_merge_smem``'s [NW, GP, HD] layout: the warp axis inside each thread, warps over the heads, lanes (two
-    columns each where HD allows) over HD."""
-    return gl.BlockedLayout([NW, 1, 2 if HD >= 64 else 1], [1, 1, 32], [1, NW, 1], [2, 1, 0])
-
-
 @gluon.jit
-def _merge_smem(m_i, l_i, o, mbuf, kvh, split, SPLITS, po_ptr, G: gl.constexpr, GP: gl.constexpr, HD: gl.constexpr,
-                NW: gl.constexpr):
+def _merge_smem(m_i, l_i, o, mbuf, GP: gl.constexpr, HD: gl.constexpr, NW: gl.constexpr):
     """KernelConfig.attn_smem_merge: the NW warps' online-softmax states (m_i, l_i [NW, GP], o [NW, GP, HD]) merged
     through shared memory: each warp writes its state to ``mbuf`` (the staging buffer read as fp32: o, then m,
-    then l), one partition barrier, and each thread reads the NW states of its own [GP, HD] elements (the warp axis
-    inside the thread, ``MERGE_L``) and merges them with no further exchange; stores the split's o to ``po_ptr``
-    and returns (mx, l_f) [GP]. Triton's reductions over the warp axis took 9 partition barriers (session 22:
+    then l), one partition barrier, and each thread reads the NW states of its own [GP, HD] elements (``MG``: the
+    warp axis inside each thread, warps over the heads, lanes over HD) and merges them with no further exchange;
+    returns (mx, l_f) [GP] and o_f [GP, HD]. Triton's reductions over the warp axis took 9 partition barriers (session 22:
     1.6 us on the 1B, 2.6 on the 8B). The caller's barrier at the instruction's end orders these reads before the
     next instruction's staging writes. Reference: ops/attn_partial (the warps are splits of the split)."""
     gl.static_assert(mbuf.type.shape[0] * mbuf.type.shape[1] * 2 >= NW * GP * (HD + 2) * 4,
@@ -326,7 +316,7 @@ def _merge_smem(m_i, l_i, o, mbuf, kvh, split, SPLITS, po_ptr, G: gl.constexpr, 
     sm.store(gl.expand_dims(m_i, 2))
     sl.store(gl.expand_dims(l_i, 2))
     gl.thread_barrier()
-    MG: gl.constexpr = MERGE_L(GP, HD, NW)
+    MG: gl.constexpr = gl.BlockedLayout([NW, 1, 2 if HD >= 64 else 1], [1, 1, 32], [1, NW, 1], [2, 1, 0])
     m = gl.sum(sm.load(MG), axis=2)  # [NW, GP] in SliceLayout(2, MG): the trailing axis is one wide
     l = gl.sum(sl.load(MG), axis=2)
     ow = so.load(MG)
@@ -334,12 +324,7 @@ def _merge_smem(m_i, l_i, o, mbuf, kvh, split, SPLITS, po_ptr, G: gl.constexpr, 
     wn = gl.exp2(m - gl.expand_dims(mx, 0))
     l_f = gl.sum(l * wn, axis=0)
     o_f = gl.sum(ow * gl.expand_dims(wn, 2), axis=0)  # [GP, HD]
-    O2: gl.constexpr = gl.SliceLayout(0, MG)
-    go = gl.arange(0, GP, gl.SliceLayout(1, O2))
-    do = gl.arange(0, HD, gl.SliceLayout(0, O2))
-    base = (kvh * G + go) * SPLITS + split
-    gl.store(po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f, mask=gl.expand_dims(go < G, 1))
-    return mx, l_f
+    return mx, l_f, o_f
 
 
 @gluon.jit
