@@ -22,11 +22,28 @@ from .weights import ModelWeights
 
 @dataclass(frozen=True)
 class Segment:
-    """``length`` new tokens of one sequence at positions start .. start+length-1, stored via ``block_table``."""
+    """``length`` new tokens of one sequence at positions start .. start+length-1, stored via ``block_table``.
+
+    ``num_logits``: how many of the segment's last tokens get a row of logits when a step asks for each segment's
+    last rows only (1 for a decode token or a prefill chunk; a speculative-verify block asks for all its tokens)."""
 
     block_table: tuple[int, ...]
     start: int
     length: int
+    num_logits: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_logits <= self.length:
+            raise ValueError(f"num_logits must be in [1, length={self.length}], got {self.num_logits}")
+
+
+def logit_rows(segments: Sequence[Segment]) -> torch.Tensor:
+    """Row indices (into the step's concatenated tokens) of every segment's last ``num_logits`` tokens."""
+    rows, t0 = [], 0
+    for s in segments:
+        t0 += s.length
+        rows.extend(range(t0 - s.num_logits, t0))
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,9 +75,9 @@ class ReferenceDecoder:
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache,
                 last_only: bool = False) -> torch.Tensor:
-        """tokens [T] (segments' tokens concatenated) -> logits [T, vocab] (fp32), or [len(segments), vocab] for
-        each segment's last token when ``last_only`` (the LM head then runs on those rows only). Writes K/V into
-        ``cache``."""
+        """tokens [T] (segments' tokens concatenated) -> logits [T, vocab] (fp32), or [sum(num_logits), vocab] for
+        each segment's last ``num_logits`` tokens, in segment order, when ``last_only`` (the LM head then runs on
+        those rows only). Writes K/V into ``cache``."""
         spec, w = self.spec, self.w
         if sum(s.length for s in segments) != tokens.numel():
             raise ValueError("segments' lengths must add up to the number of tokens")
@@ -91,6 +108,6 @@ class ReferenceDecoder:
             h = rms_norm(x, lw.mlp_norm, spec.rms_norm_eps)
             x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
         if last_only:
-            x = x[torch.tensor([s.length for s in segments], device=dev).cumsum(0) - 1]
+            x = x[logit_rows(segments).to(dev)]
         x = rms_norm(x, w.final_norm, spec.rms_norm_eps)
         return F.linear(x, w.lm_head).float()

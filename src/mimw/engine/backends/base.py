@@ -10,8 +10,9 @@ Invariants every backend keeps:
     never writes a position it was not given).
   * Segments of one step are independent sequences: a token attends to its own sequence only, causally.
   * The block table of a segment covers every position it writes (the engine allocates pages before the call).
-  * It returns fp32 logits [num_segments, vocab] for the *last* token of each segment, in segment order, and
-    changes nothing else of the engine's state.
+  * It returns fp32 logits [sum(num_logits), vocab]: a row for each of a segment's last ``num_logits`` tokens
+    (``Segment.num_logits``, 1 for decode and prefill), in segment order, and changes nothing else of the
+    engine's state.
   * A sequence's logits do not depend on which other sequences share the step beyond floating-point
     reassociation (no cross-sequence state).
 """
@@ -45,4 +46,4 @@ class Backend(ABC):
 
     @abstractmethod
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """tokens [T] (int64, the segments' tokens concatenated) -> logits [len(segments), vocab] fp32."""
+        """tokens [T] (int64, the segments' tokens concatenated) -> logits [sum(num_logits), vocab] fp32."""

@@ -46,16 +46,18 @@ class MegakernelBackend(Backend):
         return self._dec
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        out = torch.empty(len(segments), self.spec.vocab_size, device="cuda", dtype=torch.float32)
-        t0, pre, pre_rows, pre_toks = 0, [], [], []
-        for i, s in enumerate(segments):
+        out = torch.empty(sum(s.num_logits for s in segments), self.spec.vocab_size, device="cuda",
+                          dtype=torch.float32)
+        t0, r0, pre, pre_rows, pre_toks = 0, 0, [], [], []
+        for s in segments:
             if s.length == 1:
-                out[i] = self._decoder(cache).step(int(tokens[t0]), s.start, s.block_table)[0]
+                out[r0] = self._decoder(cache).step(int(tokens[t0]), s.start, s.block_table)[0]
             else:
                 pre.append(s)
-                pre_rows.append(i)
+                pre_rows.extend(range(r0, r0 + s.num_logits))
                 pre_toks.append(tokens[t0:t0 + s.length])
             t0 += s.length
+            r0 += s.num_logits
         if pre:
             out[pre_rows] = self.prefill.forward(torch.cat(pre_toks), pre, cache)
         return out

@@ -1,6 +1,6 @@
 """The reference backend: ``mimw.models.reference.ReferenceDecoder`` behind the ``Backend`` interface.
 
-A step only needs the last token of each segment, and the LM head over a whole prefill chunk costs
+A step only needs the last token of each segment (the last ``num_logits`` of a verify block), and the LM head over a whole prefill chunk costs
 T x vocab x hidden (for a 49k vocabulary, about as much as all layers of a small model), so the oracle runs with
 ``last_only=True``.
 """
@@ -31,4 +31,4 @@ class ReferenceBackend(Backend):
         return self.weights.dtype
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        return self._decoder.forward(tokens, segments, cache, last_only=True)  # [S, V] fp32
+        return self._decoder.forward(tokens, segments, cache, last_only=True)  # [sum(num_logits), V] fp32
