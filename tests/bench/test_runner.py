@@ -111,26 +111,22 @@ def test_cli_rejects_bad_arguments(capsys):
 
 def test_cli_megakernel_options_are_checked_up_front_and_travel_with_the_config(capsys):
     assert bench_main.run(_parse(["decode", "--model", "tiny-llama", "--megakernel", "inflght=4"])) == 2
-    assert bench_main.run(_parse(["decode", "--model", "tiny-llama", "--megakernel", "flag_act=maybe"])) == 2
+    assert bench_main.run(_parse(["decode", "--model", "tiny-llama", "--megakernel", "clusters=maybe"])) == 2
     err = capsys.readouterr().err
     assert "inflght" in err and "inflight" in err and "1/0/true/false" in err
     cfg = bench_main.config_from_args(_parse(["decode", "--model", "tiny-llama", "--megakernel",
-                                              "inflight=4,flag_act=1"]))
-    assert cfg.megakernel == "inflight=4,flag_act=1" and DecodeBenchConfig.from_json(cfg.to_json()) == cfg
+                                              "inflight=4,quiet=0"]))
+    assert cfg.megakernel == "inflight=4,quiet=0" and DecodeBenchConfig.from_json(cfg.to_json()) == cfg
 
 
-def test_megakernel_options_parse_to_typed_kernel_config_fields():
-    import dataclasses
+def test_megakernel_options_parse_to_typed_tuning_fields():
+    from mimw.megakernel.plan import Tuning
 
-    from mimw.megakernel.gpu.config import KernelConfig, parse_options
-
-    kw = parse_options(" inflight=4, flag_act=true,flag_x=0 ,")
-    assert kw == {"inflight": 4, "flag_act": True, "flag_x": False} and parse_options("") == {}
-    assert parse_options("quiet_ops=MLP_IN+DOWN_PROJ") == {"quiet_ops": ("MLP_IN", "DOWN_PROJ")}
-    assert dataclasses.replace(KernelConfig(), **kw).inflight == 4
-    for bad in ("ring", "ring=ten", "nosuch=1", "dispatch=2"):
+    t = Tuning.parse(" inflight=5, clusters=false,quiet=0 ,")
+    assert t == Tuning(inflight=5, clusters=False, quiet=0) and Tuning.parse("") == Tuning()
+    for bad in ("ring", "ring=ten", "nosuch=1", "clusters=2"):
         with pytest.raises(ValueError, match="megakernel option"):
-            parse_options(bad)
+            Tuning.parse(bad)
 
 
 def test_commit_and_slug(tmp_path):

@@ -1,7 +1,7 @@
 """The GPU check's argmax verdicts (pure torch, runs on the CPU)."""
 import torch
 
-from mimw.megakernel.gpu.check import argmax_verdicts, step_error
+from mimw.megakernel.tools.check import argmax_verdicts, step_error
 
 
 def test_same_argmax_agrees_and_reports_the_error():

@@ -1,9 +1,9 @@
-"""The cluster probe (gpu/cluster.py): compiles for sm_90a on the CPU; on a Hopper GPU, the pair exchange through
+"""The cluster probe (tools/cluster_probe.py): compiles for sm_90a on the CPU; on a Hopper GPU, the pair exchange through
 distributed shared memory matches its reference and both join rounds are timed."""
 import pytest
 import torch
 
-from mimw.megakernel.gpu.cluster import exchange_reference
+from mimw.megakernel.tools.cluster_probe import exchange_reference
 
 
 def test_exchange_reference_swaps_pair_mates():
@@ -17,8 +17,8 @@ def test_probe_compiles_to_distributed_shared_memory_and_cluster_barriers():
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mimw.megakernel.gpu.cluster import probe
-    from mimw.megakernel.gpu.config import ptxas_report
+    from mimw.megakernel.launch.compile import ptxas_report
+    from mimw.megakernel.tools.cluster_probe import probe
 
     sig = {"out_ptr": "*fp32", "ns_ptr": "*i64", "cnt_ptr": "*i32", "region": "i32", "ITERS": "constexpr",
            "num_warps": "constexpr"}
@@ -36,7 +36,7 @@ def test_probe_compiles_to_distributed_shared_memory_and_cluster_barriers():
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                     reason="needs a Hopper (sm_90) GPU")
 def test_pairs_exchange_through_distributed_shared_memory():
-    from mimw.megakernel.gpu.cluster import run_probe
+    from mimw.megakernel.tools.cluster_probe import run_probe
 
     r = run_probe(n_ctas=132, iters=200)
     assert r["exchange_ok"], r

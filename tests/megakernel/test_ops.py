@@ -11,7 +11,11 @@ import torch.nn.functional as F
 from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.megakernel import isa
 from mimw.megakernel.ops import FINISHERS, SOLVERS, OpContext
+from mimw.megakernel.ops.attn_in import AttnIn
+from mimw.megakernel.ops.attn_partial import AttnPartial
 from mimw.megakernel.ops.common import rms_norm
+from mimw.megakernel.ops.o_proj import OProj
+from mimw.megakernel.plan import Tuning
 from mimw.megakernel.program import ProgramConfig, StepShape, build_program
 from mimw.megakernel.state import EMPTY_M, alloc_scratch, alloc_state
 from mimw.megakernel.vm import VMDecoder
@@ -25,13 +29,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/megakernel/conftest.
 
 
 def context(name: str, seg_lens, starts, num_sms: int, page_size: int = 16, dtype=torch.float32, seed: int = 0,
-            config: ProgramConfig = ProgramConfig()):
+            config: ProgramConfig | None = None):
     """An OpContext over random weights and a random cache; segment s starts at position ``starts[s]``."""
     spec = get_preset(name)
     if spec.num_layers > 3:
         spec = spec.with_(num_layers=2)  # real shapes, fewer layers: CPU time
     w = random_weights(spec, seed, dtype=dtype)
-    prog = build_program(spec, StepShape(tuple(seg_lens)), num_sms, config)
+    prog = build_program(spec, StepShape(tuple(seg_lens)), num_sms, config or Tuning().resolve(spec).program_config())
     per_seq = [-(-(p + n) // page_size) for p, n in zip(starts, seg_lens)]
     cache = PagedKVCache(KVLayout.for_spec(spec, page_size, sum(per_seq) + 2, dtype))
     g = torch.Generator().manual_seed(seed)
@@ -66,8 +70,8 @@ def test_partials_then_reduce_equal_causal_softmax_attention(name, seg_lens, sta
     for k in range(spec.num_kv_heads):
         for s, n in enumerate(prog.n_splits):
             for i in range(n):
-                SOLVERS[isa.Op.ATTN_PARTIAL](ctx, isa.AttnPartial(layer=layer, kv_head=k, seg=s, split=i, n_splits=n))
-            SOLVERS[isa.Op.ATTN_REDUCE](ctx, isa.AttnReduce(layer=layer, kv_head=k, seg=s, n_splits=n))
+                SOLVERS[isa.Op.ATTN_PARTIAL](ctx, AttnPartial(layer=layer, kv_head=k, seg=s, split=i, n_splits=n))
+            FINISHERS[isa.Op.ATTN_PARTIAL](ctx, AttnPartial(layer=layer, kv_head=k, seg=s, n_splits=n))
     for s, (t0, n) in enumerate(zip(prog.shape.seg_starts, seg_lens)):
         kc, vc = ctx.cache.gather(layer, tables[s], starts[s] + n)
         pos = torch.arange(starts[s], starts[s] + n)
@@ -83,15 +87,15 @@ def test_partials_then_reduce_equal_causal_softmax_attention(name, seg_lens, sta
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_attn_in_matches_the_reference_projection_and_stores_kv_only_at_the_step_slots(name, parts):
     seg_lens, starts = (4, 1), (14, 33)  # the verify block crosses a page boundary
-    ctx, tables = context(name, seg_lens, starts, 7, config=ProgramConfig(tile_k=16, qkv_parts=parts))
+    ctx, tables = context(name, seg_lens, starts, 7, config=ProgramConfig(tile_rows=16, tile_k=16, qkv_parts=parts, clusters=False))
     spec, layer = ctx.spec, 1
     lw, hq, hkv, hd = ctx.weights.layers[layer], spec.num_heads, spec.num_kv_heads, spec.head_dim
     ctx.scratch.x.copy_(torch.randn(ctx.scratch.x.shape))
     k_before, v_before = ctx.cache.k.clone(), ctx.cache.v.clone()
     for h in range(hq + 2 * hkv):
         for p in random.Random(h).sample(range(parts), parts):  # parts in any order; the finisher sums in order
-            SOLVERS[isa.Op.ATTN_IN](ctx, isa.AttnIn(layer=layer, head=h, part=p, n_parts=parts))
-        FINISHERS[isa.Op.ATTN_IN](ctx, isa.AttnIn(layer=layer, head=h, part=p, n_parts=parts))
+            SOLVERS[isa.Op.ATTN_IN](ctx, AttnIn(layer=layer, head=h, part=p, n_parts=parts))
+        FINISHERS[isa.Op.ATTN_IN](ctx, AttnIn(layer=layer, head=h, part=p, n_parts=parts))
     # the reference decoder's computation, written out
     pos = ctx.state.positions.long()
     hn = reference.rms_norm(ctx.scratch.x, lw.attn_norm, spec.rms_norm_eps)
@@ -117,7 +121,7 @@ def test_layer0_reads_the_embedding_rows_as_the_residual():
     ctx, _ = context("tiny-llama", (2,), (5,), 7)
     emb = ctx.weights.embed[ctx.state.tokens.long()]
     ctx.scratch.attn.zero_()
-    SOLVERS[isa.Op.O_PROJ](ctx, isa.OProj(layer=0, row0=16, nrows=32))
+    SOLVERS[isa.Op.O_PROJ](ctx, OProj(layer=0, row0=16, nrows=32))
     assert torch.equal(ctx.scratch.x[:, 16:48], emb[:, 16:48])
     assert ctx.scratch.x[:, :16].isnan().all()  # scratch starts poisoned; nothing else was touched
 

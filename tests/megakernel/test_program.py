@@ -1,9 +1,22 @@
 import pytest
 
 from mimw.megakernel import isa
-from mimw.megakernel.program import ProgramConfig, StepShape, build_program, column_part, qkv_parts, row_blocks
+from mimw.megakernel.ops.attn_in import AttnIn
+from mimw.megakernel.ops.attn_partial import AttnPartial
+from mimw.megakernel.ops.down_proj import DownProj
+from mimw.megakernel.ops.lm_head import LmHead
+from mimw.megakernel.ops.mlp_in import MlpIn
+from mimw.megakernel.ops.o_proj import OProj
+from mimw.megakernel.plan import Tuning
+from mimw.megakernel.program import ProgramConfig, StepShape, build_program, qkv_parts, row_blocks
 from mimw.megakernel.state import split_range
+from mimw.megakernel.tiles import WeightTiles, column_part
 from mimw.models.spec import get_preset
+
+
+def shipping(name: str) -> ProgramConfig:
+    """The program config the GPU kernel runs for this preset (plan.Tuning's defaults)."""
+    return Tuning().resolve(get_preset(name)).program_config()
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "smollm2-135m", "llama-3.2-1b"])
@@ -11,37 +24,40 @@ from mimw.models.spec import get_preset
 @pytest.mark.parametrize("seg_lens", [(1,), (4,), (1, 1, 1, 1)])
 def test_program_covers_every_output_once(name, num_sms, seg_lens):
     spec = get_preset(name)
-    prog = build_program(spec, StepShape(seg_lens, 100), num_sms)
+    prog = build_program(spec, StepShape(seg_lens, 100), num_sms, shipping(name))
     prog.validate()
     ins = list(prog.instructions())
     by = lambda t: [i for i in ins if isinstance(i, t)]  # noqa: E731
     n = prog.qkv_parts
-    assert sorted((i.layer, i.head, i.part, i.n_parts) for i in by(isa.AttnIn)) == [
+    assert sorted((i.layer, i.head, i.part, i.n_parts) for i in by(AttnIn)) == [
         (l, h, p, n) for l in range(spec.num_layers) for h in range(spec.num_heads + 2 * spec.num_kv_heads)
         for p in range(n)]
-    for t, total in [(isa.OProj, spec.hidden_size), (isa.MlpIn, spec.intermediate_size),
-                     (isa.DownProj, spec.hidden_size)]:
+    for t, total in [(OProj, spec.hidden_size), (MlpIn, spec.intermediate_size), (DownProj, spec.hidden_size)]:
         for l in range(spec.num_layers):
-            rows = sorted((i.row0, i.nrows) for i in by(t) if i.layer == l)
+            rows = sorted({(i.row0, i.nrows) for i in by(t) if i.layer == l})
             assert sum(n for _, n in rows) == total
             assert all(a + n == b for (a, n), (b, _) in zip(rows, rows[1:]))
-    assert sum(i.nrows for i in by(isa.LmHead)) == spec.vocab_size
-    parts = by(isa.AttnPartial)
+    assert sum(i.nrows for i in by(LmHead)) == spec.vocab_size
+    parts = by(AttnPartial)
     assert len(parts) == spec.num_layers * spec.num_kv_heads * sum(prog.n_splits)
+    # every weight tile of the model streamed exactly once, by the instruction that owns its rows and columns
+    tiles = [t for i in ins for r in range(i.tiles.nr)
+             for t in range(i.tiles.t0 + r * i.tiles.kt + i.tiles.k0, i.tiles.t0 + r * i.tiles.kt + i.tiles.k1)]
+    assert sorted(tiles) == list(range(prog.tiles.num_tiles))
 
 
 def test_queues_are_in_stage_order_so_no_wait_cycle_can_form():
     spec = get_preset("tiny-llama")
-    prog = build_program(spec, StepShape((1,), 64), 7)
-    order = {op: k for k, op in enumerate([isa.Op.ATTN_IN, isa.Op.ATTN_PARTIAL, isa.Op.ATTN_REDUCE,
-                                           isa.Op.O_PROJ, isa.Op.MLP_IN, isa.Op.DOWN_PROJ])}
+    prog = build_program(spec, StepShape((1,), 64), 7, shipping("tiny-llama"))
+    order = {op: k for k, op in enumerate([isa.Op.ATTN_IN, isa.Op.ATTN_PARTIAL, isa.Op.O_PROJ, isa.Op.MLP_IN,
+                                           isa.Op.DOWN_PROJ])}
     for q in prog.queues:
         keys = [(i.layer, order[i.OP]) if i.OP != isa.Op.LM_HEAD else (spec.num_layers, 0) for i in q]
         assert keys == sorted(keys)
 
 
 def test_cost_model_balances_sms():
-    prog = build_program(get_preset("llama-3.2-1b"), StepShape((1,), 1024), 132)
+    prog = build_program(get_preset("llama-3.2-1b"), StepShape((1,), 1024), 132, shipping("llama-3.2-1b"))
     assert max(prog.costs) / min(prog.costs) < 1.05
 
 
@@ -56,10 +72,10 @@ def test_row_blocks_are_whole_tiles_and_reject_ragged_rows():
 def test_mlp_in_blocks_come_in_half_tiles_so_the_8b_stage_balances():
     # a weight tile holds tile_rows/2 gate + tile_rows/2 up rows: 8B's 14336 outputs make 896 16-row blocks, so
     # 132 SMs run 6 or 7 (makespan 3% over the mean) instead of 448 32-row blocks at 3 or 4 (18% over)
-    prog = build_program(get_preset("llama-3.1-8b"), StepShape((1,), 1024), 132, ProgramConfig(tile_rows=32))
-    mlp = [i for i in prog.instructions() if isinstance(i, isa.MlpIn) and i.layer == 0]
+    prog = build_program(get_preset("llama-3.1-8b"), StepShape((1,), 1024), 132, ProgramConfig(max_block_bytes=256 << 10))
+    mlp = [i for i in prog.instructions() if isinstance(i, MlpIn) and i.layer == 0]
     assert {i.nrows for i in mlp} == {16} and len(mlp) == 896
-    per_sm = [sum(isinstance(i, isa.MlpIn) and i.layer == 0 for i in q) for q in prog.queues]
+    per_sm = [sum(isinstance(i, MlpIn) and i.layer == 0 for i in q) for q in prog.queues]
     assert max(per_sm) == 7
 
 
@@ -89,21 +105,22 @@ def test_column_parts_are_whole_tiles_covering_every_column_once(k, tile_k, n):
 
 
 def test_attn_in_is_split_so_that_a_layers_heads_cover_the_sms():
-    cfg = ProgramConfig(tile_rows=32, tile_k=256)
+    cfg = ProgramConfig(clusters=False)  # the tickets' cost model (with clusters: two parts, a pair)
     for name in ("llama-3.2-1b", "llama-3.1-8b"):  # 48 heads per layer for 132 SMs
         n = qkv_parts(get_preset(name), 132, cfg)
         assert 1 < n and 48 * n <= 132  # split, and every part of a layer runs at once (one round)
+        assert qkv_parts(get_preset(name), 132, ProgramConfig()) == 2
     assert qkv_parts(get_preset("llama-3.1-8b"), 1, cfg) == 1  # one SM: splitting only adds fixed costs
     with pytest.raises(ValueError, match="qkv_parts"):
-        build_program(get_preset("tiny-llama"), StepShape((1,)), 7, ProgramConfig(tile_k=256, qkv_parts=2))
+        build_program(get_preset("tiny-llama"), StepShape((1,)), 7, ProgramConfig(tile_rows=16, qkv_parts=2))
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])
 def test_cluster_pairs_put_each_head_of_a_layer_on_its_own_cluster(name):
-    """cluster_qkv at the real shapes on 132 SMs: a layer's 48 heads on 48 of the 66 clusters (one pair each, part
-    0 on the even SM), the mates' k-th pair instructions the same head, and no ticket counters."""
+    """The shipping program at the real shapes on 132 SMs: a layer's 48 heads on 48 of the 66 clusters (one pair
+    each, part 0 on the even SM), the mates' k-th pair instructions the same head, and no ticket counters."""
     spec = get_preset(name)
-    prog = build_program(spec, StepShape((1,), 1024), 132, ProgramConfig(tile_rows=32, tile_k=256, cluster_qkv=True))
+    prog = build_program(spec, StepShape((1,), 1024), 132, ProgramConfig())
     heads = spec.num_heads + 2 * spec.num_kv_heads
     for layer in range(spec.num_layers):
         where = {}
@@ -119,11 +136,10 @@ def test_cluster_pairs_put_each_head_of_a_layer_on_its_own_cluster(name):
 
 @pytest.mark.parametrize("name,paired", [("llama-3.2-1b", True), ("llama-3.1-8b", False)])
 def test_down_proj_pairs_where_its_row_blocks_leave_half_the_sms_idle(name, paired):
-    """cluster_down on 132 SMs: the 1B's 64 DOWN_PROJ row tiles a layer become 64 pairs of column halves on 64 of
-    the 66 clusters (128 SMs); the 8B's 128 row tiles fill the SMs already and stay whole."""
+    """On 132 SMs the 1B's 64 DOWN_PROJ row tiles a layer become 64 pairs of column halves on 64 of the 66
+    clusters (128 SMs); the 8B's 128 row tiles fill the SMs already and stay whole."""
     spec = get_preset(name)
-    cfg = ProgramConfig(tile_rows=32, tile_k=256, cluster_qkv=True, cluster_down=True)
-    prog = build_program(spec, StepShape((1,), 1024), 132, cfg)
+    prog = build_program(spec, StepShape((1,), 1024), 132, ProgramConfig())
     from mimw.megakernel.program import cluster_mate_errors
 
     assert cluster_mate_errors(prog.queues) == []
@@ -136,3 +152,28 @@ def test_down_proj_pairs_where_its_row_blocks_leave_half_the_sms_idle(name, pair
             assert len(downs) == 128 and all(not i.flags & isa.CLUSTER_PAIR and i.n_parts == 0 for _, i in downs)
     count = next(c.count for c in prog.counters if c.name == "L0.down_proj")
     assert count == (64 if paired else 128)
+
+
+def test_no_cluster_pairs_where_the_shape_cannot_form_them():
+    spec = get_preset("llama-3.2-1b")
+    for sms, cfg in ((131, ProgramConfig()), (132, ProgramConfig(clusters=False))):
+        prog = build_program(spec, StepShape((1,), 1024), sms, cfg)
+        assert not prog.attn_pairs and not prog.down_pairs and prog.qkv_parts > 1
+        assert any("qkv_ticket" in c.name for c in prog.counters)  # the parts join through tickets instead
+
+
+def test_shipping_config_is_the_scheduler_default_at_32_row_tiles():
+    assert shipping("llama-3.2-1b") == ProgramConfig() == shipping("llama-3.1-8b")
+    assert shipping("tiny-qwen3") == ProgramConfig(tile_rows=16, tile_k=512)  # a head of 32 rows: 16-row tiles
+
+
+def test_weight_tiles_span_rows_and_columns_of_each_matrix():
+    spec = get_preset("llama-3.2-1b")
+    wt = WeightTiles.for_spec(spec, 32, 256)
+    qkv, o = wt["qkv"], wt["o"]
+    assert qkv.base == 0 and qkv.kt == 8 and o.base == qkv.rows // 32 * 8
+    assert wt.span("o", 64, 96) == isa.TileSpan(o.base + 2 * o.kt, 3, 0, o.kt, o.kt)
+    assert wt.span("qkv", 0, 64, 4, 8).n_tiles == 8
+    assert wt.num_tiles * wt.tile_bytes == 2 * sum(m.rows * m.kt * 256 for _, m in wt.matrices)
+    with pytest.raises(ValueError, match="whole"):
+        wt.span("o", 16, 32)

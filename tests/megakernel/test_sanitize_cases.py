@@ -1,36 +1,33 @@
-"""The compute-sanitizer entry's cases (gpu/sanitize.py) on the CPU: what scripts/gpu_check.sh runs one process a
-case. Building the cases needs no GPU; running them does."""
+"""The compute-sanitizer entry's cases (tools/sanitize.py) on the CPU: what scripts/gpu_check.sh runs. Building the
+cases needs no GPU; running them does."""
 import subprocess
 import sys
 
-from mimw.megakernel.gpu.config import KernelConfig
-from mimw.megakernel.gpu.sanitize import cases
+from mimw.megakernel.plan import Tuning, plan
+from mimw.megakernel.program import StepShape
+from mimw.megakernel.tools.sanitize import cases
 
 
-def test_cases_start_with_the_default_kernel_and_end_with_the_per_warp_releases():
+def test_cases_cover_both_pairs_the_shared_memory_merge_and_the_tickets():
     todo = cases()
-    names = list(todo)
-    assert len(names) == len(set(names)) >= 14
-    spec, context, num_sms, kcfg = todo["cluster_down"]
-    assert names[0] == "cluster_down" and kcfg == KernelConfig.for_spec(spec) and num_sms == 72
-    assert names[-1] == "warp_release" and todo["warp_release"][3].warp_release
-    for spec, context, num_sms, kcfg in todo.values():
-        kcfg.check(spec)  # every case is a valid kernel for its shape
-        assert not kcfg.hold_count
-
-
-def test_hold_count_puts_every_case_on_the_holds_count():
-    assert all(k.hold_count and k.hold_bytes() == 16 for _, _, _, k in cases(hold_count=True).values())
+    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 5
+    shapes = {}
+    for name, (spec, context, num_sms, tuning) in todo.items():
+        p = plan(spec, num_sms, StepShape((1,), context), 16, tuning)  # every case is a valid kernel
+        shapes[name] = (p.program.attn_pairs, p.program.down_pairs, p.constants.SMEM_MERGE)
+    assert shapes["cluster_down"] == (True, True, False)  # SmolLM2: its staging buffer is too small to merge
+    assert shapes["attn_smem_merge"][2] and shapes["cluster_qkv"][:2] == (True, False)
+    assert shapes["tickets"][:2] == (False, False) and todo["tickets"][3] == Tuning(clusters=False, qkv_parts=2)
 
 
 def test_the_list_is_one_name_a_line_for_the_shell_loop():
-    out = subprocess.run([sys.executable, "-m", "mimw.megakernel.gpu.sanitize", "--list", "--hold-count"],
+    out = subprocess.run([sys.executable, "-m", "mimw.megakernel.tools.sanitize", "--list"],
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == list(cases()) and all(" " not in n for n in out)
 
 
 def test_an_unknown_or_missing_case_is_a_clear_error_before_the_gpu_is_touched():
     for args in (["--case", "no-such-case"], ["--case"]):
-        r = subprocess.run([sys.executable, "-m", "mimw.megakernel.gpu.sanitize", *args], capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "mimw.megakernel.tools.sanitize", *args], capture_output=True,
                            text=True)
         assert r.returncode == 2 and "--list names them" in r.stderr, r.stderr

@@ -24,7 +24,7 @@ class DecodeBenchConfig:
     device: str = "cuda"
     backend_timeout_s: float = 300.0  # a backend silent this long (compile hang, deadlock) is killed, run continues
     in_process: bool = False          # run backends in this process (no crash isolation; for debugging and tests)
-    megakernel: str = ""              # KernelConfig overrides for mimw-megakernel, "NAME=VALUE,..." (gpu/config.py)
+    megakernel: str = ""              # tuning overrides for mimw-megakernel, "NAME=VALUE,..." (megakernel/plan.py)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--commit", default=None, metavar="REV",
                    help="commit to record (default: git rev-parse of this tree, or 'unknown' without .git)")
     p.add_argument("--megakernel", default="", metavar="NAME=VALUE[,...]",
-                   help="KernelConfig overrides for the mimw-megakernel backend, e.g. inflight=4,flag_act=1 "
+                   help="tuning overrides (plan.Tuning) for the mimw-megakernel backend, e.g. inflight=4,quiet=0 "
                         "(default: the defaults); recorded with the results")
     p.add_argument("--in-process", action="store_true",
                    help="run backends in this process (no crash/hang isolation; for debugging)")
@@ -59,9 +59,9 @@ def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
         check_model(m)
     if args.iters < 1:
         raise ValueError("--iters must be >= 1")
-    from ..megakernel.gpu.config import parse_options
+    from ..megakernel.plan import Tuning
 
-    parse_options(args.megakernel)  # a bad option is an error now, not a failed row later
+    Tuning.parse(args.megakernel)  # a bad option is an error now, not a failed row later
     return DecodeBenchConfig(models=models, contexts=parse_contexts(args.context),
                              backends=tuple(parse_backends(args.backends)), out_dir=args.out, iters=args.iters,
                              budget_s=args.budget_s, seed=args.seed, backend_timeout_s=args.backend_timeout,

@@ -1,9 +1,9 @@
 """`mimw bench` entry for the megakernel backend (contract: ``mimw.bench.peers.mimw_peers``).
 
-``make_step(spec, weights, context, options="")`` builds a MegakernelDecoder (KernelConfig overrides ``options``,
-"NAME=VALUE,...", ``gpu.config.parse_options``) over a paged cache holding the benchmark's seeded
-K/V for positions 0..context-1, captures one decode step (token ``inputs.token`` at position ``context``) in a CUDA
-graph, and returns a zero-argument callable that replays it; ``step.logits`` is the [1, V] logits buffer.
+``make_step(spec, weights, context, options="")`` builds a MegakernelDecoder (plan.Tuning overrides ``options``,
+"NAME=VALUE,...", ``Tuning.parse``) over a paged cache holding the benchmark's seeded K/V for positions
+0..context-1, captures one decode step (token ``inputs.token`` at position ``context``) in a CUDA graph, and returns a
+zero-argument callable that replays it; ``step.logits`` is the [1, V] logits buffer.
 """
 from __future__ import annotations
 
@@ -16,21 +16,18 @@ from ..models.weights import ModelWeights
 
 
 def make_step(spec: ModelSpec, weights: ModelWeights, context: int, options: str = "") -> Callable[[], None]:
-    import dataclasses
+    from .plan import Tuning
 
-    from .gpu.config import KernelConfig, parse_options
-
-    overrides = parse_options(options)  # ValueError on a bad option, before any GPU work
+    tuning = Tuning.parse(options)  # ValueError on a bad option, before any GPU work
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise NotImplementedError("the megakernel needs a Hopper (sm_90) GPU")
     from ..bench.inputs import decode_inputs, paged_cache
-    from .gpu.decoder import MegakernelDecoder
+    from .launch.decoder import MegakernelDecoder
 
     inputs = decode_inputs(spec, context, device="cuda")
     cache, table = paged_cache(spec, inputs)
-    kcfg = dataclasses.replace(KernelConfig.for_spec(spec, cache.layout.page_size), **overrides)
     dec = MegakernelDecoder(weights if weights.dtype == torch.bfloat16 else weights.to(dtype=torch.bfloat16),
-                            cache, max_pages_per_seq=len(table), kcfg=kcfg, context_hint=max(1, context))
+                            cache, max_pages_per_seq=len(table), tuning=tuning, context_hint=max(1, context))
     dec.set_inputs(inputs.token, context, table)
     dec.capture()
 

@@ -4,17 +4,14 @@ The counters are the program's claim that an instruction runs only after the dat
 checks the claim independently. Every region of step data carries a *version*, the producer that last wrote it
 during this step (-1: not written this step):
 
-    x        [D]              2l+1 after layer l's O_PROJ of those columns, 2l+2 after its DOWN_PROJ (with
-                              O_PROJ parts, ProgramConfig.o_parts, O_PROJ writes x_part instead: x stays 2l)
-    x_part   [P, D]           layer whose O_PROJ part p wrote those columns (ProgramConfig.o_parts)
-    down_part [2, D]          layer whose DOWN_PROJ column half p wrote those rows' sums (ProgramConfig.
-                              cluster_down); part 0's finish reads both and writes x (2l+2)
-    qkv_part [H, P]           layer whose ATTN_IN wrote part p of head h (H = Hq + 2 Hkv); with isa.QKV_IN_ATTN
-                              the ATTN_PARTIALs read it (q, kv: unused)
-    q        [Hq]             layer whose ATTN_IN wrote the head (all M tokens at once)
+    x        [D]              2l+1 after layer l's O_PROJ of those columns, 2l+2 after its DOWN_PROJ
+    down_part [2, D]          layer whose DOWN_PROJ column half p wrote those rows' sums (cluster pairs); part 0's
+                              finish reads both and writes x (2l+2)
+    qkv_part [H, P]           layer whose ATTN_IN wrote part p of head h (H = Hq + 2 Hkv)
+    q        [Hq]             layer whose ATTN_IN finished the head (all M tokens at once)
     kv       [L, 2, Hkv]      whether ATTN_IN stored this step's K (0) / V (1) positions of the layer's kv head
     part     [M, Hq, SPLITS]  layer whose ATTN_PARTIAL wrote (token, head, split)
-    attn     [M, Hq]          layer whose ATTN_REDUCE (or combining ATTN_PARTIAL) wrote (token, head)
+    attn     [M, Hq]          layer whose combining ATTN_PARTIAL wrote (token, head)
     act      [I]              layer whose MLP_IN wrote the columns
     logits   [V]              1 once LM_HEAD wrote the columns
 
@@ -27,7 +24,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import isa
 from .isa import Instruction, Op
 from .program import Program
 from .state import StepState, split_range
@@ -43,7 +39,6 @@ class Readiness:
         self.program, self.state = program, state
         m, full = shape.num_tokens, lambda *s: np.full(s, -1, dtype=np.int32)  # noqa: E731
         self.x = full(sp.hidden_size)
-        self.x_part = full(max(1, program.config.o_parts), sp.hidden_size)
         self.down_part = full(2, sp.hidden_size)
         self.qkv_part = full(sp.num_heads + 2 * sp.num_kv_heads, program.qkv_parts)
         self.q = full(sp.num_heads)
@@ -73,116 +68,46 @@ class Readiness:
                                   f"(-1: not written this step; see readiness.py for the numbering)")
 
     # --- the contract ------------------------------------------------------------------------------------
-    def versions_ready(self, ins: Instruction) -> bool:
-        """For an instruction that reads versioned words (``isa.READS_X`` / ``READS_Q`` / ``READS_ATTN`` /
-        ``READS_ACT``): does every word it reads carry the version it needs (the numbering above)? Such an
-        instruction waits until they do (the GPU re-reads the words that do not); any other instruction: True.
-        ATTN_PARTIAL's q and new K/V row are needed only by a non-empty split, the row only by the split that holds
-        this step's positions (the GPU's empty splits wait for q too: stricter, never wrong)."""
-        if ins.flags & isa.READS_X:
-            rows, want = self._x_need(ins)
-            if not bool((self.x[rows] == want).all()):
-                return False
-        if ins.flags & isa.READS_Q:
-            if ins.OP != Op.ATTN_PARTIAL:
-                raise ValueError(f"{ins}: only ATTN_PARTIAL reads q")
-            lo, hi = self._split(ins)
-            new_lo = int(self.state.seg_ctx[ins.seg]) - self.program.shape.seg_lens[ins.seg]
-            if lo < hi and not bool((self.q[self._group(ins.kv_head)] == ins.layer).all()):
-                return False
-            if hi > new_lo and lo < hi and not self.kv[ins.layer, :, ins.kv_head].all():
-                return False  # a split holding this step's positions also waits for their K/V
-        if ins.flags & isa.READS_ATTN:
-            if ins.OP != Op.O_PROJ:
-                raise ValueError(f"{ins}: only O_PROJ reads attn")
-            if not bool((self.attn == ins.layer).all()):
-                return False
-        if ins.flags & isa.READS_ACT:
-            if ins.OP != Op.DOWN_PROJ:
-                raise ValueError(f"{ins}: only DOWN_PROJ reads act")
-            return bool((self.act == ins.layer).all())
-        return True
-
-    def _x_need(self, ins: Instruction) -> tuple[slice, int]:
-        """The rows of x ``ins`` reads and the version they must hold (ATTN_IN, MLP_IN, LM_HEAD: all of x, to
-        normalise it; O_PROJ, DOWN_PROJ: their own rows, the residual)."""
-        L, op = ins.layer, ins.OP
-        every = slice(0, self.program.spec.hidden_size)
-        if op == Op.ATTN_IN and L > 0:
-            return every, 2 * L
-        if op == Op.O_PROJ and L > 0:
-            return slice(ins.row0, ins.row0 + ins.nrows), 2 * L
-        if op == Op.MLP_IN:
-            return every, 2 * L + 1
-        if op == Op.DOWN_PROJ:
-            return slice(ins.row0, ins.row0 + ins.nrows), 2 * L + 1
-        if op == Op.LM_HEAD:
-            return every, 2 * self.program.spec.num_layers
-        raise ValueError(f"{ins} does not read x")
-
     def before(self, ins: Instruction) -> None:
         """Raise DependencyError unless everything ``ins`` reads holds the version it needs."""
         op = ins.OP
         if op == Op.NOP:
             return
         L = ins.layer
-        if op in (Op.ATTN_IN, Op.MLP_IN, Op.LM_HEAD):
-            if op == Op.MLP_IN and self.program.config.o_parts:  # x is the sum of the O_PROJ parts
-                self._require(ins, "x parts", self.x_part, L)
-            elif op != Op.ATTN_IN or L > 0:  # layer 0's ATTN_IN normalises the embedding rows
-                rows, want = self._x_need(ins)
-                self._require(ins, "x", self.x[rows], want)
+        every = slice(0, self.program.spec.hidden_size)
+        if op == Op.ATTN_IN:
+            if L > 0:  # layer 0 normalises the embedding rows
+                self._require(ins, "x", self.x[every], 2 * L)
+        elif op == Op.MLP_IN:
+            self._require(ins, "x", self.x[every], 2 * L + 1)
+        elif op == Op.LM_HEAD:
+            self._require(ins, "x", self.x[every], 2 * self.program.spec.num_layers)
         elif op == Op.ATTN_PARTIAL:
             lo, hi = self._split(ins)
             if lo == hi:
                 return  # an empty split only writes its (EMPTY_M, 0, 0) partial
-            if ins.flags & isa.QKV_IN_ATTN:  # it finishes its heads itself: every part of them, this layer's
-                sp, grp = self.program.spec, self._group(ins.kv_head)
-                heads = [*range(grp.start, grp.stop), sp.num_heads + ins.kv_head,
-                         sp.num_heads + sp.num_kv_heads + ins.kv_head]
-                self._require(ins, "qkv parts of its heads", self.qkv_part[heads, : ins.n_parts], L)
-                return
             self._require(ins, "q heads", self.q[self._group(ins.kv_head)], L)
             new_lo = int(self.state.seg_ctx[ins.seg]) - self.program.shape.seg_lens[ins.seg]
             if hi > new_lo and not self.kv[L, :, ins.kv_head].all():
                 raise DependencyError(f"{ins} reads this step's K/V positions [{max(lo, new_lo)}, {hi}) of "
                                       f"kv head {ins.kv_head} before ATTN_IN stored them")
-        elif op == Op.ATTN_REDUCE:
-            self._require_partials(ins)
         elif op == Op.O_PROJ:
-            if ins.n_parts:  # its groups' partials, every token's, and (part 0) the residual rows
-                gpp = self.program.spec.num_kv_heads // ins.n_parts
-                heads = slice(ins.part * gpp * self.program.spec.group_size,
-                              (ins.part + 1) * gpp * self.program.spec.group_size)
-                self._require(ins, "partials of its groups", self.part[:, heads, : ins.n_splits], L)
-                if ins.part > 0:
-                    return
-            else:
-                self._require(ins, "attn", self.attn, L)
+            self._require(ins, "attn", self.attn, L)
             if L > 0:
-                rows, want = self._x_need(ins)
-                self._require(ins, "x rows", self.x[rows], want)
+                self._require(ins, "x rows", self.x[ins.row0: ins.row0 + ins.nrows], 2 * L)
         elif op == Op.DOWN_PROJ:
             self._require(ins, "act", self.act, L)
             if ins.n_parts and ins.part:  # a pair's part 1: its column half only, no residual
                 return
-            rows, want = self._x_need(ins)
-            if self.program.config.o_parts:  # the residual is the sum of the O_PROJ parts' rows
-                self._require(ins, "x parts' rows", self.x_part[:, rows], L)
-            else:
-                self._require(ins, "x rows", self.x[rows], want)
+            self._require(ins, "x rows", self.x[ins.row0: ins.row0 + ins.nrows], 2 * L + 1)
 
     def after(self, ins: Instruction) -> None:
         """Record what ``ins`` wrote."""
-        sp, op = self.program.spec, ins.OP
+        op = ins.OP
         if op == Op.ATTN_IN:
             self.qkv_part[ins.head, ins.part] = ins.layer
         elif op == Op.ATTN_PARTIAL:
             self.part[self._seg(ins.seg), self._group(ins.kv_head), ins.split] = ins.layer
-        elif op == Op.ATTN_REDUCE:
-            self.attn[self._seg(ins.seg), self._group(ins.kv_head)] = ins.layer
-        elif op == Op.O_PROJ and ins.n_parts:
-            self.x_part[ins.part, ins.row0: ins.row0 + ins.nrows] = ins.layer
         elif op == Op.DOWN_PROJ and ins.n_parts:  # a pair's half: x is written by part 0's finish
             self.down_part[ins.part, ins.row0: ins.row0 + ins.nrows] = ins.layer
         elif op in (Op.O_PROJ, Op.DOWN_PROJ):
@@ -192,15 +117,12 @@ class Readiness:
         elif op == Op.LM_HEAD:
             self.logits[ins.row0: ins.row0 + ins.nrows] = 1
 
-    def _require_partials(self, ins) -> None:
-        self._require(ins, "partials", self.part[self._seg(ins.seg), self._group(ins.kv_head), : ins.n_splits],
-                      ins.layer)
-
     def before_finish(self, ins: Instruction) -> None:
         """A finisher reads every part: ATTN_IN's, every part of its head; a combining ATTN_PARTIAL's, every split's
-        partials of its segment and group."""
+        partials of its segment and group; a DOWN_PROJ pair's part 0, both halves."""
         if ins.OP == Op.ATTN_PARTIAL:
-            self._require_partials(ins)
+            self._require(ins, "partials",
+                          self.part[self._seg(ins.seg), self._group(ins.kv_head), : ins.n_splits], ins.layer)
         elif ins.OP == Op.DOWN_PROJ:
             self._require(ins, "column halves", self.down_part[:, ins.row0: ins.row0 + ins.nrows], ins.layer)
         else:
@@ -222,4 +144,3 @@ class Readiness:
         if not (self.logits == 1).all():
             missing = int((self.logits != 1).sum())
             raise DependencyError(f"the step ended with {missing} logits columns never written")
-

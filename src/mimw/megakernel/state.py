@@ -16,35 +16,21 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
   part_o [M, Hq, SPLITS, hd]   unnormalised partial attention outputs   sum_j exp(s_j - m) v_j
   part_ml [M, Hq, SPLITS, 2]   running max m (scaled scores, natural log domain) and sum l = sum_j exp(s_j - m);
                                an empty split stores m = EMPTY_M, l = 0, o = 0
-  attn [M, Hq*hd]              attention output (input of O_PROJ; not written with O_PROJ parts)
-  x_part [P, M, D]             with O_PROJ parts (ProgramConfig.o_parts, P of them; [1, M, D] unused otherwise):
-                               part p's W_o . attn over its columns, part 0 plus the residual; x after O_PROJ is
-                               their sum in part order (MLP_IN, DOWN_PROJ)
-  down_part [2, M, D]          with DOWN_PROJ's cluster pairs (ProgramConfig.cluster_down; [1, M, D] unused
-                               otherwise): each column half's sums, in the VM only (the GPU's halves meet in shared
-                               memory, gpu/cluster.py)
+  attn [M, Hq*hd]              attention output (input of O_PROJ)
+  down_part [2, M, D]          with DOWN_PROJ's cluster pairs ([1, M, D] unused otherwise): each column half's
+                               sums, in the VM only (the GPU's halves meet in shared memory, device/cluster.py)
   act [M, I]                   SiLU(gate) * up (input of DOWN_PROJ)
   logits [M, V]
-  act_words [M, I] int64       the GPU's act when the program versions it (ProgramConfig.flag_act): version << 32 |
-                               fp32 bits, version = epoch * 65536 + layer (int32); -1 before the first write, so
-                               no step's version matches a word never written. The VM keeps act in fp32 and models
-                               the versions in ``Readiness.act``.
-  x_words [M, D] int64         the GPU's x when the program versions it (ProgramConfig.flag_x), likewise; version =
-                               epoch * 65536 + Readiness's x version (2l+1 after O_PROJ, 2l+2 after DOWN_PROJ).
-  attn_words [M, Hq*hd] int64  the GPU's attn when the program versions it (ProgramConfig.flag_attn); version =
-                               epoch * 65536 + layer.
-  q_words [M, Hq+2Hkv, hd] int64  the GPU's q when the program versions it (ProgramConfig.flag_q): the q heads, then
-                               this step's new K then V row of each KV head (also appended to the paged cache);
-                               version = epoch * 65536 + layer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .program import Program
+if TYPE_CHECKING:
+    from .program import Program
 
 EMPTY_M = -1.0e30  # finite "minus infinity": exp(EMPTY_M - m) == 0 without inf - inf = nan
 
@@ -100,21 +86,12 @@ class Scratch:
     attn: torch.Tensor
     act: torch.Tensor
     logits: torch.Tensor
-    x_part: torch.Tensor
     down_part: torch.Tensor
-    act_words: torch.Tensor
-    x_words: torch.Tensor
-    attn_words: torch.Tensor
-    q_words: torch.Tensor
 
     def poison(self) -> None:
         for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits,
-                  self.x_part, self.down_part):
+                  self.down_part):
             t.fill_(float("nan"))
-        self.act_words.fill_(-1)  # no version: a reader waits for a real write
-        self.x_words.fill_(-1)
-        self.attn_words.fill_(-1)
-        self.q_words.fill_(-1)
 
 
 def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu") -> StepState:
@@ -135,13 +112,7 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         attn=f(m, sp.q_size),
         act=f(m, sp.intermediate_size),
         logits=f(m, sp.vocab_size),
-        x_part=f(max(1, prog.config.o_parts), m, sp.hidden_size),
-        down_part=f(2 if prog.config.cluster_down else 1, m, sp.hidden_size),
-        act_words=torch.full((m, sp.intermediate_size), -1, dtype=torch.int64, device=device),
-        x_words=torch.full((m, sp.hidden_size), -1, dtype=torch.int64, device=device),
-        attn_words=torch.full((m, sp.q_size), -1, dtype=torch.int64, device=device),
-        q_words=torch.full((m, sp.num_heads + 2 * sp.num_kv_heads, sp.head_dim), -1, dtype=torch.int64,
-                           device=device),
+        down_part=f(2 if prog.down_pairs else 1, m, sp.hidden_size),
     )
 
 

@@ -7,17 +7,13 @@ Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
   * SM ``s`` runs its queue ``words[s, :lengths[s]]`` in order; each instruction is decoded with ``isa.decode``.
   * ``epoch = counters[EPOCH]`` is read when the step starts. An instruction may run once
     ``counters[wait] >= (epoch + 1) * wait_count`` (wait == -1: at once); when it has stored its outputs it adds
-    ``signal_n`` (1; with merged releases a run's length at its end, 0 before) to ``counters[signal]``. An
-    instruction with a finisher (ATTN_IN parts, combining ATTN_PARTIAL splits, isa.py) first adds 1 to
-    ``counters[ticket]``; only the part that brings it to ``(epoch + 1) * ticket_count`` runs the finisher and
-    signals.
+    1 to ``counters[signal]``. An instruction with a ticket (ATTN_IN parts without cluster pairs, combining
+    ATTN_PARTIAL splits, isa.py) first adds 1 to ``counters[ticket]``; only the part that brings it to
+    ``(epoch + 1) * ticket_count`` runs the finisher and signals.
   * A cluster pair (``isa.CLUSTER_PAIR``: ATTN_IN's two parts of a head, or DOWN_PROJ's two column halves of a
     row block, on SMs 2c and 2c + 1) is a rendezvous: it runs once both SMs have it at their heads with their
     waits met, both parts together; then part 0 finishes (the head; the rows' sum and residual) and signals.
     Mates that reach different pairs raise ``DependencyError``.
-  * An instruction that reads versioned words (``isa.READS_X``, ``READS_Q``, ``READS_ATTN``, ``READS_ACT``) also
-    waits until every word it reads carries the version it needs (``Readiness.versions_ready``); their writers
-    (``isa.WRITES_VERSIONED``) signal no counter.
   * A queue that has run out adds 1 to ``counters[DONE]``; the queue that brings DONE to ``(epoch + 1) * num_sms``
     adds 1 to ``counters[EPOCH]``. Counters are never reset: the next step waits for the next multiple.
   * Counters are int32 and wrap (atomic adds wrap in two's complement; so does ``(epoch + 1) * wait_count`` in
@@ -43,7 +39,7 @@ from ..models.spec import ModelSpec
 from ..models.weights import ModelWeights
 from . import isa
 from .isa import Instruction
-from .ops import FINISHERS, SOLVERS, OpContext
+from .ops import CLASSES, FINISHERS, SOLVERS, OpContext
 from .program import Program, ProgramConfig, StepShape, build_program
 from .readiness import DependencyError, Readiness
 from .state import Scratch, StepState, alloc_scratch, alloc_state
@@ -74,7 +70,8 @@ class VM:
             raise ValueError(f"words {tuple(self.words.shape)} do not match {program.num_sms} SMs x NWORDS")
         # decoded once: the queues the VM runs come from the words, never from program.queues
         self.queues: list[list[Instruction]] = [
-            [isa.decode(w) for w in self.words[s, : int(self.lengths[s])].tolist()] for s in range(program.num_sms)]
+            [isa.decode(w, CLASSES) for w in self.words[s, : int(self.lengths[s])].tolist()]
+            for s in range(program.num_sms)]
 
     def start(self, state: StepState, scratch: Scratch) -> "StepRun":
         return StepRun(self, state, scratch)
@@ -108,7 +105,6 @@ class StepRun:
         self.signals = [0] * len(self.counters)  # signals each counter received in this step
         # counter -> heap of (signals[counter] at which the head may run, SM) of the SMs whose head waits on it
         self.blocked: dict[int, list[tuple[int, int]]] = {}
-        self.data_blocked: list[int] = []  # SMs whose head's counter is met but whose versioned input is not
         self.pair_waiting: set[int] = set()  # SMs whose head (isa.CLUSTER_PAIR) may run but whose mate is not there
         self.unfinished = prog.num_sms
         for s in range(prog.num_sms):
@@ -130,10 +126,6 @@ class StepRun:
     def counter_met(self, ins: Instruction) -> bool:
         return ins.wait == isa.NO_COUNTER or i32(self.counters[ins.wait] - self.target(ins)) >= 0
 
-    def may_run(self, ins: Instruction) -> bool:
-        """Its counter has reached the target and (versioned input words) every word it reads has its version."""
-        return self.counter_met(ins) and self.readiness.versions_ready(ins)
-
     def pick(self, rng: random.Random | None = None) -> int:
         """The SM to run next: the lowest-numbered ready one, or a random ready one."""
         if not self.ready:
@@ -149,8 +141,6 @@ class StepRun:
         if not self.counter_met(ins):
             raise DependencyError(f"SM {sm}: {ins} waits for counter {self._name(ins.wait)} to reach "
                                   f"{self.target(ins)}, it is {self.counters[ins.wait]}")
-        if not self.readiness.versions_ready(ins):
-            raise DependencyError(f"SM {sm}: {ins} waits for the versioned words it reads")
         if ins.flags & isa.CLUSTER_PAIR:  # a rendezvous: both parts run, then part 0 finishes and signals
             mate = sm ^ 1
             if mate not in self.ready or self.head(mate) is None or not self.head(mate).flags & isa.CLUSTER_PAIR:
@@ -180,23 +170,18 @@ class StepRun:
                 signal = isa.NO_COUNTER  # an earlier part: the last one finishes and signals
         self.ready.remove(sm)
         self.pc[sm] += 1
-        if signal != isa.NO_COUNTER and ins.signal_n:
+        if signal != isa.NO_COUNTER:
             c = signal
-            self.counters[c] = i32(self.counters[c] + ins.signal_n)
-            self.signals[c] += ins.signal_n
+            self.counters[c] = i32(self.counters[c] + 1)
+            self.signals[c] += 1
             waiting = self.blocked.get(c, [])
             while waiting and waiting[0][0] <= self.signals[c]:
                 self._place(heapq.heappop(waiting)[1])
         self._place(sm)
-        if self.data_blocked and ins.flags & isa.WRITES_VERSIONED:
-            still = []
-            for s in self.data_blocked:
-                (self.ready if self.readiness.versions_ready(self.head(s)) else still).append(s)
-            self.data_blocked = still
 
     def _last_part(self, ins) -> bool:
         """Draw ins's ticket (if it has one): is it the last of its ticket_count parts in this step?"""
-        t = getattr(ins, "ticket", isa.NO_COUNTER)  # a cluster pair's part 0 finishes without one
+        t = ins.ticket  # a cluster pair's part 0 finishes without one
         if t == isa.NO_COUNTER:
             return True
         self.counters[t] = i32(self.counters[t] + 1)
@@ -211,7 +196,7 @@ class StepRun:
             self.counters[self.done_i] = i32(self.counters[self.done_i] + 1)
             if self.counters[self.done_i] == i32((self.epoch + 1) * self.program.num_sms):
                 self.counters[self.epoch_i] = i32(self.counters[self.epoch_i] + 1)
-        elif ins.flags & isa.CLUSTER_PAIR and self.may_run(ins):  # ready once its mate is at the same pair
+        elif ins.flags & isa.CLUSTER_PAIR and self.counter_met(ins):  # ready once its mate is at the same pair
             mate = sm ^ 1
             if mate not in self.pair_waiting:
                 self.pair_waiting.add(sm)
@@ -221,10 +206,8 @@ class StepRun:
                 raise DependencyError(f"cluster mates disagree: SM {sm} holds {ins}, SM {mate} holds {other}")
             self.pair_waiting.remove(mate)
             self.ready += [sm, mate]
-        elif self.may_run(ins):
-            self.ready.append(sm)
         elif self.counter_met(ins):
-            self.data_blocked.append(sm)
+            self.ready.append(sm)
         else:
             c = ins.wait
             at = self.signals[c] + i32(self.target(ins) - self.counters[c])
@@ -252,7 +235,6 @@ class StepRun:
         lines = [f"  SM {s}: {self.head(s)} waits for counter {self._name(c)} to reach "
                  f"{self.target(self.head(s))}, it is {self.counters[c]}"
                  for c, waiting in sorted(self.blocked.items()) for _, s in sorted(waiting)]
-        lines += [f"  SM {s}: {self.head(s)} waits for the versioned words it reads" for s in self.data_blocked]
         lines += [f"  SM {s}: {self.head(s)} waits for its cluster mate, SM {s ^ 1}" for s in sorted(self.pair_waiting)]
         return f"deadlock in step (epoch {self.epoch}): no queue head may run, {self.unfinished} queues " \
                f"unfinished:\n" + "\n".join(lines[:20]) + ("\n  ..." if len(lines) > 20 else "")
@@ -263,7 +245,10 @@ class VMDecoder:
     for every step."""
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, cache: PagedKVCache, num_sms: int,
-                 shape: StepShape, config: ProgramConfig = ProgramConfig()):
+                 shape: StepShape, config: ProgramConfig | None = None):
+        from .plan import Tuning  # the shipping program config for this shape unless one is given
+
+        config = config or Tuning().resolve(spec).program_config()
         self.program = build_program(spec, shape, num_sms, config)
         self.vm = VM(self.program, weights, cache)
         self.state = alloc_state(self.program, max_pages=cache.layout.num_pages)

@@ -31,7 +31,7 @@ class PeerContext:
     inputs: DecodeInputs
     device: torch.device
     max_steps: int              # upper bound on steps between two ``reset()`` calls is max_steps + 16
-    megakernel: str = ""        # KernelConfig overrides for mimw-megakernel (DecodeBenchConfig.megakernel)
+    megakernel: str = ""        # tuning overrides for mimw-megakernel (DecodeBenchConfig.megakernel)
 
 
 @dataclass

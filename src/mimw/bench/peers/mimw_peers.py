@@ -5,7 +5,7 @@ arithmetic reads ``positions.max()`` on the host (a device sync) every layer. It
 are checked against, timed for scale only.
 
 mimw-megakernel: ``mimw.megakernel.bench_backend.make_step(spec, weights, context, options)`` returns a zero-argument
-callable that runs one decode step (graph-captured/replayed inside); ``options`` are KernelConfig overrides
+callable that runs one decode step (graph-captured/replayed inside); ``options`` are plan.Tuning overrides
 ("NAME=VALUE,...", ``--megakernel``). Contract, beyond the call itself:
   - the KV cache holds ``mimw.bench.inputs.decode_inputs(spec, context)`` (seed 0) at positions 0..C-1 and the step
     decodes ``inputs.token`` at position C, so that its logits can be checked against the reference;
@@ -46,7 +46,7 @@ def mimw_megakernel(ctx: PeerContext) -> Peer:
     except (ImportError, NotImplementedError) as e:
         raise Unavailable(f"{type(e).__name__}: {e}") from None
     logits = getattr(step, "logits", None)
-    notes = f"KernelConfig overrides: {ctx.megakernel}" if ctx.megakernel else ""
+    notes = f"tuning overrides: {ctx.megakernel}" if ctx.megakernel else ""
     if logits is None:
         return Peer(step, lambda: None, "; ".join(n for n in ("no logits exposed: unchecked", notes) if n))
     if isinstance(logits, torch.Tensor):

@@ -38,7 +38,7 @@ class MegakernelBackend(Backend):
         return torch.bfloat16
 
     def _decoder(self, cache: PagedKVCache):
-        from ...megakernel.gpu.decoder import MegakernelDecoder
+        from ...megakernel.launch.decoder import MegakernelDecoder
 
         if self._dec is None or self._dec.cache is not cache:
             # the decoder captures its CUDA graph on its first step, once the state holds that real step

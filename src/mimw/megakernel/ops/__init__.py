@@ -1,37 +1,37 @@
-"""Reference solvers of the megakernel instructions, one module per instruction (see each module's docstring).
+"""The op table: one module per megakernel instruction, each holding everything about it in one place.
+
+A module ``ops/<name>.py`` defines ``OP`` (its isa.Op), its instruction dataclass, ``span`` (the weight tiles it
+streams, for the words the loader and compute read, the cost model and the host's hold marks; absent where it
+streams none), its PyTorch reference ``solve`` (and ``finish`` where parts of a result are joined: the last part
+to draw a ticket, or part 0 of a cluster pair), and the Gluon device code the kernel dispatches to
+(``device/kernel.py``). Adding an instruction means adding one module and one row below (and its dispatch line).
 
 ``SOLVERS[op](ctx, ins)`` runs one decoded instruction on the CPU (or any torch device) against the buffers of
-``ctx``; the VM (``megakernel/vm.py``) calls it, and the GPU kernel is diffed against it. ``FINISHERS[op]`` is the
-second half of a ticketed instruction (isa.py), run by the part that draws the last ticket.
+``ctx``; the VM (``megakernel/vm.py``) calls it, and the GPU kernel is diffed against it.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from ..isa import Instruction, Op
-from . import attn_in, attn_partial, attn_reduce, down_proj, lm_head, mlp_in, o_proj
+from ..isa import Instruction, Nop, Op
+from . import attn_in, attn_partial, down_proj, lm_head, mlp_in, o_proj
 from .common import OpContext
+
+MODULES = (attn_in, attn_partial, o_proj, mlp_in, down_proj, lm_head)
+OPS = {m.OP: m for m in MODULES}
+
+CLASSES: dict[Op, type[Instruction]] = {Op.NOP: Nop, Op.ATTN_IN: attn_in.AttnIn,
+                                        Op.ATTN_PARTIAL: attn_partial.AttnPartial, Op.O_PROJ: o_proj.OProj,
+                                        Op.MLP_IN: mlp_in.MlpIn, Op.DOWN_PROJ: down_proj.DownProj,
+                                        Op.LM_HEAD: lm_head.LmHead}
 
 
 def _nop(ctx: OpContext, ins: Instruction) -> None:
     pass
 
 
-SOLVERS: dict[Op, Callable[[OpContext, Instruction], None]] = {
-    Op.NOP: _nop,
-    Op.ATTN_IN: attn_in.solve,
-    Op.ATTN_PARTIAL: attn_partial.solve,
-    Op.ATTN_REDUCE: attn_reduce.solve,
-    Op.O_PROJ: o_proj.solve,
-    Op.MLP_IN: mlp_in.solve,
-    Op.DOWN_PROJ: down_proj.solve,
-    Op.LM_HEAD: lm_head.solve,
-}
-
+SOLVERS: dict[Op, Callable[[OpContext, Instruction], None]] = {Op.NOP: _nop, **{op: m.solve for op, m in OPS.items()}}
 FINISHERS: dict[Op, Callable[[OpContext, Instruction], None]] = {
-    Op.ATTN_IN: attn_in.finish,
-    Op.ATTN_PARTIAL: attn_reduce.solve,  # combining splits: the same fields (layer, kv_head, seg, n_splits)
-    Op.DOWN_PROJ: down_proj.finish,  # part 0 of a cluster pair (ProgramConfig.cluster_down)
-}
+    Op.ATTN_IN: attn_in.finish, Op.ATTN_PARTIAL: attn_partial.finish, Op.DOWN_PROJ: down_proj.finish}
 
-__all__ = ["OpContext", "SOLVERS", "FINISHERS"]
+__all__ = ["OpContext", "OPS", "CLASSES", "SOLVERS", "FINISHERS", "MODULES"]

@@ -1,13 +1,13 @@
-"""ATTN_IN: one column part of one q, k or v head of one layer, for every token of the step; the last part of the
-head to run finishes it (isa.py: tickets).
+"""ATTN_IN: one column part of one q, k or v head of one layer, for every token of the step; the head's finisher
+(the last part to draw its ticket, or part 0 of a cluster pair) completes it.
 
-Head index convention (isa.py): 0..Hq-1 query heads, Hq..Hq+Hkv-1 key heads, Hq+Hkv..Hq+2*Hkv-1 value heads.
+Head index convention: 0..Hq-1 query heads, Hq..Hq+Hkv-1 key heads, Hq+Hkv..Hq+2*Hkv-1 value heads.
 
 solve (every part):
     x   [M, D]   residual stream entering the layer (layer 0: the embedding rows weights.embed[tokens])
     h   [M, D]   = RMSNorm(x) * attn_norm                         (rounded to the weight dtype, see common.py)
-    qkv_part[part] [M, hd] = h[:, cols] . W[head rows, cols]^T,  cols = program.column_part(D, tile_k, part, n_parts)
-finish (the last part; with isa.QKV_IN_ATTN nobody here: each ATTN_PARTIAL runs finish_rows for its own heads):
+    qkv_part[part] [M, hd] = h[:, cols] . W[head rows, cols]^T,  cols = tiles.column_part(D, tile_k, part, n_parts)
+finish:
     y   [M, hd]  = sum of qkv_part[0..n_parts-1] in part order (+ bias rows, qwen2)
     q/k heads:   y = RMSNorm(y) * q_norm / k_norm  (qwen3, per head)  then RoPE at each token's position
                  (rope.cos_sin, HF rotate_half pairing: element i pairs with i + hd/2)
@@ -15,31 +15,76 @@ finish (the last part; with isa.QKV_IN_ATTN nobody here: each ATTN_PARTIAL runs 
     writes: q head -> scratch.q[:, head, :]  [M, hd] fp32;
             k/v head -> cache.k / cache.v [layer, page, kv_head, row, :] in the cache dtype, with
             page = block_tables[seg(m)][pos_m // page_size], row = pos_m % page_size.
-Reads:  x (all of it: the norm needs the whole row) or the embedding rows; the layer's weights; tokens, positions
-        and block tables from the step state.
+Tiles: the head's hd rows of the qkv matrix, the part's column tiles.
+
+Device (``compute``): RMSNorm(x) staged once for a run of ATTN_IN instructions; each row tile's sums go to the
+qkv_part scratch (a ticket: the last part finishes the head from the parts in global memory) or, in a cluster pair,
+into both CTAs' exchange slots (device/cluster.py): part 0 waits for part 1's sums and finishes the head, reading
+the step-independent finish inputs (inverse frequencies, q/k norm weights, bias) before the exchange's wait.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from ...models import rope
-from ..isa import AttnIn
-from ..program import column_part
+from ...models.spec import ModelSpec
+from ..device import cluster, layouts, matvec as mv
+from ..device.context import W_A, W_B, W_C, W_D, W_K0, W_K1, W_LAYER
+from ..device.sync import counter_wait, ticket_is_last
+from ..isa import CLUSTER_PAIR, NO_COUNTER, Instruction, Op, TileSpan, Word
+from ..tiles import WeightTiles, column_part, column_tiles
 from .common import OpContext, matvec, residual, rms_norm
 
+OP = Op.ATTN_IN
 
-def _head(ctx: OpContext, ins: AttnIn):
-    spec, lw = ctx.spec, ctx.weights.layers[ins.layer]
+
+@dataclass(frozen=True)
+class AttnIn(Instruction):
+    OP: ClassVar[Op] = Op.ATTN_IN
+    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "head": Word.A, "part": Word.B, "n_parts": Word.C,
+                                         "ticket": Word.D}
+    layer: int = 0
+    head: int = 0  # 0..Hq-1 query heads, Hq..Hq+Hkv-1 key heads, then value heads
+    part: int = 0  # which of the n_parts column ranges this instruction multiplies
+    n_parts: int = 1
+    ticket: int = NO_COUNTER  # counter the parts draw tickets from; the last part finishes the head
+
+    @property
+    def has_finisher(self) -> bool:
+        if self.flags & CLUSTER_PAIR:  # part 0 of a cluster pair finishes the head, part 1 only hands its sums over
+            return self.part == 0
+        return True
+
+    @property
+    def ticket_count(self) -> int:
+        return self.n_parts
+
+    def mate_key(self) -> tuple:
+        return self.OP, self.layer, self.head, self.n_parts
+
+
+def span(spec: ModelSpec, wt: WeightTiles, layer: int, head: int, part: int, n_parts: int) -> TileSpan:
+    nqkv, hd = spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim
+    k0, k1 = column_tiles(spec.hidden_size, wt.tile_k, part, n_parts)
+    return wt.span("qkv", (layer * nqkv + head) * hd, hd, k0, k1)
+
+
+def _head(ctx: OpContext, layer: int, head: int):
+    spec, lw = ctx.spec, ctx.weights.layers[layer]
     hq, hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    kind, idx = ("q", ins.head) if ins.head < hq else (("k", ins.head - hq) if ins.head < hq + hkv
-                                                       else ("v", ins.head - hq - hkv))
+    kind, idx = ("q", head) if head < hq else (("k", head - hq) if head < hq + hkv else ("v", head - hq - hkv))
     w, b = {"q": (lw.wq, lw.bq), "k": (lw.wk, lw.bk), "v": (lw.wv, lw.bv)}[kind]
     return kind, idx, w, b, slice(idx * hd, (idx + 1) * hd)
 
 
 def solve(ctx: OpContext, ins: AttnIn) -> None:
     spec, lw = ctx.spec, ctx.weights.layers[ins.layer]
-    _, _, w, _, rows = _head(ctx, ins)
+    _, _, w, _, rows = _head(ctx, ins.layer, ins.head)
     c0, c1 = column_part(spec.hidden_size, ctx.program.config.tile_k, ins.part, ins.n_parts)
     h = rms_norm(residual(ctx, ins.layer), lw.attn_norm, spec.rms_norm_eps)  # [M, D]
     ctx.scratch.qkv_part[ins.part, :, ins.head] = matvec(h[:, c0:c1], w[rows, c0:c1])  # [M, hd]
@@ -47,10 +92,9 @@ def solve(ctx: OpContext, ins: AttnIn) -> None:
 
 def finish_rows(ctx: OpContext, layer: int, head: int, n_parts: int) -> torch.Tensor:
     """y [M, hd] of one head: its n_parts column parts summed in part order (+bias) (+q/k RMSNorm) (+RoPE for q
-    and k heads), the finisher's math, for every token of the step. ATTN_IN's finisher stores it; with
-    isa.QKV_IN_ATTN each ATTN_PARTIAL computes its own heads' (ops/attn_partial.py)."""
+    and k heads), for every token of the step."""
     spec, lw = ctx.spec, ctx.weights.layers[layer]
-    kind, _, _, b, rows = _head(ctx, AttnIn(layer=layer, head=head))
+    kind, _, _, b, rows = _head(ctx, layer, head)
     y = ctx.scratch.qkv_part[0, :, head]
     for p in range(1, n_parts):
         y = y + ctx.scratch.qkv_part[p, :, head]
@@ -65,7 +109,7 @@ def finish_rows(ctx: OpContext, layer: int, head: int, n_parts: int) -> torch.Te
 
 
 def finish(ctx: OpContext, ins: AttnIn) -> None:
-    kind, idx, _, _, _ = _head(ctx, ins)
+    kind, idx, _, _, _ = _head(ctx, ins.layer, ins.head)
     y = finish_rows(ctx, ins.layer, ins.head, ins.n_parts)
     if kind == "q":
         ctx.scratch.q[:, idx, :] = y
@@ -81,3 +125,139 @@ def kv_slots(ctx: OpContext, positions: torch.Tensor) -> tuple[torch.Tensor, tor
     seg_of = torch.repeat_interleave(torch.arange(len(shape.seg_lens)), torch.tensor(shape.seg_lens))  # [M]
     tables = ctx.state.block_tables.long()  # [S, P]
     return tables[seg_of, positions // ps], positions % ps
+
+
+# --- device ---------------------------------------------------------------------------------------------------
+
+MAX_PARTS: gl.constexpr = gl.constexpr(8)  # column parts a head may have without cluster pairs (plan.check)
+
+
+@gluon.jit
+def compute(ins, C: gl.constexpr, s, b, sm, it, xn, restage, tid, sig):
+    """One ATTN_IN part on the GPU; returns (it, xn, the counter it signals: ``sig``, or -1 for a part that
+    finishes nothing)."""
+    layer = ins.field(W_LAYER)
+    head = ins.field(W_A)
+    part = ins.field(W_B)
+    n_parts = ins.field(W_C)
+    KT_D: gl.constexpr = C.KT_D
+    if restage:
+        mv.stage_normed(sm.hbuf, b.x, s.emb_row, layer == 0, b.anorm + layer * C.D, C.D, b.eps, KT_D, C)
+    if C.XB > 0:
+        if xn == 0:  # the mate's exchange barriers exist before this CTA's first remote store
+            counter_wait(s.rdy, gl.program_id(0) ^ 1, s.epoch + 1)
+    it = _part(sm, it, ins.field(W_K0), ins.field(W_K1), head, part, b.qkvp, xn, C)
+    if C.XB > 0:  # a cluster pair: the parts swap sums on chip, part 0 finishes (part 1's word: no signal)
+        pre = _finish_inputs(layer, head, b, C)  # requested before the exchange's wait, not after it
+        cluster.pair_meet(tid, xn, C.XB, C.HD * 4)
+        if part == 0:
+            _finish(layer, head, n_parts, s, b, C, xn, pre)
+        xn += 1
+    elif ticket_is_last(s.cnt, ins.field(W_D), n_parts, s.epoch):  # the last part finishes the head
+        _finish(layer, head, n_parts, s, b, C, xn, _finish_inputs(layer, head, b, C))
+    else:
+        sig = -1  # an earlier part: no signal
+    return it, xn, sig
+
+
+@gluon.jit
+def _part(sm, it, k0, k1, head, part, qkvp_ptr, xn, C: gl.constexpr):
+    """qkv_part[part, head] = W[head rows, column tiles k0..k1) . h, fp32 to global scratch (the head's finisher may
+    run on another SM), or (a cluster pair) into exchange ``xn``'s slot of this CTA and of its mate."""
+    OWN: gl.constexpr = layouts.thread(C)  # element e: lane e % 32 of every warp
+    offs_r = gl.arange(0, C.TR, gl.SliceLayout(1, layouts.tile(C)))
+    out = qkvp_ptr + (part * C.NQKV + head) * C.HD
+    ROW_TILES: gl.constexpr = C.HD // C.TR
+    for r in gl.static_range(ROW_TILES):
+        acc, it = mv.dot_tile(sm, it, k0, k1, C)
+        if C.XB > 0:
+            cluster.pair_store(gl.convert_layout(acc, OWN), r * C.TR + gl.arange(0, C.TR, OWN), part, xn, C.XB,
+                               C.HD)
+        else:
+            gl.store(out + r * C.TR + offs_r, acc)
+    return it
+
+
+@gluon.jit
+def _half_index(C: gl.constexpr):
+    """[HD/2TR, TR] indices within a half head (RoPE pairs element i with i + HD/2)."""
+    E2: gl.constexpr = layouts.half_head(C)
+    HH: gl.constexpr = C.HD // (2 * C.TR)
+    ti = gl.arange(0, HH, gl.SliceLayout(1, E2))
+    ri = gl.arange(0, C.TR, gl.SliceLayout(0, E2))
+    return gl.expand_dims(ti, 1) * C.TR + gl.expand_dims(ri, 0)
+
+
+@gluon.jit
+def _finish_inputs(layer, head, b, C: gl.constexpr):
+    """What the finish reads that does not depend on this step, as half-head tiles: (inverse frequencies, q/k norm
+    weights a and b, bias a and b; zeros where the model has none)."""
+    i = _half_index(C)
+    inv_f = gl.load(b.invf + i)
+    nw_a = inv_f * 0.0
+    nw_b = inv_f * 0.0
+    bias_a = inv_f * 0.0
+    bias_b = inv_f * 0.0
+    if head < C.HQ:
+        nw = b.qn + layer * C.HD
+    else:
+        nw = b.kn + layer * C.HD
+    if C.QK_NORM:
+        nw_a = gl.load(nw + i).to(gl.float32)
+        nw_b = gl.load(nw + C.HD // 2 + i).to(gl.float32)
+    if C.HAS_BIAS:
+        bb = b.bias + (layer * C.NQKV + head) * C.HD
+        bias_a = gl.load(bb + i).to(gl.float32)
+        bias_b = gl.load(bb + C.HD // 2 + i).to(gl.float32)
+    return inv_f, nw_a, nw_b, bias_a, bias_b
+
+
+@gluon.jit
+def _finish(layer, head, n_parts, s, b, C: gl.constexpr, xn, pre):
+    """The head's finisher: y = sum of the parts in part order (+bias) (+RMSNorm) (+RoPE), then store: q heads to
+    the q scratch, k/v heads into the paged cache row of this token (page ``s.tok_page``). The halves a = y[:HD/2]
+    and b = y[HD/2:] are held as [HD/2TR, TR] tiles. A cluster pair's sums come from exchange ``xn``'s slot."""
+    HD: gl.constexpr = C.HD
+    i = _half_index(C)
+    inv_f, nw_a, nw_b, bias_a, bias_b = pre
+    if C.XB > 0:  # both parts' sums are in this CTA's exchange slot, part order
+        a = cluster.pair_load(i, 0, xn, C.XB, HD) + cluster.pair_load(i, 1, xn, C.XB, HD)
+        bh = cluster.pair_load(HD // 2 + i, 0, xn, C.XB, HD) + cluster.pair_load(HD // 2 + i, 1, xn, C.XB, HD)
+    else:
+        src = b.qkvp + head * HD
+        a = gl.load(src + i, cache_modifier=".cg")
+        bh = gl.load(src + HD // 2 + i, cache_modifier=".cg")
+        # the parts unrolled and masked, so every part's loads are in flight together (a loop over n_parts would
+        # wait for each part's round trip before issuing the next one's loads)
+        for p in gl.static_range(1, MAX_PARTS):
+            mp = i * 0 + p < n_parts
+            a += gl.load(src + p * C.NQKV * HD + i, mask=mp, other=0.0, cache_modifier=".cg")
+            bh += gl.load(src + p * C.NQKV * HD + HD // 2 + i, mask=mp, other=0.0, cache_modifier=".cg")
+    if C.HAS_BIAS:
+        a += bias_a
+        bh += bias_b
+    if head < C.HQ + C.HKV:  # q and k heads: optional per-head RMSNorm, then RoPE
+        if C.QK_NORM:
+            rs = gl.rsqrt((gl.sum(gl.sum(a * a, axis=1), axis=0) + gl.sum(gl.sum(bh * bh, axis=1), axis=0)) / HD
+                          + b.eps)
+            a = (a * rs).to(gl.bfloat16).to(gl.float32) * nw_a
+            bh = (bh * rs).to(gl.bfloat16).to(gl.float32) * nw_b
+        ang = s.pos.to(gl.float32) * inv_f
+        c = gl.cos(ang)
+        sn = gl.sin(ang)
+        a2 = a * c - bh * sn
+        bh = bh * c + a * sn
+        a = a2
+    if head < C.HQ:
+        qb = b.q + head * HD
+        gl.store(qb + i, a)
+        gl.store(qb + HD // 2 + i, bh)
+    else:
+        kvh = (head - C.HQ) % C.HKV
+        row = (((layer * b.num_pages + s.tok_page) * C.HKV + kvh) * C.PS + s.pos % C.PS) * HD
+        if head < C.HQ + C.HKV:
+            cache = b.kc + row
+        else:
+            cache = b.vc + row
+        gl.store(cache + i, a.to(gl.bfloat16))
+        gl.store(cache + HD // 2 + i, bh.to(gl.bfloat16))

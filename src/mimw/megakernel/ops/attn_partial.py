@@ -1,31 +1,80 @@
 """ATTN_PARTIAL: attention of one segment's query tokens over one split of its context, for the G query heads
-that share one KV head.
+that share one KV head; the last split of the segment and group to draw its ticket combines every split's partial.
 
-    ctx = seg_ctx[seg];  [lo, hi) = split_range(ctx, split, n_splits, seg_len)   (possibly empty; the last
+    ctx = seg_ctx[seg];  [lo, hi) = state.split_range(ctx, split, n_splits, seg_len)   (possibly empty; the last
     split holds the segment's new positions)
     for every query token t of the segment (position p_t) and query head h of the group (h = kv_head*G + j):
         s_j   = (q[t, h] . K[j]) * hd^-0.5        for j in [lo, hi), masked out where j > p_t (causal)
         m     = max_j s_j                       (EMPTY_M when no j survives)
         l     = sum_j exp(s_j - m)
         o     = sum_j exp(s_j - m) V[j]         [hd]
-Writes: part_o[t, h, split, :] = o, part_ml[t, h, split] = (m, l); an empty split (or one fully masked for token t)
-        stores (EMPTY_M, 0) and o = 0.
-Reads:  q[t, h] for the segment's tokens and the group's heads; K/V of layer ``layer``, kv head ``kv_head`` at
-        positions [lo, hi) through the segment's block table (positions of this step were stored by ATTN_IN).
-        An empty split reads nothing.
-With isa.QKV_IN_ATTN (a non-empty split): q and this step's K/V rows come from ATTN_IN's column parts instead,
-        finished here (attn_in.finish_rows: part order, bias, q/k norm, RoPE); the split stores the step's K/V
-        rows at its own positions [lo, hi) to the cache (rounded to the cache dtype), then reads the cache as
-        above. Reads: qkv_part of the group's q heads and of the K and V heads, all ``n_parts`` parts.
+solve writes part_o[t, h, split, :] = o, part_ml[t, h, split] = (m, l); an empty split (or one fully masked for
+token t) stores (EMPTY_M, 0) and o = 0. Reads q[t, h] for the segment's tokens and the group's heads, and K/V of
+layer ``layer``, kv head ``kv_head`` at positions [lo, hi) through the segment's block table (positions of this
+step were stored by ATTN_IN).
+finish (the combining split) writes attn[t, h*hd:(h+1)*hd] for the group's heads: over splits i < n_splits,
+    M = max_i m_i;  w_i = exp(m_i - M)  (an empty split has w_i = 0);  out = sum_i w_i o_i / sum_i w_i l_i
+Tiles: none (K/V come through L2, not the ring).
+
+Device (``compute``, M = 1): split-KV decode attention over the paged cache, all query heads of a KV group in one
+pass. Each [BT, HD] block of K and V is loaded once and used for the scores of all GP heads (GP = G rounded up to a
+power of two; padding heads have q = 0 and are never stored). Each warp owns BT / NW consecutive positions of every
+block and keeps its own online-softmax state, so every reduction inside the loop stays within a warp; the warps'
+states merge once at the end, through the staging buffer (free during attention) with one barrier where it holds
+them (``_merge_smem``), else through Triton's reductions over the warp axis. The first block's past K/V is requested
+BEFORE the instruction's dependency wait (``prefetch``): it does not depend on this step; only the newest row
+(position ``pos``, written by ATTN_IN) does, and the split holding it (the last) reads it after the wait, with q, and
+adds it to warp 0's state as a block one position wide. Later blocks cost one round trip each (K and V requested
+together). Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax
+uses exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). K/V rows are read
+with 16-byte vector loads through L2 (.cg): the newest row was written by another CTA in this step. The last split
+to draw the ticket combines every split's partial in one round of independent loads.
 """
 from __future__ import annotations
 
-import torch
+import math
+from dataclasses import dataclass
+from typing import ClassVar
 
-from ..isa import QKV_IN_ATTN, AttnPartial
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from ...models.spec import ModelSpec
+from ..device import layouts
+from ..device.context import W_A, W_B, W_C, W_D, W_E, W_LAYER
+from ..device.sync import counter_wait, globaltimer, ticket_is_last
+from ..isa import NO_COUNTER, Instruction, Op, Word
 from ..state import EMPTY_M, split_range
-from .attn_in import finish_rows, kv_slots
 from .common import OpContext
+
+OP = Op.ATTN_PARTIAL
+
+
+@dataclass(frozen=True)
+class AttnPartial(Instruction):
+    OP: ClassVar[Op] = Op.ATTN_PARTIAL
+    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "kv_head": Word.A, "seg": Word.B, "split": Word.C,
+                                         "n_splits": Word.D, "ticket": Word.E}
+    layer: int = 0
+    kv_head: int = 0
+    seg: int = 0
+    split: int = 0
+    n_splits: int = 1
+    ticket: int = NO_COUNTER  # the counter the splits draw tickets from (a lone split: none)
+
+    @property
+    def has_finisher(self) -> bool:
+        return True  # the last split combines (a lone split at once)
+
+    @property
+    def ticket_count(self) -> int:
+        return self.n_splits
+
+
+def kv_bytes(spec: ModelSpec, ins: AttnPartial, context: int, seg_len: int) -> int:
+    """The K/V bytes one split reads at ``context`` (the scheduler's cost model)."""
+    return math.ceil((context + seg_len) / ins.n_splits) * spec.head_dim * 2 * 2
 
 
 def solve(ctx: OpContext, ins: AttnPartial) -> None:
@@ -38,7 +87,7 @@ def solve(ctx: OpContext, ins: AttnPartial) -> None:
         sc.part_ml[toks, heads, ins.split, 0] = EMPTY_M
         sc.part_ml[toks, heads, ins.split, 1] = 0.0
         return
-    q = _finish_group(ctx, ins, toks, lo, hi) if ins.flags & QKV_IN_ATTN else sc.q[toks, heads]  # [T, G, hd]
+    q = sc.q[toks, heads]  # [T, G, hd]
     ps = ctx.cache.layout.page_size
     pos = torch.arange(lo, hi)  # [S]
     pages, rows = ctx.state.block_tables[ins.seg].long()[pos // ps], pos % ps
@@ -56,18 +105,239 @@ def solve(ctx: OpContext, ins: AttnPartial) -> None:
     sc.part_ml[toks, heads, ins.split, 1] = p.sum(-1)
 
 
-def _finish_group(ctx: OpContext, ins: AttnPartial, toks: slice, lo: int, hi: int) -> torch.Tensor:
-    """isa.QKV_IN_ATTN: q [T, G, hd] of the segment's tokens and the group's heads from ATTN_IN's parts; the
-    segment's K/V rows of this step whose positions fall in [lo, hi) are stored to the cache."""
-    spec = ctx.spec
-    g, hq, hkv = spec.group_size, spec.num_heads, spec.num_kv_heads
-    q = torch.stack([finish_rows(ctx, ins.layer, ins.kv_head * g + j, ins.n_parts) for j in range(g)], dim=1)
-    positions = ctx.state.positions.long()
-    mine = torch.zeros_like(positions, dtype=torch.bool)
-    mine[toks] = (positions[toks] >= lo) & (positions[toks] < hi)
-    if bool(mine.any()):
-        pages, slots = kv_slots(ctx, positions)
-        for pool, head in ((ctx.cache.k, hq + ins.kv_head), (ctx.cache.v, hq + hkv + ins.kv_head)):
-            y = finish_rows(ctx, ins.layer, head, ins.n_parts)
-            pool[ins.layer, pages[mine], ins.kv_head, slots[mine]] = y[mine].to(pool.dtype)
-    return q[toks]
+def combine(ctx: OpContext, kv_head: int, seg: int, n_splits: int) -> torch.Tensor:
+    """The group's attention output [T, G*hd] for the segment's T tokens, from splits [0, n_splits)' partials."""
+    spec, sc = ctx.spec, ctx.scratch
+    g = spec.group_size
+    toks, heads = ctx.seg_tokens(seg), slice(kv_head * g, (kv_head + 1) * g)
+    o = sc.part_o[toks, heads, :n_splits]  # [T, G, n, hd]
+    m, l = sc.part_ml[toks, heads, :n_splits].unbind(-1)  # [T, G, n] each
+    w = torch.exp(m - m.amax(-1, keepdim=True))  # [T, G, n]
+    out = (w[..., None] * o).sum(-2) / (w * l).sum(-1)[..., None]  # [T, G, hd]
+    return out.reshape(out.shape[0], g * spec.head_dim)
+
+
+def finish(ctx: OpContext, ins: AttnPartial) -> None:
+    gh = ctx.spec.group_size * ctx.spec.head_dim
+    ctx.scratch.attn[ctx.seg_tokens(ins.seg), ins.kv_head * gh: (ins.kv_head + 1) * gh] = \
+        combine(ctx, ins.kv_head, ins.seg, ins.n_splits)
+
+
+# --- device ---------------------------------------------------------------------------------------------------
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+EMPTY_M_D: gl.constexpr = gl.constexpr(EMPTY_M)
+
+
+@gluon.jit
+def compute(ins, C: gl.constexpr, s, b, sm, wait, target, sig):
+    """One split on the GPU: the first block's K/V requested, the dependency wait (``wait`` < 0: none), the
+    partial, and the ticket's combine. Returns (the counter it signals: ``sig`` for the combining split, else -1;
+    the time its wait was met, 0 untraced)."""
+    layer = ins.field(W_LAYER)
+    kvh = ins.field(W_A)
+    seg = ins.field(W_B)
+    split = ins.field(W_C)
+    n_splits = ins.field(W_D)
+    k0, v0 = _prefetch(layer, kvh, seg, split, n_splits, s, b, C)
+    if wait >= 0:
+        counter_wait(s.cnt, wait, target)
+    t_ready = 0
+    if C.TRACE:
+        t_ready = globaltimer()
+    _partial(layer, kvh, seg, split, n_splits, k0, v0, s, b, sm, C)
+    if ticket_is_last(s.cnt, ins.field(W_E), n_splits, s.epoch):  # the last split combines and signals
+        _reduce(kvh, n_splits, b, C)
+    else:
+        sig = -1
+    return sig, t_ready
+
+
+@gluon.jit
+def _rows(bt_ptr, seg, maxp, t, hi, layer, num_pages, kvh, C: gl.constexpr):
+    """Cache row index of positions t (masked past hi) of one KV head: one block-table gather."""
+    page = gl.load(bt_ptr + seg * maxp + t // C.PS, mask=t < hi, other=0)
+    return ((layer * num_pages + page) * C.HKV + kvh) * C.PS + t % C.PS
+
+
+@gluon.jit
+def _kv(kc_ptr, vc_ptr, row, m, d3, HD: gl.constexpr):
+    """K and V rows ``row`` [NW, BTW] (mask m) as [NW, BTW, HD] bf16, both requested before either is used."""
+    addr = gl.expand_dims(row, 2) * HD + d3
+    m3 = gl.expand_dims(m, 2)
+    k = gl.load(kc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
+    v = gl.load(vc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
+    return k, v
+
+
+@gluon.jit
+def _positions(BT: gl.constexpr, NW: gl.constexpr, L2: gl.constexpr):
+    """[NW, BTW] offsets w * BTW + j of a block's positions: warp w owns BTW consecutive positions."""
+    BTW: gl.constexpr = BT // NW
+    w = gl.arange(0, NW, gl.SliceLayout(1, L2))
+    j = gl.arange(0, BTW, gl.SliceLayout(0, L2))
+    return gl.expand_dims(w, 1) * BTW + gl.expand_dims(j, 0)
+
+
+@gluon.jit
+def _split_range(split, n_splits, ctx):
+    """state.split_range with one new position: the ctx - 1 past positions in chunks, the last split also
+    holding position ctx - 1. Returns (lo, hi, the end of the past positions in [lo, hi))."""
+    past = ctx - 1
+    chunk = (past + n_splits - 1) // n_splits
+    lo = gl.minimum(split * chunk, past)
+    hp = gl.minimum(lo + chunk, past)
+    return lo, gl.where(split == n_splits - 1, ctx, hp), hp
+
+
+@gluon.jit
+def _prefetch(layer, kvh, seg, split, n_splits, s, b, C: gl.constexpr):
+    """Before the dependency wait: the first block's K/V (past positions only; ``pos``, which ATTN_IN writes in
+    this step, is never in a block) does not depend on the step, so its round trip overlaps the wait."""
+    KV3: gl.constexpr = gl.SliceLayout(1, layouts.attention(C))
+    lo, hi, hp = _split_range(split, n_splits, s.ctx)
+    t = lo + _positions(C.BT, C.NW, gl.SliceLayout(2, KV3))
+    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, C.HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
+    row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
+    return _kv(b.kc, b.vc, row, t < hp, d3, C.HD)
+
+
+@gluon.jit
+def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
+    """One block of the online softmax, per warp: scores [NW, GP, BTW] (invalid positions masked), then the
+    running max m_i, denominator l_i [NW, GP] and output o [NW, GP, HD] are rescaled and updated."""
+    sc = gl.sum(q4 * gl.expand_dims(k.to(gl.float32), 1), axis=3)
+    sc = gl.where(valid, sc, EMPTY_M_D)
+    m_new = gl.maximum(m_i, gl.max(sc, axis=2))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.where(valid, gl.exp2(sc - gl.expand_dims(m_new, 2)), 0.0)
+    l_i = l_i * alpha + gl.sum(p, axis=2)
+    pv = gl.sum(gl.expand_dims(p, 3) * gl.expand_dims(v.to(gl.float32), 1), axis=2)
+    o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(2, Q3)), 2) + pv
+    return m_new, l_i, o
+
+
+@gluon.jit
+def _partial(layer, kvh, seg, split, n_splits, k, v, s, b, sm, C: gl.constexpr):
+    """The split's partial after its wait, given ``_prefetch``'s first block (k, v): the newest row first (the
+    split holding ``pos``: a one-position block, warp 0's), then block 0 and the split's later past blocks; the
+    warps' states merged; (o, m, l) stored to the partials' scratch."""
+    G: gl.constexpr = C.G
+    GP: gl.constexpr = C.GP
+    HD: gl.constexpr = C.HD
+    NW: gl.constexpr = C.NW
+    BT: gl.constexpr = C.BT
+    L4: gl.constexpr = layouts.attention(C)
+    KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
+    Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
+    S3: gl.constexpr = gl.SliceLayout(3, L4)  # [NW, GP, BTW] scores
+    pos = s.pos
+    lo, hi, hp = _split_range(split, n_splits, s.ctx)
+    tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
+    ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
+    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
+    # q [NW, GP, HD]: every warp holds the G heads of the group (padding heads load 0 and are never stored)
+    g1 = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, Q3)))
+    dq = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, Q3))), 0), 1)
+    g3 = gl.expand_dims(gl.expand_dims(g1, 0), 2) + dq * 0  # [1, GP, HD] head index
+    q = gl.load(b.q + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * b.qscale
+    q4 = gl.expand_dims(q, 2)
+    # the newest row (position pos) [1, 1, HD], in flight with q's loads: only the split holding pos reads it, from
+    # the cache, where ATTN_IN stored it before it signalled
+    holds = (lo <= pos) & (pos < hi)
+    here = (d3 * 0 + holds.to(gl.int32)) != 0
+    at = (((layer * b.num_pages + s.tok_page) * C.HKV + kvh) * C.PS + pos % C.PS) * HD + d3
+    k_new = gl.load(b.kc + at, mask=here, other=0.0, cache_modifier=".cg")
+    v_new = gl.load(b.vc + at, mask=here, other=0.0, cache_modifier=".cg")
+    m_i = gl.full([NW, GP], EMPTY_M_D, gl.float32, gl.SliceLayout(2, S3))
+    l_i = gl.zeros([NW, GP], gl.float32, gl.SliceLayout(2, S3))
+    o = gl.zeros([NW, GP, HD], gl.float32, Q3)
+    if holds:  # the newest row first, its loads in q's round trip: a block one position wide (K and V
+        # [1, 1, HD], scores [NW, GP, 1]), warp 0's
+        w0 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, gl.SliceLayout(1, gl.SliceLayout(2, S3))), 1), 2)
+        m_i, l_i, o = _block(q4, k_new.to(gl.float32), v_new.to(gl.float32), w0 == 0, m_i, l_i, o, Q3)
+    # block 0 (prefetched), then the rest of the split's past: one round trip per block
+    m_i, l_i, o = _block(q4, k, v, lo + ts < hp, m_i, l_i, o, Q3)
+    for t0 in range(lo + BT, hp, BT):
+        t = t0 + tk
+        row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
+        k, v = _kv(b.kc, b.vc, row, t < hp, d3, HD)
+        m_i, l_i, o = _block(q4, k, v, t0 + ts < hp, m_i, l_i, o, Q3)
+    if C.SMEM_MERGE:
+        mx, l_f, o_f = _merge_smem(m_i, l_i, o, sm.hbuf, GP, HD, NW)
+    else:  # the staging buffer is too small for the warps' states: Triton's reductions over the warp axis
+        mx = gl.max(m_i, axis=0)  # [GP]
+        wn = gl.exp2(m_i - gl.expand_dims(mx, 0))
+        l_f = gl.sum(l_i * wn, axis=0)
+        o_f = gl.sum(o * gl.expand_dims(gl.convert_layout(wn, gl.SliceLayout(2, Q3)), 2), axis=0)  # [GP, HD]
+    O2: gl.constexpr = o_f.type.layout
+    go = gl.arange(0, GP, gl.SliceLayout(1, O2))
+    do = gl.arange(0, HD, gl.SliceLayout(0, O2))
+    base = (kvh * G + go) * b.splits + split
+    gl.store(b.po + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f, mask=gl.expand_dims(go < G, 1))
+    gs = gl.arange(0, GP, mx.type.layout)
+    sbase = (kvh * G + gs) * b.splits + split
+    gl.store(b.pml + sbase * 2, gl.where(l_f > 0.0, mx * LN2, EMPTY_M_D), mask=gs < G)
+    gl.store(b.pml + sbase * 2 + 1, l_f, mask=gs < G)
+
+
+@gluon.jit
+def _merge_smem(m_i, l_i, o, mbuf, GP: gl.constexpr, HD: gl.constexpr, NW: gl.constexpr):
+    """The NW warps' online-softmax states (m_i, l_i [NW, GP], o [NW, GP, HD]) merged through shared memory: each
+    warp writes its state to ``mbuf`` (the staging buffer read as fp32: o, then m, then l), one partition barrier,
+    and each thread reads the NW states of its own [GP, HD] elements (``MG``: the warp axis inside each thread,
+    warps over the heads, lanes over HD) and merges them with no further exchange; returns (mx, l_f) [GP] and o_f
+    [GP, HD]. Triton's reductions over the warp axis take 9 partition barriers. The barrier at the instruction's
+    end orders these reads before the next instruction's staging writes. Reference: the warps are splits of the
+    split (``combine``)."""
+    gl.static_assert(mbuf.type.shape[0] * mbuf.type.shape[1] * 2 >= NW * GP * (HD + 2) * 4,
+                     "the staging buffer must hold the warps' attention states")
+    ROWS: gl.constexpr = mbuf.type.shape[0] * mbuf.type.shape[1] * 2 // (GP * HD * 4)
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    so = mbuf._reinterpret(gl.float32, [ROWS, GP, HD], FLAT).slice(0, NW)
+    smm = mbuf._reinterpret(gl.float32, [ROWS * HD, GP, 1], FLAT).slice(NW * HD, NW)  # [NW, GP, 1] past o
+    sl = mbuf._reinterpret(gl.float32, [ROWS * HD, GP, 1], FLAT).slice(NW * HD + NW, NW)
+    so.store(o)
+    smm.store(gl.expand_dims(m_i, 2))
+    sl.store(gl.expand_dims(l_i, 2))
+    gl.thread_barrier()
+    MG: gl.constexpr = gl.BlockedLayout([NW, 1, 2 if HD >= 64 else 1], [1, 1, 32], [1, NW, 1], [2, 1, 0])
+    m = gl.sum(smm.load(MG), axis=2)  # [NW, GP] in SliceLayout(2, MG): the trailing axis is one wide
+    l = gl.sum(sl.load(MG), axis=2)
+    ow = so.load(MG)
+    mx = gl.max(m, axis=0)  # [GP]: the warp axis inside each thread
+    wn = gl.exp2(m - gl.expand_dims(mx, 0))
+    l_f = gl.sum(l * wn, axis=0)
+    o_f = gl.sum(ow * gl.expand_dims(wn, 2), axis=0)  # [GP, HD]
+    return mx, l_f, o_f
+
+
+@gluon.jit
+def _reduce(kvh, n_splits, b, C: gl.constexpr):
+    """The combining split: the G heads of KV group ``kvh`` combined over splits [0, n_splits): attn[h] =
+    sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s (``combine``), every partial loaded in one round of independent
+    loads, stored to the attention output."""
+    G: gl.constexpr = C.G
+    HD: gl.constexpr = C.HD
+    R3: gl.constexpr = layouts.combine(C)
+    GS: gl.constexpr = gl.SliceLayout(2, R3)  # [GP, SP2]
+    GD: gl.constexpr = gl.SliceLayout(1, R3)  # [GP, HD]
+    offs_g = gl.arange(0, C.GP, gl.SliceLayout(1, GS))
+    offs_s = gl.arange(0, C.SP2, gl.SliceLayout(0, GS))
+    base = gl.expand_dims((kvh * G + offs_g) * b.splits, 1) + gl.expand_dims(offs_s, 0)  # [GP, SP2]
+    valid = gl.expand_dims(offs_g < G, 1) & gl.expand_dims(offs_s < n_splits, 0)
+    ms = gl.load(b.pml + base * 2, mask=valid, other=EMPTY_M_D, cache_modifier=".cg")
+    ls = gl.load(b.pml + base * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
+    offs_d = gl.arange(0, HD, gl.SliceLayout(0, GD))
+    d3 = gl.expand_dims(gl.expand_dims(offs_d, 0), 1)  # [1, 1, HD]
+    po = gl.load(b.po + gl.expand_dims(base * HD, 2) + d3, mask=gl.expand_dims(valid, 2), other=0.0,
+                 cache_modifier=".cg")  # [GP, SP2, HD]
+    mx = gl.max(ms, axis=1)
+    w = gl.exp2((ms - gl.expand_dims(mx, 1)) * LOG2E)
+    den = gl.sum(w * ls, axis=1)
+    o = gl.sum(gl.expand_dims(w, 2) * po, axis=1)  # [GP, HD]
+    o = o / gl.expand_dims(gl.convert_layout(den, gl.SliceLayout(1, GD)), 1)
+    offs_og = gl.arange(0, C.GP, gl.SliceLayout(1, GD))
+    out = b.attn + gl.expand_dims((kvh * G + offs_og) * HD, 1) + gl.expand_dims(offs_d, 0)
+    gl.store(out, o, mask=gl.expand_dims(offs_og < G, 1) & gl.expand_dims(offs_d >= 0, 0))

@@ -1,7 +1,8 @@
 """What every instruction's reference solver shares: the context it runs in, and the RMSNorm of its input rows.
 
-A solver is ``solve(ctx, ins)``: it reads and writes exactly the buffers its GPU instruction touches (the contract
-in ``megakernel/state.py``), in place, and returns nothing. Scratch, step state and the KV cache all live in ``ctx``.
+A solver is ``solve(ctx, ins)`` (and, for an instruction with a finisher, ``finish(ctx, ins)``): it reads and
+writes exactly the buffers its GPU instruction touches (the contract in ``megakernel/state.py``), in place, and
+returns nothing. Scratch, step state and the KV cache all live in ``ctx``.
 
 Numerics (so that a bf16 GPU kernel can match bit for bit where it matters): everything is computed in fp32 with
 weights upcast, except
@@ -12,14 +13,16 @@ weights upcast, except
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ...kv.pages import PagedKVCache
-from ...models.spec import ModelSpec
-from ...models.weights import ModelWeights
-from ..program import Program
-from ..state import Scratch, StepState
+if TYPE_CHECKING:
+    from ...kv.pages import PagedKVCache
+    from ...models.spec import ModelSpec
+    from ...models.weights import ModelWeights
+    from ..program import Program
+    from ..state import Scratch, StepState
 
 
 @dataclass(frozen=True)
@@ -57,19 +60,6 @@ def residual(ctx: OpContext, layer: int, cols: slice = slice(None)) -> torch.Ten
         tokens = ctx.state.tokens.long()
         return ctx.weights.embed[tokens, cols].float()
     return ctx.scratch.x[:, cols]
-
-
-def x_after_attention(ctx: OpContext, cols: slice = slice(None)) -> torch.Tensor:
-    """The residual stream after this layer's O_PROJ, columns ``cols``: [M, n] fp32. scratch.x, or with O_PROJ
-    parts (ProgramConfig.o_parts) the sum of scratch.x_part over the parts in part order (part 0 holds the
-    residual), as MLP_IN's staging and DOWN_PROJ's residual rows sum them on the GPU."""
-    if not ctx.program.config.o_parts:
-        return ctx.scratch.x[:, cols]
-    parts = ctx.scratch.x_part[:, :, cols]
-    out = parts[0].clone()
-    for p in range(1, parts.shape[0]):
-        out += parts[p]
-    return out
 
 
 def matvec(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

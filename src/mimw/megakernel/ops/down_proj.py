@@ -1,17 +1,54 @@
 """DOWN_PROJ: rows [row0, row0 + nrows) of the MLP down projection plus the residual, for every token.
 
-    x[:, rows] = x_in[:, rows] + act . W_down[rows]^T      act [M, I], W_down [D, I]
-x_in is x as this layer's O_PROJ left it, or with O_PROJ parts the sum of x_part (common.x_after_attention).
-Writes: x[:, rows]. Reads: all of act; x[:, rows], or x_part[:, :, rows].
-A cluster pair (ProgramConfig.cluster_down, isa.CLUSTER_PAIR): part p multiplies its column half of act and W_down
-into down_part[p, :, rows] (on the GPU: registers, and the exchange slot in shared memory); part 0's finish adds
-the residual to the two halves' sum, in part order: x = x_in + (half 0 + half 1).
+    x[:, rows] = x[:, rows] + act . W_down[rows]^T      act [M, I], W_down [D, I]
+Writes: x[:, rows]. Reads: all of act (a half: its columns); x[:, rows].
+A cluster pair (isa.CLUSTER_PAIR, where the row blocks leave half the SMs idle): part p multiplies its column half
+of act and W_down into down_part[p, :, rows] (on the GPU: registers, and the exchange slot in shared memory); part
+0's finish adds the residual to the two halves' sum, in part order: x = x + (half 0 + half 1).
+Tiles: the block's rows of the down matrix, the half's column tiles.
+Device: act staged (bf16) once for a run of DOWN_PROJ instructions; a half stages only its own column tiles, from
+the staging buffer's first row (so the buffer needs half of I's rows). A pair's row tile: both halves' sums go to
+part 0's exchange slot (device/cluster.py), where part 0 adds them to the residual (requested before the tile
+loop) and stores x.
 """
 from __future__ import annotations
 
-from ..isa import DownProj
-from ..program import column_part
-from .common import OpContext, activation_in, matvec, x_after_attention
+from dataclasses import dataclass
+from typing import ClassVar
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from ...models.spec import ModelSpec
+from ..device import cluster, layouts, matvec as mv
+from ..device.context import W_A, W_C, W_K0, W_K1, W_NR
+from ..device.sync import counter_wait
+from ..isa import CLUSTER_PAIR, Op, RowBlock, TileSpan, Word
+from ..tiles import WeightTiles, column_part, column_tiles
+from .common import OpContext, activation_in, matvec
+
+OP = Op.DOWN_PROJ
+
+
+@dataclass(frozen=True)
+class DownProj(RowBlock):
+    OP: ClassVar[Op] = Op.DOWN_PROJ
+    FIELDS: ClassVar[dict[str, Word]] = {**RowBlock.FIELDS, "part": Word.C, "n_parts": Word.D}
+    part: int = 0  # with n_parts 2 (a cluster pair): which column half
+    n_parts: int = 0  # 0: every column of the rows, the residual added here
+
+    @property
+    def has_finisher(self) -> bool:  # part 0 of a pair adds its mate's sums and the residual, and stores x
+        return bool(self.flags & CLUSTER_PAIR) and self.part == 0
+
+    def mate_key(self) -> tuple:
+        return self.OP, self.layer, self.row0, self.nrows, self.n_parts
+
+
+def span(spec: ModelSpec, wt: WeightTiles, layer: int, row0: int, nrows: int, part: int = 0,
+         n_parts: int = 0) -> TileSpan:
+    k0, k1 = column_tiles(spec.intermediate_size, wt.tile_k, part, max(1, n_parts))
+    return wt.span("down", layer * spec.hidden_size + row0, nrows, k0, k1)
 
 
 def solve(ctx: OpContext, ins: DownProj) -> None:
@@ -22,11 +59,54 @@ def solve(ctx: OpContext, ins: DownProj) -> None:
         c0, c1 = column_part(w_down.shape[1], ctx.program.config.tile_k, ins.part, ins.n_parts)
         ctx.scratch.down_part[ins.part, :, rows] = matvec(h[:, c0:c1], w_down[:, c0:c1])
         return
-    ctx.scratch.x[:, rows] = x_after_attention(ctx, rows) + matvec(h, w_down)
+    ctx.scratch.x[:, rows] = ctx.scratch.x[:, rows] + matvec(h, w_down)
 
 
 def finish(ctx: OpContext, ins: DownProj) -> None:
     """Part 0 of a cluster pair, once both halves ran: the residual plus the halves' sum."""
     rows = slice(ins.row0, ins.row0 + ins.nrows)
     halves = ctx.scratch.down_part[:, :, rows]
-    ctx.scratch.x[:, rows] = x_after_attention(ctx, rows) + (halves[0] + halves[1])
+    ctx.scratch.x[:, rows] = ctx.scratch.x[:, rows] + (halves[0] + halves[1])
+
+
+@gluon.jit
+def compute(ins, C: gl.constexpr, s, b, sm, it, xn, restage, tid):
+    """One DOWN_PROJ block (or half) on the GPU; returns (it, xn)."""
+    row0 = ins.field(W_A)
+    k0 = ins.field(W_K0)
+    k1 = ins.field(W_K1)
+    if C.DOWN_PAIRS:  # every DOWN_PROJ is a cluster pair's half (plan.py)
+        KT_H: gl.constexpr = C.KT_H
+        if restage:
+            mv.stage_span(sm.hbuf, b.act, C.I, k0, k1, KT_H, C)
+        if xn == 0:  # the mate's exchange barriers exist before this CTA's first remote store
+            counter_wait(s.rdy, gl.program_id(0) ^ 1, s.epoch + 1)
+        it, xn = _pair_rows(sm, it, k0, k1, row0, ins.field(W_NR), b.x, ins.field(W_C), xn, tid, C)
+    else:
+        KT_I: gl.constexpr = C.KT_I
+        if restage:
+            mv.stage_plain(sm.hbuf, b.act, C.I, KT_I, C)
+        it = mv.residual_rows(sm, it, k0, k1, row0, ins.field(W_NR), b.x, b.x, False, C)
+    return it, xn
+
+
+@gluon.jit
+def _pair_rows(sm, it, k0, k1, row0, n_tiles, x_ptr, part, xn, tid, C: gl.constexpr):
+    """A cluster pair's half: each row tile's sums over this half's column tiles [k0, k1) (staged from row 0) go to
+    both CTAs' exchange slots (one exchange a row tile, ``xn`` onwards); after the meet, part 0 stores
+    x[rows] = x[rows] + (half 0 + half 1), both halves read from its slot in part order; part 1 stores nothing.
+    Returns (it, xn)."""
+    OWN: gl.constexpr = layouts.thread(C)  # element e: lane e % 32 of every warp
+    offs_r = gl.arange(0, C.TR, gl.SliceLayout(1, layouts.tile(C)))
+    first = part == 0
+    for r in range(n_tiles):
+        rows = row0 + r * C.TR + offs_r
+        res = gl.load(x_ptr + rows, mask=(rows >= 0) & first, other=0.0, cache_modifier=".cg")  # in flight now
+        acc, it = mv.dot_tile(sm, it, k0, k1, C, True)
+        cluster.pair_store(gl.convert_layout(acc, OWN), gl.arange(0, C.TR, OWN), part, xn, C.XB, C.HD)
+        cluster.pair_meet(tid, xn, C.XB, C.TR * 4)
+        lo = cluster.pair_load(offs_r, 0, xn, C.XB, C.HD)
+        hi = cluster.pair_load(offs_r, 1, xn, C.XB, C.HD)
+        gl.store(x_ptr + rows, res + (lo + hi), mask=(rows >= 0) & first)
+        xn += 1
+    return it, xn

@@ -2,18 +2,63 @@
 
     h          = RMSNorm(x) * mlp_norm                     [M, D]  (rounded to the weight dtype, see common.py)
     act[:, r]  = silu(h . W_gate[r]^T) * (h . W_up[r]^T)   r = the block's rows of I
-Writes: act[:, rows]. Reads: all of x (the norm needs whole rows), or with O_PROJ parts all of x_part
-(common.x_after_attention).
+Writes: act[:, rows]. Reads: all of x (the norm needs whole rows).
+Tiles: the gu matrix's 2 * nrows rows of the block (a tile holds TR/2 gate rows then the same TR/2 up rows).
+Device: RMSNorm(x) staged once for a run of MLP_IN instructions; every tile row yields TR/2 outputs
+silu(gate . h) * (up . h).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch.nn.functional as F
 
-from ..isa import MlpIn
-from .common import OpContext, matvec, rms_norm, x_after_attention
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from ...models.spec import ModelSpec
+from ..device import matvec as mv
+from ..device.context import W_A, W_K0, W_K1, W_LAYER, W_NR
+from ..isa import Op, RowBlock, TileSpan
+from ..tiles import WeightTiles
+from .common import OpContext, matvec, rms_norm
+
+OP = Op.MLP_IN
+
+
+@dataclass(frozen=True)
+class MlpIn(RowBlock):
+    OP: ClassVar[Op] = Op.MLP_IN
+
+
+def span(spec: ModelSpec, wt: WeightTiles, layer: int, row0: int, nrows: int) -> TileSpan:
+    return wt.span("gu", 2 * (layer * spec.intermediate_size + row0), 2 * nrows)
 
 
 def solve(ctx: OpContext, ins: MlpIn) -> None:
     lw, rows = ctx.weights.layers[ins.layer], slice(ins.row0, ins.row0 + ins.nrows)
-    h = rms_norm(x_after_attention(ctx), lw.mlp_norm, ctx.spec.rms_norm_eps)  # [M, D]
+    h = rms_norm(ctx.scratch.x, lw.mlp_norm, ctx.spec.rms_norm_eps)  # [M, D]
     ctx.scratch.act[:, rows] = F.silu(matvec(h, lw.w_gate[rows])) * matvec(h, lw.w_up[rows])
+
+
+@gluon.jit
+def compute(ins, C: gl.constexpr, s, b, sm, it, restage):
+    """One MLP_IN block on the GPU; returns it."""
+    layer = ins.field(W_LAYER)
+    KT_D: gl.constexpr = C.KT_D
+    if restage:
+        mv.stage_normed(sm.hbuf, b.x, s.emb_row, False, b.mnorm + layer * C.D, C.D, b.eps, KT_D, C)
+    row0 = ins.field(W_A)
+    k0 = ins.field(W_K0)
+    k1 = ins.field(W_K1)
+    TH: gl.constexpr = C.TR // 2
+    for t in range(ins.field(W_NR)):
+        acc, it = mv.dot_tile(sm, it, k0, k1, C)
+        a2 = gl.reshape(acc, [2, TH])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
+        h = gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, a2.type.layout)), 1)
+        g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
+        u = gl.sum(gl.where(h == 1, a2, 0.0), axis=0)
+        offs = gl.arange(0, TH, g.type.layout)
+        gl.store(b.act + row0 + t * TH + offs, g / (1.0 + gl.exp(-g)) * u)
+    return it

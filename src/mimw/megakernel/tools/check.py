@@ -25,8 +25,8 @@ from ...kv.pages import KVLayout, PagedKVCache
 from ...models.reference import ReferenceDecoder, Segment
 from ...models.spec import ModelSpec
 from ...models.weights import random_weights
-from .config import KernelConfig
-from .decoder import MegakernelDecoder
+from ..launch.decoder import MegakernelDecoder
+from ..plan import Tuning
 
 
 @dataclass
@@ -82,12 +82,11 @@ def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed
     return cache, table
 
 
-def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0,
-                 kcfg: KernelConfig | None = None, graph: bool = True, num_sms: int | None = None) -> CheckResult:
-    kcfg = kcfg or KernelConfig.for_spec(spec)
+def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
+                 graph: bool = True, num_sms: int | None = None, page_size: int = 16) -> CheckResult:
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
-    cache, table = random_cache(spec, context, steps, kcfg.page_size, seed + 1)
-    ref_cache = PagedKVCache(KVLayout.for_spec(spec, kcfg.page_size, cache.layout.num_pages, torch.float32), "cuda")
+    cache, table = random_cache(spec, context, steps, page_size, seed + 1)
+    ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, cache.layout.num_pages, torch.float32), "cuda")
     ref_cache.k.copy_(cache.k)
     ref_cache.v.copy_(cache.v)
     ref = ReferenceDecoder(w.to(dtype=torch.float32))
@@ -95,7 +94,7 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0,
     bf16_cache.k.copy_(cache.k)
     bf16_cache.v.copy_(cache.v)
     bf16_ref = ReferenceDecoder(w)
-    dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), kcfg=kcfg, num_sms=num_sms,
+    dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
     same, finite, kernel_steps, bf16_steps = True, True, [], []

@@ -1,0 +1,138 @@
+"""The megakernel's state inside the kernel, bundled so that device functions take a handful of arguments.
+
+``Smem``  the shared-memory ring (slots, ``empty``/``ready`` barriers), the release hold's barrier ``rel`` and the
+          staging buffer ``hbuf`` [KT_ROWS, TK] bf16 (an instruction's input vector, one [TK] row per column tile).
+``Step``  this launch's step: counter and ready-word pointers, the epoch, and the one token's id, position,
+          context, cache page and embedding row (M = 1).
+``Bufs``  everything else in global memory the instructions read or write: norm/bias/rope vectors, the paged KV
+          cache, the scratch buffers of state.py, and the scalars eps and qscale.
+``Ins``   one instruction's words, decoded field by field on demand (isa.Word) with masked reductions.
+Compile-time constants travel as one frozen dataclass, ``plan.Constants`` (the kernel's ``C``).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import constexpr_function
+from triton.language.core import _aggregate as aggregate
+
+from .. import isa
+
+# the instruction words' fields and flags (isa.py, the single source of truth), as the kernel's constexprs
+_C = isa.kernel_constants()
+W_OP: gl.constexpr = gl.constexpr(_C["W_OP"])
+W_LAYER: gl.constexpr = gl.constexpr(_C["W_LAYER"])
+W_A: gl.constexpr = gl.constexpr(_C["W_A"])
+W_B: gl.constexpr = gl.constexpr(_C["W_B"])
+W_C: gl.constexpr = gl.constexpr(_C["W_C"])
+W_D: gl.constexpr = gl.constexpr(_C["W_D"])
+W_E: gl.constexpr = gl.constexpr(_C["W_E"])
+W_WAIT: gl.constexpr = gl.constexpr(_C["W_WAIT"])
+W_WAIT_COUNT: gl.constexpr = gl.constexpr(_C["W_WAIT_COUNT"])
+W_SIGNAL: gl.constexpr = gl.constexpr(_C["W_SIGNAL"])
+W_FLAGS: gl.constexpr = gl.constexpr(_C["W_FLAGS"])
+W_T0: gl.constexpr = gl.constexpr(_C["W_T0"])
+W_NR: gl.constexpr = gl.constexpr(_C["W_NR"])
+W_K0: gl.constexpr = gl.constexpr(_C["W_K0"])
+W_K1: gl.constexpr = gl.constexpr(_C["W_K1"])
+W_KT: gl.constexpr = gl.constexpr(_C["W_KT"])
+NWORDS: gl.constexpr = gl.constexpr(_C["NWORDS"])
+HOLD_ARRIVE: gl.constexpr = gl.constexpr(_C["HOLD_ARRIVE"])
+HOLD_WAIT: gl.constexpr = gl.constexpr(_C["HOLD_WAIT"])
+OP_ATTN_IN: gl.constexpr = gl.constexpr(_C["OP_ATTN_IN"])
+OP_ATTN_PARTIAL: gl.constexpr = gl.constexpr(_C["OP_ATTN_PARTIAL"])
+OP_O_PROJ: gl.constexpr = gl.constexpr(_C["OP_O_PROJ"])
+OP_MLP_IN: gl.constexpr = gl.constexpr(_C["OP_MLP_IN"])
+OP_DOWN_PROJ: gl.constexpr = gl.constexpr(_C["OP_DOWN_PROJ"])
+OP_LM_HEAD: gl.constexpr = gl.constexpr(_C["OP_LM_HEAD"])
+
+
+@aggregate
+class Smem:
+    bufs: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    rel: gl.shared_memory_descriptor
+    hbuf: gl.shared_memory_descriptor
+
+    @constexpr_function
+    def __init__(self, bufs, empty, ready, rel, hbuf):
+        self.bufs = bufs
+        self.empty = empty
+        self.ready = ready
+        self.rel = rel
+        self.hbuf = hbuf
+
+
+@aggregate
+class Step:
+    cnt: gl.tensor  # counters (state.py), then DONE and EPOCH
+    ncnt: gl.tensor
+    rdy: gl.tensor  # the cluster pairs' ready words, one a CTA
+    bt: gl.tensor  # block tables [S, MAXP]
+    maxp: gl.tensor
+    epoch: gl.tensor
+    pos: gl.tensor
+    ctx: gl.tensor
+    tok_page: gl.tensor  # the page holding position pos
+    emb_row: gl.tensor  # the token's embedding row: layer 0's residual
+
+    @constexpr_function
+    def __init__(self, cnt, ncnt, rdy, bt, maxp, epoch, pos, ctx, tok_page, emb_row):
+        self.cnt = cnt
+        self.ncnt = ncnt
+        self.rdy = rdy
+        self.bt = bt
+        self.maxp = maxp
+        self.epoch = epoch
+        self.pos = pos
+        self.ctx = ctx
+        self.tok_page = tok_page
+        self.emb_row = emb_row
+
+
+@aggregate
+class Bufs:
+    emb: gl.tensor
+    anorm: gl.tensor
+    mnorm: gl.tensor
+    fnorm: gl.tensor
+    bias: gl.tensor
+    qn: gl.tensor
+    kn: gl.tensor
+    invf: gl.tensor
+    kc: gl.tensor
+    vc: gl.tensor
+    num_pages: gl.tensor
+    x: gl.tensor
+    qkvp: gl.tensor
+    q: gl.tensor
+    po: gl.tensor
+    pml: gl.tensor
+    attn: gl.tensor
+    act: gl.tensor
+    logits: gl.tensor
+    splits: gl.tensor
+    eps: gl.tensor
+    qscale: gl.tensor
+
+    @constexpr_function
+    def __init__(self, vecs, kv, scratch, scalars):
+        self.emb, self.anorm, self.mnorm, self.fnorm, self.bias, self.qn, self.kn, self.invf = vecs
+        self.kc, self.vc, self.num_pages = kv
+        self.x, self.qkvp, self.q, self.po, self.pml, self.attn, self.act, self.logits, self.splits = scratch
+        self.eps, self.qscale = scalars
+
+
+@aggregate
+class Ins:
+    w: gl.tensor  # [16] int32: the instruction's words (isa.NWORDS of them)
+    offs: gl.tensor
+
+    @constexpr_function
+    def __init__(self, w, offs):
+        self.w = w
+        self.offs = offs
+
+    @gluon.jit
+    def field(self, k: gl.constexpr):
+        """Word ``k`` (isa.Word) as a scalar."""
+        return gl.sum(gl.where(self.offs == k, self.w, 0), axis=0)

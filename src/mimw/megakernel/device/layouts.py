@@ -1,0 +1,43 @@
+"""Register layouts of the compute partition, derived from the kernel's constants ``C`` (plan.Constants)."""
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import constexpr_function
+
+
+@constexpr_function
+def tile(C):
+    """LAY [TR, TK]: a weight tile's rows over WR warps (16-byte vectors along K); its SliceLayout(1) holds a row
+    tile's outputs."""
+    wr = min(C.NW, C.TR // 4)
+    return gl.BlockedLayout([1, 8], [4, 8], [wr, C.NW // wr], [1, 0])
+
+
+@constexpr_function
+def staging(C):
+    """S2 [SG column tiles, TK]: each staged row spread over every thread, the SG rows in registers."""
+    return gl.BlockedLayout([1, C.TK // (32 * C.NW)], [1, 32], [1, C.NW], [1, 0])
+
+
+@constexpr_function
+def half_head(C):
+    """E2 [HD / 2TR, TR]: half a head (RoPE pairs element i with i + HD/2)."""
+    return gl.BlockedLayout([1, 1], [32 // C.TR, C.TR], [C.NW, 1], [1, 0])
+
+
+@constexpr_function
+def attention(C):
+    """L4 [warp, GP heads, BT / NW positions, HD]: 16-byte vectors along HD, one warp per run of positions."""
+    tpd = min(32, C.HD // 8)
+    return gl.BlockedLayout([1, C.GP, 1, 8], [1, 1, 32 // tpd, tpd], [C.NW, 1, 1, 1], [3, 2, 1, 0])
+
+
+@constexpr_function
+def combine(C):
+    """R3 [GP heads, SP2 splits, HD]: the splits' partials of one KV group, loaded in one round."""
+    tpr = min(32, C.HD // 4)
+    return gl.BlockedLayout([1, 1, 4], [1, 32 // tpr, tpr], [1, C.NW, 1], [2, 1, 0])
+
+
+@constexpr_function
+def thread(C):
+    """WL [32 * NW]: one element a compute thread (also the instruction words' layout)."""
+    return gl.BlockedLayout([1], [32], [C.NW], [0])

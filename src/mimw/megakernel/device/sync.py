@@ -1,0 +1,52 @@
+"""Cross-CTA dependencies of the megakernel: step-numbered counters, tickets, and the timer traces read.
+
+Counters are int32 words in global memory. ``counter_signal``: a partition barrier (every thread's stores of this
+instruction precede it), then one thread's ``atom.add.release.gpu``. ``counter_wait``: poll with
+``atom.add(0).acquire.gpu`` until the counter reaches the target; Triton broadcasts the value through shared memory
+(a CTA barrier), so every thread's later loads are ordered after the acquire. Loads of data produced by other CTAs
+use ``cache_modifier=".cg"`` (L2, bypassing the non-coherent L1) because scratch addresses are reused across
+layers and a stale L1 line from an earlier layer must never be read. Targets are step-numbered: in step ``epoch`` a
+counter that receives ``count`` signals per step is complete at ``(epoch + 1) * count``, so counters are never reset
+between steps (isa.py).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def counter_wait(cnt_ptr, index, target):
+    """Spin until counter ``index`` has reached ``target`` (acquire, gpu scope). Compared as ``v - target < 0`` in
+    wrapping int32 arithmetic: step-numbered targets pass 2**31 after a few million steps, and a plain ``v < target``
+    would then let every wait through at once."""
+    v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
+    while v - target < 0:
+        v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
+
+
+@gluon.jit
+def counter_signal(cnt_ptr, index):
+    """Publish this partition's stores: barrier, then one release add of 1 on counter ``index``."""
+    gl.thread_barrier()
+    gl.atomic_add(cnt_ptr + index, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def ticket_is_last(cnt_ptr, ticket, count, epoch):
+    """Draw a ticket (isa.py): after a partition barrier (every thread's partial stores precede it), one acq_rel
+    add on counter ``ticket``; True for the part that brings it to (epoch + 1) * count, i.e. the last of ``count``
+    parts this step. ``ticket < 0`` (a lone part, no ticket): True."""
+    gl.thread_barrier()
+    last = ticket < 0
+    if ticket >= 0:
+        drawn = gl.atomic_add(cnt_ptr + ticket, 1, sem="acq_rel", scope="gpu")
+        last = drawn - ((epoch + 1) * count - 1) == 0
+    return last
+
+
+@gluon.jit
+def globaltimer():
+    """%globaltimer (ns, comparable across SMs) as a scalar, for traces (a reduction over the partition)."""
+    offs = gl.arange(0, 32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [offs], dtype=gl.int64, is_pure=False,
+                                  pack=1)
+    return gl.max(t, axis=0)

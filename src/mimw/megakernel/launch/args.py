@@ -1,0 +1,74 @@
+"""The megakernel's arguments, described once: the launch tuple (decoder.py) and the compile signature
+(compile.py) both come from ``GROUPS``.
+
+The kernel (device/kernel.py) takes eight arguments, most of them tuples, plus the constants ``C``:
+    prog      the program: words [num_sms, max_len, NWORDS] int32, queue lengths [num_sms], max_len
+    step      the step state (state.py): tokens, positions, seg_ctx, block tables and their width, the counters
+              and how many there are before DONE/EPOCH, the cluster pairs' ready words
+    weights   the TMA descriptor of the packed weight tile array (tiles.py), [num_tiles * TR * TK / 32, 32] bf16
+    vecs      norms, bias, q/k norms, RoPE inverse frequencies
+    kv        the paged cache's K and V pools and their page count
+    scratch   state.py's scratch buffers and the attention splits' stride
+    scalars   eps, the attention's q scale (head_dim^-0.5 * log2 e)
+    trace     [num_sms, max_len, 4] int64 timestamps when traced (a one-element dummy otherwise)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...] | str], ...] = (
+    ("prog", (("words", "*i32"), ("lens", "*i32"), ("max_len", "i32"))),
+    ("step", (("tokens", "*i32"), ("positions", "*i32"), ("seg_ctx", "*i32"), ("block_tables", "*i32"),
+              ("max_pages", "i32"), ("counters", "*i32"), ("num_counters", "i32"), ("ready", "*i32"))),
+    ("weights", "desc"),
+    ("vecs", (("embed", "*bf16"), ("attn_norm", "*bf16"), ("mlp_norm", "*bf16"), ("final_norm", "*bf16"),
+              ("bias", "*fp32"), ("q_norm", "*bf16"), ("k_norm", "*bf16"), ("inv_freq", "*fp32"))),
+    ("kv", (("k", "*bf16"), ("v", "*bf16"), ("num_pages", "i32"))),
+    ("scratch", (("x", "*fp32"), ("qkv_part", "*fp32"), ("q", "*fp32"), ("part_o", "*fp32"), ("part_ml", "*fp32"),
+                 ("attn", "*fp32"), ("act", "*fp32"), ("logits", "*fp32"), ("splits", "i32"))),
+    ("scalars", (("eps", "fp32"), ("qscale", "fp32"))),
+    ("trace", "*i64"),
+)
+
+
+def tile_box(tile_rows: int, tile_k: int) -> list[int]:
+    """The TMA box (= ring slot shape) of one weight tile: the tile-major block's TR * TK elements as a row-major
+    [TR * TK / 32, 32] matrix, which device/matvec.dot_tile reads folded."""
+    return [tile_rows * tile_k // 32, 32]
+
+
+def desc_type(tile_rows: int, tile_k: int) -> str:
+    """The compile signature's type of the weight descriptor."""
+    from triton.experimental.gluon import language as gl
+
+    box = tile_box(tile_rows, tile_k)
+    return f"tensordesc<bf16[{box[0]}, {box[1]}],{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"
+
+
+def signature(tile_rows: int, tile_k: int) -> dict[str, Any]:
+    """The compile signature: each argument's type string, or a tuple of them."""
+    return {name: desc_type(tile_rows, tile_k) if fields == "desc" else
+            (fields if isinstance(fields, str) else tuple(t for _, t in fields)) for name, fields in GROUPS}
+
+
+def pointer_paths() -> list[tuple[int, ...]]:
+    """The argument paths ((group,) or (group, field)) of every pointer: each is 16-byte aligned, as the launch
+    specializes torch's allocations."""
+    out = []
+    for g, (_, fields) in enumerate(GROUPS):
+        if isinstance(fields, str):
+            if fields.startswith("*"):
+                out.append((g,))
+        else:
+            out += [(g, f) for f, (_, t) in enumerate(fields) if t.startswith("*")]
+    return out
+
+
+def values(sources: dict[str, Any]) -> tuple:
+    """The launch's arguments from every field's value by name (``weights`` the descriptor, ``trace`` the buffer)."""
+    missing = [n for n, f in GROUPS if isinstance(f, str) and n not in sources]
+    missing += [k for _, f in GROUPS if not isinstance(f, str) for k, _ in f if k not in sources]
+    if missing:
+        raise KeyError(f"kernel arguments missing: {missing}")
+    return tuple(sources[name] if isinstance(fields, str) else tuple(sources[k] for k, _ in fields)
+                 for name, fields in GROUPS)

@@ -1,0 +1,43 @@
+"""Compile a launch plan's megakernel for sm_90a on any machine (no GPU needed), and read its ptxas report: how CI
+catches compile errors and spills, and how the PTX of two builds is compared."""
+from __future__ import annotations
+
+from ..plan import LaunchPlan
+from . import args
+
+
+def compile_sm90a(p: LaunchPlan):
+    """The megakernel ``p`` launches, compiled for sm_90a; returns triton's CompiledKernel (``.asm['ptx']``,
+    ``.metadata.shared``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ..device.kernel import megakernel
+
+    sig = args.signature(p.tuning.tile_rows, p.tuning.tile_k)
+    sig["C"] = "constexpr"
+    aligned = {path: [["tt.divisibility", 16]] for path in args.pointer_paths()}
+    src = GluonASTSource(megakernel, sig, {"C": p.constants}, aligned)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": p.constants.NW})
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Assemble ``ptx`` for sm_90a with the ptxas shipped in the triton wheel; registers, stack and spills."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    num = lambda pat: int(re.search(pat, out).group(1))  # noqa: E731
+    return dict(registers=num(r"Used (\d+) registers"), stack=num(r"(\d+) bytes stack frame"),
+                spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"))

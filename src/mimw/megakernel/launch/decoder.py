@@ -1,0 +1,145 @@
+"""MegakernelDecoder: plans the step once, owns the packed weights, step state and scratch, and runs one decode
+step (M = 1) per launch of the persistent megakernel, optionally captured in a CUDA graph.
+
+    dec = MegakernelDecoder(weights, cache)                # weights: ModelWeights; cache: PagedKVCache (bf16, cuda)
+    logits = dec.step(token, position, block_table)       # [1, V] fp32, a view into the scratch buffer
+With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling the state) and later steps replay it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Sequence
+
+import torch
+
+from ...kv.pages import PagedKVCache
+from ...models.weights import ModelWeights
+from ..plan import LaunchPlan, Tuning, plan
+from ..program import StepShape
+from ..state import alloc_scratch, alloc_state
+from . import args
+from .pack import pack
+
+
+class MegakernelDecoder:
+    def __init__(self, weights: ModelWeights, cache: PagedKVCache, max_pages_per_seq: int | None = None,
+                 tuning: Tuning = Tuning(), num_sms: int | None = None, context_hint: int = 1024,
+                 use_graph: bool = False):
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        spec = weights.spec
+        if cache.layout.dtype != torch.bfloat16 or cache.device.type != "cuda":
+            raise ValueError("the megakernel needs a bf16 KV cache on a CUDA device")
+        dev = cache.device
+        self.spec, self.cache, self.use_graph = spec, cache, use_graph
+        self.num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
+        self.max_pages = max_pages_per_seq or cache.layout.num_pages
+        self.shape = StepShape((1,), context_hint)
+        self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size, tuning)
+        self.w = pack(weights, self.plan.program.tiles, dev)
+        box = args.tile_box(self.plan.tuning.tile_rows, self.plan.tuning.tile_k)
+        self.desc = TensorDescriptor.from_tensor(self.w.tiles, box, gl.NVMMASharedLayout.get_default_for(box,
+                                                                                                     gl.bfloat16))
+        # cluster pairs: each CTA's word moves to epoch + 1 once its exchange barriers exist in a launch (never
+        # reset, like the counters); unused otherwise
+        self.ready_words = torch.zeros(self.num_sms, dtype=torch.int32, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs_set = False
+        self.cluster_fallback: str | None = None  # why the cluster pairs fell back to tickets on this GPU, if they did
+        self._allocate()
+        if self.plan.cluster_size > 1:
+            why = self._set_up_clusters()
+            if why is not None:  # a persistent kernel whose CTAs are not all resident would wait forever
+                warnings.warn(f"{why}: the megakernel runs with tickets instead of cluster pairs", RuntimeWarning,
+                              stacklevel=2)
+                self.cluster_fallback = why
+                self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size,
+                                 dataclasses.replace(tuning, clusters=False))
+                self._allocate()
+
+    def _allocate(self) -> None:
+        """The plan's words, step state, scratch and trace buffer."""
+        p, dev = self.plan, self.cache.device
+        self.words, self.lens = p.words.to(dev), p.lens.to(dev)
+        self.state = alloc_state(p.program, self.max_pages, dev)
+        self.scratch = alloc_scratch(p.program, dev)
+        # [num_sms, max_len, 4] int64 ns per instruction when traced (tools/trace.py), else a 1-element dummy
+        self.trace = torch.zeros((self.num_sms, self.words.shape[1], 4) if p.tuning.trace else (1,),
+                                 dtype=torch.int64, device=dev)
+
+    @property
+    def program(self):
+        return self.plan.program
+
+    def _args(self) -> tuple:
+        s, x, w, c, p = self.state, self.scratch, self.w, self.cache, self.plan
+        return args.values(dict(
+            words=self.words, lens=self.lens, max_len=self.words.shape[1], tokens=s.tokens, positions=s.positions,
+            seg_ctx=s.seg_ctx, block_tables=s.block_tables, max_pages=s.block_tables.shape[1], counters=s.counters,
+            num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, embed=w.embed,
+            attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, final_norm=w.final_norm, bias=w.bias, q_norm=w.q_norm,
+            k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, num_pages=c.layout.num_pages, x=x.x,
+            qkv_part=x.qkv_part, q=x.q, part_o=x.part_o, part_ml=x.part_ml, attn=x.attn, act=x.act,
+            logits=x.logits, splits=p.program.max_splits, eps=self.spec.rms_norm_eps,
+            qscale=self.spec.head_dim ** -0.5 * 1.4426950408889634, trace=self.trace))
+
+    def _set_up_clusters(self) -> str | None:
+        """Compile the kernel (the JIT's cached kernel of this specialization, which every later launch finds), set
+        it to launch in clusters of two CTAs with the exchange region past Triton's shared memory, and check that
+        the GPU keeps every cluster resident. Returns None, or why it cannot run here."""
+        from ..device.kernel import megakernel
+        from .clusters import in_clusters, max_active_clusters
+
+        p = self.plan
+        compiled = in_clusters(megakernel.warmup(*self._args(), grid=(p.grid,), C=p.constants,
+                                                 num_warps=p.constants.NW), 2, p.exchange_bytes)
+        compiled._init_handles()  # load it: the occupancy query needs the CUfunction
+        num_warps, _, smem = compiled.packed_metadata
+        fit = max_active_clusters(compiled.function, 2, 32 * num_warps, smem)
+        if fit < p.grid:
+            return (f"{fit} clusters of two fit this GPU at {smem} bytes of shared memory, the kernel needs "
+                    f"{p.grid} resident ({self.num_sms} SMs)")
+        return None
+
+    def set_inputs(self, token: int, position: int, block_table: Sequence[int]) -> None:
+        self.state.fill([token], [position], [block_table], [1])
+        self.inputs_set = True
+
+    def launch(self) -> None:
+        """One decode step with the current step state. The state must hold a real step: a launch on an empty state
+        would append K/V for position 0 through page 0 of the (zeroed) block table, overwriting a live page."""
+        from ..device.kernel import megakernel
+
+        if not self.inputs_set:
+            raise RuntimeError("set_inputs() must be called before the first launch")
+        p = self.plan
+        megakernel[(p.grid,)](*self._args(), C=p.constants, num_warps=p.constants.NW)
+
+    def capture(self) -> None:
+        """Record one launch in a CUDA graph; later ``run``/``step`` calls replay it. The warm-up launch before the
+        capture (compilation) executes the step currently in the state, so call ``set_inputs`` first; re-running a
+        step is harmless (it rewrites the same K/V row and scratch)."""
+        self.launch()  # compile and warm up outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.launch()
+        self.graph = g
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.launch()
+
+    def step(self, token: int, position: int, block_table: Sequence[int]) -> torch.Tensor:
+        self.set_inputs(token, position, block_table)
+        if self.use_graph and self.graph is None:
+            self.capture()  # lazily, with this real step in the state
+        self.run()
+        return self.scratch.logits
+
+
+__all__ = ["MegakernelDecoder", "LaunchPlan"]

@@ -1,0 +1,246 @@
+"""Plan once: a model, a step shape and the GPU's SM count -> everything one megakernel launch needs.
+
+``Tuning`` holds the kernel's real tuning knobs (each measured; bench/NOTES.md). ``plan`` derives the rest from the
+shape, so a fallback that a shape forces is decided here, never offered as a flag:
+  * the weight tile shape: [32, 256], or [16, 512] where a head is too small for two 32-row tiles;
+  * cluster pairs (device/cluster.py): on where the SM count is even and a row has two column tiles or more
+    (``program.can_pair``), off otherwise; the launch code re-plans without them where the GPU cannot keep every
+    cluster resident;
+  * the staging buffer: rows for the widest staged input, DOWN_PROJ's input counted as a half where it runs in
+    cluster pairs (each half stages its own columns);
+  * the ring: as many slots as fit in shared memory beside the staging buffer, the compiler's scratch and the
+    cluster exchange region;
+  * ATTN_PARTIAL's warps merge their softmax states through the staging buffer where it holds them (else through
+    Triton's reductions over the warp axis);
+  * the release hold's marks on the words (hold.py).
+Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
+program; launch/decoder.py allocates and launches, launch/compile.py compiles the same plan for sm_90a on the CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..models.spec import ModelSpec
+from .hold import check_marks, hold_marks, mark_words
+from .program import Program, ProgramConfig, StepShape, build_program
+
+SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
+SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers:
+# ~4.3 KB in the default kernels); every kernel the compile tests build is checked to fit
+MMA_K = 32  # columns of a folded tile row (device/matvec.dot_tile): two k16 steps of mma.sync
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The megakernel's tuning knobs (measured: bench/NOTES.md, "What was tried")."""
+
+    tile_rows: int = 0  # TR: weight tile rows (0: 32, or 16 where a head has fewer than 64 rows)
+    tile_k: int = 0  # TK: weight tile columns (0: 256, or 512 with 16-row tiles): 16 KB tiles
+    ring: int = 0  # NB: ring slots (0: as many as fit in shared memory)
+    num_warps: int = 4  # compute partition warps
+    loader_regs: int = 48  # register budget of the one-warp loader partition
+    inflight: int = 4  # weight tiles the loader may have requested and not yet landed: fewer requests queued in
+    # the memory system shorten every round trip the step's hops make (the release fences, polls, stagings)
+    quiet: int = 2  # the release hold: tiles of a new stage's streaming instruction the loader requests before
+    # the SM's previous streaming release (-1: no hold); the release's fence then meets fewer tiles in flight
+    qkv_parts: int = 0  # ATTN_IN column parts per head (0: two with cluster pairs, else the cost model's choice)
+    min_split_tokens: int = 32  # attention splits get at least this many positions at the context hint
+    fixed_cost_kb: int = 96  # the scheduler's per-instruction cost in weight kilobytes
+    max_block_kb: int = 1024  # cap on one matvec instruction's weight kilobytes
+    clusters: bool = True  # cluster pairs where the shape can form them (False: tickets everywhere)
+    trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (tools/trace.py)
+
+    @classmethod
+    def parse(cls, text: str) -> "Tuning":
+        """``"inflight=4,quiet=0"`` -> Tuning with those fields (ints; booleans as 1/0/true/false). Unknown names and
+        bad values raise ValueError naming what is accepted; the empty string is the default."""
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        out: dict = {}
+        for item in (t.strip() for t in text.split(",")):
+            if not item:
+                continue
+            name, sep, value = item.partition("=")
+            name, value = name.strip(), value.strip()
+            if not sep or name not in types:
+                raise ValueError(f"megakernel option {item!r}: expected NAME=VALUE with NAME one of "
+                                 f"{', '.join(sorted(types))}")
+            if types[name] in (bool, "bool"):
+                if value.lower() not in ("1", "0", "true", "false"):
+                    raise ValueError(f"megakernel option {name}={value!r}: expected 1/0/true/false")
+                out[name] = value.lower() in ("1", "true")
+            else:
+                try:
+                    out[name] = int(value)
+                except ValueError:
+                    raise ValueError(f"megakernel option {name}={value!r}: expected an integer") from None
+        return cls(**out)
+
+    def resolve(self, spec: ModelSpec) -> "Tuning":
+        """The tile shape filled in for ``spec``."""
+        if self.tile_rows and self.tile_k:
+            return self
+        small = spec.head_dim % 64 != 0
+        return dataclasses.replace(self, tile_rows=self.tile_rows or (16 if small else 32),
+                                   tile_k=self.tile_k or (512 if small else 256))
+
+    def program_config(self) -> ProgramConfig:
+        return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
+                             max_block_bytes=self.max_block_kb * 1024, min_split_tokens=self.min_split_tokens,
+                             fixed_cost_bytes=self.fixed_cost_kb * 1024, clusters=self.clusters)
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The kernel's compile-time constants (its one constexpr argument ``C``): model sizes, tiling and the plan's
+    derived choices. Nothing about a model is compiled in beyond these."""
+
+    D: int  # hidden size
+    HQ: int  # query heads
+    HKV: int  # KV heads
+    HD: int  # head dim
+    I: int  # noqa: E741  intermediate size
+    NL: int  # layers
+    PS: int  # KV page size
+    HAS_BIAS: bool  # q/k/v bias (Qwen2)
+    QK_NORM: bool  # per-head q/k RMSNorm (Qwen3)
+    TR: int  # weight tile rows
+    TK: int  # weight tile columns
+    NB: int  # ring slots
+    KT_ROWS: int  # staging buffer rows (column tiles of the widest staged input, a power of two)
+    SG: int  # staging group: column tiles loaded at once (32 fp32 registers a thread)
+    BT: int  # attention block positions
+    SP2: int  # attention splits, rounded up to a power of two
+    GP: int  # query heads per KV head, rounded up to a power of two
+    LOADER_REGS: int
+    INFLIGHT: int  # the loader's in-flight cap (0: the ring)
+    QUIET: int  # the release hold (-1: off)
+    XB: int  # cluster exchange bytes past Triton's shared memory (0: no cluster pairs)
+    DOWN_PAIRS: bool  # DOWN_PROJ in cluster pairs, each half staging its columns from the staging buffer's row 0
+    SMEM_MERGE: bool  # ATTN_PARTIAL merges its warps' states through the staging buffer
+    TRACE: bool  # per-instruction timestamps (tools/trace.py)
+    NW: int  # compute warps
+
+    @property
+    def NQKV(self) -> int:
+        return self.HQ + 2 * self.HKV
+
+    @property
+    def G(self) -> int:
+        return self.HQ // self.HKV
+
+    @property
+    def KT_D(self) -> int:
+        return -(-self.D // self.TK)
+
+    @property
+    def KT_Q(self) -> int:
+        return -(-(self.HQ * self.HD) // self.TK)
+
+    @property
+    def KT_I(self) -> int:
+        return -(-self.I // self.TK)
+
+    @property
+    def KT_H(self) -> int:  # a DOWN_PROJ half's column tiles, at most
+        return -(-self.KT_I // 2)
+
+
+@dataclass
+class LaunchPlan:
+    spec: ModelSpec
+    tuning: Tuning  # resolved
+    num_sms: int
+    page_size: int
+    program: Program
+    words: torch.Tensor  # [num_sms, max_len, NWORDS] int32, hold marks included
+    lens: torch.Tensor  # [num_sms] int32
+    ring: int  # NB
+    hbuf_rows: int  # KT_ROWS
+    exchange_bytes: int  # XB: dynamic shared memory past Triton's for the cluster exchange (0: no clusters)
+    constants: Constants
+
+    @property
+    def cluster_size(self) -> int:
+        return 2 if self.exchange_bytes else 1
+
+    @property
+    def grid(self) -> int:
+        return self.num_sms // self.cluster_size
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def attn_block(spec: ModelSpec) -> int:
+    """BT: positions in one attention block (8 KB of K at bf16: 64 for head_dim 64, 32 for 128)."""
+    return max(8, 4096 // spec.head_dim)
+
+
+def exchange_bytes(head_dim: int) -> int:
+    """Bytes of the cluster pairs' exchange region (device/cluster.py): two mbarriers, two slots of two parts'
+    [head_dim] fp32 sums."""
+    return 16 + 2 * 2 * head_dim * 4
+
+
+def check(spec: ModelSpec, t: Tuning) -> None:
+    """Raise ValueError where the resolved tuning ``t`` cannot tile ``spec`` or does not describe a kernel."""
+    tr, tk = t.tile_rows, t.tile_k
+    if spec.head_dim % (2 * tr):
+        raise ValueError(f"head_dim {spec.head_dim} must be a multiple of 2*tile_rows ({2 * tr})")
+    for name in ("hidden_size", "intermediate_size", "vocab_size"):
+        if getattr(spec, name) % tr:
+            raise ValueError(f"{name}={getattr(spec, name)} must be a multiple of tile_rows={tr}")
+    if tr > 32:
+        raise ValueError("the cluster pairs store a row tile from one owner thread an element: tile_rows <= 32")
+    folds = tk // MMA_K
+    if tk % MMA_K or folds % 8 or (tr * folds) % (16 * t.num_warps):
+        raise ValueError(f"a [{tr}, {tk}] tile does not fold into {t.num_warps} warps' 16-row mma blocks with a "
+                         f"multiple of 8 folds of {MMA_K}")
+    if tk % (32 * t.num_warps):
+        raise ValueError("tile_k must be a multiple of 32 * num_warps")
+    if t.quiet < -1 or t.inflight < 0:
+        raise ValueError(f"quiet={t.quiet} (-1 off, or >= 0), inflight={t.inflight} (0: the whole ring, or > 0)")
+    if not 0 <= t.qkv_parts <= 8:
+        raise ValueError(f"qkv_parts={t.qkv_parts}: 0 (derived) or 1..8 (the finisher's unrolled sum)")
+
+
+def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_size: int = 16,
+         tuning: Tuning = Tuning()) -> LaunchPlan:
+    t = tuning.resolve(spec)
+    check(spec, t)
+    program = build_program(spec, shape, num_sms, t.program_config())
+    kt = lambda k: -(-k // t.tile_k)  # noqa: E731
+    down_pairs = program.down_pairs
+    widest = max(kt(spec.hidden_size), kt(spec.q_size),
+                 -(-kt(spec.intermediate_size) // 2) if down_pairs else kt(spec.intermediate_size))
+    hbuf_rows = _pow2(widest)
+    xb = exchange_bytes(spec.head_dim) if program.attn_pairs else 0
+    slot = t.tile_rows * t.tile_k * 2
+    fit = (SHARED_BYTES - hbuf_rows * t.tile_k * 2 - SCRATCH_BYTES - xb) // slot
+    if t.ring > fit:
+        raise ValueError(f"ring={t.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
+    if fit < 2:
+        raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
+    ring = t.ring or fit
+    gp = _pow2(spec.group_size)
+    smem_merge = t.num_warps * gp * (spec.head_dim + 2) * 4 <= hbuf_rows * t.tile_k * 2
+    words, lens = program.encode()
+    if t.quiet >= 0:
+        marks = hold_marks(program, t.quiet)
+        check_marks(marks)
+        words = mark_words(words, marks)
+    c = Constants(
+        D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
+        I=spec.intermediate_size, NL=spec.num_layers, PS=page_size, HAS_BIAS=spec.attention_bias,
+        QK_NORM=spec.qk_norm, TR=t.tile_rows, TK=t.tile_k, NB=ring, KT_ROWS=hbuf_rows,
+        SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=_pow2(program.max_splits), GP=gp,
+        LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
+        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps)
+    return LaunchPlan(spec, t, num_sms, page_size, program, words, lens, ring, hbuf_rows, xb, c)

@@ -1,0 +1,103 @@
+"""Small-shape megakernel run for compute-sanitizer (racecheck / synccheck / memcheck):
+
+    compute-sanitizer --tool synccheck python3 -m mimw.megakernel.tools.sanitize [--case NAME] [--list]
+Named cases (``cases``), two decode steps each, no CUDA graph: the default kernel on a 2-layer SmolLM2 on 72 SMs
+(DOWN_PROJ's cluster pairs beside ATTN_IN's), a 2-layer Llama-1B shape on 72 SMs (its staging buffer holds the
+attention warps' states: the shared-memory merge), ATTN_IN's pairs alone on 8 SMs, the tickets (no clusters) with
+two column parts a head, and a tiny Qwen3 (16-row tiles, one part a head, q/k norms). Exits non-zero if logits are
+wrong.
+
+First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
+shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
+waits on an mbarrier the worker arrives on; no global atomics, no TMA). Whatever racecheck reports for it comes
+from the code triton generates around the partitions (the per-warp partition state in shared memory and the named
+barrier that hands it over), not from the megakernel; its hazards are the baseline the megakernel's are compared
+with. ``--control`` runs the control alone.
+"""
+import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from ...models.spec import get_preset
+from ..plan import Tuning
+from .check import check_decode
+
+
+@gluon.jit
+def _control_default(out_ptr, bar, num_warps: gl.constexpr):
+    offs = gl.arange(0, 32 * num_warps, gl.BlockedLayout([1], [32], [num_warps], [0]))
+    gl.store(out_ptr + offs, offs)
+    gl.thread_barrier()
+    mbarrier.wait(bar.index(0), 0)  # the worker's arrival
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _control_worker(out_ptr, bar, N0: gl.constexpr):
+    offs = gl.arange(0, 32, gl.BlockedLayout([1], [32], [1], [0]))
+    gl.store(out_ptr + N0 + offs, N0 + offs)
+    mbarrier.arrive(bar.index(0), count=1)
+
+
+@gluon.jit
+def ws_control(out_ptr, num_warps: gl.constexpr):
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    gl.warp_specialize([
+        (_control_default, (out_ptr, bar, num_warps)),
+        (_control_worker, (out_ptr, bar, 32 * num_warps)),
+    ], [1], [24])
+
+
+def run_control(num_warps: int = 4) -> bool:
+    """Launch ``ws_control`` once on poisoned output; True when both partitions stored their slices."""
+    n = 32 * (num_warps + 1)
+    out = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    ws_control[(1,)](out, num_warps=num_warps)
+    return bool(torch.equal(out.cpu(), torch.arange(n, dtype=torch.int32)))
+
+
+def cases() -> dict[str, tuple]:
+    """The named cases, in order: name -> (spec, context, num_sms, tuning)."""
+    tiny, small = get_preset("tiny-qwen3"), get_preset("smollm2-135m").with_(num_layers=2)
+    one_b = get_preset("llama-3.2-1b").with_(num_layers=2, vocab_size=4096)
+    return {
+        "cluster_down": (small, 40, 72, Tuning()),  # DOWN_PROJ's 36 row blocks pair over cluster mates
+        "attn_smem_merge": (one_b, 40, 72, Tuning()),  # SmolLM2's staging buffer is too small for the merge
+        "cluster_qkv": (small, 40, 8, Tuning()),  # ATTN_IN's pairs alone, 4 clusters of two
+        "tickets": (small, 40, 8, Tuning(clusters=False, qkv_parts=2)),
+        "tiny_qwen3": (tiny, 40, 8, Tuning()),
+    }
+
+
+def main() -> int:
+    """``--control``: the control kernel alone; ``--list``: the case names; ``--case NAME``: that case alone (a
+    synccheck error aborts the launch and leaves the process's CUDA context unusable: scripts/gpu_check.sh runs
+    each case in its own process where one errs)."""
+    argv = sys.argv[1:]
+    todo = cases()
+    if "--list" in argv:
+        print("\n".join(todo))
+        return 0
+    if "--case" in argv:  # checked before anything touches the GPU
+        name = argv[argv.index("--case") + 1] if argv.index("--case") + 1 < len(argv) else ""
+        if name not in todo:
+            print(f"no case {name!r}; --list names them", file=sys.stderr)
+            return 2
+        todo = {name: todo[name]}
+    ok = run_control()
+    print(f"ws_control: {'ok' if ok else 'WRONG'}", flush=True)
+    if "--control" in argv:
+        return 0 if ok else 1
+    for name, (spec, context, num_sms, tuning) in todo.items():
+        r = check_decode(spec, context, steps=2, graph=False, num_sms=num_sms, tuning=tuning)
+        print(name, r, flush=True)
+        ok &= r.ok()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

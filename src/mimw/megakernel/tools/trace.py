@@ -1,0 +1,88 @@
+"""Reading a per-instruction trace of one megakernel step (``Tuning(trace=True)``).
+
+The kernel records, for every instruction, four %globaltimer stamps (ns): when the compute role reached it, when
+its dependency counter was met, when its outputs were stored (before the release), and when it signalled.
+``summarize`` turns them into what the performance notes need: per opcode the time spent waiting vs working, per
+stage (opcode, layer) the window from the first instruction becoming ready to the last one finishing, and the
+critical path per layer: for each stage, the time from the previous stage's last instruction finishing to its own
+last one finishing, averaged over the layers after the first (layer 0 starts cold) — the step's dependency chain,
+measured, stage by stage. ``tile_counts`` gives the weight tiles each instruction streams (its isa.TileSpan), the
+host's mirror of the ring's tile counter.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .. import isa
+from ..program import Program
+
+LAYER_STAGES = ("ATTN_IN", "ATTN_PARTIAL", "O_PROJ", "MLP_IN", "DOWN_PROJ")
+
+
+def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -> dict:
+    """trace [num_sms, max_len, 4] int64 ns (start, dependency met, outputs stored, signalled); words/lengths: the
+    encoded program. Times in microseconds; per opcode the wait, the busy time and, within it, the release (outputs
+    stored -> signalled: the barrier and the counter's release, which waits until the stores are visible)."""
+    t, w, n = trace.cpu(), words.cpu(), lengths.cpu()
+    valid = [(s, i) for s in range(t.shape[0]) for i in range(int(n[s]))]
+    t0 = min(int(t[s, i, 0]) for s, i in valid)
+    per_op: dict[str, dict] = defaultdict(lambda: dict(count=0, wait_us=0.0, busy_us=0.0, release_us=0.0))
+    stages: dict[tuple[int, int], list[float]] = {}
+    for s, i in valid:
+        op, layer = isa.Op(int(w[s, i, isa.Word.OP])), int(w[s, i, isa.Word.LAYER])
+        start, ready, stored, done = (int(x) - t0 for x in t[s, i, :4])
+        d = per_op[op.name]
+        d["count"] += 1
+        d["wait_us"] += (ready - start) / 1e3
+        d["busy_us"] += (done - ready) / 1e3
+        d["release_us"] += (done - stored) / 1e3
+        win = stages.setdefault((int(op), layer), [ready / 1e3, done / 1e3])
+        win[0], win[1] = min(win[0], ready / 1e3), max(win[1], done / 1e3)
+    end = max(int(t[s, i, 3]) for s, i in valid) - t0
+    ops = {k: dict(v, mean_wait_us=v["wait_us"] / v["count"], mean_busy_us=v["busy_us"] / v["count"],
+                   mean_release_us=v["release_us"] / v["count"])
+           for k, v in per_op.items()}
+    windows = [dict(op=isa.Op(o).name, layer=l, first_ready_us=a, last_done_us=b)
+               for (o, l), (a, b) in sorted(stages.items(), key=lambda kv: kv[1][0])]
+    return dict(step_us=end / 1e3, ops=ops, stages=windows, critical_path_us=critical_path(windows), origin_ns=t0)
+
+
+def critical_path(windows: list[dict]) -> dict[str, float]:
+    """Mean over layers 1..L-1 of each stage's share of the layer: its last finish minus the previous stage's last
+    finish (the previous layer's DOWN_PROJ for ATTN_IN). Keys: the stages, and "layer" (their sum)."""
+    done = {(w["op"], w["layer"]): w["last_done_us"] for w in windows}
+    layers = sorted({w["layer"] for w in windows if w["op"] == "DOWN_PROJ"})
+    shares: dict[str, list[float]] = {op: [] for op in LAYER_STAGES}
+    for layer in layers[1:]:
+        prev = done[("DOWN_PROJ", layer - 1)]
+        for op in LAYER_STAGES:
+            if (op, layer) in done:
+                shares[op].append(done[(op, layer)] - prev)
+                prev = done[(op, layer)]
+    out = {op: sum(v) / len(v) for op, v in shares.items() if v}
+    if out:
+        out["layer"] = sum(out.values())
+    return out
+
+
+def format_summary(s: dict, layers: int = 2) -> str:
+    lines = [f"step {s['step_us']:.1f} us", f"{'op':14s} {'count':>6s} {'mean wait us':>13s} {'mean busy us':>13s} "
+             f"{'of it release':>14s}"]
+    for k, v in s["ops"].items():
+        lines.append(f"{k:14s} {v['count']:6d} {v['mean_wait_us']:13.2f} {v['mean_busy_us']:13.2f} "
+                     f"{v['mean_release_us']:14.2f}")
+    if s.get("critical_path_us"):
+        lines.append("critical path per layer (mean over layers 1..L-1, us): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in s["critical_path_us"].items()))
+    lines.append("stage windows (first ready -> last done), first layers:")
+    for st in s["stages"]:
+        if st["layer"] < layers or st["op"] == "LM_HEAD":
+            lines.append(f"  L{st['layer']:<3d} {st['op']:14s} {st['first_ready_us']:9.1f} -> {st['last_done_us']:9.1f}")
+    return "\n".join(lines)
+
+
+def tile_counts(program: Program) -> list[list[int]]:
+    """Weight tiles each instruction streams, per SM queue, in the loader's order (its isa.TileSpan)."""
+    return [[ins.tiles.n_tiles for ins in q] for q in program.queues]

@@ -1,0 +1,55 @@
+"""The launch plan (plan.py): host logic on the CPU."""
+import pytest
+
+from mimw.megakernel.plan import SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, plan
+from mimw.megakernel.program import StepShape
+from mimw.models.spec import get_preset
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
+def test_the_ring_is_as_deep_as_shared_memory_allows(model):
+    p = plan(get_preset(model), 132)
+    slot = p.tuning.tile_rows * p.tuning.tile_k * 2
+    room = SHARED_BYTES - SCRATCH_BYTES - p.hbuf_rows * p.tuning.tile_k * 2 - p.exchange_bytes
+    assert p.ring == room // slot >= 2
+    with pytest.raises(ValueError, match="do not fit"):
+        plan(get_preset(model), 132, tuning=Tuning(ring=p.ring + 1))
+    assert plan(get_preset(model), 132, tuning=Tuning(ring=4)).ring == 4
+
+
+def test_shapes_force_their_fallbacks_in_the_plan():
+    one_b = get_preset("llama-3.2-1b")
+    assert plan(one_b, 132).constants.DOWN_PAIRS  # 64 row blocks pair on 128 of 132 SMs
+    assert not plan(one_b, 114).constants.DOWN_PAIRS  # an H100 PCIe's 114 SMs: too few to pair every block
+    odd = plan(one_b, 131)  # an odd SM count: no clusters, tickets
+    assert odd.exchange_bytes == 0 and odd.cluster_size == 1 and not odd.constants.DOWN_PAIRS
+    assert plan(one_b, 132).exchange_bytes == exchange_bytes(64)
+    small = plan(get_preset("smollm2-135m"), 132)  # a 9-row staging buffer (D = 576) is too small for the merge
+    assert not small.constants.SMEM_MERGE and plan(one_b, 132).constants.SMEM_MERGE
+    tiny = plan(get_preset("tiny-qwen3"), 8)  # a 32-row head: 16-row tiles of 512 columns
+    assert (tiny.tuning.tile_rows, tiny.tuning.tile_k) == (16, 512)
+
+
+def test_the_plan_rejects_tunings_it_cannot_tile():
+    spec = get_preset("llama-3.2-1b")
+    with pytest.raises(ValueError, match="head_dim"):
+        plan(spec, 132, tuning=Tuning(tile_rows=64, tile_k=256))
+    with pytest.raises(ValueError, match="fold"):
+        plan(spec, 132, tuning=Tuning(tile_rows=32, tile_k=96))
+    with pytest.raises(ValueError, match="qkv_parts"):
+        plan(spec, 132, tuning=Tuning(qkv_parts=9))
+    with pytest.raises(ValueError, match="quiet"):
+        plan(spec, 132, tuning=Tuning(quiet=-2))
+
+
+def test_the_words_carry_the_hold_marks_and_the_constants_the_shape():
+    from mimw.megakernel import isa
+
+    spec = get_preset("llama-3.1-8b")
+    p = plan(spec, 132, StepShape((1,), 1024))
+    flags = p.words[..., isa.Word.FLAGS]
+    assert bool((flags & isa.HOLD_WAIT).any()) and bool((flags & isa.HOLD_ARRIVE).any())
+    assert not (plan(spec, 132, tuning=Tuning(quiet=-1)).words[..., isa.Word.FLAGS] & isa.HOLD_WAIT).any()
+    c = p.constants
+    assert (c.D, c.HQ, c.HKV, c.HD, c.I, c.NL) == (4096, 32, 8, 128, 14336, 32)
+    assert (c.KT_D, c.KT_I, c.SP2, c.GP, c.NB) == (16, 56, 16, 4, p.ring)
