@@ -4,8 +4,8 @@
 #   tests      tests/megakernel/test_kernel_gpu.py: the shipping kernel for 4 shapes x contexts 1/17/1000/8191 x 64
 #              steps, the tickets, other SM counts, release-hold settings, the decoder's fall-back to tickets, the
 #              traced launch; the cluster probe and the engine's megakernel backend (~6 min)
-#   sanitize   compute-sanitizer synccheck (case by case, each in its own process, if it errs) and racecheck on
-#              small shapes (~4 min; racecheck is cut at 200 s)
+#   sanitize   compute-sanitizer synccheck on small shapes (case by case, each in its own process, if it errs; ~2 min)
+#   racecheck  compute-sanitizer racecheck on the same cases (cut at 200 s)
 #   trace      the per-instruction trace of the 1B and 8B shapes at context 1024 (~2 min)
 # Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
 #   PARTS="tests sanitize" bash scripts/gpu_check.sh        # these parts (default: tests and sanitize)
@@ -43,6 +43,8 @@ if has sanitize; then
             echo "$case: $(grep -h "ERROR SUMMARY" "$out/synccheck-cases.log" | tail -n 1)"
         done
     fi
+fi
+if has racecheck; then
     timeout "${SANITIZER_TIMEOUT:-200}" "$sanitizer" --tool racecheck python3 -m mimw.megakernel.tools.sanitize \
         > "$out/racecheck.log" 2>&1
     rc[racecheck]=$?
