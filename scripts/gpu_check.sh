@@ -12,7 +12,7 @@
 #   COMMIT=<sha> VARIANTS=a,b PARTS=trace bash scripts/gpu_check.sh   # record the commit; time these variants
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=${SRC:-src} PYTHONUNBUFFERED=1  # SRC: another source tree to check (the tests are this tree's)
 out=${OUT:-bench/results/gpu-check}
 mkdir -p "$out"
 sanitizer=${COMPUTE_SANITIZER:-compute-sanitizer}
