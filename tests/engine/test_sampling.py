@@ -98,3 +98,101 @@ def test_sample_batch_mixes_greedy_and_sampled_rows():
     assert sample_batch(logits, ps, [make_generator(p) for p in ps]) == [1, 0]
     with pytest.raises(ValueError):
         sample_batch(logits, ps[:1], [None])
+
+
+# --- processors and the distribution ----------------------------------------------------------------------------
+from mimw.engine.sampling import TokenContext, distribution  # noqa: E402
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(frequency_penalty=float("inf")), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(logit_bias={5: 101}), "logit_bias"),
+    (dict(logit_bias={-1: 1}), "logit_bias"),
+    (dict(logit_bias={"7": 1}), "logit_bias"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+])
+def test_invalid_processor_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_is_stored_sorted_and_frozen():
+    p = SamplingParams(logit_bias={9: -1.5, 3: 100})
+    assert p.logit_bias == ((3, 100), (9, -1.5)) and p.has_processors
+    hash(p)
+
+
+def test_logit_bias_forces_and_bans_tokens_even_when_greedy():
+    logits = torch.tensor([[5.0, 0.0, 0.0, 1.0]])
+    assert sample_batch(logits, [SamplingParams(temperature=0, logit_bias={2: 100})], [None]) == [2]
+    assert sample_batch(logits, [SamplingParams(temperature=0, logit_bias={0: -100})], [None]) == [3]
+
+
+def test_frequency_and_presence_penalties_follow_openai_formula():
+    logits = torch.zeros(1, 5)
+    ctx = [TokenContext(prompt_ids=[4, 4], output_ids=[1, 1, 1, 2])]
+    p = SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.25)
+    probs = distribution(logits, [p], ctx)[0]
+    expect = torch.softmax(torch.tensor([0.0, -1.5 - 0.25, -0.5 - 0.25, 0.0, 0.0]), -1)  # prompt not counted
+    assert torch.allclose(probs, expect, atol=1e-6)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    ctx = [TokenContext(prompt_ids=[0], output_ids=[1])]
+    p = SamplingParams(temperature=1.0, repetition_penalty=2.0)
+    probs = distribution(logits, [p], ctx)[0]
+    assert torch.allclose(probs, torch.softmax(torch.tensor([1.0, -4.0, 2.0, -2.0]), -1), atol=1e-6)
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = filtered_probs(probs.log(), SamplingParams(min_p=0.35))  # threshold 0.175
+    assert torch.allclose(kept, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
+
+
+def test_grammar_bitmask_allows_only_its_tokens():
+    V = 70
+    words = torch.zeros((V + 31) // 32, dtype=torch.int32)
+    for t in (3, 40, 65):
+        words[t // 32] |= 1 << (t % 32)
+    logits = torch.randn(2, V)
+    ctx = [TokenContext(allowed=words), TokenContext()]
+    probs = distribution(logits, [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)], ctx)
+    assert set(torch.nonzero(probs[0]).flatten().tolist()) == {3, 40, 65}
+    assert (probs[1] > 0).all()
+    g = make_generator(SamplingParams(temperature=1.0, seed=0))
+    assert {sample_batch(logits[:1], [SamplingParams(temperature=1.0)], [g], ctx[:1])[0] for _ in range(50)} \
+        <= {3, 40, 65}
+    # bit 31 of a word is the sign bit of the int32: it must still count
+    words = torch.zeros(3, dtype=torch.int32)
+    words[1] = -(1 << 31)  # token 63 only
+    assert sample_batch(torch.randn(1, V), [SamplingParams(temperature=0)], [None], [TokenContext(allowed=words)]) \
+        == [63]
+
+
+def test_distribution_is_what_sample_batch_draws_from_and_rows_ignore_their_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 200)
+    ps = [SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.02, seed=5, frequency_penalty=1.0),
+          SamplingParams(temperature=0, presence_penalty=2.0),
+          SamplingParams(temperature=1.3, repetition_penalty=1.3, logit_bias={7: 3.0}, seed=9)]
+    ctx = [TokenContext([1, 2], [3, 3, 4]), TokenContext([], [int(logits[1].argmax())]), TokenContext([7], [])]
+    d = distribution(logits, ps, ctx)
+    assert torch.allclose(d.sum(-1), torch.ones(3))
+    assert d[1].max() == 1 and int(d[1].argmax()) != int(logits[1].argmax())  # greedy: one-hot after penalties
+    for b in range(3):  # a row alone gives the same distribution as in its batch
+        assert torch.equal(distribution(logits[b:b + 1], ps[b:b + 1], ctx[b:b + 1])[0], d[b])
+    g = [make_generator(p) for p in ps]
+    draws = [sample_batch(logits, ps, g, ctx) for _ in range(100)]
+    for b in range(3):
+        support = set(torch.nonzero(d[b]).flatten().tolist())
+        assert {row[b] for row in draws} <= support
+    # seeded rows repeat exactly
+    g2 = [make_generator(p) for p in ps]
+    assert [sample_batch(logits, ps, g2, ctx) for _ in range(100)] == draws

@@ -9,6 +9,7 @@ Request validation lives here too, so that every front end (server, CLI, benchma
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -20,8 +21,9 @@ from ..kv.prefix import PrefixCache
 from ..models.reference import Segment
 from .backends.base import Backend
 from .detokenize import Decoder, TextStream
-from .request import Request, RequestOutput
-from .sampling import SamplingParams, make_generator, sample_batch
+from .logprobs import TokenLogprob, logprobs_of
+from .request import Request, RequestOutput, RequestTimes
+from .sampling import SamplingParams, TokenContext, make_generator, sample_batch
 from .scheduler import Scheduler, SchedulerConfig
 
 
@@ -67,6 +69,8 @@ class EngineStats:
     prefix_hit_tokens: int
     preemptions: int
     steps: int
+    prompt_tokens: int = 0  # prompt tokens of requests whose prefill completed (cached ones included)
+    generation_tokens: int = 0  # tokens sampled, counted when sampled (aborted requests' included)
 
 
 class Engine:
@@ -87,6 +91,8 @@ class Engine:
         self._detok: dict[str, TextStream] = {}
         self._preemptions = 0
         self._steps = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
 
     # --- requests -----------------------------------------------------------------------------------------
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -116,6 +122,12 @@ class Engine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise RequestError(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}", "stop_token_ids")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {bad[0]}", "logit_bias")
+        if params.grammar is not None and params.grammar.vocab_size != vocab:
+            raise RequestError(f"the grammar was compiled for a vocabulary of {params.grammar.vocab_size} ids, "
+                               f"the model has {vocab}", "response_format")
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     on_output: Callable[[RequestOutput], None] | None = None,
@@ -128,6 +140,8 @@ class Engine:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.generator = make_generator(params)
+        if params.grammar is not None:
+            req.matcher = params.grammar.matcher()
         self._requests[request_id] = req
         self._detok[request_id] = TextStream(self.tokenizer, req.prompt_token_ids, params.stop)
         self.scheduler.add(req)
@@ -157,7 +171,8 @@ class Engine:
         p = self.prefix
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.allocator.num_pages,
                            self.allocator.num_in_use, self.allocator.num_parked, p.query_tokens if p else 0,
-                           p.hit_tokens if p else 0, self._preemptions, self._steps)
+                           p.hit_tokens if p else 0, self._preemptions, self._steps, self._prompt_tokens,
+                           self._generation_tokens)
 
     # --- one step -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -166,30 +181,75 @@ class Engine:
         if not plan.chunks:
             return []
         self._steps += 1
+        start = time.monotonic()
+        for c in plan.chunks:
+            if c.request.scheduled_time is None:
+                c.request.scheduled_time = start
         tokens = torch.tensor([t for c in plan.chunks for t in c.request.token_ids[c.start:c.start + c.length]],
                               dtype=torch.long)
-        segments = [Segment(tuple(c.request.block_table), c.start, c.length) for c in plan.chunks]
+        segments = [Segment(tuple(c.request.block_table), c.start, c.length, _num_logits(c)) for c in plan.chunks]
         try:
-            logits = self.backend.forward(tokens, segments, self.cache)  # [S, V]
+            logits = self.backend.forward(tokens, segments, self.cache)  # [sum(num_logits), V]
         except Exception as e:  # a failed step fails its requests, never the engine
             return [self._finish(c.request, "error", "", error=f"{type(e).__name__}: {e}") for c in plan.chunks]
         self.scheduler.commit(plan)
-        rows = [i for i, c in enumerate(plan.chunks) if c.samples]
+        ends = list(itertools.accumulate(s.num_logits for s in segments))  # row after each segment's last
+        self._collect_prompt_logprobs(plan.chunks, segments, ends, logits)
+        rows = [ends[i] - 1 for i, c in enumerate(plan.chunks) if c.samples]
         if not rows:
             return []
-        reqs = [plan.chunks[i].request for i in rows]
+        reqs = [c.request for c in plan.chunks if c.samples]
+        for r in reqs:
+            if r.first_token_time is None:  # prefill complete
+                self._prompt_tokens += r.num_prompt_tokens
         try:
+            contexts = [_context(r) for r in reqs] if any(r.params.has_processors for r in reqs) else None
             new: list[int | Exception] = list(sample_batch(logits[rows], [r.params for r in reqs],
-                                                           [r.generator for r in reqs]))
+                                                           [r.generator for r in reqs], contexts))
         except Exception:  # e.g. NaN logits under temperature sampling: find the culprits one by one
             new = [self._sample_one(logits[i], r) for i, r in zip(rows, reqs)]
+        lps = self._token_logprobs(logits, rows, reqs, new)
         now = time.monotonic()
         return [self._finish(r, "error", "", error=f"sampling failed: {type(t).__name__}: {t}")
-                if isinstance(t, Exception) else self._append_safely(r, t, now) for r, t in zip(reqs, new)]
+                if isinstance(t, Exception) else self._append_safely(r, t, now, lp)
+                for r, t, lp in zip(reqs, new, lps)]
 
-    def _append_safely(self, r: Request, token: int, now: float) -> RequestOutput:
+    @staticmethod
+    def _token_logprobs(logits: torch.Tensor, rows: list[int], reqs: list[Request],
+                        new: list[int | Exception]) -> list[TokenLogprob | None]:
+        """Logprob (and top alternatives) of each sampled token whose request asked for them."""
+        want = [i for i, (r, t) in enumerate(zip(reqs, new))
+                if r.params.logprobs is not None and not isinstance(t, Exception)]
+        out: list[TokenLogprob | None] = [None] * len(reqs)
+        if want:
+            got = logprobs_of(logits[[rows[i] for i in want]], [new[i] for i in want],
+                              [reqs[i].params.logprobs for i in want])
+            for i, lp in zip(want, got):
+                out[i] = lp
+        return out
+
+    @staticmethod
+    def _collect_prompt_logprobs(chunks, segments: list[Segment], ends: list[int], logits: torch.Tensor) -> None:
+        """Prompt logprobs from the chunks that asked for a row per token: the row of position q scores prompt
+        token q + 1. Positions already collected (a recomputation after preemption) are skipped."""
+        rows, targets, ks, owners = [], [], [], []
+        for c, seg, end in zip(chunks, segments, ends):
+            r = c.request
+            if seg.num_logits == 1 or not r.needs_prompt_logits:
+                continue
+            first_row = end - seg.num_logits  # the row of position c.start
+            for q in range(max(c.start, len(r.prompt_logprobs)), min(c.start + c.length, r.num_prompt_tokens - 1)):
+                rows.append(first_row + q - c.start)
+                targets.append(r.token_ids[q + 1])
+                ks.append(r.params.prompt_logprobs)
+                owners.append(r)
+        if rows:
+            for r, lp in zip(owners, logprobs_of(logits[rows], targets, ks)):
+                r.prompt_logprobs.append(lp)
+
+    def _append_safely(self, r: Request, token: int, now: float, lp: TokenLogprob | None) -> RequestOutput:
         try:
-            return self._append(r, token, now)
+            return self._append(r, token, now, lp)
         except Exception as e:  # e.g. the tokenizer cannot decode an id: this request fails, the others go on
             if r.request_id not in self._requests:
                 raise
@@ -199,40 +259,70 @@ class Engine:
     @staticmethod
     def _sample_one(logits: torch.Tensor, r: Request) -> int | Exception:
         try:
-            return sample_batch(logits[None], [r.params], [r.generator])[0]
+            ctx = [_context(r)] if r.params.has_processors else None
+            return sample_batch(logits[None], [r.params], [r.generator], ctx)[0]
         except Exception as e:
             return e
 
-    def _append(self, r: Request, token: int, now: float) -> RequestOutput:
+    def _append(self, r: Request, token: int, now: float, lp: TokenLogprob | None = None) -> RequestOutput:
         r.token_ids.append(token)
+        self._generation_tokens += 1
         if r.first_token_time is None:
             r.first_token_time = now
+        if r.matcher is not None and not r.matcher.accept(token):
+            return self._finish(r, "error", "", error=f"token {token} is outside the request's grammar",
+                                flush=False)
         stream = self._detok[r.request_id]
         if token in r.stop_token_ids:
             return self._finish(r, "stop", "", (token,))
+        lps = (lp,) if lp is not None else ()
         text, stopped = stream.push(token)
         if stopped:  # the stop string and everything after it are dropped: nothing to flush
-            return self._finish(r, "stop", text, (token,), flush=False)
+            return self._finish(r, "stop", text, (token,), flush=False, logprobs=lps)
+        if r.matcher is not None and r.matcher.finished:  # the document is complete (even with ignore_eos)
+            return self._finish(r, "stop", text, (token,), logprobs=lps)
         if r.num_output_tokens >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
-            return self._finish(r, "length", text, (token,))
-        return self._event(r, text, (token,))
+            return self._finish(r, "length", text, (token,), logprobs=lps)
+        return self._event(r, text, (token,), logprobs=lps)
 
     def _finish(self, r: Request, reason: str, text: str, token_ids: tuple[int, ...] = (),
-                error: str | None = None, flush: bool = True) -> RequestOutput:
+                error: str | None = None, flush: bool = True,
+                logprobs: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
         """End ``r``: free its pages and emit the last event, with any text held back so far when ``flush``."""
         stream = self._detok.pop(r.request_id)
         del self._requests[r.request_id]
         if flush:
             text += stream.finish()
         self.scheduler.finish(r, reason)
-        return self._event(r, text, token_ids, error)
+        return self._event(r, text, token_ids, error, logprobs)
 
-    def _event(self, r: Request, text: str, token_ids: tuple[int, ...], error: str | None = None) -> RequestOutput:
+    def _event(self, r: Request, text: str, token_ids: tuple[int, ...], error: str | None = None,
+               logprobs: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
+        prompt_lps = None
+        if r.params.prompt_logprobs is not None and not r.prompt_logprobs_sent and (token_ids or r.is_finished):
+            r.prompt_logprobs_sent = True
+            prompt_lps = (None, *r.prompt_logprobs)
+        times = RequestTimes(r.arrival_time, r.scheduled_time, r.first_token_time, time.monotonic()) \
+            if r.is_finished else None
         out = RequestOutput(r.request_id, text, token_ids, r.is_finished, r.finish_reason, r.num_prompt_tokens,
-                            r.num_output_tokens, r.num_cached_tokens, error)
+                            r.num_output_tokens, r.num_cached_tokens, error, logprobs, prompt_lps, times)
         if r.on_output is not None:
             try:
                 r.on_output(out)
             except Exception:  # a consumer that went away must not stop the other requests
                 pass
         return out
+
+
+def _num_logits(c) -> int:
+    """Logit rows a chunk needs: one per token while its request still collects prompt logprobs, else one."""
+    r = c.request
+    return c.length if r.needs_prompt_logits and c.start < r.num_prompt_tokens - 1 else 1
+
+
+def _context(r: Request) -> TokenContext:
+    """What the sampling processors read about ``r``: its history (penalties) and its grammar's next mask."""
+    p = r.params
+    return TokenContext(r.prompt_token_ids if p.repetition_penalty != 1 else (),
+                        r.output_token_ids if p.has_penalties else (),
+                        r.matcher.allowed() if r.matcher is not None else None)

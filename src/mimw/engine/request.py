@@ -10,16 +10,19 @@ Invariants:
   * len(block_table) == pages_for(num_computed) between steps (pages are allocated when a chunk is scheduled).
   * num_computed < len(token_ids) while RUNNING or WAITING: there is always a next token to sample from.
   * FINISHED requests hold no pages.
+  * A request that asks for prompt logprobs computes its whole prompt (no prefix reuse) until every prompt
+    token's logprob is collected (``needs_prompt_logits``); afterwards it behaves like any other.
 """
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from .logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 
@@ -30,12 +33,25 @@ class Status(enum.Enum):
 
 
 @dataclass(frozen=True)
+class RequestTimes:
+    """Monotonic timestamps of one request (seconds): arrival, first scheduled, first token, finished."""
+
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    finished: float
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One event for the client of a request: new text/tokens since the last event, and whether it ended.
 
     finish_reason: None while running; "stop" (EOS, stop token or stop string), "length" (max_tokens or the
     context limit), "abort" (cancelled, e.g. the client went away) or "error" (the backend failed; ``error``
-    says why)."""
+    says why).
+    logprobs: with ``params.logprobs``, one entry per token of ``token_ids`` that produced text (a stop token
+    has none). prompt_logprobs: with ``params.prompt_logprobs``, on the first event only: one entry per prompt
+    token, None for the first. times: on the final event only."""
 
     request_id: str
     text: str
@@ -46,6 +62,9 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    times: RequestTimes | None = None
 
 
 @dataclass(eq=False)
@@ -69,6 +88,10 @@ class Request:
     finish_reason: str | None = field(init=False, default=None)
     generator: torch.Generator | None = field(init=False, default=None)
     first_token_time: float | None = field(init=False, default=None)
+    scheduled_time: float | None = field(init=False, default=None)  # first admission to a batch
+    matcher: Any = field(init=False, default=None)  # grammar.GrammarMatcher of params.grammar, if any
+    prompt_logprobs: list[TokenLogprob] = field(init=False, default_factory=list)  # of prompt tokens 1, 2, ...
+    prompt_logprobs_sent: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -95,6 +118,11 @@ class Request:
     def num_pending(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs were asked for and some are still missing."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -1,36 +1,59 @@
-"""Sampling: per-request parameters and the pure function that turns one row of logits into a token id.
+"""Sampling: per-request parameters, the logits processors, and the pure functions that turn rows of logits into
+the sampling distribution and into token ids.
 
-API (all the serving engine needs):
-  ``SamplingParams``        frozen, validated at construction (``ValueError`` naming the field).
-  ``make_generator(p)``     the request's own ``torch.Generator`` (CPU), seeded from ``p.seed``; ``None`` if greedy.
-  ``sample(logits, p, g)``  logits [V] (any device, any float dtype) -> token id (int).
-  ``sample_batch(...)``     the same for logits [B, V] with one (params, generator) per row.
+API (all the serving engine and the speculative decoder need):
+  ``SamplingParams``          frozen, validated at construction (``ValueError`` naming the field).
+  ``TokenContext``            what the processors read about a row: its prompt, its outputs so far, its grammar's
+                              packed allowed-token bitmask.
+  ``distribution(x, ps, cs)`` logits [B, V] -> the final per-token sampling distribution [B, V] (fp32, on the
+                              logits' device) after every processor: THE definition of what a row samples from.
+  ``sample_batch(x, ps, gs, cs)``  logits [B, V] -> B token ids drawn from that distribution.
+  ``make_generator(p)``       the request's own ``torch.Generator`` (CPU), seeded from ``p.seed``; ``None`` if greedy.
+  ``sample(logits, p, g)``    one row without context (``mimw generate``).
+
+Processors, in order (vLLM's order), all applied per row on the logits' device in fp32, batched over the rows
+that use them:
+  1. the grammar mask (tokens outside the allowed set get -inf);
+  2. ``logit_bias`` (added to the logits);
+  3. ``repetition_penalty`` over prompt + output tokens (positive logits divided by it, negative multiplied),
+     then ``frequency_penalty`` x count and ``presence_penalty`` x (count > 0) over output tokens, subtracted;
+  4. temperature; greedy rows (temperature 0) stop here: their distribution is one-hot at the argmax;
+  5. ``min_p`` (drop tokens whose probability is below min_p x the top probability), ``top_k``, ``top_p``
+     (keep the smallest most-likely-first prefix whose mass reaches top_p; the most likely token always stays);
+     renormalise.
 
 Invariants:
-  * temperature == 0 is greedy: ``argmax`` (lowest id on ties); top-k/top-p and the generator are not used.
-  * Otherwise: logits / temperature -> keep the ``top_k`` most likely tokens (0 = all) -> keep the smallest
-    most-likely-first prefix whose probability reaches ``top_p`` (the most likely token is always kept) ->
-    renormalise -> draw one token with the request's generator.
-  * Draws happen on the CPU in fp32, so a (seed, logits) pair gives the same token whatever device produced the
-    logits, and concurrent requests never share random state: each owns its generator and advances it once per
-    sampled token.
+  * temperature == 0 is greedy: ``argmax`` of the processed logits (lowest id on ties); no generator is used.
+  * Draws happen on the CPU in fp32 with the request's own generator, advanced once per sampled token, so
+    concurrent requests never share random state and a (seed, distribution) pair always gives the same tokens;
+    each row's distribution depends only on that row's logits, params and context, never on its batch.
 """
 from __future__ import annotations
 
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
+
+MAX_LOGPROBS = 20  # alternatives per position that a request may ask for (OpenAI's chat limit)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens for one request and when to stop.
+    """How to pick tokens for one request, what to report about them, and when to stop.
 
     temperature: >= 0; 0 means greedy.           top_p: in (0, 1]; 1 disables nucleus filtering.
-    top_k: >= 0; 0 disables top-k filtering.      seed: None draws a fresh random seed per request.
+    top_k: >= 0; 0 disables top-k filtering.      min_p: in [0, 1]; 0 disables it.
+    seed: None draws a fresh random seed per request.
+    presence_penalty, frequency_penalty: in [-2, 2] (OpenAI's range), over the generated tokens.
+    repetition_penalty: > 0 (1 disables it), over prompt and generated tokens.
+    logit_bias: (token id, bias in [-100, 100]) pairs; a mapping is accepted and stored sorted by id.
+    logprobs: None, or how many most likely alternatives (0..20) to report with each generated token's logprob.
+    prompt_logprobs: None, or the same for every prompt token after the first (forces the prompt to be computed,
+    no prefix reuse).
+    grammar: a compiled grammar (``mimw.engine.grammar.Grammar``) the output must match, or None.
     max_tokens: >= 1 new tokens at most.          stop: strings that end generation (not included in the output).
     stop_token_ids: extra token ids that end generation (the model's EOS ids are added by the engine unless
     ``ignore_eos``).
@@ -39,14 +62,22 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    grammar: Any = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        # Accept lists / a single string at the edge, store tuples (hashable, immutable).
+        # Accept lists / a single string / a mapping at the edge, store tuples (hashable, immutable).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:
@@ -54,17 +85,37 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias or ()
+        items = bias.items() if isinstance(bias, Mapping) else bias
+        try:
+            object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in items)))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
 
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        _number(self.temperature, "temperature", lo=0.0)
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+        if not _is_num(p) or not (0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _number(self.min_p, "min_p", lo=0.0, hi=1.0)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        _number(self.presence_penalty, "presence_penalty", lo=-2.0, hi=2.0)
+        _number(self.frequency_penalty, "frequency_penalty", lo=-2.0, hi=2.0)
+        rp = self.repetition_penalty
+        if not _is_num(rp) or not math.isfinite(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {rp!r}")
+        for k, v in self.logit_bias:
+            if not _is_int(k) or k < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+            _number(v, "logit_bias values", lo=-100.0, hi=100.0)
+        if len({k for k, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
+        for f in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, f)
+            if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{f} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         for s in self.stop:
@@ -78,9 +129,42 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether anything but temperature / top-k / top-p / min-p shapes this request's distribution."""
+        return self.has_penalties or bool(self.logit_bias) or self.grammar is not None
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _number(x: object, name: str, lo: float, hi: float | None = None) -> None:
+    if not _is_num(x) or not math.isfinite(x) or x < lo or (hi is not None and x > hi):
+        rng = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
+        raise ValueError(f"{name} must be a finite number {rng}, got {x!r}")
+
+
+@dataclass(frozen=True)
+class TokenContext:
+    """What the processors read about one row: the request's prompt and generated tokens (penalties) and the
+    packed bitmask of the tokens its grammar allows next (int32 [ceil(V / 32)], bit i of word w = token
+    32 w + i; None: no grammar)."""
+
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+    allowed: torch.Tensor | None = None
+
+
+_NO_CONTEXT = TokenContext()
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -91,46 +175,133 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return torch.Generator(device="cpu").manual_seed(seed % (2**64))
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [V] -> fp32 CPU probabilities [V] after temperature, top-k and top-p (zeros outside the kept set).
+# --- processors -----------------------------------------------------------------------------------------------
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   contexts: Sequence[TokenContext]) -> torch.Tensor:
+    """Steps 1-3 of the module docstring: logits [B, V] -> fp32 [B, V] on the same device (a new tensor)."""
+    x = logits.detach().float().clone()
+    B, V = x.shape
+    dev = x.device
+    masked = [b for b in range(B) if contexts[b].allowed is not None]
+    if masked:
+        words = torch.stack([contexts[b].allowed for b in masked]).to(dev, torch.int32)  # [M, W]
+        ids = torch.arange(V, device=dev)
+        allowed = (words[:, ids >> 5] >> (ids & 31)) & 1  # [M, V]
+        rows = torch.tensor(masked, device=dev)
+        x[rows] = x[rows].masked_fill(allowed == 0, float("-inf"))
+    biased = [(b, t, v) for b, p in enumerate(params) for t, v in p.logit_bias if t < V]
+    if biased:
+        r, t, v = zip(*biased)
+        x.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                     torch.tensor(v, dtype=x.dtype, device=dev), accumulate=True)
+    pen = [b for b, p in enumerate(params) if p.has_penalties]
+    if pen:
+        rows = torch.tensor(pen, device=dev)
+        sub = x[rows]
+        out_counts = _counts([contexts[b].output_ids for b in pen], V, dev)
+        rep = torch.tensor([params[b].repetition_penalty for b in pen], device=dev)[:, None]
+        if (rep != 1).any():
+            seen = (_counts([contexts[b].prompt_ids for b in pen], V, dev) + out_counts) > 0
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq = torch.tensor([params[b].frequency_penalty for b in pen], device=dev)[:, None]
+        pres = torch.tensor([params[b].presence_penalty for b in pen], device=dev)[:, None]
+        sub = sub - freq * out_counts - pres * (out_counts > 0).float()
+        x[rows] = sub
+    return x
 
-    Not meaningful for greedy params (temperature 0); ``sample`` never calls it then."""
-    x = logits.detach().float().cpu() / params.temperature
-    probs = torch.softmax(x, dim=-1)
-    sorted_p, order = torch.sort(probs, descending=True, stable=True)  # ties keep the lower id first
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if 0 < params.top_k < sorted_p.numel():
-        keep[params.top_k:] = False
-    if params.top_p < 1.0:
-        # keep token j iff the probability mass strictly before it is < top_p (so the first token always stays)
+
+def _counts(token_lists: Sequence[Sequence[int]], vocab: int, dev: torch.device) -> torch.Tensor:
+    """fp32 [len(token_lists), vocab]: how often each id occurs in each list (ids >= vocab are ignored)."""
+    width = max(1, max(len(t) for t in token_lists))
+    ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for i, t in enumerate(token_lists):
+        if len(t):
+            ids[i, :len(t)] = torch.as_tensor(list(t), dtype=torch.long).clamp_(max=vocab)
+    ids = ids.to(dev)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=dev)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _filter(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Steps 4-5 for non-greedy rows: processed logits [B, V] -> probabilities [B, V] (zeros outside the kept
+    set), on the logits' device."""
+    dev = x.device
+    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=x.dtype)[:, None]
+    probs = torch.softmax(x / temp, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=x.dtype)[:, None]
+    if (min_p > 0).any():
+        probs = torch.where(probs >= min_p * probs.max(dim=-1, keepdim=True).values, probs, 0.0)
+    V = x.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=x.dtype)[:, None]
+    if min(top_k) < V or (top_p < 1).any():
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties keep the lower id first
+        rank = torch.arange(V, device=dev)[None, :]
+        keep = rank < torch.tensor(top_k, device=dev)[:, None]
+        # keep token j iff the mass strictly before it is < top_p (so the most likely token always stays)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        keep &= before < params.top_p
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    out = torch.zeros_like(probs)
-    out[order] = kept / kept.sum()
+        keep &= (before < top_p) | (top_p >= 1)
+        keep[:, 0] = True
+        probs = torch.zeros_like(probs).scatter_(1, order, torch.where(keep, sorted_p, 0.0))
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _needs_processing(params: Sequence[SamplingParams], contexts: Sequence[TokenContext]) -> bool:
+    return any(p.has_processors for p in params) or any(c.allowed is not None for c in contexts)
+
+
+def _check(logits: torch.Tensor, params: Sequence[SamplingParams], others: Sequence[Any], what: str) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(others):
+        raise ValueError(f"sampling: logits {tuple(logits.shape)} vs {len(params)} params, {len(others)} {what}")
+
+
+def distribution(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 contexts: Sequence[TokenContext] | None = None) -> torch.Tensor:
+    """THE per-token sampling distribution: logits [B, V] -> fp32 probabilities [B, V] on the logits' device,
+    after every processor; one-hot at the argmax for greedy rows. ``sample_batch`` draws from exactly this."""
+    contexts = contexts if contexts is not None else [_NO_CONTEXT] * len(params)
+    _check(logits, params, contexts, "contexts")
+    x = process_logits(logits, params, contexts) if _needs_processing(params, contexts) else logits.float()
+    out = torch.zeros_like(x)
+    hot = [b for b, p in enumerate(params) if p.greedy]
+    if hot:
+        out[hot] = torch.nn.functional.one_hot(torch.argmax(x[hot], dim=-1), x.shape[1]).to(out.dtype)
+    rest = [b for b, p in enumerate(params) if not p.greedy]
+    if rest:
+        out[rest] = _filter(x[rest], [params[b] for b in rest])
     return out
 
 
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None],
+                 contexts: Sequence[TokenContext] | None = None) -> list[int]:
+    """logits [B, V] -> B token ids; row b uses ``params[b]``, ``generators[b]`` and ``contexts[b]``.
+
+    Greedy rows are resolved with one batched argmax on the logits' device (one host sync for the batch); the
+    others draw from their ``distribution`` row on the CPU with their own generator."""
+    contexts = contexts if contexts is not None else [_NO_CONTEXT] * len(params)
+    _check(logits, params, generators, "generators")
+    _check(logits, params, contexts, "contexts")
+    x = process_logits(logits, params, contexts) if _needs_processing(params, contexts) else logits
+    out = torch.argmax(x, dim=-1).tolist()
+    rest = [b for b, p in enumerate(params) if not p.greedy]
+    if rest:
+        if any(generators[b] is None for b in rest):
+            raise ValueError("non-greedy sampling needs the request's generator (make_generator(params))")
+        probs = _filter(x[rest].float(), [params[b] for b in rest]).cpu()
+        for i, b in enumerate(rest):
+            out[b] = int(torch.multinomial(probs[i], 1, generator=generators[b]))
+    return out
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [V] -> fp32 CPU probabilities [V] after temperature, min-p, top-k and top-p (no context)."""
+    return distribution(logits[None], [params])[0].cpu()
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from logits [V]. ``generator`` comes from ``make_generator(params)`` (ignored when greedy)."""
+    """One token id from logits [V] without context. ``generator`` comes from ``make_generator(params)``."""
     if logits.dim() != 1:
         raise ValueError(f"sample expects logits of shape [vocab], got {tuple(logits.shape)}")
-    if params.greedy:
-        return int(torch.argmax(logits))
-    if generator is None:
-        raise ValueError("non-greedy sampling needs the request's generator (make_generator(params))")
-    probs = filtered_probs(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None]) -> list[int]:
-    """logits [B, V] -> B token ids; row b uses ``params[b]`` and ``generators[b]``.
-
-    Greedy rows are resolved with one batched argmax on the logits' device (one host sync for the batch)."""
-    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
-        raise ValueError(f"sample_batch: logits {tuple(logits.shape)} vs {len(params)} params, "
-                         f"{len(generators)} generators")
-    greedy = torch.argmax(logits, dim=-1).tolist()
-    return [greedy[b] if p.greedy else sample(logits[b], p, g)
-            for b, (p, g) in enumerate(zip(params, generators))]
+    return sample_batch(logits[None], [params], [generator])[0]

@@ -131,7 +131,7 @@ class Scheduler:
 
     def _admit(self, r: Request, budget: int) -> Chunk | None:
         ps = self.cfg.page_size
-        if self.prefix is not None:
+        if self.prefix is not None and not r.needs_prompt_logits:  # prompt logprobs need every prompt row
             hashes = chain_hashes(r.token_ids, ps, r.page_hashes)
             usable = (r.num_tokens - 1) // ps  # keep >= 1 token to compute: the next token needs its logits
             hit = self.prefix.match(hashes[:usable])
