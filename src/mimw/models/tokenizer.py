@@ -8,11 +8,25 @@ Streaming detokenisation (text deltas that never split a multi-byte character) i
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import CheckpointError
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's table (GPT-2's): the printable character each byte is written as -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in printable}
+    extra = 256
+    for b in range(256):
+        if b not in chars:
+            chars[b] = extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
 
 
 class Tokenizer:
@@ -75,12 +89,36 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` ([{"role": ..., "content": ...}]) rendered by the model's chat template,
-        ending with the assistant prompt when ``add_generation_prompt``."""
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """The exact bytes each token stands for (byte-level BPE pieces mapped back to bytes; special tokens
+        and other vocabularies: the UTF-8 of the token decoded alone)."""
+        pieces = self.hf.convert_ids_to_tokens(list(ids))
+        table = _byte_decoder()
+        special = frozenset(self.hf.all_special_ids)
+        out = []
+        for i, piece in zip(ids, pieces):
+            if piece is None:  # an id past the tokenizer's vocabulary (padding rows of the model's)
+                out.append(b"")
+            elif i not in special and all(c in table for c in piece):
+                out.append(bytes(table[c] for c in piece))
+            else:
+                out.append(self.hf.decode([i]).encode())
+        return out
+
+    @property
+    def chat_template(self) -> str:
+        """The chat template's source ("" without one): what tool-call format the model was taught."""
+        t = getattr(self.hf, "chat_template", None)
+        return t if isinstance(t, str) else ""
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of ``messages`` ([{"role": ..., "content": ...}, ...]) rendered by the model's chat template,
+        ending with the assistant prompt when ``add_generation_prompt``; ``tools`` (OpenAI tool definitions) are
+        handed to the template, which lists them the way the model was trained to read them."""
         if not self.has_chat_template:
             raise ValueError(f"{self.source or 'this tokenizer'} has no chat template; use a plain prompt")
-        text = self.hf.apply_chat_template(list(messages), tokenize=False,
+        text = self.hf.apply_chat_template(list(messages), tokenize=False, tools=list(tools) if tools else None,
                                            add_generation_prompt=add_generation_prompt)
         # The template writes any BOS itself, so no special tokens are added here.
         return self.encode(text, add_special_tokens=False)

@@ -29,10 +29,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import RequestError
+from ..engine.grammar import GrammarCompiler
 from ..engine.loop import EngineDead, EngineLoop, QueueFull
 from ..engine.sampling import SamplingParams
+from . import params as R
 from . import protocol as P
-from .generation import Generation
+from . import tools as T
+from .generation import Generation, OutputOptions
+from .logprobs import TokenTable
 from .metrics import ServerMetrics
 
 log = logging.getLogger("mimw.server")
@@ -64,8 +68,18 @@ class OpenAIServer:
         self.loop = loop
         self.tok = tokenizer
         self.cfg = config
-        self.metrics = ServerMetrics(loop.stats)
+        self.metrics = ServerMetrics(loop.stats, config.model_name)
         self.created = int(time.time())
+        vocab = loop.engine.backend.spec.vocab_size
+        self.tokens = TokenTable(tokenizer.token_bytes, vocab)
+        self.grammars = R.Grammars(self._grammar_compiler_factory(vocab, sorted(loop.engine.eos_token_ids)))
+
+    def _grammar_compiler_factory(self, vocab: int, stop_ids: list[int]):
+        def build(tok: Any) -> GrammarCompiler:
+            return GrammarCompiler(tok.hf, vocab, stop_ids)
+        if not self.tok.locked(lambda tok: hasattr(tok, "hf")):  # the byte fallback has no HF tokenizer
+            return None
+        return lambda: self.tok.locked(build)
 
     # --- plumbing -----------------------------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
@@ -90,7 +104,7 @@ class OpenAIServer:
             raise P.bad_request(f"the request body is not valid JSON: {e}") from None
 
     def _error(self, endpoint: str, e: P.APIError) -> JSONResponse:
-        self.metrics.requests.labels(endpoint, str(e.status)).inc()
+        self.metrics.request(endpoint, e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
     async def serve(self, endpoint: str, request: Request, chat: bool) -> Response:
@@ -103,50 +117,37 @@ class OpenAIServer:
         except Exception:  # a bug, not the client's fault: answer 500, keep serving
             log.exception("internal error in %s", endpoint)
             return self._error(endpoint, P.APIError(500, "internal server error", "server_error"))
-        self.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+        self.metrics.request(endpoint, resp.status_code)
         return resp
 
     # --- request -> engine requests -----------------------------------------------------------------------
-    def _params(self, b: P._Sampling, max_tokens: int, j: int) -> SamplingParams:
-        for f in ("presence_penalty", "frequency_penalty"):
-            if getattr(b, f) not in (None, 0, 0.0):
-                raise P.bad_request(f"{f} is not supported by this server", f)
-        if b.logprobs not in (None, False):
-            raise P.bad_request("logprobs are not supported by this server", "logprobs")
-        stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
-        if len(stop) > self.cfg.max_stop:
-            raise P.bad_request(f"at most {self.cfg.max_stop} stop strings are supported, got {len(stop)}", "stop")
-        try:
-            return SamplingParams(
-                temperature=1.0 if b.temperature is None else b.temperature,
-                top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0,
-                seed=None if b.seed is None else b.seed + j, max_tokens=max_tokens, stop=tuple(stop),
-                stop_token_ids=tuple(b.stop_token_ids or ()), ignore_eos=b.ignore_eos)
-        except ValueError as e:
-            field = str(e).split()[0]
-            raise P.bad_request(str(e), field if field.isidentifier() else None) from None
-
-    def _prompts(self, b: Any, chat: bool) -> list[list[int]]:
-        """Token ids of each prompt (runs in a worker thread: tokenizing a long prompt takes a while)."""
+    def _prompts(self, b: Any, chat: bool, plan: R.RequestPlan) -> tuple[list[list[int]], list[str] | None]:
+        """Token ids of each prompt, and with ``echo`` each prompt's text (runs in a worker thread: tokenizing a
+        long prompt takes a while)."""
         if chat:
             if not getattr(self.tok, "has_chat_template", False):
                 raise P.bad_request(f"model {self.cfg.model_name!r} has no chat template; use /v1/completions",
                                     "messages")
-            msgs = [{"role": m.role, "content": m.text()} for m in b.messages]
+            msgs, tools = T.template_messages(b.messages, R.tool_defs(b, plan.tool_choice), self.tok.chat_template)
             try:
-                return [self.tok.apply_chat_template(msgs)]
+                return [self.tok.apply_chat_template(msgs, tools=tools)], None
             except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
                 raise P.bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
         p = b.prompt
         if isinstance(p, str):
-            return [self.tok.encode(p)]
+            return [self.tok.encode(p)], [p] if b.echo else None
         if not p:
             raise P.bad_request("prompt must not be empty", "prompt")
         if isinstance(p[0], int):
-            return [list(p)]
-        if isinstance(p[0], str):
-            return [self.tok.encode(s) for s in p]
-        return [list(x) for x in p]
+            ids = [list(p)]
+        elif isinstance(p[0], str):
+            return [self.tok.encode(s) for s in p], list(p) if b.echo else None
+        else:
+            ids = [list(x) for x in p]
+        vocab = self.tokens.vocab_size
+        if b.echo and all(0 <= t < vocab for x in ids for t in x):  # bad ids are refused by the engine below
+            return ids, [self.tok.decode(x) for x in ids]
+        return ids, [""] * len(ids) if b.echo else None
 
     async def _generate(self, request: Request, b: Any, chat: bool) -> Response:
         if b.model != self.cfg.model_name:
@@ -154,18 +155,18 @@ class OpenAIServer:
                              f"`{self.cfg.model_name}`.", "invalid_request_error", "model", "model_not_found")
         if b.n < 1 or b.n > self.cfg.max_n:
             raise P.bad_request(f"n must be between 1 and {self.cfg.max_n}, got {b.n}", "n")
-        if chat and b.tools:
-            raise P.bad_request("tools (function calling) are not supported by this server", "tools")
-        if chat and b.response_format and b.response_format.get("type") != "text":
-            raise P.bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
-        if not chat and b.echo:
-            raise P.bad_request("echo is not supported by this server", "echo")
         num_prompts = 1 if chat or isinstance(b.prompt, str) or (b.prompt and isinstance(b.prompt[0], int)) \
             else len(b.prompt)
         if num_prompts * b.n > self.cfg.max_n:  # before tokenizing them all
             raise P.bad_request(f"at most {self.cfg.max_n} choices per request (prompts x n), got "
                                 f"{num_prompts * b.n}", "n")
-        prompts = await run_in_threadpool(self._prompts, b, chat)
+        plan = await run_in_threadpool(R.plan, b, chat, self.grammars, getattr(self.tok, "chat_template", ""),
+                                       self.cfg.max_stop)
+        prompts, echo = await run_in_threadpool(self._prompts, b, chat, plan)
+        wants_logprobs = plan.logprobs is not None or plan.prompt_logprobs is not None
+        if wants_logprobs and not self.tokens.ready:
+            await run_in_threadpool(self.tokens.build)
+        # max_completion_tokens is chat's name for max_tokens; it wins when both are given (as in vLLM)
         param = "max_completion_tokens" if chat and b.max_completion_tokens is not None else "max_tokens"
         asked = getattr(b, param)
         if asked is None and not chat:
@@ -181,9 +182,11 @@ class OpenAIServer:
                 p = "messages" if chat and e.param == "prompt" else (param if e.param == "max_tokens" else e.param)
                 raise P.bad_request(str(e), p, e.code) from None
             for j in range(b.n):
-                subs.append((f"{env.id}-{i * b.n + j}", ids, self._params(b, max_tokens, j)))
+                subs.append((f"{env.id}-{i * b.n + j}", ids, plan.params(max_tokens, j)))
 
-        group = Generation(self.loop, self.metrics, env, subs, b.n, len(prompts))
+        out = OutputOptions(wants_logprobs, self.tokens if wants_logprobs else None, echo, plan.tool_choice,
+                            plan.tool_format, not chat or b.parallel_tool_calls is not False)
+        group = Generation(self.loop, self.metrics, env, subs, b.n, len(prompts), out)
         try:
             group.submit()
         except QueueFull as e:

@@ -70,14 +70,25 @@ class SerializedTokenizer:
         self._lock = threading.Lock()
         self.eos_token_ids = tuple(getattr(tok, "eos_token_ids", ()))
         self.has_chat_template = bool(getattr(tok, "has_chat_template", False))
+        self.chat_template: str = getattr(tok, "chat_template", "") if self.has_chat_template else ""
 
     def encode(self, text: str) -> list[int]:
         with self._lock:
             return self.tok.encode(text)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         with self._lock:
-            return self.tok.apply_chat_template(messages)
+            return self.tok.apply_chat_template(messages, tools=tools)
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        with self._lock:
+            return self.tok.token_bytes(ids)
+
+    def locked(self, fn: Any) -> Any:
+        """``fn(tokenizer)`` under the lock (e.g. building a grammar compiler from the HF tokenizer)."""
+        with self._lock:
+            return fn(self.tok)
 
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
@@ -96,6 +107,9 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        return [bytes([i]) if 0 <= i < 256 else b"" for i in ids]
 
 
 @dataclass
