@@ -19,15 +19,15 @@ QUESTIONS = ["What is 2+2?", "Name a fruit.", "Say hello in French.", "What colo
 
 def metric(base_url: str, name: str) -> float:
     text = httpx.get(base_url + "/metrics").text
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)  # every series has a model_name label
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
 
 
 def wait_idle(base_url: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while metric(base_url, "mimw_kv_pages_in_use") or metric(base_url, "mimw_running_requests") \
-            or metric(base_url, "mimw_queue_length"):
+    while metric(base_url, "mimw_kv_pages_in_use") or metric(base_url, "mimw_num_requests_running") \
+            or metric(base_url, "mimw_num_requests_waiting"):
         assert time.monotonic() < deadline, "requests (and their KV pages) were not released"
         time.sleep(0.1)
 
@@ -90,7 +90,8 @@ def test_client_disconnect_mid_stream_frees_pages(base_url, model_name):
                 break
     # the response is closed mid-stream: the server notices on its next write and aborts the request
     wait_idle(base_url, timeout=30)
-    assert 'mimw_request_finish_total{reason="abort"}' in httpx.get(base_url + "/metrics").text
+    assert re.search(r'^mimw_request_success_total{[^}]*finished_reason="abort"[^}]*} [1-9]',
+                     httpx.get(base_url + "/metrics").text, re.M)
 
 
 def test_non_streaming_client_timeout_aborts_the_request(base_url, model_name):
@@ -150,11 +151,11 @@ def test_bounded_queue_answers_429(built, model_name):
             threads = [threading.Thread(target=hold) for _ in range(2)]
             threads[0].start()
             deadline = time.monotonic() + 30
-            while metric(url, "mimw_running_requests") < 1:
+            while metric(url, "mimw_num_requests_running") < 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             threads[1].start()  # waits in the queue
-            while metric(url, "mimw_queue_length") < 1:
+            while metric(url, "mimw_num_requests_waiting") < 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
@@ -181,7 +182,7 @@ def test_tiny_kv_pool_preempts_instead_of_failing(built, model_name):
         with serve_app(app) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
             alone = [client.chat.completions.create(**k).choices[0].message.content for k in kw]
-            assert metric(url, "mimw_preemptions_total") == 0
+            assert metric(url, "mimw_num_preemptions_total") == 0
 
             async def main():
                 c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
@@ -190,7 +191,7 @@ def test_tiny_kv_pool_preempts_instead_of_failing(built, model_name):
                 return [r.choices[0].message.content for r in rs]
 
             assert asyncio.run(main()) == [alone[i % 2] for i in range(4)]
-            assert metric(url, "mimw_preemptions_total") > 0
+            assert metric(url, "mimw_num_preemptions_total") > 0
             wait_idle(url)
     finally:
         loop.stop()
