@@ -62,6 +62,17 @@ def test_logprobs_and_prompt_logprobs_are_the_raw_log_softmax(make_engine, tiny_
     assert eng.stats().pages_in_use == 0
 
 
+def test_max_tokens_zero_scores_the_prompt_only(make_engine, tiny_weights):
+    eng = make_engine(num_pages=32, page_size=4, max_batch=2, max_step_tokens=8)
+    eng.add_request("s", PROMPT, SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=0))
+    (ev,) = run_all(eng)["s"]
+    assert ev.finished and ev.finish_reason == "length" and ev.token_ids == () and ev.completion_tokens == 0
+    ref = oracle_logprobs(tiny_weights, PROMPT)
+    assert [lp.logprob for lp in ev.prompt_logprobs[1:]] == pytest.approx(
+        [float(ref[q - 1, PROMPT[q]]) for q in range(1, len(PROMPT))], abs=1e-4)
+    assert eng.stats().pages_in_use == 0 and eng.stats().generation_tokens == 0
+
+
 def test_no_logprobs_unless_asked(make_engine):
     eng = make_engine(num_pages=32, page_size=4)
     eng.add_request("a", PROMPT, params(3))

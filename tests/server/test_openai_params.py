@@ -84,6 +84,16 @@ def test_echo_prompt_logprobs_survive_a_prefix_cache_hit(client, model_name):
     assert c.usage.prompt_tokens_details.cached_tokens >= 32
 
 
+def test_echo_with_max_tokens_zero_scores_the_prompt(client, model_name):
+    # how evaluation harnesses score text: the prompt's logprobs, nothing generated
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text == PROMPT and r.usage.completion_tokens == 0 and c.finish_reason == "length"
+    assert len(c.logprobs.token_logprobs) == r.usage.prompt_tokens and c.logprobs.token_logprobs[0] is None
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0)
+
+
 def test_streamed_echo_starts_with_the_prompt(client, model_name):
     s = list(client.completions.create(model=model_name, prompt="Hello there", max_tokens=3, temperature=0,
                                        echo=True, stream=True))

@@ -195,13 +195,16 @@ class Engine:
         self.scheduler.commit(plan)
         ends = list(itertools.accumulate(s.num_logits for s in segments))  # row after each segment's last
         self._collect_prompt_logprobs(plan.chunks, segments, ends, logits)
-        rows = [ends[i] - 1 for i, c in enumerate(plan.chunks) if c.samples]
+        done = [c for c in plan.chunks if c.samples]
+        for c in done:
+            if c.request.first_token_time is None:  # prefill complete
+                self._prompt_tokens += c.request.num_prompt_tokens
+        # max_tokens 0 (scoring a prompt: its logprobs only) ends when the prompt is computed, sampling nothing
+        scored = [self._finish(c.request, "length", "") for c in done if c.request.params.max_tokens == 0]
+        rows = [ends[i] - 1 for i, c in enumerate(plan.chunks) if c.samples and c.request.params.max_tokens > 0]
         if not rows:
-            return []
-        reqs = [c.request for c in plan.chunks if c.samples]
-        for r in reqs:
-            if r.first_token_time is None:  # prefill complete
-                self._prompt_tokens += r.num_prompt_tokens
+            return scored
+        reqs = [c.request for c in done if c.request.params.max_tokens > 0]
         try:
             contexts = [_context(r) for r in reqs] if any(r.params.has_processors for r in reqs) else None
             new: list[int | Exception] = list(sample_batch(logits[rows], [r.params for r in reqs],
@@ -210,7 +213,7 @@ class Engine:
             new = [self._sample_one(logits[i], r) for i, r in zip(rows, reqs)]
         lps = self._token_logprobs(logits, rows, reqs, new)
         now = time.monotonic()
-        return [self._finish(r, "error", "", error=f"sampling failed: {type(t).__name__}: {t}")
+        return scored + [self._finish(r, "error", "", error=f"sampling failed: {type(t).__name__}: {t}")
                 if isinstance(t, Exception) else self._append_safely(r, t, now, lp)
                 for r, t, lp in zip(reqs, new, lps)]
 

@@ -54,7 +54,7 @@ class SamplingParams:
     prompt_logprobs: None, or the same for every prompt token after the first (forces the prompt to be computed,
     no prefix reuse).
     grammar: a compiled grammar (``mimw.engine.grammar.Grammar``) the output must match, or None.
-    max_tokens: >= 1 new tokens at most.          stop: strings that end generation (not included in the output).
+    max_tokens: new tokens at most; 0 computes the prompt only (prompt logprobs).   stop: strings that end generation (not included in the output).
     stop_token_ids: extra token ids that end generation (the model's EOS ids are added by the engine unless
     ``ignore_eos``).
     """
@@ -116,8 +116,9 @@ class SamplingParams:
             n = getattr(self, f)
             if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
                 raise ValueError(f"{f} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 1 (0: compute the prompt only), got "
+                             f"{self.max_tokens!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")

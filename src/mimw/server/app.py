@@ -171,8 +171,9 @@ class OpenAIServer:
         asked = getattr(b, param)
         if asked is None and not chat:
             asked = 16  # the OpenAI default for /v1/completions; chat defaults to the rest of the context
-        if asked is not None and asked < 1:
-            raise P.bad_request(f"{param} must be at least 1, got {asked}", param)
+        if asked is not None and asked < 1 and not (asked == 0 and not chat and b.echo):
+            raise P.bad_request(f"{param} must be at least 1 (0 only with echo: score the prompt), got {asked}",
+                                param)
         subs: list[tuple[str, list[int], SamplingParams]] = []
         env = P.Envelope(chat, self.cfg.model_name)
         for i, ids in enumerate(prompts):
