@@ -70,3 +70,11 @@ def test_greedy_sampling_under_the_mask_yields_valid_json(compiler, tok):
 def test_invalid_schemas_are_grammar_errors(compiler, schema):
     with pytest.raises(GrammarError, match="schema"):
         compiler.json_schema(schema)
+
+
+def test_deep_schemas_are_refused_before_compiling(compiler):
+    s = {"type": "string"}
+    for _ in range(900):  # deeper than Python's JSON encoder recursion
+        s = {"type": "object", "properties": {"a": s}}
+    with pytest.raises(GrammarError, match="levels deep"):
+        compiler.json_schema(s)

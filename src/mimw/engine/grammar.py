@@ -24,6 +24,7 @@ import torch
 
 _CACHE_BYTES = 64 << 20  # compiled grammars kept for reuse, at most
 _MAX_SCHEMA_BYTES = 256 << 10
+_MAX_SCHEMA_DEPTH = 64  # JSON nesting of the schema document (objects and arrays): ~30 levels of properties
 
 
 class GrammarError(ValueError):
@@ -89,6 +90,9 @@ class GrammarCompiler:
             schema = {"type": ["object", "array", "string", "number", "integer", "boolean", "null"]}
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        depth = _depth(schema)
+        if depth > _MAX_SCHEMA_DEPTH:  # compile time grows fast with nesting (seconds at ~200 levels)
+            raise GrammarError(f"the JSON schema nests {depth} levels deep (limit {_MAX_SCHEMA_DEPTH})")
         text = json.dumps(schema)
         if len(text) > _MAX_SCHEMA_BYTES:
             raise GrammarError(f"the JSON schema is too large ({len(text)} bytes, limit {_MAX_SCHEMA_BYTES})")
@@ -102,3 +106,16 @@ class GrammarCompiler:
 def _clean(message: str) -> str:
     """xgrammar's C++ message without its '[hh:mm:ss] /path/file.cc:123: ' prefix."""
     return re.sub(r"\[[\d:]+\] \S+?:\d+: ", "", message).strip()
+
+
+def _depth(doc: object) -> int:
+    """Nesting depth of a JSON document (iterative: safe at any depth)."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict):
+            x = list(x.values())
+        if isinstance(x, list):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in x if isinstance(v, (dict, list)))
+    return deepest
