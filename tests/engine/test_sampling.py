@@ -196,3 +196,25 @@ def test_distribution_is_what_sample_batch_draws_from_and_rows_ignore_their_batc
     # seeded rows repeat exactly
     g2 = [make_generator(p) for p in ps]
     assert [sample_batch(logits, ps, g2, ctx) for _ in range(100)] == draws
+
+
+@pytest.mark.gpu
+def test_processors_run_on_the_logits_device_and_match_the_cpu():
+    torch.manual_seed(0)
+    V = 49152
+    logits = torch.randn(4, V) * 3
+    words = torch.full(((V + 31) // 32,), -1, dtype=torch.int32)
+    words[:100] = 0  # tokens 0..3199 banned
+    ps = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, frequency_penalty=0.5, seed=1),
+          SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={5: 20.0}),
+          SamplingParams(temperature=1.0, presence_penalty=1.0, seed=2),
+          SamplingParams(temperature=0.5, seed=3)]
+    ctx = [TokenContext([1, 2, 3], [4, 4, 9]), TokenContext([5], [5]), TokenContext([], [7], words), TokenContext()]
+    cpu = distribution(logits, ps, ctx)
+    gpu = distribution(logits.cuda(), ps, ctx)
+    assert gpu.device.type == "cuda"
+    assert torch.allclose(gpu.cpu(), cpu, atol=1e-5)
+    assert sample_batch(logits.cuda(), ps[1:2], [None], ctx[1:2]) == sample_batch(logits, ps[1:2], [None], ctx[1:2])
+    g = [make_generator(p) for p in ps]
+    toks = sample_batch(logits.cuda(), ps, g, ctx)
+    assert toks[2] >= 3200 and all(cpu[b, t] > 0 for b, t in enumerate(toks))
