@@ -197,31 +197,41 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                      torch.tensor(v, dtype=x.dtype, device=dev), accumulate=True)
     pen = [b for b, p in enumerate(params) if p.has_penalties]
     if pen:
-        rows = torch.tensor(pen, device=dev)
-        sub = x[rows]
-        out_counts = _counts([contexts[b].output_ids for b in pen], V, dev)
-        rep = torch.tensor([params[b].repetition_penalty for b in pen], device=dev)[:, None]
-        if (rep != 1).any():
-            seen = (_counts([contexts[b].prompt_ids for b in pen], V, dev) + out_counts) > 0
-            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        freq = torch.tensor([params[b].frequency_penalty for b in pen], device=dev)[:, None]
-        pres = torch.tensor([params[b].presence_penalty for b in pen], device=dev)[:, None]
-        sub = sub - freq * out_counts - pres * (out_counts > 0).float()
-        x[rows] = sub
+        _apply_penalties(x, pen, params, contexts)
     return x
 
 
-def _counts(token_lists: Sequence[Sequence[int]], vocab: int, dev: torch.device) -> torch.Tensor:
-    """fp32 [len(token_lists), vocab]: how often each id occurs in each list (ids >= vocab are ignored)."""
-    width = max(1, max(len(t) for t in token_lists))
-    ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)
-    for i, t in enumerate(token_lists):
-        if len(t):
-            ids[i, :len(t)] = torch.as_tensor(list(t), dtype=torch.long).clamp_(max=vocab)
-    ids = ids.to(dev)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=dev)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab]
+def _apply_penalties(x: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+                     contexts: Sequence[TokenContext]) -> None:
+    """Step 3 in place on x [B, V], touching only the ids in each row's history (sparse: O(history), not O(V))."""
+    V, dev = x.shape[1], x.device
+    seen_r, seen_c, seen_p = [], [], []  # repetition penalty: ids in prompt or output
+    out_r, out_c, out_n, out_f, out_p = [], [], [], [], []  # frequency / presence: ids in output, with counts
+    for b in rows:
+        p, ctx = params[b], contexts[b]
+        out = torch.as_tensor(list(ctx.output_ids), dtype=torch.long)
+        ids, counts = torch.unique(out[out < V], return_counts=True)
+        if p.frequency_penalty != 0 or p.presence_penalty != 0:
+            out_r.append(torch.full_like(ids, b))
+            out_c.append(ids)
+            out_n.append(counts)
+            out_f.append(torch.full(ids.shape, float(p.frequency_penalty)))
+            out_p.append(torch.full(ids.shape, float(p.presence_penalty)))
+        if p.repetition_penalty != 1:
+            prompt = torch.as_tensor(list(ctx.prompt_ids), dtype=torch.long)
+            seen = torch.unique(torch.cat([prompt[prompt < V], ids]))
+            seen_r.append(torch.full_like(seen, b))
+            seen_c.append(seen)
+            seen_p.append(torch.full(seen.shape, float(p.repetition_penalty)))
+    if seen_r:
+        r, c = torch.cat(seen_r).to(dev), torch.cat(seen_c).to(dev)
+        rep = torch.cat(seen_p).to(dev, x.dtype)
+        v = x[r, c]
+        x[r, c] = torch.where(v > 0, v / rep, v * rep)
+    if out_r:
+        r, c = torch.cat(out_r).to(dev), torch.cat(out_c).to(dev)
+        n = torch.cat(out_n).to(dev, x.dtype)
+        x[r, c] -= torch.cat(out_f).to(dev, x.dtype) * n + torch.cat(out_p).to(dev, x.dtype)
 
 
 def _filter(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
