@@ -29,6 +29,7 @@ def params(n, **kw):
 @pytest.mark.parametrize("cfg", [
     dict(num_pages=64, page_size=4),
     dict(num_pages=64, page_size=4, max_batch=2, max_step_tokens=5),  # the prompt arrives in chunks of <= 5
+    dict(num_pages=64, page_size=4, max_batch=2, max_step_tokens=2),  # chunks of one token beside a decoder
     dict(num_pages=8, page_size=4, max_batch=4, max_step_tokens=64),  # page pressure: preemption
 ])
 def test_logprobs_and_prompt_logprobs_are_the_raw_log_softmax(make_engine, tiny_weights, cfg):

@@ -238,10 +238,11 @@ class Engine:
         rows, targets, ks, owners = [], [], [], []
         for c, seg, end in zip(chunks, segments, ends):
             r = c.request
-            if seg.num_logits == 1 or not r.needs_prompt_logits:
-                continue
+            q0 = len(r.prompt_logprobs)  # the next position to score
+            if seg.num_logits != c.length or not r.needs_prompt_logits or q0 < c.start:
+                continue  # (q0 < c.start cannot happen: no prefix reuse while collecting; never misalign)
             first_row = end - seg.num_logits  # the row of position c.start
-            for q in range(max(c.start, len(r.prompt_logprobs)), min(c.start + c.length, r.num_prompt_tokens - 1)):
+            for q in range(q0, min(c.start + c.length, r.num_prompt_tokens - 1)):
                 rows.append(first_row + q - c.start)
                 targets.append(r.token_ids[q + 1])
                 ks.append(r.params.prompt_logprobs)

@@ -270,7 +270,11 @@ def _check(logits: torch.Tensor, params: Sequence[SamplingParams], others: Seque
 def distribution(logits: torch.Tensor, params: Sequence[SamplingParams],
                  contexts: Sequence[TokenContext] | None = None) -> torch.Tensor:
     """THE per-token sampling distribution: logits [B, V] -> fp32 probabilities [B, V] on the logits' device,
-    after every processor; one-hot at the argmax for greedy rows. ``sample_batch`` draws from exactly this."""
+    after every processor; one-hot at the argmax for greedy rows. ``sample_batch`` draws from exactly this.
+
+    For positions inside a speculative draft block, row j's context must hold the draft tokens before j in
+    ``output_ids`` (penalties) and the grammar's mask after them; ``grammar.GrammarMatcher`` cannot roll back, so
+    a request with a grammar is not speculated unless the matcher learns to."""
     contexts = contexts if contexts is not None else [_NO_CONTEXT] * len(params)
     _check(logits, params, contexts, "contexts")
     x = process_logits(logits, params, contexts) if _needs_processing(params, contexts) else logits.float()
