@@ -190,6 +190,13 @@ def test_named_tool_choice_forces_a_valid_call(client, model_name):
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     args = json.loads(call.function.arguments)
     assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    # the reply goes back as history (as the SDK serialises it), followed by the tool's result
+    msgs = ASK + [c.message.model_dump(exclude_unset=True), {"role": "tool", "tool_call_id": call.id,
+                                                             "content": '{"temperature": 21}'}]
+    msgs[1]["annotations"] = []  # what other servers' replies may carry
+    r = client.chat.completions.create(model=model_name, messages=msgs, tools=[WEATHER], max_tokens=2,
+                                       temperature=0)
+    assert r.usage.completion_tokens >= 1
 
 
 def test_required_tool_choice_streams_tool_call_deltas(client, model_name):

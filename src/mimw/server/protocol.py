@@ -95,7 +95,11 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
+    # fields of earlier assistant replies sent back as history: accepted when empty, not shown to the model
     refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[Any] | None = None
 
     def text(self) -> str:
         if self.content is None:
