@@ -1,6 +1,5 @@
 """PrefillBatch and split_passes: the host-side description of a prefill pass."""
 import pytest
-import torch
 
 from mimw.prefill.batch import Piece, PrefillBatch, split_passes
 
