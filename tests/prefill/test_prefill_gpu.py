@@ -9,7 +9,7 @@ from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.models.reference import ReferenceDecoder, Segment
 from mimw.models.spec import get_preset
 from mimw.models.weights import random_weights
-from mimw.prefill import PrefillConfig, PrefillRunner
+from mimw.prefill import FusedWeights, PrefillConfig, PrefillRunner
 
 pytestmark = pytest.mark.gpu
 
@@ -19,13 +19,19 @@ CHUNKS = {1: [1], 17: [17, 5], 1000: [1000, 256, 333], 4109: [4109, 1024, 1000]}
 
 
 class Model:
-    """One shape with two layers: fp32 weights for the reference, the runner over their bf16 copy."""
+    """One shape with two layers: fp32 weights for the reference, a runner per attention over their bf16 copy."""
 
-    def __init__(self, preset: str, attention: str):
+    def __init__(self, preset: str):
         self.spec = get_preset(preset).with_(num_layers=2)
         w = random_weights(self.spec, seed=7, device="cuda")
         self.ref = ReferenceDecoder(w)
-        self.run = PrefillRunner(w.to(dtype=torch.bfloat16), PrefillConfig(attention))
+        self.fused = FusedWeights.from_weights(w.to(dtype=torch.bfloat16))
+        self.runners: dict[str, PrefillRunner] = {}
+
+    def runner(self, attention: str) -> PrefillRunner:
+        if attention not in self.runners:
+            self.runners[attention] = PrefillRunner(self.fused, PrefillConfig(attention))
+        return self.runners[attention]
 
     def caches(self, pages: int) -> tuple[PagedKVCache, PagedKVCache]:
         ref = PagedKVCache(KVLayout.for_spec(self.spec, PAGE, pages, torch.float32), "cuda")
@@ -35,15 +41,15 @@ class Model:
         return ref, ours
 
 
-_models: dict[tuple[str, str], Model] = {}
+_models: dict[str, Model] = {}
 
 
-def model(preset: str, attention: str = "triton") -> Model:
-    if (preset, attention) not in _models:
+def model(preset: str) -> Model:
+    if preset not in _models:
         _models.clear()  # one shape's weights on the GPU at a time
         torch.cuda.empty_cache()
-        _models[(preset, attention)] = Model(preset, attention)
-    return _models[(preset, attention)]
+        _models[preset] = Model(preset)
+    return _models[preset]
 
 
 def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -62,11 +68,12 @@ def shuffled_table(pages: int, n: int, seed: int) -> tuple[int, ...]:
     return tuple(perm[:-(-n // PAGE)].tolist())
 
 
-@pytest.mark.parametrize("attention", ["triton", "sdpa"])
-@pytest.mark.parametrize("n", sorted(CHUNKS))
-@pytest.mark.parametrize("preset", SHAPES)
+# one shape after the other (its weights are built once); mimw's kernel first
+@pytest.mark.parametrize("preset,attention,n", [(p, a, n) for p in SHAPES for a in ("triton", "sdpa")
+                                                for n in sorted(CHUNKS)])
 def test_chunked_prefill_matches_the_reference(preset, n, attention):
-    m = model(preset, attention)
+    m = model(preset)
+    run = m.runner(attention)
     pages = -(-n // PAGE) + 8
     table = shuffled_table(pages, n, seed=n)
     toks = torch.randint(m.spec.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
@@ -77,7 +84,7 @@ def test_chunked_prefill_matches_the_reference(preset, n, attention):
     for chunk in CHUNKS[n]:
         _, cache = m.caches(pages)
         for s in range(0, n, chunk):
-            got = m.run.forward(toks[s:s + chunk], [Segment(table, s, min(chunk, n - s))], cache)
+            got = run.forward(toks[s:s + chunk], [Segment(table, s, min(chunk, n - s))], cache)
         assert_logits_close(got, want)
         for li in range(m.spec.num_layers):  # the K/V the megakernel will read, where it will read them
             for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
@@ -85,14 +92,14 @@ def test_chunked_prefill_matches_the_reference(preset, n, attention):
                 assert ((x - y).abs().max() / y.abs().max()) < 2e-2
 
 
-@pytest.mark.parametrize("attention", ["triton", "sdpa", "flex"])
-@pytest.mark.parametrize("preset", SHAPES)
+@pytest.mark.parametrize("preset,attention", [(p, a) for p in SHAPES for a in ("triton", "sdpa", "flex")])
 def test_prefix_in_cache_and_several_segments_in_one_call(preset, attention):
     """A holds 700 tokens; one call then continues A by a 5-token verify block (5 logit rows), prefills B whose
     first 32 pages are A's (prefix reuse: B computes only its 300 new tokens) and a fresh 40-token C."""
     if attention == "flex" and preset != "llama-3.2-1b":
         pytest.skip("FlexAttention compiles per shape: one shape keeps the GPU run short")
-    m = model(preset, attention)
+    m = model(preset)
+    run = m.runner(attention)
     pages = 120
     perm = torch.randperm(pages, generator=torch.Generator().manual_seed(1)).tolist()
     ta = tuple(perm[:45])
@@ -106,9 +113,9 @@ def test_prefix_in_cache_and_several_segments_in_one_call(preset, attention):
     toks = torch.cat([a[700:], b_new, c])
     ref_cache, cache = m.caches(pages)
     m.ref.forward(a[:700], [Segment(ta, 0, 700)], ref_cache)
-    m.run.forward(a[:700], [Segment(ta, 0, 700)], cache)
+    run.forward(a[:700], [Segment(ta, 0, 700)], cache)
     want = m.ref.forward(toks, step, ref_cache, last_only=True)
-    got = m.run.forward(toks, step, cache)
+    got = run.forward(toks, step, cache)
     assert got.shape == (7, m.spec.vocab_size)
     assert_logits_close(got, want)
 

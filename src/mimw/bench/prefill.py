@@ -6,7 +6,8 @@ table is prefilled from an empty cache in passes of ``--chunk`` tokens (what the
 ``max_prefill_step_tokens`` = chunk and nothing decoding) by the ``PrefillRunner`` with each attention
 (``triton``: mimw's paged kernel; ``sdpa``, ``flex``: torch's over gathered pages), then the first token is taken
 (argmax, synchronised): TTFT is that wall time. ``plain-sdpa`` (``plain_prefill.py``) runs the whole prompt in one
-eager call. Each row checks its logits against plain-sdpa's (relative max error). Then, time permitting: the
+eager call. Each row checks its logits against plain-sdpa's (relative max error). sdpa and flex stop at
+``gathered_max_tokens`` (32k). Once every model's rows are done, time permitting (``prefill_sweeps``): the
 attention alone (one layer, TFLOP/s; the paged kernel at several tiles), the chunk size swept on the first model,
 and TTFT through the engine (megakernel backend, one request).
 
@@ -35,7 +36,7 @@ class PrefillBenchConfig:
     impls: tuple[str, ...] = IMPLS
     chunk: int = 16384
     page_size: int = 16
-    flex_max_tokens: int = 32768  # FlexAttention rows up to this length (its gathers and masks are per pass)
+    gathered_max_tokens: int = 32768  # sdpa/flex rows up to this length (128k: mimw's kernel and plain SDPA)
     chunk_sweep: tuple[int, ...] = (4096, 8192, 32768)
     sweep_tokens: int = 32768
     attention_sweep: bool = True
@@ -137,53 +138,33 @@ class PrefillBench:
         if self.cuda:
             torch.cuda.empty_cache()
 
-    def run_model(self, model: str, first: bool) -> None:
+    def setup(self, model: str) -> "_Model":
+        return _Model(self.cfg, model)
+
+    def main_rows(self, m: "_Model") -> None:
+        """Every implementation at every length, the plain SDPA prefill first (the others' check)."""
         import torch
 
-        from ..kv.pages import KVLayout, PagedKVCache
-        from ..models.reference import Segment
-        from ..models.spec import get_preset
-        from ..models.weights import random_weights
-        from ..prefill import FusedWeights, PrefillConfig, PrefillRunner
-        from .plain_prefill import plain_sdpa_prefill
-
-        cfg, spec, dev = self.cfg, get_preset(model), self.cfg.device
-        fw = FusedWeights.from_weights(random_weights(spec, cfg.seed, torch.bfloat16, dev))
-        mw = fw.unfused()
-        pages = -(-max(cfg.lengths + (cfg.sweep_tokens,)) // cfg.page_size) + 1
-        cache = PagedKVCache(KVLayout.for_spec(spec, cfg.page_size, pages, torch.bfloat16), dev)
-        runners = {i: PrefillRunner(fw, PrefillConfig(i, cfg.kernels, cfg.chunk))
-                   for i in cfg.impls if i != "plain-sdpa"}
-        gen = torch.Generator().manual_seed(cfg.seed)
-
-        def prompt(n):
-            toks = torch.randint(spec.vocab_size, (n,), generator=gen).to(dev)
-            return toks, tuple(torch.randperm(pages, generator=gen)[:-(-n // cfg.page_size)].tolist())
-
-        def fn_for(impl, toks, table, runner=None):
-            if impl == "plain-sdpa":
-                return lambda: plain_sdpa_prefill(mw, toks)
-            run = runner or runners[impl]
-            return lambda: run.forward(toks, [Segment(table, 0, toks.numel())], cache)[0]
-
-        toks, table = prompt(1024)
+        cfg = self.cfg
+        toks, table = m.prompt(1024)
         for impl in cfg.impls:  # compile and warm every implementation once
             try:
-                fn_for(impl, toks, table)()
+                m.fn_for(impl, toks, table)()
             except Exception as e:  # noqa: BLE001 - a broken implementation is a row, not the end of the run
-                print(f"[prefill] {model} {impl} warm-up failed: {type(e).__name__}: {e}", file=sys.stderr)
+                print(f"[prefill] {m.name} {impl} warm-up failed: {type(e).__name__}: {e}", file=sys.stderr)
         for n in cfg.lengths:
-            toks, table = prompt(n)
+            toks, table = m.prompt(n)
             ref = None
             for impl in cfg.impls:
-                row = {"model": model, "tokens": n, "impl": impl, "chunk": None if impl == "plain-sdpa" else cfg.chunk}
-                if impl == "flex" and n > cfg.flex_max_tokens:
+                row = {"model": m.name, "tokens": n, "impl": impl,
+                       "chunk": None if impl == "plain-sdpa" else cfg.chunk}
+                if impl in ("sdpa", "flex") and n > cfg.gathered_max_tokens:
                     continue
                 if not self.time_left():
-                    self.record({**row, "error": "skipped (deadline)"}, spec)
+                    self.record({**row, "error": "skipped (deadline)"}, m.spec)
                     continue
                 try:
-                    res, logits = self.timed(fn_for(impl, toks, table), n)
+                    res, logits = self.timed(m.fn_for(impl, toks, table), n)
                     row.update(res)
                     if ref is None:
                         ref = logits
@@ -196,23 +177,68 @@ class PrefillBench:
                     traceback.print_exc()
                     row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
                 self.empty_cache()
-                self.record(row, spec)
-        if first and cfg.chunk_sweep and "triton" in runners:
+                self.record(row, m.spec)
+
+    def extra_rows(self, m: "_Model", first: bool) -> None:
+        """The chunk sweep (first model), attention alone, TTFT through the engine (first model)."""
+        from ..prefill import PrefillConfig, PrefillRunner
+
+        cfg = self.cfg
+        if first and cfg.chunk_sweep and "triton" in cfg.impls:
             n = cfg.sweep_tokens
-            toks, table = prompt(n)
+            toks, table = m.prompt(n)
             for c in cfg.chunk_sweep:
-                row = {"model": model, "tokens": n, "impl": f"triton@{c}", "chunk": c}
+                row = {"model": m.name, "tokens": n, "impl": f"triton@{c}", "chunk": c}
                 if self.time_left():
-                    run = PrefillRunner(fw, PrefillConfig("triton", cfg.kernels, c))
-                    row.update(self.timed(fn_for("triton", toks, table, run), n)[0])
+                    run = PrefillRunner(m.fused, PrefillConfig("triton", cfg.kernels, c))
+                    row.update(self.timed(m.fn_for("triton", toks, table, run), n)[0])
                 else:
                     row["error"] = "skipped (deadline)"
-                self.record(row, spec)
+                self.record(row, m.spec)
         if cfg.attention_sweep:
-            attention_sweep(self, model, spec, cache, pages)
+            attention_sweep(self, m.name, m.spec, m.cache, m.pages)
         if first and cfg.engine:
-            engine_ttft(self, model, spec, mw, pages)
-        self.empty_cache()
+            engine_ttft(self, m.name, m.spec, m.weights, m.pages)
+
+
+class _Model:
+    """One preset's random bf16 weights (fused, and their unfused views), a cache for the longest prompt, a
+    PrefillRunner per attention, and prompts on shuffled block tables."""
+
+    def __init__(self, cfg: PrefillBenchConfig, name: str):
+        import torch
+
+        from ..kv.pages import KVLayout, PagedKVCache
+        from ..models.spec import get_preset
+        from ..models.weights import random_weights
+        from ..prefill import FusedWeights, PrefillConfig, PrefillRunner
+
+        self.cfg, self.name, self.spec = cfg, name, get_preset(name)
+        self.fused = FusedWeights.from_weights(random_weights(self.spec, cfg.seed, torch.bfloat16, cfg.device))
+        self.weights = self.fused.unfused()
+        self.pages = -(-max(cfg.lengths + (cfg.sweep_tokens,)) // cfg.page_size) + 1
+        self.cache = PagedKVCache(KVLayout.for_spec(self.spec, cfg.page_size, self.pages, torch.bfloat16),
+                                  cfg.device)
+        self.runners = {i: PrefillRunner(self.fused, PrefillConfig(i, cfg.kernels, cfg.chunk))
+                        for i in cfg.impls if i != "plain-sdpa"}
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+
+    def prompt(self, n: int):
+        import torch
+
+        toks = torch.randint(self.spec.vocab_size, (n,), generator=self.gen).to(self.cfg.device)
+        perm = torch.randperm(self.pages, generator=self.gen)
+        return toks, tuple(perm[:-(-n // self.cfg.page_size)].tolist())
+
+    def fn_for(self, impl: str, toks, table, runner=None):
+        """A prefill of ``toks`` from an empty cache -> the last token's logits."""
+        from ..models.reference import Segment
+        from .plain_prefill import plain_sdpa_prefill
+
+        if impl == "plain-sdpa":
+            return lambda: plain_sdpa_prefill(self.weights, toks)
+        run = runner or self.runners[impl]
+        return lambda: run.forward(toks, [Segment(table, 0, toks.numel())], self.cache)[0]
 
 
 def measure_gemm_tflops() -> float:
@@ -264,12 +290,22 @@ def run_bench(cfg: PrefillBenchConfig, gemm_tflops: float | None = None) -> int:
             write_chart(doc, base.with_suffix(".png"))
 
     bench = PrefillBench(cfg, doc, save)
-    for i, model in enumerate(cfg.models):
-        try:
-            bench.run_model(model, first=i == 0)
-        except Exception:  # noqa: BLE001 - one model failing keeps the other's rows
-            traceback.print_exc()
-        bench.empty_cache()
+    extras = cfg.attention_sweep or cfg.engine or cfg.chunk_sweep
+    for phase in ("main", "extra") if extras else ("main",):  # every model's main rows before any sweep
+        for i, model in enumerate(cfg.models):
+            if phase == "extra" and not bench.time_left():
+                break
+            m = None
+            try:
+                m = bench.setup(model)
+                if phase == "main":
+                    bench.main_rows(m)
+                else:
+                    bench.extra_rows(m, first=i == 0)
+            except Exception:  # noqa: BLE001 - one model failing keeps the other's rows
+                traceback.print_exc()
+            del m
+            bench.empty_cache()
     save(chart=True)
     print(markdown(doc), flush=True)
     print(summary(doc), flush=True)
