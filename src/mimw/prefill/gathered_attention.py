@@ -3,9 +3,10 @@ maintained dense kernel. The alternatives that ``mimw bench prefill`` measures a
 
   ``torch``  the reference decoder's own attention (fp32, blocks of queries: ``mimw.models.reference.attention``);
              any device, the CPU path's choice and the tests' oracle over the same batch.
-  ``sdpa``   ``torch.nn.functional.scaled_dot_product_attention`` per piece (FlashAttention-2 on CUDA), causal
-             with the diagonal at the bottom right (``causal_lower_right``: a chunk after a prefix sees the whole
-             prefix), GQA without repeating K/V (``enable_gqa``).
+  ``sdpa``   ``torch.nn.functional.scaled_dot_product_attention`` per piece (FlashAttention-2 on CUDA). A piece
+             from position 0 is plain causal attention (GQA without repeating K/V: ``enable_gqa``); a piece after
+             a prefix needs the diagonal at the bottom right (``causal_lower_right``: it sees the whole prefix),
+             whose dispatch does not take ``enable_gqa`` in every torch release, so its K/V heads are repeated.
 
 The gather costs one read and one write of the piece's K/V per layer (small beside attention's FLOPs at long
 contexts) and memory for one piece's contiguous K/V. FlexAttention lives in ``flex_attention.py``.
@@ -58,8 +59,9 @@ def sdpa_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor
         if p.start == 0:
             out = F.scaled_dot_product_attention(qb, k, v, is_causal=True, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(qb, k, v, attn_mask=causal_lower_right(p.length, p.ctx),
-                                                 enable_gqa=True)
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            out = F.scaled_dot_product_attention(qb, k, v, attn_mask=causal_lower_right(p.length, p.ctx))
         o[rows] = out[0].transpose(0, 1)
     return o
 
