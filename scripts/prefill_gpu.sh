@@ -10,7 +10,7 @@
 #      250 s skipped (killed at 300 s).
 # $OUT (default bench/results) receives prefill-tests.log, prefill-bench.log and <stamp>-<gpu>-prefill.{json,md,png};
 # the last lines printed are the tests' verdict and the TTFT/MFU table.
-#   bash scripts/prefill_gpu.sh
+#   COMMIT=<sha> bash scripts/prefill_gpu.sh      (COMMIT: recorded in the JSON; the GPU copy has no .git)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -21,7 +21,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/prefill/test_pre
     tests/engine/test_megakernel_backend_gpu.py > "$out/prefill-tests.log" 2>&1
 tests_rc=$?
 
-timeout 300 python3 -m mimw.bench.main prefill --out "$out" --deadline-s 250 > "$out/prefill-bench.log" 2>&1
+timeout 300 python3 -m mimw.bench.main prefill --out "$out" --deadline-s 250 ${COMMIT:+--commit "$COMMIT"} > "$out/prefill-bench.log" 2>&1
 bench_rc=$?
 
 grep -E "^(FAILED|ERROR)" "$out/prefill-tests.log" | head -20

@@ -44,6 +44,7 @@ class PrefillBenchConfig:
     deadline_s: float = 0.0  # 0: no deadline
     out_dir: str = "bench/results"
     seed: int = 0
+    commit: str | None = None  # recorded as given (the GPU machine's copy of the tree has no .git)
     device: str = "cuda"
     kernels: str = "triton"  # the PrefillRunner's elementwise kernels ("torch": the reference's, for CPU smoke runs)
 
@@ -62,6 +63,8 @@ def add_arguments(sub) -> None:
     p.add_argument("--deadline-s", type=float, default=0.0, help="skip rows started after this many seconds")
     p.add_argument("--out", default="bench/results", metavar="DIR")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", default=None, metavar="REV",
+                   help="commit to record (default: git rev-parse of this tree, or 'unknown' without .git)")
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -91,7 +94,8 @@ def config_from_args(args: argparse.Namespace) -> PrefillBenchConfig:
         raise ValueError("--chunk must be positive")
     return PrefillBenchConfig(models, lengths, impls, args.chunk, chunk_sweep=_ints(args.chunk_sweep, "--chunk-sweep"),
                               attention_sweep=not args.no_attention_sweep, engine=not args.no_engine,
-                              deadline_s=args.deadline_s, out_dir=args.out, seed=args.seed)
+                              deadline_s=args.deadline_s, out_dir=args.out, seed=args.seed,
+                              commit=args.commit)
 
 
 class PrefillBench:
@@ -278,7 +282,7 @@ def run_bench(cfg: PrefillBenchConfig, gemm_tflops: float | None = None) -> int:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = out / f"{time.strftime('%Y%m%d-%H%M', time.gmtime())}-{slug(gpu)}-prefill"
-    doc = {"gpu": gpu, "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
+    doc = {"gpu": gpu, "commit": cfg.commit or git_commit(), "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
            "config": asdict(cfg), "gemm_tflops": gemm_tflops or measure_gemm_tflops(), "rows": [], "attention": []}
     print(f"[prefill] {gpu}: bf16 GEMM {doc['gemm_tflops']:.0f} TFLOP/s", file=sys.stderr, flush=True)
