@@ -12,7 +12,9 @@ import sys
 import time
 from dataclasses import asdict
 
-TILES = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4), (128, 32, 4, 3))
+# (block_m, block_n, num_warps, num_stages): all compile for sm_90a at hd 64 and 128 without spills
+TILES = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (256, 64, 8, 3),
+         (64, 64, 4, 4), (128, 32, 4, 3))
 
 
 class _Ids:
