@@ -10,9 +10,10 @@ from mimw.kv.prefix import PrefixCache
 P = SamplingParams(temperature=0, max_tokens=100)
 
 
-def make(num_pages=64, page_size=4, max_batch=8, max_step_tokens=32, prefix=True):
+def make(num_pages=64, page_size=4, max_batch=8, max_step_tokens=32, prefix=True, **chunking):
     pc = PrefixCache(page_size) if prefix else None
-    return Scheduler(SchedulerConfig(page_size, max_batch, max_step_tokens), PageAllocator(num_pages, pc), pc)
+    return Scheduler(SchedulerConfig(page_size, max_batch, max_step_tokens, **chunking), PageAllocator(num_pages, pc),
+                     pc)
 
 
 def req(name, n, first=1):
@@ -151,7 +152,8 @@ def test_random_workloads_keep_page_accounting_exact(seed):
     import random
     rng = random.Random(seed)
     s = make(num_pages=rng.randint(6, 30), page_size=rng.choice([2, 4]), max_batch=rng.randint(1, 6),
-             max_step_tokens=rng.randint(6, 40))
+             max_step_tokens=rng.randint(6, 40), max_prefill_step_tokens=rng.choice([0, 50]),
+             attention_cost_tokens=rng.choice([0, 3, 40]))
     alive = []
     for it in range(120):
         if rng.random() < 0.3:  # shared prefixes exercise the prefix cache
@@ -159,8 +161,11 @@ def test_random_workloads_keep_page_accounting_exact(seed):
             r = Request(f"r{it}", base + [rng.randint(1, 5) for _ in range(rng.randint(1, 10))], P)
             s.add(r)
             alive.append(r)
+        decoding = any(r.num_pending == 1 for r in s.running)
         plan = step(s, new_token=rng.randint(1, 3))
-        assert plan.num_tokens <= s.cfg.max_step_tokens and len(s.running) <= s.cfg.max_batch
+        prefill_only = s.cfg.max_prefill_step_tokens and not decoding
+        assert plan.num_tokens <= (s.cfg.max_prefill_step_tokens if prefill_only else s.cfg.max_step_tokens)
+        assert len(s.running) <= s.cfg.max_batch
         for r in list(alive):
             if r.num_output_tokens >= rng.randint(1, 12) or rng.random() < 0.05:
                 s.finish(r, "stop")
@@ -174,3 +179,70 @@ def test_random_workloads_keep_page_accounting_exact(seed):
     for r in alive:
         s.finish(r, "stop")
     assert s.alloc.num_in_use == 0
+
+
+def chunks_of(plan):
+    return [(c.request.request_id, c.length) for c in plan.chunks]
+
+
+def test_long_prompts_of_several_requests_interleave_fairly():
+    s = make(max_step_tokens=20)
+    a, b = req("a", 50), req("b", 50, first=100)
+    s.add(a), s.add(b)
+    assert chunks_of(step(s)) == [("a", 20)]  # admission: b finds no budget left
+    assert chunks_of(step(s)) == [("a", 10), ("b", 10)]  # b, first in line, shares the prefill budget
+    assert chunks_of(step(s)) == [("a", 10), ("b", 10)]
+    check_pages(s)
+
+
+def test_a_short_prompt_behind_a_long_prefill_is_done_in_one_step():
+    s = make(max_step_tokens=32)
+    a = req("a", 200)
+    s.add(a)
+    step(s)
+    b = req("b", 5, first=300)
+    s.add(b)
+    assert chunks_of(step(s)) == [("a", 27), ("b", 5)]  # water-filling: b needs less than its share
+    assert b.num_output_tokens == 1
+
+
+def test_fair_shares_keep_the_oldest_progressing_when_the_budget_is_short():
+    s = make(max_step_tokens=4, max_batch=4)
+    reqs = [req(f"r{i}", 30, first=40 * i + 1) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    for _ in range(4):
+        step(s)
+    plan = step(s)
+    assert plan.num_tokens <= 4 and plan.chunks[0].request is reqs[0]
+
+
+def test_a_step_without_decoders_has_the_prefill_budget():
+    s = make(max_step_tokens=16, max_prefill_step_tokens=64)
+    a = req("a", 100)
+    s.add(a)
+    assert chunks_of(step(s)) == [("a", 64)]
+    assert chunks_of(step(s)) == [("a", 36)]  # a samples: it decodes from now on
+    b = req("b", 100, first=200)
+    s.add(b)
+    assert chunks_of(step(s)) == [("a", 1), ("b", 15)]  # a decoder shares the step: the decode budget
+
+
+def test_with_decoders_a_chunk_is_sized_by_its_cost_and_shrinks_as_its_context_grows():
+    from mimw.engine.chunking import chunk_cost
+
+    r = 16
+    s = make(num_pages=200, max_step_tokens=20, attention_cost_tokens=r)
+    d = req("d", 3)
+    s.add(d)
+    step(s)  # d decodes from now on
+    a = req("a", 300, first=100)
+    s.add(a)
+    lengths = []
+    for _ in range(8):
+        plan = step(s)
+        c = [c for c in plan.chunks if c.request is a][0]
+        assert chunk_cost(c.length, c.start, r) <= 19 or c.length == 1  # the budget after d's token
+        assert [x.request for x in plan.chunks].count(d) == 1  # the decoder runs every step
+        lengths.append(c.length)
+    assert lengths == sorted(lengths, reverse=True) and lengths[-1] < lengths[0]

@@ -1,4 +1,5 @@
-"""``mimw bench decode``: the decode-step benchmark (also ``python -m mimw.bench.main decode ...``).
+"""``mimw bench decode``: the decode-step benchmark (also ``python -m mimw.bench.main decode ...``); ``mimw bench
+prefill`` lives in ``prefill.py``.
 
 One run, on one GPU: measure the streaming-read bandwidth (the floor's denominator), then for each model, context
 and backend check the backend's logits against the reference decoder and time its decode step. Results land in
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the defaults); recorded with the results")
     p.add_argument("--in-process", action="store_true",
                    help="run backends in this process (no crash/hang isolation; for debugging)")
+    from .prefill import add_arguments as add_prefill_arguments
+
+    add_prefill_arguments(sub)
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
@@ -108,8 +112,12 @@ def environment_meta(gpu: str, read: dict, config: DecodeBenchConfig) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", None) == "prefill":
+        from .prefill import run as run_prefill
+
+        return run_prefill(args)
     if getattr(args, "bench_command", None) != "decode":
-        print("mimw bench: choose a benchmark: decode", file=sys.stderr)
+        print("mimw bench: choose a benchmark: decode, prefill", file=sys.stderr)
         return 2
     try:
         cfg = config_from_args(args)

@@ -19,6 +19,7 @@ import torch
 from ..kv.allocator import PageAllocator
 from ..kv.prefix import PrefixCache
 from ..models.reference import Segment
+from . import chunking
 from .backends.base import Backend
 from .detokenize import Decoder, TextStream
 from .logprobs import TokenLogprob, logprobs_of
@@ -46,6 +47,8 @@ class EngineConfig:
     max_step_tokens: int = 512
     max_model_len: int | None = None  # None: min(model's max positions, num_pages * page_size)
     enable_prefix_cache: bool = True
+    max_prefill_step_tokens: int = 0  # tokens of a step with no decoding request (0: max_step_tokens)
+    attention_cost_tokens: int | None = None  # chunk cost model's R (engine/chunking.py); None: from the model
 
     def __post_init__(self) -> None:
         if self.num_pages <= 0:
@@ -54,8 +57,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         self.scheduler_config()  # validates the rest
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.page_size, self.max_batch, self.max_step_tokens)
+    def scheduler_config(self, attention_cost_tokens: int = 0) -> SchedulerConfig:
+        """``attention_cost_tokens`` is used where this config leaves it to the model (None)."""
+        r = attention_cost_tokens if self.attention_cost_tokens is None else self.attention_cost_tokens
+        return SchedulerConfig(self.page_size, self.max_batch, self.max_step_tokens, self.max_prefill_step_tokens, r)
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ class Engine:
         self.cache = backend.make_cache(config.page_size, config.num_pages)
         self.prefix = PrefixCache(config.page_size) if config.enable_prefix_cache else None
         self.allocator = PageAllocator(config.num_pages, self.prefix)
-        self.scheduler = Scheduler(config.scheduler_config(), self.allocator, self.prefix)
+        self.scheduler = Scheduler(config.scheduler_config(chunking.attention_cost_tokens(spec)), self.allocator,
+                                   self.prefix)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, TextStream] = {}
         self._preemptions = 0

@@ -5,8 +5,11 @@ step mixes decodes (1 token) and prefill chunks under a token budget (``max_step
 prefilled over several steps (chunked prefill) while the running requests keep decoding.
 
 Policy, oldest request first (FCFS):
-  1. Running requests in admission order. A decoding request takes 1 token; a prefilling one takes as much of its
-     remaining prompt as the budget allows after reserving 1 token for every decoder behind it.
+  1. Running requests in admission order. A decoding request takes 1 token; a prefilling one takes its fair share
+     (``chunking``) of the budget left after 1 token for every decoder: shared with the other prefilling requests
+     and with the first waiting request when it could be admitted, by max-min fairness, and - when decoders share
+     the step - measured by cost (its tokens' attention over their context counted, ``attention_cost_tokens``) so
+     that a chunk deep into a long prompt is shorter. A step with no decoder has ``max_prefill_step_tokens``.
      If the pages for its chunk are not available, the chunk shrinks to what fits; if nothing fits, the newest
      running request is preempted (pages released, recomputed later) until it does - or, when it is itself the
      newest, it is preempted. The oldest request therefore always progresses: never a deadlock, never a crash,
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 from ..kv.allocator import PageAllocator
 from ..kv.prefix import PrefixCache, chain_hashes
+from .chunking import chunk_cost, fair_shares, tokens_within
 from .request import Request, Status
 
 
@@ -32,11 +36,16 @@ class SchedulerConfig:
     page_size: int = 16
     max_batch: int = 32  # running requests at most
     max_step_tokens: int = 512  # tokens per step (prefill chunks + decodes)
+    max_prefill_step_tokens: int = 0  # tokens of a step in which no request decodes (0: max_step_tokens)
+    attention_cost_tokens: int = 0  # R of the chunk cost model (``chunking``); 0: a chunk costs its tokens
 
     def __post_init__(self) -> None:
         for f in ("page_size", "max_batch", "max_step_tokens"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+        for f in ("max_prefill_step_tokens", "attention_cost_tokens"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
         if self.max_step_tokens < self.max_batch:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be >= max_batch ({self.max_batch}) "
                              "so that every running request can decode each step")
@@ -82,16 +91,22 @@ class Scheduler:
 
     # --- planning -----------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        budget = self.cfg.max_step_tokens
         chunks: list[Chunk] = []
         preempted: list[Request] = []
         decoders_behind = sum(1 for r in self.running if r.num_pending == 1)
+        budget = self.cfg.max_step_tokens
+        if not decoders_behind and self.cfg.max_prefill_step_tokens:
+            budget = self.cfg.max_prefill_step_tokens
+        r_cost = self.cfg.attention_cost_tokens if decoders_behind else 0
+        share = self._prefill_shares(budget - decoders_behind, r_cost)
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
             if r.num_pending == 1:
                 decoders_behind -= 1
-            want = min(r.num_pending, budget - decoders_behind)
+                want = 1
+            else:
+                want = min(share.get(id(r), 0), budget - decoders_behind)
             n = min(want, self._fits(r)) if want > 0 else 0
             while want > 0 and n == 0:  # make room: preempt the newest running request
                 victim = self.running[-1]
@@ -110,13 +125,27 @@ class Scheduler:
             i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch:
-            chunk = self._admit(self.waiting[0], budget)
+            chunk = self._admit(self.waiting[0], budget, r_cost)
             if chunk is None:
                 break
             self.waiting.popleft()
             chunks.append(chunk)
             budget -= chunk.length
         return StepPlan(tuple(chunks), tuple(preempted))
+
+    def _prefill_shares(self, budget: int, r_cost: int) -> dict[int, int]:
+        """Tokens each prefilling running request may take (by id): fair shares of ``budget`` (cost units when
+        ``r_cost``) among them and the first waiting request if it could be admitted now."""
+        prefilling = [r for r in self.running if r.num_pending > 1]
+        if not prefilling:
+            return {}
+        cands = list(prefilling)
+        if (self.waiting and len(self.running) < self.cfg.max_batch
+                and self.alloc.num_available > len(self.running)):
+            cands.append(self.waiting[0])
+        shares = fair_shares(budget, [chunk_cost(r.num_pending, r.num_computed, r_cost) for r in cands])
+        return {id(r): tokens_within(c, r.num_computed, r.num_pending, r_cost)
+                for r, c in zip(prefilling, shares)}
 
     def _fits(self, r: Request, spare: int = 0) -> int:
         """Tokens of r's next chunk whose pages can be had now (room in its last page + available pages)."""
@@ -129,7 +158,7 @@ class Scheduler:
         r.block_table.extend(self.alloc.allocate(max(0, need)))
         return Chunk(r, r.num_computed, n)
 
-    def _admit(self, r: Request, budget: int) -> Chunk | None:
+    def _admit(self, r: Request, budget: int, r_cost: int = 0) -> Chunk | None:
         ps = self.cfg.page_size
         if self.prefix is not None and not r.needs_prompt_logits:  # prompt logprobs need every prompt row
             hashes = chain_hashes(r.token_ids, ps, r.page_hashes)
@@ -138,7 +167,7 @@ class Scheduler:
             self.alloc.share(hit)
             r.block_table = list(hit)
             r.num_computed = r.num_registered = len(hit) * ps
-        n = min(r.num_pending, budget, self._fits(r, spare=len(self.running)))
+        n = min(tokens_within(budget, r.num_computed, r.num_pending, r_cost), self._fits(r, spare=len(self.running)))
         if n <= 0:
             self.alloc.release(r.block_table)
             r.block_table, r.num_computed, r.num_registered = [], 0, 0

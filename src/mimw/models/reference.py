@@ -6,6 +6,8 @@ or a speculative-verify block). Tokens attend causally to everything their seque
 
 Numerics follow Hugging Face transformers' Llama/Qwen2/Qwen3 modules: RMSNorm in fp32 then cast back to the
 activation dtype before the weight multiply, RoPE tables in fp32, softmax in fp32; matmuls in the weight dtype.
+Attention runs one block of queries at a time (``attention``), so no [heads, T, S] score matrix is ever whole: the
+default model's full 8k context prefills in a few hundred MB of scores.
 """
 from __future__ import annotations
 
@@ -52,19 +54,36 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+# scores computed per query block at most: 2^25 fp32 elements (128 MB, plus as much for the softmax)
+MAX_SCORE_ELEMENTS = 1 << 25
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              max_score_elements: int = MAX_SCORE_ELEMENTS) -> torch.Tensor:
     """q [T, Hq, hd] at positions q_pos [T]; k, v [S, Hkv, hd] for positions 0..S-1 -> [T, Hq, hd].
 
-    Causal: query at position p sees keys 0..p. GQA: query head h reads KV head h // (Hq / Hkv)."""
+    Causal: query at position p sees keys 0..p. GQA: query head h reads KV head h // (Hq / Hkv).
+
+    softmax(q k^T / sqrt(hd)) v in fp32, one block of queries at a time so that no [Hq, T, S] score matrix exists:
+    a block holds at most ``max_score_elements`` scores and sees only the keys up to its last query's position.
+    Each row's softmax is computed whole (no online rescaling), so the result is the plain formula's up to the
+    summation order of the matmuls."""
     t, hq, hd = q.shape
-    g = hq // k.shape[1]
-    kk = k.repeat_interleave(g, dim=1).transpose(0, 1).float()  # [Hq, S, hd]
-    vv = v.repeat_interleave(g, dim=1).transpose(0, 1).float()
-    s = torch.einsum("thd,hsd->hts", q.float(), kk) * hd ** -0.5
-    mask = torch.arange(k.shape[0], device=q.device)[None, :] > q_pos[:, None]  # [T, S]
-    s = s.masked_fill(mask[None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("hts,hsd->thd", p, vv).to(q.dtype)
+    s, hkv = k.shape[0], k.shape[1]
+    g = hq // hkv
+    qf = q.float().view(t, hkv, g, hd).permute(1, 2, 0, 3)  # [Hkv, G, T, hd]
+    kt = k.float().permute(1, 2, 0)[:, None]  # [Hkv, 1, hd, S]
+    vf = v.float().transpose(0, 1)[:, None]  # [Hkv, 1, S, hd]
+    out = torch.empty(hkv, g, t, hd, dtype=torch.float32, device=q.device)
+    block = max(1, max_score_elements // (hq * max(s, 1)))
+    for t0 in range(0, t, block):
+        t1 = min(t, t0 + block)
+        qp = q_pos[t0:t1]
+        n = min(s, int(qp.max()) + 1)  # keys any query of the block can see
+        sc = torch.matmul(qf[:, :, t0:t1], kt[..., :n]) * hd ** -0.5  # [Hkv, G, b, n]
+        sc.masked_fill_(torch.arange(n, device=q.device)[None, :] > qp[:, None], float("-inf"))
+        out[:, :, t0:t1] = torch.matmul(torch.softmax(sc, dim=-1), vf[:, :, :n])
+    return out.permute(2, 0, 1, 3).reshape(t, hq, hd).to(q.dtype)
 
 
 class ReferenceDecoder:

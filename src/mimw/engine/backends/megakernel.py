@@ -1,10 +1,11 @@
-"""The megakernel backend: decode tokens run on the persistent Gluon megakernel (Hopper, bf16), prefill chunks on
-the PyTorch reference path over the SAME bf16 paged cache.
+"""The megakernel backend: decode tokens run on the persistent Gluon megakernel (Hopper, bf16), multi-token
+segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache.
 
 The megakernel program is planned for M = 1 (one decode token per launch, one CUDA graph replay); a step with
-several decoding sequences replays it once per sequence. Multi-token segments (prefill, verify) go to the
-reference backend, which writes their K/V into the shared cache exactly as the kernel would read it.
-Invariants are those of ``Backend``.
+several decoding sequences replays it once per sequence. All multi-token segments of a step go to the
+``PrefillRunner`` in one call; it writes their K/V into the shared cache exactly as the kernel reads it, so decode
+continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once here; the megakernel's packer
+reads row views of the fused tensors, so each weight is held once. Invariants are those of ``Backend``.
 """
 from __future__ import annotations
 
@@ -15,17 +16,18 @@ import torch
 from ...kv.pages import PagedKVCache
 from ...models.reference import Segment
 from ...models.weights import ModelWeights
+from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend
-from .reference import ReferenceBackend
 
 
 class MegakernelBackend(Backend):
-    def __init__(self, weights: ModelWeights, use_graph: bool = True):
+    def __init__(self, weights: ModelWeights, use_graph: bool = True, prefill: PrefillConfig = PrefillConfig()):
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             raise RuntimeError("the megakernel backend needs a Hopper (sm_90) GPU; use the reference backend")
-        self.weights = weights.to(device="cuda", dtype=torch.bfloat16)
+        fused = FusedWeights.from_weights(weights.to(device="cuda", dtype=torch.bfloat16))
+        self.weights = fused.unfused()
         self.spec = weights.spec
-        self.prefill = ReferenceBackend(self.weights)
+        self.prefill = PrefillRunner(fused, prefill)
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
 

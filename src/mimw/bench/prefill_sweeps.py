@@ -1,0 +1,99 @@
+"""``mimw bench prefill``'s secondary measurements, run after a model's main rows while time is left:
+
+``attention_sweep``: one layer's attention alone for the second pass of a causal prompt of ``sweep_tokens`` (its
+first half already in the cache): each implementation, the paged kernel at several tiles, TFLOP/s (do_bench
+median). ``engine_ttft``: TTFT through the engine with the megakernel backend (its multi-token steps on the
+``PrefillRunner``), one request at a time, prefix cache off.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import asdict
+
+# (block_m, block_n, num_warps, num_stages): all compile for sm_90a at hd 64 and 128 without spills
+TILES = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (256, 64, 8, 3),
+         (64, 64, 4, 4), (128, 32, 4, 3))
+
+
+class _Ids:
+    """A tokenizer for random-weight models: every id is one character."""
+
+    def decode(self, ids) -> str:
+        return "".join(chr(0x4E00 + i % 20000) for i in ids)
+
+
+def attention_sweep(bench, model, spec, cache, pages) -> None:
+    """One layer's attention for the second pass of a causal prompt of ``sweep_tokens`` (its first half
+    already in the cache), each implementation, the paged kernel at several tiles."""
+    import torch
+    from triton.testing import do_bench
+
+    from ..prefill.batch import Piece, PrefillBatch
+    from ..prefill.paged_attention import AttentionTiles
+    from ..prefill.runner import make_attention
+
+    n = bench.cfg.sweep_tokens
+    half = n // 2
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    table = tuple(torch.randperm(pages)[:-(-n // bench.cfg.page_size)].tolist())
+    batch = PrefillBatch.build([Piece(table, half, n - half)], bench.cfg.page_size, "cuda")
+    q = torch.randn(n - half, spec.num_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
+    pairs = (n - half) * half + (n - half) * (n - half + 1) / 2
+    flops = 4.0 * spec.num_heads * spec.head_dim * pairs
+    cases = [("triton", AttentionTiles(*t)) for t in TILES] + [(i, None) for i in ("sdpa", "flex")
+                                                                 if i in bench.cfg.impls]
+    for impl, tiles in cases:
+        row = {"model": model, "tokens": n, "impl": impl,
+               "tiles": None if tiles is None else list(asdict(tiles).values())}
+        if not bench.time_left():
+            row["error"] = "skipped (deadline)"
+        else:
+            try:
+                attend = make_attention(impl, tiles, torch.device("cuda")).plan(batch)
+                ms = do_bench(lambda: attend(q, cache.k[0], cache.v[0]), warmup=10, rep=60, return_mode="median")
+                row.update(ms=ms, tflops=flops / ms / 1e9)
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit shared memory is a row
+                row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+        bench.doc["attention"].append(row)
+        print(f"[prefill] attention {model} {impl} {row.get('tiles')} {row.get('tflops') or row.get('error')}",
+              file=sys.stderr, flush=True)
+        bench.save()
+
+def engine_ttft(bench, model, spec, mw, pages) -> None:
+    """TTFT through the engine (megakernel backend: prefill on the PrefillRunner), one request at a time."""
+    import torch
+
+    from ..engine.backends.megakernel import MegakernelBackend
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.sampling import SamplingParams
+
+    try:
+        backend = MegakernelBackend(mw)
+    except Exception as e:  # noqa: BLE001
+        bench.record({"model": model, "tokens": 0, "impl": "engine", "error": f"{type(e).__name__}: {e}"}, spec)
+        return
+    lengths = [n for n in bench.cfg.lengths if n <= 32768]
+    engine = Engine(backend, _Ids(), EngineConfig(num_pages=pages, page_size=bench.cfg.page_size, max_batch=4,
+                                                  max_step_tokens=512, max_prefill_step_tokens=bench.cfg.chunk,
+                                                  enable_prefix_cache=False))
+    gen = torch.Generator().manual_seed(bench.cfg.seed + 1)
+    for n in lengths:
+        row = {"model": model, "tokens": n, "impl": "engine-triton", "chunk": bench.cfg.chunk}
+        if not bench.time_left():
+            bench.record({**row, "error": "skipped (deadline)"}, spec)
+            continue
+        times = []
+        for rep in range(3 if n <= 8192 else 2):
+            prompt = torch.randint(spec.vocab_size, (n,), generator=gen).tolist()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            engine.add_request(f"{n}-{rep}", prompt, SamplingParams(temperature=0.0, max_tokens=1,
+                                                                    ignore_eos=True))
+            while engine.has_work():
+                engine.step()
+            times.append(time.perf_counter() - t)
+        row.update(ttft_s=statistics.median(times), ttft_min_s=min(times), runs=len(times))
+        bench.record(row, spec)

@@ -1,0 +1,79 @@
+"""Attention over *gathered* pages: each piece's K/V copied out of the paged cache into contiguous tensors, then a
+maintained dense kernel. The alternatives that ``mimw bench prefill`` measures against ``paged_attention``:
+
+  ``torch``  the reference decoder's own attention (fp32, blocks of queries: ``mimw.models.reference.attention``);
+             any device, the CPU path's choice and the tests' oracle over the same batch.
+  ``sdpa``   ``torch.nn.functional.scaled_dot_product_attention`` per piece (FlashAttention-2 on CUDA). A piece
+             from position 0 is plain causal attention (GQA without repeating K/V: ``enable_gqa``); a piece after
+             a prefix needs the diagonal at the bottom right (``causal_lower_right``: it sees the whole prefix),
+             whose dispatch does not take ``enable_gqa`` in every torch release, so its K/V heads are repeated.
+
+The gather costs one read and one write of the piece's K/V per layer (small beside attention's FLOPs at long
+contexts) and memory for one piece's contiguous K/V. FlexAttention lives in ``flex_attention.py``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from ..models import reference
+from .batch import PrefillBatch
+
+
+def gather(layer: torch.Tensor, batch: PrefillBatch, b: int) -> torch.Tensor:
+    """Piece b's K or V for positions 0..ctx-1 from a [P, Hkv, PS, hd] cache layer -> [Hkv, ctx, hd]."""
+    p = batch.pieces[b]
+    n = -(-p.ctx // batch.page_size)
+    pages = batch.block_tables[b, :n].long()
+    x = layer[pages].transpose(0, 1)  # [Hkv, n, PS, hd]
+    return x.reshape(x.shape[0], n * batch.page_size, x.shape[-1])[:, :p.ctx]
+
+
+def _rows(batch: PrefillBatch):
+    r0 = 0
+    for b, p in enumerate(batch.pieces):
+        yield b, p, slice(r0, r0 + p.length)
+        r0 += p.length
+
+
+def torch_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                    batch: PrefillBatch) -> torch.Tensor:
+    """The reference decoder's attention over each piece's gathered K/V (cast to q's dtype, as the reference)."""
+    o = torch.empty_like(q)
+    for b, p, rows in _rows(batch):
+        k = gather(k_layer, batch, b).transpose(0, 1).to(q.dtype)  # [ctx, Hkv, hd]
+        v = gather(v_layer, batch, b).transpose(0, 1).to(q.dtype)
+        o[rows] = reference.attention(q[rows], k, v, batch.positions[rows])
+    return o
+
+
+def sdpa_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                   batch: PrefillBatch) -> torch.Tensor:
+    """``scaled_dot_product_attention`` per piece over its gathered K/V."""
+    o = torch.empty_like(q)
+    for b, p, rows in _rows(batch):
+        k = gather(k_layer, batch, b).to(q.dtype)[None]  # [1, Hkv, ctx, hd]
+        v = gather(v_layer, batch, b).to(q.dtype)[None]
+        qb = q[rows].transpose(0, 1)[None]  # [1, Hq, L, hd]
+        if p.start == 0:
+            out = F.scaled_dot_product_attention(qb, k, v, is_causal=True, enable_gqa=True)
+        else:
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            out = F.scaled_dot_product_attention(qb, k, v, attn_mask=causal_lower_right(p.length, p.ctx))
+        o[rows] = out[0].transpose(0, 1)
+    return o
+
+
+class GatheredAttention:
+    """``torch_attention`` or ``sdpa_attention`` behind the runner's per-pass ``plan``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def plan(self, batch: PrefillBatch):
+        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+            return self.fn(q, k_layer, v_layer, batch)
+
+        return run

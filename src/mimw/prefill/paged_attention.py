@@ -1,0 +1,173 @@
+"""mimw's paged prefill attention: FlashAttention-2's forward (tiled, online softmax, tensor-core dots, no score
+matrix in memory) reading K/V straight from the paged cache through the block tables.
+
+One program per (query head, block of ``block_m`` query rows of one piece). Its queries sit at positions
+start+m0 .. start+m0+block_m-1 of their sequence and see keys 0 .. their own position, so the key loop has two
+parts: keys [0, start+m0) that every row sees (tiles with no mask at all), then the diagonal tiles up to
+min(ctx, start+m0+block_m) with the causal mask. Grid axis 0 is the query head: the programs launched together are
+one query block's heads, so a KV head's tiles are read from HBM once and served to its GQA group from L2. The work
+list (``PrefillBatch.work``) puts the blocks with the most keys first, so the longest programs never form the tail.
+
+A key tile of ``block_n`` positions spans block_n / page_size pages: each key's page comes from the block table, its
+row is position % page_size, and (page, head) is a contiguous [page_size, hd] tile of the [P, Hkv, PS, hd] layer,
+so every key row is one contiguous hd-element read. ``_load_kv`` is the one place that reads the cache: with
+``SCALED`` it dequantises (fp8 values times a per-(page, head) fp32 scale, the layout an fp8 cache adds beside the
+pages) before the dot, so an fp8 cache changes the loader, not the kernel.
+
+Scores are scaled by log2(e)/sqrt(hd) and exponentiated with exp2; the running max, sum and accumulator are fp32;
+the probabilities enter the second dot in bf16 (as FlashAttention does).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .batch import PrefillBatch
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Tile shape and launch options of the kernel (measured on the H200 by ``mimw bench prefill``)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> "AttentionTiles":
+        if head_dim <= 64:
+            return cls(128, 128, 8, 3)
+        return cls(128, 64, 8, 3)
+
+    def __post_init__(self) -> None:
+        for f in ("block_m", "block_n"):
+            v = getattr(self, f)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{f} must be a power of two >= 16, got {v}")
+
+
+@triton.jit
+def _load_kv(base, scale, bt, offs_n, in_ctx, kvh, d, HKV: tl.constexpr, PS: tl.constexpr, HD: tl.constexpr,
+             MASKED: tl.constexpr, SCALED: tl.constexpr):
+    """[BLOCK_N, HD] bf16 rows of KV head ``kvh`` at positions offs_n (with MASKED, rows outside ``in_ctx`` read
+    as 0; without, every row is inside the sequence and no load is predicated)."""
+    if MASKED:
+        page = tl.load(bt + offs_n // PS, mask=in_ctx, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt + offs_n // PS).to(tl.int64)
+    ph = page * HKV + kvh
+    ptrs = base + ((ph * PS + offs_n % PS) * HD)[:, None] + d[None, :]
+    if MASKED:
+        x = tl.load(ptrs, mask=in_ctx[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    if SCALED:
+        s = tl.load(scale + ph)  # page 0's scale for masked rows: finite, and their scores are masked anyway
+        x = (x.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+    return x
+
+
+@triton.jit
+def _attend_tile(acc, l_i, m_i, q, q_pos, n0, ctx, K, V, KS, VS, bt, kvh, d, qk_scale,
+                 HKV: tl.constexpr, PS: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, SCALED: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    in_ctx = offs_n < ctx
+    k = _load_kv(K, KS, bt, offs_n, in_ctx, kvh, d, HKV, PS, HD, MASKED, SCALED)
+    qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
+    if MASKED:
+        # the first tile a row meets always holds key 0, which it sees: its running max is finite from then on
+        qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & in_ctx[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _load_kv(V, VS, bt, offs_n, in_ctx, kvh, d, HKV, PS, HD, MASKED, SCALED)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_prefill_kernel(Q, O, K, V, KS, VS, BT, Q_START, SEQ_START, SEQ_CTX, WORK,
+                          stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, qk_scale,
+                          GROUP: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, PS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
+    h = tl.program_id(0)
+    w = tl.program_id(1)
+    seg = tl.load(WORK + 2 * w)
+    m0 = tl.load(WORK + 2 * w + 1)
+    row0 = tl.load(Q_START + seg)
+    start = tl.load(SEQ_START + seg)
+    ctx = tl.load(SEQ_CTX + seg)
+    kvh = h // GROUP
+    bt = BT + seg.to(tl.int64) * stride_bt
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    valid = offs_m < ctx - start
+    rows = (row0 + offs_m).to(tl.int64)
+    d = tl.arange(0, HD)
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=valid[:, None], other=0.0)
+    q_pos = start + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HD], tl.float32)
+    full_end = ((start + m0) // BLOCK_N) * BLOCK_N  # whole tiles below the block's first query
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, n0, ctx, K, V, KS, VS, bt, kvh, d, qk_scale,
+                                     HKV, PS, HD, BLOCK_N, False, SCALED)
+    hi = tl.minimum(ctx, start + m0 + BLOCK_M)
+    for n0 in range(full_end, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, n0, ctx, K, V, KS, VS, bt, kvh, d, qk_scale,
+                                     HKV, PS, HD, BLOCK_N, True, SCALED)
+    o = acc / l_i[:, None]
+    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(O.dtype.element_ty),
+             mask=valid[:, None])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
+                            tiles: AttentionTiles | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, hd] (rows of ``batch``); k_layer, v_layer [P, Hkv, PS, hd] (bf16, or fp8 with ``k_scale``,
+    ``v_scale`` [P, Hkv] fp32) -> o [T, Hq, hd] in q's dtype."""
+    t, hq, hd = q.shape
+    _, hkv, ps, _ = k_layer.shape
+    tiles = tiles or AttentionTiles.for_head_dim(hd)
+    if q.stride(2) != 1 or not (k_layer.is_contiguous() and v_layer.is_contiguous()):
+        raise ValueError("paged_prefill_attention needs q with contiguous heads and contiguous cache layers")
+    if hd & (hd - 1):
+        raise ValueError(f"head_dim must be a power of two, got {hd}")
+    scaled = k_scale is not None
+    if scaled != (v_scale is not None):
+        raise ValueError("k_scale and v_scale go together")
+    if not scaled and k_layer.dtype != q.dtype:
+        raise ValueError(f"an unscaled cache must hold q's dtype ({q.dtype}), not {k_layer.dtype}")
+    o = torch.empty_like(q)
+    work = batch.work(tiles.block_m)
+    ks = k_scale if scaled else k_layer  # unread without SCALED
+    vs = v_scale if scaled else v_layer
+    _paged_prefill_kernel[(hq, work.shape[0])](
+        q, o, k_layer, v_layer, ks, vs, batch.block_tables, batch.q_start, batch.seq_start, batch.seq_ctx, work,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1), batch.block_tables.stride(0),
+        math.log2(math.e) / math.sqrt(hd),
+        GROUP=hq // hkv, HKV=hkv, HD=hd, PS=ps, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, SCALED=scaled,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return o
+
+
+class PagedAttention:
+    """``paged_prefill_attention`` with fixed tiles, planned per pass (the work list is built once per pass)."""
+
+    def __init__(self, tiles: AttentionTiles | None = None):
+        self.tiles = tiles
+
+    def plan(self, batch: PrefillBatch):
+        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+            return paged_prefill_attention(q, k_layer, v_layer, batch, self.tiles)
+
+        return run

@@ -1,0 +1,44 @@
+"""``mimw bench prefill`` end to end on the CPU at tiny shapes (the reference's kernels; the GPU-only sweeps off):
+rows, checks against the plain SDPA prefill, FLOPs and MFU, the reports and the chart."""
+import json
+
+import pytest
+
+from mimw.bench.prefill import PrefillBenchConfig, run_bench
+from mimw.bench.prefill_report import prefill_flops
+from mimw.cli import main
+from mimw.models.spec import get_preset
+
+
+def test_prefill_bench_runs_every_implementation_and_writes_its_reports(tmp_path, capsys):
+    cfg = PrefillBenchConfig(models=("tiny-llama3",), lengths=(40, 100), impls=("plain-sdpa", "sdpa"),
+                             chunk=32, chunk_sweep=(), attention_sweep=False, engine=False, out_dir=str(tmp_path),
+                             device="cpu", kernels="torch")
+    assert run_bench(cfg, gemm_tflops=1.0) == 0
+    doc = json.loads(next(tmp_path.glob("*-prefill.json")).read_text())
+    rows = {(r["tokens"], r["impl"]): r for r in doc["rows"]}
+    assert set(rows) == {(n, i) for n in (40, 100) for i in ("plain-sdpa", "sdpa")}
+    for (n, impl), r in rows.items():
+        assert r["ttft_s"] > 0 and r["tokens_per_s"] == pytest.approx(n / r["ttft_s"])
+        assert r["flops"] == prefill_flops(get_preset("tiny-llama3"), n)
+        assert r["mfu"] == pytest.approx(r["flops"] / 1e12 / r["ttft_s"])
+        if impl != "plain-sdpa":  # chunked over pages, checked against the one-call prefill
+            assert r["rel_err"] < 3e-2 and r["chunk"] == 32
+    assert next(tmp_path.glob("*-prefill.png")).stat().st_size > 0
+    md = next(tmp_path.glob("*-prefill.md")).read_text()
+    assert "| tiny-llama3 | 100 | sdpa | 32 |" in md
+    assert "TTFT s / MFU" in capsys.readouterr().out
+
+
+def test_prefill_flops_count_causal_attention_pairs():
+    spec = get_preset("llama-3.2-1b")
+    one, two = prefill_flops(spec, 1), prefill_flops(spec, 2)
+    layer_weights = 2 * (2048 * (2048 + 1024) + 2048 * 2048 + 3 * 2048 * 8192)
+    # one more token: its weights, and 2 more causal pairs (3 instead of 1), 4 L Hq hd FLOPs each
+    assert two - one == pytest.approx(16 * layer_weights + 4 * 16 * 32 * 64 * 2)
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert main(["bench", "prefill", "--impls", "flash"]) == 2
+    assert main(["bench", "prefill", "--lengths", "2k"]) == 2
+    assert "error" in capsys.readouterr().err

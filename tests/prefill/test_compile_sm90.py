@@ -1,0 +1,68 @@
+"""The prefill Triton kernels compile for Hopper (sm_90a) on a CPU-only machine (ptxas ships in the triton wheel),
+at the shapes and tiles the 1B and 8B models launch: the attention's dots become wgmma, its K/V gathers are
+pipelined (cp.async), nothing spills to local memory and shared memory fits the SM's 227 KB."""
+import re
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mimw.models.spec import get_preset
+from mimw.prefill import activation, norm, paged_attention, rope_append
+
+pytestmark = pytest.mark.slow
+
+
+def compile_sm90(fn, args: dict[str, str], constexprs: dict, num_warps: int, num_stages: int = 3):
+    """args: name -> Triton type ("*bf16", "i32", ...); pointers and strides get the 16-divisibility the launcher
+    specialises real (aligned) tensors and strides on."""
+    sig = {**args, **{k: "constexpr" for k in constexprs}}
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in args.items()
+             if t.startswith("*") or n.startswith("stride")}
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def count(ptx: str, pattern: str) -> int:
+    return len(re.findall(pattern, ptx))
+
+
+@pytest.mark.parametrize("preset,scaled", [("llama-3.2-1b", False), ("llama-3.1-8b", False),
+                                           ("llama-3.1-8b", True)])
+def test_paged_attention_compiles_to_pipelined_wgmma(preset, scaled):
+    spec = get_preset(preset)
+    tiles = paged_attention.AttentionTiles.for_head_dim(spec.head_dim)
+    kv = "*fp8e4nv" if scaled else "*bf16"
+    sc = "*fp32" if scaled else "*bf16"
+    args = {"Q": "*bf16", "O": "*bf16", "K": kv, "V": kv, "KS": sc, "VS": sc, "BT": "*i32", "Q_START": "*i32",
+            "SEQ_START": "*i32", "SEQ_CTX": "*i32", "WORK": "*i32", "stride_qt": "i32", "stride_qh": "i32",
+            "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "qk_scale": "fp32"}
+    ce = {"GROUP": spec.group_size, "HKV": spec.num_kv_heads, "HD": spec.head_dim, "PS": 16,
+          "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "SCALED": scaled}
+    k = compile_sm90(paged_attention._paged_prefill_kernel, args, ce, tiles.num_warps, tiles.num_stages)
+    ptx = k.asm["ptx"]
+    assert count(ptx, r"wgmma\.mma_async") > 0
+    assert count(ptx, r"cp\.async\.c[ag]") > 0  # the gathers run ahead of the dots
+    assert count(ptx, r"(ld|st)\.local") == 0
+    assert k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-0.6b"])
+def test_elementwise_kernels_compile(preset):
+    spec = get_preset(preset)
+    d = spec.hidden_size
+    compile_sm90(norm._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "stride_x": "i32",
+                                         "stride_y": "i32", "D": "i32", "eps": "fp32"},
+                 {"BLOCK_D": triton.next_power_of_2(d)}, 8)
+    compile_sm90(activation._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16", "I": "i32", "stride_gu": "i32",
+                                               "stride_out": "i32"}, {"BLOCK": activation.BLOCK}, 4)
+    args = {"QKV": "*bf16", "Q_OUT": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "SLOTS": "*i64",
+            "COS": "*fp32", "SIN": "*fp32", "QN": "*bf16", "KN": "*bf16", "T": "i32", "stride_qkv": "i32",
+            "stride_qt": "i32", "stride_qh": "i32", "eps": "fp32"}
+    k = compile_sm90(rope_append._rope_append_kernel, args,
+                     {"HQ": spec.num_heads, "HKV": spec.num_kv_heads, "HD": spec.head_dim, "PS": 16,
+                      "QK_NORM": spec.qk_norm, "BLOCK_T": rope_append.BLOCK_T}, 4)
+    assert count(k.asm["ptx"], r"(ld|st)\.local") == 0
