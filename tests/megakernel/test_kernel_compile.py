@@ -57,3 +57,11 @@ def test_the_tickets_and_the_traced_build_compile_spill_free():
     p, k, rep = _build("smollm2-135m", Tuning(trace=True))
     _assert_sound(p, k, rep)
     assert "%globaltimer" in k.asm["ptx"]
+
+
+def test_the_kernel_compiles_with_its_int_arguments_specialized_to_one():
+    """The launch compiles an int argument equal to 1 as a constant (one attention split at context 1, a one-page
+    cache, a one-instruction queue): the kernel's state structs take either."""
+    p = plan(get_preset("smollm2-135m"), 132)
+    k = compile_sm90a(p, ones=True)
+    assert ptxas_report(k.asm["ptx"])["spill_stores"] == 0

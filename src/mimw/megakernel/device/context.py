@@ -7,7 +7,8 @@
 ``Bufs``  everything else in global memory the instructions read or write: norm/bias/rope vectors, the paged KV
           cache, the scratch buffers of state.py, and the scalars eps and qscale.
 ``Ins``   one instruction's words, decoded field by field on demand (isa.Word) with masked reductions.
-Compile-time constants travel as one frozen dataclass, ``plan.Constants`` (the kernel's ``C``).
+Compile-time constants travel as one frozen dataclass, ``plan.Constants`` (the kernel's ``C``). Integer arguments
+the launch may specialize (Triton compiles an int argument equal to 1 as a constant) are fields that hold either.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -45,6 +46,12 @@ OP_DOWN_PROJ: gl.constexpr = gl.constexpr(_C["OP_DOWN_PROJ"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(_C["OP_LM_HEAD"])
 
 
+@constexpr_function
+def _int_arg(v):
+    """A kernel's int argument as an aggregate field: the tensor, or the constant the launch specialized it to."""
+    return v if isinstance(v, gl.tensor) else gl.constexpr(v)
+
+
 @aggregate
 class Smem:
     bufs: gl.shared_memory_descriptor
@@ -65,10 +72,10 @@ class Smem:
 @aggregate
 class Step:
     cnt: gl.tensor  # counters (state.py), then DONE and EPOCH
-    ncnt: gl.tensor
+    ncnt: gl.tensor | gl.constexpr
     rdy: gl.tensor  # the cluster pairs' ready words, one a CTA
     bt: gl.tensor  # block tables [S, MAXP]
-    maxp: gl.tensor
+    maxp: gl.tensor | gl.constexpr
     epoch: gl.tensor
     pos: gl.tensor
     ctx: gl.tensor
@@ -78,10 +85,10 @@ class Step:
     @constexpr_function
     def __init__(self, cnt, ncnt, rdy, bt, maxp, epoch, pos, ctx, tok_page, emb_row):
         self.cnt = cnt
-        self.ncnt = ncnt
+        self.ncnt = _int_arg(ncnt)
         self.rdy = rdy
         self.bt = bt
-        self.maxp = maxp
+        self.maxp = _int_arg(maxp)
         self.epoch = epoch
         self.pos = pos
         self.ctx = ctx
@@ -101,7 +108,7 @@ class Bufs:
     invf: gl.tensor
     kc: gl.tensor
     vc: gl.tensor
-    num_pages: gl.tensor
+    num_pages: gl.tensor | gl.constexpr
     x: gl.tensor
     qkvp: gl.tensor
     q: gl.tensor
@@ -110,15 +117,17 @@ class Bufs:
     attn: gl.tensor
     act: gl.tensor
     logits: gl.tensor
-    splits: gl.tensor
+    splits: gl.tensor | gl.constexpr
     eps: gl.tensor
     qscale: gl.tensor
 
     @constexpr_function
     def __init__(self, vecs, kv, scratch, scalars):
         self.emb, self.anorm, self.mnorm, self.fnorm, self.bias, self.qn, self.kn, self.invf = vecs
-        self.kc, self.vc, self.num_pages = kv
-        self.x, self.qkvp, self.q, self.po, self.pml, self.attn, self.act, self.logits, self.splits = scratch
+        self.kc, self.vc, num_pages = kv
+        self.num_pages = _int_arg(num_pages)
+        self.x, self.qkvp, self.q, self.po, self.pml, self.attn, self.act, self.logits, splits = scratch
+        self.splits = _int_arg(splits)
         self.eps, self.qscale = scalars
 
 

@@ -64,6 +64,12 @@ def pointer_paths() -> list[tuple[int, ...]]:
     return out
 
 
+def int_paths() -> list[tuple[int, int]]:
+    """The (group, field) paths of every int argument: the launch specializes one that equals 1 to a constant."""
+    return [(g, f) for g, (_, fields) in enumerate(GROUPS) if not isinstance(fields, str)
+            for f, (_, t) in enumerate(fields) if t == "i32"]
+
+
 def values(sources: dict[str, Any]) -> tuple:
     """The launch's arguments from every field's value by name (``weights`` the descriptor, ``trace`` the buffer)."""
     missing = [n for n, f in GROUPS if isinstance(f, str) and n not in sources]

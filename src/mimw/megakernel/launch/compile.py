@@ -6,9 +6,10 @@ from ..plan import LaunchPlan
 from . import args
 
 
-def compile_sm90a(p: LaunchPlan):
+def compile_sm90a(p: LaunchPlan, ones: bool = False):
     """The megakernel ``p`` launches, compiled for sm_90a; returns triton's CompiledKernel (``.asm['ptx']``,
-    ``.metadata.shared``)."""
+    ``.metadata.shared``). ``ones``: every int argument specialized to the constant 1, as the launch compiles an int
+    argument that equals 1 (one split, one page, one counter...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -16,9 +17,16 @@ def compile_sm90a(p: LaunchPlan):
     from ..device.kernel import megakernel
 
     sig = args.signature(p.tuning.tile_rows, p.tuning.tile_k)
+    constants = {"C": p.constants}
+    if ones:
+        for path in args.int_paths():
+            group = list(sig[args.GROUPS[path[0]][0]])
+            group[path[1]] = "constexpr"
+            sig[args.GROUPS[path[0]][0]] = tuple(group)
+            constants[path] = 1
     sig["C"] = "constexpr"
     aligned = {path: [["tt.divisibility", 16]] for path in args.pointer_paths()}
-    src = GluonASTSource(megakernel, sig, {"C": p.constants}, aligned)
+    src = GluonASTSource(megakernel, sig, constants, aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": p.constants.NW})
 
 
