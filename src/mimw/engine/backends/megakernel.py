@@ -4,8 +4,9 @@ segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) 
 The megakernel program is planned for M = 1 (one decode token per launch, one CUDA graph replay); a step with
 several decoding sequences replays it once per sequence. All multi-token segments of a step go to the
 ``PrefillRunner`` in one call; it writes their K/V into the shared cache exactly as the kernel reads it, so decode
-continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once here; the megakernel's packer
-reads row views of the fused tensors, so each weight is held once. Invariants are those of ``Backend``.
+continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once here for the prefill path's
+GEMMs, and the megakernel packs its own tile-major copy from row views of them (launch/pack.py): the GPU holds the
+weights twice, row-major and tile-major. Invariants are those of ``Backend``.
 """
 from __future__ import annotations
 
