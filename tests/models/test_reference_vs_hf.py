@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.models.reference import ReferenceDecoder, Segment
 from mimw.models.safetensors_dir import load_hf_dir
-from mimw.models.spec import get_preset
+from mimw.models.spec import LinearRopeScaling, get_preset
 
 
 def random_hf_model(spec, seed=0):
@@ -44,7 +44,14 @@ def rel_err(a, b):
     ("tiny-qwen3", 11, 16),
 ])
 def test_reference_matches_transformers(tmp_path, preset, prefill, decode):
-    spec = get_preset(preset)
+    _check_against_transformers(tmp_path, get_preset(preset), prefill, decode)
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path):
+    _check_against_transformers(tmp_path, get_preset("tiny-llama").with_(rope_scaling=LinearRopeScaling(4.0)), 11, 16)
+
+
+def _check_against_transformers(tmp_path, spec, prefill, decode):
     model = random_hf_model(spec)
     model.save_pretrained(tmp_path)
     weights = load_hf_dir(tmp_path, progress=False)

@@ -25,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from . import rope
-from .errors import CheckpointError
-from .spec import ARCHS, Llama3RopeScaling, ModelSpec, SpecError
+from .errors import CheckpointError, check_finite
+from .spec import ARCHS, Llama3RopeScaling, LinearRopeScaling, ModelSpec, SpecError
 from .weights import LayerWeights, ModelWeights, expected_layer_shapes
 
 LAYER_NAMES = {
@@ -45,7 +45,8 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/struct.error/... on a malformed file
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") \
+            from None
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None, required: bool = False):
@@ -81,12 +82,15 @@ def spec_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelSpe
     else:
         vocab = meta("vocab_size")
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
-    head_dim = meta("attention.key_length", required=False) or \
-        (meta("rope.dimension_count", required=False) if arch == "llama" else None) or hidden // heads
+    head_dim = meta("attention.key_length", required=False) or hidden // heads  # llama.cpp's rule
+    _refuse_unsupported(reader, arch, int(head_dim), int(meta("context_length", 4096)))
+    scaling = None
     scaling_type = meta("rope.scaling.type", required=False)
-    if scaling_type not in (None, "none"):
+    if scaling_type == "linear":
+        scaling = LinearRopeScaling(float(meta("rope.scaling.factor")))
+    elif scaling_type not in (None, "none"):
         raise CheckpointError(f"{where}: {arch}.rope.scaling.type: unsupported {scaling_type!r} "
-                              "(mimw supports Llama 3 scaling, stored as rope_freqs.weight)")
+                              "(mimw supports linear scaling and Llama 3 scaling, stored as rope_freqs.weight)")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     try:
@@ -96,17 +100,58 @@ def spec_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelSpe
             num_heads=heads, num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=int(head_dim),
             rms_norm_eps=meta("attention.layer_norm_rms_epsilon"), rope_theta=meta("rope.freq_base", 10000.0),
             max_position_embeddings=int(meta("context_length", 4096)),
-            tie_word_embeddings="output.weight" not in tensors,
+            tie_word_embeddings="output.weight" not in tensors, rope_scaling=scaling,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         )
     except SpecError as e:
         raise CheckpointError(f"{where}: {e}") from None
     if ROPE_FREQS in tensors:
+        if scaling is not None:
+            raise CheckpointError(f"{where}: both {arch}.rope.scaling.type linear and {ROPE_FREQS} (two scalings)")
         factors = torch.from_numpy(np.array(gguf.quants.dequantize(tensors[ROPE_FREQS].data,
                                                              tensors[ROPE_FREQS].tensor_type), dtype=np.float64))
         spec = spec.with_(rope_scaling=_llama3_from_factors(spec, factors.flatten(), where))
     return spec
+
+
+# GGUF metadata (after "{arch}.") that llama.cpp reads to change a model's math in ways mimw does not compute: any
+# of these present with a value other than the neutral one refuses the file.
+_UNSUPPORTED_META = {
+    "expert_count": (None, 0, "mixture-of-experts layers"),
+    "attention.layer_norm_epsilon": (None, "LayerNorm (mimw runs RMSNorm)"),
+    "attention.scale": (None, "a custom attention scale"),
+    "attention.clamp_kqv": (None, "clamped q/k/v"),
+    "attention.max_alibi_bias": (None, 0.0, "ALiBi position biases"),
+    "attention.causal": (None, True, "non-causal attention"),
+    "attn_logit_softcapping": (None, 0.0, "attention logit soft-capping"),
+    "final_logit_softcapping": (None, 0.0, "final logit soft-capping"),
+    "logit_scale": (None, 1.0, "scaled logits"),
+    "embedding_scale": (None, 1.0, "scaled embeddings"),
+    "residual_scale": (None, 1.0, "scaled residuals"),
+    "use_parallel_residual": (None, False, "parallel residual blocks"),
+}
+
+
+def _refuse_unsupported(reader: gguf.GGUFReader, arch: str, head_dim: int, context: int) -> None:
+    """Refuse GGUF metadata that changes the math of a llama/qwen2/qwen3 model in ways mimw does not compute."""
+    where = reader.data.filename
+    for key, (*neutral, what) in _UNSUPPORTED_META.items():
+        v = _field(reader, f"{arch}.{key}")
+        if v not in neutral:
+            raise CheckpointError(f"{where}: {arch}.{key} = {v!r}: not supported ({what})")
+    rot = _field(reader, f"{arch}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise CheckpointError(f"{where}: {arch}.rope.dimension_count: partial rotary embeddings ({rot} of "
+                              f"{head_dim} head dimensions) are not supported")
+    vlen = _field(reader, f"{arch}.attention.value_length")
+    if vlen is not None and int(vlen) != head_dim:
+        raise CheckpointError(f"{where}: {arch}.attention.value_length: {vlen} differs from the key length "
+                              f"{head_dim}, which mimw does not support")
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window and int(window) < context:
+        raise CheckpointError(f"{where}: {arch}.attention.sliding_window: sliding-window attention ({window} "
+                              f"tokens, shorter than the {context}-token context) is not supported")
 
 
 def _llama3_from_factors(spec: ModelSpec, r: torch.Tensor, where: str) -> Llama3RopeScaling | None:
@@ -175,10 +220,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: torc
                                   f"{list(needed[name])} from the GGUF metadata")
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
         except NotImplementedError:
             raise CheckpointError(f"{where}: tensor {name!r} has GGML type {t.tensor_type.name}, which the gguf "
                                   "package cannot dequantize") from None
-        w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
+        except (ValueError, OSError) as e:  # a short or unreadable data region
+            raise CheckpointError(f"{where}: tensor {name!r} cannot be read (truncated or corrupt?): {e}") from None
+        check_finite(w, name, where)
         if spec.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _unpermute(w, spec.num_heads if "attn_q" in name else spec.num_kv_heads)
         out[name] = w.to(device=device, dtype=dtype)
@@ -222,7 +270,10 @@ def save_gguf(weights: ModelWeights, path: str | Path, matrix_type: str = "F32")
         else:
             w.add_tensor(name, a)
 
-    if spec.rope_scaling is not None:
+    if isinstance(spec.rope_scaling, LinearRopeScaling):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(spec.rope_scaling.factor)
+    elif spec.rope_scaling is not None:
         base = rope.inv_freq(spec.with_(rope_scaling=None))
         add(ROPE_FREQS, base / rope.inv_freq(spec))
     add("token_embd.weight", weights.embed)

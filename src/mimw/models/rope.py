@@ -10,16 +10,18 @@ import math
 
 import torch
 
-from .spec import ModelSpec
+from .spec import LinearRopeScaling, ModelSpec
 
 
 def inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """[head_dim/2] fp32 inverse frequencies, llama3 scaling applied when the spec has it."""
+    """[head_dim/2] fp32 inverse frequencies, with the spec's scaling (linear or llama3) applied."""
     hd = spec.head_dim
     f = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     rs = spec.rope_scaling
     if rs is None:
         return f
+    if isinstance(rs, LinearRopeScaling):
+        return f / rs.factor
     old = rs.original_max_position_embeddings
     low_wl, high_wl = old / rs.low_freq_factor, old / rs.high_freq_factor
     wavelen = 2 * math.pi / f

@@ -15,15 +15,17 @@ every tensor in the checkpoint is used (an unknown one means a feature mimw woul
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .errors import CheckpointError
+from .errors import CheckpointError, check_finite
 from .spec import ModelSpec, SpecError
 from .weights import LayerWeights, ModelWeights, expected_layer_shapes
 
@@ -41,6 +43,16 @@ LAYER_KEYS = {
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
 }
 _IGNORED = ("rotary_emb.inv_freq",)
+
+
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator:
+    """``safe_open`` with a truncated, corrupt or unreadable file reported as a ``CheckpointError`` naming it."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt?): {e}") from None
 
 
 def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -87,7 +99,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         return files
     single = path / SINGLE_FILE
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with _open(single) as f:
             return {name: single for name in f.keys()}
     other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.gguf"))
     hint = f" (found {', '.join(other)}: only safetensors are read from a directory; pass a .gguf file directly)" \
@@ -118,8 +130,11 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: to
         by_file.setdefault(files[name], []).append(name)
     bar = tqdm(total=len(needed), desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with _open(file) as f:
+            held = set(f.keys())
             for name in names:
+                if name not in held:
+                    raise CheckpointError(f"{file}: does not hold tensor {name!r}, which {INDEX_FILE} places there")
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
                 if shape != needed[name]:
@@ -129,6 +144,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: to
                 if t.dtype not in LOADABLE_DTYPES:
                     raise CheckpointError(f"{file}: tensor {name!r} has dtype {t.dtype}; mimw reads bf16, fp16 "
                                           "and fp32 checkpoints (quantized safetensors are not supported)")
+                check_finite(t, name, file)
                 tensors[name] = t.to(device=device, dtype=dtype)
                 bar.update()
     bar.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 ARCHS = ("llama", "qwen2", "qwen3")
-_HF_ARCH = {
+HF_ARCHS = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
@@ -36,6 +36,13 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear RoPE scaling (``rope_type: linear``): every inverse frequency divided by ``factor``."""
+
+    factor: float
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shapes and numerics of a dense Llama/Qwen2/Qwen3 decoder.
 
@@ -53,7 +60,7 @@ class ModelSpec:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: Llama3RopeScaling | LinearRopeScaling | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -122,51 +129,11 @@ class ModelSpec:
     # --- construction from Hugging Face configs --------------------------------------------------------
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], name: str | None = None) -> "ModelSpec":
-        archs = cfg.get("architectures") or []
-        arch = None
-        for a in archs:
-            arch = _HF_ARCH.get(a)
-            if arch:
-                break
-        if arch is None:
-            mt = cfg.get("model_type")
-            arch = mt if mt in ARCHS else None
-        if arch is None:
-            raise SpecError(
-                f"architectures: unsupported {archs or cfg.get('model_type')!r}; mimw supports "
-                f"{', '.join(_HF_ARCH)}"
-            )
+        """The spec of a transformers ``config.json`` dict; ``SpecError`` names any field mimw cannot compute
+        (``mimw.models.hf_config`` reads it field by field)."""
+        from .hf_config import spec_from_hf_config
 
-        def req(key: str) -> Any:
-            if key not in cfg:
-                raise SpecError(f"config.json: missing required field {key!r}")
-            return cfg[key]
-
-        if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-            raise SpecError("attention_bias/mlp_bias: Llama checkpoints with projection biases are not supported")
-        n_heads = int(req("num_attention_heads"))
-        d = int(req("hidden_size"))
-        head_dim = cfg.get("head_dim") or d // n_heads
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        return cls(
-            name=name or cfg.get("_name_or_path") or arch,
-            arch=arch,
-            vocab_size=int(req("vocab_size")),
-            hidden_size=d,
-            intermediate_size=int(req("intermediate_size")),
-            num_layers=int(req("num_hidden_layers")),
-            num_heads=n_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling(cfg),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-        )
+        return spec_from_hf_config(cfg, name)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "ModelSpec":
@@ -177,7 +144,7 @@ class ModelSpec:
 
     def to_hf_config(self) -> dict[str, Any]:
         """A transformers config dict for this spec (used by tests and peers to build HF models)."""
-        hf_arch = {v: k for k, v in _HF_ARCH.items()}[self.arch]
+        hf_arch = {v: k for k, v in HF_ARCHS.items()}[self.arch]
         cfg: dict[str, Any] = {
             "architectures": [hf_arch],
             "model_type": self.arch,
@@ -197,8 +164,10 @@ class ModelSpec:
             "attention_dropout": 0.0,
             "mlp_bias": False,
         }
-        if self.rope_scaling is not None:
-            rs = self.rope_scaling
+        rs = self.rope_scaling
+        if isinstance(rs, LinearRopeScaling):
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": rs.factor}
+        elif rs is not None:
             cfg["rope_scaling"] = {
                 "rope_type": "llama3",
                 "factor": rs.factor,
@@ -211,26 +180,6 @@ class ModelSpec:
         if self.eos_token_ids:
             cfg["eos_token_id"] = list(self.eos_token_ids)
         return cfg
-
-
-def _rope_scaling(cfg: Mapping[str, Any]) -> Llama3RopeScaling | None:
-    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not rs:
-        return None
-    kind = rs.get("rope_type") or rs.get("type")
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise SpecError(f"rope_scaling.rope_type: unsupported {kind!r} (mimw supports 'llama3')")
-    try:
-        return Llama3RopeScaling(
-            factor=float(rs["factor"]),
-            low_freq_factor=float(rs["low_freq_factor"]),
-            high_freq_factor=float(rs["high_freq_factor"]),
-            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-        )
-    except KeyError as e:
-        raise SpecError(f"rope_scaling: missing field {e.args[0]!r}") from None
 
 
 _L3 = Llama3RopeScaling(32.0, 1.0, 4.0, 8192)

@@ -51,7 +51,10 @@ class Tokenizer:
         gen = path / "generation_config.json"
         extra: list[int] = []
         if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
+            try:
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+                raise CheckpointError(f"{gen}: not a JSON object ({e})") from None
             extra = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
         return cls(hf, [*eos_token_ids, *extra], source=str(path))
 
