@@ -13,7 +13,7 @@ import time
 from typing import Sequence
 
 _LAZY = {"serve": ("mimw.server.main", "serve a model with an OpenAI-compatible HTTP API"),
-         "bench": ("mimw.bench.main", "benchmark decode throughput")}
+         "bench": ("mimw.bench.main", "benchmarks: decode steps, a serving load")}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -48,9 +48,20 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="auto: float32 on cpu, bfloat16 on cuda")
 
 
+def version() -> str:
+    """The installed distribution's version (``unknown`` when running from a source tree without installing)."""
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("mimw")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="mimw", description="mimw: an LLM decode engine (reference decoder on "
                                      "any device; Hopper megakernel backend).")
+    parser.add_argument("--version", action="version", version=f"mimw {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout",
                          description="Generate text from a prompt with the reference decoder; prints tokens/s "
@@ -79,6 +90,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from .generate import generate
     from .models.checkpoint import load_model
 
+    if args.prompt == "":
+        raise _UsageError("--prompt is empty: give the text to continue (or the user message with --chat)")
+    if args.system is not None and not args.chat:
+        raise _UsageError("--system needs --chat")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise _UsageError("--device cuda: no CUDA device is available (use --device cpu)")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device == "cuda" else "float32")
@@ -98,8 +113,6 @@ def run_generate(args: argparse.Namespace) -> int:
                    [{"role": "user", "content": args.prompt}]
         prompt_ids = tok.apply_chat_template(messages)
     else:
-        if args.system:
-            raise _UsageError("--system needs --chat")
         prompt_ids = tok.encode(args.prompt)
 
     out = sys.stdout

@@ -162,6 +162,7 @@ def test_bounded_queue_answers_429(built, model_name):
             with pytest.raises(openai.RateLimitError) as e:
                 client.completions.create(model=model_name, prompt="hi", max_tokens=2)
             assert e.value.status_code == 429 and e.value.code == "rate_limit_exceeded"
+            assert e.value.response.headers["retry-after"] == "1"
             for t in threads:
                 t.join(60)
             assert results == [200, 200]

@@ -238,7 +238,11 @@ def _filter(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Steps 4-5 for non-greedy rows: processed logits [B, V] -> probabilities [B, V] (zeros outside the kept
     set), on the logits' device."""
     dev = x.device
-    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=x.dtype)[:, None]
+    # Each row's top logit becomes 0 before the division, so a tiny temperature sends the others to -inf, never the
+    # top one to inf (inf - inf = NaN); below fp32's smallest normal the temperature is that number (same argmax set).
+    x = x - x.max(dim=-1, keepdim=True).values
+    tiny = torch.finfo(torch.float32).tiny
+    temp = torch.tensor([max(p.temperature, tiny) for p in params], device=dev, dtype=x.dtype)[:, None]
     probs = torch.softmax(x / temp, dim=-1)
     min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=x.dtype)[:, None]
     if (min_p > 0).any():

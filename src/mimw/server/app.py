@@ -7,15 +7,18 @@ waits on model compute while holding the event loop.
 
 Robustness contract:
   * every client mistake is a 4xx with an OpenAI error body (``protocol.APIError``); anything unexpected is a 500
-    with the same shape, and the server keeps serving;
-  * a full queue answers 429, a dead engine 503;
+    with the same shape, and the server keeps serving; bodies are hostile input (``body``: size and value-count
+    limits, JSON depth, numbers, Unicode); a client that disconnects mid-upload is counted as 499, not an error;
+  * no request can stall the others: a prompt text longer in bytes than the context can hold in tokens is refused
+    before tokenizing; tokenizing runs in worker threads on tokenizer copies of its own (``TokenizerPool``),
+    never under a lock the engine thread's detokenisation shares;
+  * a full queue answers 429 with Retry-After, a dead engine 503;
   * a client that goes away (mid-stream or while waiting for a non-streamed answer) has its requests aborted,
     which frees their KV pages on the engine's next iteration.
 """
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -35,11 +38,13 @@ from ..engine.sampling import SamplingParams
 from . import params as R
 from . import protocol as P
 from . import tools as T
+from .body import ClientGone, prompt_bytes, read_json
 from .generation import Generation, OutputOptions
 from .logprobs import TokenTable
 from .metrics import ServerMetrics
 
 log = logging.getLogger("mimw.server")
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full): the queue drains at the engine's pace
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,8 @@ class ServerConfig:
     max_n: int = 16  # choices per request (n x prompts)
     max_stop: int = 16  # stop strings per request
     max_body_bytes: int = 32 << 20
+    max_body_values: int | None = None  # commas per body; None: max_n x the context + 65536
+    max_prompt_bytes: int | None = None  # None: the tokenizer's bound for the context (if it has one)
 
 
 class _SSE(StreamingResponse):
@@ -73,13 +80,17 @@ class OpenAIServer:
         vocab = loop.engine.backend.spec.vocab_size
         self.tokens = TokenTable(tokenizer.token_bytes, vocab)
         self.grammars = R.Grammars(self._grammar_compiler_factory(vocab, sorted(loop.engine.eos_token_ids)))
+        context = loop.engine.max_model_len
+        self.max_body_values = config.max_body_values or config.max_n * context + (1 << 16)
+        bound = getattr(tokenizer, "prompt_byte_limit", None)
+        self.max_prompt_bytes = config.max_prompt_bytes or (bound(context) if bound else None)
 
     def _grammar_compiler_factory(self, vocab: int, stop_ids: list[int]):
         def build(tok: Any) -> GrammarCompiler:
             return GrammarCompiler(tok.hf, vocab, stop_ids)
-        if not self.tok.locked(lambda tok: hasattr(tok, "hf")):  # the byte fallback has no HF tokenizer
+        if not self.tok.borrow(lambda tok: hasattr(tok, "hf")):  # the byte fallback has no HF tokenizer
             return None
-        return lambda: self.tok.locked(build)
+        return lambda: self.tok.borrow(build)
 
     # --- plumbing -----------------------------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
@@ -91,29 +102,41 @@ class OpenAIServer:
             raise P.APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                              "invalid_request_error", None, "invalid_api_key")
 
-    async def _json(self, request: Request) -> Any:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > self.cfg.max_body_bytes:
-            raise P.APIError(413, f"request body too large (limit {self.cfg.max_body_bytes} bytes)")
-        raw = await request.body()
-        if len(raw) > self.cfg.max_body_bytes:
-            raise P.APIError(413, f"request body too large (limit {self.cfg.max_body_bytes} bytes)")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise P.bad_request(f"the request body is not valid JSON: {e}") from None
-
     def _error(self, endpoint: str, e: P.APIError) -> JSONResponse:
         self.metrics.request(endpoint, e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    def _check_prompt_bytes(self, b: Any, chat: bool) -> None:
+        """Refuse a prompt text too long for the context by its size alone, before tokenizing it (which could
+        take seconds)."""
+        limit = self.max_prompt_bytes
+        if limit is None:
+            return
+        if chat:
+            texts = [[m.text() for m in b.messages]]
+        else:
+            p = b.prompt
+            texts = [[p]] if isinstance(p, str) else [[x] for x in p if isinstance(x, str)]
+        for t in texts:
+            size = prompt_bytes(t)
+            if size > limit:
+                raise P.bad_request(f"the prompt is {size} bytes long: more than {self.loop.engine.max_model_len} "
+                                    f"tokens, this server's context, for any text over {limit} bytes",
+                                    "messages" if chat else "prompt", "context_length_exceeded")
 
     async def serve(self, endpoint: str, request: Request, chat: bool) -> Response:
         try:
             self._check_auth(request)
-            body = P.parse(P.ChatCompletionRequest if chat else P.CompletionRequest, await self._json(request))
+            raw = await read_json(request, self.cfg.max_body_bytes, self.max_body_values)
+            body = P.parse(P.ChatCompletionRequest if chat else P.CompletionRequest, raw)
             resp = await self._generate(request, body, chat)
         except P.APIError as e:
             return self._error(endpoint, e)
+        except ClientGone:  # the client's fault, not the server's: counted as 499, not logged as an error
+            log.debug("%s: the client disconnected before sending its whole request", endpoint)
+            self.metrics.request(endpoint, 499)
+            return Response(status_code=499)
         except Exception:  # a bug, not the client's fault: answer 500, keep serving
             log.exception("internal error in %s", endpoint)
             return self._error(endpoint, P.APIError(500, "internal server error", "server_error"))
@@ -160,6 +183,7 @@ class OpenAIServer:
         if num_prompts * b.n > self.cfg.max_n:  # before tokenizing them all
             raise P.bad_request(f"at most {self.cfg.max_n} choices per request (prompts x n), got "
                                 f"{num_prompts * b.n}", "n")
+        self._check_prompt_bytes(b, chat)
         plan = await run_in_threadpool(R.plan, b, chat, self.grammars, getattr(self.tok, "chat_template", ""),
                                        self.cfg.max_stop)
         prompts, echo = await run_in_threadpool(self._prompts, b, chat, plan)

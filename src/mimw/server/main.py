@@ -7,13 +7,17 @@ works as well.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import importlib.util
 import logging
+import os
+import socket
 import sys
-import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -22,6 +26,7 @@ log = logging.getLogger("mimw.server")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BACKENDS = {"reference": ("mimw.engine.backends.reference", "ReferenceBackend"),
              "megakernel": ("mimw.engine.backends.megakernel", "MegakernelBackend")}
+API_KEY_ENV = "MIMW_API_KEY"  # read by ``run`` (the command line's edge) when --api-key is not given
 _CPU_KV_BYTES = 1 << 30  # default KV pool on the CPU: 1 GiB
 _GPU_KV_FRACTION = 0.8  # default KV pool on a GPU: this share of the memory left after the weights
 
@@ -32,8 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535 (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: the {API_KEY_ENV} environment "
+                        "variable, if set; prefer it: a command line is visible to other users)")
     p.add_argument("--backend", default="reference", choices=sorted(_BACKENDS),
                    help="reference: PyTorch on any device; megakernel: Hopper GPU decode megakernel")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
@@ -53,46 +60,78 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(s: str) -> int:
-    v = int(s)
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}") from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
     return v
 
 
-class SerializedTokenizer:
-    """The tokenizer as the server uses it from several threads (request handlers encode in a worker pool, the
-    engine thread decodes): one lock around every call, since a Hugging Face fast tokenizer is a single Rust
-    object whose settings calls may take a mutable borrow ("Already borrowed" under concurrency). ``decode``
-    skips special tokens: chat markup never reaches a client."""
+def _port(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number (1-65535), got {s!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (1-65535), got {v}")
+    return v
 
-    def __init__(self, tok: Any):
-        self.tok = tok
-        self._lock = threading.Lock()
-        self.eos_token_ids = tuple(getattr(tok, "eos_token_ids", ()))
-        self.has_chat_template = bool(getattr(tok, "has_chat_template", False))
-        self.chat_template: str = getattr(tok, "chat_template", "") if self.has_chat_template else ""
 
-    def encode(self, text: str) -> list[int]:
-        with self._lock:
-            return self.tok.encode(text)
+def check_args(args: argparse.Namespace) -> None:
+    """Everything about the flags that can be checked before the model loads (seconds to minutes): the device,
+    the backend on this machine, the API key. Raises ``ValueError`` with a one-line message."""
+    if args.device != "auto":
+        try:
+            dev = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"--device {args.device}: no CUDA device is available (use --device cpu)")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ValueError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA "
+                                 "device(s)")
+    if args.backend == "megakernel":
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise ValueError("--backend megakernel needs a Hopper GPU (H100/H200); none is available here "
+                             "(use --backend reference)")
+        dev = torch.device("cuda" if args.device == "auto" else args.device)
+        cap = torch.cuda.get_device_capability(dev)
+        if cap != (9, 0):
+            raise ValueError(f"--backend megakernel needs a Hopper GPU (sm_90); {torch.cuda.get_device_name(dev)} "
+                             f"is sm_{cap[0]}{cap[1]} (use --backend reference)")
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("--backend megakernel needs the triton package, which is not installed")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError(f"--api-key / {API_KEY_ENV}: the key must not be empty")
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
-        with self._lock:
-            return self.tok.apply_chat_template(messages, tools=tools)
 
-    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
-        with self._lock:
-            return self.tok.token_bytes(ids)
-
-    def locked(self, fn: Any) -> Any:
-        """``fn(tokenizer)`` under the lock (e.g. building a grammar compiler from the HF tokenizer)."""
-        with self._lock:
-            return fn(self.tok)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        with self._lock:
-            return self.tok.decode(ids, skip_special_tokens=True)
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so that a port in use is reported at once (and
+    nothing can take it while the model loads); uvicorn serves on it."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: {host}:{port} is already in use (another server?); choose another "
+                             "--port") from None
+        if e.errno == errno.EACCES:
+            raise ValueError(f"--port {port}: permission denied (ports below 1024 need privileges)") from None
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    return sock
 
 
 class ByteTokenizer:
@@ -101,6 +140,7 @@ class ByteTokenizer:
 
     has_chat_template = False
     eos_token_ids: tuple[int, ...] = ()
+    bytes_per_token = 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
@@ -127,20 +167,23 @@ def build(args: argparse.Namespace) -> Built:
     from ..kv.pages import KVLayout
     from ..models.checkpoint import load_model
     from .app import ServerConfig, create_app
+    from .tokenizer_pool import TokenizerPool
 
+    check_args(args)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: no CUDA device is available (use --device cpu)")
     dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else
                                                               torch.float32)
-    loaded = load_model(args.model, dtype=dtype, device=device, progress=False)
+    t0 = time.monotonic()
+    log.info("loading %s on %s ...", args.model or "the embedded default model (SmolLM2-135M-Instruct)", device)
+    loaded = load_model(args.model, dtype=dtype, device=device, progress=sys.stderr.isatty())
+    log.info("loaded %s in %.1f s", loaded.source, time.monotonic() - t0)
     spec = loaded.spec
     tok = loaded.tokenizer
     if tok is None:
         log.warning("%s has no tokenizer: falling back to UTF-8 bytes as token ids (no chat template)",
                     loaded.source)
         tok = ByteTokenizer()
-    tok = SerializedTokenizer(tok)
+    tok = TokenizerPool(tok)
     backend = _backend(args.backend, loaded.weights)
     one_page = KVLayout.for_spec(spec, args.page_size, 1, backend.kv_dtype)
     num_pages = args.kv_pages or _default_pages(one_page, backend.device, args.max_batch,
@@ -148,7 +191,7 @@ def build(args: argparse.Namespace) -> Built:
     cfg = EngineConfig(num_pages=num_pages, page_size=args.page_size, max_batch=args.max_batch,
                        max_step_tokens=args.max_step_tokens or max(512, args.max_batch),
                        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache)
-    engine = Engine(backend, tok, cfg, tok.eos_token_ids)
+    engine = Engine(backend, tok.for_engine(), cfg, tok.eos_token_ids)
     loop = EngineLoop(engine, max_queue=args.max_queue).start()
     name = args.served_model_name or _default_name(args.model, loaded.source)
     app = create_app(loop, tok, ServerConfig(model_name=name, api_key=args.api_key))
@@ -186,22 +229,40 @@ def _default_pages(one_page: Any, device: torch.device, max_batch: int, max_len:
     return max(1, min(budget // per_page, useful))
 
 
+def with_env_api_key(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
+    """``args`` with ``api_key`` from the environment (``MIMW_API_KEY``) when the flag was not given."""
+    if args.api_key is None and environ.get(API_KEY_ENV):
+        return argparse.Namespace(**{**vars(args), "api_key": environ[API_KEY_ENV]})
+    return args
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from .access_log import redact_access_log
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = with_env_api_key(args)
+    try:
+        check_args(args)
+        sock = bind(args.host, args.port)  # before the model loads: a port in use fails now
+    except ValueError as e:
+        print(f"mimw serve: error: {e}", file=sys.stderr)
+        return 2
     try:
         built = build(args)
-    except ValueError as e:  # a bad --model or flag value (CheckpointError, SpecError, ...): exit code 2
+    except ValueError as e:  # a bad --model or checkpoint (CheckpointError, SpecError, ...): exit code 2
+        sock.close()
         print(f"mimw serve: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # no memory for the KV pool, a broken device, ...: one clear line, no traceback
+        sock.close()
         print(f"mimw serve: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     log.info("%s", built.summary)
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
-                    args.host)
+        log.warning("listening on %s without an API key (--api-key or %s): anyone who can reach this port can "
+                    "use the model", args.host, API_KEY_ENV)
     log.info("OpenAI-compatible API on http://%s:%d/v1 (model id %r)", args.host, args.port, built.model_name)
     loop = built.loop
 
@@ -212,10 +273,12 @@ def run(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(built.app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
+    redact_access_log()  # after uvicorn.Config, which sets up the loggers
     try:
-        Server(config).run()
+        Server(config).run(sockets=[sock])
     finally:
         loop.stop()
+        sock.close()
     return 0
 
 
