@@ -74,3 +74,22 @@ def test_missing_lazy_module_is_reported(monkeypatch, capsys):
     monkeypatch.setitem(cli._LAZY, "bench", ("mimw.no_such_module", "bench"))
     assert cli.main(["bench"]) == 2
     assert "not available" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("mimw ")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "--prompt", ""], "--prompt is empty"),
+    (["generate", "--prompt", "x", "--system", "be brief"], "--system needs --chat"),
+])
+def test_prompt_flags_are_checked_before_the_model_loads(monkeypatch, capsys, argv, match):
+    from mimw.models import checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("mimw: error:") == 1 and match in err and "Traceback" not in err

@@ -96,7 +96,9 @@ def check_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA "
                                  "device(s)")
     if args.backend == "megakernel":
-        if args.device == "cpu" or not torch.cuda.is_available():
+        if args.device == "cpu":
+            raise ValueError("--backend megakernel runs on a Hopper GPU, not with --device cpu")
+        if not torch.cuda.is_available():
             raise ValueError("--backend megakernel needs a Hopper GPU (H100/H200); none is available here "
                              "(use --backend reference)")
         dev = torch.device("cuda" if args.device == "auto" else args.device)
