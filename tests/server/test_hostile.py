@@ -270,3 +270,67 @@ def test_a_huge_request_does_not_stall_other_streams(built, base_url, model_name
     assert busy > 4 * gap, "the big request was too quick to test anything"
     assert max(during) < busy / 2, "one stall covered most of the big request"
     assert len(during) >= busy / gap / 4, "the stream slowed down to a crawl while the big request ran"
+
+
+# --- a little fuzzing: any JSON a client sends gets an answer below 500 ------------------------------------
+def _fuzz_bodies():
+    """A valid body with up to four fields replaced: by plausible values (extreme numbers, odd text) mostly, by any
+    JSON value sometimes."""
+    from hypothesis import strategies as st
+
+    text = st.text(st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()),
+                   max_size=12)
+    scalar = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | text
+    anything = st.recursive(scalar, lambda k: st.lists(k, max_size=4) | st.dictionaries(text, k, max_size=4),
+                            max_leaves=12)
+    num = st.floats(allow_nan=True) | st.integers(-(2**70), 2**70) | st.sampled_from([0, 1, 1e-300, 5e-324, 1e308])
+    ids = st.lists(st.integers(-5, 2**64), max_size=4)
+    plausible = {
+        "prompt": text | st.lists(text, max_size=3) | ids | st.lists(ids, max_size=2),
+        "messages": st.lists(st.fixed_dictionaries({
+            "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "bogus"]),
+            "content": text | st.none() | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+                                                   max_size=2)}), max_size=3),
+        "temperature": num, "top_p": num, "top_k": num, "seed": num, "n": st.integers(-2, 20),
+        "max_tokens": st.integers(-2, 3) | st.just(2**63), "stop": text | st.lists(text, max_size=3),
+        "stop_token_ids": ids, "stream": st.booleans(), "ignore_eos": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "presence_penalty": num, "frequency_penalty": num, "logprobs": st.booleans() | st.integers(-1, 30),
+        "user": text, "echo": st.booleans(), "model": text}
+    fields = st.sampled_from(sorted(plausible)).flatmap(lambda f: st.tuples(st.just(f), plausible[f] | anything))
+    return st.lists(fields, max_size=4)
+
+
+def _fuzz_body(model_name, chat, changes):
+    body = {"model": model_name, "max_tokens": 2}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    body.update(dict(changes))
+    if not isinstance(body.get("max_tokens"), int) or body["max_tokens"] > 3:  # keep generations short
+        body["max_tokens"] = 2
+    return body
+
+
+@pytest.mark.slow
+def test_fuzzed_bodies_never_get_a_5xx(base_url, model_name):
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(changes=_fuzz_bodies(), chat=st_booleans())
+    def check(changes, chat):
+        body = _fuzz_body(model_name, chat, changes)
+        try:
+            data = json.dumps(body, ensure_ascii=True, allow_nan=True).encode()
+        except (TypeError, ValueError):
+            return
+        r = post_raw(base_url, URL_CHAT if chat else URL_C, data)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    check()
+
+
+def st_booleans():
+    from hypothesis import strategies as st
+
+    return st.booleans()

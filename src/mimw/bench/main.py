@@ -1,5 +1,5 @@
 """``mimw bench decode``: the decode-step benchmark (also ``python -m mimw.bench.main decode ...``); ``mimw bench
-prefill`` lives in ``prefill.py``.
+prefill`` lives in ``prefill.py``, ``mimw bench serve`` (the serving benchmark) in ``serve.py``.
 
 One run, on one GPU: measure the streaming-read bandwidth (the floor's denominator), then for each model, context
 and backend check the backend's logits against the reference decoder and time its decode step. Results land in
@@ -51,8 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--in-process", action="store_true",
                    help="run backends in this process (no crash/hang isolation; for debugging)")
     from .prefill import add_arguments as add_prefill_arguments
+    from .serve import add_arguments as add_serve_arguments
 
     add_prefill_arguments(sub)
+    add_serve_arguments(sub.add_parser(
+        "serve", help="a serving load against an OpenAI-compatible server: TTFT, TPOT, ITL, E2E, throughput",
+        description="Send a dataset's requests (synthetic or ShareGPT) to a server on this machine (or one it "
+                    "starts) at a request rate or a fixed concurrency; report latency percentiles and throughput "
+                    "as JSON, markdown and a chart (like `vllm bench serve`)."))
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
@@ -116,8 +122,12 @@ def run(args: argparse.Namespace) -> int:
         from .prefill import run as run_prefill
 
         return run_prefill(args)
+    if getattr(args, "bench_command", None) == "serve":
+        from .serve import run as run_serve
+
+        return run_serve(args)
     if getattr(args, "bench_command", None) != "decode":
-        print("mimw bench: choose a benchmark: decode, prefill", file=sys.stderr)
+        print("mimw bench: choose a benchmark: decode, prefill, serve", file=sys.stderr)
         return 2
     try:
         cfg = config_from_args(args)

@@ -16,8 +16,8 @@ import torch
 
 from .default_model import default_gguf_path
 from .errors import CheckpointError
-from .gguf_file import load_gguf, open_gguf
-from .safetensors_dir import load_hf_dir
+from .gguf_file import load_gguf, open_gguf, spec_from_gguf
+from .safetensors_dir import load_hf_dir, spec_from_hf_dir
 from .spec import PRESETS, ModelSpec
 from .tokenizer import Tokenizer
 from .weights import ModelWeights, random_weights
@@ -57,11 +57,36 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype = torc
         return LoadedModel(weights.spec, weights, tok, str(path))
     if path.suffix.lower() == ".gguf":
         return _load_gguf(path, dtype, device, progress)
+    raise _not_a_model(key, path)
+
+
+def _not_a_model(key: str, path: Path) -> CheckpointError:
     what = "does not exist" if not path.exists() else "is neither a directory nor a .gguf file"
-    raise CheckpointError(
+    return CheckpointError(
         f"model {key!r} {what}. --model accepts: a Hugging Face checkpoint directory (config.json + "
         f"*.safetensors), a .gguf file, or a preset name for random weights ({', '.join(sorted(PRESETS))}); "
         "leave it out for the embedded default model (SmolLM2-135M-Instruct)")
+
+
+def load_tokenizer(name_or_path: str | Path | None = None) -> tuple[Tokenizer | None, ModelSpec]:
+    """The tokenizer (None where there is none: presets, tokenizer-less checkpoints) and the spec of what
+    ``load_model`` would load, without reading the weights (benchmark clients need only these)."""
+    if name_or_path is None:
+        name_or_path = default_gguf_path()
+    key = str(name_or_path)
+    if key in PRESETS:
+        return None, PRESETS[key]
+    path = Path(key).expanduser()
+    if path.is_dir():
+        spec = spec_from_hf_dir(path)
+        has = any((path / f).is_file() for f in _TOKENIZER_FILES)
+        return (Tokenizer.from_hf_dir(path, spec.eos_token_ids) if has else None), spec
+    if path.suffix.lower() == ".gguf":
+        reader = open_gguf(path)
+        spec = spec_from_gguf(reader)
+        has = "tokenizer.ggml.tokens" in reader.fields
+        return (Tokenizer.from_gguf(path, spec.eos_token_ids) if has else None), spec
+    raise _not_a_model(key, path)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str, progress: bool) -> LoadedModel:
