@@ -1,8 +1,10 @@
 """Engine: the synchronous core of serving - submit requests, run steps, emit ``RequestOutput`` events.
 
-One ``step`` = schedule (``Scheduler``) -> one backend call over the planned segments -> commit the K/V ->
-sample the requests whose chunk reached their last token -> stop checks and incremental detokenisation ->
-events. Everything here runs on one thread (``EngineLoop`` provides it); it is not thread-safe.
+One ``step`` = schedule (``Scheduler``) -> drafts for the sampling chunks (with a ``Speculator``) -> one backend
+call over the planned segments -> commit the K/V -> sample the requests whose chunk reached their last token, or
+verify their drafts -> stop checks and incremental detokenisation, token by token -> events (one per request and
+step; a verified draft gives several tokens in one event). Everything here runs on one thread (``EngineLoop``
+provides it); it is not thread-safe.
 
 Request validation lives here too, so that every front end (server, CLI, benchmarks) rejects the same inputs:
 ``check_lengths`` raises ``RequestError`` naming the offending parameter.
@@ -26,6 +28,8 @@ from .logprobs import TokenLogprob, logprobs_of
 from .request import Request, RequestOutput, RequestTimes
 from .sampling import SamplingParams, TokenContext, make_generator, sample_batch
 from .scheduler import Scheduler, SchedulerConfig
+from .spec.drafter import NO_DRAFT
+from .spec.speculator import SpecStats, Speculator
 
 
 class RequestError(ValueError):
@@ -76,12 +80,14 @@ class EngineStats:
     steps: int
     prompt_tokens: int = 0  # prompt tokens of requests whose prefill completed (cached ones included)
     generation_tokens: int = 0  # tokens sampled, counted when sampled (aborted requests' included)
+    spec: SpecStats | None = None  # speculative decoding's counters (None without a speculator)
 
 
 class Engine:
     def __init__(self, backend: Backend, tokenizer: Decoder, config: EngineConfig,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), speculator: Speculator | None = None):
         self.backend = backend
+        self.speculator = speculator
         self.tokenizer = tokenizer
         self.config = config
         spec = backend.spec
@@ -137,12 +143,12 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, session_id: str | None = None) -> Request:
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}", "request_id")
         self.validate(prompt_token_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        req = Request(request_id, list(prompt_token_ids), params, stop_ids, on_output)
+        req = Request(request_id, list(prompt_token_ids), params, stop_ids, on_output, session_id=session_id)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.generator = make_generator(params)
@@ -178,7 +184,7 @@ class Engine:
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.allocator.num_pages,
                            self.allocator.num_in_use, self.allocator.num_parked, p.query_tokens if p else 0,
                            p.hit_tokens if p else 0, self._preemptions, self._steps, self._prompt_tokens,
-                           self._generation_tokens)
+                           self._generation_tokens, self.speculator.stats() if self.speculator else None)
 
     # --- one step -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -191,11 +197,16 @@ class Engine:
         for c in plan.chunks:
             if c.request.scheduled_time is None:
                 c.request.scheduled_time = start
-        tokens = torch.tensor([t for c in plan.chunks for t in c.request.token_ids[c.start:c.start + c.length]],
-                              dtype=torch.long)
-        segments = [Segment(tuple(c.request.block_table), c.start, c.length, _num_logits(c)) for c in plan.chunks]
+        drafts = self.speculator.propose(plan, self.scheduler, self.max_model_len) if self.speculator else {}
+        tokens: list[int] = []
+        segments = []
+        for c in plan.chunks:  # a drafted chunk runs its draft too, with a logits row after each drafted token
+            d = drafts.get(c.request, NO_DRAFT).tokens
+            tokens += c.request.token_ids[c.start:c.start + c.length] + list(d)
+            segments.append(Segment(tuple(c.request.block_table), c.start, c.length + len(d),
+                                    _num_logits(c) + len(d)))
         try:
-            logits = self.backend.forward(tokens, segments, self.cache)  # [sum(num_logits), V]
+            logits = self.backend.forward(torch.tensor(tokens, dtype=torch.long), segments, self.cache)
         except Exception as e:  # a failed step fails its requests, never the engine
             return [self._finish(c.request, "error", "", error=f"{type(e).__name__}: {e}") for c in plan.chunks]
         self.scheduler.commit(plan)
@@ -207,10 +218,12 @@ class Engine:
                 self._prompt_tokens += c.request.num_prompt_tokens
         # max_tokens 0 (scoring a prompt: its logprobs only) ends when the prompt is computed, sampling nothing
         scored = [self._finish(c.request, "length", "") for c in done if c.request.params.max_tokens == 0]
-        rows = [ends[i] - 1 for i, c in enumerate(plan.chunks) if c.samples and c.request.params.max_tokens > 0]
+        scored += self._verify_drafts(plan.chunks, drafts, ends, logits)
+        rows = [ends[i] - 1 for i, c in enumerate(plan.chunks)
+                if c.samples and c.request.params.max_tokens > 0 and c.request not in drafts]
         if not rows:
             return scored
-        reqs = [c.request for c in done if c.request.params.max_tokens > 0]
+        reqs = [c.request for c in done if c.request.params.max_tokens > 0 and c.request not in drafts]
         try:
             contexts = [_context(r) for r in reqs] if any(r.params.has_processors for r in reqs) else None
             new: list[int | Exception] = list(sample_batch(logits[rows], [r.params for r in reqs],
@@ -220,7 +233,7 @@ class Engine:
         lps = self._token_logprobs(logits, rows, reqs, new)
         now = time.monotonic()
         return scored + [self._finish(r, "error", "", error=f"sampling failed: {type(t).__name__}: {t}")
-                if isinstance(t, Exception) else self._append_safely(r, t, now, lp)
+                if isinstance(t, Exception) else self._append_safely(r, [t], now, (lp,))
                 for r, t, lp in zip(reqs, new, lps)]
 
     @staticmethod
@@ -257,14 +270,33 @@ class Engine:
             for r, lp in zip(owners, logprobs_of(logits[rows], targets, ks)):
                 r.prompt_logprobs.append(lp)
 
-    def _append_safely(self, r: Request, token: int, now: float, lp: TokenLogprob | None) -> RequestOutput:
+    def _append_safely(self, r: Request, tokens: list[int], now: float, lps: Sequence[TokenLogprob | None] = (),
+                       drafted: bool = False) -> RequestOutput:
         try:
-            return self._append(r, token, now, lp)
+            out = self._append(r, tokens, now, lps)
         except Exception as e:  # e.g. the tokenizer cannot decode an id: this request fails, the others go on
             if r.request_id not in self._requests:
                 raise
             return self._finish(r, "error", "", error=f"detokenisation failed: {type(e).__name__}: {e}",
                                 flush=False)
+        if drafted and not r.is_finished:  # the accepted drafts' K/V count; the rejected ones' pages go back
+            self.scheduler.advance(r, len(tokens) - 1)
+        return out
+
+    def _verify_drafts(self, chunks, drafts: dict, ends: list[int], logits: torch.Tensor) -> list[RequestOutput]:
+        """Verify each drafted chunk's block (its last 1 + k logits rows) and append what it emits."""
+        out = []
+        for c, end in zip(chunks, ends):
+            r = c.request
+            if r not in drafts:
+                continue
+            try:
+                tokens = self.speculator.verify(r, logits[end - 1 - len(drafts[r]):end], drafts[r])  # type: ignore
+            except Exception as e:  # e.g. NaN logits under temperature sampling: this request fails
+                out.append(self._finish(r, "error", "", error=f"sampling failed: {type(e).__name__}: {e}"))
+                continue
+            out.append(self._append_safely(r, tokens, time.monotonic(), (), drafted=True))
+        return out
 
     @staticmethod
     def _sample_one(logits: torch.Tensor, r: Request) -> int | Exception:
@@ -274,26 +306,33 @@ class Engine:
         except Exception as e:
             return e
 
-    def _append(self, r: Request, token: int, now: float, lp: TokenLogprob | None = None) -> RequestOutput:
-        r.token_ids.append(token)
-        self._generation_tokens += 1
+    def _append(self, r: Request, tokens: list[int], now: float,
+                lps: Sequence[TokenLogprob | None] = ()) -> RequestOutput:
+        """Append tokens one by one with every stop check of each; a stop ends the request and drops the rest.
+        ``lps[i]``: the logprob report of tokens[i], if its request asked for one."""
         if r.first_token_time is None:
             r.first_token_time = now
-        if r.matcher is not None and not r.matcher.accept(token):
-            return self._finish(r, "error", "", error=f"token {token} is outside the request's grammar",
-                                flush=False)
         stream = self._detok[r.request_id]
-        if token in r.stop_token_ids:
-            return self._finish(r, "stop", "", (token,))
-        lps = (lp,) if lp is not None else ()
-        text, stopped = stream.push(token)
-        if stopped:  # the stop string and everything after it are dropped: nothing to flush
-            return self._finish(r, "stop", text, (token,), flush=False, logprobs=lps)
-        if r.matcher is not None and r.matcher.finished:  # the document is complete (even with ignore_eos)
-            return self._finish(r, "stop", text, (token,), logprobs=lps)
-        if r.num_output_tokens >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
-            return self._finish(r, "length", text, (token,), logprobs=lps)
-        return self._event(r, text, (token,), logprobs=lps)
+        text, got = "", []
+        for n, token in enumerate(tokens, 1):
+            r.token_ids.append(token)
+            self._generation_tokens += 1
+            if r.matcher is not None and not r.matcher.accept(token):
+                return self._finish(r, "error", "", error=f"token {token} is outside the request's grammar",
+                                    flush=False)
+            if token in r.stop_token_ids:
+                return self._finish(r, "stop", text, tuple(tokens[:n]), logprobs=tuple(got))
+            if n <= len(lps) and lps[n - 1] is not None:
+                got.append(lps[n - 1])
+            delta, stopped = stream.push(token)
+            text += delta
+            if stopped:  # the stop string and everything after it are dropped: nothing to flush
+                return self._finish(r, "stop", text, tuple(tokens[:n]), flush=False, logprobs=tuple(got))
+            if r.matcher is not None and r.matcher.finished:  # the document is complete (even with ignore_eos)
+                return self._finish(r, "stop", text, tuple(tokens[:n]), logprobs=tuple(got))
+            if r.num_output_tokens >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+                return self._finish(r, "length", text, tuple(tokens[:n]), logprobs=tuple(got))
+        return self._event(r, text, tuple(tokens), logprobs=tuple(got))
 
     def _finish(self, r: Request, reason: str, text: str, token_ids: tuple[int, ...] = (),
                 error: str | None = None, flush: bool = True,
@@ -304,6 +343,8 @@ class Engine:
         if flush:
             text += stream.finish()
         self.scheduler.finish(r, reason)
+        if self.speculator is not None:
+            self.speculator.finish(r)
         return self._event(r, text, token_ids, error, logprobs)
 
     def _event(self, r: Request, text: str, token_ids: tuple[int, ...], error: str | None = None,

@@ -75,6 +75,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # params.stop_token_ids plus the model's EOS ids (resolved)
     on_output: Callable[[RequestOutput], None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    session_id: str | None = None  # requests of one conversation/agent loop (drafters may share history)
 
     token_ids: list[int] = field(init=False)
     status: Status = field(init=False, default=Status.WAITING)

@@ -191,18 +191,44 @@ class Scheduler:
     # --- after the step ---------------------------------------------------------------------------------------
     def commit(self, plan: StepPlan) -> None:
         """The backend wrote the planned K/V: advance the requests and offer newly full pages for reuse."""
-        ps = self.cfg.page_size
         for c in plan.chunks:
-            r = c.request
-            r.num_computed = c.start + c.length
-            if self.prefix is None:
-                continue
-            full = r.num_computed // ps
-            if full > r.num_registered:
-                hashes = chain_hashes(r.token_ids[:full * ps], ps, r.page_hashes)
-                for i in range(r.num_registered, full):
-                    self.prefix.insert(hashes[i], r.block_table[i])
-                r.num_registered = full
+            c.request.num_computed = c.start + c.length
+            self._register(c.request)
+
+    def _register(self, r: Request) -> None:
+        """Offer r's full pages of computed tokens to the prefix cache."""
+        ps = self.cfg.page_size
+        full = r.num_computed // ps
+        if self.prefix is None or full <= r.num_registered:
+            return
+        hashes = chain_hashes(r.token_ids[:full * ps], ps, r.page_hashes)
+        for i in range(r.num_registered, full):
+            self.prefix.insert(hashes[i], r.block_table[i])
+        r.num_registered = full
+
+    # --- speculative positions ---------------------------------------------------------------------------------
+    def extend(self, r: Request, n: int) -> int:
+        """Pages for up to ``n`` positions past r's token_ids (a draft verified in this step's chunk of r, planned
+        to end at r's last token). Never preempts, and leaves a spare page per running request; returns how many
+        of the n positions are covered."""
+        ps = self.cfg.page_size
+        room = len(r.block_table) * ps - r.num_tokens
+        pages = max(0, min(-(-(n - room) // ps), self.alloc.num_available - len(self.running)))
+        r.block_table.extend(self.alloc.allocate(pages))
+        return max(0, min(n, room + pages * ps))
+
+    def advance(self, r: Request, accepted: int) -> None:
+        """After ``commit``: ``accepted`` drafted tokens, now appended to r.token_ids, hold valid K/V; they count as
+        computed (and their full pages go to the prefix cache). Pages past them - written only by rejected draft
+        tokens - are released, so no rejected K/V is ever shared or counted."""
+        r.num_computed += accepted
+        if not r.num_computed < r.num_tokens:
+            raise ValueError(f"advance past the last token of {r.request_id}")
+        self._register(r)
+        keep = -(-r.num_computed // self.cfg.page_size)
+        if len(r.block_table) > keep:
+            self.alloc.release(r.block_table[keep:])
+            del r.block_table[keep:]
 
     def finish(self, r: Request, reason: str) -> None:
         """End a request (any state): release its pages and drop it from the queues."""

@@ -1,0 +1,59 @@
+"""SpecConfig: how the engine speculates (built at the edge from ``--speculative``, ``--spec-tokens``, ...).
+
+The policy parameters describe the cost of a verify step, so that speculation backs off where it does not pay:
+
+  num_tokens         K, the most tokens drafted for one request in one step (``--spec-tokens``).
+  max_verify_tokens  the batch threshold: a step drafts only while the sampling requests' blocks (1 + draft each)
+                     fit in this many tokens; a batch of that many decoding requests or more drafts nothing. Below
+                     it a step reads the weights once whatever its token count (weight-bound); above it the
+                     step's compute grows with every token and verifying guesses takes time from real work. 128
+                     sits below the ridge point of a bf16 GEMM on an H100/H200 (~300 tokens) with room for
+                     attention; lower it for a backend whose multi-token step is not weight-bound.
+  verify_overhead    beta: the extra cost of a step that verifies a draft over a plain decode step, in decode steps
+                     (0 when one kernel runs both; larger where verification takes a slower path).
+  draft_token_cost   gamma: the cost of one more drafted token in the step, in decode steps (the reference backend
+                     on the CPU measures ~0.01-0.05 with SmolLM2-135M; a weight-bound GPU step less).
+  probe_interval     a request whose acceptance made drafting not worth it drafts one token every this many
+                     steps, so that its acceptance estimate can recover when its text turns repetitive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .suffix import SuffixConfig
+
+METHODS = ("ngram", "suffix", "draft")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str
+    num_tokens: int = 8
+    draft_model: str | None = None  # --draft-model: what load_model loads (method "draft")
+    max_verify_tokens: int = 128
+    verify_overhead: float = 0.0
+    draft_token_cost: float = 0.05
+    probe_interval: int = 16
+    ngram_min: int = 1
+    ngram_max: int = 4
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    draft_pages: int | None = None  # KV pages of the draft model's cache (None: as many as the target's)
+    sample_drafts: bool = False  # draft model: sample drafts from q (standard rule) instead of its argmax
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_tokens <= 64:
+            raise ValueError(f"spec tokens must be in [1, 64], got {self.num_tokens}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("--speculative draft needs --draft-model PATH (a model sharing the target's tokenizer)")
+        if self.method != "draft" and self.draft_model:
+            raise ValueError(f"--draft-model is only used with --speculative draft (got --speculative {self.method})")
+        if self.max_verify_tokens < 2:
+            raise ValueError(f"max_verify_tokens must be >= 2, got {self.max_verify_tokens}")
+        if self.verify_overhead < 0 or self.draft_token_cost < 0:
+            raise ValueError("verify_overhead and draft_token_cost must be >= 0")
+        if self.probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
+        if self.draft_pages is not None and self.draft_pages < 1:
+            raise ValueError(f"draft_pages must be positive, got {self.draft_pages}")

@@ -1,0 +1,148 @@
+"""SuffixDecoding: draft from suffix tries over the request's own tokens and over its session's earlier requests.
+
+Agent loops re-emit what sits in their context (files, tool output, JSON) and repeat themselves across turns, so
+the longest suffix of the current tokens that occurred before is a good predictor of what comes next, and how
+often each continuation followed it says how far to trust it (Oliaro et al., "SuffixDecoding", 2024).
+
+Per step and request:
+  1. *own*: the request's trie (prompt + output so far, extended incrementally): the deepest suffix of its tokens
+     that occurred earlier with a continuation;
+  2. *session*: the trie of the session's finished requests (when the request has a ``session_id``): the deepest
+     suffix of its tokens found there;
+  3. from each match, walk the most frequent continuation while its empirical probability stays >= ``min_prob``,
+     for at most min(k, ``spec_factor`` x match length + ``spec_offset``) tokens: a match seen once over a short
+     context drafts little, a long or often-seen one drafts more;
+  4. keep the candidate with the larger expected number of accepted tokens (the sum of the cumulative
+     probabilities along it).
+
+Bounded state: a request's trie lives until it finishes. A session keeps its finished requests' outputs (with
+``lead_in`` prompt tokens before each) up to ``session_tokens`` tokens, dropping the oldest and rebuilding when
+it holds twice that; at most ``max_sessions`` sessions are kept, least recently used evicted. Requests without a
+session share nothing with other requests.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from .drafter import DraftInput, TokenDrafter
+from .suffix_trie import SuffixTrie
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    depth: int = 24  # trie depth: the longest context matched plus the statistics' reach beyond it
+    max_match: int = 16  # longest suffix of the request matched (leaves depth - max_match for statistics)
+    min_prob: float = 0.1  # stop drafting when the continuation's empirical probability drops below this
+    spec_factor: float = 2.0  # draft at most spec_factor x match length + spec_offset tokens
+    spec_offset: float = 1.0
+    session_tokens: int = 8192  # tokens of history kept per session
+    max_sessions: int = 64
+    lead_in: int = 16  # prompt tokens kept before each finished request's output in its session trie
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_match < self.depth:
+            raise ValueError(f"need 1 <= max_match < depth, got {self.max_match}, {self.depth}")
+        if not 0.0 <= self.min_prob <= 1.0:
+            raise ValueError(f"min_prob must be in [0, 1], got {self.min_prob}")
+        if self.session_tokens < 1 or self.max_sessions < 0 or self.lead_in < 0:
+            raise ValueError("session_tokens must be >= 1, max_sessions and lead_in >= 0")
+
+
+class _Session:
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.history: deque[list[int]] = deque()
+        self.tokens = 0
+        self.trie = SuffixTrie(depth)
+
+    def add(self, seq: list[int], cap: int) -> None:
+        self.history.append(seq)
+        self.tokens += len(seq)
+        self.trie.add_sequence(seq)
+        if self.tokens > 2 * cap:  # drop the oldest down to the cap, rebuild (amortised O(1) per token)
+            while self.tokens > cap and len(self.history) > 1:
+                self.tokens -= len(self.history.popleft())
+            self.trie = SuffixTrie(self.depth)
+            for s in self.history:
+                self.trie.add_sequence(s)
+
+
+class _Own:
+    """A request's own trie and the tokens already in it."""
+
+    def __init__(self, depth: int):
+        self.trie = SuffixTrie(depth)
+        self.sid = self.trie.add_sequence()
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.trie.seqs[self.sid]
+
+
+class SuffixDrafter(TokenDrafter):
+    def __init__(self, config: SuffixConfig = SuffixConfig()):
+        self.cfg = config
+        self._own: dict[str, _Own] = {}
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+
+    def propose_one(self, x: DraftInput, k: int) -> list[int]:
+        cfg = self.cfg
+        own = self._sync(x)
+        best, best_score = [], 0.0
+        node, m = self._own_match(own)
+        if m:
+            cand, probs = own.trie.walk(node, self._limit(k, m), cfg.min_prob, tail=own.tokens)
+            best, best_score = cand, sum(probs)
+        session = self._sessions.get(x.session_id) if x.session_id is not None else None
+        if session is not None:
+            self._sessions.move_to_end(x.session_id)
+            node, m = session.trie.match(own.tokens, cfg.max_match)
+            if m:
+                cand, probs = session.trie.walk(node, self._limit(k, m), cfg.min_prob)
+                if sum(probs) > best_score:
+                    best = cand
+        return best
+
+    def _limit(self, k: int, match_len: int) -> int:
+        return max(0, min(k, int(self.cfg.spec_factor * match_len + self.cfg.spec_offset)))
+
+    def _sync(self, x: DraftInput) -> _Own:
+        own = self._own.get(x.request_id)
+        toks = x.token_ids
+        if own is not None:
+            n = len(own.tokens)
+            if len(toks) < n or list(toks[:n]) != own.tokens:
+                own = None
+        if own is None:
+            own = self._own[x.request_id] = _Own(self.cfg.depth)
+        own.trie.extend(own.sid, toks[len(own.tokens):])
+        return own
+
+    def _own_match(self, own: _Own) -> tuple[int, int]:
+        """Deepest suffix of the request (<= max_match tokens) that occurred earlier with a continuation."""
+        trie = own.trie
+        for node in reversed(trie.active_nodes(own.sid)[:self.cfg.max_match + 1]):
+            if node and trie.best[node] >= 0:
+                return node, trie.node_depth[node]
+        return 0, 0
+
+    def finish(self, x: DraftInput) -> None:
+        self._own.pop(x.request_id, None)
+        if x.session_id is None or self.cfg.max_sessions == 0:
+            return
+        session = self._sessions.get(x.session_id)
+        if session is None:
+            session = self._sessions[x.session_id] = _Session(self.cfg.depth)
+            while len(self._sessions) > self.cfg.max_sessions:
+                self._sessions.popitem(last=False)
+        self._sessions.move_to_end(x.session_id)
+        start = max(0, x.num_prompt_tokens - self.cfg.lead_in)
+        session.add(list(x.token_ids[start:]), self.cfg.session_tokens)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def session_tokens(self, session_id: str) -> int:
+        s = self._sessions.get(session_id)
+        return s.tokens if s else 0
