@@ -166,7 +166,7 @@ class Scheduler:
             hit = self.prefix.match(hashes[:usable])
             self.alloc.share(hit)
             r.block_table = list(hit)
-            r.num_computed = r.num_registered = len(hit) * ps
+            r.num_computed, r.num_registered = len(hit) * ps, len(hit)
         n = min(tokens_within(budget, r.num_computed, r.num_pending, r_cost), self._fits(r, spare=len(self.running)))
         if n <= 0:
             self.alloc.release(r.block_table)

@@ -35,13 +35,22 @@ from .drafter import Draft
 # Fields whose effect on token t does not depend on the tokens drafted before t.
 BLOCK_INDEPENDENT = frozenset({"temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids",
                                "ignore_eos"})
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
 def speculation_applies(params: SamplingParams) -> bool:
-    """True when every field outside ``BLOCK_INDEPENDENT`` has its default value."""
-    return all(getattr(params, name) == default for name, default in _DEFAULTS.items()
-               if name not in BLOCK_INDEPENDENT)
+    """True when every field of ``params`` outside ``BLOCK_INDEPENDENT`` has its default value."""
+    for f in dataclasses.fields(params):
+        if f.name in BLOCK_INDEPENDENT:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:  # a required field we know nothing about
+            return False
+        if getattr(params, f.name) != default:
+            return False
+    return True
 
 
 def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams,
