@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run backends in this process (no crash/hang isolation; for debugging)")
     from .prefill import add_arguments as add_prefill_arguments
     from .serve import add_arguments as add_serve_arguments
+    from .spec import add_arguments as add_spec_arguments
 
     add_prefill_arguments(sub)
     add_serve_arguments(sub.add_parser(
@@ -59,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Send a dataset's requests (synthetic or ShareGPT) to a server on this machine (or one it "
                     "starts) at a request rate or a fixed concurrency; report latency percentiles and throughput "
                     "as JSON, markdown and a chart (like `vllm bench serve`)."))
+    add_spec_arguments(sub)
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
@@ -126,8 +128,12 @@ def run(args: argparse.Namespace) -> int:
         from .serve import run as run_serve
 
         return run_serve(args)
+    if getattr(args, "bench_command", None) == "spec":
+        from .spec import run as run_spec
+
+        return run_spec(args)
     if getattr(args, "bench_command", None) != "decode":
-        print("mimw bench: choose a benchmark: decode, prefill, serve", file=sys.stderr)
+        print("mimw bench: choose a benchmark: decode, prefill, serve, spec", file=sys.stderr)
         return 2
     try:
         cfg = config_from_args(args)

@@ -11,8 +11,11 @@ The policy parameters describe the cost of a verify step, so that speculation ba
                      attention; lower it for a backend whose multi-token step is not weight-bound.
   verify_overhead    beta: the extra cost of a step that verifies a draft over a plain decode step, in decode steps
                      (0 when one kernel runs both; larger where verification takes a slower path).
-  draft_token_cost   gamma: the cost of one more drafted token in the step, in decode steps (the reference backend
-                     on the CPU measures ~0.01-0.05 with SmolLM2-135M; a weight-bound GPU step less).
+  verify_token_cost  gamma: the cost of one more drafted token in the verify step, in decode steps (the reference
+                     backend on the CPU measures ~0.06 with SmolLM2-135M in fp32; a weight-bound GPU step less).
+  drafter_token_cost delta: the cost of drafting one token, in target decode steps: 0 for the model-free drafters;
+                     for a draft model about its share of the target's weight bytes (``weight_ratio``), which
+                     ``options.build_speculator`` fills in.
   probe_interval     a request whose acceptance made drafting not worth it drafts one token every this many
                      steps, so that its acceptance estimate can recover when its text turns repetitive.
 """
@@ -32,7 +35,8 @@ class SpecConfig:
     draft_model: str | None = None  # --draft-model: what load_model loads (method "draft")
     max_verify_tokens: int = 128
     verify_overhead: float = 0.0
-    draft_token_cost: float = 0.05
+    verify_token_cost: float = 0.05
+    drafter_token_cost: float = 0.0
     probe_interval: int = 16
     ngram_min: int = 1
     ngram_max: int = 4
@@ -51,8 +55,8 @@ class SpecConfig:
             raise ValueError(f"--draft-model is only used with --speculative draft (got --speculative {self.method})")
         if self.max_verify_tokens < 2:
             raise ValueError(f"max_verify_tokens must be >= 2, got {self.max_verify_tokens}")
-        if self.verify_overhead < 0 or self.draft_token_cost < 0:
-            raise ValueError("verify_overhead and draft_token_cost must be >= 0")
+        if min(self.verify_overhead, self.verify_token_cost, self.drafter_token_cost) < 0:
+            raise ValueError("verify_overhead, verify_token_cost and drafter_token_cost must be >= 0")
         if self.probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
         if self.draft_pages is not None and self.draft_pages < 1:

@@ -2,7 +2,8 @@
 
 Model: each drafted token is accepted with probability alpha, independently, until the first rejection. A step
 that drafts k tokens then emits E(k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha) tokens and
-costs c(k) = 1 + beta + gamma k decode steps (c(0) = 1: a plain decode). The policy drafts the k in [0, K] with
+costs c(k) = 1 + beta + (gamma + delta) k decode steps (c(0) = 1: a plain decode; beta, gamma: the verify step's
+overhead and cost per token; delta: the drafter's cost per token, see ``SpecConfig``). The policy drafts the k in [0, K] with
 the most tokens per unit of cost, E(k) / c(k); k = 0 (no drafting) wins where acceptance is too low to pay for
 verification.
 
@@ -47,7 +48,7 @@ class DraftLengthPolicy:
         for k in range(1, cfg.num_tokens + 1):
             term *= alpha
             expected += term
-            rate = expected / (1.0 + cfg.verify_overhead + cfg.draft_token_cost * k)
+            rate = expected / (1.0 + cfg.verify_overhead + (cfg.verify_token_cost + cfg.drafter_token_cost) * k)
             if rate > best_rate + 1e-12:
                 best_k, best_rate = k, rate
         return best_k
