@@ -28,6 +28,15 @@ def test_generate_default_model_knows_paris():
     assert "tok/s" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_generate_speculative_prints_the_same_text():
+    args = ("generate", "--prompt", "Repeat exactly: one two three four five six seven eight.", "--chat",
+            "--max-tokens", "24")
+    plain = _mimw(*args)
+    spec = _mimw(*args, "--speculative", "suffix", "--spec-tokens", "6")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and "speculative suffix:" in spec.stderr
+
+
 @pytest.mark.parametrize("argv, match", [
     (["generate"], "--prompt"),
     (["generate", "--prompt", "x", "--max-tokens", "0"], "positive integer"),
@@ -46,6 +55,8 @@ def test_argparse_errors_exit_2(capsys, argv, match):
     (["generate", "--prompt", "x", "--top-p", "2", "--model", "tiny-llama"], "top_p"),
     (["generate", "--prompt", "x", "--model", "/no/such/dir"], "does not exist"),
     (["generate", "--prompt", "x", "--model", "tiny-llama"], "no tokenizer"),
+    (["generate", "--prompt", "x", "--spec-tokens", "3"], "need --speculative"),
+    (["generate", "--prompt", "x", "--speculative", "draft"], "--draft-model"),
 ])
 def test_bad_values_give_one_line_error(capsys, argv, match):
     assert cli.main(argv) == 2

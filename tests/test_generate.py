@@ -74,3 +74,46 @@ def test_seeded_sampling_is_reproducible(weights):
 def test_bad_requests(weights, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         next(generate(weights, prompt, params))
+
+
+class _Bytes:
+    """UTF-8 bytes as token ids (a tokenizer for the random-weight model); no EOS."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids):
+        return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "suffix"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True),
+                                    SamplingParams(temperature=0, max_tokens=20, stop_token_ids=(0,))])
+def test_the_engine_route_keeps_the_protocol_and_the_tokens(weights, method, params):
+    from mimw.engine.spec.config import SpecConfig
+    from mimw.generate import generate_with_engine
+    from mimw.models.checkpoint import LoadedModel
+
+    prompt = PROMPT * 3
+    want = list(generate(weights, prompt, params, tokenizer=_Bytes()))
+    model = LoadedModel(weights.spec, weights, _Bytes(), "test")
+    stats = []
+    got = list(generate_with_engine(model, prompt, params, _Bytes(), SpecConfig(method) if method else None,
+                                    on_stats=stats.append))
+    assert _tokens(got) == _tokens(want)
+    assert "".join(s.text for s in got) == "".join(s.text for s in want)
+    if method:
+        assert stats[0].spec.verify_steps > 0
+
+
+def test_the_engine_route_reports_the_context_limit(weights):
+    from mimw.engine.spec.config import SpecConfig
+    from mimw.generate import generate_with_engine
+    from mimw.models.checkpoint import LoadedModel
+
+    w = _with_spec(weights, max_position_embeddings=12)
+    model = LoadedModel(w.spec, w, _Bytes(), "test")
+    toks, reason = _tokens(list(generate_with_engine(model, PROMPT, SamplingParams(temperature=0, max_tokens=50,
+                                                                                       ignore_eos=True),
+                                                     _Bytes(), SpecConfig("ngram"))))
+    assert len(PROMPT) + len(toks) == 12 and reason == "context"

@@ -46,6 +46,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="auto: float32 on cpu, bfloat16 on cuda")
+    from .engine.spec import options as spec_options
+
+    spec_options.add_arguments(p)
 
 
 def version() -> str:
@@ -87,7 +90,8 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .engine.sampling import SamplingParams
-    from .generate import generate
+    from .engine.spec import options as spec_options
+    from .generate import generate, generate_with_engine
     from .models.checkpoint import load_model
 
     if args.prompt == "":
@@ -100,6 +104,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+        spec_config = spec_options.config_from_args(args)
     except ValueError as e:
         raise _UsageError(str(e)) from None
     print(f"[mimw] loading {args.model or 'the embedded default model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
@@ -120,7 +125,10 @@ def run_generate(args: argparse.Namespace) -> int:
         out.write(args.prompt)
     t0 = time.perf_counter()
     t_first, n, reason = None, 0, None
-    for step in generate(model.weights, prompt_ids, params, tokenizer=tok):
+    spec_stats = []
+    steps = (generate_with_engine(model, prompt_ids, params, tok, spec_config, on_stats=spec_stats.append)
+             if spec_config is not None else generate(model.weights, prompt_ids, params, tokenizer=tok))
+    for step in steps:
         if step.token_id is not None:
             n += 1
             t_first = t_first or time.perf_counter()
@@ -136,6 +144,11 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"[mimw] {n} tokens in {t1 - t0:.2f}s ({rate}; prompt {len(prompt_ids)} tokens, first token after "
           f"{(t_first or t1) - t0:.2f}s; finish: {reason}; {model.spec.name} on {args.device}, {dtype_name})",
           file=sys.stderr)
+    if spec_stats and spec_stats[0].spec is not None:
+        s = spec_stats[0].spec
+        print(f"[mimw] speculative {spec_config.method}: {s.accepted_tokens} of {s.draft_tokens} drafted tokens "
+              f"accepted, {s.mean_emitted:.2f} tokens per verify step ({s.verify_steps} verify steps)",
+              file=sys.stderr)
     return 0
 
 

@@ -11,11 +11,15 @@ oracle in tests.
   "context" the model's ``max_position_embeddings`` was reached
 Concatenating every ``Step.text`` gives the completion text; no delta splits a multi-byte character, and no text
 that could still become the start of a stop string is emitted early.
+
+``generate_with_engine`` keeps the same protocol but runs the request through the serving ``Engine`` (batch of
+one), which is how ``mimw generate --speculative ...`` speculates; its outputs are the same tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -81,3 +85,48 @@ def generate(weights: ModelWeights, prompt_ids: Sequence[int], params: SamplingP
             return
         logits = decoder.forward(torch.tensor([tok]), [Segment(table, pos, 1)], cache)[-1]
         pos += 1
+
+
+def generate_with_engine(model: Any, prompt_ids: Sequence[int], params: SamplingParams, tokenizer: Tokenizer,
+                         spec_config: Any = None, page_size: int = 16,
+                         on_stats: Callable[[Any], None] | None = None) -> Iterator[Step]:
+    """``generate``'s protocol, served by an ``Engine`` over ``model`` (a ``LoadedModel``) with the speculator of
+    ``spec_config`` (a ``SpecConfig``; None: plain decoding). ``on_stats`` gets the engine's final ``EngineStats``."""
+    from .engine.backends.reference import ReferenceBackend
+    from .engine.engine import Engine, EngineConfig
+    from .engine.spec.options import build_speculator
+
+    prompt = [int(t) for t in prompt_ids]
+    limit = model.spec.max_position_embeddings
+    if not prompt:
+        raise ValueError("the prompt is empty: generation needs at least one prompt token")
+    if len(prompt) >= limit:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {limit}")
+    max_tokens = min(params.max_tokens, limit - len(prompt))
+    k = spec_config.num_tokens if spec_config is not None else 0
+    num_pages = -(-(len(prompt) + max_tokens + k) // page_size) + 1
+    cfg = EngineConfig(num_pages=num_pages, page_size=page_size, max_batch=1, max_step_tokens=max(512, page_size),
+                       enable_prefix_cache=False)
+    speculator = build_speculator(spec_config, model, page_size, num_pages) if spec_config is not None else None
+    engine = Engine(ReferenceBackend(model.weights), tokenizer, cfg, tokenizer.eos_token_ids, speculator=speculator)
+    events: list = []
+    req = engine.add_request("generate", prompt, dataclasses.replace(params, max_tokens=max_tokens),
+                             on_output=events.append)
+    while engine.has_work():
+        engine.step()
+        for ev in events:
+            if ev.error:
+                raise RuntimeError(ev.error)
+            toks = list(ev.token_ids)
+            if ev.finish_reason == "stop" and toks and toks[-1] in req.stop_token_ids:
+                toks.pop()  # a stop token is not part of the completion
+            for i, t in enumerate(toks):
+                yield Step(t, ev.text if i == len(toks) - 1 and not ev.finished else "")
+            if ev.finished:
+                reason = ev.finish_reason
+                if reason == "length" and ev.completion_tokens < params.max_tokens:
+                    reason = "context"
+                yield Step(None, ev.text, reason)
+        events.clear()
+    if on_stats is not None:
+        on_stats(engine.stats())

@@ -21,6 +21,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..engine.spec import options as spec_options
+
 log = logging.getLogger("mimw.server")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests waiting for a batch slot before new ones get 429")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix reuse across requests")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    spec_options.add_arguments(p)
 
 
 def _positive(s: str) -> int:
@@ -172,6 +175,7 @@ def build(args: argparse.Namespace) -> Built:
     from .tokenizer_pool import TokenizerPool
 
     check_args(args)
+    spec_cfg = spec_options.config_from_args(args)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else
                                                               torch.float32)
@@ -187,20 +191,26 @@ def build(args: argparse.Namespace) -> Built:
         tok = ByteTokenizer()
     tok = TokenizerPool(tok)
     backend = _backend(args.backend, loaded.weights)
+    draft = spec_options.load_draft(spec_cfg, loaded) if spec_cfg else None
     one_page = KVLayout.for_spec(spec, args.page_size, 1, backend.kv_dtype)
     num_pages = args.kv_pages or _default_pages(one_page, backend.device, args.max_batch,
                                                 args.max_model_len or spec.max_position_embeddings)
+    if draft is not None and not args.kv_pages:  # the draft model's cache has as many pages: share the budget
+        draft_page = KVLayout.for_spec(draft.spec, args.page_size, 1, draft.weights.dtype).bytes_per_page()
+        num_pages = max(1, num_pages * one_page.bytes_per_page() // (one_page.bytes_per_page() + draft_page))
     cfg = EngineConfig(num_pages=num_pages, page_size=args.page_size, max_batch=args.max_batch,
                        max_step_tokens=args.max_step_tokens or max(512, args.max_batch),
                        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache)
-    engine = Engine(backend, tok.for_engine(), cfg, tok.eos_token_ids)
+    speculator = spec_options.build_speculator(spec_cfg, loaded, args.page_size, num_pages, draft) if spec_cfg else None
+    engine = Engine(backend, tok.for_engine(), cfg, tok.eos_token_ids, speculator=speculator)
     loop = EngineLoop(engine, max_queue=args.max_queue).start()
     name = args.served_model_name or _default_name(args.model, loaded.source)
     app = create_app(loop, tok, ServerConfig(model_name=name, api_key=args.api_key))
     summary = (f"model {name!r} from {loaded.source} ({spec.arch}, {spec.num_layers} layers) on {device} "
                f"{str(dtype).removeprefix('torch.')}, {args.backend} backend; KV {num_pages} pages x "
                f"{args.page_size} tokens, context {engine.max_model_len}, batch {cfg.max_batch}, step budget "
-               f"{cfg.max_step_tokens} tokens, prefix cache {'on' if cfg.enable_prefix_cache else 'off'}")
+               f"{cfg.max_step_tokens} tokens, prefix cache {'on' if cfg.enable_prefix_cache else 'off'}, speculative "
+               f"{f'{spec_cfg.method} (K={spec_cfg.num_tokens})' if spec_cfg else 'off'}")
     return Built(app, loop, name, summary)
 
 

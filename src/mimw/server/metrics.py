@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..engine.engine import EngineStats
@@ -60,6 +60,25 @@ class _EngineCollector(Collector):
         yield self._one(c, "mimw_generation_tokens", "Tokens generated, counted as they are sampled",
                         s.generation_tokens)
         yield self._one(c, "mimw_engine_steps", "Engine steps run", s.steps)
+        if s.spec is not None:
+            yield from self._spec(s.spec)
+
+    def _spec(self, spec) -> Iterator[Metric]:
+        """Speculative decoding: drafted and accepted tokens, and a histogram of accepted drafts per verify step."""
+        c = CounterMetricFamily
+        yield self._one(c, "mimw_spec_decode_num_draft_tokens", "Tokens proposed by the drafter and verified",
+                        spec.draft_tokens)
+        yield self._one(c, "mimw_spec_decode_num_accepted_tokens", "Drafted tokens the target accepted",
+                        spec.accepted_tokens)
+        cumulative, buckets = 0, []
+        for a, n in enumerate(spec.accepted_hist):
+            cumulative += n
+            buckets.append((str(a), cumulative))
+        buckets.append(("+Inf", cumulative))
+        h = HistogramMetricFamily("mimw_spec_decode_accepted_length", "Drafted tokens accepted per verify step",
+                                  labels=["model_name"])
+        h.add_metric([self.model], buckets, spec.accepted_tokens)
+        yield h
 
 
 class ServerMetrics:

@@ -1,4 +1,5 @@
-"""The speculative-decoding options of ``mimw serve`` and ``mimw generate``, and the speculator they build.
+"""The speculative-decoding options of ``mimw serve`` and ``mimw generate``, and the speculator they build (this
+module imports no torch until it builds one, so that the command line stays quick to start).
 
   --speculative ngram|suffix|draft   the drafter (off without it)
   --draft-model PATH|PRESET          the draft model of ``draft``: anything ``load_model`` loads, with the target's
@@ -12,7 +13,6 @@ import dataclasses
 from typing import Any
 
 from .config import METHODS, SpecConfig
-from .speculator import Speculator, make_drafter
 
 DEFAULT_SPEC_TOKENS = 8
 _PROBE = "def main():\n    print('Hello, world!')  # speculative decoding"
@@ -63,17 +63,29 @@ def check_tokenizers(draft: Any, target: Any) -> None:
                              "target's; the draft model must share the target's tokenizer")
 
 
-def build_speculator(cfg: SpecConfig, target: Any, page_size: int, num_pages: int, dtype: Any = None,
-                     device: Any = None) -> Speculator:
-    """The speculator for ``cfg`` serving ``target`` (a ``LoadedModel``); loads the draft model for "draft" (on the
-    target's device, run by the reference backend on its own cache of ``num_pages`` pages)."""
+def load_draft(cfg: SpecConfig, target: Any) -> Any:
+    """The draft model of a "draft" config (a ``LoadedModel`` in the target's dtype, on its device), checked
+    against the target's tokenizer; None for the model-free drafters."""
+    if cfg.method != "draft":
+        return None
+    from ...models.checkpoint import load_model
+
+    draft = load_model(cfg.draft_model, dtype=target.weights.dtype, device=target.weights.device, progress=False)
+    check_tokenizers(draft, target)
+    return draft
+
+
+def build_speculator(cfg: SpecConfig, target: Any, page_size: int, num_pages: int, draft: Any = None) -> Any:
+    """The speculator for ``cfg`` serving ``target`` (a ``LoadedModel``). For "draft", ``draft`` (from ``load_draft``)
+    runs on the reference backend with its own cache of ``num_pages`` pages, and the policy counts its cost per
+    drafted token as its share of the target's weight bytes."""
+    from .speculator import Speculator, make_drafter
+
     if cfg.method != "draft":
         return Speculator(make_drafter(cfg), cfg)
-    from ...models.checkpoint import load_model
     from ..backends.reference import ReferenceBackend
 
-    draft = load_model(cfg.draft_model, dtype=dtype or target.weights.dtype, device=device or target.weights.device,
-                       progress=False)
-    check_tokenizers(draft, target)
+    if draft is None:
+        draft = load_draft(cfg, target)
     cfg = dataclasses.replace(cfg, drafter_token_cost=weight_ratio(draft.weights, target.weights))
     return Speculator(make_drafter(cfg, ReferenceBackend(draft.weights), page_size, num_pages), cfg)

@@ -24,28 +24,9 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from .config import SuffixConfig
 from .drafter import DraftInput, TokenDrafter
 from .suffix_trie import SuffixTrie
-
-
-@dataclass(frozen=True)
-class SuffixConfig:
-    depth: int = 24  # trie depth: the longest context matched plus the statistics' reach beyond it
-    max_match: int = 16  # longest suffix of the request matched (leaves depth - max_match for statistics)
-    min_prob: float = 0.1  # stop drafting when the continuation's empirical probability drops below this
-    spec_factor: float = 2.0  # draft at most spec_factor x match length + spec_offset tokens
-    spec_offset: float = 1.0
-    session_tokens: int = 8192  # tokens of history kept per session
-    max_sessions: int = 64
-    lead_in: int = 16  # prompt tokens kept before each finished request's output in its session trie
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_match < self.depth:
-            raise ValueError(f"need 1 <= max_match < depth, got {self.max_match}, {self.depth}")
-        if not 0.0 <= self.min_prob <= 1.0:
-            raise ValueError(f"min_prob must be in [0, 1], got {self.min_prob}")
-        if self.session_tokens < 1 or self.max_sessions < 0 or self.lead_in < 0:
-            raise ValueError("session_tokens must be >= 1, max_sessions and lead_in >= 0")
 
 
 class _Session:
