@@ -6,7 +6,9 @@ comparison is measured under the same machine load. Reported per set and drafter
   mean accepted length  tokens emitted per verify step (accepted drafts + the target's own token)
   acceptance rate       accepted / drafted tokens
   tok/s e2e, decode     completion tokens / (submission -> last token) and / (first token -> last token), summed
-                        over the set's prompts, and their ratios to plain decoding's
+                        over the set's prompts, and their ratios to plain decoding's: wall-clock time, and the
+                        process's CPU time over the same spans (``time.process_time``; with one torch thread this
+                        is the time the run would take on an idle core, which a shared machine's wall clock is not)
   identical             prompts whose output equals plain decoding's token for token (greedy is lossless)
 The JSON keeps per-prompt rows and, per set and drafter, the verify steps' (drafted, accepted) counts, which
 ``python -m mimw.bench.spec_steps`` turns into GPU estimates.
@@ -110,18 +112,19 @@ def _run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> dict:
     from ..engine.sampling import SamplingParams
 
     before = engine.stats().spec
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
-    out, t_first, reason, steps0 = [], None, None, engine.stats().steps
+    out, t_first, c_first, reason, steps0 = [], None, None, None, engine.stats().steps
     while engine.has_work():
         for ev in engine.step():
             if ev.token_ids and t_first is None:
-                t_first = time.perf_counter()
+                t_first, c_first = time.perf_counter(), time.process_time()
             out += ev.token_ids
             reason = ev.finish_reason or reason
-    t1 = time.perf_counter()
-    row = {"tokens": len(out), "e2e_s": t1 - t0, "decode_s": t1 - (t_first or t1), "finish": reason,
-           "steps": engine.stats().steps - steps0, "output": out}
+    t1, c1 = time.perf_counter(), time.process_time()
+    row = {"tokens": len(out), "e2e_s": t1 - t0, "decode_s": t1 - (t_first or t1), "cpu_e2e_s": c1 - c0,
+           "cpu_decode_s": c1 - (c_first or c1), "finish": reason, "steps": engine.stats().steps - steps0,
+           "output": out}
     after = engine.stats().spec
     if after is not None:
         blocks = {k: n - before.blocks.get(k, 0) for k, n in after.blocks.items() if n - before.blocks.get(k, 0)}
@@ -134,14 +137,14 @@ def _run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> dict:
 
 def summarize(rows: list[dict], plain_rows: list[dict]) -> dict:
     tok = sum(r["tokens"] for r in rows)
-    e2e = sum(r["e2e_s"] for r in rows)
-    dec = sum(r["decode_s"] for r in rows)
     ptok = sum(r["tokens"] for r in plain_rows)
-    pe2e = sum(r["e2e_s"] for r in plain_rows)
-    pdec = sum(r["decode_s"] for r in plain_rows)
-    out = {"prompts": len(rows), "tokens": tok, "tok_s_e2e": tok / e2e, "tok_s_decode": tok / dec if dec else 0.0,
-           "speedup_e2e": (tok / e2e) / (ptok / pe2e), "speedup_decode": (tok / dec) / (ptok / pdec) if dec else 0.0,
+    out = {"prompts": len(rows), "tokens": tok,
            "identical": sum(r["output"] == p["output"] for r, p in zip(rows, plain_rows))}
+    for key in ("e2e", "decode", "cpu_e2e", "cpu_decode"):
+        t = sum(r[f"{key}_s"] for r in rows)
+        pt = sum(r[f"{key}_s"] for r in plain_rows)
+        out[f"tok_s_{key}"] = tok / t if t else 0.0
+        out[f"speedup_{key}"] = (tok / t) / (ptok / pt) if t and pt else 0.0
     if "drafted" in rows[0]:
         drafted = sum(r["drafted"] for r in rows)
         accepted = sum(r["accepted"] for r in rows)
@@ -160,16 +163,20 @@ def summarize(rows: list[dict], plain_rows: list[dict]) -> dict:
 def markdown(doc: dict) -> str:
     m = doc["meta"]
     lines = [f"# mimw bench spec - {m['model']} ({m['dtype']}) on {m['cpu']}, {m['date']}", "",
-             f"commit {m['commit']}; K = {m['spec_tokens']}; {m['max_tokens']} tokens per prompt, greedy, batch 1; "
-             f"torch threads {m['threads']}", "",
-             "| set | drafter | mean accepted length | acceptance | tok/s e2e | vs plain | tok/s decode | vs plain "
-             "| identical |", "|---|---|---|---|---|---|---|---|---|"]
+             f"commit {m['commit']}; K = {m['spec_tokens']}; up to {m['max_tokens']} tokens per prompt, greedy, "
+             f"batch 1; torch threads {m['threads']}; draft model: {m['draft_model']}", "",
+             "tok/s per user, end to end (submission to last token, prefill included) and decode (first to last "
+             "token); CPU: process CPU time over the same spans, wall: wall clock.", "",
+             "| set | drafter | mean accepted length | acceptance | CPU e2e tok/s | vs plain | CPU decode tok/s | "
+             "vs plain | wall e2e vs plain | wall decode vs plain | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for set_name, modes in doc["summary"].items():
         for mode, s in modes.items():
             mal = f"{s['mean_accepted_length']:.2f}" if "drafted" in s else "-"
             acc = f"{s['acceptance_rate']:.0%}" if "drafted" in s else "-"
-            lines.append(f"| {set_name} | {mode} | {mal} | {acc} | {s['tok_s_e2e']:.1f} | {s['speedup_e2e']:.2f}x | "
-                         f"{s['tok_s_decode']:.1f} | {s['speedup_decode']:.2f}x | {s['identical']}/{s['prompts']} |")
+            lines.append(f"| {set_name} | {mode} | {mal} | {acc} | {s['tok_s_cpu_e2e']:.1f} | "
+                         f"{s['speedup_cpu_e2e']:.2f}x | {s['tok_s_cpu_decode']:.1f} | {s['speedup_cpu_decode']:.2f}x "
+                         f"| {s['speedup_e2e']:.2f}x | {s['speedup_decode']:.2f}x | {s['identical']}/{s['prompts']} |")
     return "\n".join(lines) + "\n"
 
 
