@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{time.strftime('%Y%m%d-%H%M', time.gmtime())}-spec-steps.json"
-    path.write_text(json.dumps({"gpu": gpu, "context": args.context, "results": args.results,
+    path.write_text(json.dumps({"gpu": gpu, "context": args.context, "cpu_results": args.results,
                                 "timings_ms": timings, "rows": rows}, indent=1))
     print(f"[spec_steps] wrote {path}", file=sys.stderr)
     return 0
