@@ -40,8 +40,9 @@ def test_speculating_server_answers_as_the_plain_one_and_counts(flags):
         with serve_app(b.app) as url:
             assert completion(url, prompt) == want
             metrics = httpx.get(url + "/metrics").text
-        assert "mimw_spec_draft_tokens_total" in metrics and 'mimw_spec_accepted_length_bucket{le="0"}' in metrics
-        drafted = float(metrics.split("\nmimw_spec_draft_tokens_total ")[1].split()[0])
+        assert "mimw_spec_decode_num_accepted_tokens_total{" in metrics
+        assert 'mimw_spec_decode_accepted_length_bucket{le="0",model_name="tiny-llama"}' in metrics
+        drafted = float(metrics.split("\nmimw_spec_decode_num_draft_tokens_total{")[1].split("}")[1].split()[0])
         assert drafted > 0
     finally:
         b.loop.stop()

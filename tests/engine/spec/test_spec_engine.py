@@ -2,7 +2,6 @@
 sampling), no trace of rejected tokens in the cache, stops inside a block, aborts, mixed batches, counters."""
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -147,20 +146,15 @@ def test_abort_after_a_speculative_step_frees_everything(tiny_weights):
 
 
 def test_speculating_and_plain_requests_share_a_batch(tiny_weights):
-    @dataclasses.dataclass(frozen=True)
-    class WithPenalty(SamplingParams):  # a field speculation does not handle: such requests decode plainly
-        presence_penalty: float = 0.0
-
     prompts = repetitive_prompts(7, 6)
     drafter = ScriptedDrafter(script_for(tiny_weights, prompts, 12), noise=0.3)
     eng = spec_engine(tiny_weights, drafter=drafter, num_tokens=4, num_pages=96, page_size=4, max_batch=6)
-    for i, p in enumerate(prompts):
-        params = greedy(12) if i % 2 else WithPenalty(temperature=0, max_tokens=12, ignore_eos=True,
-                                                      presence_penalty=0.5)
-        eng.add_request(f"r{i}", p, params)
+    for i, p in enumerate(prompts):  # logprobs are reported per sampled token: such requests decode plainly
+        eng.add_request(f"r{i}", p, greedy(12) if i % 2 else greedy(12, logprobs=2))
     got = run_checked(eng)
     for i, p in enumerate(prompts):
         assert tokens(got[f"r{i}"]) == greedy_alone(tiny_weights, p, 12)
+        assert all(len(e.logprobs) == len(e.token_ids) for e in got[f"r{i}"] if i % 2 == 0 and e.token_ids)
     asked = {rid for rid, _ in drafter.asked}
     assert asked == {"r1", "r3", "r5"}
     assert eng.stats().spec.accepted_tokens > 0

@@ -54,10 +54,14 @@ def test_every_current_sampling_field_is_classified():
         assert speculation_applies(dataclasses.replace(SamplingParams(), **{name: f.default}))
 
 
-def test_a_history_dependent_field_turns_speculation_off():
-    @dataclasses.dataclass(frozen=True)
-    class WithPenalty(SamplingParams):
-        presence_penalty: float = 0.0
+def test_history_dependent_fields_turn_speculation_off():
+    assert speculation_applies(SamplingParams(min_p=0.1, logit_bias={3: 2.0}))
+    for kw in ({"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"logprobs": 1}, {"prompt_logprobs": 0}):
+        assert not speculation_applies(SamplingParams(**kw)), kw
 
-    assert speculation_applies(WithPenalty())
-    assert not speculation_applies(WithPenalty(presence_penalty=0.5))
+    @dataclasses.dataclass(frozen=True)
+    class WithNewField(SamplingParams):  # a field added later, unclassified: speculation stays off when it is set
+        some_new_penalty: float = 0.0
+
+    assert speculation_applies(WithNewField())
+    assert not speculation_applies(WithNewField(some_new_penalty=0.5))
