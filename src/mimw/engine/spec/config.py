@@ -1,4 +1,4 @@
-"""SpecConfig (and SuffixConfig): how the engine speculates (built at the edge from ``--speculative``, ``--spec-tokens``, ...).
+"""SpecConfig (and SuffixConfig): how the engine speculates, built at the edge (``--speculative``, ``--spec-tokens``).
 
 The policy parameters describe the cost of a verify step, so that speculation backs off where it does not pay:
 
