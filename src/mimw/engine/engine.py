@@ -290,12 +290,15 @@ class Engine:
             r = c.request
             if r not in drafts:
                 continue
+            block = logits[end - 1 - len(drafts[r]):end]  # row j: the target's logits for emitted token j
             try:
-                tokens = self.speculator.verify(r, logits[end - 1 - len(drafts[r]):end], drafts[r])  # type: ignore
+                tokens = self.speculator.verify(r, block, drafts[r])  # type: ignore[union-attr]
             except Exception as e:  # e.g. NaN logits under temperature sampling: this request fails
                 out.append(self._finish(r, "error", "", error=f"sampling failed: {type(e).__name__}: {e}"))
                 continue
-            out.append(self._append_safely(r, tokens, time.monotonic(), (), drafted=True))
+            k = r.params.logprobs
+            lps = logprobs_of(block[:len(tokens)], tokens, [k] * len(tokens)) if k is not None else ()
+            out.append(self._append_safely(r, tokens, time.monotonic(), lps, drafted=True))
         return out
 
     @staticmethod

@@ -149,15 +149,35 @@ def test_speculating_and_plain_requests_share_a_batch(tiny_weights):
     prompts = repetitive_prompts(7, 6)
     drafter = ScriptedDrafter(script_for(tiny_weights, prompts, 12), noise=0.3)
     eng = spec_engine(tiny_weights, drafter=drafter, num_tokens=4, num_pages=96, page_size=4, max_batch=6)
-    for i, p in enumerate(prompts):  # logprobs are reported per sampled token: such requests decode plainly
-        eng.add_request(f"r{i}", p, greedy(12) if i % 2 else greedy(12, logprobs=2))
+    for i, p in enumerate(prompts):  # prompt logprobs need a row per prompt token: such requests decode plainly
+        eng.add_request(f"r{i}", p, greedy(12) if i % 2 else greedy(12, prompt_logprobs=1))
     got = run_checked(eng)
     for i, p in enumerate(prompts):
         assert tokens(got[f"r{i}"]) == greedy_alone(tiny_weights, p, 12)
-        assert all(len(e.logprobs) == len(e.token_ids) for e in got[f"r{i}"] if i % 2 == 0 and e.token_ids)
     asked = {rid for rid, _ in drafter.asked}
     assert asked == {"r1", "r3", "r5"}
     assert eng.stats().spec.accepted_tokens > 0
+
+
+def test_logprobs_of_speculated_tokens_equal_plain_decodings(tiny_weights, make_engine):
+    prompts = repetitive_prompts(9, 3)
+    params = [greedy(12, logprobs=3), SamplingParams(temperature=0.7, seed=4, max_tokens=12, ignore_eos=True,
+                                                     logprobs=0), greedy(12, logprobs=1, stop_token_ids=(7,))]
+    plain = make_engine(num_pages=64, page_size=4)
+    eng = spec_engine(tiny_weights, drafter=ScriptedDrafter(script_for(tiny_weights, prompts, 12)), num_tokens=4,
+                      num_pages=64, page_size=4)
+    for e in (plain, eng):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            e.add_request(f"r{i}", p, sp)
+    want, got = run_all(plain), run_checked(eng)
+    assert eng.stats().spec.accepted_tokens > 0
+    for rid in want:
+        assert tokens(got[rid]) == tokens(want[rid])
+        a = [lp for e in got[rid] for lp in e.logprobs]
+        b = [lp for e in want[rid] for lp in e.logprobs]
+        assert [x.token_id for x in a] == [x.token_id for x in b] and len(a) == len(b)
+        assert [x.logprob for x in a] == pytest.approx([x.logprob for x in b], abs=1e-4)
+        assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]
 
 
 def test_seeded_sampling_is_unchanged_by_deterministic_drafts(tiny_weights, make_engine):

@@ -55,8 +55,8 @@ def test_every_current_sampling_field_is_classified():
 
 
 def test_history_dependent_fields_turn_speculation_off():
-    assert speculation_applies(SamplingParams(min_p=0.1, logit_bias={3: 2.0}))
-    for kw in ({"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"logprobs": 1}, {"prompt_logprobs": 0}):
+    assert speculation_applies(SamplingParams(min_p=0.1, logit_bias={3: 2.0}, logprobs=3))
+    for kw in ({"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"prompt_logprobs": 0}):
         assert not speculation_applies(SamplingParams(**kw)), kw
 
     @dataclasses.dataclass(frozen=True)

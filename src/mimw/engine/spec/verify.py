@@ -20,9 +20,10 @@ P(emit t) = q(t) min(1, p(t)/q(t)) + (1 - sum_s min(p(s), q(s))) (p(t) - q(t))^+
 Outputs are reproducible for a seed given the same draft lengths (the draws depend on where drafts stop).
 
 ``speculation_applies(params)`` says whether the per-token distribution of a request depends only on its logits:
-a field of ``SamplingParams`` outside ``BLOCK_INDEPENDENT`` (a penalty over earlier tokens, a grammar, logprobs to
-report, ...) set to anything but its default turns speculation off for that request (it decodes plainly instead).
-``sample`` and ``filtered_probs`` apply ``logit_bias`` and ``min_p`` from the params alone, so those speculate.
+a field of ``SamplingParams`` outside ``BLOCK_INDEPENDENT`` (a penalty over earlier tokens, a grammar, prompt
+logprobs, ...) set to anything but its default turns speculation off for that request (it decodes plainly instead).
+``sample`` and ``filtered_probs`` apply ``logit_bias`` and ``min_p`` from the params alone, and a sampled token's
+logprobs come from its own row of the block, so those speculate.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from ..sampling import SamplingParams, filtered_probs, sample
 from .drafter import Draft
 
 # Fields whose effect on token t does not depend on the tokens drafted before t.
-BLOCK_INDEPENDENT = frozenset({"temperature", "top_p", "top_k", "min_p", "logit_bias", "seed", "max_tokens",
-                               "stop", "stop_token_ids", "ignore_eos"})
+BLOCK_INDEPENDENT = frozenset({"temperature", "top_p", "top_k", "min_p", "logit_bias", "logprobs", "seed",
+                               "max_tokens", "stop", "stop_token_ids", "ignore_eos"})
 
 
 def speculation_applies(params: SamplingParams) -> bool:
