@@ -4,7 +4,7 @@ Plain PyTorch on any device, over the paged KV cache (``mimw.kv.pages``). One ``
 list of sequence segments, each a run of consecutive new tokens of one sequence (a prefill chunk, one decode token,
 or a speculative-verify block). Tokens attend causally to everything their sequence holds before them.
 
-Numerics follow Hugging Face transformers' Llama/Qwen2/Qwen3 modules: RMSNorm in fp32 then cast back to the
+Numerics follow Hugging Face transformers' Llama/Qwen2/Qwen3/Qwen3-MoE modules (the MoE MLP: ``mimw.models.moe``): RMSNorm in fp32 then cast back to the
 activation dtype before the weight multiply, RoPE tables in fp32, softmax in fp32; matmuls in the weight dtype.
 Attention runs one block of queries at a time (``attention``), so no [heads, T, S] score matrix is ever whole: the
 default model's full 8k context prefills in a few hundred MB of scores.
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..kv.pages import PagedKVCache
 from . import rope
+from .moe import Routing, moe_mlp
 from .weights import ModelWeights
 
 
@@ -93,10 +94,11 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, routings: list[Routing] | None = None) -> torch.Tensor:
         """tokens [T] (segments' tokens concatenated) -> logits [T, vocab] (fp32), or [sum(num_logits), vocab] for
         each segment's last ``num_logits`` tokens, in segment order, when ``last_only`` (the LM head then runs on
-        those rows only). Writes K/V into ``cache``."""
+        those rows only). Writes K/V into ``cache``. ``routings``: a list that receives each MoE layer's routing of
+        the T tokens, in layer order."""
         spec, w = self.spec, self.w
         if sum(s.length for s in segments) != tokens.numel():
             raise ValueError("segments' lengths must add up to the number of tokens")
@@ -125,7 +127,10 @@ class ReferenceDecoder:
             o = torch.cat(outs).reshape(-1, hq * hd)
             x = x + F.linear(o, lw.wo)
             h = rms_norm(x, lw.mlp_norm, spec.rms_norm_eps)
-            x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
+            if spec.is_moe_layer(li):
+                x = x + moe_mlp(h, lw, spec, routings)
+            else:
+                x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
         if last_only:
             x = x[logit_rows(segments).to(dev)]
         x = rms_norm(x, w.final_norm, spec.rms_norm_eps)

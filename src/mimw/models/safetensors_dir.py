@@ -7,7 +7,11 @@ Name map (layer ``N``; roles as in ``mimw.models.weights``):
   model.layers.N.input_layernorm.weight -> attn_norm      model.layers.N.post_attention_layernorm.weight -> mlp_norm
   model.layers.N.self_attn.{q,k,v,o}_proj.weight -> wq, wk, wv, wo   (.bias -> bq, bk, bv for qwen2)
   model.layers.N.self_attn.{q,k}_norm.weight -> q_norm, k_norm (qwen3)
-  model.layers.N.mlp.{gate,up,down}_proj.weight -> w_gate, w_up, w_down
+  model.layers.N.mlp.{gate,up,down}_proj.weight -> w_gate, w_up, w_down  (a dense MLP)
+  model.layers.N.mlp.gate.weight -> router                              (an MoE layer, qwen3_moe)
+  model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight -> e_gate[E], e_up[E], e_down[E]  (stacked over E)
+The experts are stored one tensor per expert, as the Qwen3-MoE checkpoints on the Hub hold them and as transformers'
+``save_pretrained`` writes them.
 
 Invariants: every tensor the spec needs is present with exactly the shape ``expected_layer_shapes`` gives;
 every tensor in the checkpoint is used (an unknown one means a feature mimw would silently drop, e.g. an
@@ -41,7 +45,9 @@ LAYER_KEYS = {
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
     "mlp_norm": "post_attention_layernorm.weight",
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+    "router": "mlp.gate.weight",
 }
+EXPERT_KEYS = {"e_gate": "gate_proj.weight", "e_up": "up_proj.weight", "e_down": "down_proj.weight"}
 _IGNORED = ("rotary_emb.inv_freq",)
 
 
@@ -55,6 +61,17 @@ def _open(file: Path) -> Iterator:
         raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt?): {e}") from None
 
 
+def layer_tensor_names(spec: ModelSpec, layer: int) -> dict[str, list[str]]:
+    """Role -> the HF tensor names that hold it in ``layer`` (one, or an expert role's one name per expert)."""
+    out = {}
+    for role in expected_layer_shapes(spec, layer):
+        if role in EXPERT_KEYS:
+            out[role] = [f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_KEYS[role]}" for e in range(spec.num_experts)]
+        else:
+            out[role] = [f"model.layers.{layer}.{LAYER_KEYS[role]}"]
+    return out
+
+
 def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name a checkpoint of ``spec`` must hold -> its shape."""
     v, d = spec.vocab_size, spec.hidden_size
@@ -62,8 +79,10 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = (v, d)
     for n in range(spec.num_layers):
-        for role, shape in expected_layer_shapes(spec).items():
-            out[f"model.layers.{n}.{LAYER_KEYS[role]}"] = shape
+        shapes = expected_layer_shapes(spec, n)
+        for role, names in layer_tensor_names(spec, n).items():
+            for name in names:  # an expert role's tensor is one expert's: its stacked shape without the E axis
+                out[name] = shapes[role][1:] if role in EXPERT_KEYS else shapes[role]
     return out
 
 
@@ -149,9 +168,11 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: to
                 bar.update()
     bar.close()
 
-    layers = [LayerWeights(**{role: tensors[f"model.layers.{n}.{LAYER_KEYS[role]}"]
-                              for role in expected_layer_shapes(spec)})
-              for n in range(spec.num_layers)]
+    layers = []
+    for n in range(spec.num_layers):  # experts stacked layer by layer, their single tensors dropped as they go
+        roles = layer_tensor_names(spec, n).items()
+        layers.append(LayerWeights(**{role: torch.stack([tensors.pop(k) for k in names]) if role in EXPERT_KEYS
+                                      else tensors[names[0]] for role, names in roles}))
     embed = tensors["model.embed_tokens.weight"]
     lm_head = embed if spec.tie_word_embeddings else tensors["lm_head.weight"]
     return ModelWeights(spec, embed, layers, tensors["model.norm.weight"], lm_head)
@@ -170,8 +191,10 @@ def save_hf_dir(weights: ModelWeights, path: str | Path, max_shard_bytes: int | 
     if not spec.tie_word_embeddings:
         named["lm_head.weight"] = weights.lm_head
     for n, lw in enumerate(weights.layers):
-        for role, t in lw.tensors().items():
-            named[f"model.layers.{n}.{LAYER_KEYS[role]}"] = t
+        for role, names in layer_tensor_names(spec, n).items():
+            t = getattr(lw, role)
+            # one tensor per expert, each its own storage (safetensors refuses tensors that share memory)
+            named.update(zip(names, [u.clone() for u in t.unbind(0)]) if role in EXPERT_KEYS else [(names[0], t)])
     named = {k: v.detach().cpu().contiguous() for k, v in named.items()}
     if max_shard_bytes is None:
         save_file(named, path / SINGLE_FILE, metadata={"format": "pt"})

@@ -1,4 +1,9 @@
-"""ModelSpec: the one description of a dense decoder's shapes, built at the edge and passed explicitly.
+"""ModelSpec: the one description of a decoder's shapes, built at the edge and passed explicitly.
+
+Dense Llama/Qwen2/Qwen3 decoders, and Qwen3-MoE: the same attention as Qwen3, with a mixture-of-experts MLP (a router
+picks ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts per token, their outputs weighted by the router's
+softmax probabilities, renormalised over the chosen ones when ``norm_topk_prob``) on every layer but the
+``dense_layers``, which keep a dense MLP of ``intermediate_size``.
 
 Everything downstream (loader, reference decoder, megakernel scheduler, benchmarks) reads sizes from a
 ``ModelSpec``; no model size is compiled in anywhere. Specs come from a Hugging Face ``config.json``, from
@@ -13,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MOE_ARCHS = ("qwen3_moe",)
 HF_ARCHS = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -44,9 +51,10 @@ class LinearRopeScaling:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shapes and numerics of a dense Llama/Qwen2/Qwen3 decoder.
+    """Shapes and numerics of a Llama/Qwen2/Qwen3 decoder, dense or Qwen3-MoE.
 
-    arch: "llama" (no biases), "qwen2" (q/k/v biases) or "qwen3" (RMSNorm on each q and k head).
+    arch: "llama" (no biases), "qwen2" (q/k/v biases), "qwen3" (RMSNorm on each q and k head) or "qwen3_moe"
+    (Qwen3's attention, mixture-of-experts MLPs: the ``num_experts`` fields; zero for the dense archs).
     """
 
     name: str
@@ -65,6 +73,11 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0  # routed experts of an MoE layer (0: a dense model)
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the chosen experts' probabilities to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (intermediate_size)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -77,6 +90,27 @@ class ModelSpec:
             raise SpecError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise SpecError(f"head_dim: must be even for RoPE, got {self.head_dim}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.arch not in MOE_ARCHS:
+            if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size or self.dense_layers:
+                raise SpecError(f"num_experts: {self.arch} is a dense architecture; mixture-of-experts fields "
+                                f"belong to {', '.join(MOE_ARCHS)}")
+            return
+        for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise SpecError(f"{f}: must be a positive integer for {self.arch}, got {v!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise SpecError(f"num_experts_per_tok: {self.num_experts_per_tok} exceeds num_experts "
+                            f"({self.num_experts})")
+        if self.num_experts >= 0xFFFF:
+            raise SpecError(f"num_experts: {self.num_experts} experts; mimw supports fewer than 65535")
+        if tuple(sorted(set(self.dense_layers))) != tuple(self.dense_layers) or any(
+                not 0 <= l < self.num_layers for l in self.dense_layers):
+            raise SpecError(f"dense_layers: must be sorted distinct layer indices below {self.num_layers}, got "
+                            f"{self.dense_layers}")
 
     # --- derived sizes -------------------------------------------------------------------------------
     @property
@@ -85,7 +119,29 @@ class ModelSpec:
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch == "qwen3"
+        return self.arch in ("qwen3", "qwen3_moe")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (else a dense SwiGLU of intermediate_size)."""
+        return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(l for l in range(self.num_layers) if self.is_moe_layer(l))
+
+    @property
+    def mlp_layers(self) -> tuple[int, ...]:
+        """The layers with a dense MLP (every layer of a dense model)."""
+        return tuple(l for l in range(self.num_layers) if not self.is_moe_layer(l))
+
+    @property
+    def expert_param_count(self) -> int:
+        """Parameters of one expert: gate, up [I_moe, D] and down [D, I_moe]."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
 
     @property
     def q_size(self) -> int:
@@ -100,9 +156,14 @@ class ModelSpec:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
 
-    def layer_param_count(self) -> int:
+    def layer_param_count(self, layer: int = 0) -> int:
+        """Parameters of ``layer``; an MoE layer's count every expert and the router."""
         d, i = self.hidden_size, self.intermediate_size
-        n = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * i + 2 * d
+        n = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 2 * d
+        if self.is_moe_layer(layer):
+            n += self.num_experts * d + self.num_experts * self.expert_param_count  # router, experts
+        else:
+            n += 3 * d * i
         if self.attention_bias:
             n += self.q_size + 2 * self.kv_size
         if self.qk_norm:
@@ -112,12 +173,23 @@ class ModelSpec:
     def param_count(self) -> int:
         emb = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else emb
-        return emb + head + self.num_layers * self.layer_param_count() + self.hidden_size
+        return emb + head + sum(self.layer_param_count(l) for l in range(self.num_layers)) + self.hidden_size
 
-    def decode_weight_bytes(self, bytes_per_param: int = 2) -> int:
+    def decode_weight_bytes(self, bytes_per_param: int = 2, routed_experts: int | None = None) -> int:
         """Bytes one decode step must stream: every layer weight, the final norm and the LM head (the embedding
-        table contributes one row, which is negligible and counted as such)."""
-        n = self.num_layers * self.layer_param_count() + self.hidden_size + self.vocab_size * self.hidden_size
+        table contributes one row, which is negligible and counted as such).
+
+        An MoE step reads only the experts its tokens are routed to: ``routed_experts`` is their number summed
+        over the MoE layers (each distinct expert of a layer once, however many of the step's tokens chose it);
+        None counts every expert (all the weights)."""
+        n_moe = self.num_experts * len(self.moe_layers)
+        if routed_experts is not None and not 0 <= routed_experts <= n_moe:
+            raise ValueError(f"routed_experts={routed_experts}: between 0 and {len(self.moe_layers)} MoE layers x "
+                             f"{self.num_experts} experts")
+        n = sum(self.layer_param_count(l) for l in range(self.num_layers))
+        if routed_experts is not None:
+            n -= (n_moe - routed_experts) * self.expert_param_count
+        n += self.hidden_size + self.vocab_size * self.hidden_size
         return (n + self.hidden_size) * bytes_per_param
 
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
@@ -179,6 +251,10 @@ class ModelSpec:
             cfg["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
             cfg["eos_token_id"] = list(self.eos_token_ids)
+        if self.is_moe:  # transformers' Qwen3MoeConfig: dense layers listed in mlp_only_layers
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=1, mlp_only_layers=list(self.dense_layers))
         return cfg
 
 
@@ -206,6 +282,14 @@ PRESETS: dict[str, ModelSpec] = {
                   Llama3RopeScaling(8.0, 1.0, 4.0, 32), 1024, True, 1, (2,)),
         ModelSpec("tiny-qwen2", "qwen2", 256, 64, 160, 2, 4, 1, 16, 1e-6, 1000000.0, None, 512, True, None, (2,)),
         ModelSpec("tiny-qwen3", "qwen3", 256, 64, 128, 3, 8, 2, 32, 1e-6, 1000000.0, None, 512, False, None, (2,)),
+        # Qwen3-MoE: 30.5B parameters, 3.3B active per token (128 experts, 8 routed per token, on all 48 layers)
+        ModelSpec("qwen3-30b-a3b", "qwen3_moe", 151936, 2048, 6144, 48, 32, 4, 128, 1e-6, 1000000.0, None, 40960,
+                  False, None, (151645,), num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                  norm_topk_prob=True),
+        # tiny MoE for tests: 16 experts, 4 per token, layer 1 dense
+        ModelSpec("tiny-qwen3-moe", "qwen3_moe", 256, 64, 128, 3, 8, 2, 32, 1e-6, 1000000.0, None, 512, False, None,
+                  (2,), num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
+                  dense_layers=(1,)),
     ]
 }
 
