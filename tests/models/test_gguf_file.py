@@ -156,3 +156,81 @@ def test_per_layer_metadata_is_an_error(tmp_path):
                       feed_forward_length=8, head_count=[2, 4], layer_norm_rms_eps=1e-5)
     with pytest.raises(CheckpointError, match="llama.attention.head_count: per-layer values"):
         spec_from_gguf(open_gguf(f))
+
+
+# --- Qwen3-MoE (qwen3moe: every layer MoE, top-k always renormalised, as llama.cpp runs it) -------------------
+MOE = get_preset("tiny-qwen3-moe").with_(dense_layers=())
+
+
+@pytest.mark.parametrize("matrix_type, tol", [("F32", 0.0), ("Q8_0", 1e-2)])
+def test_qwen3_moe_round_trip(tmp_path, matrix_type, tol):
+    w = random_weights(MOE, seed=5)
+    path = save_gguf(w, tmp_path / "m.gguf", matrix_type)
+    names = {t.name for t in open_gguf(path).tensors}
+    assert {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight", "blk.2.ffn_down_exps.weight"} <= names
+    assert not any("ffn_gate.weight" in n for n in names)
+    back = load_gguf(path, progress=False)
+    assert back.spec == w.spec.with_(name="m")
+    for lb, lw in zip(back.layers, w.layers, strict=True):
+        assert lb.tensors().keys() == lw.tensors().keys()
+        for k, b in lw.tensors().items():
+            assert lb.tensors()[k].shape == b.shape and (lb.tensors()[k] - b).abs().max() <= tol * b.abs().max()
+
+
+def test_transformers_reads_our_qwen3_moe_gguf_as_we_do(tmp_path):
+    """An independent reader of the stacked expert tensors. transformers' GGUF mapping has no
+    expert_feed_forward_length (it takes Qwen3MoeConfig's default 768), so the experts here are 768 wide."""
+    from transformers import AutoModelForCausalLM
+
+    w = random_weights(MOE.with_(moe_intermediate_size=768, num_layers=2), seed=7)
+    save_gguf(w, tmp_path / "m.gguf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32,
+                                              local_files_only=True).eval()
+    ours = load_gguf(tmp_path / "m.gguf", progress=False)
+    assert hf.config.norm_topk_prob and hf.config.num_experts == ours.spec.num_experts
+    ids = torch.randint(0, w.spec.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    cache = PagedKVCache(KVLayout.for_spec(w.spec, 8, 3, torch.float32))
+    got = ReferenceDecoder(ours).forward(ids, [Segment((0, 1, 2), 0, 24)], cache)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-4
+
+
+def _moe_gguf(tmp_path, **fields):
+    """Metadata of a qwen3moe file (MOE's shapes, one embedding tensor) plus ``fields`` (GGUFWriter.add_*)."""
+    base = dict(block_count=3, context_length=512, embedding_length=64, feed_forward_length=128, head_count=8,
+                head_count_kv=2, key_length=32, layer_norm_rms_eps=1e-6, rope_freq_base=1e6, expert_count=16,
+                expert_used_count=4, eos_token_id=2)
+    return _minimal_gguf(tmp_path / "m.gguf", "qwen3moe", **{**base, **fields})
+
+
+@pytest.mark.parametrize("fields, key", [
+    ({"expert_shared_count": 1}, "expert_shared_count"),
+    ({"expert_weights_scale": 2.5}, "expert_weights_scale"),
+    ({"expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID}, "expert_gating_func"),
+    ({"expert_weights_norm": False}, "expert_weights_norm"),
+    ({"expert_used_count": 0}, "expert_used_count"),
+])
+def test_qwen3_moe_metadata_mimw_cannot_compute_is_refused(tmp_path, fields, key):
+    with pytest.raises(CheckpointError, match=f"qwen3moe.{key}"):
+        spec_from_gguf(open_gguf(_moe_gguf(tmp_path, **fields)))
+
+
+def test_qwen3_moe_neutral_metadata_is_accepted_and_the_expert_width_defaults_as_in_llama_cpp(tmp_path):
+    spec = spec_from_gguf(open_gguf(_moe_gguf(tmp_path, expert_weights_norm=True, expert_shared_count=0,
+                                              expert_gating_func=gguf.ExpertGatingFuncType.SOFTMAX)))
+    # no expert_feed_forward_length: llama.cpp takes feed_forward_length / expert_used_count
+    assert spec.with_(name=MOE.name, vocab_size=MOE.vocab_size, tie_word_embeddings=False) == MOE
+    spec = spec_from_gguf(open_gguf(_moe_gguf(tmp_path, expert_feed_forward_length=48)))
+    assert spec.moe_intermediate_size == 48 and spec.norm_topk_prob
+
+
+def test_qwen2moe_is_refused_naming_its_shared_experts(tmp_path):
+    with pytest.raises(CheckpointError, match="qwen2moe.*shared experts"):
+        spec_from_gguf(open_gguf(_minimal_gguf(tmp_path / "q.gguf", "qwen2moe", block_count=1)))
+
+
+def test_an_moe_spec_without_a_gguf_form_is_refused(tmp_path):
+    for spec in (get_preset("tiny-qwen3-moe"), MOE.with_(norm_topk_prob=False)):
+        with pytest.raises(ValueError, match="no GGUF form"):
+            save_gguf(random_weights(spec), tmp_path / "x.gguf")

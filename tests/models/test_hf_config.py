@@ -115,3 +115,66 @@ def test_sliding_window_layers_follow_max_window_layers():
     assert ModelSpec.from_hf_config(cfg).arch == "qwen2"
     hf = _hf(cfg)
     assert "sliding_attention" not in hf.layer_types
+
+
+# --- Qwen3-MoE ---------------------------------------------------------------------------------------------
+
+def _hf_dense_layers(cfg):
+    """The layers transformers builds with a dense MLP (a tiny model from the config, inspected)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    model = AutoModelForCausalLM.from_config(_hf(cfg))
+    return tuple(i for i, layer in enumerate(model.model.layers) if not isinstance(layer.mlp, Qwen3MoeSparseMoeBlock))
+
+
+def test_qwen3_moe_absent_fields_take_transformers_defaults():
+    cfg = _cfg("tiny-qwen3-moe", drop=("head_dim", "num_key_value_heads", "norm_topk_prob", "decoder_sparse_step",
+                                       "mlp_only_layers", "max_position_embeddings"))
+    spec, hf = ModelSpec.from_hf_config(cfg), _hf(cfg)
+    assert spec.head_dim == hf.hidden_size // hf.num_attention_heads  # no Qwen3-style default of 128
+    assert spec.num_kv_heads == hf.num_key_value_heads == 4
+    assert spec.norm_topk_prob is hf.norm_topk_prob is False
+    assert spec.max_position_embeddings == hf.max_position_embeddings
+    assert spec.dense_layers == () == _hf_dense_layers(cfg)
+    bare = _cfg("tiny-qwen3-moe", drop=("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                        "intermediate_size"))
+    spec, hf = ModelSpec.from_hf_config(bare), _hf(bare)
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size, spec.intermediate_size) == (
+        hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.intermediate_size) == (128, 8, 768, 6144)
+
+
+@pytest.mark.parametrize("step, only", [(1, [1]), (2, []), (3, [0]), (1, [0, 2]), (5, [])])
+def test_qwen3_moe_dense_layers_follow_transformers(step, only):
+    cfg = _cfg("tiny-qwen3-moe", decoder_sparse_step=step, mlp_only_layers=only, num_hidden_layers=4)
+    assert ModelSpec.from_hf_config(cfg).dense_layers == _hf_dense_layers(cfg)
+
+
+def test_qwen3_moe_reads_num_local_experts_as_transformers_5_saves_it():
+    cfg = _cfg("tiny-qwen3-moe", drop=("num_experts",), num_local_experts=12)
+    assert ModelSpec.from_hf_config(cfg).num_experts == 12 == _hf(cfg).num_experts
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}, "Qwen2MoeForCausalLM.*shared experts"),
+    ({"architectures": ["DeepseekV3ForCausalLM"]}, "DeepseekV3ForCausalLM"),
+    ({"architectures": ["MixtralForCausalLM"]}, "architectures"),
+    ({"num_experts": 0}, "num_experts"),
+    ({"num_experts_per_tok": 17}, "num_experts_per_tok"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ({"mlp_only_layers": [1, "x"]}, "mlp_only_layers"),
+    ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),  # every layer slides
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_qwen3_moe_fields_mimw_cannot_compute_are_refused_by_name(changes, field):
+    with pytest.raises(SpecError, match=field):
+        ModelSpec.from_hf_config(_cfg("tiny-qwen3-moe", **changes))
+
+
+@pytest.mark.parametrize("changes", [{"output_router_logits": True}, {"router_aux_loss_coef": 0.5},
+                                     {"shared_expert_intermediate_size": 0}])
+def test_qwen3_moe_training_fields_are_accepted(changes):
+    assert ModelSpec.from_hf_config(_cfg("tiny-qwen3-moe", **changes)) == \
+        ModelSpec.from_hf_config(_cfg("tiny-qwen3-moe"))

@@ -21,7 +21,7 @@ def assert_same(a, b):
             assert torch.equal(ta[k], tb[k]), k
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"])
 @pytest.mark.parametrize("shard", [None, 20_000])
 def test_round_trip_single_and_sharded(tmp_path, preset, shard):
     w = random_weights(get_preset(preset), seed=3)
@@ -125,4 +125,28 @@ def test_index_listing_a_missing_shard(tmp_path):
 def test_directory_holding_only_a_gguf_points_at_the_file(tmp_path):
     (tmp_path / "model.Q4_0.gguf").write_bytes(b"")
     with pytest.raises(CheckpointError, match="pass the .gguf file itself"):
+        load_hf_dir(tmp_path, progress=False)
+
+
+def test_moe_experts_are_one_tensor_per_expert_as_the_hub_holds_them(tmp_path):
+    w = random_weights(get_preset("tiny-qwen3-moe"), seed=1)
+    save_hf_dir(w, tmp_path)
+    t = load_file(tmp_path / SINGLE_FILE)
+    assert torch.equal(t["model.layers.2.mlp.experts.5.down_proj.weight"], w.layers[2].e_down[5])
+    assert torch.equal(t["model.layers.0.mlp.gate.weight"], w.layers[0].router)
+    assert "model.layers.1.mlp.gate_proj.weight" in t and "model.layers.1.mlp.gate.weight" not in t  # dense layer 1
+    assert not any(k.startswith("model.layers.0.mlp.gate_proj") for k in t)
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    save_hf_dir(random_weights(get_preset("tiny-qwen3-moe")), tmp_path)
+    _edit(tmp_path, lambda t: t.pop("model.layers.2.mlp.experts.15.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.mlp\.experts\.15\.up_proj\.weight'"):
+        load_hf_dir(tmp_path, progress=False)
+
+
+def test_an_expert_past_num_experts_is_unexpected(tmp_path):
+    save_hf_dir(random_weights(get_preset("tiny-qwen3-moe")), tmp_path)
+    _edit(tmp_path, lambda t: t.update({"model.layers.0.mlp.experts.16.up_proj.weight": torch.zeros(32, 64)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.16\."):
         load_hf_dir(tmp_path, progress=False)

@@ -80,3 +80,39 @@ def test_llama_with_projection_biases_is_rejected_by_name():
     cfg["attention_bias"] = True
     with pytest.raises(SpecError, match="attention_bias"):
         ModelSpec.from_hf_config(cfg)
+
+
+def test_qwen3_30b_a3b_published_shape_and_counts():
+    s = get_preset("qwen3-30b-a3b")
+    assert (s.num_layers, s.hidden_size, s.num_experts, s.num_experts_per_tok, s.moe_intermediate_size) == (
+        48, 2048, 128, 8, 768)
+    assert (s.num_heads, s.num_kv_heads, s.head_dim, s.qk_norm, s.moe_layers) == (32, 4, 128, True, tuple(range(48)))
+    # the model card: 30.5B parameters, 29.9B non-embedding, 3.3B activated
+    emb = s.vocab_size * s.hidden_size
+    assert abs(s.param_count() / 1e9 - 30.5) < 0.05 and abs((s.param_count() - 2 * emb) / 1e9 - 29.9) < 0.05
+    active = s.decode_weight_bytes(1, routed_experts=48 * 8) + emb  # a token's weights, the embedding table too
+    assert abs(active / 1e9 - 3.3) < 0.1
+
+
+def test_decode_weight_bytes_counts_only_the_routed_experts():
+    s = get_preset("tiny-qwen3-moe")  # layers 0 and 2 MoE, layer 1 dense
+    every = s.decode_weight_bytes()
+    assert s.decode_weight_bytes(routed_experts=2 * s.num_experts) == every
+    assert every - s.decode_weight_bytes(routed_experts=5) == (2 * s.num_experts - 5) * s.expert_param_count * 2
+    with pytest.raises(ValueError, match="routed_experts"):
+        s.decode_weight_bytes(routed_experts=2 * s.num_experts + 1)
+    dense = get_preset("tiny-qwen3")
+    assert dense.decode_weight_bytes() == dense.decode_weight_bytes(routed_experts=0)  # nothing to subtract
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(num_experts_per_tok=17), "num_experts_per_tok"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size"),
+    (dict(dense_layers=(2, 1)), "dense_layers"),
+    (dict(dense_layers=(3,)), "dense_layers"),
+    (dict(arch="qwen3"), "num_experts"),
+    (dict(num_experts=0), "num_experts"),
+])
+def test_bad_moe_specs_raise_naming_the_field(changes, field):
+    with pytest.raises(SpecError, match=field):
+        get_preset("tiny-qwen3-moe").with_(**changes)

@@ -1,12 +1,19 @@
 """GGUF files (llama.cpp) -> ``ModelSpec`` + ``ModelWeights``; quantized tensors are dequantized on load.
 
-Spec: from ``{arch}.*`` metadata (arch = ``general.architecture`` in llama / qwen2 / qwen3); the vocabulary size
+Spec: from ``{arch}.*`` metadata (arch = ``general.architecture`` in llama / qwen2 / qwen3 / qwen3moe); the vocabulary size
 is the length of ``tokenizer.ggml.tokens``; Llama 3 RoPE scaling is recovered from the ``rope_freqs.weight``
 tensor (llama.cpp stores the per-frequency divisors there, not the HF parameters, see ``_llama3_from_factors``).
 
 Weights: ``token_embd`` -> embed, ``output_norm`` -> final_norm, ``output`` -> lm_head (absent: tied),
 ``blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, attn_q_norm, attn_k_norm, ffn_norm, ffn_gate, ffn_up,
 ffn_down}`` -> the per-layer roles. GGUF shapes are listed innermost first ([cols, rows]); torch's are [rows, cols].
+
+Qwen3-MoE (``qwen3moe``, as llama.cpp runs it): every layer is an MoE layer; ``blk.N.ffn_gate_inp`` -> router [E, D],
+``blk.N.ffn_{gate,up,down}_exps`` -> e_gate, e_up [E, F, D], e_down [E, D, F] (the experts stacked, as llama.cpp's
+converter writes them); ``expert_count``, ``expert_used_count`` and ``expert_feed_forward_length`` (absent:
+feed_forward_length / expert_used_count, llama.cpp's rule). llama.cpp always renormalises a qwen3moe token's top-k
+weights, so the spec has ``norm_topk_prob``; a file that says ``expert_weights_norm = false``, a shared expert, a
+gating function other than softmax or an expert weight scale is refused.
 
 Llama Q/K rows: llama.cpp's converter permutes each head's rows of ``attn_q`` / ``attn_k`` from HF's
 "rotate_half" layout (pairs (i, i + hd/2)) to GPT-J's interleaved layout (pairs (2i, 2i + 1)):
@@ -26,7 +33,7 @@ from tqdm import tqdm
 
 from . import rope
 from .errors import CheckpointError, check_finite
-from .spec import ARCHS, Llama3RopeScaling, LinearRopeScaling, ModelSpec, SpecError
+from .spec import Llama3RopeScaling, LinearRopeScaling, ModelSpec, SpecError
 from .weights import LayerWeights, ModelWeights, expected_layer_shapes
 
 LAYER_NAMES = {
@@ -34,8 +41,13 @@ LAYER_NAMES = {
     "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight", "mlp_norm": "ffn_norm.weight",
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
+    "router": "ffn_gate_inp.weight", "e_gate": "ffn_gate_exps.weight", "e_up": "ffn_up_exps.weight",
+    "e_down": "ffn_down_exps.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"
+# general.architecture -> ModelSpec.arch
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+_REFUSED_ARCHS = {"qwen2moe": "Qwen2-MoE: shared experts behind a sigmoid gate"}
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -63,10 +75,11 @@ def _field(reader: gguf.GGUFReader, key: str, default=None, required: bool = Fal
 
 def spec_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelSpec:
     where = reader.data.filename
-    arch = _field(reader, "general.architecture", required=True)
-    if arch not in ARCHS:
-        raise CheckpointError(f"{where}: general.architecture: unsupported {arch!r} (mimw supports "
-                              f"{', '.join(ARCHS)})")
+    arch = _field(reader, "general.architecture", required=True)  # the metadata keys' prefix
+    if arch not in GGUF_ARCHS:
+        what = f" ({_REFUSED_ARCHS[arch]})" if arch in _REFUSED_ARCHS else ""
+        raise CheckpointError(f"{where}: general.architecture: unsupported {arch!r}{what} (mimw supports "
+                              f"{', '.join(GGUF_ARCHS)})")
     tensors = {t.name: t for t in reader.tensors}
 
     def meta(key, default=None, required=True):
@@ -91,18 +104,19 @@ def spec_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelSpe
     elif scaling_type not in (None, "none"):
         raise CheckpointError(f"{where}: {arch}.rope.scaling.type: unsupported {scaling_type!r} "
                               "(mimw supports linear scaling and Llama 3 scaling, stored as rope_freqs.weight)")
+    moe = _moe(reader, arch, int(meta("feed_forward_length"))) if GGUF_ARCHS[arch] == "qwen3_moe" else {}
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     try:
         spec = ModelSpec(
-            name=name or Path(where).stem, arch=arch, vocab_size=int(vocab), hidden_size=hidden,
+            name=name or Path(where).stem, arch=GGUF_ARCHS[arch], vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=int(meta("feed_forward_length")), num_layers=int(meta("block_count")),
             num_heads=heads, num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=int(head_dim),
             rms_norm_eps=meta("attention.layer_norm_rms_epsilon"), rope_theta=meta("rope.freq_base", 10000.0),
             max_position_embeddings=int(meta("context_length", 4096)),
             tie_word_embeddings="output.weight" not in tensors, rope_scaling=scaling,
             bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)), **moe,
         )
     except SpecError as e:
         raise CheckpointError(f"{where}: {e}") from None
@@ -113,6 +127,31 @@ def spec_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelSpe
                                                              tensors[ROPE_FREQS].tensor_type), dtype=np.float64))
         spec = spec.with_(rope_scaling=_llama3_from_factors(spec, factors.flatten(), where))
     return spec
+
+
+def _moe(reader: gguf.GGUFReader, arch: str, ff: int) -> dict:
+    """The ModelSpec MoE fields of a qwen3moe file (see the module doc)."""
+    where = reader.data.filename
+
+    def meta(key, default=None):
+        return _field(reader, f"{arch}.{key}", default, default is None)
+
+    n, k = int(meta("expert_count")), int(meta("expert_used_count"))
+    for key, v in (("expert_count", n), ("expert_used_count", k)):
+        if v <= 0:
+            raise CheckpointError(f"{where}: {arch}.{key} = {v}: must be positive")
+    for key, neutral, what in (("expert_shared_count", (None, 0), "shared experts"),
+                               ("expert_weights_scale", (None, 0.0, 1.0), "scaled expert weights"),
+                               ("expert_gating_func", (None, int(gguf.ExpertGatingFuncType.SOFTMAX)),
+                                "a gating function other than softmax"),
+                               ("expert_weights_norm", (None, True), "top-k weights left unnormalised, which "
+                                "llama.cpp's qwen3moe does not compute either"),
+                               ("expert_group_count", (None, 0, 1), "grouped routing")):
+        v = _field(reader, f"{arch}.{key}")
+        if v not in neutral:
+            raise CheckpointError(f"{where}: {arch}.{key} = {v!r}: not supported ({what})")
+    return dict(num_experts=n, num_experts_per_tok=k, norm_topk_prob=True,
+                moe_intermediate_size=int(meta("expert_feed_forward_length", ff // k)))
 
 
 # GGUF metadata (after "{arch}.") that llama.cpp reads to change a model's math in ways mimw does not compute: any
@@ -134,9 +173,11 @@ _UNSUPPORTED_META = {
 
 
 def _refuse_unsupported(reader: gguf.GGUFReader, arch: str, head_dim: int, context: int) -> None:
-    """Refuse GGUF metadata that changes the math of a llama/qwen2/qwen3 model in ways mimw does not compute."""
+    """Refuse GGUF metadata that changes the math of a llama/qwen2/qwen3(moe) model in ways mimw does not compute."""
     where = reader.data.filename
     for key, (*neutral, what) in _UNSUPPORTED_META.items():
+        if key == "expert_count" and arch == "qwen3moe":  # its experts are read by _moe
+            continue
         v = _field(reader, f"{arch}.{key}")
         if v not in neutral:
             raise CheckpointError(f"{where}: {arch}.{key} = {v!r}: not supported ({what})")
@@ -198,7 +239,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: torc
     if not spec.tie_word_embeddings:
         needed["output.weight"] = (v, d)
     for n in range(spec.num_layers):
-        needed.update({f"blk.{n}.{LAYER_NAMES[r]}": s for r, s in expected_layer_shapes(spec).items()})
+        needed.update({f"blk.{n}.{LAYER_NAMES[r]}": s for r, s in expected_layer_shapes(spec, n).items()})
     tensors = {t.name: t for t in reader.tensors}
     for name in needed:
         if name not in tensors:
@@ -231,7 +272,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: torc
             w = _unpermute(w, spec.num_heads if "attn_q" in name else spec.num_kv_heads)
         out[name] = w.to(device=device, dtype=dtype)
 
-    layers = [LayerWeights(**{r: out[f"blk.{n}.{LAYER_NAMES[r]}"] for r in expected_layer_shapes(spec)})
+    layers = [LayerWeights(**{r: out[f"blk.{n}.{LAYER_NAMES[r]}"] for r in expected_layer_shapes(spec, n)})
               for n in range(spec.num_layers)]
     embed = out["token_embd.weight"]
     lm_head = embed if spec.tie_word_embeddings else out["output.weight"]
@@ -244,7 +285,11 @@ def save_gguf(weights: ModelWeights, path: str | Path, matrix_type: str = "F32")
     norms and biases as F32. Used by tests."""
     spec, path = weights.spec, Path(path)
     qtype = gguf.GGMLQuantizationType[matrix_type]
-    w = gguf.GGUFWriter(path, spec.arch)
+    if spec.is_moe and (spec.dense_layers or not spec.norm_topk_prob):
+        raise ValueError("llama.cpp's qwen3moe has an MoE block on every layer and renormalises the top-k weights: "
+                         f"{spec.name} (dense layers {spec.dense_layers}, norm_topk_prob={spec.norm_topk_prob}) "
+                         "has no GGUF form")
+    w = gguf.GGUFWriter(path, {v: k for k, v in GGUF_ARCHS.items()}[spec.arch])
     w.add_name(spec.name)
     w.add_block_count(spec.num_layers)
     w.add_context_length(spec.max_position_embeddings)
@@ -262,10 +307,14 @@ def save_gguf(weights: ModelWeights, path: str | Path, matrix_type: str = "F32")
         w.add_bos_token_id(spec.bos_token_id)
     if spec.eos_token_ids:
         w.add_eos_token_id(spec.eos_token_ids[0])
+    if spec.is_moe:
+        w.add_expert_count(spec.num_experts)
+        w.add_expert_used_count(spec.num_experts_per_tok)
+        w.add_expert_feed_forward_length(spec.moe_intermediate_size)
 
     def add(name: str, t: torch.Tensor) -> None:
         a = t.detach().float().cpu().numpy()
-        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if a.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, a)
