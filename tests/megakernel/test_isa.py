@@ -8,6 +8,9 @@ from mimw.megakernel.ops.down_proj import DownProj
 from mimw.megakernel.ops.lm_head import LmHead
 from mimw.megakernel.ops.mlp_in import MlpIn
 from mimw.megakernel.ops.o_proj import OProj
+from mimw.megakernel.ops.expert_down import ExpertDown
+from mimw.megakernel.ops.expert_in import ExpertIn
+from mimw.megakernel.ops.router import Router
 
 
 @pytest.mark.parametrize("ins", [
@@ -18,6 +21,12 @@ from mimw.megakernel.ops.o_proj import OProj
     MlpIn(layer=0, row0=0, nrows=64), DownProj(layer=9, row0=2032, nrows=16, part=1, n_parts=2,
                                               flags=isa.CLUSTER_PAIR),
     LmHead(row0=128, nrows=64), isa.Nop(),
+    Router(layer=4, row0=32, nrows=32, n_parts=4, ticket=12, wait=3, wait_count=2, signal=5,
+           tiles=isa.TileSpan(64, 1, 0, 8, 8)),
+    ExpertIn(layer=2, row0=48, nrows=16, slot=7, wait=5, wait_count=1, signal=6, flags=isa.EXPERT_SPAN,
+             tiles=isa.TileSpan(1000, 2, 0, 8, 8, 48)),
+    ExpertDown(layer=2, row0=64, n_slots=8, slot=3, ticket=9, wait=6, wait_count=24, signal=10,
+               flags=isa.EXPERT_SPAN, tiles=isa.TileSpan(5000, 4, 0, 3, 3, 192)),
 ])
 def test_encode_decode_roundtrip(ins):
     words = ins.encode()
@@ -44,15 +53,48 @@ def test_kernel_constants_come_from_the_enums():
     assert len({isa.CLUSTER_PAIR, isa.HOLD_ARRIVE, isa.HOLD_WAIT}) == 3
 
 
+MOE_OPS = {isa.Op.ROUTER, isa.Op.EXPERT_IN, isa.Op.EXPERT_DOWN}  # host side only: no device code yet
+
+
 def test_every_op_has_one_module_with_its_class_solver_and_device_code():
     from mimw.megakernel import ops
 
     assert set(ops.OPS) == set(isa.Op) - {isa.Op.NOP}
     for op, module in ops.OPS.items():
-        assert module.OP == op and CLASSES[op].OP == op
-        assert callable(module.solve) and hasattr(module.compute, "fn")  # a gluon.jit function
+        assert module.OP == op and CLASSES[op].OP == op and callable(module.solve)
+    assert set(ops.GPU_OPS) == set(ops.OPS) - MOE_OPS
+    for module in ops.GPU_OPS.values():
+        assert hasattr(module.compute, "fn")  # a gluon.jit function
+    assert not any(hasattr(ops.OPS[op], "compute") for op in MOE_OPS)
     assert set(ops.FINISHERS) == {op for op, c in CLASSES.items() if c is not isa.Nop and _can_finish(c)}
 
 
 def _can_finish(cls) -> bool:
     return any(cls(**kw).has_finisher for kw in ({}, {"flags": isa.CLUSTER_PAIR}))
+
+
+def test_an_expert_span_keeps_its_stride_in_word_e_and_needs_its_flag():
+    ins = ExpertIn(layer=1, row0=0, nrows=16, slot=2, flags=isa.EXPERT_SPAN, tiles=isa.TileSpan(10, 2, 0, 4, 4, 8))
+    words = ins.encode()
+    assert words[isa.XS_WORD] == 8 and words[isa.SLOT_WORD] == 2 and words[isa.Word.FLAGS] & isa.EXPERT_SPAN
+    with pytest.raises(ValueError, match="EXPERT_SPAN"):
+        ExpertIn(tiles=isa.TileSpan(10, 2, 0, 4, 4, 8)).encode()  # a stride without the flag
+    with pytest.raises(ValueError, match="EXPERT_SPAN"):
+        ExpertIn(flags=isa.EXPERT_SPAN, tiles=isa.TileSpan(10, 2, 0, 4, 4)).encode()  # the flag without a stride
+
+
+def test_an_expert_span_resolves_to_expert_e_tiles():
+    span = isa.TileSpan(t0=100, nr=2, k0=1, k1=3, kt=4, xs=40)
+    assert span.for_expert(0).tiles() == [101, 102, 105, 106]
+    assert span.for_expert(3).tiles() == [221, 222, 225, 226]
+    assert span.for_expert(isa.NO_EXPERT).tiles() == [] and span.n_tiles == 4
+
+
+@pytest.mark.parametrize("epoch", [0, 1, 2**14 - 1, 2**14, 2**31 - 1, -2**31, -1])
+def test_routing_entries_carry_their_step_and_a_stale_one_reads_as_none(epoch):
+    for e in (0, 127, isa.NO_EXPERT):
+        entry = isa.route_entry(e, epoch)
+        assert 0 < entry < 2**31  # a positive int32
+        assert isa.routed_expert(entry, epoch) == e
+        assert isa.routed_expert(entry, epoch + 1) is None  # the next step sees its own router has not run
+    assert isa.routed_expert(0, epoch) is None  # a never-written (zero) entry belongs to no step

@@ -145,3 +145,42 @@ def test_the_vm_in_bf16_stays_within_bf16_error_of_the_fp32_reference():
         got = dec.step([tok], [30 + step], [table], random.Random(step))
         assert float((got - want).abs().max() / want.abs().max()) < 3e-2
         assert int(got.argmax()) == int(want.argmax())
+
+
+@pytest.mark.parametrize("seg_lens", [(1,), (1, 1, 1), (5,)])
+def test_moe_ops_compute_the_reference_moe_block(seg_lens):
+    """ROUTER parts and finisher, every slot's EXPERT_IN and EXPERT_DOWN with the row blocks' finishers, on a
+    random residual: the residual grows by models/moe.py's MoE block of its normalised rows."""
+    from mimw.models.moe import moe_mlp
+
+    ctx, _ = context("tiny-qwen3-moe", seg_lens, [3] * len(seg_lens), 7)
+    spec, sc, prog, layer = ctx.spec, ctx.scratch, ctx.program, 2
+    sc.x.copy_(torch.randn(sc.x.shape, generator=torch.Generator().manual_seed(4)))
+    x0, lw = sc.x.clone(), ctx.weights.layers[layer]
+    ins = [i for i in prog.instructions() if i.layer == layer]
+    for op in (isa.Op.ROUTER, isa.Op.EXPERT_IN, isa.Op.EXPERT_DOWN):
+        parts = [i for i in ins if i.OP == op]
+        for i in parts:
+            SOLVERS[op](ctx, i)
+        if op in FINISHERS:  # each ticket's last part (the finish reads every part)
+            for i in {(i.row0 if op == isa.Op.EXPERT_DOWN else 0): i for i in parts}.values():
+                FINISHERS[op](ctx, i)
+    routings = []
+    want = x0 + moe_mlp(reference.rms_norm(x0, lw.mlp_norm, spec.rms_norm_eps), lw, spec, routings)
+    assert float((sc.x - want).abs().max() / want.abs().max()) <= 1e-6
+    used = [isa.routed_expert(int(v), ctx.state.epoch) for v in sc.routed[layer]]
+    assert used[: len(routings[0].experts)] == routings[0].experts
+    assert prog.moe_slots == min(spec.num_experts, sum(seg_lens) * spec.num_experts_per_tok)
+
+
+def test_router_slots_give_each_distinct_expert_one_slot_and_each_token_its_weight():
+    from mimw.megakernel.ops.router import slots
+
+    ids = torch.tensor([[3, 1], [1, 7], [3, 1]])
+    w = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5]])
+    experts, sw = slots(ids, w, 6)
+    assert experts == [1, 3, 7, isa.NO_EXPERT, isa.NO_EXPERT, isa.NO_EXPERT]
+    assert torch.equal(sw, torch.tensor([[0.4, 0.9, 0.5], [0.6, 0.0, 0.5], [0.0, 0.1, 0.0], [0.0] * 3,
+                                         [0.0] * 3, [0.0] * 3]))
+    with pytest.raises(ValueError, match="routing slots"):
+        slots(ids, w, 2)

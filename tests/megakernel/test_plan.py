@@ -53,3 +53,9 @@ def test_the_words_carry_the_hold_marks_and_the_constants_the_shape():
     c = p.constants
     assert (c.D, c.HQ, c.HKV, c.HD, c.I, c.NL) == (4096, 32, 8, 128, 14336, 32)
     assert (c.KT_D, c.KT_I, c.SP2, c.GP, c.NB) == (16, 56, 16, 4, p.ring)
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
+def test_the_plan_refuses_moe_models_the_gpu_kernel_cannot_run_yet(model):
+    with pytest.raises(ValueError, match="does not run mixture-of-experts layers yet.*ROUTER, EXPERT_IN, EXPERT_DOWN"):
+        plan(get_preset(model), 132)

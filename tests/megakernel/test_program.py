@@ -177,3 +177,75 @@ def test_weight_tiles_span_rows_and_columns_of_each_matrix():
     assert wt.num_tiles * wt.tile_bytes == 2 * sum(m.rows * m.kt * 256 for _, m in wt.matrices)
     with pytest.raises(ValueError, match="whole"):
         wt.span("o", 16, 32)
+
+
+# --- MoE programs ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("num_sms", [1, 7, 132])
+@pytest.mark.parametrize("seg_lens", [(1,), (4,), (1, 1, 1, 1)])
+def test_moe_program_covers_every_slot_and_row_once(name, num_sms, seg_lens):
+    from mimw.megakernel.ops.expert_down import ExpertDown
+    from mimw.megakernel.ops.expert_in import ExpertIn
+    from mimw.megakernel.ops.router import Router
+
+    spec = get_preset(name)
+    if name == "qwen3-30b-a3b":
+        spec = spec.with_(num_layers=2)  # the real widths, fewer layers: CPU time
+        if num_sms != 132:
+            return
+    prog = build_program(spec, StepShape(seg_lens, 100), num_sms, Tuning().resolve(spec).program_config())
+    prog.validate()
+    s = prog.moe_slots
+    assert s == min(spec.num_experts, sum(seg_lens) * spec.num_experts_per_tok)
+    ins = list(prog.instructions())
+    by = lambda t, l: [i for i in ins if isinstance(i, t) and i.layer == l]  # noqa: E731
+    tr = prog.config.tile_rows
+    for l in range(spec.num_layers):
+        if not spec.is_moe_layer(l):
+            assert not by(Router, l) and by(MlpIn, l) and by(DownProj, l)
+            continue
+        assert not by(MlpIn, l) and not by(DownProj, l)
+        routers = by(Router, l)
+        assert sum(i.nrows for i in routers) >= spec.num_experts and {i.n_parts for i in routers} == {len(routers)}
+        assert len({i.signal for i in routers}) == 1 and prog.counters[routers[0].signal].count == 1
+        for j in range(s):
+            rows_in = sorted((i.row0, i.nrows) for i in by(ExpertIn, l) if i.slot == j)
+            assert sum(n for _, n in rows_in) == spec.moe_intermediate_size
+            assert all(a + n == b for (a, n), (b, _) in zip(rows_in, rows_in[1:]))
+            downs = sorted((i.row0, i.tiles.nr * tr) for i in by(ExpertDown, l) if i.slot == j)
+            assert sum(n for _, n in downs) == spec.hidden_size
+        for i in by(ExpertIn, l) + by(ExpertDown, l):
+            assert i.flags & isa.EXPERT_SPAN and i.tiles.xs > 0
+        assert all(i.n_slots == s and (i.ticket == isa.NO_COUNTER) == (s == 1) for i in by(ExpertDown, l))
+    # every weight tile streamed exactly once, the expert matrices' once per expert by a slot's spans
+    tiles = []
+    for i in ins:
+        if i.flags & isa.EXPERT_SPAN:
+            if i.slot == 0:
+                tiles += [t for e in range(spec.num_experts) for t in i.tiles.for_expert(e).tiles()]
+        else:
+            tiles += i.tiles.tiles()
+    assert sorted(tiles) == list(range(prog.tiles.num_tiles))
+
+
+def test_moe_queues_are_in_stage_order_so_no_wait_cycle_can_form():
+    spec = get_preset("tiny-qwen3-moe")
+    prog = build_program(spec, StepShape((1, 1), 64), 7, Tuning().resolve(spec).program_config())
+    order = {op: k for k, op in enumerate([isa.Op.ATTN_IN, isa.Op.ATTN_PARTIAL, isa.Op.O_PROJ, isa.Op.MLP_IN,
+                                           isa.Op.DOWN_PROJ, isa.Op.ROUTER, isa.Op.EXPERT_IN, isa.Op.EXPERT_DOWN])}
+    for q in prog.queues:
+        keys = [(i.layer, order[i.OP]) if i.OP != isa.Op.LM_HEAD else (spec.num_layers, 0) for i in q]
+        assert keys == sorted(keys)
+    # a slot's down projection waits for its own slot's gate/up only
+    for i in prog.instructions():
+        if i.OP == isa.Op.EXPERT_DOWN:
+            assert prog.counters[i.wait].name == f"L{i.layer}.expert_in.s{i.slot}"
+
+
+def test_row_blocks_price_copies_of_a_stage():
+    cfg = ProgramConfig()
+    one = row_blocks(768, 2 * 2048 * 2, 132, cfg, 16)
+    eight = row_blocks(768, 2 * 2048 * 2, 132, cfg, 16, copies=8)
+    assert len(eight) < len(one)  # eight slots fill the SMs with fewer, larger blocks each
+    assert sum(n for _, n in eight) == 768

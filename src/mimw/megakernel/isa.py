@@ -21,6 +21,17 @@ Weight tiles: every instruction that streams weights names its tiles in the word
 column tiles per row tile, tile (r, k) being number ``T0 + r * KT + k`` of the packed weight tile array
 (host/pack.py). The loader streams exactly that walk and compute consumes it in the same order; the scheduler's cost
 model and the host's hold marks read the same span (``ops/<op>.span``).
+
+Expert spans (``EXPERT_SPAN``, the MoE instructions EXPERT_IN and EXPERT_DOWN): which expert's tiles an instruction
+streams is known only once the step's router has run. Its words name expert 0's tiles (T0 .. KT as above) and the
+expert stride ``Word.E`` (``XS_WORD``: tiles per expert of that matrix); expert e's tile (r, k) is number
+``T0 + e * XS + r * KT + k``. The expert is the entry of the step's routing table ``routed [L, S]`` (int32 scratch)
+at row ``Word.LAYER``, column ``Word.C`` (``SLOT_WORD``, the routing slot; S = ``Program.moe_slots``), which the
+layer's ROUTER finisher writes as ``route_entry(e, epoch)``: the expert id in the low 16 bits (``NO_EXPERT``: the
+slot is unused this step, the instruction streams and computes nothing) and a tag of the step's epoch above, so a
+reader that finds a stale entry (the previous step's, or never written) knows to look again: ``routed_expert``.
+The loader resolves such a span by polling its one entry (no counter: the entry carries its own readiness) and then
+walks ``TileSpan.for_expert(e)``; compute reads the same entry after its dependency wait.
 """
 from __future__ import annotations
 
@@ -39,6 +50,9 @@ class Op(IntEnum):
     MLP_IN = 4
     DOWN_PROJ = 5
     LM_HEAD = 6
+    ROUTER = 7
+    EXPERT_IN = 8
+    EXPERT_DOWN = 9
 
 
 class Word(IntEnum):
@@ -47,10 +61,12 @@ class Word(IntEnum):
     OP = 0
     LAYER = 1
     A = 2  # ATTN_IN: head (q heads, then k heads, then v heads); ATTN_PARTIAL: kv head; matvecs: first row
-    B = 3  # ATTN_IN: column part; ATTN_PARTIAL: segment; matvecs: number of rows
-    C = 4  # ATTN_IN: number of column parts; ATTN_PARTIAL: split; DOWN_PROJ: column half (cluster pair)
-    D = 5  # ATTN_IN: ticket counter (-1: none); ATTN_PARTIAL: number of splits; DOWN_PROJ: halves (0 or 2)
-    E = 6  # ATTN_PARTIAL: ticket counter of the combining splits (-1: a lone split)
+    B = 3  # ATTN_IN: column part; ATTN_PARTIAL: segment; matvecs: number of rows; EXPERT_DOWN: routing slots
+    C = 4  # ATTN_IN: number of column parts; ATTN_PARTIAL: split; DOWN_PROJ: column half (cluster pair);
+    #        ROUTER: number of parts; EXPERT_IN, EXPERT_DOWN: routing slot (SLOT_WORD)
+    D = 5  # ATTN_IN: ticket counter (-1: none); ATTN_PARTIAL: number of splits; DOWN_PROJ: halves (0 or 2);
+    #        ROUTER, EXPERT_DOWN: ticket counter (-1: none)
+    E = 6  # ATTN_PARTIAL: ticket counter of the combining splits (-1: a lone split); EXPERT_SPAN: expert stride
     WAIT = 7  # counter to wait on, -1 for none
     WAIT_COUNT = 8  # signals that counter receives per step
     SIGNAL = 9  # counter to signal when done, -1 for none
@@ -75,22 +91,65 @@ CLUSTER_PAIR = 1
 # tiles past the first ``quiet`` until the last announced release.
 HOLD_ARRIVE = 2
 HOLD_WAIT = 4
+# Word.FLAGS: the span names expert 0's tiles, the expert is read from the routing table at run time (module doc)
+EXPERT_SPAN = 8
+XS_WORD = Word.E  # an expert span's stride: tiles per expert (ops with an expert span keep Word.E for it)
+SLOT_WORD = Word.C  # an expert span's routing slot: routed[layer, slot]
+
+# routing table entries (module doc): expert id in the low ROUTE_BITS bits, the step's tag above
+ROUTE_BITS = 16
+NO_EXPERT = (1 << ROUTE_BITS) - 1  # an unused routing slot
+_TAG_MASK = (1 << 14) - 1
+_TAG_SET = 1 << 14  # always set in a tag, so a never-written (zero) entry matches no step
+
+
+def route_tag(epoch: int) -> int:
+    """The tag of step ``epoch``'s routing entries: 15 bits, never 0, different in consecutive steps."""
+    return (epoch & _TAG_MASK) | _TAG_SET
+
+
+def route_entry(expert: int, epoch: int) -> int:
+    """The int32 routing-table entry step ``epoch`` stores for ``expert`` (``NO_EXPERT``: an unused slot)."""
+    if not 0 <= expert <= NO_EXPERT:
+        raise ValueError(f"expert {expert} out of range")
+    return (route_tag(epoch) << ROUTE_BITS) | expert
+
+
+def routed_expert(entry: int, epoch: int) -> int | None:
+    """The expert of a routing-table entry as step ``epoch`` reads it: its id, ``NO_EXPERT``, or None when the
+    entry is stale (not yet written by this step's router: a reader polls again)."""
+    if entry >> ROUTE_BITS != route_tag(epoch):
+        return None
+    return entry & NO_EXPERT
 
 
 @dataclass(frozen=True)
 class TileSpan:
     """The weight tiles an instruction streams, in loader order: row tile by row tile, column tiles [k0, k1) of
-    each; tile (r, k) is number ``t0 + r * kt + k`` of the packed tile array."""
+    each; tile (r, k) is number ``t0 + r * kt + k`` of the packed tile array. An expert span (``xs`` > 0, the
+    instruction flagged ``EXPERT_SPAN``) names expert 0's tiles; expert e's are ``for_expert(e)``."""
 
     t0: int = 0
     nr: int = 0
     k0: int = 0
     k1: int = 0
     kt: int = 0
+    xs: int = 0  # expert stride in tiles (0: a span fixed at plan time)
 
     @property
     def n_tiles(self) -> int:
+        """Tiles streamed (an expert span: by a slot in use, the same for every expert)."""
         return self.nr * (self.k1 - self.k0)
+
+    def for_expert(self, expert: int) -> "TileSpan":
+        """The resolved span of ``expert`` (``NO_EXPERT``: nothing streamed)."""
+        if expert == NO_EXPERT:
+            return TileSpan()
+        return TileSpan(self.t0 + expert * self.xs, self.nr, self.k0, self.k1, self.kt)
+
+    def tiles(self) -> list[int]:
+        """The tile numbers in loader order (a resolved span)."""
+        return [self.t0 + r * self.kt + k for r in range(self.nr) for k in range(self.k0, self.k1)]
 
 
 @dataclass(frozen=True)
@@ -102,7 +161,7 @@ class Instruction:
     wait: int = NO_COUNTER
     wait_count: int = 0
     signal: int = NO_COUNTER
-    flags: int = 0  # CLUSTER_PAIR (the hold marks are or'ed into the encoded words only)
+    flags: int = 0  # CLUSTER_PAIR, EXPERT_SPAN (the hold marks are or'ed into the encoded words only)
     tiles: TileSpan = TileSpan()
     ticket: int = NO_COUNTER  # the ticket counter of a result in parts (ops that have one encode it)
 
@@ -130,6 +189,10 @@ class Instruction:
         w[Word.T0], w[Word.NR], w[Word.K0], w[Word.K1], w[Word.KT] = t.t0, t.nr, t.k0, t.k1, t.kt
         for name, word in self.FIELDS.items():
             w[word] = int(getattr(self, name))
+        if bool(t.xs) != bool(self.flags & EXPERT_SPAN) or (t.xs and XS_WORD in self.FIELDS.values()):
+            raise ValueError(f"{self}: an expert span (xs > 0) goes with EXPERT_SPAN and a free Word.E")
+        if t.xs:
+            w[XS_WORD] = t.xs
         return w
 
 
@@ -158,9 +221,11 @@ def decode(words, table: dict[Op, type[Instruction]]) -> Instruction:
         cls = table[Op(w[Word.OP])]
     except ValueError:
         raise ValueError(f"unknown opcode {w[Word.OP]}") from None
+    expert = w[Word.FLAGS] & EXPERT_SPAN
     common = dict(wait=w[Word.WAIT], wait_count=w[Word.WAIT_COUNT], signal=w[Word.SIGNAL],
-                  flags=w[Word.FLAGS] & CLUSTER_PAIR,
-                  tiles=TileSpan(w[Word.T0], w[Word.NR], w[Word.K0], w[Word.K1], w[Word.KT]))
+                  flags=w[Word.FLAGS] & (CLUSTER_PAIR | EXPERT_SPAN),
+                  tiles=TileSpan(w[Word.T0], w[Word.NR], w[Word.K0], w[Word.K1], w[Word.KT],
+                                 w[XS_WORD] if expert else 0))
     return cls(**{name: w[word] for name, word in cls.FIELDS.items()}, **common)
 
 
@@ -168,5 +233,7 @@ def kernel_constants() -> dict[str, int]:
     """Constexpr values the Gluon kernel takes from this module: OP_<NAME>, W_<FIELD>, NWORDS and the flags."""
     out = {f"OP_{o.name}": int(o) for o in Op}
     out.update({f"W_{w.name}": int(w) for w in Word})
-    out.update(NWORDS=NWORDS, CLUSTER_PAIR=CLUSTER_PAIR, HOLD_ARRIVE=HOLD_ARRIVE, HOLD_WAIT=HOLD_WAIT)
+    out.update(NWORDS=NWORDS, CLUSTER_PAIR=CLUSTER_PAIR, HOLD_ARRIVE=HOLD_ARRIVE, HOLD_WAIT=HOLD_WAIT,
+               EXPERT_SPAN=EXPERT_SPAN, XS_WORD=int(XS_WORD), SLOT_WORD=int(SLOT_WORD), ROUTE_BITS=ROUTE_BITS,
+               NO_EXPERT=NO_EXPERT)
     return out

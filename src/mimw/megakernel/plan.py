@@ -13,6 +13,8 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
   * ATTN_PARTIAL's warps merge their softmax states through the staging buffer where it holds them (else through
     Triton's reductions over the warp axis);
   * the release hold's marks on the words (hold.py).
+A program with an instruction that has no device code (the MoE instructions: ops.GPU_OPS) is refused: the GPU kernel
+does not run mixture-of-experts layers yet (the VM does).
 Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
 program; launch/decoder.py allocates and launches, launch/compile.py compiles the same plan for sm_90a on the CPU.
 """
@@ -25,6 +27,8 @@ import torch
 
 from ..models.spec import ModelSpec
 from .hold import check_marks, hold_marks, mark_words
+from .isa import Op
+from .ops import GPU_OPS
 from .program import Program, ProgramConfig, StepShape, build_program
 
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
@@ -216,6 +220,11 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     t = tuning.resolve(spec)
     check(spec, t)
     program = build_program(spec, shape, num_sms, t.program_config())
+    host_only = sorted({ins.OP for ins in program.instructions()} - set(GPU_OPS) - {Op.NOP})
+    if host_only:
+        raise ValueError(f"{spec.name}: the megakernel's GPU kernel does not run mixture-of-experts layers yet "
+                         f"({', '.join(op.name for op in host_only)} have no device code; the VM runs them); use the "
+                         "reference backend")
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
     down_pairs = program.down_pairs
     widest = max(kt(spec.hidden_size), kt(spec.q_size),

@@ -4,7 +4,8 @@ Plan once per (model, step shape, SM count); the hot path only fills the step st
 tables, context lengths) and launches. Context length is read at run time, so one program serves every context:
 each attention split covers its share of the segment's context, empty splits included.
 
-Queues are filled stage by stage (ATTN_IN, ATTN_PARTIAL, O_PROJ, MLP_IN, DOWN_PROJ per layer, then LM_HEAD), so
+Queues are filled stage by stage (ATTN_IN, ATTN_PARTIAL, O_PROJ, MLP_IN, DOWN_PROJ per layer, or ROUTER, EXPERT_IN,
+EXPERT_DOWN in place of the MLP stages on an MoE layer, then LM_HEAD), so
 every instruction appears after all instructions of earlier stages in its own queue. Instructions only wait on
 counters signalled by earlier stages, hence no cycle of waits can form: with every CTA resident (one persistent CTA
 per SM), the program always completes. Within a stage, instructions go to SMs by longest-processing-time-first on a
@@ -14,6 +15,12 @@ broken by each SM's total load so the small stages land on different SMs and the
 Cluster pairs (isa.CLUSTER_PAIR) where ``ProgramConfig.clusters`` allows them and the shape can form them (an even
 SM count, at least two column tiles to split): ATTN_IN's heads always run as two column parts on the CTAs of one
 cluster, and DOWN_PROJ's row blocks as two column halves where they would leave half the SMs idle or more.
+
+MoE layers (``moe_stages``): which experts run is known only at run time, so the program has S = min(E, M * k)
+routing slots per layer (``moe_slots``: k for one token) and runs every slot's row blocks; the router's finisher
+puts the step's distinct experts in the first slots, ascending, and the others idle (isa.NO_EXPERT). A slot's
+EXPERT_DOWN needs only its own slot's EXPERT_IN (one counter per slot), and the slots of a row block join behind a
+ticket whose last drawer adds them to the residual in slot order.
 """
 from __future__ import annotations
 
@@ -31,13 +38,19 @@ from .ops.attn_in import span as attn_in_span
 from .ops.attn_partial import AttnPartial, kv_bytes
 from .ops.down_proj import DownProj
 from .ops.down_proj import span as down_span
+from .ops.expert_down import ExpertDown
+from .ops.expert_down import span as expert_down_span
+from .ops.expert_in import ExpertIn
+from .ops.expert_in import span as expert_in_span
 from .ops.lm_head import LmHead
 from .ops.lm_head import span as lm_span
 from .ops.mlp_in import MlpIn
 from .ops.mlp_in import span as mlp_span
 from .ops.o_proj import OProj
 from .ops.o_proj import span as o_span
-from .tiles import WeightTiles
+from .ops.router import Router
+from .ops.router import span as router_span
+from .tiles import WeightTiles, router_rows
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,7 @@ class Program:
     qkv_parts: int  # column parts of every ATTN_IN head
     tiles: WeightTiles
     costs: list[float] = field(default_factory=list)  # per-SM cost-model load, in bytes
+    moe_slots: int = 0  # routing slots of every MoE layer (0: a dense model)
 
     @property
     def max_splits(self) -> int:
@@ -151,10 +165,11 @@ class Program:
 
 
 def row_blocks(rows: int, row_bytes: int, num_sms: int, cfg: ProgramConfig,
-               granule: int | None = None) -> list[tuple[int, int]]:
+               granule: int | None = None, copies: int = 1) -> list[tuple[int, int]]:
     """Split ``rows`` into blocks of whole granules (default: tile_rows), choosing the block size that minimises the
     stage's makespan over ``num_sms`` in the cost model (weight bytes plus the fixed per-instruction cost), capped
-    by ``max_block_bytes``; ties go to larger blocks."""
+    by ``max_block_bytes``; ties go to larger blocks. ``copies``: the stage runs every block that many times (an
+    MoE layer's routing slots, each over its own expert's rows)."""
     tr = granule or cfg.tile_rows
     if rows % tr:
         raise ValueError(f"{rows} rows are not a multiple of the {tr}-row granule")
@@ -163,7 +178,7 @@ def row_blocks(rows: int, row_bytes: int, num_sms: int, cfg: ProgramConfig,
     tile_bytes = tr * row_bytes
 
     def makespan(p: int) -> int:  # the busiest SM's cost for this stage, per-instruction overhead included
-        return math.ceil(math.ceil(tiles / p) / num_sms) * (p * tile_bytes + cfg.fixed_cost_bytes)
+        return math.ceil(copies * math.ceil(tiles / p) / num_sms) * (p * tile_bytes + cfg.fixed_cost_bytes)
 
     best = min(range(1, cap + 1), key=lambda p: (makespan(p), -p))
     out, r = [], 0
@@ -206,6 +221,37 @@ def attention_splits(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: Progr
     return tuple(min(per_seg, by_len) for _ in shape.seg_lens)
 
 
+def moe_slots(spec: ModelSpec, shape: StepShape) -> int:
+    """Routing slots of an MoE layer: enough for the most distinct experts M tokens can choose, min(E, M * k)."""
+    return min(spec.num_experts, shape.num_tokens * spec.num_experts_per_tok) if spec.is_moe else 0
+
+
+def moe_stages(spec: ModelSpec, wt: WeightTiles, l: int, slots: int, num_sms: int, cfg: ProgramConfig,
+               counter, wait: int, wait_n: int) -> tuple[list[list[Instruction]], int, int]:
+    """An MoE layer's ROUTER, EXPERT_IN and EXPERT_DOWN stages after its O_PROJ (``wait`` with ``wait_n``
+    signals); returns them and the counter (and count) that marks x complete after the layer."""
+    d, f = spec.hidden_size, spec.moe_intermediate_size
+    r_blocks = row_blocks(router_rows(spec, cfg.tile_rows), 2 * d, num_sms, cfg)
+    in_blocks = row_blocks(f, 2 * d * 2, num_sms, cfg, cfg.tile_rows // 2, copies=slots)
+    down_blocks = row_blocks(d, 2 * f, num_sms, cfg, copies=slots)
+    routed = counter(f"L{l}.router", 1)  # the finisher alone signals, once the routing table is written
+    r_ticket = counter(f"L{l}.router_ticket", len(r_blocks)) if len(r_blocks) > 1 else isa.NO_COUNTER
+    stages = [[Router(layer=l, row0=r, nrows=n, n_parts=len(r_blocks), ticket=r_ticket, wait=wait, wait_count=wait_n,
+                      signal=routed, tiles=router_span(spec, wt, l, r, n)) for r, n in r_blocks]]
+    # a slot's down projection needs only its own slot's activations
+    done_in = [counter(f"L{l}.expert_in.s{j}", len(in_blocks)) for j in range(slots)]
+    stages.append([ExpertIn(layer=l, row0=r, nrows=n, slot=j, wait=routed, wait_count=1, signal=done_in[j],
+                            flags=isa.EXPERT_SPAN, tiles=expert_in_span(spec, wt, l, r, n))
+                   for j in range(slots) for r, n in in_blocks])
+    down = counter(f"L{l}.expert_down", len(down_blocks))
+    tickets = {r: counter(f"L{l}.moe_ticket.r{r}", slots) if slots > 1 else isa.NO_COUNTER for r, _ in down_blocks}
+    stages.append([ExpertDown(layer=l, row0=r, n_slots=slots, slot=j, ticket=tickets[r], wait=done_in[j],
+                              wait_count=len(in_blocks), signal=down, flags=isa.EXPERT_SPAN,
+                              tiles=expert_down_span(spec, wt, l, r, n))
+                   for j in range(slots) for r, n in down_blocks])
+    return stages, down, len(down_blocks)
+
+
 def cost(spec: ModelSpec, shape: StepShape, ins: Instruction, cfg: ProgramConfig) -> float:
     """Bytes-equivalent cost of one instruction: the weight tiles and K/V bytes it streams, an attention split's
     ticket, and a fixed overhead."""
@@ -238,9 +284,12 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     o_blocks = row_blocks(spec.hidden_size, spec.q_size * 2, num_sms, cfg)
     # MLP_IN: a weight tile holds tile_rows/2 gate and tile_rows/2 up rows (host/pack.py), so blocks of outputs
     # come in tile_rows/2 steps (896 blocks instead of 448 for the 8B's 132 SMs: a 3% makespan excess, not 18%)
-    mlp_blocks = row_blocks(spec.intermediate_size, 2 * spec.hidden_size * 2, num_sms, cfg, cfg.tile_rows // 2)
-    down_blocks = row_blocks(spec.hidden_size, spec.intermediate_size * 2, num_sms, cfg)
+    dense = bool(spec.mlp_layers)  # an MoE model may have no dense MLP at all
+    mlp_blocks = row_blocks(spec.intermediate_size, 2 * spec.hidden_size * 2, num_sms, cfg, cfg.tile_rows // 2) \
+        if dense else []
+    down_blocks = row_blocks(spec.hidden_size, spec.intermediate_size * 2, num_sms, cfg) if dense else []
     lm_blocks = row_blocks(spec.vocab_size, spec.hidden_size * 2, num_sms, cfg)
+    slots = moe_slots(spec, shape)
     # DOWN_PROJ's row blocks in column halves on cluster mates, where they leave half the SMs idle or more
     pair_down = (pair_qkv and 2 * len(down_blocks) <= num_sms
                  and -(-spec.intermediate_size // cfg.tile_k) > 1)
@@ -272,6 +321,10 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         o = counter(f"L{l}.o_proj", len(o_blocks))
         stages.append([OProj(layer=l, row0=r, nrows=n, wait=attn, wait_count=hkv * len(segs), signal=o,
                              tiles=o_span(spec, wt, l, r, n)) for r, n in o_blocks])
+        if spec.is_moe_layer(l):
+            moe, prev, prev_n = moe_stages(spec, wt, l, slots, num_sms, cfg, counter, o, len(o_blocks))
+            stages += moe
+            continue
         mlp = counter(f"L{l}.mlp_in", len(mlp_blocks))
         stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=len(o_blocks), signal=mlp,
                              tiles=mlp_span(spec, wt, l, r, n)) for r, n in mlp_blocks])
@@ -302,7 +355,7 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
             queues[s].append(ins)
             total[s] += c
             heapq.heappush(heap, (load + c, tot + c, s))
-    prog = Program(spec, shape, num_sms, cfg, queues, counters, n_splits, n_parts, wt, total)
+    prog = Program(spec, shape, num_sms, cfg, queues, counters, n_splits, n_parts, wt, total, slots)
     prog.validate()
     return prog
 

@@ -14,6 +14,14 @@ during this step (-1: not written this step):
     attn     [M, Hq]          layer whose combining ATTN_PARTIAL wrote (token, head)
     act      [I]              layer whose MLP_IN wrote the columns
     logits   [V]              1 once LM_HEAD wrote the columns
+  MoE layers (x: 2l+2 after the layer's EXPERT_DOWN finishers, as after DOWN_PROJ):
+    rlogits  [Ep]             layer whose ROUTER part wrote the columns (the finisher reads the first E)
+    routed   [L]              whether layer l's ROUTER finisher wrote its routing table row this step
+    slot_w   [S]              layer whose ROUTER finisher wrote the slot's weights
+    moe_act  [S, F]           layer whose EXPERT_IN of the slot wrote the columns
+    moe_part [S, D]           layer whose EXPERT_DOWN of the slot wrote the rows
+  An expert instruction whose slot holds no expert this step (isa.NO_EXPERT) reads and writes nothing but the
+  routing entry; a finisher reads only the slots in use.
 
 An instruction must find every region it reads at exactly the version its layer needs. Too old (or -1) is a
 read-after-write race: the producer has not run. Too new is a write-after-read race: a later layer's producer
@@ -24,9 +32,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .isa import Instruction, Op
+from .isa import NO_EXPERT, Instruction, Op, routed_expert
 from .program import Program
 from .state import StepState, split_range
+from .tiles import router_rows
 
 
 class DependencyError(RuntimeError):
@@ -34,7 +43,9 @@ class DependencyError(RuntimeError):
 
 
 class Readiness:
-    def __init__(self, program: Program, state: StepState):
+    def __init__(self, program: Program, state: StepState, routing=None):
+        """``routing``: the step's routing table (scratch.routed [L, S] int32), which tells which expert slots
+        are in use; needed for MoE programs only."""
         sp, shape = program.spec, program.shape
         self.program, self.state = program, state
         m, full = shape.num_tokens, lambda *s: np.full(s, -1, dtype=np.int32)  # noqa: E731
@@ -47,6 +58,25 @@ class Readiness:
         self.attn = full(m, sp.num_heads)
         self.act = full(sp.intermediate_size)
         self.logits = full(sp.vocab_size)
+        s = program.moe_slots
+        self.rlogits = full(router_rows(sp, program.config.tile_rows) if sp.is_moe else 0)
+        self.routed = np.zeros(sp.num_layers, dtype=bool)
+        self.slot_w = full(s)
+        self.moe_act = full(s, sp.moe_intermediate_size)
+        self.moe_part = full(s, sp.hidden_size)
+        self.routing = routing
+
+    def _expert(self, ins) -> int:
+        """The expert ``ins``'s routing slot holds, once its layer's router wrote the table (else DependencyError:
+        the instruction would read a stale entry)."""
+        if not self.routed[ins.layer]:
+            raise DependencyError(f"{ins} reads routing slot {ins.slot} of layer {ins.layer} before the layer's "
+                                  "ROUTER finisher wrote it")
+        return routed_expert(int(self.routing[ins.layer, ins.slot]), self.state.epoch)
+
+    def _active(self, layer: int, n_slots: int) -> list[int]:
+        return [j for j in range(n_slots)
+                if routed_expert(int(self.routing[layer, j]), self.state.epoch) != NO_EXPERT]
 
     # --- regions ---------------------------------------------------------------------------------------
     def _group(self, kv_head: int) -> slice:
@@ -78,8 +108,15 @@ class Readiness:
         if op == Op.ATTN_IN:
             if L > 0:  # layer 0 normalises the embedding rows
                 self._require(ins, "x", self.x[every], 2 * L)
-        elif op == Op.MLP_IN:
+        elif op in (Op.MLP_IN, Op.ROUTER):
             self._require(ins, "x", self.x[every], 2 * L + 1)
+        elif op == Op.EXPERT_IN:
+            if self._expert(ins) != NO_EXPERT:
+                self._require(ins, "x", self.x[every], 2 * L + 1)
+        elif op == Op.EXPERT_DOWN:
+            if self._expert(ins) != NO_EXPERT:
+                self._require(ins, "expert activations", self.moe_act[ins.slot], L)
+                self._require(ins, "slot weights", self.slot_w[ins.slot: ins.slot + 1], L)
         elif op == Op.LM_HEAD:
             self._require(ins, "x", self.x[every], 2 * self.program.spec.num_layers)
         elif op == Op.ATTN_PARTIAL:
@@ -116,6 +153,15 @@ class Readiness:
             self.act[ins.row0: ins.row0 + ins.nrows] = ins.layer
         elif op == Op.LM_HEAD:
             self.logits[ins.row0: ins.row0 + ins.nrows] = 1
+        elif op == Op.ROUTER:
+            self.rlogits[ins.row0: ins.row0 + ins.nrows] = ins.layer
+        elif op == Op.EXPERT_IN and self._expert(ins) != NO_EXPERT:
+            self.moe_act[ins.slot, ins.row0: ins.row0 + ins.nrows] = ins.layer
+        elif op == Op.EXPERT_DOWN and self._expert(ins) != NO_EXPERT:
+            self.moe_part[ins.slot, self._rows(ins)] = ins.layer
+
+    def _rows(self, ins) -> slice:
+        return ins.rows(self.program.config.tile_rows)
 
     def before_finish(self, ins: Instruction) -> None:
         """A finisher reads every part: ATTN_IN's, every part of its head; a combining ATTN_PARTIAL's, every split's
@@ -125,6 +171,12 @@ class Readiness:
                           self.part[self._seg(ins.seg), self._group(ins.kv_head), : ins.n_splits], ins.layer)
         elif ins.OP == Op.DOWN_PROJ:
             self._require(ins, "column halves", self.down_part[:, ins.row0: ins.row0 + ins.nrows], ins.layer)
+        elif ins.OP == Op.ROUTER:
+            self._require(ins, "router logits", self.rlogits[: self.program.spec.num_experts], ins.layer)
+        elif ins.OP == Op.EXPERT_DOWN:
+            rows = self._rows(ins)
+            self._require(ins, "expert rows", self.moe_part[self._active(ins.layer, ins.n_slots), rows], ins.layer)
+            self._require(ins, "x rows", self.x[rows], 2 * ins.layer + 1)
         else:
             self._require(ins, "qkv parts", self.qkv_part[ins.head, : ins.n_parts], ins.layer)
 
@@ -134,6 +186,11 @@ class Readiness:
             self.attn[self._seg(ins.seg), self._group(ins.kv_head)] = ins.layer
         elif ins.OP == Op.DOWN_PROJ:
             self.x[ins.row0: ins.row0 + ins.nrows] = 2 * ins.layer + 2
+        elif ins.OP == Op.ROUTER:
+            self.routed[ins.layer] = True
+            self.slot_w[:] = ins.layer
+        elif ins.OP == Op.EXPERT_DOWN:
+            self.x[self._rows(ins)] = 2 * ins.layer + 2
         elif ins.head < hq:
             self.q[ins.head] = ins.layer
         else:

@@ -21,6 +21,15 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
                                sums, in the VM only (the GPU's halves meet in shared memory, device/cluster.py)
   act [M, I]                   SiLU(gate) * up (input of DOWN_PROJ)
   logits [M, V]
+MoE layers (program.moe_slots = S routing slots; empty for a dense model; E experts padded to Ep rows, F their
+intermediate size):
+  router_logits [M, Ep]        ROUTER's logits (the first E columns are the experts')
+  routed [L, S] int32          the routing table: layer l's slot j = isa.route_entry(expert, epoch), written once a
+                               step by the layer's ROUTER finisher and read by the loader (expert spans) and by
+                               EXPERT_IN / EXPERT_DOWN; never needs clearing (entries carry their step's tag)
+  slot_w [S, M]                each slot's routing weight for each token (0: the token did not choose it)
+  moe_act [S, M, F]            each slot's SiLU(gate) * up (input of EXPERT_DOWN)
+  moe_part [S, M, D]           each slot's weighted down projection, summed into x by the row block's finisher
 """
 from __future__ import annotations
 
@@ -28,6 +37,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+from .tiles import router_rows
 
 if TYPE_CHECKING:
     from .program import Program
@@ -87,11 +98,18 @@ class Scratch:
     act: torch.Tensor
     logits: torch.Tensor
     down_part: torch.Tensor
+    router_logits: torch.Tensor
+    routed: torch.Tensor
+    slot_w: torch.Tensor
+    moe_act: torch.Tensor
+    moe_part: torch.Tensor
 
     def poison(self) -> None:
+        """NaN in every fp32 buffer; the routing table back to never written (no step's tag)."""
         for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits,
-                  self.down_part):
+                  self.down_part, self.router_logits, self.slot_w, self.moe_act, self.moe_part):
             t.fill_(float("nan"))
+        self.routed.zero_()
 
 
 def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu") -> StepState:
@@ -101,7 +119,7 @@ def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu
 
 
 def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
-    sp, m = prog.spec, prog.shape.num_tokens
+    sp, m, s = prog.spec, prog.shape.num_tokens, prog.moe_slots
     f = lambda *shape: torch.full(shape, float("nan"), dtype=torch.float32, device=device)  # noqa: E731
     return Scratch(
         x=f(m, sp.hidden_size),
@@ -113,6 +131,11 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         act=f(m, sp.intermediate_size),
         logits=f(m, sp.vocab_size),
         down_part=f(2 if prog.down_pairs else 1, m, sp.hidden_size),
+        router_logits=f(m, router_rows(sp, prog.config.tile_rows) if sp.is_moe else 0),
+        routed=torch.zeros(sp.num_layers, s, dtype=torch.int32, device=device),  # 0: never written
+        slot_w=f(s, m),
+        moe_act=f(s, m, sp.moe_intermediate_size),
+        moe_part=f(s, m, sp.hidden_size),
     )
 
 

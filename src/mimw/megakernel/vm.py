@@ -95,7 +95,7 @@ class StepRun:
         prog = vm.program
         self.program, self.state = prog, state
         self.ctx = OpContext(prog, vm.weights, vm.cache, state, scratch)
-        self.readiness = Readiness(prog, state)
+        self.readiness = Readiness(prog, state, scratch.routed)
         self.queues = vm.queues
         self.counters: list[int] = state.counters.tolist()  # int32 values
         self.done_i, self.epoch_i = state.done_index, state.epoch_index

@@ -38,13 +38,20 @@ class Routing:
         return sorted(set(self.ids.flatten().tolist()))
 
 
-def route(h: torch.Tensor, router: torch.Tensor, spec: ModelSpec) -> Routing:
-    """h [T, D] (the MLP input, after the post-attention norm), router [E, D] -> the top-k routing."""
-    logits = F.linear(h, router)  # [T, E]
+def top_k(logits: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]): softmax in fp32, the k most probable,
+    renormalised over them where ``spec.norm_topk_prob``."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     w, ids = torch.topk(probs, spec.num_experts_per_tok, dim=-1)
     if spec.norm_topk_prob:
         w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids
+
+
+def route(h: torch.Tensor, router: torch.Tensor, spec: ModelSpec) -> Routing:
+    """h [T, D] (the MLP input, after the post-attention norm), router [E, D] -> the top-k routing."""
+    logits = F.linear(h, router)  # [T, E]
+    w, ids = top_k(logits, spec)
     return Routing(ids, w.to(logits.dtype))
 
 

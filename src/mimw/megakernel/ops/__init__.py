@@ -6,6 +6,10 @@ streams none), its PyTorch reference ``solve`` (and ``finish`` where parts of a 
 to draw a ticket, or part 0 of a cluster pair), and the Gluon device code the kernel dispatches to
 (``device/kernel.py``). Adding an instruction means adding one module and one row below (and its dispatch line).
 
+``GPU_OPS`` are the instructions with device code, the ones the kernel dispatches; the MoE instructions (ROUTER,
+EXPERT_IN, EXPERT_DOWN) have their fields, spans and reference solvers but no device code yet, so the VM runs MoE
+programs and ``plan.plan`` refuses them.
+
 ``SOLVERS[op](ctx, ins)`` runs one decoded instruction on the CPU (or any torch device) against the buffers of
 ``ctx``; the VM (``megakernel/vm.py``) calls it, and the GPU kernel is diffed against it.
 """
@@ -14,16 +18,18 @@ from __future__ import annotations
 from typing import Callable
 
 from ..isa import Instruction, Nop, Op
-from . import attn_in, attn_partial, down_proj, lm_head, mlp_in, o_proj
+from . import attn_in, attn_partial, down_proj, expert_down, expert_in, lm_head, mlp_in, o_proj, router
 from .common import OpContext
 
-MODULES = (attn_in, attn_partial, o_proj, mlp_in, down_proj, lm_head)
+MODULES = (attn_in, attn_partial, o_proj, mlp_in, down_proj, lm_head, router, expert_in, expert_down)
 OPS = {m.OP: m for m in MODULES}
+GPU_OPS = {op: m for op, m in OPS.items() if hasattr(m, "compute")}
 
 CLASSES: dict[Op, type[Instruction]] = {Op.NOP: Nop, Op.ATTN_IN: attn_in.AttnIn,
                                         Op.ATTN_PARTIAL: attn_partial.AttnPartial, Op.O_PROJ: o_proj.OProj,
                                         Op.MLP_IN: mlp_in.MlpIn, Op.DOWN_PROJ: down_proj.DownProj,
-                                        Op.LM_HEAD: lm_head.LmHead}
+                                        Op.LM_HEAD: lm_head.LmHead, Op.ROUTER: router.Router,
+                                        Op.EXPERT_IN: expert_in.ExpertIn, Op.EXPERT_DOWN: expert_down.ExpertDown}
 
 
 def _nop(ctx: OpContext, ins: Instruction) -> None:
@@ -32,6 +38,7 @@ def _nop(ctx: OpContext, ins: Instruction) -> None:
 
 SOLVERS: dict[Op, Callable[[OpContext, Instruction], None]] = {Op.NOP: _nop, **{op: m.solve for op, m in OPS.items()}}
 FINISHERS: dict[Op, Callable[[OpContext, Instruction], None]] = {
-    Op.ATTN_IN: attn_in.finish, Op.ATTN_PARTIAL: attn_partial.finish, Op.DOWN_PROJ: down_proj.finish}
+    Op.ATTN_IN: attn_in.finish, Op.ATTN_PARTIAL: attn_partial.finish, Op.DOWN_PROJ: down_proj.finish,
+    Op.ROUTER: router.finish, Op.EXPERT_DOWN: expert_down.finish}
 
-__all__ = ["OpContext", "OPS", "CLASSES", "SOLVERS", "FINISHERS", "MODULES"]
+__all__ = ["OpContext", "OPS", "GPU_OPS", "CLASSES", "SOLVERS", "FINISHERS", "MODULES"]

@@ -71,3 +71,14 @@ def activation_in(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """An fp32 activation (attention output, MLP activation) as a matvec input: rounded to the weight dtype, as the
     GPU kernel stages it (bf16 in shared memory) and as the reference decoder holds it; a no-op for fp32 weights."""
     return a.to(w.dtype).float()
+
+
+def routed_expert(ctx: OpContext, layer: int, slot: int) -> int:
+    """The expert routing slot ``slot`` of ``layer`` holds in this step (isa.NO_EXPERT: unused), read from the
+    routing table as the loader and compute read it (isa.routed_expert)."""
+    from .. import isa
+
+    e = isa.routed_expert(int(ctx.scratch.routed[layer, slot]), ctx.state.epoch)
+    if e is None:
+        raise RuntimeError(f"routing slot {slot} of layer {layer} read before this step's router wrote it")
+    return e

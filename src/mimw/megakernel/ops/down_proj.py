@@ -48,7 +48,8 @@ class DownProj(RowBlock):
 def span(spec: ModelSpec, wt: WeightTiles, layer: int, row0: int, nrows: int, part: int = 0,
          n_parts: int = 0) -> TileSpan:
     k0, k1 = column_tiles(spec.intermediate_size, wt.tile_k, part, max(1, n_parts))
-    return wt.span("down", layer * spec.hidden_size + row0, nrows, k0, k1)
+    dense = spec.mlp_layers.index(layer)  # the down matrix holds the dense layers' MLPs
+    return wt.span("down", dense * spec.hidden_size + row0, nrows, k0, k1)
 
 
 def solve(ctx: OpContext, ins: DownProj) -> None:

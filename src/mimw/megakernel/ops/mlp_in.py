@@ -33,7 +33,8 @@ class MlpIn(RowBlock):
 
 
 def span(spec: ModelSpec, wt: WeightTiles, layer: int, row0: int, nrows: int) -> TileSpan:
-    return wt.span("gu", 2 * (layer * spec.intermediate_size + row0), 2 * nrows)
+    dense = spec.mlp_layers.index(layer)  # the gu matrix holds the dense layers' MLPs (all of a dense model's)
+    return wt.span("gu", 2 * (dense * spec.intermediate_size + row0), 2 * nrows)
 
 
 def solve(ctx: OpContext, ins: MlpIn) -> None:

@@ -1,0 +1,87 @@
+"""ROUTER: rows [row0, row0 + nrows) of an MoE layer's router for every token; the finisher (the last part to draw
+its ticket) routes the step's tokens.
+
+solve (every part):
+    h                 = RMSNorm(x) * mlp_norm                          [M, D]  (rounded as in common.py)
+    router_logits[:, r] = h . W_router[r]^T                            r = the part's rows below E (the tile
+                                                                       array pads the router to whole row tiles)
+finish:
+    w, ids  = top-k of softmax(router_logits[:, :E]) in fp32, renormalised where norm_topk_prob (models/moe.py)
+    slots   = the distinct experts the M tokens chose, ascending: slot j holds the j-th, S = Program.moe_slots
+              = min(E, M * k) slots (M = 1: exactly k); the slots past them hold NO_EXPERT
+    routed[layer, j] = isa.route_entry(slots[j], epoch)                (the routing table the expert spans read)
+    slot_w[j, m]     = token m's weight for expert slots[j], 0 if m did not choose it (rounded to the weight dtype)
+Writes: router_logits[:, rows] (every part); routed[layer, :], slot_w (the finisher). Reads: all of x.
+Tiles: the part's rows of the router matrix.
+Each distinct expert gets one slot however many tokens chose it, so a multi-token step reads its weights once:
+EXPERT_IN / EXPERT_DOWN run per slot for all M tokens, and a token that did not choose the slot's expert adds it
+with weight 0.
+Device: none yet (the GPU kernel does not run MoE layers; plan.plan refuses them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ...models.moe import top_k
+from ...models.spec import ModelSpec
+from ..isa import NO_COUNTER, NO_EXPERT, Instruction, Op, TileSpan, Word, route_entry
+from ..tiles import WeightTiles, router_rows
+from .common import OpContext, matvec, rms_norm
+
+OP = Op.ROUTER
+
+
+@dataclass(frozen=True)
+class Router(Instruction):
+    OP: ClassVar[Op] = Op.ROUTER
+    FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "row0": Word.A, "nrows": Word.B, "n_parts": Word.C,
+                                         "ticket": Word.D}
+    layer: int = 0
+    row0: int = 0
+    nrows: int = 0
+    n_parts: int = 1  # parts (row blocks) of the layer's router; the last to draw the ticket routes
+    ticket: int = NO_COUNTER
+
+    @property
+    def has_finisher(self) -> bool:
+        return True
+
+    @property
+    def ticket_count(self) -> int:
+        return self.n_parts
+
+
+def span(spec: ModelSpec, wt: WeightTiles, layer: int, row0: int, nrows: int) -> TileSpan:
+    return wt.span("router", spec.moe_layers.index(layer) * router_rows(spec, wt.tile_rows) + row0, nrows)
+
+
+def solve(ctx: OpContext, ins: Router) -> None:
+    lw, e = ctx.weights.layers[ins.layer], ctx.spec.num_experts
+    rows = slice(ins.row0, min(ins.row0 + ins.nrows, e))  # rows past E are the tile array's zero padding
+    h = rms_norm(ctx.scratch.x, lw.mlp_norm, ctx.spec.rms_norm_eps)  # [M, D]
+    ctx.scratch.router_logits[:, rows] = matvec(h, lw.router[rows])
+
+
+def slots(ids: torch.Tensor, w: torch.Tensor, n_slots: int) -> tuple[list[int], torch.Tensor]:
+    """ids, w [M, k] -> (the distinct experts ascending, padded with NO_EXPERT to ``n_slots``; each slot's weight
+    for each token [n_slots, M], 0 where the token did not choose the slot's expert)."""
+    experts = sorted(set(ids.flatten().tolist()))
+    if len(experts) > n_slots:
+        raise ValueError(f"{len(experts)} distinct experts for {n_slots} routing slots")
+    sw = torch.zeros(n_slots, ids.shape[0], dtype=torch.float32, device=w.device)
+    for j, e in enumerate(experts):
+        sw[j] = (w * (ids == e)).sum(-1)  # a token chooses an expert at most once
+    return experts + [NO_EXPERT] * (n_slots - len(experts)), sw
+
+
+def finish(ctx: OpContext, ins: Router) -> None:
+    """The last part: route every token, fill the layer's routing table and the slots' weights."""
+    spec, wdtype = ctx.spec, ctx.weights.layers[ins.layer].router.dtype
+    w, ids = top_k(ctx.scratch.router_logits[:, : spec.num_experts], spec)
+    experts, sw = slots(ids, w.to(wdtype).float(), ctx.program.moe_slots)
+    epoch = ctx.state.epoch
+    ctx.scratch.routed[ins.layer] = torch.tensor([route_entry(e, epoch) for e in experts], dtype=torch.int32)
+    ctx.scratch.slot_w.copy_(sw)
