@@ -66,7 +66,7 @@ def experts_once(h: torch.Tensor, lw: LayerWeights, r: Routing) -> torch.Tensor:
     for e in r.experts:
         tok, slot = torch.where(r.ids == e)
         y = expert_mlp(h[tok], lw, e) * r.weights[tok, slot, None]
-        out.index_add_(0, tok, y.to(out.dtype))
+        out[tok] += y.to(out.dtype)  # a token chooses an expert once: no index repeats
     return out
 
 
