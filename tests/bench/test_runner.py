@@ -34,6 +34,32 @@ def test_run_decode_in_process_writes_reports(tmp_path):
     assert eager["check"]["ok"] and eager["ms_per_step"] > 0 and eager["speedup_vs_best_peer"] == pytest.approx(1.0)
 
 
+def test_an_moe_run_floors_each_step_at_its_routed_experts(tmp_path):
+    from mimw.bench.floor import routed_experts, step_bytes
+    from mimw.bench.fused import random_bench_weights
+    from mimw.bench.inputs import decode_inputs, reference_logits
+    from mimw.models.spec import get_preset
+
+    cfg = DecodeBenchConfig(models=("tiny-qwen3-moe",), contexts=(5,),
+                            backends=("mimw-megakernel", "mimw-reference", "torch-eager", "hf-transformers"),
+                            out_dir=str(tmp_path), iters=3, warmup=1, budget_s=0.05, dtype="float32", device="cpu",
+                            in_process=True)
+    rc = bench_main.run_decode(cfg, "Fake GPU", lambda: ReadBandwidth(1e11, 1 << 30, "fake", 9e10), commit="c0ffee")
+    assert rc == 0
+    [j] = tmp_path.glob("*-fake-gpu-tiny-qwen3-moe.json")
+    rows = {r["backend"]: r for r in json.loads(j.read_text())["results"]}
+    assert rows["mimw-reference"]["status"] == "ok"
+    assert {rows[b]["status"] for b in ("mimw-megakernel", "torch-eager", "hf-transformers")} == {"unavailable"}
+    # the floor's bytes: the experts the reference routed the benchmark's step to, not all of them
+    spec = get_preset("tiny-qwen3-moe")
+    bw = random_bench_weights(spec, seed=0, dtype=torch.float32, device="cpu")
+    routings = []
+    reference_logits(bw.weights, decode_inputs(spec, 5, dtype=torch.float32, device="cpu"), routings)
+    assert routed_experts(routings) == 2 * spec.num_experts_per_tok  # one token: k distinct experts a layer
+    assert rows["mimw-reference"]["bytes_per_step"] == step_bytes(spec, 5, routed_experts=8) < \
+        spec.decode_weight_bytes()
+
+
 FAKE_WORKER = textwrap.dedent('''
     import json, sys, time
     cfg, model, tasks, events = sys.argv[1:]

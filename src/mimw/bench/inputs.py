@@ -57,11 +57,12 @@ def paged_cache(spec: ModelSpec, inputs: DecodeInputs, page_size: int = 16) -> t
 
 
 @torch.no_grad()
-def reference_logits(weights: ModelWeights, inputs: DecodeInputs) -> torch.Tensor:
-    """[vocab] fp32 logits of the reference decoder for the step (on the weights' device and dtype)."""
+def reference_logits(weights: ModelWeights, inputs: DecodeInputs, routings: list | None = None) -> torch.Tensor:
+    """[vocab] fp32 logits of the reference decoder for the step (on the weights' device and dtype); ``routings``
+    receives an MoE model's routing of the step, one per MoE layer (what its floor counts)."""
     cache, table = paged_cache(weights.spec, inputs)
     tok = torch.tensor([inputs.token], device=weights.device)
-    return ReferenceDecoder(weights).forward(tok, [Segment(table, inputs.context, 1)], cache)[0]
+    return ReferenceDecoder(weights).forward(tok, [Segment(table, inputs.context, 1)], cache, routings=routings)[0]
 
 
 @torch.no_grad()

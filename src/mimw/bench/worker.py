@@ -30,7 +30,7 @@ import torch
 from ..models.spec import PRESETS
 from .check import compare_logits, noise_tolerance, rel_err
 from .config import DecodeBenchConfig
-from .floor import step_bytes
+from .floor import routed_experts, step_bytes
 from .fused import BenchWeights, fuse, random_bench_weights
 from .inputs import decode_inputs, fp32_reference_logits, reference_logits
 from .peers import BACKENDS, PeerContext, Unavailable
@@ -80,10 +80,14 @@ def _cleanup(device: torch.device) -> bool:
 
 
 class Reference:
-    """The oracle for one context: bf16 reference logits, and the fp32 ones when they could be computed."""
+    """The oracle for one context: bf16 reference logits, and the fp32 ones when they could be computed; the step's
+    compulsory bytes (an MoE model's: the experts this step routes to)."""
 
     def __init__(self, bw: BenchWeights, inputs, dtype: torch.dtype):
-        self.logits = reference_logits(bw.weights, inputs)
+        routings: list = []
+        self.logits = reference_logits(bw.weights, inputs, routings)
+        self.bytes = step_bytes(bw.spec, inputs.context,
+                                routed_experts=routed_experts(routings) if bw.spec.is_moe else None)
         self.logits32, self.noise = None, None
         if dtype != torch.float32:
             try:
@@ -111,7 +115,7 @@ def measure(model: str, backend: str, ctx: PeerContext, ref: Reference, cfg: Dec
             emit: Emit) -> dict:
     """Build, check and time one backend; returns the result event (never raises)."""
     c = ctx.inputs.context
-    row = _row(model, c, backend, step_bytes(ctx.bw.spec, c))
+    row = _row(model, c, backend, ref.bytes)
     try:
         peer = BACKENDS[backend](ctx)
     except Unavailable as e:
@@ -171,7 +175,8 @@ def run_tasks(model: str, tasks: Sequence[tuple[int, str]], cfg: DecodeBenchConf
                 ctx_error = f"context setup: {_error_text(e)}"
         emit({"event": "start", "context": c, "backend": backend})
         if ctx_error is not None:
-            row = _row(model, c, backend, step_bytes(bw.spec, c), error=ctx_error)
+            # an MoE step's bytes depend on its routing, which the failed setup did not reach
+            row = _row(model, c, backend, None if bw.spec.is_moe else step_bytes(bw.spec, c), error=ctx_error)
         else:
             row = measure(model, backend, pctx, ref, cfg, emit_and_show)
         emit(row)

@@ -1,8 +1,8 @@
 """GGUF files (llama.cpp) -> ``ModelSpec`` + ``ModelWeights``; quantized tensors are dequantized on load.
 
-Spec: from ``{arch}.*`` metadata (arch = ``general.architecture`` in llama / qwen2 / qwen3 / qwen3moe); the vocabulary size
-is the length of ``tokenizer.ggml.tokens``; Llama 3 RoPE scaling is recovered from the ``rope_freqs.weight``
-tensor (llama.cpp stores the per-frequency divisors there, not the HF parameters, see ``_llama3_from_factors``).
+Spec: from ``{arch}.*`` metadata (arch = ``general.architecture`` in llama / qwen2 / qwen3 / qwen3moe); the
+vocabulary size is the length of ``tokenizer.ggml.tokens``; Llama 3 RoPE scaling is recovered from the
+``rope_freqs.weight`` tensor (llama.cpp stores the per-frequency divisors there, not the HF parameters, see ``_llama3_from_factors``).
 
 Weights: ``token_embd`` -> embed, ``output_norm`` -> final_norm, ``output`` -> lm_head (absent: tied),
 ``blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, attn_q_norm, attn_k_norm, ffn_norm, ffn_gate, ffn_up,

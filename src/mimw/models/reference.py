@@ -4,8 +4,9 @@ Plain PyTorch on any device, over the paged KV cache (``mimw.kv.pages``). One ``
 list of sequence segments, each a run of consecutive new tokens of one sequence (a prefill chunk, one decode token,
 or a speculative-verify block). Tokens attend causally to everything their sequence holds before them.
 
-Numerics follow Hugging Face transformers' Llama/Qwen2/Qwen3/Qwen3-MoE modules (the MoE MLP: ``mimw.models.moe``): RMSNorm in fp32 then cast back to the
-activation dtype before the weight multiply, RoPE tables in fp32, softmax in fp32; matmuls in the weight dtype.
+Numerics follow Hugging Face transformers' Llama/Qwen2/Qwen3/Qwen3-MoE modules (the MoE MLP: ``mimw.models.moe``):
+RMSNorm in fp32 then cast back to the activation dtype before the weight multiply, RoPE tables in fp32, softmax in
+fp32; matmuls in the weight dtype.
 Attention runs one block of queries at a time (``attention``), so no [heads, T, S] score matrix is ever whole: the
 default model's full 8k context prefills in a few hundred MB of scores.
 """

@@ -37,6 +37,8 @@ def build_model(ctx: PeerContext) -> nn.Module:
     except ImportError as e:
         raise Unavailable(f"transformers not installed ({e})") from None
     spec, w = ctx.bw.spec, ctx.bw.weights
+    if spec.is_moe:  # its experts would be allocated once more by _from_config, then copied into gate_up_proj
+        raise Unavailable("mixture-of-experts models are not mapped onto transformers' modules here")
     cfg = spec.to_hf_config()
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     cls = getattr(transformers, cfg["architectures"][0])

@@ -37,6 +37,8 @@ def mimw_reference(ctx: PeerContext) -> Peer:
 
 
 def mimw_megakernel(ctx: PeerContext) -> Peer:
+    if ctx.bw.spec.is_moe:
+        raise Unavailable("the megakernel's GPU kernel does not run mixture-of-experts layers yet")
     try:
         from ...megakernel.bench_backend import make_step
     except ImportError as e:
