@@ -34,5 +34,5 @@ def test_moe_batching_and_chunking_keep_greedy_output(moe_weights, cfg):
 def test_the_megakernel_backend_refuses_moe_models_before_touching_a_gpu(moe_weights):
     from mimw.engine.backends.megakernel import MegakernelBackend
 
-    with pytest.raises(RuntimeError, match="mixture-of-experts.*reference backend"):
+    with pytest.raises(ValueError, match="mixture-of-experts.*reference backend"):
         MegakernelBackend(moe_weights)

@@ -24,7 +24,7 @@ from .base import Backend
 class MegakernelBackend(Backend):
     def __init__(self, weights: ModelWeights, use_graph: bool = True, prefill: PrefillConfig = PrefillConfig()):
         if weights.spec.is_moe:  # megakernel/plan.py refuses the program too; say it before any GPU work
-            raise RuntimeError(f"the megakernel backend does not run mixture-of-experts models ({weights.spec.name}) "
+            raise ValueError(f"the megakernel backend does not run mixture-of-experts models ({weights.spec.name}) "
                                "yet; use the reference backend")
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             raise RuntimeError("the megakernel backend needs a Hopper (sm_90) GPU; use the reference backend")
