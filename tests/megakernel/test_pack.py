@@ -25,17 +25,25 @@ def test_each_tile_holds_half_a_tile_of_gate_then_the_same_rows_of_up(tile_rows)
         torch.testing.assert_close(torch.cat(got), expect[row0: row0 + nrows])
 
 
+def unfold(block: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """A packed tile [TK/32 * TR, 32] (chunk-major) back to its [TR, TK] weights."""
+    nf = block.shape[0] // tile_rows
+    return block.view(nf, tile_rows, 32).permute(1, 0, 2).reshape(tile_rows, nf * 32)
+
+
 @pytest.mark.parametrize("rows,k,tile_rows,tile_k", [(64, 512, 32, 256), (32, 576, 16, 512)])
-def test_tile_major_stores_every_tile_as_one_contiguous_block(rows, k, tile_rows, tile_k):
+def test_tile_major_stores_every_tile_as_one_contiguous_chunk_major_block(rows, k, tile_rows, tile_k):
     m = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     tiled = tile_major(m, tile_rows, tile_k)
     kt = -(-k // tile_k)
-    assert tiled.shape == (rows // tile_rows * kt, tile_rows, tile_k)
+    assert tiled.shape == (rows // tile_rows * kt, tile_k // 32 * tile_rows, 32) and tiled.is_contiguous()
     padded = torch.nn.functional.pad(m, (0, kt * tile_k - k))  # the zero columns past K
     for r in range(rows // tile_rows):
         for c in range(kt):
-            assert torch.equal(tiled[r * kt + c], padded[r * tile_rows: (r + 1) * tile_rows,
-                                                          c * tile_k: (c + 1) * tile_k])
+            want = padded[r * tile_rows: (r + 1) * tile_rows, c * tile_k: (c + 1) * tile_k]
+            assert torch.equal(unfold(tiled[r * kt + c], tile_rows), want)
+            # chunk j of the block: the tile's rows, columns [32j, 32j + 32): the [TR, 32] operands of the step
+            assert torch.equal(tiled[r * kt + c][:tile_rows], want[:, :32])
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3"])
@@ -57,14 +65,15 @@ def test_every_instructions_span_names_the_tiles_of_its_own_weights(name):
     cfg = Tuning(tile_rows=16, tile_k=32).program_config()  # several column tiles, so that parts and halves split
     prog = build_program(spec, StepShape((1,), 16), 8, cfg)
     packed = pack(w, prog.tiles, "cpu")
-    tiles = packed.tiles.view(-1, 16, 32).float()
+    tiles = packed.tiles.view(-1, 16, 32).float()  # one [TK/32 * TR, 32] block a tile (16 x 32 tiles here)
     hd = spec.head_dim
     checked = 0
     for ins in prog.instructions():
         t = ins.tiles
         if not t.n_tiles:
             continue
-        got = torch.cat([torch.cat([tiles[t.t0 + r * t.kt + k] for k in range(t.k0, t.k1)], 1) for r in range(t.nr)])
+        got = torch.cat([torch.cat([unfold(tiles[t.t0 + r * t.kt + k], 16) for k in range(t.k0, t.k1)], 1)
+                         for r in range(t.nr)])
         lw = w.layers[ins.layer] if not isinstance(ins, LmHead) else None
         if isinstance(ins, AttnIn):
             full = torch.cat([lw.wq, lw.wk, lw.wv])[ins.head * hd: (ins.head + 1) * hd]

@@ -20,12 +20,13 @@ from .ring import consumer_acquire, consumer_release
 def dot_tile(sm, it, k0, k1, C: gl.constexpr, REBASE: gl.constexpr = False):
     """One row tile: sum over column tiles [k0, k1) of W_tile . h_chunk -> ([TR] fp32 in SliceLayout(1, LAY), it'),
     on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). Column tile k's chunk is row k of ``hbuf``,
-    or with ``REBASE`` row k - k0 (``stage_span``). A tile-major [TR, TK] block read as a row-major [FR, FK] matrix
-    (FK = 32, FR = TR * NF, NF = TK / FK folds) has row NF r + j = W[r, FK j .. FK j + FK): the ring's slots hold
-    that view. Against the staged chunk read as B = [FK, NF] (column j = h[FK j .. FK j + FK)), D = A B holds in
-    D[NF r + j, j] row r's partial dot over fold j, so row r = sum_j D[NF r + j, j]. Per tile each warp issues
-    FR / 16 / num_warps * 2 ldmatrix.x4 and as many mma.sync, instead of TR * TK / 32 / num_warps converts and FMAs
-    a thread. The epilogue sums each row's NF folds through two layout conversions."""
+    or with ``REBASE`` row k - k0 (``stage_span``). A slot holds the tile chunk-major, as a row-major [FR, FK]
+    matrix (FK = 32, NF = TK / FK chunks, FR = NF * TR) whose row TR j + r = W[r, FK j .. FK j + FK) (launch/pack.py).
+    Against the staged chunk read as B = [FK, NF] (column j = h[FK j .. FK j + FK)), D = A B holds in D[TR j + r, j]
+    row r's partial dot over chunk j, so row r = sum_j D[TR j + r, j]. Per tile each warp issues
+    FR / 16 / num_warps * 2 ldmatrix.x4 and as many mma.sync. The epilogue keeps each row's diagonal entry and sums
+    the NF chunks of a row through one layout conversion. (A multi-token step reads the same slot as NF [TR, FK]
+    K-major operands of wgmma.)"""
     bufs = sm.bufs
     hbuf = sm.hbuf
     FR: gl.constexpr = bufs.type.shape[1]
@@ -51,9 +52,10 @@ def dot_tile(sm, it, k0, k1, C: gl.constexpr, REBASE: gl.constexpr = False):
         it += 1
     r = gl.arange(0, FR, gl.SliceLayout(1, MMA))
     j = gl.arange(0, NF, gl.SliceLayout(0, MMA))
-    diag = gl.sum(gl.where(gl.expand_dims(r % NF, 1) == gl.expand_dims(j, 0), acc, 0.0), axis=1)  # [FR]
-    folds = gl.reshape(gl.convert_layout(diag, gl.BlockedLayout([NF], [32], [NW], [0])), [TR, NF])
-    return gl.convert_layout(gl.sum(folds, axis=1), gl.SliceLayout(1, layouts.tile(C))), it
+    diag = gl.sum(gl.where(gl.expand_dims(r // TR, 1) == gl.expand_dims(j, 0), acc, 0.0), axis=1)  # [FR]
+    CH: gl.constexpr = gl.BlockedLayout([NF, 1], [1, 32], [1, NW], [0, 1])  # a thread: one row's NF chunks
+    chunks = gl.convert_layout(gl.reshape(diag, [NF, TR]), CH)
+    return gl.convert_layout(gl.sum(chunks, axis=0), gl.SliceLayout(1, layouts.tile(C))), it
 
 
 @gluon.jit

@@ -2,8 +2,9 @@
 the order and tile shape the plan streams them, plus the small vectors the instructions read. Done once per model;
 the hot path never repacks.
 
-  tiles [num_tiles * TR * TK / 32, 32] bf16   tile t = rows [t * TR * TK / 32, +TR * TK / 32): one tile-major
-                                             [TR, TK] block (columns past K zero), read by one TMA load
+  tiles [num_tiles * TR * TK / 32, 32] bf16   tile t = rows [t * TR * TK / 32, +TR * TK / 32): one [TR, TK]
+                                             block stored chunk-major (its 32-column chunks one after the other,
+                                             each TR rows; columns past K zero), read by one TMA load
   embed [V, D] bf16                           row-major: layer 0 reads one token's row
 plus norms [L, D] (bf16), qkv bias [L, (Hq+2Hkv) hd] (fp32), q/k norm [L, hd], RoPE inv_freq.
 MLP_IN's gate and up rows interleave in TR/2-row halves (``interleave_gate_up``), so one tile yields TR/2 outputs.
@@ -41,20 +42,23 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, tile_rows: int) -> 
 
 
 def tile_major(m: torch.Tensor, tile_rows: int, tile_k: int) -> torch.Tensor:
-    """[R, K] -> [R/TR * KT, TR, TK]: tile (row tile r, column tile c) at index r*KT + c, one contiguous block;
-    columns past K (K not a multiple of TK) are zero."""
+    """[R, K] -> [R/TR * KT, TK/32 * TR, 32]: tile (row tile r, column tile c) at index r*KT + c, one contiguous
+    block stored chunk-major: its TK/32 chunks of 32 columns one after the other, each the tile's TR rows of 32
+    columns (row j*TR + i of the block = row i, columns [32j, 32j + 32) of the tile). Columns past K (K not a
+    multiple of TK) are zero."""
     r, k = m.shape
     kt = -(-k // tile_k)
     if kt * tile_k != k:
         m = torch.nn.functional.pad(m, (0, kt * tile_k - k))
-    return m.reshape(r // tile_rows, tile_rows, kt, tile_k).permute(0, 2, 1, 3).reshape(-1, tile_rows, tile_k)
+    nf = tile_k // 32
+    return m.reshape(r // tile_rows, tile_rows, kt, nf, 32).permute(0, 2, 3, 1, 4).reshape(-1, nf * tile_rows, 32)
 
 
 def pack(w: ModelWeights, wt: WeightTiles, device: torch.device | str = "cuda") -> PackedWeights:
     spec = w.spec
     bf = dict(device=device, dtype=torch.bfloat16)
     tr, tk = wt.tile_rows, wt.tile_k
-    tiles = torch.empty(wt.num_tiles, tr, tk, **bf)
+    tiles = torch.empty(wt.num_tiles, tr * tk // 32, 32, **bf)
     per_layer = {"qkv": lambda l: torch.cat([l.wq, l.wk, l.wv]), "o": lambda l: l.wo,
                  "gu": lambda l: interleave_gate_up(l.w_gate, l.w_up, tr), "down": lambda l: l.w_down}
     for name, block in per_layer.items():  # layer by layer into place: no whole-matrix temporaries
