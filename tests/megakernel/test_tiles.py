@@ -17,9 +17,11 @@ from mimw.models.weights import random_weights
 
 
 def pack_moe(w, wt: WeightTiles) -> torch.Tensor:
-    """[num_tiles, TR, TK]: the MoE matrices' tiles in place (the rest zero)."""
+    """[num_tiles, TR, TK]: the MoE matrices' tiles in place (the rest zero), each unfolded from its chunk-major
+    block back to [TR, TK]."""
     spec, tr, tk = w.spec, wt.tile_rows, wt.tile_k
     out = torch.zeros(wt.num_tiles, tr, tk)
+    fk = min(32, tk)
     layers = [w.layers[l] for l in spec.moe_layers]
     blocks = {"router": [F.pad(lw.router, (0, 0, 0, router_rows(spec, tr) - spec.num_experts)) for lw in layers],
               "egu": [interleave_gate_up(lw.e_gate[e], lw.e_up[e], tr) for lw in layers
@@ -28,8 +30,9 @@ def pack_moe(w, wt: WeightTiles) -> torch.Tensor:
     for name, mats in blocks.items():
         t = wt[name].base
         for m in mats:
-            tiles = tile_major(m, tr, tk)
-            out[t: t + len(tiles)] = tiles
+            tiles = tile_major(m, tr, tk)  # [n, TK/FK * TR, FK] chunk-major
+            unfolded = tiles.view(len(tiles), tk // fk, tr, fk).permute(0, 2, 1, 3).reshape(-1, tr, tk)
+            out[t: t + len(tiles)] = unfolded
             t += len(tiles)
     return out
 

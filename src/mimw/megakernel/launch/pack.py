@@ -42,16 +42,17 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, tile_rows: int) -> 
 
 
 def tile_major(m: torch.Tensor, tile_rows: int, tile_k: int) -> torch.Tensor:
-    """[R, K] -> [R/TR * KT, TK/32 * TR, 32]: tile (row tile r, column tile c) at index r*KT + c, one contiguous
-    block stored chunk-major: its TK/32 chunks of 32 columns one after the other, each the tile's TR rows of 32
-    columns (row j*TR + i of the block = row i, columns [32j, 32j + 32) of the tile). Columns past K (K not a
-    multiple of TK) are zero."""
+    """[R, K] -> [R/TR * KT, TK/FK * TR, FK] (FK = 32, or TK where it is smaller): tile (row tile r, column tile c)
+    at index r*KT + c, one contiguous block stored chunk-major: its TK/FK chunks of FK columns one after the other,
+    each the tile's TR rows of FK columns (row j*TR + i of the block = row i, columns [FK j, FK j + FK) of the tile).
+    Columns past K (K not a multiple of TK) are zero."""
     r, k = m.shape
     kt = -(-k // tile_k)
     if kt * tile_k != k:
         m = torch.nn.functional.pad(m, (0, kt * tile_k - k))
-    nf = tile_k // 32
-    return m.reshape(r // tile_rows, tile_rows, kt, nf, 32).permute(0, 2, 3, 1, 4).reshape(-1, nf * tile_rows, 32)
+    fk = min(32, tile_k)
+    nf = tile_k // fk
+    return m.reshape(r // tile_rows, tile_rows, kt, nf, fk).permute(0, 2, 3, 1, 4).reshape(-1, nf * tile_rows, fk)
 
 
 def pack(w: ModelWeights, wt: WeightTiles, device: torch.device | str = "cuda") -> PackedWeights:
