@@ -6,6 +6,11 @@ verify their drafts -> stop checks and incremental detokenisation, token by toke
 step; a verified draft gives several tokens in one event). Everything here runs on one thread (``EngineLoop``
 provides it); it is not thread-safe.
 
+Sessions (``sessions.SessionTable``): a request may name a session; when it finishes, the session retains its
+pages (pinned in the ``Retention`` that orders every tier's evictions) until the session's TTL runs out or it is
+closed. With ``host_kv_bytes``, a host tier (``mimw.kv.host_tier``) keeps pages the device cache evicts; ``step``
+fences the compute on copies of reused pages first and backs up the pages the next evictions will take after.
+
 Request validation lives here too, so that every front end (server, CLI, benchmarks) rejects the same inputs:
 ``check_lengths`` raises ``RequestError`` naming the offending parameter.
 """
@@ -19,7 +24,10 @@ from typing import Callable, Sequence
 import torch
 
 from ..kv.allocator import PageAllocator
+from ..kv.host_tier import HostKVTier
 from ..kv.prefix import PrefixCache
+from ..kv.retention import POLICIES, Retention
+from ..kv.transfer import PageCopier
 from ..models.reference import Segment
 from . import chunking
 from .backends.base import Backend
@@ -30,6 +38,7 @@ from .sampling import SamplingParams, TokenContext, make_generator, sample_batch
 from .scheduler import Scheduler, SchedulerConfig
 from .spec.drafter import NO_DRAFT
 from .spec.speculator import SpecStats, Speculator
+from .sessions import MAX_SESSION_ID_CHARS, SessionTable
 
 
 class RequestError(ValueError):
@@ -53,10 +62,20 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_prefill_step_tokens: int = 0  # tokens of a step with no decoding request (0: max_step_tokens)
     attention_cost_tokens: int | None = None  # chunk cost model's R (engine/chunking.py); None: from the model
+    session_ttl_s: float = 300.0  # a session's pages are retained this long after its last request
+    max_sessions: int = 4096  # live sessions at most (the least recently used idle one is closed past it)
+    kv_eviction: str = "session"  # "session": live sessions' pages are evicted last; "lru": plain LRU
+    host_kv_bytes: int = 0  # host-memory KV tier (0: none); needs the prefix cache
 
     def __post_init__(self) -> None:
         if self.num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+        if self.kv_eviction not in POLICIES:
+            raise ValueError(f"kv_eviction must be one of {', '.join(POLICIES)}, got {self.kv_eviction!r}")
+        if self.session_ttl_s < 0 or self.max_sessions <= 0 or self.host_kv_bytes < 0:
+            raise ValueError("session_ttl_s and host_kv_bytes must be >= 0 and max_sessions positive")
+        if self.host_kv_bytes and not self.enable_prefix_cache:
+            raise ValueError("the host KV tier keeps prefix-cache pages: it needs the prefix cache enabled")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         self.scheduler_config()  # validates the rest
@@ -81,11 +100,19 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of requests whose prefill completed (cached ones included)
     generation_tokens: int = 0  # tokens sampled, counted when sampled (aborted requests' included)
     spec: SpecStats | None = None  # speculative decoding's counters (None without a speculator)
+    restoring: int = 0  # admitted requests waiting for pages from the host tier
+    prefix_host_hit_tokens: int = 0  # of prefix_hit_tokens, those restored from the host tier
+    host_pages_total: int = 0
+    host_pages_used: int = 0
+    kv_bytes_to_host: int = 0
+    kv_bytes_to_device: int = 0
+    sessions_live: int = 0
 
 
 class Engine:
     def __init__(self, backend: Backend, tokenizer: Decoder, config: EngineConfig,
-                 eos_token_ids: Sequence[int] = (), speculator: Speculator | None = None):
+                 eos_token_ids: Sequence[int] = (), speculator: Speculator | None = None,
+                 host_copier: PageCopier | None = None):
         self.backend = backend
         self.speculator = speculator
         self.tokenizer = tokenizer
@@ -95,10 +122,20 @@ class Engine:
                                  spec.max_position_embeddings, config.num_pages * config.page_size)
         self.eos_token_ids = frozenset(eos_token_ids) | frozenset(spec.eos_token_ids)
         self.cache = backend.make_cache(config.page_size, config.num_pages)
-        self.prefix = PrefixCache(config.page_size) if config.enable_prefix_cache else None
+        self.retention = Retention(config.kv_eviction)
+        self.sessions = SessionTable(self.retention, config.session_ttl_s, config.max_sessions)
+        self.prefix = PrefixCache(config.page_size, self.retention) if config.enable_prefix_cache else None
+        self.host = None
+        if config.host_kv_bytes and self.prefix is not None:
+            self.host = HostKVTier.for_bytes(self.cache, config.host_kv_bytes, self.retention, host_copier)
+            self.prefix.on_evict = self.host.on_device_evict
+        # pages the next step may take: keep this many free or backed up on the host
+        self._backup_window = -(-config.max_step_tokens // config.page_size) + config.max_batch
         self.allocator = PageAllocator(config.num_pages, self.prefix)
         self.scheduler = Scheduler(config.scheduler_config(chunking.attention_cost_tokens(spec)), self.allocator,
-                                   self.prefix)
+                                   self.prefix, self.host)
+        self._session_of: dict[str, str] = {}  # request id -> its session, while the session retains for it
+        self._close_after: dict[str, str] = {}  # request id -> the session to close when it finishes
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, TextStream] = {}
         self._preemptions = 0
@@ -141,12 +178,23 @@ class Engine:
             raise RequestError(f"the grammar was compiled for a vocabulary of {params.grammar.vocab_size} ids, "
                                f"the model has {vocab}", "response_format")
 
+    @staticmethod
+    def check_session_id(session_id: str | None) -> None:
+        if session_id is not None and not (isinstance(session_id, str) and
+                                           1 <= len(session_id) <= MAX_SESSION_ID_CHARS):
+            raise RequestError(f"session_id must be a string of 1 to {MAX_SESSION_ID_CHARS} characters",
+                               "session_id")
+
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    arrival_time: float | None = None, session_id: str | None = None) -> Request:
+                    arrival_time: float | None = None, session_id: str | None = None,
+                    close_session: bool = False) -> Request:
+        """Queue a request. ``session_id``: its session retains its pages when it finishes (unknown ids start a
+        session; a recently closed one runs without retention); ``close_session``: close it after this request."""
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}", "request_id")
         self.validate(prompt_token_ids, params)
+        self.check_session_id(session_id)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, stop_ids, on_output, session_id=session_id)
         if arrival_time is not None:
@@ -156,8 +204,17 @@ class Engine:
             req.matcher = params.grammar.matcher()
         self._requests[request_id] = req
         self._detok[request_id] = TextStream(self.tokenizer, req.prompt_token_ids, params.stop)
+        if session_id is not None:
+            if self.sessions.begin(session_id, time.monotonic()):
+                self._session_of[request_id] = session_id
+            if close_session:
+                self._close_after[request_id] = session_id
         self.scheduler.add(req)
         return req
+
+    def close_session(self, session_id: str) -> bool:
+        """Stop retaining a session's pages (they stay cached as ordinary pages); False if it was not live."""
+        return self.sessions.close(session_id, time.monotonic())
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request (frees its pages now); False if it is unknown or already finished."""
@@ -181,13 +238,21 @@ class Engine:
 
     def stats(self) -> EngineStats:
         p = self.prefix
+        h = self.host.stats() if self.host else None
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.allocator.num_pages,
                            self.allocator.num_in_use, self.allocator.num_parked, p.query_tokens if p else 0,
                            p.hit_tokens if p else 0, self._preemptions, self._steps, self._prompt_tokens,
-                           self._generation_tokens, self.speculator.stats() if self.speculator else None)
+                           self._generation_tokens, self.speculator.stats() if self.speculator else None,
+                           restoring=len(self.scheduler.loading), prefix_host_hit_tokens=p.host_hit_tokens if p else 0,
+                           host_pages_total=h.pages_total if h else 0, host_pages_used=h.pages_used if h else 0,
+                           kv_bytes_to_host=h.bytes_to_host if h else 0,
+                           kv_bytes_to_device=h.bytes_to_device if h else 0, sessions_live=self.sessions.num_live)
 
     # --- one step -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.sessions.expire(time.monotonic())
+        if self.host is not None:
+            self.host.poll()
         plan = self.scheduler.schedule()
         self._preemptions += len(plan.preempted)
         if not plan.chunks:
@@ -205,11 +270,15 @@ class Engine:
             tokens += c.request.token_ids[c.start:c.start + c.length] + list(d)
             segments.append(Segment(tuple(c.request.block_table), c.start, c.length + len(d),
                                     _num_logits(c) + len(d)))
+        if self.host is not None:
+            self.host.fence()  # this step may overwrite reallocated pages that copies still touch
         try:
             logits = self.backend.forward(torch.tensor(tokens, dtype=torch.long), segments, self.cache)
         except Exception as e:  # a failed step fails its requests, never the engine
             return [self._finish(c.request, "error", "", error=f"{type(e).__name__}: {e}") for c in plan.chunks]
         self.scheduler.commit(plan)
+        if self.host is not None and self._backup_window > self.allocator.num_free:
+            self.host.backup(self.prefix, self._backup_window - self.allocator.num_free)  # type: ignore[arg-type]
         ends = list(itertools.accumulate(s.num_logits for s in segments))  # row after each segment's last
         self._collect_prompt_logprobs(plan.chunks, segments, ends, logits)
         done = [c for c in plan.chunks if c.samples]
@@ -345,9 +414,17 @@ class Engine:
         del self._requests[r.request_id]
         if flush:
             text += stream.finish()
+        now = time.monotonic()
+        sid = self._session_of.pop(r.request_id, None)
+        if sid is not None:  # before the pages are released, so that they park as the session's
+            done = reason in ("stop", "length")
+            self.sessions.end(sid, tuple(r.page_hashes[:r.num_registered]) if done else None, now)
         self.scheduler.finish(r, reason)
         if self.speculator is not None:
             self.speculator.finish(r)
+        close = self._close_after.pop(r.request_id, None)
+        if close is not None:
+            self.sessions.close(close, now)
         return self._event(r, text, token_ids, error, logprobs)
 
     def _event(self, r: Request, text: str, token_ids: tuple[int, ...], error: str | None = None,

@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from concurrent.futures import Future
 from typing import Callable, Sequence
 
 from .engine import Engine, EngineStats, RequestError
@@ -73,18 +74,30 @@ class EngineLoop:
 
     # --- called from other threads ------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-               on_output: Callable[[RequestOutput], None]) -> None:
-        """Queue a request. Validates lengths first (``RequestError``); ``QueueFull`` past ``max_queue``."""
+               on_output: Callable[[RequestOutput], None], session_id: str | None = None,
+               close_session: bool = False) -> None:
+        """Queue a request. Validates lengths first (``RequestError``); ``QueueFull`` past ``max_queue``.
+        ``session_id`` / ``close_session``: see ``Engine.add_request``."""
         if not self.alive:
             raise EngineDead(self.error or ("the server is shutting down" if self._closing else
                                             "the engine is not running"))
         self.engine.validate(prompt_token_ids, params)  # pure: safe from any thread
+        self.engine.check_session_id(session_id)
         with self._cv:
             if self._pending >= self.max_queue:
                 raise QueueFull(f"{self._pending} requests are already waiting (limit {self.max_queue})")
             self._pending += 1
-            self._inbox.append(("add", request_id, list(prompt_token_ids), params, on_output, time.monotonic()))
+            self._inbox.append(("add", request_id, list(prompt_token_ids), params, on_output, time.monotonic(),
+                                session_id, close_session))
             self._cv.notify()
+
+    def close_session(self, session_id: str) -> "Future[bool]":
+        """Close a session on the loop thread; the future says whether it was live."""
+        fut: Future[bool] = Future()
+        with self._cv:
+            self._inbox.append(("close_session", session_id, fut))
+            self._cv.notify()
+        return fut
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -123,12 +136,17 @@ class EngineLoop:
             raise
         finally:
             self.engine.abort_all()
+            with self._cv:  # nobody will apply these any more
+                for cmd in self._inbox:
+                    if cmd[0] == "close_session" and not cmd[2].done():
+                        cmd[2].set_result(False)
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, ids, params, on_output, t = cmd
+            _, rid, ids, params, on_output, t, sid, close = cmd
             try:
-                self.engine.add_request(rid, ids, params, on_output, arrival_time=t)
+                self.engine.add_request(rid, ids, params, on_output, arrival_time=t, session_id=sid,
+                                        close_session=close)
             except RequestError as e:  # raced past submit's checks (e.g. a bad token id): report, don't crash
                 with self._cv:
                     self._pending -= 1
@@ -138,6 +156,8 @@ class EngineLoop:
                     pass
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
+        elif cmd[0] == "close_session":
+            cmd[2].set_result(self.engine.close_session(cmd[1]))
         else:
             self.engine.abort_all()
 

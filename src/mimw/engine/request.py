@@ -1,10 +1,11 @@
-"""A generation request and its lifecycle: WAITING -> RUNNING -> (preempted -> WAITING ->) ... -> FINISHED.
+"""A generation request and its lifecycle: WAITING -> [LOADING ->] RUNNING -> (preempted -> WAITING ->) ... -> FINISHED.
 
 ``token_ids`` is the prompt followed by every sampled token. The K/V of positions [0, num_computed) are in the
 pages of ``block_table`` (the ``mimw.kv.pages`` layout: position p lives in ``block_table[p // page_size]``).
 Positions [num_computed, len(token_ids)) still have to be run through the model: the whole prompt right after
 admission (prefill, possibly in chunks), exactly one token while decoding, or prompt + outputs again after a
-preemption (the request lost its pages and recomputes them, mostly from the prefix cache).
+preemption (the request lost its pages and recomputes them, mostly from the prefix cache). LOADING: admitted with
+prefix pages that are still being copied back from the host tier; it runs once they have arrived.
 
 Invariants:
   * len(block_table) == pages_for(num_computed) between steps (pages are allocated when a chunk is scheduled).
@@ -28,6 +29,7 @@ from .sampling import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -84,6 +86,7 @@ class Request:
     page_hashes: list[bytes] = field(init=False, default_factory=list)  # chain hashes of full token pages
     num_registered: int = field(init=False, default=0)  # leading pages of block_table offered to the prefix cache
     num_cached_tokens: int = field(init=False, default=0)  # prompt tokens found in the prefix cache at admission
+    num_host_cached_tokens: int = field(init=False, default=0)  # of which were restored from the host tier
     num_preemptions: int = field(init=False, default=0)
     admitted_once: bool = field(init=False, default=False)
     finish_reason: str | None = field(init=False, default=None)

@@ -17,6 +17,11 @@ Policy, oldest request first (FCFS):
   2. Waiting requests (preempted ones first, then arrival order) while there is budget, batch room and pages:
      full pages of the request's tokens found in the prefix cache are shared instead of recomputed. Admission
      never preempts, and keeps one spare page per running request so that decoders do not immediately evict it.
+     With a host tier, the prefix continues through pages the host holds: they get fresh device pages and one
+     restore copy, and the request waits in ``loading`` (not the step) until they have arrived; then it joins
+     the running requests. Loading requests count against ``max_batch``.
+  Finished and preempted requests release their pages last page first, so that among pages released together
+  the tail of a prefix is evicted before its head (a chain broken at its head matches nothing).
 
 Pure host logic (no tensors): the engine turns a ``StepPlan`` into backend calls, then calls ``commit``.
 """
@@ -26,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..kv.allocator import PageAllocator
+from ..kv.host_tier import HostKVTier
 from ..kv.prefix import PrefixCache, chain_hashes
 from .chunking import chunk_cost, fair_shares, tokens_within
 from .request import Request, Status
@@ -75,22 +81,26 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, prefix: PrefixCache | None):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, prefix: PrefixCache | None,
+                 host: HostKVTier | None = None):
         self.cfg = config
         self.alloc = allocator
         self.prefix = prefix
+        self.host = host if prefix is not None else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # admitted, waiting for prefix pages restored from the host tier
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # --- planning -----------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        self._promote_loaded()
         chunks: list[Chunk] = []
         preempted: list[Request] = []
         decoders_behind = sum(1 for r in self.running if r.num_pending == 1)
@@ -124,13 +134,15 @@ class Scheduler:
                 budget -= n
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch:
-            chunk = self._admit(self.waiting[0], budget, r_cost)
-            if chunk is None:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.cfg.max_batch:
+            r = self.waiting[0]
+            chunk = self._admit(r, budget, r_cost)
+            if r.status is Status.WAITING:
                 break
             self.waiting.popleft()
-            chunks.append(chunk)
-            budget -= chunk.length
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= chunk.length
         return StepPlan(tuple(chunks), tuple(preempted))
 
     def _prefill_shares(self, budget: int, r_cost: int) -> dict[int, int]:
@@ -140,12 +152,18 @@ class Scheduler:
         if not prefilling:
             return {}
         cands = list(prefilling)
-        if (self.waiting and len(self.running) < self.cfg.max_batch
+        if (self.waiting and len(self.running) + len(self.loading) < self.cfg.max_batch
                 and self.alloc.num_available > len(self.running)):
             cands.append(self.waiting[0])
         shares = fair_shares(budget, [chunk_cost(r.num_pending, r.num_computed, r_cost) for r in cands])
         return {id(r): tokens_within(c, r.num_computed, r.num_pending, r_cost)
                 for r, c in zip(prefilling, shares)}
+
+    def _promote_loaded(self) -> None:
+        for r in [r for r in self.loading if self.host.ready(r.block_table)]:  # type: ignore[union-attr]
+            self.loading.remove(r)
+            r.status = Status.RUNNING
+            self.running.append(r)
 
     def _fits(self, r: Request, spare: int = 0) -> int:
         """Tokens of r's next chunk whose pages can be had now (room in its last page + available pages)."""
@@ -159,27 +177,72 @@ class Scheduler:
         return Chunk(r, r.num_computed, n)
 
     def _admit(self, r: Request, budget: int, r_cost: int = 0) -> Chunk | None:
+        """Admit ``r`` (status RUNNING with its first chunk, or LOADING without one) or leave it WAITING."""
         ps = self.cfg.page_size
+        spare = len(self.running)
+        restored = 0
         if self.prefix is not None and not r.needs_prompt_logits:  # prompt logprobs need every prompt row
             hashes = chain_hashes(r.token_ids, ps, r.page_hashes)
             usable = (r.num_tokens - 1) // ps  # keep >= 1 token to compute: the next token needs its logits
-            hit = self.prefix.match(hashes[:usable])
-            self.alloc.share(hit)
-            r.block_table = list(hit)
-            r.num_computed, r.num_registered = len(hit) * ps, len(hit)
-        n = min(tokens_within(budget, r.num_computed, r.num_pending, r_cost), self._fits(r, spare=len(self.running)))
-        if n <= 0:
-            self.alloc.release(r.block_table)
+            r.block_table, restored = self._match(hashes[:usable], spare)
+            r.num_computed = r.num_registered = len(r.block_table) * ps
+        loading = self.host is not None and not self.host.ready(r.block_table)
+        n = min(tokens_within(budget, r.num_computed, r.num_pending, r_cost), self._fits(r, spare=spare))
+        if n <= 0 and not loading:
+            self.alloc.release(reversed(r.block_table))
             r.block_table, r.num_computed, r.num_registered = [], 0, 0
             return None
         if not r.admitted_once:
             r.admitted_once = True
             r.num_cached_tokens = r.num_computed
+            r.num_host_cached_tokens = restored * ps
             if self.prefix is not None:
-                self.prefix.record_lookup(r.num_prompt_tokens, r.num_computed)
+                self.prefix.record_lookup(r.num_prompt_tokens, r.num_computed, restored * ps)
+        if loading:
+            r.status = Status.LOADING
+            self.loading.append(r)
+            return None
         r.status = Status.RUNNING
         self.running.append(r)
         return self._take(r, n)
+
+    def _match(self, hashes: list[bytes], spare: int) -> tuple[list[int], int]:
+        """Pages of the longest cached prefix of ``hashes``, each from the device cache (shared) or, failing that,
+        from the host tier (restored into fresh pages); returns (block table, number of restored pages).
+        Restores stop where they would leave fewer than ``spare`` + 1 pages for the request's first chunk and the
+        running requests."""
+        assert self.prefix is not None
+        plan: list[int | bytes] = []  # a device page, or the hash of a host page to restore
+        room = self.alloc.num_available - spare - 1
+        for h in hashes:
+            p = self.prefix.lookup(h)
+            if p is not None:
+                room -= self.alloc.refcount(p) == 0  # sharing a parked page takes it out of the available ones
+                plan.append(p)
+            elif self.host is not None and self.host.lookup(h) is not None and room > 0:
+                room -= 1
+                plan.append(h)
+            else:
+                break
+        self.alloc.share([x for x in plan if isinstance(x, int)])  # first: the allocation below may evict
+        want = [x for x in plan if isinstance(x, bytes)]
+        if not want:
+            return list(plan), 0  # type: ignore[arg-type]
+        assert self.host is not None
+        self.host.hold(want)  # the evictions below may offload to the host: keep these pages there
+        fresh = self.alloc.allocate(len(want))
+        self.host.restore(want, fresh)
+        it = iter(fresh)
+        table = []
+        for x in plan:
+            if isinstance(x, bytes):
+                p = next(it)
+                registered = self.prefix.insert(x, p)
+                assert registered, "a restored page's hash is already cached on the device"
+                table.append(p)
+            else:
+                table.append(x)
+        return table, len(want)
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
@@ -234,6 +297,8 @@ class Scheduler:
         """End a request (any state): release its pages and drop it from the queues."""
         if r.status is Status.RUNNING:
             self.running.remove(r)
+        elif r.status is Status.LOADING:
+            self.loading.remove(r)
         elif r.status is Status.WAITING:
             try:
                 self.waiting.remove(r)
@@ -244,7 +309,7 @@ class Scheduler:
         r.finish_reason = reason
 
     def _free(self, r: Request) -> None:
-        self.alloc.release(r.block_table)
+        self.alloc.release(reversed(r.block_table))  # tail first: the head of a prefix stays cached longest
         r.block_table = []
         r.num_computed = 0
         r.num_registered = 0

@@ -63,6 +63,12 @@ class PagedKVCache:
     def device(self) -> torch.device:
         return self.k.device
 
+    def page_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor that holds per-page state, each laid out [num_layers, num_pages, ...]: what moves with a
+        page between memory tiers (``mimw.kv.host_tier``), so that a layout adding per-page data (scales) adds it
+        here and the tier moves it too."""
+        return (self.k, self.v)
+
     def slots(self, block_table: Sequence[int], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(page ids, rows) for ``positions`` [T] of a sequence with ``block_table``."""
         ps = self.layout.page_size
