@@ -154,3 +154,36 @@ def test_for_bytes_sizes_the_pool_from_every_per_page_tensor():
     assert HostKVTier.for_bytes(cache, 5 * per_page + 1).num_pages == 5
     with pytest.raises(ValueError, match="holds no page"):
         HostKVTier.for_bytes(cache, per_page - 1)
+
+
+def test_a_restore_waits_for_the_offload_that_writes_its_host_page():
+    copier = DeferredCopier()
+    cache, _, host, prefix, alloc = stack(copier=copier)
+    hs, pages = park_new(alloc, prefix, cache, [1])
+    snap = snapshot(cache, pages[0])
+    alloc.allocate(4)  # page 0 evicted: its offload is pending
+    alloc.release(range(4))
+    host.hold(hs)
+    [fresh] = alloc.allocate(1)
+    t = host.restore(hs, [fresh])
+    copier.fence([t])  # run the restore as soon as it may: after the offload it depends on
+    assert copier.num_pending == 0 and same(cache, fresh, snap)
+
+
+def test_an_offload_into_a_host_page_waits_for_the_restore_reading_it():
+    copier = DeferredCopier()
+    cache, _, host, prefix, alloc = stack(host_pages=1, copier=copier)
+    hs, pages = park_new(alloc, prefix, cache, [1])
+    snap = snapshot(cache, pages[0])
+    alloc.release(alloc.allocate(4))  # page 0 offloaded into the only host page
+    copier.run()
+    host.hold(hs)
+    [fresh] = alloc.allocate(1)
+    t_restore = host.restore(hs, [fresh])  # pending: still has to read the host page
+    more, _ = park_new(alloc, prefix, cache, [2], value0=40.0)
+    alloc.allocate(3)  # evicts page "2": its offload reuses the host page the restore reads
+    assert host.lookup(more[0]) is not None and host.lookup(hs[0]) is None
+    t_off = host._host_last[0]
+    assert t_off is not t_restore
+    copier.fence([t_off])
+    assert t_restore.done() and same(cache, fresh, snap)

@@ -14,7 +14,9 @@ How pages move (``mimw.kv.transfer`` does the copies, asynchronously on a GPU):
 
 Ordering rules (what makes the copies safe without ever blocking the host):
   * A batch is issued after the compute work that wrote its source pages (``CudaCopier`` waits on the compute
-    stream); batches run in issue order, so host pages need no locks.
+    stream) and after the unfinished batches that last touched any of its pages, device or host (``after``): a
+    page is never read before the copy writing it, nor overwritten before the copy reading it, in either
+    direction. Offloads and restores otherwise run independently.
   * A device page with an unfinished copy that is handed to a new owner (evicted, then reallocated) puts that copy
     on the fence list; ``fence`` (called before every step) makes the compute stream wait for it.
   * A device page being restored is read by no step before ``ready`` reports it: the scheduler checks every
@@ -61,7 +63,8 @@ class HostKVTier:
         self.index = PrefixCache(cache.layout.page_size, retention)
         self._free = list(range(num_pages - 1, -1, -1))
         self._loading: dict[int, Transfer] = {}  # device page -> the restore writing it, until done
-        self._reading: dict[int, Transfer] = {}  # device page -> the offload reading it, until done
+        self._device_last: dict[int, Transfer] = {}  # device page -> the last unfinished copy touching it
+        self._host_last: dict[int, Transfer] = {}  # host page -> the last unfinished copy touching it
         self._fence: list[Transfer] = []  # copies the next step's compute must wait for
         self.bytes_to_host = self.bytes_to_device = self.pages_offloaded = self.pages_restored = 0
 
@@ -100,10 +103,10 @@ class HostKVTier:
             self._offload([(h, page)])
         else:
             self.index.park(self.index.lookup(h))  # evicted from the device: now the most recent host copy
-        for pending in (self._loading, self._reading):
-            t = pending.pop(page, None)
-            if t is not None and not t.done():
-                self._fence.append(t)  # the new owner's first write waits for this copy
+        self._loading.pop(page, None)
+        t = self._device_last.get(page)
+        if t is not None and not t.done():
+            self._fence.append(t)  # the new owner's first write waits for this copy
 
     def backup(self, device_prefix: PrefixCache, n: int) -> int:
         """Copy to the host the next ``n`` device pages the device cache would evict, where the host lacks them
@@ -111,7 +114,7 @@ class HostKVTier:
         items = []
         for p in device_prefix.next_evicted(n):
             h = device_prefix.hash_of(p)
-            if h is not None and self.index.lookup(h) is None and p not in self._reading and p not in self._loading:
+            if h is not None and self.index.lookup(h) is None and p not in self._loading:
                 items.append((h, p))
         self._offload(items)
         return len(items)
@@ -133,9 +136,11 @@ class HostKVTier:
                 raise KeyError("restore of a page the host tier does not hold")
             self.index.park(hp)  # evictable again, as the most recent of its class
             host_pages.append(hp)
-        t = self.copier.restore(self.tensors, host_pages, self.cache.page_tensors(), list(pages))
+        t = self.copier.restore(self.tensors, host_pages, self.cache.page_tensors(), list(pages),
+                                after=self._after(pages, host_pages))
         self.bytes_to_device += t.nbytes
         self.pages_restored += len(host_pages)
+        self._track(t, pages, host_pages)
         if not t.done():
             for p in pages:
                 self._loading[p] = t
@@ -149,7 +154,7 @@ class HostKVTier:
 
     def poll(self) -> None:
         """Forget finished copies."""
-        for pending in (self._loading, self._reading):
+        for pending in (self._loading, self._device_last, self._host_last):
             for p in [p for p, t in pending.items() if t.done()]:
                 del pending[p]
 
@@ -172,9 +177,25 @@ class HostKVTier:
             pages.append(p)
         if not pages:
             return
-        t = self.copier.offload(self.cache.page_tensors(), pages, self.tensors, host_pages)
+        t = self.copier.offload(self.cache.page_tensors(), pages, self.tensors, host_pages,
+                                after=self._after(pages, host_pages))
         self.bytes_to_host += t.nbytes
         self.pages_offloaded += len(pages)
+        self._track(t, pages, host_pages)
+
+    def _after(self, pages: Sequence[int], host_pages: Sequence[int]) -> list[Transfer]:
+        """The unfinished copies that last touched any of these pages: a new copy of them runs after those."""
+        out: dict[int, Transfer] = {}
+        for last, keys in ((self._device_last, pages), (self._host_last, host_pages)):
+            for k in keys:
+                t = last.get(k)
+                if t is not None and not t.done():
+                    out[id(t)] = t
+        return list(out.values())
+
+    def _track(self, t: Transfer, pages: Sequence[int], host_pages: Sequence[int]) -> None:
         if not t.done():
             for p in pages:
-                self._reading[p] = t
+                self._device_last[p] = t
+            for hp in host_pages:
+                self._host_last[hp] = t

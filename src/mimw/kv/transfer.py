@@ -6,19 +6,20 @@ carries, such as FP8 scales), laid out differently:
     device pool: t[layer, page, ...]        one tensor per entry of page_tensors()
     host pool:   t[page, layer, ...]        host page i is one contiguous block, so one DMA moves a page
 
-A ``PageCopier`` issues a batch (``offload``: device pages -> host pages, ``restore``: host -> device) and returns
-a ``Transfer`` whose ``done()`` says whether it has completed. Three implementations, one contract:
+A ``PageCopier`` issues a batch (``offload``: device pages -> host pages, ``restore``: host -> device) after the
+batches listed in ``after`` and returns a ``Transfer`` whose ``done()`` says whether it has completed. Each
+direction is a queue of its own (offloads never wait behind restores, nor the reverse), run in issue order; the
+caller (``mimw.kv.host_tier``) lists in ``after`` the earlier batches of the other direction that touch the same
+pages. Three implementations, one contract:
 
   * ``SyncCopier``: copies at once (a CPU-only engine, where both pools are host memory); ``done()`` is True.
-  * ``CudaCopier``: one copy stream per device. A batch first waits (on the GPU) for the compute work already
-    issued, so it reads what the earlier steps wrote; ``done()`` queries its CUDA event; ``fence`` makes the
-    compute stream wait for a batch before the next step touches pages it reads or writes. The host never blocks.
+  * ``CudaCopier``: a copy stream per direction. A batch first waits (on the GPU) for the compute work already
+    issued, so that it reads what the earlier steps wrote, and for its ``after`` batches; ``done()`` queries its
+    CUDA event; ``fence`` makes the compute stream wait for a batch before the next step touches pages it reads
+    or writes. The host never blocks.
   * ``DeferredCopier``: runs each batch later, when the caller says (``run``), reading the source then: a CPU
-    model of an asynchronous copy that tests use to check that nothing reads a page before its copy is done or
+    model of asynchronous copies that tests use to check that nothing reads a page before its copy is done or
     overwrites it while a copy still has to read it.
-
-Batches run in issue order on every implementation (one stream), so two batches that touch the same host page
-never race; only the compute stream needs explicit ordering (``fence``).
 """
 from __future__ import annotations
 
@@ -47,13 +48,13 @@ class Transfer:
 class PageCopier(ABC):
     @abstractmethod
     def offload(self, device: Sequence[torch.Tensor], pages: Sequence[int], host: Sequence[torch.Tensor],
-                host_pages: Sequence[int]) -> Transfer:
-        """Copy device ``pages`` into ``host_pages`` (same order) of every tensor pair."""
+                host_pages: Sequence[int], after: Sequence[Transfer] = ()) -> Transfer:
+        """Copy device ``pages`` into ``host_pages`` (same order) of every tensor pair, after ``after``."""
 
     @abstractmethod
     def restore(self, host: Sequence[torch.Tensor], host_pages: Sequence[int], device: Sequence[torch.Tensor],
-                pages: Sequence[int]) -> Transfer:
-        """Copy ``host_pages`` into device ``pages`` (same order) of every tensor pair."""
+                pages: Sequence[int], after: Sequence[Transfer] = ()) -> Transfer:
+        """Copy ``host_pages`` into device ``pages`` (same order) of every tensor pair, after ``after``."""
 
     def fence(self, transfers: Sequence[Transfer]) -> None:
         """Order the compute work issued from now on after ``transfers`` (without blocking the host)."""
@@ -90,38 +91,43 @@ def _nbytes(tensors: Sequence[torch.Tensor], n: int) -> int:
 
 
 class SyncCopier(PageCopier):
-    def offload(self, device, pages, host, host_pages) -> Transfer:
+    def offload(self, device, pages, host, host_pages, after=()) -> Transfer:
         _offload_now(device, pages, host, host_pages, non_blocking=False)
         return Transfer(_nbytes(device, len(pages)))
 
-    def restore(self, host, host_pages, device, pages) -> Transfer:
+    def restore(self, host, host_pages, device, pages, after=()) -> Transfer:
         _restore_now(host, host_pages, device, pages, non_blocking=False)
         return Transfer(_nbytes(device, len(pages)))
 
 
 class CudaCopier(PageCopier):
-    """Copies on a dedicated stream of ``device``; the host pool must be pinned for the copies to be async."""
+    """Copies on two streams of ``device`` (one per direction); the host pool must be pinned for the copies to
+    be asynchronous."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.streams = {"offload": torch.cuda.Stream(device), "restore": torch.cuda.Stream(device)}
 
-    def _issue(self, run: Callable[[], list[torch.Tensor]], nbytes: int) -> Transfer:
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)  # read what the steps issued so far wrote
-        with torch.cuda.stream(self.stream):
+    def _issue(self, direction: str, run: Callable[[], list[torch.Tensor]], nbytes: int,
+               after: Sequence[Transfer]) -> Transfer:
+        stream = self.streams[direction]
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # read what the steps issued so far wrote
+        for t in after:
+            if not t.done() and t._event is not None:
+                stream.wait_event(t._event)
+        with torch.cuda.stream(stream):
             keep = run()
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(stream)
         return Transfer(nbytes, event, tuple(keep))
 
-    def offload(self, device, pages, host, host_pages) -> Transfer:
-        return self._issue(lambda: _offload_now(device, pages, host, host_pages, non_blocking=True),
-                           _nbytes(device, len(pages)))
+    def offload(self, device, pages, host, host_pages, after=()) -> Transfer:
+        return self._issue("offload", lambda: _offload_now(device, pages, host, host_pages, non_blocking=True),
+                           _nbytes(device, len(pages)), after)
 
-    def restore(self, host, host_pages, device, pages) -> Transfer:
-        return self._issue(lambda: _restore_now(host, host_pages, device, pages, non_blocking=True),
-                           _nbytes(device, len(pages)))
+    def restore(self, host, host_pages, device, pages, after=()) -> Transfer:
+        return self._issue("restore", lambda: _restore_now(host, host_pages, device, pages, non_blocking=True),
+                           _nbytes(device, len(pages)), after)
 
     def fence(self, transfers: Sequence[Transfer]) -> None:
         compute = torch.cuda.current_stream(self.device)
@@ -131,47 +137,66 @@ class CudaCopier(PageCopier):
 
 
 class _Deferred(Transfer):
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, direction: str, seq: int, after: list[Transfer]):
         super().__init__(nbytes, None)
         self._done = False
+        self.direction, self.seq, self.after = direction, seq, after
 
 
 class DeferredCopier(PageCopier):
-    """Runs each batch only when ``run`` (or a ``fence`` on it) says so, in issue order; a batch reads its source
-    when it runs, as a DMA engine would."""
+    """Runs each batch only when ``run`` (or a ``fence`` on it) says so, in issue order within its direction and
+    after its ``after`` batches; a batch reads its source when it runs, as a DMA engine would. With ``rng``,
+    ``run`` picks the direction to advance at random (the two streams progress independently)."""
 
-    def __init__(self):
-        self._queue: deque[tuple[_Deferred, Callable[[], object]]] = deque()
+    def __init__(self, rng=None):
+        self.rng = rng
+        self._queues: dict[str, deque[tuple[_Deferred, Callable[[], object]]]] = {"offload": deque(),
+                                                                                  "restore": deque()}
+        self._seq = 0
 
     @property
     def num_pending(self) -> int:
-        return len(self._queue)
+        return sum(len(q) for q in self._queues.values())
 
     def run(self, n: int | None = None) -> None:
-        """Complete the ``n`` oldest pending batches (all when None)."""
-        for _ in range(len(self._queue) if n is None else min(n, len(self._queue))):
-            t, work = self._queue.popleft()
-            work()
-            t._done = True
+        """Complete ``n`` pending batches (all when None): the oldest, or with ``rng`` a random direction's next."""
+        for _ in range(self.num_pending if n is None else n):
+            ready = [q for q in self._queues.values() if q]
+            if not ready:
+                return
+            q = self.rng.choice(ready) if self.rng is not None else min(ready, key=lambda q: q[0][0].seq)
+            self._run_through(q[0][0])
 
-    def _defer(self, work: Callable[[], object], nbytes: int) -> Transfer:
-        t = _Deferred(nbytes)
-        self._queue.append((t, work))
+    def _run_through(self, t: _Deferred) -> None:
+        q = self._queues[t.direction]
+        while not t.done():
+            head, work = q[0]
+            for dep in head.after:
+                self._run_through(dep)  # type: ignore[arg-type]
+            q.popleft()
+            work()
+            head._done = True
+
+    def _defer(self, direction: str, work: Callable[[], object], nbytes: int, after: Sequence[Transfer]) -> Transfer:
+        self._seq += 1
+        t = _Deferred(nbytes, direction, self._seq, [a for a in after if not a.done()])
+        self._queues[direction].append((t, work))
         return t
 
-    def offload(self, device, pages, host, host_pages) -> Transfer:
+    def offload(self, device, pages, host, host_pages, after=()) -> Transfer:
         pages, host_pages = list(pages), list(host_pages)
-        return self._defer(lambda: _offload_now(device, pages, host, host_pages, False), _nbytes(device, len(pages)))
+        return self._defer("offload", lambda: _offload_now(device, pages, host, host_pages, False),
+                           _nbytes(device, len(pages)), after)
 
-    def restore(self, host, host_pages, device, pages) -> Transfer:
+    def restore(self, host, host_pages, device, pages, after=()) -> Transfer:
         pages, host_pages = list(pages), list(host_pages)
-        return self._defer(lambda: _restore_now(host, host_pages, device, pages, False), _nbytes(device, len(pages)))
+        return self._defer("restore", lambda: _restore_now(host, host_pages, device, pages, False),
+                           _nbytes(device, len(pages)), after)
 
     def fence(self, transfers: Sequence[Transfer]) -> None:
-        pending = [t for t in transfers if not t.done()]
-        while pending and self._queue:  # a fence waits for its batches, hence for every batch issued before them
-            self.run(1)
-            pending = [t for t in pending if not t.done()]
+        for t in transfers:
+            if not t.done():
+                self._run_through(t)  # type: ignore[arg-type]
 
 
 def copier_for(device: torch.device) -> PageCopier:
