@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front end (FastAPI) over an ``EngineLoop``.
 
 Endpoints: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/completions, POST /v1/chat/completions
-(both with SSE streaming). The engine runs on its own thread; handlers only tokenize (in a worker thread), submit,
+(both with SSE streaming), DELETE /v1/sessions/{id} (stop retaining a session's KV; unknown ids are not errors).
+A request joins a session with the ``session_id`` body field or the ``X-Session-ID`` header. The engine runs on its own thread; handlers only tokenize (in a worker thread), submit,
 and await events that the engine thread hands to the event loop with ``call_soon_threadsafe`` - no handler ever
 waits on model compute while holding the event loop.
 
@@ -18,6 +19,7 @@ Robustness contract:
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -211,7 +213,8 @@ class OpenAIServer:
 
         out = OutputOptions(wants_logprobs, self.tokens if wants_logprobs else None, echo, plan.tool_choice,
                             plan.tool_format, not chat or b.parallel_tool_calls is not False)
-        group = Generation(self.loop, self.metrics, env, subs, b.n, len(prompts), out)
+        group = Generation(self.loop, self.metrics, env, subs, b.n, len(prompts), out, self._session(request, b),
+                           b.close_session)
         try:
             group.submit()
         except QueueFull as e:
@@ -226,6 +229,33 @@ class OpenAIServer:
             return _SSE(group.stream(include_usage), media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(await group.collect(request))
+
+
+    @staticmethod
+    def _session(request: Request, b: Any) -> str | None:
+        """The session a request names: the body's ``session_id`` or the ``X-Session-ID`` header (equal if both)."""
+        header = request.headers.get("x-session-id")
+        if header is not None and not 1 <= len(header) <= 256:
+            raise P.bad_request("the X-Session-ID header must be 1 to 256 characters", "session_id")
+        if header is not None and b.session_id is not None and header != b.session_id:
+            raise P.bad_request("session_id and the X-Session-ID header name different sessions", "session_id")
+        return b.session_id if b.session_id is not None else header
+
+    async def close_session(self, session_id: str, request: Request) -> JSONResponse:
+        try:
+            self._check_auth(request)
+            if not 1 <= len(session_id) <= 256:
+                raise P.bad_request("a session id is 1 to 256 characters", "session_id")
+            if not self.loop.alive:
+                raise P.APIError(503, "the engine is not running", "server_error")
+            try:
+                closed = await asyncio.wait_for(asyncio.wrap_future(self.loop.close_session(session_id)), 30.0)
+            except asyncio.TimeoutError:
+                raise P.APIError(503, "the engine did not answer in time", "server_error") from None
+        except P.APIError as e:
+            return self._error("sessions", e)
+        self.metrics.requests.labels("sessions", "200").inc()
+        return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": closed})
 
 
 def create_app(loop: EngineLoop, tokenizer: Any, config: ServerConfig) -> FastAPI:
@@ -281,5 +311,9 @@ def create_app(loop: EngineLoop, tokenizer: Any, config: ServerConfig) -> FastAP
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await srv.serve("chat_completions", request, chat=True)
+
+    @app.delete("/v1/sessions/{session_id:path}")
+    async def delete_session(session_id: str, request: Request) -> JSONResponse:
+        return await srv.close_session(session_id, request)
 
     return app

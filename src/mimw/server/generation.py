@@ -61,10 +61,12 @@ class Generation:
 
     def __init__(self, loop: EngineLoop, metrics: ServerMetrics, env: P.Envelope,
                  subs: Sequence[tuple[str, list[int], SamplingParams]], n: int, num_prompts: int,
-                 out: OutputOptions = OutputOptions()):
-        """subs: (engine request id, prompt ids, params) per choice, prompt-major (choice k = prompt k // n)."""
+                 out: OutputOptions = OutputOptions(), session_id: str | None = None, close_session: bool = False):
+        """subs: (engine request id, prompt ids, params) per choice, prompt-major (choice k = prompt k // n);
+        every choice belongs to ``session_id`` (if any)."""
         self.loop, self.metrics, self.env, self.subs, self.out = loop, metrics, env, subs, out
         self.n, self.num_prompts = n, num_prompts
+        self.session_id, self.close_session = session_id, close_session
         self.queue: asyncio.Queue = asyncio.Queue()  # (choice, event)
         self.trackers: list[RequestTracker] = []
         self.last: list[RequestOutput | None] = [None] * len(subs)
@@ -86,7 +88,7 @@ class Generation:
                     tracker.observe(ev, time.monotonic())  # engine thread: counts even if the client is gone
                     aio.call_soon_threadsafe(self.queue.put_nowait, (k, ev))
                 self.trackers.append(tracker)
-                self.loop.submit(rid, ids, params, on_output)
+                self.loop.submit(rid, ids, params, on_output, self.session_id, self.close_session)
         except Exception:
             for rid, _, _ in self.subs[:len(self.trackers)]:
                 self.loop.abort(rid)

@@ -58,8 +58,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=_positive, default=256,
                    help="requests waiting for a batch slot before new ones get 429")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix reuse across requests")
+    p.add_argument("--session-ttl", type=_non_negative, default=300.0, metavar="SECONDS",
+                   help="how long a session's KV stays retained after its last request (default 300)")
+    p.add_argument("--host-kv-gb", type=_non_negative, default=0.0, metavar="GIB",
+                   help="host-memory KV tier of this many GiB (pinned when serving on a GPU): evicted prefix "
+                        "pages are kept there and copied back on a hit (default 0: none)")
+    p.add_argument("--kv-eviction", default="session", choices=["session", "lru"],
+                   help="session: pages of live sessions are evicted after all others (default); lru: plain LRU")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     spec_options.add_arguments(p)
+
+
+def _non_negative(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return v
 
 
 def _positive(s: str) -> int:
@@ -200,7 +217,9 @@ def build(args: argparse.Namespace) -> Built:
         num_pages = max(1, num_pages * one_page.bytes_per_page() // (one_page.bytes_per_page() + draft_page))
     cfg = EngineConfig(num_pages=num_pages, page_size=args.page_size, max_batch=args.max_batch,
                        max_step_tokens=args.max_step_tokens or max(512, args.max_batch),
-                       max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache)
+                       max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
+                       session_ttl_s=args.session_ttl, kv_eviction=args.kv_eviction,
+                       host_kv_bytes=int(args.host_kv_gb * (1 << 30)))
     speculator = spec_options.build_speculator(spec_cfg, loaded, args.page_size, num_pages, draft) if spec_cfg else None
     engine = Engine(backend, tok.for_engine(), cfg, tok.eos_token_ids, speculator=speculator)
     loop = EngineLoop(engine, max_queue=args.max_queue).start()
@@ -210,7 +229,9 @@ def build(args: argparse.Namespace) -> Built:
                f"{str(dtype).removeprefix('torch.')}, {args.backend} backend; KV {num_pages} pages x "
                f"{args.page_size} tokens, context {engine.max_model_len}, batch {cfg.max_batch}, step budget "
                f"{cfg.max_step_tokens} tokens, prefix cache {'on' if cfg.enable_prefix_cache else 'off'}, speculative "
-               f"{f'{spec_cfg.method} (K={spec_cfg.num_tokens})' if spec_cfg else 'off'}")
+               f"{f'{spec_cfg.method} (K={spec_cfg.num_tokens})' if spec_cfg else 'off'}, host KV tier "
+               f"{engine.host.num_pages if engine.host else 0} pages, eviction {cfg.kv_eviction}, session TTL "
+               f"{cfg.session_ttl_s:g} s")
     return Built(app, loop, name, summary)
 
 

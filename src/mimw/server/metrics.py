@@ -36,6 +36,12 @@ class _EngineCollector(Collector):
         m.add_metric([self.model], value)
         return m
 
+    def _split(self, family: type, name: str, doc: str, label: str, values: dict[str, float]) -> Metric:
+        m = family(name, doc, labels=["model_name", label])
+        for k, v in values.items():
+            m.add_metric([self.model, k], v)
+        return m
+
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
         g, c = GaugeMetricFamily, CounterMetricFamily
@@ -60,6 +66,16 @@ class _EngineCollector(Collector):
         yield self._one(c, "mimw_generation_tokens", "Tokens generated, counted as they are sampled",
                         s.generation_tokens)
         yield self._one(c, "mimw_engine_steps", "Engine steps run", s.steps)
+        yield self._split(c, "mimw_prefix_cache_tier_hits", "Prompt tokens found in the prefix cache, by the tier "
+                          "that held them", "tier", {"device": s.prefix_hit_tokens - s.prefix_host_hit_tokens,
+                                                      "host": s.prefix_host_hit_tokens})
+        yield self._one(g, "mimw_kv_host_pages_total", "KV pages in the host-memory tier", s.host_pages_total)
+        yield self._one(g, "mimw_kv_host_pages_used", "Host-tier KV pages holding a cached page", s.host_pages_used)
+        yield self._split(c, "mimw_kv_host_copied_bytes", "KV bytes copied between the device and the host tier",
+                          "direction", {"to_host": s.kv_bytes_to_host, "to_device": s.kv_bytes_to_device})
+        yield self._one(g, "mimw_num_requests_restoring", "Admitted requests waiting for KV pages from the host tier",
+                        s.restoring)
+        yield self._one(g, "mimw_num_sessions_live", "Sessions whose KV pages are retained", s.sessions_live)
         if s.spec is not None:
             yield from self._spec(s.spec)
 

@@ -64,6 +64,8 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)  # also the X-Session-ID header
+    close_session: bool = False  # stop retaining the session's KV once this request finishes
 
 
 class CompletionRequest(_Sampling):
