@@ -3,8 +3,9 @@
 Endpoints: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/completions, POST /v1/chat/completions
 (both with SSE streaming), DELETE /v1/sessions/{id} (stop retaining a session's KV; unknown ids are not errors).
 A request joins a session with the ``session_id`` body field or the ``X-Session-ID`` header. The engine runs on
-its own thread; handlers only tokenize (in a worker thread), submit, and await events that the engine thread hands to the event loop with ``call_soon_threadsafe`` - no handler ever
-waits on model compute while holding the event loop.
+its own thread; handlers only tokenize (in a worker thread), submit, and await events that the engine thread
+hands to the event loop with ``call_soon_threadsafe`` - no handler ever waits on model compute while holding the
+event loop.
 
 Robustness contract:
   * every client mistake is a 4xx with an OpenAI error body (``protocol.APIError``); anything unexpected is a 500
