@@ -192,3 +192,19 @@ def test_bad_session_ids_and_configs(tiny_weights):
         EngineConfig(host_kv_bytes=1 << 20, enable_prefix_cache=False)
     with pytest.raises(ValueError, match="kv_eviction"):
         EngineConfig(kv_eviction="fifo")
+
+
+def test_pages_computed_after_a_prefix_hit_are_cached_too(tiny_weights):
+    """A request admitted with a hit registers its own new full pages (the next turn finds its whole context)."""
+    eng = engine(tiny_weights, num_pages=64)
+    t1 = list(range(3, 23))  # 5 pages
+    eng.add_request("t1", t1, greedy(2))
+    out1 = tokens(run_all(eng)["t1"])
+    t2 = t1 + out1 + list(range(100, 118))  # hits t1's 5 pages, computes 5 more full pages
+    r2 = eng.add_request("t2", t2, greedy(2))
+    out2 = tokens(run_all(eng)["t2"])
+    assert r2.num_cached_tokens == 20
+    t3 = t2 + out2 + [7, 7, 7]
+    r3 = eng.add_request("t3", t3, greedy(2))
+    run_all(eng)
+    assert r3.num_cached_tokens == 40  # t2's full pages, not only t1's

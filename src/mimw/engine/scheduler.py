@@ -185,7 +185,8 @@ class Scheduler:
             hashes = chain_hashes(r.token_ids, ps, r.page_hashes)
             usable = (r.num_tokens - 1) // ps  # keep >= 1 token to compute: the next token needs its logits
             r.block_table, restored = self._match(hashes[:usable], spare)
-            r.num_computed = r.num_registered = len(r.block_table) * ps
+            r.num_registered = len(r.block_table)  # pages, all already in the prefix cache
+            r.num_computed = r.num_registered * ps
         loading = self.host is not None and not self.host.ready(r.block_table)
         n = min(tokens_within(budget, r.num_computed, r.num_pending, r_cost), self._fits(r, spare=spare))
         if n <= 0 and not loading:
