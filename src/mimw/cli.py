@@ -13,7 +13,7 @@ import time
 from typing import Sequence
 
 _LAZY = {"serve": ("mimw.server.main", "serve a model with an OpenAI-compatible HTTP API"),
-         "bench": ("mimw.bench.main", "benchmarks: decode steps, a serving load")}
+         "bench": ("mimw.bench.main", "benchmarks: decode steps, prefill, a serving load, trace replay")}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

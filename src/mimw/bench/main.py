@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "starts) at a request rate or a fixed concurrency; report latency percentiles and throughput "
                     "as JSON, markdown and a chart (like `vllm bench serve`)."))
     add_spec_arguments(sub)
+    from .trace.main import add_subcommands as add_trace_subcommands
+
+    add_trace_subcommands(sub)
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
@@ -132,8 +135,12 @@ def run(args: argparse.Namespace) -> int:
         from .spec import run as run_spec
 
         return run_spec(args)
+    if getattr(args, "bench_command", None) in ("trace", "trace-gen"):
+        from .trace.main import run as run_trace
+
+        return run_trace(args)
     if getattr(args, "bench_command", None) != "decode":
-        print("mimw bench: choose a benchmark: decode, prefill, serve, spec", file=sys.stderr)
+        print("mimw bench: choose a benchmark: decode, prefill, serve, spec, trace, trace-gen", file=sys.stderr)
         return 2
     try:
         cfg = config_from_args(args)
