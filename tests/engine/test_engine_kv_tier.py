@@ -208,3 +208,19 @@ def test_pages_computed_after_a_prefix_hit_are_cached_too(tiny_weights):
     r3 = eng.add_request("t3", t3, greedy(2))
     run_all(eng)
     assert r3.num_cached_tokens == 40  # t2's full pages, not only t1's
+
+
+def test_a_request_whose_host_prefix_does_not_fit_yet_waits_instead_of_recomputing(tiny_weights):
+    eng = engine(tiny_weights, host_pages=64)
+    a = list(range(3, 31))  # 7 pages
+    eng.add_request("a", a, greedy(2))
+    run_all(eng)
+    flood(eng)
+    b = eng.add_request("b", [200] * 30, greedy(22))  # holds up to 13 of the 16 pages while it decodes
+    for _ in range(3):
+        eng.step()
+    r = eng.add_request("a2", a + [9], greedy(3))
+    eng.step()
+    assert r.status is Status.WAITING and b.status is Status.RUNNING  # 7 restores do not fit beside b yet
+    out = tokens(run_all(eng)["a2"])
+    assert r.num_host_cached_tokens == 28 and out == greedy_alone(tiny_weights, a + [9], 3)

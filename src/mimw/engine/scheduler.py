@@ -19,7 +19,8 @@ Policy, oldest request first (FCFS):
      never preempts, and keeps one spare page per running request so that decoders do not immediately evict it.
      With a host tier, the prefix continues through pages the host holds: they get fresh device pages and one
      restore copy, and the request waits in ``loading`` (not the step) until they have arrived; then it joins
-     the running requests. Loading requests count against ``max_batch``.
+     the running requests. Loading requests count against ``max_batch``. A request whose host pages do not fit
+     yet waits while other requests run (restoring later beats recomputing now).
   Finished and preempted requests release their pages last page first, so that among pages released together
   the tail of a prefix is evicted before its head (a chain broken at its head matches nothing).
 
@@ -184,7 +185,10 @@ class Scheduler:
         if self.prefix is not None and not r.needs_prompt_logits:  # prompt logprobs need every prompt row
             hashes = chain_hashes(r.token_ids, ps, r.page_hashes)
             usable = (r.num_tokens - 1) // ps  # keep >= 1 token to compute: the next token needs its logits
-            r.block_table, restored = self._match(hashes[:usable], spare)
+            matched = self._match(hashes[:usable], spare)
+            if matched is None:
+                return None  # its prefix is in the host tier but does not fit yet: wait rather than recompute
+            r.block_table, restored = matched
             r.num_registered = len(r.block_table)  # pages, all already in the prefix cache
             r.num_computed = r.num_registered * ps
         loading = self.host is not None and not self.host.ready(r.block_table)
@@ -207,11 +211,13 @@ class Scheduler:
         self.running.append(r)
         return self._take(r, n)
 
-    def _match(self, hashes: list[bytes], spare: int) -> tuple[list[int], int]:
+    def _match(self, hashes: list[bytes], spare: int) -> tuple[list[int], int] | None:
         """Pages of the longest cached prefix of ``hashes``, each from the device cache (shared) or, failing that,
         from the host tier (restored into fresh pages); returns (block table, number of restored pages).
-        Restores stop where they would leave fewer than ``spare`` + 1 pages for the request's first chunk and the
-        running requests."""
+        Restores must leave ``spare`` + 1 pages for the running requests and the request's first chunk. When they
+        would not and other requests run or load (and will free pages), returns None: the request waits, since
+        restoring its prefix later costs far less than recomputing it now; with nothing else in flight it takes
+        the restores that fit."""
         assert self.prefix is not None
         plan: list[int | bytes] = []  # a device page, or the hash of a host page to restore
         room = self.alloc.num_available - spare - 1
@@ -220,7 +226,11 @@ class Scheduler:
             if p is not None:
                 room -= self.alloc.refcount(p) == 0  # sharing a parked page takes it out of the available ones
                 plan.append(p)
-            elif self.host is not None and self.host.lookup(h) is not None and room > 0:
+            elif self.host is not None and self.host.lookup(h) is not None:
+                if room <= 0:
+                    if self.running or self.loading:
+                        return None
+                    break
                 room -= 1
                 plan.append(h)
             else:

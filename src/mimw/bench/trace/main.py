@@ -173,7 +173,8 @@ def _in_process(args: argparse.Namespace, trace, setups: list[str]) -> int:
     host_bytes = int(args.host_kv_gb * (1 << 30)) if args.host_kv_gb is not None else int(1.25 * ws_pages) * page_bytes
     max_len = min(spec.max_position_embeddings, pages * ps)
     model = args.model or "SmolLM2-135M-Instruct"
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    dev_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                else f"cpu ({torch.get_num_threads()} threads)")
     doc = {**_meta(args, trace, model, dev_name), "device_pool_tokens": pages * ps,
            "working_set_ratio": st["working_set_tokens"] / (pages * ps), "host_pool_tokens": 0,
            "page_bytes": page_bytes, "max_model_len": max_len, "setups": []}

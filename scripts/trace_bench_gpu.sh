@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The trace-replay benchmark at GPU scale (H100/H200): for each model shape (random weights), generate a synthetic
+# agent trace, then replay it in-process twice on the same device pool - GPU-only LRU (the baseline) and session
+# retention + host tier - with the pool sized so that the trace's working set is 4x larger. Prints one short table
+# per model and writes <date>-<gpu>-<model>-<trace>.json/.md/.png (and the generated traces) to $OUT.
+#
+#   MODELS=llama-3.2-1b OUT=/some/dir COMMIT=<sha> bash scripts/trace_bench_gpu.sh   # one shape per call: each
+#   MODELS=llama-3.1-8b OUT=/some/dir COMMIT=<sha> bash scripts/trace_bench_gpu.sh   # fits a 10-minute limit
+#   OUT=/some/dir bash scripts/trace_bench_gpu.sh                                     # both shapes in one call
+#
+# Runs from the working tree (PYTHONPATH=src); needs torch, numpy, matplotlib; no server, no network.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/trace}
+MODELS=${MODELS:-"llama-3.2-1b llama-3.1-8b"}
+MAX_DURATION=${MAX_DURATION:-240}  # seconds per setup at most; requests still open then are reported as cut
+PY=${PYTHON:-python3}
+export PYTHONPATH=src
+mkdir -p "$OUT"
+commit=()
+if [ -n "${COMMIT:-}" ]; then commit=(--commit "$COMMIT"); fi
+
+for model in $MODELS; do
+  trace="$OUT/agent-gpu-$model.jsonl"
+  # 10 agent sessions of 10-12 turns: a 1k-token shared prefix, contexts growing from ~2k to at most 6k tokens,
+  # heavy-tailed tool outputs (median 128 tokens) and think times (median 2 s), occasional sub-agents.
+  "$PY" -m mimw.bench.main trace-gen --out "$trace" --sessions 10 --min-turns 10 --max-turns 12 \
+    --system-tokens 256 --tool-tokens 768 --first-user-tokens 1024 --tool-output-tokens 128 --output-tokens 32 \
+    --max-context 6144 --subagent-prob 0.05 --subagent-turns 2 --think-s 2 --max-think-s 15 --ramp-s 5 \
+    --block-size 64 --seed 0
+  "$PY" -m mimw.bench.main trace --trace "$trace" --model "$model" --device cuda --dtype bfloat16 \
+    --setups lru,session+host --working-set-ratio 4 --page-size 16 --max-batch 32 --max-step-tokens 2048 \
+    --max-duration "$MAX_DURATION" --out "$OUT" "${commit[@]}"
+done
