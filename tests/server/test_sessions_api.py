@@ -47,7 +47,7 @@ def test_a_session_turn_reuses_the_previous_turns_pages(server):
     b, url = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     first = complete(client, PROMPT, extra_body={"session_id": "agent-1"})
-    assert metric(url, "mimw_sessions_live") == 1
+    assert metric(url, "mimw_num_sessions_live") == 1
     second = complete(client, PROMPT + first.choices[0].text + " next", extra_headers={"X-Session-ID": "agent-1"})
     assert second.usage.prompt_tokens_details.cached_tokens >= 128
     assert b.loop.engine.sessions.is_live("agent-1")
@@ -60,9 +60,9 @@ def test_evicted_session_pages_come_back_from_the_host_tier(server):
     first = complete(client, prompt, extra_body={"session_id": "agent-2"})
     for i in range(3):  # other traffic that needs the whole device pool
         complete(client, f"{i} unrelated request that fills the device pool " * 4)
-    before = metric(url, "mimw_prefix_cache_tier_hit_tokens", tier="host")
+    before = metric(url, "mimw_prefix_cache_tier_hits", tier="host")
     second = complete(client, prompt + first.choices[0].text, extra_body={"session_id": "agent-2"})
-    host_hits = metric(url, "mimw_prefix_cache_tier_hit_tokens", tier="host") - before
+    host_hits = metric(url, "mimw_prefix_cache_tier_hits", tier="host") - before
     assert host_hits > 0 and second.usage.prompt_tokens_details.cached_tokens >= host_hits
     assert metric(url, "mimw_kv_host_copied_bytes", direction="to_device") > 0
     assert metric(url, "mimw_kv_host_copied_bytes", direction="to_host") > 0

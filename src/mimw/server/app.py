@@ -255,7 +255,7 @@ class OpenAIServer:
                 raise P.APIError(503, "the engine did not answer in time", "server_error") from None
         except P.APIError as e:
             return self._error("sessions", e)
-        self.metrics.requests.labels("sessions", "200").inc()
+        self.metrics.request("sessions", 200)
         return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": closed})
 
 

@@ -39,7 +39,7 @@ def tier_hits(metrics_text: str) -> dict[str, float] | None:
     out = {}
     for fam in text_string_to_metric_families(metrics_text):
         for s in fam.samples:
-            if s.name.startswith("mimw_prefix_cache_tier_hit_tokens") and "tier" in s.labels:
+            if s.name.startswith("mimw_prefix_cache_tier_hits") and "tier" in s.labels:
                 out[s.labels["tier"]] = s.value
     return out or None
 
