@@ -37,8 +37,15 @@ def test_generate_speculative_prints_the_same_text():
     assert spec.stdout == plain.stdout and "speculative suffix:" in spec.stderr
 
 
+def test_generate_with_an_fp8_kv_cache():
+    r = _mimw("generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--kv-dtype", "fp8")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "KV fp8" in r.stderr
+
+
 @pytest.mark.parametrize("argv, match", [
     (["generate"], "--prompt"),
+    (["generate", "--prompt", "x", "--kv-dtype", "int4"], "invalid choice"),
     (["generate", "--prompt", "x", "--max-tokens", "0"], "positive integer"),
     (["generate", "--prompt", "x", "--device", "tpu"], "invalid choice"),
     (["frobnicate"], "invalid choice"),

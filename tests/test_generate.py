@@ -38,6 +38,20 @@ def test_greedy_decode_matches_full_recompute(weights):
         seq.append(t)
 
 
+def test_fp8_kv_greedy_decode_matches_full_recompute_over_an_fp8_cache(weights):
+    from mimw.kv.fp8 import FP8
+
+    toks, _ = _tokens(list(generate(weights, PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                    page_size=4, kv_dtype=FP8)))
+    seq = list(PROMPT)
+    for t in toks:  # the decode loop's cache holds what a from-scratch prefill into an fp8 cache holds
+        cache = PagedKVCache(KVLayout.for_spec(weights.spec, 4, 8, FP8))
+        logits = ReferenceDecoder(weights).forward(torch.tensor(seq), [Segment(tuple(range(8)), 0, len(seq))],
+                                                   cache)[-1]
+        assert logits[t] >= logits.max() - 1e-5
+        seq.append(t)
+
+
 def test_eos_and_stop_token_ids_end_generation(weights):
     first = _tokens(list(generate(weights, PROMPT, SamplingParams(temperature=0, max_tokens=1))))[0][0]
     toks, reason = _tokens(list(generate(_with_spec(weights, eos_token_ids=(first,)), PROMPT,

@@ -46,6 +46,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="auto: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp8"),
+                   help="KV cache element type: auto = the weights' dtype; fp8 = e4m3 with a scale per (token, head)")
     from .engine.spec import options as spec_options
 
     spec_options.add_arguments(p)
@@ -92,6 +94,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from .engine.sampling import SamplingParams
     from .engine.spec import options as spec_options
     from .generate import generate, generate_with_engine
+    from .kv.pages import parse_kv_dtype
     from .models.checkpoint import load_model
 
     if args.prompt == "":
@@ -126,8 +129,11 @@ def run_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     t_first, n, reason = None, 0, None
     spec_stats = []
-    steps = (generate_with_engine(model, prompt_ids, params, tok, spec_config, on_stats=spec_stats.append)
-             if spec_config is not None else generate(model.weights, prompt_ids, params, tokenizer=tok))
+    kv_dtype = parse_kv_dtype(args.kv_dtype)
+    steps = (generate_with_engine(model, prompt_ids, params, tok, spec_config, on_stats=spec_stats.append,
+                                  kv_dtype=kv_dtype)
+             if spec_config is not None else generate(model.weights, prompt_ids, params, tokenizer=tok,
+                                                      kv_dtype=kv_dtype))
     for step in steps:
         if step.token_id is not None:
             n += 1
@@ -142,7 +148,8 @@ def run_generate(args: argparse.Namespace) -> int:
     decode_s = t1 - (t_first or t1)
     rate = f"{(n - 1) / decode_s:.1f} tok/s decode" if n > 1 and decode_s > 0 else "n/a tok/s"
     print(f"[mimw] {n} tokens in {t1 - t0:.2f}s ({rate}; prompt {len(prompt_ids)} tokens, first token after "
-          f"{(t_first or t1) - t0:.2f}s; finish: {reason}; {model.spec.name} on {args.device}, {dtype_name})",
+          f"{(t_first or t1) - t0:.2f}s; finish: {reason}; {model.spec.name} on {args.device}, {dtype_name}, KV "
+          f"{dtype_name if args.kv_dtype == 'auto' else args.kv_dtype})",
           file=sys.stderr)
     if spec_stats and spec_stats[0].spec is not None:
         s = spec_stats[0].spec

@@ -39,8 +39,10 @@ class Step:
 
 
 def generate(weights: ModelWeights, prompt_ids: Sequence[int], params: SamplingParams,
-             tokenizer: Tokenizer | None = None, page_size: int = 16) -> Iterator[Step]:
-    """Stream the completion of ``prompt_ids`` (see the module docstring for the protocol)."""
+             tokenizer: Tokenizer | None = None, page_size: int = 16,
+             kv_dtype: torch.dtype | None = None) -> Iterator[Step]:
+    """Stream the completion of ``prompt_ids`` (see the module docstring for the protocol). The KV cache holds
+    ``kv_dtype`` (``mimw.kv.pages``; default the weights' dtype)."""
     spec = weights.spec
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -58,7 +60,7 @@ def generate(weights: ModelWeights, prompt_ids: Sequence[int], params: SamplingP
         raise ValueError("stop strings need a tokenizer (this model has none)")
 
     total = min(len(prompt) + params.max_tokens, limit)
-    layout = KVLayout.for_spec(spec, page_size, -(-total // page_size), dtype=weights.dtype)
+    layout = KVLayout.for_spec(spec, page_size, -(-total // page_size), dtype=kv_dtype or weights.dtype)
     cache = PagedKVCache(layout, device=weights.device)
     table = tuple(range(layout.num_pages))
     decoder = ReferenceDecoder(weights)
@@ -89,9 +91,11 @@ def generate(weights: ModelWeights, prompt_ids: Sequence[int], params: SamplingP
 
 def generate_with_engine(model: Any, prompt_ids: Sequence[int], params: SamplingParams, tokenizer: Tokenizer,
                          spec_config: Any = None, page_size: int = 16,
-                         on_stats: Callable[[Any], None] | None = None) -> Iterator[Step]:
+                         on_stats: Callable[[Any], None] | None = None,
+                         kv_dtype: torch.dtype | None = None) -> Iterator[Step]:
     """``generate``'s protocol, served by an ``Engine`` over ``model`` (a ``LoadedModel``) with the speculator of
-    ``spec_config`` (a ``SpecConfig``; None: plain decoding). ``on_stats`` gets the engine's final ``EngineStats``."""
+    ``spec_config`` (a ``SpecConfig``; None: plain decoding). ``on_stats`` gets the engine's final ``EngineStats``;
+    the engine's KV cache holds ``kv_dtype`` (default the weights' dtype)."""
     from .engine.backends.reference import ReferenceBackend
     from .engine.engine import Engine, EngineConfig
     from .engine.spec.options import build_speculator
@@ -108,7 +112,7 @@ def generate_with_engine(model: Any, prompt_ids: Sequence[int], params: Sampling
     cfg = EngineConfig(num_pages=num_pages, page_size=page_size, max_batch=1, max_step_tokens=max(512, page_size),
                        enable_prefix_cache=False)
     speculator = build_speculator(spec_config, model, page_size, num_pages) if spec_config is not None else None
-    engine = Engine(ReferenceBackend(model.weights), tokenizer, cfg, tokenizer.eos_token_ids, speculator=speculator)
+    engine = Engine(ReferenceBackend(model.weights, kv_dtype=kv_dtype), tokenizer, cfg, tokenizer.eos_token_ids, speculator=speculator)
     events: list = []
     req = engine.add_request("generate", prompt, dataclasses.replace(params, max_tokens=max_tokens),
                              on_output=events.append)

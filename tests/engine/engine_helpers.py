@@ -21,10 +21,11 @@ class ByteTokenizer:
         return bytes(i for i in ids if i > 2).decode("utf-8", errors="replace")
 
 
-def greedy_alone(weights, prompt: list[int], n: int) -> list[int]:
-    """The oracle: ReferenceDecoder on one sequence with contiguous pages, whole prompt at once."""
+def greedy_alone(weights, prompt: list[int], n: int, kv_dtype=None) -> list[int]:
+    """The oracle: ReferenceDecoder on one sequence with contiguous pages, whole prompt at once (KV in
+    ``kv_dtype``, default the weights' dtype)."""
     spec = weights.spec
-    cache = PagedKVCache(KVLayout.for_spec(spec, 16, 64, weights.dtype))
+    cache = PagedKVCache(KVLayout.for_spec(spec, 16, 64, kv_dtype or weights.dtype))
     dec = ReferenceDecoder(weights)
     table = tuple(range(64))
     toks, out = list(prompt), []

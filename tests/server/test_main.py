@@ -40,3 +40,35 @@ def test_preset_without_tokenizer_serves_bytes_and_has_no_chat(capsys):
             assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
     finally:
         b.loop.stop()
+
+
+def test_fp8_kv_pool_holds_about_twice_the_tokens_in_the_same_memory():
+    import torch
+
+    from mimw.kv.fp8 import FP8
+    from mimw.kv.pages import KVLayout
+    from mimw.models.spec import PRESETS
+    from mimw.server.main import _default_pages
+
+    spec = PRESETS["llama-3.2-1b"]
+    pages = {dt: _default_pages(KVLayout.for_spec(spec, 16, 1, dt), torch.device("cpu"), 10 ** 6, 10 ** 6)
+             for dt in (torch.bfloat16, FP8)}  # the 1 GiB CPU budget binds
+    hd = spec.head_dim  # a row costs hd bytes + a 2-byte scale instead of 2 * hd bytes
+    assert pages[FP8] / pages[torch.bfloat16] == pytest.approx(2 * hd / (hd + 2), rel=1e-3)
+
+
+def test_fp8_kv_start_up_report():
+    b = build(parse("--model", "tiny-llama", "--kv-pages", "32", "--page-size", "8", "--device", "cpu",
+                    "--kv-dtype", "fp8"))
+    try:
+        cache = b.loop.engine.cache
+        assert cache.layout.quantized and cache.k_scale is not None
+        assert "32 pages x 8 tokens = 256 tokens" in b.summary and "fp8 e4m3" in b.summary
+    finally:
+        b.loop.stop()
+
+
+def test_fp8_kv_on_the_megakernel_backend_is_a_clear_start_up_error(capsys):
+    assert main(["--model", "tiny-llama", "--backend", "megakernel", "--kv-dtype", "fp8", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "does not read FP8 KV" in err and "--kv-dtype bf16" in err and "Traceback" not in err

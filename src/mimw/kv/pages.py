@@ -30,6 +30,14 @@ from ..models.spec import ModelSpec
 from . import fp8
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, fp8.FP8)
+KV_DTYPE_NAMES = {"auto": None, "bf16": torch.bfloat16, "fp8": fp8.FP8}  # --kv-dtype; auto: the backend's default
+
+
+def parse_kv_dtype(name: str) -> torch.dtype | None:
+    """A ``--kv-dtype`` value -> the pool's element type, or None for "auto" (the weights' dtype)."""
+    if name not in KV_DTYPE_NAMES:
+        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {name!r}")
+    return KV_DTYPE_NAMES[name]
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pages", type=_positive, default=None,
                    help="KV cache pages (default: 1 GiB on CPU, 80%% of free memory on GPU)")
     p.add_argument("--page-size", type=_positive, default=16, help="tokens per KV page")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp8"],
+                   help="KV cache element type: auto = the weights' dtype (bfloat16 on GPU, float32 on CPU); fp8 = "
+                        "e4m3 with a scale per (token, head): twice the tokens in the same memory (reference backend)")
     p.add_argument("--max-model-len", type=_positive, default=None,
                    help="longest prompt + completion (default: the model's, capped by the KV pool)")
     p.add_argument("--max-queue", type=_positive, default=256,
@@ -186,7 +189,7 @@ def build(args: argparse.Namespace) -> Built:
     """Load the model and start the engine thread; the caller serves ``app`` and stops ``loop``."""
     from ..engine.engine import Engine, EngineConfig
     from ..engine.loop import EngineLoop
-    from ..kv.pages import KVLayout
+    from ..kv.pages import KVLayout, parse_kv_dtype
     from ..models.checkpoint import load_model
     from .app import ServerConfig, create_app
     from .tokenizer_pool import TokenizerPool
@@ -207,7 +210,7 @@ def build(args: argparse.Namespace) -> Built:
                     loaded.source)
         tok = ByteTokenizer()
     tok = TokenizerPool(tok)
-    backend = _backend(args.backend, loaded.weights)
+    backend = _backend(args.backend, loaded.weights, parse_kv_dtype(args.kv_dtype))
     draft = spec_options.load_draft(spec_cfg, loaded) if spec_cfg else None
     one_page = KVLayout.for_spec(spec, args.page_size, 1, backend.kv_dtype)
     num_pages = args.kv_pages or _default_pages(one_page, backend.device, args.max_batch,
@@ -222,12 +225,14 @@ def build(args: argparse.Namespace) -> Built:
                        host_kv_bytes=int(args.host_kv_gb * (1 << 30)))
     speculator = spec_options.build_speculator(spec_cfg, loaded, args.page_size, num_pages, draft) if spec_cfg else None
     engine = Engine(backend, tok.for_engine(), cfg, tok.eos_token_ids, speculator=speculator)
+    kv = engine.cache.layout
     loop = EngineLoop(engine, max_queue=args.max_queue).start()
     name = args.served_model_name or _default_name(args.model, loaded.source)
     app = create_app(loop, tok, ServerConfig(model_name=name, api_key=args.api_key))
     summary = (f"model {name!r} from {loaded.source} ({spec.arch}, {spec.num_layers} layers) on {device} "
                f"{str(dtype).removeprefix('torch.')}, {args.backend} backend; KV {num_pages} pages x "
-               f"{args.page_size} tokens, context {engine.max_model_len}, batch {cfg.max_batch}, step budget "
+               f"{args.page_size} tokens = {kv.num_tokens} tokens, {engine.cache.nbytes / 2**30:.2f} GiB, "
+               f"{kv.describe()}, context {engine.max_model_len}, batch {cfg.max_batch}, step budget "
                f"{cfg.max_step_tokens} tokens, prefix cache {'on' if cfg.enable_prefix_cache else 'off'}, speculative "
                f"{f'{spec_cfg.method} (K={spec_cfg.num_tokens})' if spec_cfg else 'off'}, host KV tier "
                f"{engine.host.num_pages if engine.host else 0} pages, eviction {cfg.kv_eviction}, session TTL "
@@ -235,13 +240,13 @@ def build(args: argparse.Namespace) -> Built:
     return Built(app, loop, name, summary)
 
 
-def _backend(name: str, weights: Any) -> Any:
+def _backend(name: str, weights: Any, kv_dtype: torch.dtype | None) -> Any:
     module, cls = _BACKENDS[name]
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
         raise ValueError(f"--backend {name}: not available in this build ({e})") from None
-    return getattr(mod, cls)(weights)
+    return getattr(mod, cls)(weights, kv_dtype=kv_dtype)
 
 
 def _default_name(model: str | None, source: str) -> str:

@@ -38,7 +38,8 @@ class Backend(ABC):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """Element type of the KV pool this backend reads and writes."""
+        """Element type of the KV pool this backend reads and writes (``mimw.kv.pages``: fp32, bf16 or fp8 with
+        per-row scales); chosen at construction, where a backend refuses the types it cannot serve."""
         return torch.float32
 
     def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:

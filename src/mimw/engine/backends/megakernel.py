@@ -1,5 +1,6 @@
 """The megakernel backend: decode tokens run on the persistent Gluon megakernel (Hopper, bf16), multi-token
-segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache.
+segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the
+only KV element type it accepts for now).
 
 The megakernel program is planned for M = 1 (one decode token per launch, one CUDA graph replay); a step with
 several decoding sequences replays it once per sequence. All multi-token segments of a step go to the
@@ -22,7 +23,12 @@ from .base import Backend
 
 
 class MegakernelBackend(Backend):
-    def __init__(self, weights: ModelWeights, use_graph: bool = True, prefill: PrefillConfig = PrefillConfig()):
+    def __init__(self, weights: ModelWeights, use_graph: bool = True, prefill: PrefillConfig = PrefillConfig(),
+                 kv_dtype: torch.dtype | None = None):
+        if kv_dtype not in (None, torch.bfloat16):  # checked first: a flag error, whatever the machine
+            raise ValueError(f"KV element type {str(kv_dtype).removeprefix('torch.')}: the megakernel backend does "
+                             "not read FP8 KV pages yet (its attention loads bf16 tiles); use --kv-dtype bf16, or "
+                             "--backend reference for an fp8 KV cache")
         if weights.spec.is_moe:  # megakernel/plan.py refuses the program too; say it before any GPU work
             raise ValueError(f"the megakernel backend does not run mixture-of-experts models ({weights.spec.name}) "
                                "yet; use the reference backend")
