@@ -25,10 +25,23 @@ class DecodeBenchConfig:
     backend_timeout_s: float = 300.0  # a backend silent this long (compile hang, deadlock) is killed, run continues
     in_process: bool = False          # run backends in this process (no crash isolation; for debugging and tests)
     megakernel: str = ""              # tuning overrides for mimw-megakernel, "NAME=VALUE,..." (megakernel/plan.py)
+    kv_dtype: str = "bf16"            # mimw's KV cache: "bf16" (the run's dtype) or "fp8" (e4m3 + scales, mimw.kv)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype | None:
+        """fp8's element type, or None: the cache holds the run's dtype (bf16, or fp32 in CPU tests)."""
+        from ..kv.pages import parse_kv_dtype
+
+        return parse_kv_dtype(self.kv_dtype) if self.kv_dtype == "fp8" else None
+
+    def kv_bytes_per_token(self, spec) -> int:
+        from ..kv.pages import KVLayout
+
+        return KVLayout.for_spec(spec, 16, 1, self.kv_torch_dtype or self.torch_dtype).bytes_per_token()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

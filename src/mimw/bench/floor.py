@@ -19,14 +19,17 @@ from ..models.spec import ModelSpec
 
 
 def step_bytes(spec: ModelSpec, context: int, bytes_per_param: int = 2, kv_bytes_per_elem: int = 2,
-               routed_experts: int | None = None) -> int:
-    """Bytes one decode step at ``context`` must read; an MoE model's needs the step's ``routed_experts``."""
+               routed_experts: int | None = None, kv_bytes_per_token: int | None = None) -> int:
+    """Bytes one decode step at ``context`` must read; an MoE model's needs the step's ``routed_experts``;
+    ``kv_bytes_per_token`` (e.g. ``KVLayout.bytes_per_token()`` of an fp8 cache, scales included) replaces
+    ``kv_bytes_per_elem``."""
     if context < 0:
         raise ValueError(f"context must be >= 0, got {context}")
     if spec.is_moe and routed_experts is None:
         raise ValueError(f"{spec.name}: an MoE step's floor needs the experts routed in that step (routed_experts)")
     weights = spec.decode_weight_bytes(bytes_per_param, routed_experts if spec.is_moe else None)
-    return weights + context * spec.kv_bytes_per_token(kv_bytes_per_elem)
+    kv = spec.kv_bytes_per_token(kv_bytes_per_elem) if kv_bytes_per_token is None else kv_bytes_per_token
+    return weights + context * kv
 
 
 def routed_experts(routings: Sequence[Routing]) -> int:

@@ -8,6 +8,12 @@ Every backend copies the same ``k``/``v`` into its own cache layout, so all of t
 
 Contract for mimw backends built outside this package (``mimw.megakernel.bench_backend.make_step``): fill your KV
 positions 0..C-1 from ``decode_inputs(spec, C, device=...)`` (same ``seed``), decode ``token`` at position ``C``.
+
+With ``kv_dtype`` fp8 (``mimw bench decode --kv-dtype fp8``) the random K/V are passed through the fp8 format
+(``mimw.kv.fp8``) and kept as the exact dequantised values in fp32: ``paged_cache`` quantises them back to the very same
+e4m3 rows and scales (re-quantising dequantised values changes nothing), the fp32 oracle reads them exactly, and a
+peer without an fp8 path loads them into its bf16 cache (rounded to bf16: 2^-9 relative, far inside the check's
+tolerance).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv import fp8
 from ..kv.pages import KVLayout, PagedKVCache
 from ..models.reference import ReferenceDecoder, Segment
 from ..models.spec import ModelSpec
@@ -27,10 +34,11 @@ class DecodeInputs:
     context: int              # C: positions 0..C-1 are in the cache
     k: torch.Tensor           # [L, C, Hkv, hd] keys (RoPE already applied, as a cache stores them)
     v: torch.Tensor           # [L, C, Hkv, hd]
+    kv_dtype: torch.dtype | None = None  # the element type of a mimw cache holding them (None: k's dtype)
 
 
 def decode_inputs(spec: ModelSpec, context: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                  device: torch.device | str = "cuda") -> DecodeInputs:
+                  device: torch.device | str = "cuda", kv_dtype: torch.dtype | None = None) -> DecodeInputs:
     if context < 0:
         raise ValueError(f"context must be >= 0, got {context}")
     g = torch.Generator(device=device).manual_seed(seed * 7919 + context)
@@ -38,15 +46,26 @@ def decode_inputs(spec: ModelSpec, context: int, seed: int = 0, dtype: torch.dty
     k = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 1.0, generator=g)
     v = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 1.0, generator=g)
     token = int(torch.randint(1, spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed + context)))
-    return DecodeInputs(token, context, k, v)
+    if kv_dtype == fp8.FP8:
+        k, v = (fp8.dequantize(*fp8.quantize(t)) for t in (k, v))
+    elif kv_dtype is not None and kv_dtype != dtype:
+        raise ValueError(f"decode inputs: a {kv_dtype} KV cache with {dtype} activations is not supported")
+    return DecodeInputs(token, context, k, v, kv_dtype)
 
 
 def paged_cache(spec: ModelSpec, inputs: DecodeInputs, page_size: int = 16) -> tuple[PagedKVCache, tuple[int, ...]]:
-    """A ``PagedKVCache`` holding ``inputs`` (room for position C too) and the sequence's block table."""
+    """A ``PagedKVCache`` of ``inputs.kv_dtype`` holding ``inputs`` (room for position C too) and the sequence's
+    block table."""
     c = inputs.context
-    layout = KVLayout.for_spec(spec, page_size, max(1, -(-(c + 1) // page_size)), inputs.k.dtype)
+    layout = KVLayout.for_spec(spec, page_size, max(1, -(-(c + 1) // page_size)), inputs.kv_dtype or inputs.k.dtype)
     cache = PagedKVCache(layout, device=inputs.k.device)
     p = layout.num_pages
+    if layout.quantized:  # row by row through the cache's own quantiser
+        pages, rows = cache.slots(tuple(range(p)), torch.arange(c, device=inputs.k.device))
+        for layer in range(spec.num_layers):
+            cache.store("k", layer, pages, rows, inputs.k[layer])
+            cache.store("v", layer, pages, rows, inputs.v[layer])
+        return cache, tuple(range(p))
     for dst, src in ((cache.k, inputs.k), (cache.v, inputs.v)):
         padded = torch.zeros((spec.num_layers, p * page_size, spec.num_kv_heads, spec.head_dim),
                              dtype=src.dtype, device=src.device)
@@ -70,5 +89,5 @@ def fp32_reference_logits(weights: ModelWeights, inputs: DecodeInputs) -> torch.
     """The same step with weights, cache and activations upcast to fp32 (a temporary 2x copy of the weights):
     the yardstick for how far bf16 rounding alone moves the logits."""
     w32 = weights.to(dtype=torch.float32)
-    up = DecodeInputs(inputs.token, inputs.context, inputs.k.float(), inputs.v.float())
+    up = DecodeInputs(inputs.token, inputs.context, inputs.k.float(), inputs.v.float())  # fp8: the exact values
     return reference_logits(w32, up)

@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the defaults); recorded with the results")
     p.add_argument("--in-process", action="store_true",
                    help="run backends in this process (no crash/hang isolation; for debugging)")
+    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
+                   help="KV cache element type of mimw's backends (default bf16); with fp8 the floor counts fp8 KV "
+                        "bytes and the peers hold the same values in their own bf16 caches")
+    from .kv_accuracy import add_parser as add_kv_accuracy
     from .prefill import add_arguments as add_prefill_arguments
     from .serve import add_arguments as add_serve_arguments
     from .spec import add_arguments as add_spec_arguments
@@ -64,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .trace.main import add_subcommands as add_trace_subcommands
 
     add_trace_subcommands(sub)
+    add_kv_accuracy(sub)
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
@@ -80,7 +85,7 @@ def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
     return DecodeBenchConfig(models=models, contexts=parse_contexts(args.context),
                              backends=tuple(parse_backends(args.backends)), out_dir=args.out, iters=args.iters,
                              budget_s=args.budget_s, seed=args.seed, backend_timeout_s=args.backend_timeout,
-                             in_process=args.in_process, megakernel=args.megakernel)
+                             in_process=args.in_process, megakernel=args.megakernel, kv_dtype=args.kv_dtype)
 
 
 def git_commit(root: Path = REPO_ROOT) -> str:
@@ -139,8 +144,13 @@ def run(args: argparse.Namespace) -> int:
         from .trace.main import run as run_trace
 
         return run_trace(args)
+    if getattr(args, "bench_command", None) == "kv-accuracy":
+        from .kv_accuracy import run_args
+
+        return run_args(args)
     if getattr(args, "bench_command", None) != "decode":
-        print("mimw bench: choose a benchmark: decode, prefill, serve, spec, trace, trace-gen", file=sys.stderr)
+        print("mimw bench: choose a benchmark: decode, prefill, serve, spec, trace, trace-gen, kv-accuracy",
+              file=sys.stderr)
         return 2
     try:
         cfg = config_from_args(args)
@@ -180,6 +190,7 @@ def run_decode(cfg: DecodeBenchConfig, gpu: str, measure_bandwidth=None, commit:
     written = []
     for model in cfg.models:
         base = f"{stamp}-{slug(gpu)}-{model_label(model)}"  # a model label may hold dots: no with_suffix
+        base += f"-kv-{cfg.kv_dtype}" if cfg.kv_dtype != "bf16" else ""
         raw: list[dict] = []
         model_meta = {**meta, "model": model}
 

@@ -30,11 +30,17 @@ def latest_runs(results_dir: Path) -> list[tuple[Path, dict, int]]:
         if not isinstance(doc, dict) or "results" not in doc:
             continue
         key = (str(doc.get("date", "")), p.name)
-        for model, context in {(r.get("model") or doc.get("model") or p.stem, r["context"])
+        for model, context in {(model_key(doc, r.get("model") or doc.get("model") or p.stem), r["context"])
                                for r in doc["results"] if r.get("ms_per_step")}:
             if (model, context) not in best or key > best[(model, context)][0]:
                 best[(model, context)] = (key, p, doc)
     return [(p, doc, mc[1]) for mc, (_, p, doc) in sorted(best.items())]
+
+
+def model_key(doc: dict, model: str) -> str:
+    """The model's name, marked with its KV element type when that is not bf16 (their rows never replace bf16's)."""
+    kv = (doc.get("config") or {}).get("kv_dtype", "bf16")
+    return model if kv == "bf16" else f"{model} ({kv} KV)"
 
 
 def _f(x, fmt: str) -> str:
@@ -54,13 +60,13 @@ def table(runs: list[tuple[Path, dict, int]], link_dir: str = "results") -> str:
         for r in rows:
             ok = {"ok": "✓", "unchecked": "unchecked"}.get(r["status"], "✗ " + r["status"])
             sp = r.get("speedup_vs_best_peer")
-            lines.append(f"| {r['model']} | {r['context']} | {r['backend']} | {r['ms_per_step']:.3f} | "
+            lines.append(f"| {model_key(doc, r['model'])} | {r['context']} | {r['backend']} | {r['ms_per_step']:.3f} | "
                          f"{_f(r.get('tokens_per_s'), '.0f')} | {_f(r.get('ratio_to_floor'), '.2f')} | "
                          f"{'' if sp is None else f'{sp:.2f}x'} | {ok} | {where} |")
         fl = next((r["floor_ms"] for r in doc["results"] if r["context"] == c and r.get("floor_ms")), None)
         if fl:
-            lines.append(f"| {rows[0]['model']} | {c} | *floor* ({_f(doc.get('read_TBps'), '.2f')} TB/s) | "
-                         f"{fl:.3f} | {1e3 / fl:.0f} | 1.00 | | | {where} |")
+            lines.append(f"| {model_key(doc, rows[0]['model'])} | {c} | *floor* ({_f(doc.get('read_TBps'), '.2f')} "
+                         f"TB/s) | {fl:.3f} | {1e3 / fl:.0f} | 1.00 | | | {where} |")
     return "\n".join(lines)
 
 

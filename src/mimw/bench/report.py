@@ -74,6 +74,8 @@ def markdown(doc: dict) -> str:
     rows = doc["results"]
     models = sorted({r["model"] for r in rows}) or [doc.get("model", "?")]
     dtype = (doc.get("config") or {}).get("dtype", "bfloat16")
+    kv = (doc.get("config") or {}).get("kv_dtype", "bf16")
+    dtype += f", {kv} KV" if kv != "bf16" else ""
     lines = [f"# Decode step, batch 1, {dtype}: {', '.join(models)} on {doc.get('gpu', '?')}", "",
              f"{doc.get('date', '?')} · commit `{doc.get('commit', 'unknown')}` · torch {doc.get('torch', '?')} · "
              f"triton {doc.get('triton', '?')} · transformers {doc.get('transformers', '?')} · "

@@ -33,7 +33,7 @@ from .config import DecodeBenchConfig
 from .floor import routed_experts, step_bytes
 from .fused import BenchWeights, fuse, random_bench_weights
 from .inputs import decode_inputs, fp32_reference_logits, reference_logits
-from .peers import BACKENDS, PeerContext, Unavailable
+from .peers import BACKENDS, PeerContext, Unavailable, is_mimw
 from .timing import time_steps
 
 Emit = Callable[[dict], None]
@@ -83,10 +83,10 @@ class Reference:
     """The oracle for one context: bf16 reference logits, and the fp32 ones when they could be computed; the step's
     compulsory bytes (an MoE model's: the experts this step routes to)."""
 
-    def __init__(self, bw: BenchWeights, inputs, dtype: torch.dtype):
+    def __init__(self, bw: BenchWeights, inputs, dtype: torch.dtype, kv_bytes_per_token: int | None = None):
         routings: list = []
         self.logits = reference_logits(bw.weights, inputs, routings)
-        self.bytes = step_bytes(bw.spec, inputs.context,
+        self.bytes = step_bytes(bw.spec, inputs.context, kv_bytes_per_token=kv_bytes_per_token,
                                 routed_experts=routed_experts(routings) if bw.spec.is_moe else None)
         self.logits32, self.noise = None, None
         if dtype != torch.float32:
@@ -124,6 +124,10 @@ def measure(model: str, backend: str, ctx: PeerContext, ref: Reference, cfg: Dec
         traceback.print_exc()
         return {**row, "error": f"build: {_error_text(e)}"}
     row["notes"] = peer.notes
+    if ctx.inputs.kv_dtype is not None and not is_mimw(backend):
+        own = (f"its own {str(cfg.torch_dtype).removeprefix('torch.')} KV cache holding the {cfg.kv_dtype} cache's "
+               "values (the step's new row unrounded)")
+        row["notes"] = "; ".join(n for n in (own, peer.notes) if n)
     try:
         emit({"event": "phase", "context": c, "backend": backend, "phase": "check"})
         peer.reset()
@@ -166,8 +170,8 @@ def run_tasks(model: str, tasks: Sequence[tuple[int, str]], cfg: DecodeBenchConf
             cur_ctx, pctx, ref, ctx_error = c, None, None, None
             _cleanup(device)
             try:
-                inputs = decode_inputs(bw.spec, c, cfg.seed, cfg.torch_dtype, device)
-                ref = Reference(bw, inputs, cfg.torch_dtype)
+                inputs = decode_inputs(bw.spec, c, cfg.seed, cfg.torch_dtype, device, cfg.kv_torch_dtype)
+                ref = Reference(bw, inputs, cfg.torch_dtype, cfg.kv_bytes_per_token(bw.spec))
                 pctx = PeerContext(bw, inputs, device, cfg.iters + cfg.warmup + 1, cfg.megakernel)
                 _cleanup(device)  # hand the fp32 reference's memory back before the backends allocate
             except Exception as e:  # noqa: BLE001
@@ -176,7 +180,8 @@ def run_tasks(model: str, tasks: Sequence[tuple[int, str]], cfg: DecodeBenchConf
         emit({"event": "start", "context": c, "backend": backend})
         if ctx_error is not None:
             # an MoE step's bytes depend on its routing, which the failed setup did not reach
-            row = _row(model, c, backend, None if bw.spec.is_moe else step_bytes(bw.spec, c), error=ctx_error)
+            row = _row(model, c, backend, None if bw.spec.is_moe else
+                       step_bytes(bw.spec, c, kv_bytes_per_token=cfg.kv_bytes_per_token(bw.spec)), error=ctx_error)
         else:
             row = measure(model, backend, pctx, ref, cfg, emit_and_show)
         emit(row)

@@ -122,8 +122,8 @@ class ReferenceDecoder:
             for s in segments:
                 sl = slice(t0, t0 + s.length)
                 cache.write(li, s.block_table, positions[sl], k[sl], v[sl])
-                kc, vc = cache.gather(li, s.block_table, s.start + s.length)
-                outs.append(attention(q[sl], kc.to(q.dtype), vc.to(q.dtype), positions[sl]))
+                kc, vc = cache.gather(li, s.block_table, s.start + s.length)  # fp8: dequantised fp32
+                outs.append(attention(q[sl], kc, vc, positions[sl]))  # attention computes in fp32
                 t0 += s.length
             o = torch.cat(outs).reshape(-1, hq * hd)
             x = x + F.linear(o, lw.wo)

@@ -1,7 +1,7 @@
 """mimw's own backends: the reference decoder and (when it exists) the megakernel.
 
-mimw-reference: ``ReferenceDecoder`` over a ``PagedKVCache``, eager. It is not CUDA-graph capturable: its slot
-arithmetic reads ``positions.max()`` on the host (a device sync) every layer. It is the oracle the other backends
+mimw-reference: ``ReferenceDecoder`` over a ``PagedKVCache`` (fp8 with ``--kv-dtype fp8``), eager. It is not
+CUDA-graph capturable: its slot arithmetic reads ``positions.max()`` on the host (a device sync) every layer. It is the oracle the other backends
 are checked against, timed for scale only.
 
 mimw-megakernel: ``mimw.megakernel.bench_backend.make_step(spec, weights, context, options)`` returns a zero-argument
@@ -11,7 +11,8 @@ callable that runs one decode step (graph-captured/replayed inside); ``options``
     decodes ``inputs.token`` at position C, so that its logits can be checked against the reference;
   - the callable may carry ``logits``: a tensor ([V] or [1, V]) the step overwrites, or a zero-argument function
     returning it. Without it the row is reported "unchecked".
-ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>".
+ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>"; so does an fp8
+run (``inputs.kv_dtype``) until the kernel reads fp8 pages.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def mimw_reference(ctx: PeerContext) -> Peer:
 def mimw_megakernel(ctx: PeerContext) -> Peer:
     if ctx.bw.spec.is_moe:
         raise Unavailable("the megakernel's GPU kernel does not run mixture-of-experts layers yet")
+    if ctx.inputs.kv_dtype not in (None, torch.bfloat16):
+        raise Unavailable("the megakernel does not read fp8 KV pages yet")
     try:
         from ...megakernel.bench_backend import make_step
     except ImportError as e:
