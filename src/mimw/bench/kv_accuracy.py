@@ -14,7 +14,8 @@ then each variant greedily continues its own text for ``generate`` tokens from i
 A query attends to the cache's values (the decoder writes a chunk's K/V, then reads the cache), so a prefill chunk
 sees exactly what a decode step at that position would. The static calibrated variant takes its per (layer, head)
 amax from a separate text (``CALIBRATION``). Weights are fp32 so that only the cache's format differs.
-Results: a JSON document and a markdown table in ``out_dir`` (``<date>-cpu-kv-accuracy.{json,md}``).
+Results: a JSON document and a markdown table in ``out_dir`` (``<date>-<time>-cpu-kv-accuracy.{json,md}``), rewritten
+after every text.
 """
 from __future__ import annotations
 
@@ -243,7 +244,8 @@ def run(cfg: KVAccuracyConfig, log=print) -> dict:
 def _write(doc: dict, cfg: KVAccuracyConfig) -> None:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    base = out / f"{doc['date'][:10].replace('-', '')}-cpu-kv-accuracy"
+    stamp = doc["date"][:16].replace("-", "").replace(":", "").replace(" ", "-")  # 20261205-2350
+    base = out / f"{stamp}-cpu-kv-accuracy"
     (base.with_suffix(".json")).write_text(json.dumps(doc, indent=1) + "\n")
     (base.with_suffix(".md")).write_text(markdown(doc))
 
