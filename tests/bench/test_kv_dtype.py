@@ -33,8 +33,8 @@ def test_fp8_floor_counts_fp8_bytes_and_scales():
     cfg = DecodeBenchConfig(models=("llama-3.2-1b",), contexts=(8,), backends=("mimw-reference",), kv_dtype="fp8")
     assert cfg.kv_bytes_per_token(spec) == 2 * spec.num_layers * spec.num_kv_heads * (spec.head_dim + 2)
     bf16 = DecodeBenchConfig(models=("llama-3.2-1b",), contexts=(8,), backends=("mimw-reference",))
-    assert bf16.kv_bytes_per_token(spec) == spec.kv_bytes_per_token() == \
-        KVLayout.for_spec(spec, 16, 1, torch.bfloat16).bytes_per_token()
+    assert bf16.kv_bytes_per_token(spec) is None  # the floor's default: bf16
+    assert spec.kv_bytes_per_token() == KVLayout.for_spec(spec, 16, 1, torch.bfloat16).bytes_per_token()
 
 
 def test_run_decode_with_fp8_kv_in_process(tmp_path):

@@ -38,10 +38,13 @@ class DecodeBenchConfig:
 
         return parse_kv_dtype(self.kv_dtype) if self.kv_dtype == "fp8" else None
 
-    def kv_bytes_per_token(self, spec) -> int:
+    def kv_bytes_per_token(self, spec) -> int | None:
+        """KV bytes a position costs in the floor: fp8's (scales included), or None for the floor's default (bf16,
+        whatever dtype a CPU test runs in)."""
         from ..kv.pages import KVLayout
 
-        return KVLayout.for_spec(spec, 16, 1, self.kv_torch_dtype or self.torch_dtype).bytes_per_token()
+        dt = self.kv_torch_dtype
+        return None if dt is None else KVLayout.for_spec(spec, 16, 1, dt).bytes_per_token()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -1,8 +1,8 @@
 """mimw's own backends: the reference decoder and (when it exists) the megakernel.
 
 mimw-reference: ``ReferenceDecoder`` over a ``PagedKVCache`` (fp8 with ``--kv-dtype fp8``), eager. It is not
-CUDA-graph capturable: its slot arithmetic reads ``positions.max()`` on the host (a device sync) every layer. It is the oracle the other backends
-are checked against, timed for scale only.
+CUDA-graph capturable: its slot arithmetic reads ``positions.max()`` on the host (a device sync) every layer. It is
+the oracle the other backends are checked against, timed for scale only.
 
 mimw-megakernel: ``mimw.megakernel.bench_backend.make_step(spec, weights, context, options)`` returns a zero-argument
 callable that runs one decode step (graph-captured/replayed inside); ``options`` are plan.Tuning overrides
