@@ -515,3 +515,25 @@ def test_an_expert_reading_the_previous_steps_routing_is_caught():
         run.readiness.before(ins)
     assert isa.routed_expert(int(scratch.routed[2, ins.slot]), state.epoch) is None
     assert isa.routed_expert(int(scratch.routed[2, ins.slot]), state.epoch - 1) is not None
+
+
+def test_vm_over_an_fp8_cache_matches_the_reference_over_the_same_cache():
+    """The VM reads and writes K/V through the cache's format (kv/pages.py): over an fp8 cache (e4m3, a bf16 scale
+    per token and head) it computes what the reference decoder computes over its own fp8 cache."""
+    spec, w = model("tiny-qwen3")
+    layout = KVLayout.for_spec(spec, 16, 8, torch.float8_e4m3fn)
+    ref_cache, vm_cache = PagedKVCache(layout), PagedKVCache(layout)
+    tables = [(3, 1, 6), (0, 5)]
+    ref = ReferenceDecoder(w)
+    g = torch.Generator().manual_seed(2)
+    ref.forward(torch.randint(0, spec.vocab_size, (40,), generator=g), [Segment(tables[0], 0, 30),
+                                                                        Segment(tables[1], 0, 10)], ref_cache)
+    for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()):
+        b.copy_(a)
+    dec = VMDecoder(spec, w, vm_cache, 7, StepShape((1, 1)))
+    for step in range(3):
+        toks = torch.randint(0, spec.vocab_size, (2,), generator=g)
+        want = ref.forward(toks, [Segment(tables[0], 30 + step, 1), Segment(tables[1], 10 + step, 1)], ref_cache)
+        got = dec.step(toks.tolist(), [30 + step, 10 + step], tables, random.Random(step))
+        assert rel_err(got, want) <= 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))

@@ -13,7 +13,7 @@ finish:
                  (rope.cos_sin, HF rotate_half pairing: element i pairs with i + hd/2)
     v heads:     bias only
     writes: q head -> scratch.q[:, head, :]  [M, hd] fp32;
-            k/v head -> cache.k / cache.v [layer, page, kv_head, row, :] in the cache dtype, with
+            k/v head -> cache.k / cache.v [layer, page, kv_head, row, :] in the cache's format (kv/pages.py), with
             page = block_tables[seg(m)][pos_m // page_size], row = pos_m % page_size.
 Tiles: the head's hd rows of the qkv matrix, the part's column tiles.
 
@@ -115,8 +115,7 @@ def finish(ctx: OpContext, ins: AttnIn) -> None:
         ctx.scratch.q[:, idx, :] = y
         return
     pages, slots = kv_slots(ctx, ctx.state.positions.long())
-    pool = ctx.cache.k if kind == "k" else ctx.cache.v
-    pool[ins.layer, pages, idx, slots] = y.to(pool.dtype)
+    ctx.cache.store(kind, ins.layer, pages, slots, y, head=idx)  # rounded, or quantised per row (fp8)
 
 
 def kv_slots(ctx: OpContext, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

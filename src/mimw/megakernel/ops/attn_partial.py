@@ -91,8 +91,8 @@ def solve(ctx: OpContext, ins: AttnPartial) -> None:
     ps = ctx.cache.layout.page_size
     pos = torch.arange(lo, hi)  # [S]
     pages, rows = ctx.state.block_tables[ins.seg].long()[pos // ps], pos % ps
-    k = ctx.cache.k[ins.layer, pages, ins.kv_head, rows].float()  # [S, hd]
-    v = ctx.cache.v[ins.layer, pages, ins.kv_head, rows].float()  # [S, hd]
+    k = ctx.cache.load("k", ins.layer, pages, rows, head=ins.kv_head).float()  # [S, hd], dequantised for fp8
+    v = ctx.cache.load("v", ins.layer, pages, rows, head=ins.kv_head).float()
     s = (q @ k.t()) * hd ** -0.5  # [T, G, S]
     q_pos = ctx.state.positions[toks].long()  # [T]
     if hi - 1 > int(q_pos.min()):  # some key lies in some query token's future

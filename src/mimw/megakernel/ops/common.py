@@ -8,7 +8,7 @@ Numerics (so that a bf16 GPU kernel can match bit for bit where it matters): eve
 weights upcast, except
   * the RMSNorm output, rounded to the weight dtype before the norm-weight multiply, as the reference decoder does:
         h = (x * rsqrt(mean(x^2) + eps)).to(wdtype) * norm_w          (input norms, q/k head norms, final norm)
-  * K and V, stored in the cache dtype.
+  * K and V, stored in the cache's format (rounded to its dtype, or fp8 with a scale per row: kv/pages.py).
 """
 from __future__ import annotations
 
