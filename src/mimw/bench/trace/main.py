@@ -37,6 +37,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--backend", default="reference", choices=["reference", "megakernel"])
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp8"],
+                   help="KV cache element type, as `mimw serve --kv-dtype` (auto: the weights' dtype)")
     p.add_argument("--setups", default="lru,session+host", help=f"comma list of {', '.join(SETUPS)}")
     p.add_argument("--kv-pages", type=int, default=None, help="device pool pages (default: working set / ratio)")
     p.add_argument("--working-set-ratio", type=float, default=4.0,
@@ -163,7 +165,9 @@ def _in_process(args: argparse.Namespace, trace, setups: list[str]) -> int:
     loaded = load_model(args.model, dtype=dtype, device=device, progress=False)
     spec = loaded.spec
     tok = loaded.tokenizer or ByteTokenizer()
-    backend = _backend(args.backend, loaded.weights)
+    from ...kv.pages import parse_kv_dtype
+
+    backend = _backend(args.backend, loaded.weights, parse_kv_dtype(args.kv_dtype))
     ps = args.page_size
     page_bytes = KVLayout.for_spec(spec, ps, 1, backend.kv_dtype).bytes_per_page()
     st = trace.stats()
