@@ -2,10 +2,12 @@
 segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the
 only KV element type it accepts for now).
 
-The megakernel program is planned for M = 1 (one decode token per launch, one CUDA graph replay); a step with
-several decoding sequences replays it once per sequence. All multi-token segments of a step go to the
-``PrefillRunner`` in one call; it writes their K/V into the shared cache exactly as the kernel reads it, so decode
-continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once here for the prefill path's
+The megakernel program is planned for M = 1: a step of exactly one decode token is one megakernel launch (one
+CUDA graph replay). Every other step (several decoding sequences, prefill chunks, verify blocks, or a mix) goes to
+the ``PrefillRunner`` in one call, so its weights are read once per step, not once per sequence; it writes the
+segments' K/V into the shared cache exactly as the kernel reads it, so decode continues from those pages with no
+copy. (The megakernel's own multi-token step, issue 25, replaces this path for decode batches and verify blocks.)
+The weights are fused (q/k/v, gate/up) once here for the prefill path's
 GEMMs, and the megakernel packs its own tile-major copy from row views of them (launch/pack.py): the GPU holds the
 weights twice, row-major and tile-major. Invariants are those of ``Backend``.
 """
@@ -58,18 +60,7 @@ class MegakernelBackend(Backend):
         return self._dec
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        out = torch.empty(sum(s.num_logits for s in segments), self.spec.vocab_size, device="cuda",
-                          dtype=torch.float32)
-        t0, r0, pre, pre_rows, pre_toks = 0, 0, [], [], []
-        for s in segments:
-            if s.length == 1:
-                out[r0] = self._decoder(cache).step(int(tokens[t0]), s.start, s.block_table)[0]
-            else:
-                pre.append(s)
-                pre_rows.extend(range(r0, r0 + s.num_logits))
-                pre_toks.append(tokens[t0:t0 + s.length])
-            t0 += s.length
-            r0 += s.num_logits
-        if pre:
-            out[pre_rows] = self.prefill.forward(torch.cat(pre_toks), pre, cache)
-        return out
+        if len(segments) == 1 and segments[0].length == 1 and segments[0].num_logits == 1:
+            s = segments[0]
+            return self._decoder(cache).step(int(tokens[0]), s.start, s.block_table)[:1].float().clone()
+        return self.prefill.forward(tokens, segments, cache)

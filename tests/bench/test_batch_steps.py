@@ -1,0 +1,20 @@
+"""The multi-token step bench's arithmetic (CPU): segment layout and the floor's bytes."""
+from mimw.bench.batch_steps import step_floor_bytes, step_segments
+from mimw.models.spec import get_preset
+
+
+def test_step_segments_give_each_sequence_its_own_pages():
+    segs = step_segments(3, 4, 100, 7)
+    assert [s.block_table for s in segs] == [tuple(range(0, 7)), tuple(range(7, 14)), tuple(range(14, 21))]
+    assert all(s.start == 100 and s.length == 4 and s.num_logits == 4 for s in segs)
+
+
+def test_step_floor_counts_weights_once_and_every_segments_kv():
+    spec = get_preset("llama-3.2-1b")
+    kv = spec.kv_bytes_per_token()
+    one = step_floor_bytes(spec, step_segments(1, 1, 1024, 65), kv)
+    eight = step_floor_bytes(spec, step_segments(8, 1, 1024, 65), kv)
+    assert one == spec.decode_weight_bytes() + 1025 * kv
+    assert eight - one == 7 * 1025 * kv
+    verify = step_floor_bytes(spec, step_segments(2, 16, 1024, 66), kv)
+    assert verify == spec.decode_weight_bytes() + 2 * 1040 * kv
