@@ -2,11 +2,13 @@
 segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the
 only KV element type it accepts for now).
 
-The megakernel program is planned for M = 1: a step of exactly one decode token is one megakernel launch (one
-CUDA graph replay). Every other step (several decoding sequences, prefill chunks, verify blocks, or a mix) goes to
-the ``PrefillRunner`` in one call, so its weights are read once per step, not once per sequence; it writes the
-segments' K/V into the shared cache exactly as the kernel reads it, so decode continues from those pages with no
-copy. (The megakernel's own multi-token step, issue 25, replaces this path for decode batches and verify blocks.)
+The megakernel program is planned for M = 1: a step of one decode token is one megakernel launch (one CUDA graph
+replay). A step of several decode tokens runs either as one launch per sequence or as one call of the
+``PrefillRunner``, whichever this backend measured faster for that batch size on this GPU (``StepRouter``); every
+step with a longer segment (prefill chunks, verify blocks, mixes) goes to the ``PrefillRunner`` in one call. The
+runner writes the segments' K/V into the shared cache exactly as the kernel reads it, so decode continues from those
+pages with no copy. (The megakernel's own multi-token step, issue 25, is to replace both for decode batches and
+verify blocks.)
 The weights are fused (q/k/v, gate/up) once here for the prefill path's
 GEMMs, and the megakernel packs its own tile-major copy from row views of them (launch/pack.py): the GPU holds the
 weights twice, row-major and tile-major. Invariants are those of ``Backend``.
@@ -22,6 +24,7 @@ from ...models.reference import Segment
 from ...models.weights import ModelWeights
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend
+from .step_router import REPLAY, StepRouter
 
 
 class MegakernelBackend(Backend):
@@ -42,6 +45,8 @@ class MegakernelBackend(Backend):
         self.prefill = PrefillRunner(fused, prefill)
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
+        self.router = StepRouter()
+        self._pending: list = []  # (path, batch, start event, end event) of steps not yet folded into the router
 
     @property
     def device(self) -> torch.device:
@@ -60,7 +65,30 @@ class MegakernelBackend(Backend):
         return self._dec
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        if len(segments) == 1 and segments[0].length == 1 and segments[0].num_logits == 1:
-            s = segments[0]
-            return self._decoder(cache).step(int(tokens[0]), s.start, s.block_table)[:1].float().clone()
-        return self.prefill.forward(tokens, segments, cache)
+        self._fold_times()
+        if not all(s.length == 1 and s.num_logits == 1 for s in segments):
+            return self.prefill.forward(tokens, segments, cache)
+        path = self.router.choose(len(segments))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if path == REPLAY:
+            dec = self._decoder(cache)
+            ids = tokens.tolist()
+            # each step returns the decoder's logits buffer, which the next step overwrites: copy each row out
+            out = torch.cat([dec.step(ids[i], s.start, s.block_table)[:1].to(torch.float32, copy=True)
+                             for i, s in enumerate(segments)])
+        else:
+            out = self.prefill.forward(tokens, segments, cache)
+        end.record()
+        self._pending.append((path, len(segments), start, end))
+        return out
+
+    def _fold_times(self) -> None:
+        """Hand the router the times of the earlier steps whose events completed (no wait on the GPU)."""
+        left = []
+        for path, batch, start, end in self._pending:
+            if end.query():
+                self.router.observe(path, batch, start.elapsed_time(end))
+            else:
+                left.append((path, batch, start, end))
+        self._pending = left

@@ -1,0 +1,73 @@
+"""StepRouter: the megakernel backend's choice between per-sequence replays and one prefill-path call (CPU)."""
+import pytest
+
+from mimw.engine.backends.step_router import BATCHED, REPLAY, StepRouter, bucket
+
+
+def test_bucket_is_the_power_of_two_at_or_above():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 33, 64)] == [1, 2, 4, 4, 8, 8, 16, 64, 64]
+    with pytest.raises(ValueError):
+        bucket(0)
+
+
+def _warm(r: StepRouter, replay_ms: float, batched: dict[int, float]) -> None:
+    for _ in range(2):  # the first time of each (path, bucket) is warm-up
+        r.observe(REPLAY, 1, replay_ms)
+        for b, ms in batched.items():
+            r.observe(BATCHED, b, ms)
+
+
+def test_one_token_always_replays():
+    r = StepRouter()
+    assert r.choose(1) == REPLAY
+    _warm(r, 10.0, {2: 0.1})
+    assert r.choose(1) == REPLAY
+
+
+def test_unmeasured_paths_are_tried_prefill_first_and_warm_up_is_dropped():
+    r = StepRouter()
+    assert r.choose(4) == BATCHED
+    r.observe(BATCHED, 4, 5000.0)  # compilation: dropped
+    assert r.choose(4) == BATCHED and r.batched_ms == {}
+    r.observe(BATCHED, 3, 5.0)  # bucket 4
+    assert r.batched_ms == {4: 5.0}
+    assert r.choose(4) == REPLAY  # no replay time yet
+    r.observe(REPLAY, 4, 400.0)  # graph capture: dropped
+    assert r.replay_ms is None
+    r.observe(REPLAY, 4, 4.0)
+    assert r.replay_ms == 1.0
+
+
+def test_the_cheaper_estimate_wins_per_batch_size():
+    r = StepRouter()
+    _warm(r, 1.0, {2: 5.0, 4: 5.0, 8: 5.2, 64: 8.0})
+    assert r.choose(2) == REPLAY  # 2 x 1.0 < 5.0
+    assert r.choose(4) == REPLAY  # 4.0 < 5.0
+    assert r.choose(5) == REPLAY  # bucket 8: 5 x 1.0 < 5.2
+    assert r.choose(6) == BATCHED  # 6.0 > 5.2
+    assert r.choose(64) == BATCHED
+
+
+def test_estimates_follow_new_times():
+    r = StepRouter(weight=0.5)
+    _warm(r, 1.0, {8: 10.0})
+    assert r.choose(8) == REPLAY  # 8 < 10
+    for _ in range(10):
+        r.observe(REPLAY, 8, 16.0)  # replays got slower: 2 ms a token
+    assert r.replay_ms == pytest.approx(2.0, rel=1e-2)
+    assert r.choose(8) == BATCHED
+
+
+def test_the_path_not_taken_runs_every_refresh_steps():
+    r = StepRouter(refresh=4)
+    _warm(r, 1.0, {8: 100.0})
+    picks = [r.choose(8) for _ in range(8)]
+    assert picks.count(BATCHED) == 2 and picks[3] == BATCHED and picks[7] == BATCHED
+
+
+def test_bad_observations_are_refused():
+    r = StepRouter()
+    with pytest.raises(ValueError):
+        r.observe(REPLAY, 1, 0.0)
+    with pytest.raises(ValueError):
+        r.observe("sideways", 2, 1.0)
