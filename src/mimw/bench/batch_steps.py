@@ -6,11 +6,12 @@ A step of B decode segments at context C must read every weight once and each se
 
 and a verify step of S segments of K tokens reads the same weights and S contexts' KV (plus the block's own rows).
 This script times the megakernel backend's step (``MegakernelBackend.forward``: the megakernel for one decode
-token; for a decode batch the faster of B replays of the M = 1 megakernel and one call of its prefill path, as its
-``StepRouter`` measured them; the prefill path for verify blocks) and, for decode batches, both paths alone, for B
-in ``--batch`` and verify blocks of K in ``--verify``; the reference backend as a peer where asked. Every segment has its own pages, filled with
-random K/V; weights are random at the preset's shape. The logits of the batched call are checked against the
-replays' (argmax agreement and the largest relative error) before anything is timed.
+token; for a decode batch the faster of B replays of the M = 1 megakernel and one pass of its prefill path replayed
+as a CUDA graph per B, as its ``StepRouter`` measured them; the prefill path for verify blocks) and, for decode
+batches, both paths alone (``decode_replays``, ``decode_pass``), for B in ``--batch`` and verify blocks of K in
+``--verify``; the reference backend as a peer where asked. Every segment has its own pages, filled with random K/V;
+weights are random at the preset's shape. The two paths' logits are checked against each other (argmax agreement
+and the largest relative error) before anything is timed.
 
     PYTHONPATH=src python3 -m mimw.bench.batch_steps --model llama-3.2-1b,llama-3.1-8b --context 1024 --out $OUT
 """
@@ -43,13 +44,6 @@ def step_segments(batch: int, block: int, context: int, pages_per_seq: int) -> l
 def step_floor_bytes(spec, segments: Sequence[Segment], kv_bytes_per_token: int) -> int:
     """Weights once, plus every segment's KV: its cached context and its own new rows."""
     return spec.decode_weight_bytes() + sum(s.start + s.length for s in segments) * kv_bytes_per_token
-
-
-def _replays(backend, tokens: torch.Tensor, segments: Sequence[Segment], cache) -> torch.Tensor:
-    """The step as one M = 1 megakernel launch per decode segment (segments of one token only)."""
-    dec = backend._decoder(cache)
-    # each step returns the decoder's logits buffer, which the next step overwrites: copy each row out
-    return torch.stack([dec.step(int(tokens[i]), s.start, s.block_table)[0].clone() for i, s in enumerate(segments)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,13 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "tokens": nseg * k, "floor_ms": floor_ms(step_floor_bytes(spec, segs, kvb), bw.bytes_per_s)}
             try:
                 if kind == "decode" and nseg > 1:  # the two paths of a decode batch, checked against each other
-                    a = mk.prefill.forward(toks, segs, cache)
-                    r = _replays(mk, toks, segs, cache)
+                    a = mk.decode_pass(toks, segs, cache)
+                    r = mk.decode_replays(toks, segs, cache)
                     row["argmax_agree"] = (a.argmax(-1) == r.argmax(-1)).float().mean().item()
                     row["max_rel_err"] = ((a - r).abs().max() / r.abs().max()).item()
-                    row["replay_ms"] = time_steps(lambda: _replays(mk, toks, segs, cache), device, 50,
+                    row["replay_ms"] = time_steps(lambda: mk.decode_replays(toks, segs, cache), device, 50,
                                                   budget_s=args.budget_s).median_ms
-                    row["batched_ms"] = time_steps(lambda: mk.prefill.forward(toks, segs, cache), device, 50,
+                    row["batched_ms"] = time_steps(lambda: mk.decode_pass(toks, segs, cache), device, 50,
                                                    budget_s=args.budget_s).median_ms
                 row["mimw_ms"] = time_steps(lambda: mk.forward(toks, segs, cache), device, 50,
                                             budget_s=args.budget_s).median_ms
