@@ -5,14 +5,12 @@ only KV element type it accepts for now).
 The megakernel program is planned for M = 1: a step of one decode token is one megakernel launch (one CUDA graph
 replay). A step of several decode tokens runs either as one launch per sequence or as one pass of the
 ``PrefillRunner``'s layers, whichever this backend measured faster for that batch size on this GPU (``StepRouter``);
-every other step (prefill chunks, verify blocks, mixes) is one pass of the runner. A pass whose segments are short
-(each fits one query block of the paged attention kernel: decode batches, verify blocks) replays as a CUDA graph per
-step pattern (``StepGraphs``); long prefill chunks run eager. The runner writes the segments' K/V into the shared
-cache exactly as the kernel reads it, so decode continues from those pages with no copy. (The megakernel's own
-multi-token step, issue 25, is to replace the pass for decode batches and verify blocks.) The weights are fused
-(q/k/v, gate/up) once here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row
-views of them (launch/pack.py): the GPU holds the weights twice, row-major and tile-major. Invariants are those of
-``Backend``.
+every other step (prefill chunks, verify blocks, mixes) is one pass of the runner. The runner writes the segments'
+K/V into the shared cache exactly as the kernel reads it, so decode continues from those pages with no copy. (The
+megakernel's own multi-token step, issue 25, is to replace the pass for decode batches and verify blocks.) The
+weights are fused (q/k/v, gate/up) once here for the prefill path's GEMMs, and the megakernel packs its own
+tile-major copy from row views of them (launch/pack.py): the GPU holds the weights twice, row-major and tile-major.
+Invariants are those of ``Backend``.
 """
 from __future__ import annotations
 
@@ -25,7 +23,6 @@ from ...models.reference import Segment
 from ...models.weights import ModelWeights
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend
-from .step_graphs import StepGraphs
 from .step_router import REPLAY, StepRouter
 
 
@@ -47,7 +44,6 @@ class MegakernelBackend(Backend):
         self.prefill = PrefillRunner(fused, prefill)
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
-        self._graphs = None  # short steps' graphs over the prefill path, for the cache the engine made
         self.router = StepRouter()
         self._pending: list = []  # (path, batch, start event, end event) of steps not yet folded into the router
 
@@ -70,16 +66,14 @@ class MegakernelBackend(Backend):
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         self._fold_times()
         if not all(s.length == 1 and s.num_logits == 1 for s in segments):
-            return self.decode_pass(tokens, segments, cache)
+            return self.prefill.forward(tokens, segments, cache)
         path = self.router.choose(len(segments))
-        captures = self._graphs.captures if self._graphs is not None else 0
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step = self.decode_replays if path == REPLAY else self.decode_pass
         out = step(tokens, segments, cache)
         end.record()
-        if self._graphs is None or self._graphs.captures == captures:  # a step that captured a graph: no measure
-            self._pending.append((path, len(segments), start, end))
+        self._pending.append((path, len(segments), start, end))
         return out
 
     def decode_replays(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -91,12 +85,7 @@ class MegakernelBackend(Backend):
                           for i, s in enumerate(segments)])
 
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Any segments as one pass of the prefill path: replayed as a CUDA graph when every segment fits one query
-        block of the paged attention kernel (decode batches, verify blocks: ``StepGraphs``), else eager."""
-        if self._graphs is None or self._graphs.cache is not cache:
-            self._graphs = StepGraphs(self.prefill, cache)
-        if self._graphs.fits(segments):
-            return self._graphs.forward(tokens, segments)
+        """Any segments as one pass of the prefill path."""
         return self.prefill.forward(tokens, segments, cache)
 
     def _fold_times(self) -> None:
