@@ -17,7 +17,7 @@ spec_results=${SPEC_RESULTS:-$(ls bench/results/*-cpu-spec-*.json | tail -n 1)}
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_megakernel_backend_gpu.py \
     > "$out/steps-tests.log" 2>&1
 echo "tests (rc $?): $(tail -n 1 "$out/steps-tests.log")"
-timeout 240 python3 -m mimw.bench.batch_steps --model "$models" --context "${CONTEXT:-1024}" \
+timeout 240 python3 -m mimw.bench.main steps --model "$models" --context "${CONTEXT:-1024}" \
     --batch 1,2,4,8,16,32,64 --verify 4,16 --budget-s 0.3 --out "$out" > "$out/batch-steps.md" 2> "$out/batch-steps.log"
 echo "batch_steps (rc $?)"
 timeout 200 python3 -m mimw.bench.spec_steps --results "$spec_results" --model "$models" --backend megakernel \

@@ -18,3 +18,15 @@ def test_step_floor_counts_weights_once_and_every_segments_kv():
     assert eight - one == 7 * 1025 * kv
     verify = step_floor_bytes(spec, step_segments(2, 16, 1024, 66), kv)
     assert verify == spec.decode_weight_bytes() + 2 * 1040 * kv
+
+
+def test_mimw_bench_steps_parses_and_says_it_needs_a_gpu(capsys):
+    import torch
+
+    from mimw.bench.main import main
+
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("this checks the CPU-only answer")
+    assert main(["steps", "--model", "llama-3.2-1b", "--batch", "1,8", "--verify", "16"]) == 1
+    assert "needs a Hopper GPU" in capsys.readouterr().err

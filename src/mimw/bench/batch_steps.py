@@ -13,7 +13,8 @@ batches, both paths alone (``decode_replays``, ``decode_pass``), for B in ``--ba
 weights are random at the preset's shape. The two paths' logits are checked against each other (argmax agreement
 and the largest relative error) before anything is timed.
 
-    PYTHONPATH=src python3 -m mimw.bench.batch_steps --model llama-3.2-1b,llama-3.1-8b --context 1024 --out $OUT
+    mimw bench steps --model llama-3.2-1b,llama-3.1-8b --context 1024 --out $OUT
+    (or PYTHONPATH=src python3 -m mimw.bench.batch_steps ... from a source tree)
 """
 from __future__ import annotations
 
@@ -46,8 +47,7 @@ def step_floor_bytes(spec, segments: Sequence[Segment], kv_bytes_per_token: int)
     return spec.decode_weight_bytes() + sum(s.start + s.length for s in segments) * kv_bytes_per_token
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mimw.bench.batch_steps", description=__doc__.split("\n\n")[0])
+def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3.2-1b,llama-3.1-8b", help="presets (random weights), comma-separated")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--batch", default="1,2,4,8,16,32,64", help="decode batch sizes")
@@ -55,7 +55,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--peers", default="", help="also time these backends: reference")
     p.add_argument("--budget-s", type=float, default=0.5, help="timing seconds per step shape")
     p.add_argument("--out", default=".", help="directory for the JSON")
-    args = p.parse_args(argv)
+
+
+def add_parser(sub) -> None:
+    """`mimw bench steps`."""
+    add_options(sub.add_parser("steps", help="multi-token steps (decode batches, verify blocks) vs their floor",
+                               description=__doc__.split("\n\n")[0]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mimw.bench.batch_steps", description=__doc__.split("\n\n")[0])
+    add_options(p)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("mimw bench steps: needs a Hopper GPU (the megakernel backend); none is available here",
+              file=sys.stderr)
+        return 1
     from ..engine.backends.megakernel import MegakernelBackend
     from ..engine.backends.reference import ReferenceBackend
 

@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_trace_subcommands(sub)
     add_kv_accuracy(sub)
+    from .batch_steps import add_parser as add_steps
+
+    add_steps(sub)
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
@@ -144,12 +147,16 @@ def run(args: argparse.Namespace) -> int:
         from .trace.main import run as run_trace
 
         return run_trace(args)
+    if getattr(args, "bench_command", None) == "steps":
+        from .batch_steps import run as run_steps
+
+        return run_steps(args)
     if getattr(args, "bench_command", None) == "kv-accuracy":
         from .kv_accuracy import run_args
 
         return run_args(args)
     if getattr(args, "bench_command", None) != "decode":
-        print("mimw bench: choose a benchmark: decode, prefill, serve, spec, trace, trace-gen, kv-accuracy",
+        print("mimw bench: choose a benchmark: decode, prefill, serve, spec, steps, trace, trace-gen, kv-accuracy",
               file=sys.stderr)
         return 2
     try:
