@@ -115,6 +115,8 @@ class Engine:
                  host_copier: PageCopier | None = None):
         self.backend = backend
         self.speculator = speculator
+        if speculator is not None:  # the draft-length policy prices drafts at this backend's measured step times
+            speculator.costs = backend.step_costs
         self.tokenizer = tokenizer
         self.config = config
         spec = backend.spec
@@ -273,7 +275,7 @@ class Engine:
         if self.host is not None:
             self.host.fence()  # this step may overwrite reallocated pages that copies still touch
         try:
-            logits = self.backend.forward(torch.tensor(tokens, dtype=torch.long), segments, self.cache)
+            logits = self.backend.timed_forward(torch.tensor(tokens, dtype=torch.long), segments, self.cache)
         except Exception as e:  # a failed step fails its requests, never the engine
             return [self._finish(c.request, "error", "", error=f"{type(e).__name__}: {e}") for c in plan.chunks]
         self.scheduler.commit(plan)

@@ -18,6 +18,7 @@ Invariants every backend keeps:
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Sequence
 
@@ -26,6 +27,7 @@ import torch
 from ...kv.pages import KVLayout, PagedKVCache
 from ...models.reference import Segment
 from ...models.spec import ModelSpec
+from ..step_costs import StepCosts
 
 
 class Backend(ABC):
@@ -48,3 +50,30 @@ class Backend(ABC):
     @abstractmethod
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """tokens [T] (int64, the segments' tokens concatenated) -> logits [sum(num_logits), vocab] fp32."""
+
+    @property
+    def step_costs(self) -> StepCosts:
+        """The times of this backend's steps by token count (``timed_forward`` measures them)."""
+        return self.__dict__.setdefault("_step_costs", StepCosts())
+
+    def timed_forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
+        """``forward``, timed into ``step_costs``: on a GPU by CUDA events around the step's work, folded in once
+        they completed (a later call looks; nothing waits for the GPU), elsewhere by the wall clock."""
+        pending = self.__dict__.setdefault("_step_events", [])
+        for item in list(pending):
+            n, start, end = item
+            if end.query():
+                self.step_costs.observe(n, start.elapsed_time(end))
+                pending.remove(item)
+        n = int(tokens.numel())
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self.forward(tokens, segments, cache)
+            end.record()
+            pending.append((n, start, end))
+            return out
+        t0 = time.perf_counter()
+        out = self.forward(tokens, segments, cache)
+        self.step_costs.observe(n, (time.perf_counter() - t0) * 1e3)
+        return out

@@ -24,6 +24,7 @@ import torch
 
 from ..request import Request
 from ..scheduler import Scheduler, StepPlan
+from ..step_costs import StepCosts
 from .config import SpecConfig
 from .drafter import Draft, DraftInput, Drafter
 from .policy import DraftLengthPolicy
@@ -55,6 +56,7 @@ class Speculator:
         self.drafter = drafter
         self.cfg = config
         self.policy = DraftLengthPolicy(config)
+        self.costs: StepCosts | None = None  # the target backend's measured step times (the engine binds them)
         self._draft_tokens = 0
         self._accepted_tokens = 0
         self._hist = [0] * (config.num_tokens + 1)
@@ -72,12 +74,14 @@ class Speculator:
         if budget <= 0:
             return {}
         wants: list[tuple[float, Request, int]] = []
+        costs, base = self.costs, plan.num_tokens
+        cost = (lambda k: costs.relative(base, k)) if costs is not None else None
         for c in sampling:
             r = c.request
             if not speculation_applies(r.params):
                 continue
             room = min(r.params.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens) - 1
-            k = min(self.policy.length(r.request_id), room)
+            k = min(self.policy.length(r.request_id, cost), room)
             if k > 0:
                 wants.append((self.policy.alpha(r.request_id), r, k))
         wants.sort(key=lambda w: -w[0])  # the batch threshold cuts the least promising requests first
