@@ -59,3 +59,41 @@ def test_the_words_carry_the_hold_marks_and_the_constants_the_shape():
 def test_the_plan_refuses_moe_models_the_gpu_kernel_cannot_run_yet(model):
     with pytest.raises(ValueError, match="does not run mixture-of-experts layers yet.*ROUTER, EXPERT_IN, EXPERT_DOWN"):
         plan(get_preset(model), 132)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
+@pytest.mark.parametrize("batch", [2, 5, 8])
+def test_a_decode_batch_plans_tickets_and_a_staging_buffer_of_eight_tokens(model, batch):
+    from mimw.megakernel import isa
+
+    spec = get_preset(model)
+    p = plan(spec, 132, StepShape((1,) * batch, 1024))
+    c, slot = p.constants, p.tuning.tile_rows * p.tuning.tile_k * 2
+    assert (c.M, c.MB, p.cluster_size, p.exchange_bytes, c.DOWN_PAIRS) == (batch, 8, 1, 0, False)
+    assert not (p.words[..., isa.Word.FLAGS] & isa.CLUSTER_PAIR).any()
+    assert p.staging_bytes == p.hbuf_rows * p.tuning.tile_k * 2 * 8
+    assert p.ring >= 4 and p.staging_bytes + p.ring * slot + SCRATCH_BYTES <= SHARED_BYTES
+    kt_i = -(-spec.intermediate_size // p.tuning.tile_k)
+    parts = p.program.down_parts
+    assert p.hbuf_rows >= max(c.KT_D, c.KT_Q, -(-kt_i // parts))
+    # more than 32 column tiles (the 8B's 56, Qwen3-8B's 48: 64 staged rows = 256 KB) split in two ticketed parts;
+    # the 1B's 32 (128 KB) fit beside 5 ring slots
+    assert parts == (2 if kt_i > 32 else 1)
+    downs = [i for i in p.program.instructions() if i.OP == isa.Op.DOWN_PROJ]
+    assert all((i.ticket != isa.NO_COUNTER) == (parts > 1) and i.n_parts == (parts if parts > 1 else 0)
+               for i in downs)
+
+
+def test_the_single_token_plan_keeps_its_settings():
+    one_b = plan(get_preset("llama-3.2-1b"), 132)
+    assert (one_b.constants.M, one_b.constants.MB, one_b.ring, one_b.cluster_size) == (1, 1, 13, 2)
+    assert one_b.staging_bytes == one_b.hbuf_rows * one_b.tuning.tile_k * 2
+
+
+def test_the_plan_refuses_multi_token_steps_the_gpu_kernel_cannot_run():
+    with pytest.raises(ValueError, match="verify blocks run on the VM only"):
+        plan(get_preset("llama-3.2-1b"), 132, StepShape((4,)))
+    with pytest.raises(ValueError, match="decode batch of 2..8"):
+        plan(get_preset("llama-3.2-1b"), 132, StepShape((1,) * 9))
+    with pytest.raises(ValueError, match="chunk pair"):  # 32-dim heads: 16-row tiles
+        plan(get_preset("tiny-qwen3"), 8, StepShape((1, 1)))

@@ -28,7 +28,7 @@ from mimw.megakernel import isa
 from mimw.megakernel.ops import CLASSES
 from mimw.megakernel.ops.attn_in import AttnIn
 from mimw.megakernel.ops.attn_partial import AttnPartial
-from mimw.megakernel.plan import Tuning
+from mimw.megakernel.plan import Tuning, plan
 from mimw.megakernel.program import ProgramConfig, StepShape, build_program, cluster_mate_errors
 from mimw.megakernel.state import alloc_scratch, alloc_state
 from mimw.megakernel.vm import VM, DeadlockError, DependencyError, VMDecoder, i32
@@ -46,6 +46,9 @@ MOE_VARIANTS = {  # MoE specs that are no preset, by name
     "moe-nonorm-e12": get_preset("tiny-qwen3-moe").with_(norm_topk_prob=False, num_experts=12, dense_layers=()),
     "moe-top1": get_preset("tiny-qwen3-moe").with_(num_experts_per_tok=1, dense_layers=(0,)),
     "moe-e32": get_preset("tiny-qwen3-moe").with_(num_experts=32),  # a router of two row tiles
+    # SmolLM2's shape with an intermediate size whose staged act (33 column tiles of 8 tokens) does not fit beside
+    # the ring: a decode batch's plan splits its DOWN_PROJ into ticketed column parts
+    "smollm2-wide": get_preset("smollm2-135m").with_(num_layers=1, intermediate_size=8448),
 }
 
 
@@ -537,3 +540,50 @@ def test_vm_over_an_fp8_cache_matches_the_reference_over_the_same_cache():
         got = dec.step(toks.tolist(), [30 + step, 10 + step], tables, random.Random(step))
         assert rel_err(got, want) <= 1e-5
     assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))
+
+
+# --- decode batches as the GPU kernel plans them (plan.plan, M = 2..8) ------------------------------------------
+
+BATCH_CASES = [  # (preset, num_sms, page_size, contexts: one segment of one token each)
+    ("smollm2-135m", 132, 16, (14, 31)),
+    ("smollm2-135m", 1, 64, (62, 1, 127, 30, 5)),
+    ("smollm2-135m", 132, 64, (62, 1, 127, 30, 5, 64, 17, 2)),
+    ("smollm2-wide", 132, 16, (14, 31, 3, 47, 9)),  # DOWN_PROJ in ticketed column parts
+]
+
+
+@pytest.mark.parametrize("name,num_sms,page_size,contexts", BATCH_CASES,
+                         ids=[f"{c[0]}-sm{c[1]}-ps{c[2]}-B{len(c[3])}" for c in BATCH_CASES])
+def test_vm_proves_the_decode_batch_programs_the_plan_builds(name, num_sms, page_size, contexts):
+    spec, _ = model(name)
+    seg_lens = (1,) * len(contexts)
+    p = plan(spec, num_sms, StepShape(seg_lens), page_size)
+    prog = _vm_against_reference(name, num_sms, page_size, seg_lens, contexts, p.program.config)
+    assert not any(i.flags & isa.CLUSTER_PAIR for i in prog.instructions())
+    assert prog.down_parts == p.program.down_parts == (2 if name == "smollm2-wide" else 1)
+
+
+@pytest.mark.parametrize("parts,num_sms", [(2, 7), (3, 132), (4, 1)])
+def test_vm_with_ticketed_down_proj_parts_matches_reference(parts, num_sms):
+    spec, _ = model("tiny-llama")
+    prog = _vm_against_reference("tiny-llama", num_sms, 16, (1, 1, 1), (14, 3, 40),
+                                 shipping(spec, tile_k=16, clusters=False, down_parts=parts))
+    downs = [i for i in prog.instructions() if i.OP == isa.Op.DOWN_PROJ]
+    assert {i.n_parts for i in downs} == {parts} and all(i.ticket != isa.NO_COUNTER for i in downs)
+    assert sum(1 for c in prog.counters if ".down_ticket." in c.name) == len(downs) // parts
+
+
+def test_a_down_proj_part_that_skips_its_ticket_is_caught():
+    spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14, 5), 4, 7)
+    prog = build_program(spec, StepShape((1, 1)), 7, shipping(spec, tile_k=16, clusters=False, down_parts=3))
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.DOWN_PROJ, lambda ins: ins.layer == 0 and ins.part == 0)
+    words[s, i, isa.Word.E] = isa.NO_COUNTER  # part 0 now believes it is alone: it finishes the rows at once
+    vm = VM(prog, w, cache, (words, lengths))
+    for e in _dependency_errors(vm, prog, cache, ([3, 9], [14, 5], tables, (1, 1)), 20):
+        # caught by data readiness: it summed parts not yet written, or its extra signal let the next layer read x
+        # before the rows' real finisher wrote them
+        if "column parts" in e or "reads x at version" in e:
+            return
+        assert "counters off" in e  # it finished last: its missing ticket leaves the ticket short
+    pytest.fail("a DOWN_PROJ part finishing without its ticket went unnoticed in 20 interleavings")

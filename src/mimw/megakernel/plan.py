@@ -12,7 +12,11 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
     cluster exchange region;
   * ATTN_PARTIAL's warps merge their softmax states through the staging buffer where it holds them (else through
     Triton's reductions over the warp axis);
-  * the release hold's marks on the words (hold.py).
+  * the release hold's marks on the words (hold.py);
+  * a multi-token step (a decode batch of M = 2..8 sequences, one token each): the tokens padded to MB = 8 (wgmma's
+    N), the staging buffer MB bf16 rows a 32-column chunk, no cluster pairs (their exchange holds one token's sums:
+    ATTN_IN's parts combine through tickets), and DOWN_PROJ in as few ticketed column parts as let its staged
+    input fit beside a ring of ``MIN_RING_MT`` slots (the 8B's I = 14336: two parts).
 A program with an instruction that has no device code (the MoE instructions: ops.GPU_OPS) is refused: the GPU kernel
 does not run mixture-of-experts layers yet (the VM does).
 Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
@@ -35,6 +39,9 @@ SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90
 SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers:
 # ~4.3 KB in the default kernels); every kernel the compile tests build is checked to fit
 MMA_K = 32  # columns of a folded tile row (device/matvec.dot_tile): two k16 steps of mma.sync
+MB = 8  # a multi-token step's tokens padded to wgmma's smallest N (swap-AB: the tokens are the B operand)
+MAX_BATCH = 8  # the most tokens a multi-token step plans (one wgmma N of 8)
+MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its staging buffer
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ class Constants:
     SMEM_MERGE: bool  # ATTN_PARTIAL merges its warps' states through the staging buffer
     TRACE: bool  # per-instruction timestamps (tools/trace.py)
     NW: int  # compute warps
+    M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
+    MB: int = 1  # tokens padded to the B operand's N (8 where M > 1): staged rows a 32-column chunk
 
     @property
     def NQKV(self) -> int:
@@ -165,6 +174,11 @@ class LaunchPlan:
     hbuf_rows: int  # KT_ROWS
     exchange_bytes: int  # XB: dynamic shared memory past Triton's for the cluster exchange (0: no clusters)
     constants: Constants
+
+    @property
+    def staging_bytes(self) -> int:
+        """The staging buffer: KT_ROWS column tiles of MB bf16 rows (one row for M = 1)."""
+        return self.hbuf_rows * self.tuning.tile_k * 2 * self.constants.MB
 
     @property
     def cluster_size(self) -> int:
@@ -215,11 +229,41 @@ def check(spec: ModelSpec, t: Tuning) -> None:
         raise ValueError(f"qkv_parts={t.qkv_parts}: 0 (derived) or 1..8 (the finisher's unrolled sum)")
 
 
+def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, int]:
+    """A multi-token step's derived settings: the tuning without cluster pairs, and DOWN_PROJ's column parts (1:
+    whole rows), the fewest whose staged input (MB rows a column tile, power-of-two tiles) fits in shared memory
+    beside ``MIN_RING_MT`` ring slots. Raises ValueError for a shape the GPU kernel does not run."""
+    m = shape.num_tokens
+    if any(n != 1 for n in shape.seg_lens) or m > MAX_BATCH:
+        raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or a decode batch of "
+                         f"2..{MAX_BATCH} sequences of one token each (verify blocks run on the VM only)")
+    if t.tile_rows != 32 or t.tile_k % 64:
+        raise ValueError(f"a multi-token step needs [32, 256]-style tiles (a chunk pair is wgmma's 64-row A), got "
+                         f"[{t.tile_rows}, {t.tile_k}] (head_dim {spec.head_dim})")
+    t = dataclasses.replace(t, clusters=False)
+    kt = lambda k: -(-k // t.tile_k)  # noqa: E731
+    row_bytes, slot = t.tile_k * 2 * MB, t.tile_rows * t.tile_k * 2
+    room = SHARED_BYTES - SCRATCH_BYTES - MIN_RING_MT * slot
+    base = max(kt(spec.hidden_size), kt(spec.q_size))
+    for parts in range(1, kt(spec.intermediate_size) + 1):
+        if _pow2(max(base, -(-kt(spec.intermediate_size) // parts))) * row_bytes <= room:
+            return t, parts
+    raise ValueError(f"{spec.name}: {_pow2(base)} staged column tiles of {MB} tokens do not fit in shared memory "
+                     f"beside {MIN_RING_MT} ring slots")
+
+
 def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_size: int = 16,
          tuning: Tuning = Tuning()) -> LaunchPlan:
     t = tuning.resolve(spec)
     check(spec, t)
-    program = build_program(spec, shape, num_sms, t.program_config())
+    m, down_parts, mb = shape.num_tokens, 1, 1
+    if m > 1:
+        t, down_parts = multi_token(spec, shape, t)
+        mb = MB
+    cfg = t.program_config()
+    if down_parts > 1:
+        cfg = dataclasses.replace(cfg, down_parts=down_parts)
+    program = build_program(spec, shape, num_sms, cfg)
     host_only = sorted({ins.OP for ins in program.instructions()} - set(GPU_OPS) - {Op.NOP})
     if host_only:
         raise ValueError(f"{spec.name}: the megakernel's GPU kernel does not run mixture-of-experts layers yet "
@@ -228,18 +272,19 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
     down_pairs = program.down_pairs
     widest = max(kt(spec.hidden_size), kt(spec.q_size),
-                 -(-kt(spec.intermediate_size) // 2) if down_pairs else kt(spec.intermediate_size))
+                 -(-kt(spec.intermediate_size) // program.down_parts))
     hbuf_rows = _pow2(widest)
+    hbuf_bytes = hbuf_rows * t.tile_k * 2 * mb
     xb = exchange_bytes(spec.head_dim) if program.attn_pairs else 0
     slot = t.tile_rows * t.tile_k * 2
-    fit = (SHARED_BYTES - hbuf_rows * t.tile_k * 2 - SCRATCH_BYTES - xb) // slot
+    fit = (SHARED_BYTES - hbuf_bytes - SCRATCH_BYTES - xb) // slot
     if t.ring > fit:
         raise ValueError(f"ring={t.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
     if fit < 2:
         raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
     ring = t.ring or fit
     gp = _pow2(spec.group_size)
-    smem_merge = t.num_warps * gp * (spec.head_dim + 2) * 4 <= hbuf_rows * t.tile_k * 2
+    smem_merge = t.num_warps * gp * (spec.head_dim + 2) * 4 <= hbuf_bytes
     words, lens = program.encode()
     if t.quiet >= 0:
         marks = hold_marks(program, t.quiet)
@@ -251,5 +296,5 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         QK_NORM=spec.qk_norm, TR=t.tile_rows, TK=t.tile_k, NB=ring, KT_ROWS=hbuf_rows,
         SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=_pow2(program.max_splits), GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
-        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps)
+        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m, MB=mb)
     return LaunchPlan(spec, t, num_sms, page_size, program, words, lens, ring, hbuf_rows, xb, c)

@@ -89,6 +89,8 @@ class ProgramConfig:
     fixed_cost_bytes: int = 96 * 1024  # per-instruction overhead in the cost model (staging + tail, ~2-5 us)
     ticket_cost_bytes: int = 64 * 1024  # extra per ticketed part: acq_rel ticket + the finisher's reads (~2 us)
     clusters: bool = True  # cluster pairs where the shape can form them (see the module doc)
+    down_parts: int = 0  # DOWN_PROJ column parts behind a ticket a row block (0 or 1: whole rows); plan.py derives it
+    # where a multi-token step's staged activations do not fit in shared memory beside the ring
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,12 @@ class Program:
     @property
     def down_pairs(self) -> bool:
         """Whether DOWN_PROJ runs in cluster pairs (then every one of them does)."""
-        return any(isinstance(i, DownProj) and i.n_parts == 2 for i in self.instructions())
+        return any(isinstance(i, DownProj) and i.flags & isa.CLUSTER_PAIR for i in self.instructions())
+
+    @property
+    def down_parts(self) -> int:
+        """Column parts of every DOWN_PROJ row block (1: whole rows; 2 in cluster pairs; or ticketed parts)."""
+        return max([i.n_parts for i in self.instructions() if isinstance(i, DownProj)] + [1])
 
     @property
     def attn_pairs(self) -> bool:
@@ -280,6 +287,9 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         raise ValueError(f"qkv_parts={n_parts} must be between 1 and the {spec.hidden_size}-column row's tile count "
                          "(at most 8)")
     pair_qkv = can_pair(spec, num_sms, cfg) and n_parts == 2
+    if not 0 <= cfg.down_parts <= -(-spec.intermediate_size // cfg.tile_k):
+        raise ValueError(f"down_parts={cfg.down_parts} must be between 0 and the {spec.intermediate_size}-column "
+                         "row's tile count")
     segs = range(len(shape.seg_lens))
     o_blocks = row_blocks(spec.hidden_size, spec.q_size * 2, num_sms, cfg)
     # MLP_IN: a weight tile holds tile_rows/2 gate and tile_rows/2 up rows (host/pack.py), so blocks of outputs
@@ -334,6 +344,13 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
                                     wait_count=len(mlp_blocks), signal=isa.NO_COUNTER if p else down,
                                     flags=isa.CLUSTER_PAIR, tiles=down_span(spec, wt, l, r, n, p, 2))
                            for r, n in down_blocks for p in range(2)])
+        elif cfg.down_parts > 1:  # column parts behind a ticket a row block: the last to draw it finishes, signals
+            nd = cfg.down_parts
+            dt = {r: counter(f"L{l}.down_ticket.r{r}", nd) for r, _ in down_blocks}
+            stages.append([DownProj(layer=l, row0=r, nrows=n, part=p, n_parts=nd, ticket=dt[r], wait=mlp,
+                                    wait_count=len(mlp_blocks), signal=down,
+                                    tiles=down_span(spec, wt, l, r, n, p, nd))
+                           for r, n in down_blocks for p in range(nd)])
         else:
             stages.append([DownProj(layer=l, row0=r, nrows=n, wait=mlp, wait_count=len(mlp_blocks), signal=down,
                                     tiles=down_span(spec, wt, l, r, n)) for r, n in down_blocks])

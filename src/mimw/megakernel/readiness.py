@@ -5,8 +5,9 @@ checks the claim independently. Every region of step data carries a *version*, t
 during this step (-1: not written this step):
 
     x        [D]              2l+1 after layer l's O_PROJ of those columns, 2l+2 after its DOWN_PROJ
-    down_part [2, D]          layer whose DOWN_PROJ column half p wrote those rows' sums (cluster pairs); part 0's
-                              finish reads both and writes x (2l+2)
+    down_part [P, D]          layer whose DOWN_PROJ column part p wrote those rows' sums (cluster pairs, ticketed
+                              parts); the finisher
+                              reads every part and writes x (2l+2)
     qkv_part [H, P]           layer whose ATTN_IN wrote part p of head h (H = Hq + 2 Hkv)
     q        [Hq]             layer whose ATTN_IN finished the head (all M tokens at once)
     kv       [L, 2, Hkv]      whether ATTN_IN stored this step's K (0) / V (1) positions of the layer's kv head
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .isa import NO_EXPERT, Instruction, Op, routed_expert
+from .isa import NO_COUNTER, NO_EXPERT, Instruction, Op, routed_expert
 from .program import Program
 from .state import StepState, split_range
 from .tiles import router_rows
@@ -50,7 +51,7 @@ class Readiness:
         self.program, self.state = program, state
         m, full = shape.num_tokens, lambda *s: np.full(s, -1, dtype=np.int32)  # noqa: E731
         self.x = full(sp.hidden_size)
-        self.down_part = full(2, sp.hidden_size)
+        self.down_part = full(max(2, program.down_parts), sp.hidden_size)
         self.qkv_part = full(sp.num_heads + 2 * sp.num_kv_heads, program.qkv_parts)
         self.q = full(sp.num_heads)
         self.kv = np.zeros((sp.num_layers, 2, sp.num_kv_heads), dtype=bool)
@@ -134,8 +135,8 @@ class Readiness:
                 self._require(ins, "x rows", self.x[ins.row0: ins.row0 + ins.nrows], 2 * L)
         elif op == Op.DOWN_PROJ:
             self._require(ins, "act", self.act, L)
-            if ins.n_parts and ins.part:  # a pair's part 1: its column half only, no residual
-                return
+            if ins.n_parts and (ins.part or ins.ticket != NO_COUNTER):  # a pair's part 1 or a ticketed part: its
+                return  # columns only; the residual is the finisher's
             self._require(ins, "x rows", self.x[ins.row0: ins.row0 + ins.nrows], 2 * L + 1)
 
     def after(self, ins: Instruction) -> None:
@@ -170,7 +171,9 @@ class Readiness:
             self._require(ins, "partials",
                           self.part[self._seg(ins.seg), self._group(ins.kv_head), : ins.n_splits], ins.layer)
         elif ins.OP == Op.DOWN_PROJ:
-            self._require(ins, "column halves", self.down_part[:, ins.row0: ins.row0 + ins.nrows], ins.layer)
+            rows = slice(ins.row0, ins.row0 + ins.nrows)
+            self._require(ins, "column parts", self.down_part[: ins.n_parts, rows], ins.layer)
+            self._require(ins, "x rows", self.x[rows], 2 * ins.layer + 1)
         elif ins.OP == Op.ROUTER:
             self._require(ins, "router logits", self.rlogits[: self.program.spec.num_experts], ins.layer)
         elif ins.OP == Op.EXPERT_DOWN:

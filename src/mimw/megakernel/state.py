@@ -17,8 +17,9 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
   part_ml [M, Hq, SPLITS, 2]   running max m (scaled scores, natural log domain) and sum l = sum_j exp(s_j - m);
                                an empty split stores m = EMPTY_M, l = 0, o = 0
   attn [M, Hq*hd]              attention output (input of O_PROJ)
-  down_part [2, M, D]          with DOWN_PROJ's cluster pairs ([1, M, D] unused otherwise): each column half's
-                               sums, in the VM only (the GPU's halves meet in shared memory, device/cluster.py)
+  down_part [P, M, D]          DOWN_PROJ's column parts (P = program.down_parts; [1, M, D] unused without parts):
+                               each part's sums (a cluster pair's halves meet in the GPU's shared memory instead,
+                               device/cluster.py; ticketed parts store here)
   act [M, I]                   SiLU(gate) * up (input of DOWN_PROJ)
   logits [M, V]
 MoE layers (program.moe_slots = S routing slots; empty for a dense model; E experts padded to Ep rows, F their
@@ -130,7 +131,7 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         attn=f(m, sp.q_size),
         act=f(m, sp.intermediate_size),
         logits=f(m, sp.vocab_size),
-        down_part=f(2 if prog.down_pairs else 1, m, sp.hidden_size),
+        down_part=f(prog.down_parts, m, sp.hidden_size),
         router_logits=f(m, router_rows(sp, prog.config.tile_rows) if sp.is_moe else 0),
         routed=torch.zeros(sp.num_layers, s, dtype=torch.int32, device=device),  # 0: never written
         slot_w=f(s, m),

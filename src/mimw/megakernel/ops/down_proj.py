@@ -5,6 +5,9 @@ Writes: x[:, rows]. Reads: all of act (a half: its columns); x[:, rows].
 A cluster pair (isa.CLUSTER_PAIR, where the row blocks leave half the SMs idle): part p multiplies its column half
 of act and W_down into down_part[p, :, rows] (on the GPU: registers, and the exchange slot in shared memory); part
 0's finish adds the residual to the two halves' sum, in part order: x = x + (half 0 + half 1).
+Ticketed column parts (a multi-token step whose staged act does not fit beside the ring: plan.py): part p of n stores
+its sums into down_part[p, :, rows] and draws the row block's ticket; the last to draw adds the residual to the
+parts' sum, in part order, and alone signals.
 Tiles: the block's rows of the down matrix, the half's column tiles.
 Device: act staged (bf16) once for a run of DOWN_PROJ instructions; a half stages only its own column tiles, from
 the staging buffer's first row (so the buffer needs half of I's rows). A pair's row tile: both halves' sums go to
@@ -23,7 +26,7 @@ from ...models.spec import ModelSpec
 from ..device import cluster, layouts, matvec as mv
 from ..device.context import W_A, W_C, W_K0, W_K1, W_NR
 from ..device.sync import counter_wait
-from ..isa import CLUSTER_PAIR, Op, RowBlock, TileSpan, Word
+from ..isa import CLUSTER_PAIR, NO_COUNTER, Op, RowBlock, TileSpan, Word
 from ..tiles import WeightTiles, column_part, column_tiles
 from .common import OpContext, activation_in, matvec
 
@@ -33,13 +36,17 @@ OP = Op.DOWN_PROJ
 @dataclass(frozen=True)
 class DownProj(RowBlock):
     OP: ClassVar[Op] = Op.DOWN_PROJ
-    FIELDS: ClassVar[dict[str, Word]] = {**RowBlock.FIELDS, "part": Word.C, "n_parts": Word.D}
-    part: int = 0  # with n_parts 2 (a cluster pair): which column half
+    FIELDS: ClassVar[dict[str, Word]] = {**RowBlock.FIELDS, "part": Word.C, "n_parts": Word.D, "ticket": Word.E}
+    part: int = 0  # with n_parts > 1 (a cluster pair, or ticketed parts): which column part
     n_parts: int = 0  # 0: every column of the rows, the residual added here
 
     @property
-    def has_finisher(self) -> bool:  # part 0 of a pair adds its mate's sums and the residual, and stores x
-        return bool(self.flags & CLUSTER_PAIR) and self.part == 0
+    def has_finisher(self) -> bool:  # part 0 of a pair, or the last ticketed part: the parts' sum and the residual
+        return (bool(self.flags & CLUSTER_PAIR) and self.part == 0) or self.ticket != NO_COUNTER
+
+    @property
+    def ticket_count(self) -> int:
+        return self.n_parts if self.ticket != NO_COUNTER else 1
 
     def mate_key(self) -> tuple:
         return self.OP, self.layer, self.row0, self.nrows, self.n_parts
@@ -64,10 +71,14 @@ def solve(ctx: OpContext, ins: DownProj) -> None:
 
 
 def finish(ctx: OpContext, ins: DownProj) -> None:
-    """Part 0 of a cluster pair, once both halves ran: the residual plus the halves' sum."""
+    """Part 0 of a cluster pair once both halves ran, or the last ticketed part: the residual plus the parts' sum,
+    in part order."""
     rows = slice(ins.row0, ins.row0 + ins.nrows)
-    halves = ctx.scratch.down_part[:, :, rows]
-    ctx.scratch.x[:, rows] = ctx.scratch.x[:, rows] + (halves[0] + halves[1])
+    parts = ctx.scratch.down_part[:, :, rows]
+    total = parts[0]
+    for p in range(1, ins.n_parts):
+        total = total + parts[p]
+    ctx.scratch.x[:, rows] = ctx.scratch.x[:, rows] + total
 
 
 @gluon.jit
