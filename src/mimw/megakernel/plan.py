@@ -135,6 +135,7 @@ class Constants:
     NW: int  # compute warps
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
     MB: int = 1  # tokens padded to the B operand's N (8 where M > 1): staged rows a 32-column chunk
+    V: int = 0  # vocabulary (the logits' row stride where M > 1)
 
     @property
     def NQKV(self) -> int:
@@ -285,6 +286,10 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     ring = t.ring or fit
     gp = _pow2(spec.group_size)
     smem_merge = t.num_warps * gp * (spec.head_dim + 2) * 4 <= hbuf_bytes
+    if m > 1 and program.down_parts > 1 and program.qkv_parts * spec.q_size + 2 * program.qkv_parts * \
+            spec.num_kv_heads * spec.head_dim < program.down_parts * spec.hidden_size:
+        raise ValueError("DOWN_PROJ's column parts keep their sums in qkv_part's buffer on the GPU, which is too "
+                         "small for them")
     words, lens = program.encode()
     if t.quiet >= 0:
         marks = hold_marks(program, t.quiet)
@@ -296,5 +301,5 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         QK_NORM=spec.qk_norm, TR=t.tile_rows, TK=t.tile_k, NB=ring, KT_ROWS=hbuf_rows,
         SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=_pow2(program.max_splits), GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
-        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m, MB=mb)
+        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m, MB=mb, V=spec.vocab_size)
     return LaunchPlan(spec, t, num_sms, page_size, program, words, lens, ring, hbuf_rows, xb, c)

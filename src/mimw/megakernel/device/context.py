@@ -1,9 +1,10 @@
 """The megakernel's state inside the kernel, bundled so that device functions take a handful of arguments.
 
 ``Smem``  the shared-memory ring (slots, ``empty``/``ready`` barriers), the release hold's barrier ``rel`` and the
-          staging buffer ``hbuf`` [KT_ROWS, TK] bf16 (an instruction's input vector, one [TK] row per column tile).
+          staging buffer ``hbuf`` [KT_ROWS, TK] bf16 (an instruction's input vector, one [TK] row per column tile;
+          with C.M > 1 [KT_ROWS * TK / 32, MB, 32], the tokens' chunks: device/matvec_mt.py).
 ``Step``  this launch's step: counter and ready-word pointers, the epoch, and the one token's id, position,
-          context, cache page and embedding row (M = 1).
+          context, cache page and embedding row (M = 1), and the step arrays a multi-token step reads per token.
 ``Bufs``  everything else in global memory the instructions read or write: norm/bias/rope vectors, the paged KV
           cache, the scratch buffers of state.py, and the scalars eps and qscale.
 ``Ins``   one instruction's words, decoded field by field on demand (isa.Word) with masked reductions.
@@ -81,9 +82,12 @@ class Step:
     ctx: gl.tensor
     tok_page: gl.tensor  # the page holding position pos
     emb_row: gl.tensor  # the token's embedding row: layer 0's residual
+    toks: gl.tensor  # the step arrays (state.py): tokens [M], positions [M], seg_ctx [S]; a multi-token step (C.M > 1)
+    poss: gl.tensor  # reads each token's and segment's entries from them (the scalars above are token 0's)
+    ctxs: gl.tensor
 
     @constexpr_function
-    def __init__(self, cnt, ncnt, rdy, bt, maxp, epoch, pos, ctx, tok_page, emb_row):
+    def __init__(self, cnt, ncnt, rdy, bt, maxp, epoch, pos, ctx, tok_page, emb_row, toks, poss, ctxs):
         self.cnt = cnt
         self.ncnt = _int_arg(ncnt)
         self.rdy = rdy
@@ -94,6 +98,9 @@ class Step:
         self.ctx = ctx
         self.tok_page = tok_page
         self.emb_row = emb_row
+        self.toks = toks
+        self.poss = poss
+        self.ctxs = ctxs
 
 
 @aggregate

@@ -20,7 +20,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ..ops import attn_in, attn_partial, down_proj, lm_head, mlp_in, o_proj
-from . import cluster, layouts, ring
+from . import cluster, layouts, matvec_mt, ring
 from .context import (HOLD_ARRIVE, NWORDS, OP_ATTN_IN, OP_ATTN_PARTIAL, OP_DOWN_PROJ, OP_LM_HEAD, OP_MLP_IN,
                       OP_O_PROJ, W_C, W_FLAGS, W_LAYER, W_OP, W_SIGNAL, W_WAIT, W_WAIT_COUNT, Bufs, Ins, Smem, Step)
 from .sync import counter_signal, counter_wait, globaltimer
@@ -47,7 +47,7 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, C: gl.conste
     tok = gl.load(tok_ptr)
     pos = gl.load(pos_ptr)
     s = Step(cnt_ptr, NCNT, rdy_ptr, bt_ptr, MAXP, epoch, pos, gl.load(ctx_ptr), gl.load(bt_ptr + pos // C.PS),
-             b.emb + tok.to(gl.int64) * C.D)
+             b.emb + tok.to(gl.int64) * C.D, tok_ptr, pos_ptr, ctx_ptr)
     offs = gl.arange(0, 16, WL)
     tid = gl.arange(0, 32 * C.NW, WL)  # one element per compute thread
     if C.XB > 0:  # cluster pairs: the exchange barriers, then this CTA's ready word moves to epoch + 1 (release);
@@ -66,7 +66,8 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, C: gl.conste
         op = ins.field(W_OP)
         wait = ins.field(W_WAIT)
         key = op * 65536 + ins.field(W_LAYER)
-        if C.DOWN_PAIRS:  # a DOWN_PROJ half stages only its own columns: the other half restages
+        if C.DOWN_PAIRS or C.M > 1:  # a DOWN_PROJ half (or column part) stages only its own columns: the other
+            # part restages
             key = key + (op == OP_DOWN_PROJ).to(gl.int32) * ins.field(W_C) * 1048576
         restage = key != staged
         staged = key
@@ -95,7 +96,7 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, C: gl.conste
             elif op == OP_MLP_IN:
                 it = mlp_in.compute(ins, C, s, b, sm, it, restage)
             elif op == OP_DOWN_PROJ:
-                it, xn = down_proj.compute(ins, C, s, b, sm, it, xn, restage, tid)
+                it, xn, sig = down_proj.compute(ins, C, s, b, sm, it, xn, restage, tid, sig)
             elif op == OP_LM_HEAD:
                 it = lm_head.compute(ins, C, s, b, sm, it, restage)
         if C.TRACE:
@@ -129,8 +130,10 @@ def megakernel(prog, step, weights, vecs, kv, scratch, scalars, trace, C: gl.con
     empty = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     rel = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    # hbuf: staged input vector, one [TK] row per column tile (rank-1 layout: rows are indexed at run time)
-    hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS, C.TK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    if C.M > 1:  # hbuf: the tokens' staged inputs, [MB, 32] chunks (device/matvec_mt.py)
+        hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS * (C.TK // 32), C.MB, 32], matvec_mt.xs_layout(C))
+    else:  # hbuf: staged input vector, one [TK] row per column tile (rank-1 layout: rows are indexed at run time)
+        hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS, C.TK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ring.ring_init(empty, ready, C.NB)
     mbarrier.init(rel.index(0), count=1)  # the release hold: one arrival a phase, compute's after a marked release
     sm = Smem(bufs, empty, ready, rel, hbuf)

@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 
 from ...models import rope
 from ...models.spec import ModelSpec
-from ..device import cluster, layouts, matvec as mv
+from ..device import cluster, layouts, matvec as mv, matvec_mt as mt
 from ..device.context import W_A, W_B, W_C, W_D, W_K0, W_K1, W_LAYER
 from ..device.sync import counter_wait, ticket_is_last
 from ..isa import CLUSTER_PAIR, NO_COUNTER, Instruction, Op, TileSpan, Word
@@ -140,22 +140,54 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, xn, restage, tid, sig):
     part = ins.field(W_B)
     n_parts = ins.field(W_C)
     KT_D: gl.constexpr = C.KT_D
-    if restage:
-        mv.stage_normed(sm.hbuf, b.x, s.emb_row, layer == 0, b.anorm + layer * C.D, C.D, b.eps, KT_D, C)
-    if C.XB > 0:
-        if xn == 0:  # the mate's exchange barriers exist before this CTA's first remote store
-            counter_wait(s.rdy, gl.program_id(0) ^ 1, s.epoch + 1)
-    it = _part(sm, it, ins.field(W_K0), ins.field(W_K1), head, part, b.qkvp, xn, C)
-    if C.XB > 0:  # a cluster pair: the parts swap sums on chip, part 0 finishes (part 1's word: no signal)
-        pre = _finish_inputs(layer, head, b, C)  # requested before the exchange's wait, not after it
-        cluster.pair_meet(tid, xn, C.XB, C.HD * 4)
-        if part == 0:
-            _finish(layer, head, n_parts, s, b, C, xn, pre)
-        xn += 1
-    elif ticket_is_last(s.cnt, ins.field(W_D), n_parts, s.epoch):  # the last part finishes the head
-        _finish(layer, head, n_parts, s, b, C, xn, _finish_inputs(layer, head, b, C))
+    if C.M > 1:
+        it, xn, sig = _compute_mt(ins, C, s, b, sm, it, xn, restage, sig, layer, head, part, n_parts)
     else:
-        sig = -1  # an earlier part: no signal
+        if restage:
+            mv.stage_normed(sm.hbuf, b.x, s.emb_row, layer == 0, b.anorm + layer * C.D, C.D, b.eps, KT_D, C)
+        if C.XB > 0:
+            if xn == 0:  # the mate's exchange barriers exist before this CTA's first remote store
+                counter_wait(s.rdy, gl.program_id(0) ^ 1, s.epoch + 1)
+        it = _part(sm, it, ins.field(W_K0), ins.field(W_K1), head, part, b.qkvp, xn, C)
+        if C.XB > 0:  # a cluster pair: the parts swap sums on chip, part 0 finishes (part 1's word: no signal)
+            pre = _finish_inputs(layer, head, b, C)  # requested before the exchange's wait, not after it
+            cluster.pair_meet(tid, xn, C.XB, C.HD * 4)
+            if part == 0:
+                _finish(layer, head, n_parts, s.pos, s.tok_page, b.qkvp + head * C.HD, C.NQKV * C.HD, b.q, b, C, xn,
+                        pre)
+            xn += 1
+        elif ticket_is_last(s.cnt, ins.field(W_D), n_parts, s.epoch):  # the last part finishes the head
+            _finish(layer, head, n_parts, s.pos, s.tok_page, b.qkvp + head * C.HD, C.NQKV * C.HD, b.q, b, C, xn,
+                    _finish_inputs(layer, head, b, C))
+        else:
+            sig = -1  # an earlier part: no signal
+    return it, xn, sig
+
+
+@gluon.jit
+def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, xn, restage, sig, layer, head, part, n_parts):
+    """A multi-token ATTN_IN part (a decode batch: token t is segment t; device/matvec_mt.py): every token's sums
+    to qkv_part[part, t, head], the ticket, and the last part finishes the head for each token at its own position
+    and cache page (its segment's block table). No cluster pairs (plan.py)."""
+    KT_D: gl.constexpr = C.KT_D
+    HD: gl.constexpr = C.HD
+    if restage:
+        mt.stage_normed(sm.hbuf, b.x, b.emb, s.toks, layer == 0, b.anorm + layer * C.D, C.D, b.eps, KT_D, C)
+    out = b.qkvp + part * (C.M * C.NQKV * HD) + head * HD
+    ROW_TILES: gl.constexpr = HD // C.TR
+    for r in gl.static_range(ROW_TILES):
+        rows, t = mt.tile_index(r * C.TR, C)
+        acc, it = mt.dot_tile(sm, it, ins.field(W_K0), ins.field(W_K1), 0, C)
+        gl.store(out + t * (C.NQKV * HD) + rows, acc, mask=(t < C.M) & (rows >= 0))
+    if ticket_is_last(s.cnt, ins.field(W_D), n_parts, s.epoch):  # the last part finishes the head, every token
+        pre = _finish_inputs(layer, head, b, C)
+        for tok in range(C.M):
+            pos = gl.load(s.poss + tok)
+            page = gl.load(s.bt + tok * s.maxp + pos // C.PS)
+            _finish(layer, head, n_parts, pos, page, b.qkvp + (tok * C.NQKV + head) * HD, C.M * C.NQKV * HD,
+                    b.q + tok * (C.HQ * HD), b, C, xn, pre)
+    else:
+        sig = -1
     return it, xn, sig
 
 
@@ -212,10 +244,11 @@ def _finish_inputs(layer, head, b, C: gl.constexpr):
 
 
 @gluon.jit
-def _finish(layer, head, n_parts, s, b, C: gl.constexpr, xn, pre):
-    """The head's finisher: y = sum of the parts in part order (+bias) (+RMSNorm) (+RoPE), then store: q heads to
-    the q scratch, k/v heads into the paged cache row of this token (page ``s.tok_page``). The halves a = y[:HD/2]
-    and b = y[HD/2:] are held as [HD/2TR, TR] tiles. A cluster pair's sums come from exchange ``xn``'s slot."""
+def _finish(layer, head, n_parts, pos, page, src, PSTRIDE: gl.constexpr, q_ptr, b, C: gl.constexpr, xn, pre):
+    """The head's finisher for the token at position ``pos`` (its cache page ``page``): y = sum of the parts in part
+    order (part p's sums at ``src + p * PSTRIDE``) (+bias) (+RMSNorm) (+RoPE), then store: q heads to the token's
+    q scratch ``q_ptr``, k/v heads into the token's paged cache row. The halves a = y[:HD/2] and b = y[HD/2:] are
+    held as [HD/2TR, TR] tiles. A cluster pair's sums come from exchange ``xn``'s slot."""
     HD: gl.constexpr = C.HD
     i = _half_index(C)
     inv_f, nw_a, nw_b, bias_a, bias_b = pre
@@ -223,15 +256,14 @@ def _finish(layer, head, n_parts, s, b, C: gl.constexpr, xn, pre):
         a = cluster.pair_load(i, 0, xn, C.XB, HD) + cluster.pair_load(i, 1, xn, C.XB, HD)
         bh = cluster.pair_load(HD // 2 + i, 0, xn, C.XB, HD) + cluster.pair_load(HD // 2 + i, 1, xn, C.XB, HD)
     else:
-        src = b.qkvp + head * HD
         a = gl.load(src + i, cache_modifier=".cg")
         bh = gl.load(src + HD // 2 + i, cache_modifier=".cg")
         # the parts unrolled and masked, so every part's loads are in flight together (a loop over n_parts would
         # wait for each part's round trip before issuing the next one's loads)
         for p in gl.static_range(1, MAX_PARTS):
             mp = i * 0 + p < n_parts
-            a += gl.load(src + p * C.NQKV * HD + i, mask=mp, other=0.0, cache_modifier=".cg")
-            bh += gl.load(src + p * C.NQKV * HD + HD // 2 + i, mask=mp, other=0.0, cache_modifier=".cg")
+            a += gl.load(src + p * PSTRIDE + i, mask=mp, other=0.0, cache_modifier=".cg")
+            bh += gl.load(src + p * PSTRIDE + HD // 2 + i, mask=mp, other=0.0, cache_modifier=".cg")
     if C.HAS_BIAS:
         a += bias_a
         bh += bias_b
@@ -241,19 +273,19 @@ def _finish(layer, head, n_parts, s, b, C: gl.constexpr, xn, pre):
                           + b.eps)
             a = (a * rs).to(gl.bfloat16).to(gl.float32) * nw_a
             bh = (bh * rs).to(gl.bfloat16).to(gl.float32) * nw_b
-        ang = s.pos.to(gl.float32) * inv_f
+        ang = pos.to(gl.float32) * inv_f
         c = gl.cos(ang)
         sn = gl.sin(ang)
         a2 = a * c - bh * sn
         bh = bh * c + a * sn
         a = a2
     if head < C.HQ:
-        qb = b.q + head * HD
+        qb = q_ptr + head * HD
         gl.store(qb + i, a)
         gl.store(qb + HD // 2 + i, bh)
     else:
         kvh = (head - C.HQ) % C.HKV
-        row = (((layer * b.num_pages + s.tok_page) * C.HKV + kvh) * C.PS + s.pos % C.PS) * HD
+        row = (((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS) * HD
         if head < C.HQ + C.HKV:
             cache = b.kc + row
         else:

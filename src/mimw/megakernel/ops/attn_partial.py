@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 
 from ...models.spec import ModelSpec
 from ..device import layouts
-from ..device.context import W_A, W_B, W_C, W_D, W_E, W_LAYER
+from ..device.context import W_A, W_B, W_C, W_D, W_E, W_LAYER, Step
 from ..device.sync import counter_wait, globaltimer, ticket_is_last
 from ..isa import NO_COUNTER, Instruction, Op, Word
 from ..state import EMPTY_M, split_range
@@ -140,15 +140,27 @@ def compute(ins, C: gl.constexpr, s, b, sm, wait, target, sig):
     seg = ins.field(W_B)
     split = ins.field(W_C)
     n_splits = ins.field(W_D)
+    q_ptr = b.q
+    po_ptr = b.po
+    pml_ptr = b.pml
+    attn_ptr = b.attn
+    if C.M > 1:  # a decode batch: segment seg is token seg, its position, context and page read from the step
+        pos = gl.load(s.poss + seg)
+        s = Step(s.cnt, s.ncnt, s.rdy, s.bt, s.maxp, s.epoch, pos, gl.load(s.ctxs + seg),
+                 gl.load(s.bt + seg * s.maxp + pos // C.PS), s.emb_row, s.toks, s.poss, s.ctxs)
+        q_ptr = b.q + seg * (C.HQ * C.HD)
+        po_ptr = b.po + seg * (C.HQ * C.HD) * b.splits
+        pml_ptr = b.pml + seg * (C.HQ * 2) * b.splits
+        attn_ptr = b.attn + seg * (C.HQ * C.HD)
     k0, v0 = _prefetch(layer, kvh, seg, split, n_splits, s, b, C)
     if wait >= 0:
         counter_wait(s.cnt, wait, target)
     t_ready = 0
     if C.TRACE:
         t_ready = globaltimer()
-    _partial(layer, kvh, seg, split, n_splits, k0, v0, s, b, sm, C)
+    _partial(layer, kvh, seg, split, n_splits, k0, v0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
     if ticket_is_last(s.cnt, ins.field(W_E), n_splits, s.epoch):  # the last split combines and signals
-        _reduce(kvh, n_splits, b, C)
+        _reduce(kvh, n_splits, b, po_ptr, pml_ptr, attn_ptr, C)
     else:
         sig = -1
     return sig, t_ready
@@ -219,7 +231,7 @@ def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
 
 
 @gluon.jit
-def _partial(layer, kvh, seg, split, n_splits, k, v, s, b, sm, C: gl.constexpr):
+def _partial(layer, kvh, seg, split, n_splits, k, v, s, b, sm, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
     """The split's partial after its wait, given ``_prefetch``'s first block (k, v): the newest row first (the
     split holding ``pos``: a one-position block, warp 0's), then block 0 and the split's later past blocks; the
     warps' states merged; (o, m, l) stored to the partials' scratch."""
@@ -241,7 +253,7 @@ def _partial(layer, kvh, seg, split, n_splits, k, v, s, b, sm, C: gl.constexpr):
     g1 = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, Q3)))
     dq = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, Q3))), 0), 1)
     g3 = gl.expand_dims(gl.expand_dims(g1, 0), 2) + dq * 0  # [1, GP, HD] head index
-    q = gl.load(b.q + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * b.qscale
+    q = gl.load(q_ptr + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * b.qscale
     q4 = gl.expand_dims(q, 2)
     # the newest row (position pos) [1, 1, HD], in flight with q's loads: only the split holding pos reads it, from
     # the cache, where ATTN_IN stored it before it signalled
@@ -265,7 +277,11 @@ def _partial(layer, kvh, seg, split, n_splits, k, v, s, b, sm, C: gl.constexpr):
         k, v = _kv(b.kc, b.vc, row, t < hp, d3, HD)
         m_i, l_i, o = _block(q4, k, v, t0 + ts < hp, m_i, l_i, o, Q3)
     if C.SMEM_MERGE:
-        mx, l_f, o_f = _merge_smem(m_i, l_i, o, sm.hbuf, GP, HD, NW)
+        mbuf = sm.hbuf
+        if C.M > 1:  # the tokens' chunk buffer (device/matvec_mt.py), read as the one-token [KT_ROWS, TK] rows
+            mbuf = sm.hbuf._reinterpret(gl.bfloat16, [C.KT_ROWS * C.MB, C.TK],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        mx, l_f, o_f = _merge_smem(m_i, l_i, o, mbuf, GP, HD, NW)
     else:  # the staging buffer is too small for the warps' states: Triton's reductions over the warp axis
         mx = gl.max(m_i, axis=0)  # [GP]
         wn = gl.exp2(m_i - gl.expand_dims(mx, 0))
@@ -275,11 +291,11 @@ def _partial(layer, kvh, seg, split, n_splits, k, v, s, b, sm, C: gl.constexpr):
     go = gl.arange(0, GP, gl.SliceLayout(1, O2))
     do = gl.arange(0, HD, gl.SliceLayout(0, O2))
     base = (kvh * G + go) * b.splits + split
-    gl.store(b.po + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f, mask=gl.expand_dims(go < G, 1))
+    gl.store(po_ptr + gl.expand_dims(base * HD, 1) + gl.expand_dims(do, 0), o_f, mask=gl.expand_dims(go < G, 1))
     gs = gl.arange(0, GP, mx.type.layout)
     sbase = (kvh * G + gs) * b.splits + split
-    gl.store(b.pml + sbase * 2, gl.where(l_f > 0.0, mx * LN2, EMPTY_M_D), mask=gs < G)
-    gl.store(b.pml + sbase * 2 + 1, l_f, mask=gs < G)
+    gl.store(pml_ptr + sbase * 2, gl.where(l_f > 0.0, mx * LN2, EMPTY_M_D), mask=gs < G)
+    gl.store(pml_ptr + sbase * 2 + 1, l_f, mask=gs < G)
 
 
 @gluon.jit
@@ -314,7 +330,7 @@ def _merge_smem(m_i, l_i, o, mbuf, GP: gl.constexpr, HD: gl.constexpr, NW: gl.co
 
 
 @gluon.jit
-def _reduce(kvh, n_splits, b, C: gl.constexpr):
+def _reduce(kvh, n_splits, b, po_ptr, pml_ptr, attn_ptr, C: gl.constexpr):
     """The combining split: the G heads of KV group ``kvh`` combined over splits [0, n_splits): attn[h] =
     sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s (``combine``), every partial loaded in one round of independent
     loads, stored to the attention output."""
@@ -327,11 +343,11 @@ def _reduce(kvh, n_splits, b, C: gl.constexpr):
     offs_s = gl.arange(0, C.SP2, gl.SliceLayout(0, GS))
     base = gl.expand_dims((kvh * G + offs_g) * b.splits, 1) + gl.expand_dims(offs_s, 0)  # [GP, SP2]
     valid = gl.expand_dims(offs_g < G, 1) & gl.expand_dims(offs_s < n_splits, 0)
-    ms = gl.load(b.pml + base * 2, mask=valid, other=EMPTY_M_D, cache_modifier=".cg")
-    ls = gl.load(b.pml + base * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
+    ms = gl.load(pml_ptr + base * 2, mask=valid, other=EMPTY_M_D, cache_modifier=".cg")
+    ls = gl.load(pml_ptr + base * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
     offs_d = gl.arange(0, HD, gl.SliceLayout(0, GD))
     d3 = gl.expand_dims(gl.expand_dims(offs_d, 0), 1)  # [1, 1, HD]
-    po = gl.load(b.po + gl.expand_dims(base * HD, 2) + d3, mask=gl.expand_dims(valid, 2), other=0.0,
+    po = gl.load(po_ptr + gl.expand_dims(base * HD, 2) + d3, mask=gl.expand_dims(valid, 2), other=0.0,
                  cache_modifier=".cg")  # [GP, SP2, HD]
     mx = gl.max(ms, axis=1)
     w = gl.exp2((ms - gl.expand_dims(mx, 1)) * LOG2E)
@@ -339,5 +355,5 @@ def _reduce(kvh, n_splits, b, C: gl.constexpr):
     o = gl.sum(gl.expand_dims(w, 2) * po, axis=1)  # [GP, HD]
     o = o / gl.expand_dims(gl.convert_layout(den, gl.SliceLayout(1, GD)), 1)
     offs_og = gl.arange(0, C.GP, gl.SliceLayout(1, GD))
-    out = b.attn + gl.expand_dims((kvh * G + offs_og) * HD, 1) + gl.expand_dims(offs_d, 0)
+    out = attn_ptr + gl.expand_dims((kvh * G + offs_og) * HD, 1) + gl.expand_dims(offs_d, 0)
     gl.store(out, o, mask=gl.expand_dims(offs_og < G, 1) & gl.expand_dims(offs_d >= 0, 0))

@@ -23,9 +23,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ...models.spec import ModelSpec
-from ..device import cluster, layouts, matvec as mv
-from ..device.context import W_A, W_C, W_K0, W_K1, W_NR
-from ..device.sync import counter_wait
+from ..device import cluster, layouts, matvec as mv, matvec_mt as mt
+from ..device.context import W_A, W_C, W_D, W_E, W_K0, W_K1, W_NR
+from ..device.sync import counter_wait, ticket_is_last
 from ..isa import CLUSTER_PAIR, NO_COUNTER, Op, RowBlock, TileSpan, Word
 from ..tiles import WeightTiles, column_part, column_tiles
 from .common import OpContext, activation_in, matvec
@@ -82,12 +82,15 @@ def finish(ctx: OpContext, ins: DownProj) -> None:
 
 
 @gluon.jit
-def compute(ins, C: gl.constexpr, s, b, sm, it, xn, restage, tid):
-    """One DOWN_PROJ block (or half) on the GPU; returns (it, xn)."""
+def compute(ins, C: gl.constexpr, s, b, sm, it, xn, restage, tid, sig):
+    """One DOWN_PROJ block (or half, or column part) on the GPU; returns (it, xn, the counter it signals: ``sig``,
+    or -1 for a ticketed part that finishes nothing)."""
     row0 = ins.field(W_A)
     k0 = ins.field(W_K0)
     k1 = ins.field(W_K1)
-    if C.DOWN_PAIRS:  # every DOWN_PROJ is a cluster pair's half (plan.py)
+    if C.M > 1:
+        it, sig = _compute_mt(ins, C, s, b, sm, it, restage, row0, k0, k1, sig)
+    elif C.DOWN_PAIRS:  # every DOWN_PROJ is a cluster pair's half (plan.py)
         KT_H: gl.constexpr = C.KT_H
         if restage:
             mv.stage_span(sm.hbuf, b.act, C.I, k0, k1, KT_H, C)
@@ -99,7 +102,37 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, xn, restage, tid):
         if restage:
             mv.stage_plain(sm.hbuf, b.act, C.I, KT_I, C)
         it = mv.residual_rows(sm, it, k0, k1, row0, ins.field(W_NR), b.x, b.x, False, C)
-    return it, xn
+    return it, xn, sig
+
+
+@gluon.jit
+def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, row0, k0, k1, sig):
+    """A multi-token block (device/matvec_mt.py): whole rows add the residual here; a ticketed column part
+    stores its sums for every token into the parts' scratch (the GPU keeps them in qkv_part's buffer, free from a
+    layer's DOWN_PROJ until the next layer's ATTN_IN: plan.py checks its size), draws the row block's ticket, and
+    the last part adds the residual to the parts' sum in part order. Returns (it, sig)."""
+    n_tiles = ins.field(W_NR)
+    if restage:
+        mt.stage_span(sm.hbuf, b.act, C.I, k0, k1, C)
+    n_parts = ins.field(W_D)
+    if n_parts == 0:
+        it = mt.residual_rows(sm, it, k0, k1, k0, row0, n_tiles, b.x, b.emb, s.toks, False, C)
+    else:
+        part = ins.field(W_C)
+        it = mt.part_rows(sm, it, k0, k1, k0, row0, n_tiles, b.qkvp + part * (C.M * C.D), C.D, C)
+        if ticket_is_last(s.cnt, ins.field(W_E), n_parts, s.epoch):
+            for r in range(n_tiles):
+                rows, t = mt.tile_index(row0 + r * C.TR, C)
+                ok = (t < C.M) & (rows >= 0)
+                o = t * C.D + rows
+                res = gl.load(b.x + o, mask=ok, other=0.0, cache_modifier=".cg")
+                tot = gl.load(b.qkvp + o, mask=ok, other=0.0, cache_modifier=".cg")
+                for p in range(1, n_parts):
+                    tot += gl.load(b.qkvp + p * (C.M * C.D) + o, mask=ok, other=0.0, cache_modifier=".cg")
+                gl.store(b.x + o, res + tot, mask=ok)
+        else:
+            sig = -1
+    return it, sig
 
 
 @gluon.jit

@@ -15,7 +15,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ...models.spec import ModelSpec
-from ..device import layouts, matvec as mv
+from ..device import layouts, matvec as mv, matvec_mt as mt
 from ..device.context import W_A, W_K0, W_K1, W_NR
 from ..isa import Op, RowBlock, TileSpan
 from ..tiles import WeightTiles
@@ -43,13 +43,19 @@ def solve(ctx: OpContext, ins: LmHead) -> None:
 def compute(ins, C: gl.constexpr, s, b, sm, it, restage):
     """One LM_HEAD block on the GPU; returns it."""
     KT_D: gl.constexpr = C.KT_D
-    if restage:
-        mv.stage_normed(sm.hbuf, b.x, s.emb_row, False, b.fnorm, C.D, b.eps, KT_D, C)
-    row0 = ins.field(W_A)
-    k0 = ins.field(W_K0)
-    k1 = ins.field(W_K1)
-    offs_r = gl.arange(0, C.TR, gl.SliceLayout(1, layouts.tile(C)))
-    for r in range(ins.field(W_NR)):
-        acc, it = mv.dot_tile(sm, it, k0, k1, C)
-        gl.store(b.logits + row0 + r * C.TR + offs_r, acc)
+    if C.M > 1:  # every token's logits: rows [M, V]
+        if restage:
+            mt.stage_normed(sm.hbuf, b.x, b.emb, s.toks, False, b.fnorm, C.D, b.eps, KT_D, C)
+        it = mt.part_rows(sm, it, ins.field(W_K0), ins.field(W_K1), 0, ins.field(W_A), ins.field(W_NR), b.logits,
+                          C.V, C)
+    else:
+        if restage:
+            mv.stage_normed(sm.hbuf, b.x, s.emb_row, False, b.fnorm, C.D, b.eps, KT_D, C)
+        row0 = ins.field(W_A)
+        k0 = ins.field(W_K0)
+        k1 = ins.field(W_K1)
+        offs_r = gl.arange(0, C.TR, gl.SliceLayout(1, layouts.tile(C)))
+        for r in range(ins.field(W_NR)):
+            acc, it = mv.dot_tile(sm, it, k0, k1, C)
+            gl.store(b.logits + row0 + r * C.TR + offs_r, acc)
     return it

@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ...models.spec import ModelSpec
-from ..device import matvec as mv
+from ..device import matvec as mv, matvec_mt as mt
 from ..device.context import W_A, W_K0, W_K1, W_LAYER, W_NR
 from ..isa import Op, RowBlock, TileSpan
 from ..tiles import WeightTiles
@@ -48,18 +48,47 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, restage):
     """One MLP_IN block on the GPU; returns it."""
     layer = ins.field(W_LAYER)
     KT_D: gl.constexpr = C.KT_D
+    if C.M > 1:
+        it = _compute_mt(ins, C, s, b, sm, it, restage, layer)
+    else:
+        if restage:
+            mv.stage_normed(sm.hbuf, b.x, s.emb_row, False, b.mnorm + layer * C.D, C.D, b.eps, KT_D, C)
+        row0 = ins.field(W_A)
+        k0 = ins.field(W_K0)
+        k1 = ins.field(W_K1)
+        TH: gl.constexpr = C.TR // 2
+        for t in range(ins.field(W_NR)):
+            acc, it = mv.dot_tile(sm, it, k0, k1, C)
+            a2 = gl.reshape(acc, [2, TH])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
+            h = gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, a2.type.layout)), 1)
+            g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
+            u = gl.sum(gl.where(h == 1, a2, 0.0), axis=0)
+            offs = gl.arange(0, TH, g.type.layout)
+            gl.store(b.act + row0 + t * TH + offs, g / (1.0 + gl.exp(-g)) * u)
+    return it
+
+
+@gluon.jit
+def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, layer):
+    """A multi-token MLP_IN block (device/matvec_mt.py): a tile's [TR, MB] sums are TR/2 gate rows over the same
+    TR/2 up rows, for every token."""
+    KT_D: gl.constexpr = C.KT_D
     if restage:
-        mv.stage_normed(sm.hbuf, b.x, s.emb_row, False, b.mnorm + layer * C.D, C.D, b.eps, KT_D, C)
+        mt.stage_normed(sm.hbuf, b.x, b.emb, s.toks, False, b.mnorm + layer * C.D, C.D, b.eps, KT_D, C)
     row0 = ins.field(W_A)
     k0 = ins.field(W_K0)
     k1 = ins.field(W_K1)
     TH: gl.constexpr = C.TR // 2
-    for t in range(ins.field(W_NR)):
-        acc, it = mv.dot_tile(sm, it, k0, k1, C)
-        a2 = gl.reshape(acc, [2, TH])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
-        h = gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, a2.type.layout)), 1)
-        g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
-        u = gl.sum(gl.where(h == 1, a2, 0.0), axis=0)
-        offs = gl.arange(0, TH, g.type.layout)
-        gl.store(b.act + row0 + t * TH + offs, g / (1.0 + gl.exp(-g)) * u)
+    MB: gl.constexpr = C.MB
+    GL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [C.NW, 1], [1, 0])  # [TH, MB]
+    j = gl.expand_dims(gl.arange(0, TH, gl.SliceLayout(1, GL)), 1)
+    t = gl.expand_dims(gl.arange(0, C.MB, gl.SliceLayout(0, GL)), 0)
+    for r in range(ins.field(W_NR)):
+        acc, it = mt.dot_tile(sm, it, k0, k1, 0, C)
+        a3 = gl.reshape(acc, [2, TH, MB])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
+        L3: gl.constexpr = a3.type.layout
+        h = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
+        g = gl.convert_layout(gl.sum(gl.where(h == 0, a3, 0.0), axis=0), GL)
+        u = gl.convert_layout(gl.sum(gl.where(h == 1, a3, 0.0), axis=0), GL)
+        gl.store(b.act + t * C.I + row0 + r * TH + j, g / (1.0 + gl.exp(-g)) * u, mask=(t < C.M) & (j >= 0))
     return it

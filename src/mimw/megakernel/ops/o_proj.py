@@ -16,7 +16,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ...models.spec import ModelSpec
-from ..device import matvec as mv
+from ..device import matvec as mv, matvec_mt as mt
 from ..device.context import W_A, W_K0, W_K1, W_LAYER, W_NR
 from ..isa import Op, RowBlock, TileSpan
 from ..tiles import WeightTiles
@@ -45,7 +45,14 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, restage):
     """One O_PROJ block on the GPU; returns it."""
     layer = ins.field(W_LAYER)
     KT_Q: gl.constexpr = C.KT_Q
-    if restage:
-        mv.stage_plain(sm.hbuf, b.attn, C.HQ * C.HD, KT_Q, C)
-    return mv.residual_rows(sm, it, ins.field(W_K0), ins.field(W_K1), ins.field(W_A), ins.field(W_NR), b.x,
-                            s.emb_row, layer == 0, C)
+    if C.M > 1:  # every token's row (device/matvec_mt.py)
+        if restage:
+            mt.stage_span(sm.hbuf, b.attn, C.HQ * C.HD, 0, KT_Q, C)
+        it = mt.residual_rows(sm, it, ins.field(W_K0), ins.field(W_K1), 0, ins.field(W_A), ins.field(W_NR), b.x,
+                              b.emb, s.toks, layer == 0, C)
+    else:
+        if restage:
+            mv.stage_plain(sm.hbuf, b.attn, C.HQ * C.HD, KT_Q, C)
+        it = mv.residual_rows(sm, it, ins.field(W_K0), ins.field(W_K1), ins.field(W_A), ins.field(W_NR), b.x,
+                              s.emb_row, layer == 0, C)
+    return it
