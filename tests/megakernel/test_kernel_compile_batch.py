@@ -1,0 +1,45 @@
+"""CI (CPU only): the decode-batch megakernel (plan.plan with M = 2..8 tokens: swap-AB wgmma, device/matvec_mt.py)
+compiles for sm_90a without spills and fits shared memory; the one-token kernel keeps none of its code."""
+import functools
+
+import pytest
+
+from mimw.megakernel.launch.compile import compile_sm90a, ptxas_report
+from mimw.megakernel.plan import SHARED_BYTES, plan
+from mimw.megakernel.program import StepShape
+from mimw.models.spec import get_preset
+
+pytestmark = pytest.mark.slow
+
+
+@functools.lru_cache(maxsize=None)
+def _build(model: str, batch: int):
+    p = plan(get_preset(model), 132, StepShape((1,) * batch, 1024))
+    k = compile_sm90a(p)
+    return p, k, ptxas_report(k.asm["ptx"])
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_the_decode_batch_kernel_compiles_spill_free_on_wgmma(model):
+    p, k, rep = _build(model, 8)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.exchange_bytes == 0, k.metadata.shared
+    ptx = k.asm["ptx"]
+    # every matvec on wgmma (swap-AB: m64 n8 k16, the tokens as B), none on mma.sync; no cluster exchange
+    assert "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16" in ptx
+    assert "mma.sync.aligned" not in ptx and "st.async.shared::cluster" not in ptx
+    assert "cp.async.bulk.tensor" in ptx and "atom.global.gpu.release.add" in ptx
+    # the 8B's DOWN_PROJ runs in two ticketed column parts, the 1B's whole
+    assert p.program.down_parts == (2 if model == "llama-3.1-8b" else 1)
+
+
+def test_a_smaller_batch_compiles_too():
+    p, k, rep = _build("smollm2-135m", 3)
+    assert rep["spill_stores"] == 0 and k.metadata.shared <= SHARED_BYTES
+    assert p.constants.M == 3 and p.constants.MB == 8
+
+
+def test_the_one_token_kernel_has_no_multi_token_code():
+    p, k, _ = _build("llama-3.2-1b", 1)
+    ptx = k.asm["ptx"]
+    assert p.constants.M == 1 and "wgmma" not in ptx and "mma.sync.aligned.m16n8k16" in ptx
