@@ -1,14 +1,19 @@
 """MegakernelDecoder: plans the step once, owns the packed weights, step state and scratch, and runs one decode
-step (M = 1) per launch of the persistent megakernel, optionally captured in a CUDA graph.
+step per launch of the persistent megakernel, optionally captured in a CUDA graph.
 
     dec = MegakernelDecoder(weights, cache)                # weights: ModelWeights; cache: PagedKVCache (bf16, cuda)
     logits = dec.step(token, position, block_table)       # [1, V] fp32, a view into the scratch buffer
+    logits = dec.step_batch(tokens, positions, tables)    # [B, V]: B sequences' next tokens in one launch
 With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling the state) and later steps replay it.
+``step_batch`` (B = 2..8, plan.MAX_BATCH) runs a decode batch: one token of each of B sequences, the weights
+streamed once (swap-AB wgmma, device/matvec_mt.py). Each B has its own plan, compiled kernel, step state and scratch
+(one program per B, built on first use); all share the packed weights.
 """
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -25,7 +30,9 @@ from .pack import pack
 class MegakernelDecoder:
     def __init__(self, weights: ModelWeights, cache: PagedKVCache, max_pages_per_seq: int | None = None,
                  tuning: Tuning = Tuning(), num_sms: int | None = None, context_hint: int = 1024,
-                 use_graph: bool = False):
+                 use_graph: bool = False, batch: int = 1, packed=None):
+        """``batch``: tokens a step (one of each of ``batch`` sequences); ``packed``: another decoder's packed
+        weights and descriptor to share (``step_batch``'s decoders)."""
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -36,12 +43,17 @@ class MegakernelDecoder:
         self.spec, self.cache, self.use_graph = spec, cache, use_graph
         self.num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
         self.max_pages = max_pages_per_seq or cache.layout.num_pages
-        self.shape = StepShape((1,), context_hint)
+        self.shape = StepShape((1,) * batch, context_hint)
         self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size, tuning)
-        self.w = pack(weights, self.plan.program.tiles, dev)
-        box = args.tile_box(self.plan.tuning.tile_rows, self.plan.tuning.tile_k)
-        self.desc = TensorDescriptor.from_tensor(self.w.tiles, box, gl.NVMMASharedLayout.get_default_for(box,
-                                                                                                     gl.bfloat16))
+        self._tuning = tuning
+        self._batches: dict[int, MegakernelDecoder] = {}
+        if packed is not None:
+            self.w, self.desc = packed
+        else:
+            self.w = pack(weights, self.plan.program.tiles, dev)
+            box = args.tile_box(self.plan.tuning.tile_rows, self.plan.tuning.tile_k)
+            self.desc = TensorDescriptor.from_tensor(self.w.tiles, box,
+                                                     gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
         # cluster pairs: each CTA's word moves to epoch + 1 once its exchange barriers exist in a launch (never
         # reset, like the counters); unused otherwise
         self.ready_words = torch.zeros(self.num_sms, dtype=torch.int32, device=dev)
@@ -104,7 +116,16 @@ class MegakernelDecoder:
         return None
 
     def set_inputs(self, token: int, position: int, block_table: Sequence[int]) -> None:
-        self.state.fill([token], [position], [block_table], [1])
+        self.set_batch([token], [position], [block_table])
+
+    def set_batch(self, tokens: Sequence[int], positions: Sequence[int],
+                  block_tables: Sequence[Sequence[int]]) -> None:
+        """One token of each sequence: its id, its position (the sequence's context before the step) and its
+        sequence's block table; as many as the plan's tokens."""
+        if not len(tokens) == len(positions) == len(block_tables) == self.shape.num_tokens:
+            raise ValueError(f"this decoder runs {self.shape.num_tokens} token(s) a step, got {len(tokens)} tokens, "
+                             f"{len(positions)} positions, {len(block_tables)} block tables")
+        self.state.fill(list(tokens), list(positions), list(block_tables), self.shape.seg_lens)
         self.inputs_set = True
 
     def launch(self) -> None:
@@ -140,6 +161,31 @@ class MegakernelDecoder:
             self.capture()  # lazily, with this real step in the state
         self.run()
         return self.scratch.logits
+
+    def batch_decoder(self, batch: int) -> "MegakernelDecoder":
+        """The decoder of ``batch`` tokens a step (self for 1), sharing this one's packed weights and cache; built on
+        first use."""
+        if batch == self.shape.num_tokens:
+            return self
+        if batch not in self._batches:
+            # with the packed weights given, the constructor reads only the weights' spec: no reference to the
+            # caller's weights is kept
+            self._batches[batch] = MegakernelDecoder(
+                SimpleNamespace(spec=self.spec), self.cache, self.max_pages, self._tuning, self.num_sms, self.shape.context_hint,
+                self.use_graph, batch=batch, packed=(self.w, self.desc))
+        return self._batches[batch]
+
+    def step_batch(self, tokens: Sequence[int], positions: Sequence[int],
+                   block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """A decode batch in one launch: token b of sequence b at ``positions[b]`` through ``block_tables[b]``
+        (B = 1..plan.MAX_BATCH sequences, each page that receives a new row private to its sequence). Returns
+        logits [B, V] fp32, a view into that batch decoder's scratch."""
+        dec = self.batch_decoder(len(tokens))
+        dec.set_batch(tokens, positions, block_tables)
+        if dec.use_graph and dec.graph is None:
+            dec.capture()
+        dec.run()
+        return dec.scratch.logits
 
 
 __all__ = ["MegakernelDecoder", "LaunchPlan"]

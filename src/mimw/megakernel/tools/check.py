@@ -6,6 +6,11 @@ decode steps. The oracle is the reference decoder in fp32 on the same bf16-round
 the same cache; each step feeds both the oracle's greedy token. Scratch is poisoned (NaN) before every launch.
 Every step also relaunches once more and compares logits bit for bit (a moving result would be a race).
 
+``check_batch`` does the same for a decode batch (``MegakernelDecoder.step_batch``): B sequences, each with its own
+random past in the shared cache and its own shuffled pages, all advanced by one launch a step; every sequence's
+logits are compared with the oracle's for it, and after the run the K/V rows the kernel appended (each sequence's
+new positions) with the oracle's.
+
 Argmax agreement is reported twice: exact, and exact-or-near-tie. The near-tie bound is not a constant and not
 the kernel's own error (a bound taken from the step's own error would excuse every flip: a flip always implies
 max|error| >= gap / 2). It comes from a third decoder run alongside: the same reference in bf16 with Hugging Face
@@ -117,3 +122,74 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
     worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
     return CheckResult(spec.name, context, steps, worst, agree / steps, (agree + near_ties) / steps, same, finite,
                        bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips)
+
+
+@dataclass
+class BatchResult:
+    model: str
+    batch: int
+    context: int
+    steps: int
+    max_rel_err: float  # over every step and sequence, relative to that row's max|logit|
+    argmax_agree: float  # (step, sequence) pairs whose argmax equals the oracle's
+    bit_identical: bool
+    finite: bool
+    kv_rel_err: float  # the rows the kernel appended vs the oracle's, relative to the oracle cache's max|value|
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_batch(spec: ModelSpec, batch: int, context: int, steps: int = 16, seed: int = 0,
+                tuning: Tuning = Tuning(), graph: bool = True, num_sms: int | None = None,
+                page_size: int = 16) -> BatchResult:
+    """``batch`` sequences whose contexts spread around ``context`` (context + 3b, so their pages and splits differ),
+    ``steps`` decode steps of all of them in one launch each, against the fp32 oracle per sequence."""
+    w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
+    contexts = [context + 3 * b for b in range(batch)]
+    per_seq = [-(-(c + steps) // page_size) for c in contexts]
+    n_pages = sum(per_seq) + 3
+    cache = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, torch.bfloat16), "cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    cache.k.normal_(0, 1, generator=g)
+    cache.v.normal_(0, 1, generator=g)
+    pages = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    tables, i = [], 0
+    for n in per_seq:
+        tables.append(pages[i: i + n])
+        i += n
+    ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, torch.float32), "cuda")
+    ref_cache.k.copy_(cache.k)
+    ref_cache.v.copy_(cache.v)
+    ref = ReferenceDecoder(w.to(dtype=torch.float32))
+    width = max(per_seq)
+    dec = MegakernelDecoder(w, cache, max_pages_per_seq=width, tuning=tuning, num_sms=num_sms,
+                            context_hint=max(context, 1), use_graph=graph)
+    toks = torch.randint(spec.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
+    same, finite, worst, agree = True, True, 0.0, 0
+    for i in range(steps):
+        positions = [c + i for c in contexts]
+        segs = [Segment(tuple(t), p, 1) for t, p in zip(tables, positions)]
+        expect = ref.forward(torch.tensor(toks), segs, ref_cache)  # [B, V]
+        got = []
+        for _ in range(2):  # the second launch rewrites the same K/V rows: results must not move
+            bdec = dec.batch_decoder(batch)
+            bdec.scratch.poison()
+            got.append(dec.step_batch(toks, positions, tables).clone())
+        torch.cuda.synchronize()
+        same &= bool(torch.equal(got[0], got[1]))
+        finite &= bool(torch.isfinite(got[0]).all())
+        for b in range(batch):
+            ok, _, err = step_error(got[0][b], expect[b])
+            agree += ok
+            worst = max(worst, err if err == err else float("inf"))
+        toks = [int(t) for t in expect.argmax(-1)]
+    # the rows this run appended: every sequence's positions context .. context + steps - 1, every layer and head
+    kv_err = 0.0
+    for t, c in zip(tables, contexts):
+        for p in range(c, c + steps):
+            page, row = t[p // page_size], p % page_size
+            for pool, ref_pool in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+                a, e = pool[:, page, :, row].float(), ref_pool[:, page, :, row]
+                kv_err = max(kv_err, float((a - e).abs().max() / ref_pool.abs().max()))
+    return BatchResult(spec.name, batch, context, steps, worst, agree / (steps * batch), same, finite, kv_err)

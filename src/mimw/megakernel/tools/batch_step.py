@@ -1,0 +1,74 @@
+"""Time the megakernel's decode batch (``MegakernelDecoder.step_batch``) against its M = 1 step and the floor.
+
+For each model shape (random bf16 weights) and batch B: B sequences of ``context`` past positions each in one paged
+cache (shuffled pages), the step captured in a CUDA graph and replayed; median ms per replay beside the floor (every
+weight once plus every sequence's KV, at the streaming read measured in the same run) and the M = 1 step of the
+same run. Prints a table and writes JSON to ``$OUT/batch_step.json`` when $OUT is set.
+
+    PYTHONPATH=src python3 -m mimw.megakernel.tools.batch_step [--models llama-3.2-1b,llama-3.1-8b]
+        [--batches 1,8] [--context 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from ...bench.floor import floor_ms, step_bytes
+from ...kv.pages import KVLayout, PagedKVCache
+from ...models.spec import get_preset
+from ...models.weights import random_weights
+from ..launch.decoder import MegakernelDecoder
+from .variants import read_bandwidth, time_step
+
+
+def measure(model: str, batches: list[int], context: int, bw: float, page_size: int = 16) -> list[dict]:
+    spec = get_preset(model)
+    w = random_weights(spec, 0, dtype=torch.bfloat16, device="cuda")
+    b_max = max(batches)
+    per_seq = -(-(context + 1) // page_size)
+    cache = PagedKVCache(KVLayout.for_spec(spec, page_size, b_max * per_seq + 3, torch.bfloat16), "cuda")
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    pages = torch.randperm(b_max * per_seq).tolist()
+    tables = [pages[i * per_seq: (i + 1) * per_seq] for i in range(b_max)]
+    dec = MegakernelDecoder(w, cache, max_pages_per_seq=per_seq, context_hint=context)
+    rows = []
+    for b in batches:
+        bdec = dec.batch_decoder(b)
+        bdec.set_batch(list(range(1, b + 1)), [context] * b, tables[:b])
+        ms = time_step(bdec)
+        floor = floor_ms(step_bytes(spec, context) + (b - 1) * context * spec.kv_bytes_per_token(2), bw)
+        rows.append(dict(model=model, batch=b, context=context, ms=ms, floor_ms=floor, x_floor=ms / floor,
+                         ring=bdec.plan.ring, down_parts=bdec.program.down_parts))
+    one = next((r["ms"] for r in rows if r["batch"] == 1), None)
+    for r in rows:
+        r["x_m1"] = r["ms"] / one if one else None
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--context", type=int, default=1024)
+    a = ap.parse_args()
+    bw = read_bandwidth()
+    print(f"read bandwidth {bw / 1e12:.2f} TB/s  ({torch.cuda.get_device_name()})")
+    rows = []
+    for m in a.models.split(","):
+        rows += measure(m, [int(b) for b in a.batches.split(",")], a.context, bw)
+    print(f"{'model':14s} {'B':>3s} {'ms':>8s} {'floor':>8s} {'x floor':>8s} {'x M=1':>7s} ring parts")
+    for r in rows:
+        x1 = f"{r['x_m1']:7.2f}" if r["x_m1"] else "      -"
+        print(f"{r['model']:14s} {r['batch']:3d} {r['ms']:8.3f} {r['floor_ms']:8.3f} {r['x_floor']:8.2f} {x1} "
+              f"{r['ring']:4d} {r['down_parts']:5d}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "batch_step.json"), "w") as f:
+            json.dump(dict(read_tbps=bw / 1e12, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
