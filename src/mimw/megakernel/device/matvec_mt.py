@@ -33,6 +33,13 @@ def chunk_layout(C):
 
 
 @constexpr_function
+def group_chunks(C):
+    """Chunks staged per round of loads: two column tiles of MB tokens (4096 elements: 32 fp32 registers a thread,
+    as the one-token staging's groups), one where the buffer holds a single column tile."""
+    return (C.TK // 32) * min(2, C.KT_ROWS)
+
+
+@constexpr_function
 def out_layout(C):
     """[TR, MB]: a row tile's sums for every token, one row a lane."""
     return gl.BlockedLayout([1, C.MB], [32, 1], [C.NW, 1], [1, 0])
@@ -61,22 +68,25 @@ def _load_row(x_ptr, emb_ptr, tok, from_embed, t, o, ok, K):
 def stage_normed(xs, x_ptr, emb_ptr, tok_ptr, from_embed, norm_ptr, K, eps, KT: gl.constexpr, C: gl.constexpr):
     """xs <- per token (x * rsqrt(mean(x^2) + eps)).to(bf16) * norm_w, x = token t's fp32 residual row or (layer 0)
     its bf16 embedding row; rows past M and columns past K zero. Two passes over x: the sums of squares, then the
-    scaled chunks."""
+    scaled chunks; each in rounds of ``group_chunks`` chunks whose loads are all in flight together (unrolled)."""
     NCH: gl.constexpr = KT * (C.TK // 32)
+    NCG: gl.constexpr = group_chunks(C)
     t, c = _chunk_index(C)
     tok = gl.load(tok_ptr + t, mask=t < C.M, other=0)
     MB: gl.constexpr = C.MB
     ss = gl.zeros([MB, 32], gl.float32, chunk_layout(C))
-    for ch in range(NCH):
-        o = ch * 32 + c
-        v = _load_row(x_ptr, emb_ptr, tok, from_embed, t, o, (t < C.M) & (o < K), K)
-        ss += v * v
+    for g in range(0, NCH, NCG):
+        for j in gl.static_range(NCG):
+            o = (g + j) * 32 + c
+            v = _load_row(x_ptr, emb_ptr, tok, from_embed, t, o, (t < C.M) & (o < K), K)
+            ss += v * v
     rs = gl.expand_dims(gl.rsqrt(gl.sum(ss, axis=1) / K + eps), 1)
-    for ch in range(NCH):
-        o = ch * 32 + c
-        v = _load_row(x_ptr, emb_ptr, tok, from_embed, t, o, (t < C.M) & (o < K), K)
-        w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
-        xs.index(ch).store((v * rs).to(gl.bfloat16) * w)
+    for g in range(0, NCH, NCG):
+        for j in gl.static_range(NCG):
+            o = (g + j) * 32 + c
+            v = _load_row(x_ptr, emb_ptr, tok, from_embed, t, o, (t < C.M) & (o < K), K)
+            w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
+            xs.index(g + j).store((v * rs).to(gl.bfloat16) * w)
     fence_async_shared()  # the generic-proxy stores before the async proxy (wgmma) reads them
     gl.thread_barrier()
 
@@ -84,14 +94,18 @@ def stage_normed(xs, x_ptr, emb_ptr, tok_ptr, from_embed, norm_ptr, K, eps, KT: 
 @gluon.jit
 def stage_span(xs, src_ptr, K, k0, k1, C: gl.constexpr):
     """xs chunks 0 .. 8 (k1 - k0) <- column tiles [k0, k1) of src [M, K] (fp32 activations written by other CTAs
-    this step) rounded to bf16; rows past M and columns past K zero. Column tile k is read by ``dot_tile`` with
+    this step) rounded to bf16; rows past M and columns past K or k1 zero, in rounds of ``group_chunks`` chunks
+    whose loads are all in flight together (a round may stage one column tile past k1 - k0: zeros, inside the
+    buffer, whose power-of-two column tiles hold any odd span plus one). Column tile k is read by ``dot_tile`` with
     ``k0`` as its base."""
-    NF: gl.constexpr = C.TK // 32
+    NCG: gl.constexpr = group_chunks(C)
     t, c = _chunk_index(C)
-    for ch in range((k1 - k0) * NF):
-        o = k0 * C.TK + ch * 32 + c
-        v = gl.load(src_ptr + t * K + o, mask=(t < C.M) & (o < K), other=0.0, cache_modifier=".cg")
-        xs.index(ch).store(v.to(gl.bfloat16))
+    end = gl.minimum(k1 * C.TK, K)
+    for g in range(0, (k1 - k0) * (C.TK // 32), NCG):
+        for j in gl.static_range(NCG):
+            o = k0 * C.TK + (g + j) * 32 + c
+            v = gl.load(src_ptr + t * K + o, mask=(t < C.M) & (o < end), other=0.0, cache_modifier=".cg")
+            xs.index(g + j).store(v.to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
 
