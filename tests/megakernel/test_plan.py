@@ -79,6 +79,10 @@ def test_a_decode_batch_plans_tickets_and_a_staging_buffer_of_eight_tokens(model
     # more than 32 column tiles (the 8B's 56, Qwen3-8B's 48: 64 staged rows = 256 KB) split in two ticketed parts;
     # the 1B's 32 (128 KB) fit beside 5 ring slots
     assert parts == (2 if kt_i > 32 else 1)
+    # the GPU keeps ticketed parts' sums [parts, M, D] in qkv_part's buffer: it has the room
+    from mimw.megakernel.state import alloc_scratch
+
+    assert alloc_scratch(p.program, "meta").qkv_part.numel() >= parts * batch * spec.hidden_size
     downs = [i for i in p.program.instructions() if i.OP == isa.Op.DOWN_PROJ]
     assert all((i.ticket != isa.NO_COUNTER) == (parts > 1) and i.n_parts == (parts if parts > 1 else 0)
                for i in downs)

@@ -286,10 +286,6 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     ring = t.ring or fit
     gp = _pow2(spec.group_size)
     smem_merge = t.num_warps * gp * (spec.head_dim + 2) * 4 <= hbuf_bytes
-    if m > 1 and program.down_parts > 1 and program.qkv_parts * spec.q_size + 2 * program.qkv_parts * \
-            spec.num_kv_heads * spec.head_dim < program.down_parts * spec.hidden_size:
-        raise ValueError("DOWN_PROJ's column parts keep their sums in qkv_part's buffer on the GPU, which is too "
-                         "small for them")
     words, lens = program.encode()
     if t.quiet >= 0:
         marks = hold_marks(program, t.quiet)

@@ -11,7 +11,8 @@ the program's StepShape and static.
 
 Scratch (fp32, written and read within one step; the host never needs to clear it):
   x [M, D]                     residual stream (valid after a layer's DOWN_PROJ; layer 0 reads the embedding rows)
-  qkv_part [P, M, Hq+2Hkv, hd] ATTN_IN's partial products, one per column part (P = program.qkv_parts)
+  qkv_part [P, M, Hq+2Hkv, hd] ATTN_IN's partial products, one per column part (P = program.qkv_parts, or more
+                               where the GPU keeps ticketed DOWN_PROJ parts' sums here: qkv_part_slots)
   q [M, Hq, hd]                query heads after bias, q-norm and RoPE
   part_o [M, Hq, SPLITS, hd]   unnormalised partial attention outputs   sum_j exp(s_j - m) v_j
   part_ml [M, Hq, SPLITS, 2]   running max m (scaled scores, natural log domain) and sum l = sum_j exp(s_j - m);
@@ -119,12 +120,22 @@ def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu
     return StepState(z(m), z(m), z(s), z(s, max_pages), z(len(prog.counters) + 2))
 
 
+def qkv_part_slots(prog: Program) -> int:
+    """qkv_part's leading size: ATTN_IN's column parts, or more where ticketed DOWN_PROJ parts need the room (the GPU
+    keeps their [parts, M, D] sums in this buffer, free from a layer's DOWN_PROJ until the next layer's ATTN_IN)."""
+    sp = prog.spec
+    n = prog.qkv_parts
+    if prog.down_parts > 1 and not prog.down_pairs:
+        n = max(n, -(-prog.down_parts * sp.hidden_size // ((sp.num_heads + 2 * sp.num_kv_heads) * sp.head_dim)))
+    return n
+
+
 def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
     sp, m, s = prog.spec, prog.shape.num_tokens, prog.moe_slots
     f = lambda *shape: torch.full(shape, float("nan"), dtype=torch.float32, device=device)  # noqa: E731
     return Scratch(
         x=f(m, sp.hidden_size),
-        qkv_part=f(prog.qkv_parts, m, sp.num_heads + 2 * sp.num_kv_heads, sp.head_dim),
+        qkv_part=f(qkv_part_slots(prog), m, sp.num_heads + 2 * sp.num_kv_heads, sp.head_dim),
         q=f(m, sp.num_heads, sp.head_dim),
         part_o=f(m, sp.num_heads, prog.max_splits, sp.head_dim),
         part_ml=f(m, sp.num_heads, prog.max_splits, 2),

@@ -171,8 +171,8 @@ class MegakernelDecoder:
             # with the packed weights given, the constructor reads only the weights' spec: no reference to the
             # caller's weights is kept
             self._batches[batch] = MegakernelDecoder(
-                SimpleNamespace(spec=self.spec), self.cache, self.max_pages, self._tuning, self.num_sms, self.shape.context_hint,
-                self.use_graph, batch=batch, packed=(self.w, self.desc))
+                SimpleNamespace(spec=self.spec), self.cache, self.max_pages, self._tuning, self.num_sms,
+                self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc))
         return self._batches[batch]
 
     def step_batch(self, tokens: Sequence[int], positions: Sequence[int],

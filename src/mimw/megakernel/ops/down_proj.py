@@ -109,7 +109,7 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, xn, restage, tid, sig):
 def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, row0, k0, k1, sig):
     """A multi-token block (device/matvec_mt.py): whole rows add the residual here; a ticketed column part
     stores its sums for every token into the parts' scratch (the GPU keeps them in qkv_part's buffer, free from a
-    layer's DOWN_PROJ until the next layer's ATTN_IN: plan.py checks its size), draws the row block's ticket, and
+    layer's DOWN_PROJ until the next layer's ATTN_IN: state.qkv_part_slots sizes it), draws the row block's ticket, and
     the last part adds the residual to the parts' sum in part order. Returns (it, sig)."""
     n_tiles = ins.field(W_NR)
     if restage:
