@@ -8,16 +8,18 @@ from mimw.megakernel.program import StepShape
 from mimw.megakernel.tools.sanitize import cases
 
 
-def test_cases_cover_both_pairs_the_shared_memory_merge_and_the_tickets():
+def test_cases_cover_both_pairs_the_shared_memory_merge_the_tickets_and_a_decode_batch():
     todo = cases()
-    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 5
+    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 6
     shapes = {}
-    for name, (spec, context, num_sms, tuning) in todo.items():
-        p = plan(spec, num_sms, StepShape((1,), context), 16, tuning)  # every case is a valid kernel
+    for name, (spec, context, num_sms, tuning, batch) in todo.items():
+        p = plan(spec, num_sms, StepShape((1,) * batch, context), 16, tuning)  # every case is a valid kernel
         shapes[name] = (p.program.attn_pairs, p.program.down_pairs, p.constants.SMEM_MERGE)
+    assert todo["decode_batch"][4] == 3 and shapes["decode_batch"][:2] == (False, False)
     assert shapes["cluster_down"] == (True, True, False)  # SmolLM2: its staging buffer is too small to merge
     assert shapes["attn_smem_merge"][2] and shapes["cluster_qkv"][:2] == (True, False)
     assert shapes["tickets"][:2] == (False, False) and todo["tickets"][3] == Tuning(clusters=False, qkv_parts=2)
+    assert all(c[4] == 1 for n, c in todo.items() if n != "decode_batch")
 
 
 def test_the_list_is_one_name_a_line_for_the_shell_loop():

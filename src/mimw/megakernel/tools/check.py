@@ -136,6 +136,10 @@ class BatchResult:
     finite: bool
     kv_rel_err: float  # the rows the kernel appended vs the oracle's, relative to the oracle cache's max|value|
 
+    def ok(self, tol: float = 2e-2, agree: float = 0.9, kv_tol: float = 1e-2) -> bool:
+        return (self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree >= agree
+                and self.kv_rel_err <= kv_tol)
+
     def as_dict(self) -> dict:
         return asdict(self)
 
