@@ -7,6 +7,8 @@
 #   sanitize   compute-sanitizer synccheck on small shapes (case by case, each in its own process, if it errs; ~2 min)
 #   racecheck  compute-sanitizer racecheck on the same cases (cut at 200 s)
 #   trace      the per-instruction trace of the 1B and 8B shapes at context 1024 (~2 min)
+#   batches    tests/megakernel/test_batch_gpu.py: decode batches (B = 2, 5, 8; 4 shapes; contexts 17 and 1000) against
+#              the reference, then tools/batch_step (ms vs floor vs the M = 1 step; 1B and 8B at B = 1 and 8)
 # Logs go to $OUT (default bench/results/gpu-check); a table of what passed last.
 #   PARTS="tests sanitize" bash scripts/gpu_check.sh        # these parts (default: tests and sanitize)
 #   COMMIT=<sha> VARIANTS=a,b PARTS=trace bash scripts/gpu_check.sh   # record the commit; time these variants
@@ -52,6 +54,15 @@ if has racecheck; then
     # racecheck's reports per kernel and source line: ws_control (tools/sanitize.py) is the warp_specialize baseline
     grep -o "access at [a-z_]*+0x[0-9a-f]* in [a-z_]*\.py:[0-9]*" "$out/racecheck.log" | sed 's/+0x[0-9a-f]*//' \
         | sort | uniq -c
+fi
+if has batches; then
+    timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -x tests/megakernel/test_batch_gpu.py \
+        > "$out/batch-tests.log" 2>&1
+    rc[batch-tests]=$?
+    tail -n 3 "$out/batch-tests.log"
+    OUT="$out" timeout 240 python3 -m mimw.megakernel.tools.batch_step > "$out/batch-step.log" 2>&1
+    rc[batch-step]=$?
+    tail -n 12 "$out/batch-step.log"
 fi
 if has trace; then
     python3 -m mimw.megakernel.tools.variants --models llama-3.2-1b,llama-3.1-8b --variants "${VARIANTS:-default}" \

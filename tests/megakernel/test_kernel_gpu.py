@@ -103,21 +103,3 @@ def test_traced_launch_stamps_every_instruction_in_order_and_computes_the_same_l
         assert bool((ins[s, n:] == 0).all())
     out = summarize(dec.trace, dec.words, dec.lens)
     assert out["step_us"] > 0 and set(out["critical_path_us"]) >= {"ATTN_IN", "DOWN_PROJ", "layer"}
-
-
-@pytest.mark.parametrize("context", [17, 1000])
-@pytest.mark.parametrize("batch", [2, 5, 8])
-@pytest.mark.parametrize("model", MODELS)
-def test_decode_batches_match_reference_over_16_steps(model, batch, context):
-    """MegakernelDecoder.step_batch: B sequences (contexts context + 3b, their own shuffled pages) advanced by one
-    launch a step (swap-AB wgmma, device/matvec_mt.py; DOWN_PROJ in ticketed parts on the 8B shapes); every
-    sequence's logits against the fp32 oracle, repeated launches bit-identical, the appended K/V rows equal to the
-    oracle's within bf16 rounding."""
-    from mimw.megakernel.tools.check import check_batch
-
-    r = check_batch(get_preset(model), batch, context, steps=16)
-    assert r.finite, r
-    assert r.bit_identical, f"repeated launches differ (race): {r}"
-    assert r.max_rel_err <= 2e-2, r
-    assert r.argmax_agree >= 0.9, r
-    assert r.kv_rel_err <= 1e-2, r
