@@ -112,7 +112,8 @@ def generate_with_engine(model: Any, prompt_ids: Sequence[int], params: Sampling
     cfg = EngineConfig(num_pages=num_pages, page_size=page_size, max_batch=1, max_step_tokens=max(512, page_size),
                        enable_prefix_cache=False)
     speculator = build_speculator(spec_config, model, page_size, num_pages) if spec_config is not None else None
-    engine = Engine(ReferenceBackend(model.weights, kv_dtype=kv_dtype), tokenizer, cfg, tokenizer.eos_token_ids, speculator=speculator)
+    backend = ReferenceBackend(model.weights, kv_dtype=kv_dtype, packed_linear=speculator is not None)
+    engine = Engine(backend, tokenizer, cfg, tokenizer.eos_token_ids, speculator=speculator)
     events: list = []
     req = engine.add_request("generate", prompt, dataclasses.replace(params, max_tokens=max_tokens),
                              on_output=events.append)

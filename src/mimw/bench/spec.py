@@ -44,6 +44,7 @@ class SpecBenchConfig:
     prompts: int = 10
     threads: int | None = None
     out_dir: str = "bench/results"
+    packed_linear: bool = True  # the reference backend's oneDNN-prepacked few-row matmuls (verify blocks)
 
 
 def add_arguments(sub: argparse._SubParsersAction) -> None:
@@ -61,6 +62,9 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=int, default=10, help="prompts per set (default 10)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default="bench/results", help="results directory")
+    p.add_argument("--no-packed-linear", dest="packed_linear", action="store_false",
+                   help="verify blocks through F.linear like one-token steps (default: oneDNN-prepacked weights "
+                        "for steps of 4-64 tokens, engine/backends/packed_linear.py)")
 
 
 def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
@@ -79,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
     if args.spec_tokens < 1 or args.max_tokens < 1 or args.prompts < 1:
         raise ValueError("--spec-tokens, --max-tokens and --prompts must be >= 1")
     return SpecBenchConfig(args.model, args.dtype, drafters, args.draft_model, args.draft_layers, args.spec_tokens,
-                           args.max_tokens, sets, args.prompts, args.threads, args.out)
+                           args.max_tokens, sets, args.prompts, args.threads, args.out, args.packed_linear)
 
 
 def truncated(weights, n_layers: int):
@@ -164,7 +168,8 @@ def markdown(doc: dict) -> str:
     m = doc["meta"]
     lines = [f"# mimw bench spec - {m['model']} ({m['dtype']}) on {m['cpu']}, {m['date']}", "",
              f"commit {m['commit']}; K = {m['spec_tokens']}; up to {m['max_tokens']} tokens per prompt, greedy, "
-             f"batch 1; torch threads {m['threads']}; draft model: {m['draft_model']}", "",
+             f"batch 1; torch threads {m['threads']}; draft model: {m['draft_model']}; prepacked few-row matmuls: "
+             f"{m.get('packed_linear', False)}", "",
              "tok/s per user, end to end (submission to last token, prefill included) and decode (first to last "
              "token); CPU: process CPU time over the same spans, wall: wall clock.", "",
              "| set | drafter | mean accepted length | acceptance | CPU e2e tok/s | vs plain | CPU decode tok/s | "
@@ -196,7 +201,7 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
     if model.tokenizer is None:
         raise ValueError(f"{model.source} has no tokenizer: the benchmark needs real text")
     tok = model.tokenizer
-    backend = ReferenceBackend(model.weights)
+    backend = ReferenceBackend(model.weights, packed_linear=cfg.packed_linear)
     draft_backend, draft_name, draft_cost = None, None, 0.0
     if "draft" in cfg.drafters:
         if cfg.draft_model:
@@ -217,7 +222,7 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
             platform.machine(), "threads": torch.get_num_threads(), "commit": git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "spec_tokens": cfg.spec_tokens,
             "max_tokens": cfg.max_tokens, "draft_model": draft_name, "draft_weight_ratio": draft_cost, "command": " ".join(sys.argv),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "packed_linear": backend.packed is not None}
     rows: dict[str, dict[str, list[dict]]] = {s: {m: [] for m in modes} for s in cfg.sets}
     for s, plist in prompts.items():
         for i, (name, ids) in enumerate(plist):

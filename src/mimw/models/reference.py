@@ -13,7 +13,7 @@ default model's full 8k context prefills in a few hundred MB of scores.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -89,9 +89,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
 
 
 class ReferenceDecoder:
-    def __init__(self, weights: ModelWeights):
+    def __init__(self, weights: ModelWeights, linear: Callable[..., torch.Tensor] = F.linear):
+        """``linear(x, w, b=None)``: the dense layers' matmul (a backend may pass a faster one for some shapes,
+        ``engine/backends/packed_linear.py``); ``F.linear`` by default."""
         self.w = weights
         self.spec = weights.spec
+        self.linear = linear
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache,
@@ -100,7 +103,7 @@ class ReferenceDecoder:
         each segment's last ``num_logits`` tokens, in segment order, when ``last_only`` (the LM head then runs on
         those rows only). Writes K/V into ``cache``. ``routings``: a list that receives each MoE layer's routing of
         the T tokens, in layer order."""
-        spec, w = self.spec, self.w
+        spec, w, linear = self.spec, self.w, self.linear
         if sum(s.length for s in segments) != tokens.numel():
             raise ValueError("segments' lengths must add up to the number of tokens")
         dev = w.device
@@ -111,9 +114,9 @@ class ReferenceDecoder:
         hq, hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
         for li, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, spec.rms_norm_eps)
-            q = F.linear(h, lw.wq, lw.bq).view(-1, hq, hd)
-            k = F.linear(h, lw.wk, lw.bk).view(-1, hkv, hd)
-            v = F.linear(h, lw.wv, lw.bv).view(-1, hkv, hd)
+            q = linear(h, lw.wq, lw.bq).view(-1, hq, hd)
+            k = linear(h, lw.wk, lw.bk).view(-1, hkv, hd)
+            v = linear(h, lw.wv, lw.bv).view(-1, hkv, hd)
             if spec.qk_norm:
                 q = rms_norm(q, lw.q_norm, spec.rms_norm_eps)
                 k = rms_norm(k, lw.k_norm, spec.rms_norm_eps)
@@ -126,13 +129,13 @@ class ReferenceDecoder:
                 outs.append(attention(q[sl], kc, vc, positions[sl]))  # attention computes in fp32
                 t0 += s.length
             o = torch.cat(outs).reshape(-1, hq * hd)
-            x = x + F.linear(o, lw.wo)
+            x = x + linear(o, lw.wo)
             h = rms_norm(x, lw.mlp_norm, spec.rms_norm_eps)
             if spec.is_moe_layer(li):
                 x = x + moe_mlp(h, lw, spec, routings)
             else:
-                x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
+                x = x + linear(F.silu(linear(h, lw.w_gate)) * linear(h, lw.w_up), lw.w_down)
         if last_only:
             x = x[logit_rows(segments).to(dev)]
         x = rms_norm(x, w.final_norm, spec.rms_norm_eps)
-        return F.linear(x, w.lm_head).float()
+        return linear(x, w.lm_head).float()

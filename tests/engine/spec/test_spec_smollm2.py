@@ -20,8 +20,8 @@ def smollm2():
     return load_model(None, progress=False)
 
 
-def run(model, prompts, method=None):
-    backend = ReferenceBackend(model.weights)
+def run(model, prompts, method=None, packed_linear=False):
+    backend = ReferenceBackend(model.weights, packed_linear=packed_linear)
     speculator = None
     if method is not None:
         cfg = SpecConfig(method, num_tokens=6, draft_model="first-8-layers" if method == "draft" else None)
@@ -48,3 +48,6 @@ def test_each_drafter_keeps_the_default_models_greedy_output(smollm2):
         got, stats = run(smollm2, prompts, method)
         assert got == want, method
         assert stats.verify_steps > 0
+    # verify blocks on oneDNN-prepacked weights (what `mimw generate` and `bench spec` run), plain on F.linear
+    got, stats = run(smollm2, prompts, "suffix", packed_linear=True)
+    assert got == want and stats.verify_steps > 0

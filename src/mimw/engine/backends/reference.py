@@ -12,21 +12,29 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ...kv.pages import KV_DTYPES, PagedKVCache
 from ...models.reference import ReferenceDecoder, Segment
 from ...models.weights import ModelWeights
 from .base import Backend
+from .packed_linear import PackedLinear, available
 
 
 class ReferenceBackend(Backend):
-    def __init__(self, weights: ModelWeights, kv_dtype: torch.dtype | None = None):
+    def __init__(self, weights: ModelWeights, kv_dtype: torch.dtype | None = None, packed_linear: bool = False):
+        """``packed_linear``: run the few-row steps (speculative verify blocks) of fp32 CPU weights on oneDNN-
+        prepacked copies (``packed_linear.PackedLinear``); ignored where that does not apply (a GPU, other dtypes,
+        a torch without oneDNN). One-row decode steps and prefill chunks of more than 64 tokens are unchanged."""
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"the reference backend stores KV as one of {KV_DTYPES}, not {kv_dtype}")
         self.weights = weights
         self.spec = weights.spec
         self._kv_dtype = kv_dtype or weights.dtype
-        self._decoder = ReferenceDecoder(weights)
+        self.packed = None
+        if packed_linear and weights.device.type == "cpu" and weights.dtype == torch.float32 and available():
+            self.packed = PackedLinear(weights)
+        self._decoder = ReferenceDecoder(weights, self.packed or F.linear)
 
     @property
     def device(self) -> torch.device:
