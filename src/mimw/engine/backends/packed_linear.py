@@ -50,7 +50,8 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
-        hit = self._packed.get(w.data_ptr()) if self.min_rows <= rows <= self.max_rows and x.dtype == torch.float32 else None
+        few = self.min_rows <= rows <= self.max_rows and x.dtype == torch.float32
+        hit = self._packed.get(w.data_ptr()) if few else None
         if hit is None or hit[0] is not w:  # the same storage, not just the same address
             return F.linear(x, w, b)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), hit[1], b, "none", [], "")
