@@ -213,7 +213,9 @@ def build(args: argparse.Namespace) -> Built:
                     loaded.source)
         tok = ByteTokenizer()
     tok = TokenizerPool(tok)
-    backend = _backend(args.backend, loaded.weights, parse_kv_dtype(args.kv_dtype))
+    # speculation's verify blocks (4-64 rows) run on prepacked CPU weights, as in `mimw generate --speculative`
+    backend = _backend(args.backend, loaded.weights, parse_kv_dtype(args.kv_dtype),
+                       packed_linear=spec_cfg is not None)
     draft = spec_options.load_draft(spec_cfg, loaded) if spec_cfg else None
     one_page = KVLayout.for_spec(spec, args.page_size, 1, backend.kv_dtype)
     num_pages = args.kv_pages or _default_pages(one_page, backend.device, args.max_batch,
@@ -243,13 +245,14 @@ def build(args: argparse.Namespace) -> Built:
     return Built(app, loop, name, summary)
 
 
-def _backend(name: str, weights: Any, kv_dtype: torch.dtype | None) -> Any:
+def _backend(name: str, weights: Any, kv_dtype: torch.dtype | None, packed_linear: bool = False) -> Any:
     module, cls = _BACKENDS[name]
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
         raise ValueError(f"--backend {name}: not available in this build ({e})") from None
-    return getattr(mod, cls)(weights, kv_dtype=kv_dtype)
+    extra = {"packed_linear": True} if packed_linear and name == "reference" else {}
+    return getattr(mod, cls)(weights, kv_dtype=kv_dtype, **extra)
 
 
 def _default_name(model: str | None, source: str) -> str:
