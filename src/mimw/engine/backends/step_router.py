@@ -15,15 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..step_costs import bucket  # the power of two at or above a size
+
 REPLAY = "replay"
 BATCHED = "batched"
-
-
-def bucket(batch: int) -> int:
-    """The power of two at or above ``batch`` (the granularity of the prefill path's estimates)."""
-    if batch < 1:
-        raise ValueError(f"a step has at least one segment, got {batch}")
-    return 1 << (batch - 1).bit_length()
 
 
 @dataclass

@@ -99,20 +99,6 @@ def skinny_gemm(w_desc, x_ptr, y_ptr, M, K, N, NRT, KT, GK: gl.constexpr, NB: gl
 
 
 @gluon.jit
-def _loader_swap(w_desc, bufs, empty, ready, NRT, KT):
-    NB: gl.constexpr = bufs.type.shape[0]
-    BR: gl.constexpr = w_desc.block_type.shape[0]
-    it = 0
-    for rt in range(gl.program_id(0), NRT, gl.num_programs(0)):
-        for k in range(0, KT):
-            idx = it % NB
-            mbarrier.wait(empty.index(idx), ((it // NB) & 1) ^ 1)
-            mbarrier.expect(ready.index(idx), w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [(rt * KT + k) * BR, 0], ready.index(idx), bufs.index(idx))
-            it += 1
-
-
-@gluon.jit
 def _stage_x(x_ptr, xs, M, K, k0, NCH: gl.constexpr, MB: gl.constexpr, num_warps: gl.constexpr):
     """xs[ch] <- X[:, k0 + 32 ch .. + 32) as bf16 [MB, 32] chunks (rows past M and columns past K zero)."""
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
@@ -194,7 +180,7 @@ def skinny_gemm_swap(w_desc, x_ptr, y_ptr, M, K, N, NRT, KT, GK: gl.constexpr, M
     ys = gl.allocate_shared_memory(gl.float32, [64, MB], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     gl.warp_specialize([
         (_compute_swap, (x_ptr, y_ptr, M, K, N, NRT, KT, bufs, empty, ready, xs, ys, GK, MB, num_warps)),
-        (_loader_swap, (w_desc, bufs, empty, ready, NRT, KT)),
+        (_loader, (w_desc, bufs, empty, ready, NRT, KT, GK)),  # the tile order is row tile by row tile either way
     ], [1], [48])
 
 
