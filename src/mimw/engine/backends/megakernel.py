@@ -7,8 +7,8 @@ replay). A step of several decode tokens runs either as one launch per sequence 
 ``PrefillRunner``'s layers, whichever this backend measured faster for that batch size on this GPU (``StepRouter``);
 every other step (prefill chunks, verify blocks, mixes) is one pass of the runner. The runner writes the segments'
 K/V into the shared cache exactly as the kernel reads it, so decode continues from those pages with no copy. (The
-megakernel's own multi-token step, issue 25, is to replace the pass for decode batches and verify blocks.) The
-weights are fused (q/k/v, gate/up) once here for the prefill path's GEMMs, and the megakernel packs its own
+megakernel's own decode-batch step, ``MegakernelDecoder.step_batch``, is not one of these paths: it has not run on a
+GPU yet.) The weights are fused (q/k/v, gate/up) once here for the prefill path's GEMMs, and the megakernel packs its own
 tile-major copy from row views of them (launch/pack.py): the GPU holds the weights twice, row-major and tile-major.
 Invariants are those of ``Backend``.
 """
