@@ -57,23 +57,48 @@ class Backend(ABC):
         return self.__dict__.setdefault("_step_costs", StepCosts())
 
     def timed_forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """``forward``, timed into ``step_costs``: on a GPU by CUDA events around the step's work, folded in once
-        they completed (a later call looks; nothing waits for the GPU), elsewhere by the wall clock."""
-        pending = self.__dict__.setdefault("_step_events", [])
-        for item in list(pending):
-            n, start, end = item
-            if end.query():
-                self.step_costs.observe(n, start.elapsed_time(end))
-                pending.remove(item)
+        """``forward``, timed into ``step_costs``: on a GPU by CUDA events (``EventTimer``), elsewhere by the wall
+        clock."""
         n = int(tokens.numel())
         if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            timer: EventTimer = self.__dict__.setdefault("_step_timer", EventTimer())
+            for tokens_done, ms in timer.completed():
+                self.step_costs.observe(tokens_done, ms)
+            start = timer.start()
             out = self.forward(tokens, segments, cache)
-            end.record()
-            pending.append((n, start, end))
+            timer.stop(start, n)
             return out
         t0 = time.perf_counter()
         out = self.forward(tokens, segments, cache)
         self.step_costs.observe(n, (time.perf_counter() - t0) * 1e3)
         return out
+
+
+class EventTimer:
+    """Times of GPU work between CUDA events, read once the work completed: ``completed()`` hands back the finished
+    ones and keeps the rest, so nothing ever waits for the GPU."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[object, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def stop(self, start: torch.cuda.Event, key: object) -> None:
+        """The work queued since ``start`` ends here; ``key`` comes back with its time."""
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((key, start, end))
+
+    def completed(self) -> list[tuple[object, float]]:
+        """(key, ms) of every timed span whose end the GPU has reached, in the order they were timed."""
+        done, left = [], []
+        for key, start, end in self._pending:
+            if end.query():
+                done.append((key, start.elapsed_time(end)))
+            else:
+                left.append((key, start, end))
+        self._pending = left
+        return done

@@ -22,7 +22,7 @@ from ...kv.pages import PagedKVCache
 from ...models.reference import Segment
 from ...models.weights import ModelWeights
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
-from .base import Backend
+from .base import Backend, EventTimer
 from .step_router import REPLAY, StepRouter
 
 
@@ -45,7 +45,7 @@ class MegakernelBackend(Backend):
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
         self.router = StepRouter()
-        self._pending: list = []  # (path, batch, start event, end event) of steps not yet folded into the router
+        self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
 
     @property
     def device(self) -> torch.device:
@@ -64,16 +64,15 @@ class MegakernelBackend(Backend):
         return self._dec
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        self._fold_times()
+        for (path, batch), ms in self._timer.completed():
+            self.router.observe(path, batch, ms)
         if not all(s.length == 1 and s.num_logits == 1 for s in segments):
             return self.prefill.forward(tokens, segments, cache)
         path = self.router.choose(len(segments))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = self._timer.start()
         step = self.decode_replays if path == REPLAY else self.decode_pass
         out = step(tokens, segments, cache)
-        end.record()
-        self._pending.append((path, len(segments), start, end))
+        self._timer.stop(start, (path, len(segments)))
         return out
 
     def decode_replays(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -87,13 +86,3 @@ class MegakernelBackend(Backend):
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Any segments as one pass of the prefill path."""
         return self.prefill.forward(tokens, segments, cache)
-
-    def _fold_times(self) -> None:
-        """Hand the router the times of the earlier steps whose events completed (no wait on the GPU)."""
-        left = []
-        for path, batch, start, end in self._pending:
-            if end.query():
-                self.router.observe(path, batch, start.elapsed_time(end))
-            else:
-                left.append((path, batch, start, end))
-        self._pending = left

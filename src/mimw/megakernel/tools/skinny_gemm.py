@@ -26,6 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
+from ..device.ring import ring_init
+
 TR, TK, FK = 32, 256, 32  # the megakernel's tile: 32 rows x 256 columns, chunks of 32 columns
 MP = 64  # tokens padded to wgmma's 64 rows
 
@@ -81,15 +83,20 @@ def _compute(x_ptr, y_ptr, M, K, N, NRT, KT, bufs, empty, ready, xs, GK: gl.cons
 
 
 @gluon.jit
-def skinny_gemm(w_desc, x_ptr, y_ptr, M, K, N, NRT, KT, GK: gl.constexpr, NB: gl.constexpr,
-                num_warps: gl.constexpr):
+def _ring(w_desc, NB: gl.constexpr):
+    """The weight ring: NB tile slots and their empty/ready barriers (the megakernel's, device/ring.py)."""
     bufs = gl.allocate_shared_memory(w_desc.dtype, [NB, w_desc.block_type.shape[0], w_desc.block_type.shape[1]],
                                      w_desc.layout)
     empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NB):
-        mbarrier.init(empty.index(i), count=1)
-        mbarrier.init(ready.index(i), count=1)
+    ring_init(empty, ready, NB)
+    return bufs, empty, ready
+
+
+@gluon.jit
+def skinny_gemm(w_desc, x_ptr, y_ptr, M, K, N, NRT, KT, GK: gl.constexpr, NB: gl.constexpr,
+                num_warps: gl.constexpr):
+    bufs, empty, ready = _ring(w_desc, NB)
     xs = gl.allocate_shared_memory(gl.bfloat16, [GK * 8, 64, 32], gl.NVMMASharedLayout.get_default_for([64, 32],
                                                                                                     gl.bfloat16))
     gl.warp_specialize([
@@ -168,13 +175,7 @@ def skinny_gemm_swap(w_desc, x_ptr, y_ptr, M, K, N, NRT, KT, GK: gl.constexpr, M
     X fits GK column tiles). Pairing chunk 2q with chunk 2q + 1 as one A costs half the MMA work (each pair's
     product is used for one of its halves: even chunks into rows 0..31 of one accumulator, odd chunks into rows
     32..63 of another); one tile's wgmmas stay in flight while the next tile's issue."""
-    bufs = gl.allocate_shared_memory(w_desc.dtype, [NB, w_desc.block_type.shape[0], w_desc.block_type.shape[1]],
-                                     w_desc.layout)
-    empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NB):
-        mbarrier.init(empty.index(i), count=1)
-        mbarrier.init(ready.index(i), count=1)
+    bufs, empty, ready = _ring(w_desc, NB)
     xs = gl.allocate_shared_memory(gl.bfloat16, [GK * 8, MB, 32], gl.NVMMASharedLayout.get_default_for([MB, 32],
                                                                                                     gl.bfloat16))
     ys = gl.allocate_shared_memory(gl.float32, [64, MB], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
