@@ -21,12 +21,13 @@ def test_decode_batches_match_reference_over_16_steps(model, batch, context):
     """MegakernelDecoder.step_batch: B sequences (contexts context + 3b, their own shuffled pages) advanced by one
     launch a step (swap-AB wgmma, device/matvec_mt.py; DOWN_PROJ in ticketed parts on the 8B shapes); every
     sequence's logits against the fp32 oracle, repeated launches bit-identical, the appended K/V rows equal to the
-    oracle's within bf16 rounding."""
+    oracle's; each error within 2e-2 (1e-2 for the rows) or twice the bf16 reference's own, whichever is larger;
+    argmax the oracle's up to near-ties."""
     from mimw.megakernel.tools.check import check_batch
 
     r = check_batch(get_preset(model), batch, context, steps=16)
     assert r.finite, r
     assert r.bit_identical, f"repeated launches differ (race): {r}"
-    assert r.max_rel_err <= 2e-2, r
-    assert r.argmax_agree >= 0.9, r
-    assert r.kv_rel_err <= 1e-2, r
+    assert r.max_rel_err <= max(2e-2, 2 * r.bf16_rel_err), r
+    assert r.argmax_agree_or_tie >= 0.99, r
+    assert r.kv_rel_err <= max(1e-2, 2 * r.bf16_kv_rel_err), r

@@ -3,14 +3,17 @@
 For each model shape (random bf16 weights) and batch B: B sequences of ``context`` past positions each in one paged
 cache (shuffled pages), the step captured in a CUDA graph and replayed; median ms per replay beside the floor (every
 weight once plus every sequence's KV, at the streaming read measured in the same run) and the M = 1 step of the
-same run. Prints a table and writes JSON to ``$OUT/batch_step.json`` when $OUT is set.
+same run. ``--tunings`` times each batch under several ``Tuning`` overrides (``"default;ring=5"``), ``--trace``
+also records one traced step per cell and prints its per-instruction summary (tools/trace.py), to say where a
+batch's time goes. Prints a table and writes JSON to ``$OUT/batch_step.json`` when $OUT is set.
 
     PYTHONPATH=src python3 -m mimw.megakernel.tools.batch_step [--models llama-3.2-1b,llama-3.1-8b]
-        [--batches 1,8] [--context 1024]
+        [--batches 1,8] [--context 1024] [--tunings "default;ring=5"] [--trace]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -21,10 +24,13 @@ from ...kv.pages import KVLayout, PagedKVCache
 from ...models.spec import get_preset
 from ...models.weights import random_weights
 from ..launch.decoder import MegakernelDecoder
+from ..plan import Tuning
+from .trace import format_summary, summarize
 from .variants import read_bandwidth, time_step
 
 
-def measure(model: str, batches: list[int], context: int, bw: float, page_size: int = 16) -> list[dict]:
+def measure(model: str, batches: list[int], context: int, bw: float, page_size: int = 16,
+            tuning: Tuning = Tuning(), name: str = "default", trace: bool = False) -> list[dict]:
     spec = get_preset(model)
     w = random_weights(spec, 0, dtype=torch.bfloat16, device="cuda")
     b_max = max(batches)
@@ -34,15 +40,26 @@ def measure(model: str, batches: list[int], context: int, bw: float, page_size: 
     cache.v.normal_(0, 1)
     pages = torch.randperm(b_max * per_seq).tolist()
     tables = [pages[i * per_seq: (i + 1) * per_seq] for i in range(b_max)]
-    dec = MegakernelDecoder(w, cache, max_pages_per_seq=per_seq, context_hint=context)
     rows = []
-    for b in batches:
-        bdec = dec.batch_decoder(b)
-        bdec.set_batch(list(range(1, b + 1)), [context] * b, tables[:b])
-        ms = time_step(bdec)
-        floor = floor_ms(step_bytes(spec, context) + (b - 1) * context * spec.kv_bytes_per_token(2), bw)
-        rows.append(dict(model=model, batch=b, context=context, ms=ms, floor_ms=floor, x_floor=ms / floor,
-                         ring=bdec.plan.ring, down_parts=bdec.program.down_parts))
+    for traced in (False, True) if trace else (False,):
+        dec = MegakernelDecoder(w, cache, max_pages_per_seq=per_seq, context_hint=context,
+                                tuning=dataclasses.replace(tuning, trace=traced), use_graph=not traced)
+        for b in batches:
+            bdec = dec.batch_decoder(b)
+            bdec.set_batch(list(range(1, b + 1)), [context] * b, tables[:b])
+            if traced:
+                bdec.run()
+                bdec.run()  # the second, warm launch is the one recorded
+                torch.cuda.synchronize()
+                row = next(r for r in rows if r["batch"] == b)
+                row["trace"] = summarize(bdec.trace, bdec.words, bdec.lens)
+                print(f"--- {model} B={b} {name} traced\n{format_summary(row['trace'])}", flush=True)
+                continue
+            ms = time_step(bdec)
+            floor = floor_ms(step_bytes(spec, context) + (b - 1) * context * spec.kv_bytes_per_token(2), bw)
+            rows.append(dict(model=model, tuning=name, batch=b, context=context, ms=ms, floor_ms=floor,
+                             x_floor=ms / floor, ring=bdec.plan.ring, down_parts=bdec.program.down_parts))
+        del dec
     one = next((r["ms"] for r in rows if r["batch"] == 1), None)
     for r in rows:
         r["x_m1"] = r["ms"] / one if one else None
@@ -54,17 +71,22 @@ def main() -> None:
     ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--tunings", default="default", help="';'-separated Tuning overrides (tools/variants.py syntax)")
+    ap.add_argument("--trace", action="store_true", help="also trace one step per cell and print its summary")
     a = ap.parse_args()
     bw = read_bandwidth()
     print(f"read bandwidth {bw / 1e12:.2f} TB/s  ({torch.cuda.get_device_name()})")
     rows = []
     for m in a.models.split(","):
-        rows += measure(m, [int(b) for b in a.batches.split(",")], a.context, bw)
-    print(f"{'model':14s} {'B':>3s} {'ms':>8s} {'floor':>8s} {'x floor':>8s} {'x M=1':>7s} ring parts")
+        for name in a.tunings.split(";"):
+            tuning = Tuning() if name == "default" else Tuning.parse(name)
+            rows += measure(m, [int(b) for b in a.batches.split(",")], a.context, bw, tuning=tuning, name=name,
+                            trace=a.trace)
+    print(f"{'model':14s} {'tuning':>12s} {'B':>3s} {'ms':>8s} {'floor':>8s} {'x floor':>8s} {'x M=1':>7s} ring parts")
     for r in rows:
         x1 = f"{r['x_m1']:7.2f}" if r["x_m1"] else "      -"
-        print(f"{r['model']:14s} {r['batch']:3d} {r['ms']:8.3f} {r['floor_ms']:8.3f} {r['x_floor']:8.2f} {x1} "
-              f"{r['ring']:4d} {r['down_parts']:5d}")
+        print(f"{r['model']:14s} {r['tuning']:>12s} {r['batch']:3d} {r['ms']:8.3f} {r['floor_ms']:8.3f} "
+              f"{r['x_floor']:8.2f} {x1} {r['ring']:4d} {r['down_parts']:5d}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "batch_step.json"), "w") as f:
             json.dump(dict(read_tbps=bw / 1e12, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)

@@ -132,13 +132,19 @@ class BatchResult:
     steps: int
     max_rel_err: float  # over every step and sequence, relative to that row's max|logit|
     argmax_agree: float  # (step, sequence) pairs whose argmax equals the oracle's
+    argmax_agree_or_tie: float  # ... or where the oracle's gap to the kernel's pick is within ``tie``
     bit_identical: bool
     finite: bool
     kv_rel_err: float  # the rows the kernel appended vs the oracle's, relative to the oracle cache's max|value|
+    bf16_rel_err: float = float("nan")  # the bf16 (transformers-numerics) reference's largest logit error
+    bf16_kv_rel_err: float = float("nan")  # ... and its appended rows' (its own bf16 cache against the oracle's)
+    tie: float = 0.0  # near-tie bound: 2 x bf16_rel_err
 
-    def ok(self, tol: float = 2e-2, agree: float = 0.9, kv_tol: float = 1e-2) -> bool:
-        return (self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree >= agree
-                and self.kv_rel_err <= kv_tol)
+    def ok(self, tol: float = 2e-2, agree: float = 0.99, kv_tol: float = 1e-2) -> bool:
+        """Within ``tol`` / ``kv_tol`` of the oracle, or within twice the bf16 reference's own error where bf16
+        arithmetic alone is further off, and the argmax the oracle's up to near-ties."""
+        return (self.finite and self.bit_identical and self.max_rel_err <= max(tol, 2 * self.bf16_rel_err)
+                and self.argmax_agree_or_tie >= agree and self.kv_rel_err <= max(kv_tol, 2 * self.bf16_kv_rel_err))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -148,7 +154,8 @@ def check_batch(spec: ModelSpec, batch: int, context: int, steps: int = 16, seed
                 tuning: Tuning = Tuning(), graph: bool = True, num_sms: int | None = None,
                 page_size: int = 16) -> BatchResult:
     """``batch`` sequences whose contexts spread around ``context`` (context + 3b, so their pages and splits differ),
-    ``steps`` decode steps of all of them in one launch each, against the fp32 oracle per sequence."""
+    ``steps`` decode steps of all of them in one launch each, against the fp32 oracle per sequence; the bf16
+    (transformers-numerics) reference beside it, fed the same tokens, gives the error bf16 arithmetic alone makes."""
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     contexts = [context + 3 * b for b in range(batch)]
     per_seq = [-(-(c + steps) // page_size) for c in contexts]
@@ -166,15 +173,20 @@ def check_batch(spec: ModelSpec, batch: int, context: int, steps: int = 16, seed
     ref_cache.k.copy_(cache.k)
     ref_cache.v.copy_(cache.v)
     ref = ReferenceDecoder(w.to(dtype=torch.float32))
+    bf16_cache = PagedKVCache(cache.layout, "cuda")  # the transformers-numerics reference's own bf16 cache
+    bf16_cache.k.copy_(cache.k)
+    bf16_cache.v.copy_(cache.v)
+    bf16_ref = ReferenceDecoder(w)
     width = max(per_seq)
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=width, tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph, batch=batch)
     toks = torch.randint(spec.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
-    same, finite, worst, agree = True, True, 0.0, 0
+    same, finite, kernel_steps, bf16_steps = True, True, [], []
     for i in range(steps):
         positions = [c + i for c in contexts]
         segs = [Segment(tuple(t), p, 1) for t, p in zip(tables, positions)]
         expect = ref.forward(torch.tensor(toks), segs, ref_cache)  # [B, V]
+        bf16 = bf16_ref.forward(torch.tensor(toks), segs, bf16_cache)
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V rows: results must not move
             dec.scratch.poison()
@@ -183,17 +195,24 @@ def check_batch(spec: ModelSpec, batch: int, context: int, steps: int = 16, seed
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
         for b in range(batch):
-            ok, _, err = step_error(got[0][b], expect[b])
-            agree += ok
-            worst = max(worst, err if err == err else float("inf"))
+            kernel_steps.append(step_error(got[0][b], expect[b]))
+            bf16_steps.append(step_error(bf16[b], expect[b]))
         toks = [int(t) for t in expect.argmax(-1)]
+    bf16_err = max(e for _, _, e in bf16_steps)
+    tie = 2 * bf16_err
+    agree, near_ties, _ = argmax_verdicts(kernel_steps, tie)
+    worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
     # the rows this run appended: every sequence's positions context .. context + steps - 1, every layer and head
-    kv_err = 0.0
-    pools = [(cache.k, ref_cache.k, ref_cache.k.abs().max()), (cache.v, ref_cache.v, ref_cache.v.abs().max())]
+    kv_err, bf16_kv_err = 0.0, 0.0
+    pools = [(cache.k, bf16_cache.k, ref_cache.k, ref_cache.k.abs().max()),
+             (cache.v, bf16_cache.v, ref_cache.v, ref_cache.v.abs().max())]
     for t, c in zip(tables, contexts):
         for p in range(c, c + steps):
             page, row = t[p // page_size], p % page_size
-            for pool, ref_pool, scale in pools:
-                a, e = pool[:, page, :, row].float(), ref_pool[:, page, :, row]
-                kv_err = max(kv_err, float((a - e).abs().max() / scale))
-    return BatchResult(spec.name, batch, context, steps, worst, agree / (steps * batch), same, finite, kv_err)
+            for pool, bf16_pool, ref_pool, scale in pools:
+                e = ref_pool[:, page, :, row]
+                kv_err = max(kv_err, float((pool[:, page, :, row].float() - e).abs().max() / scale))
+                bf16_kv_err = max(bf16_kv_err, float((bf16_pool[:, page, :, row].float() - e).abs().max() / scale))
+    n = steps * batch
+    return BatchResult(spec.name, batch, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
+                       kv_err, bf16_err, bf16_kv_err, tie)
