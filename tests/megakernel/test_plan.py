@@ -1,7 +1,7 @@
 """The launch plan (plan.py): host logic on the CPU."""
 import pytest
 
-from mimw.megakernel.plan import SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, plan
+from mimw.megakernel.plan import SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, norm_buffer_bytes, plan
 from mimw.megakernel.program import StepShape
 from mimw.models.spec import get_preset
 
@@ -72,13 +72,16 @@ def test_a_decode_batch_plans_tickets_and_a_staging_buffer_of_eight_tokens(model
     assert (c.M, c.MB, p.cluster_size, p.exchange_bytes, c.DOWN_PAIRS) == (batch, 8, 1, 0, False)
     assert not (p.words[..., isa.Word.FLAGS] & isa.CLUSTER_PAIR).any()
     assert p.staging_bytes == p.hbuf_rows * p.tuning.tile_k * 2 * 8
-    assert p.ring >= 4 and p.staging_bytes + p.ring * slot + SCRATCH_BYTES <= SHARED_BYTES
+    norm = norm_buffer_bytes(spec, p.tuning)  # a norm's weights as 32-column chunks, a power of two of them
+    chunks = norm // 64
+    assert chunks & (chunks - 1) == 0 and chunks * 32 >= spec.hidden_size > chunks * 16
+    assert p.ring >= 4 and p.staging_bytes + norm + p.ring * slot + SCRATCH_BYTES <= SHARED_BYTES
     kt_i = -(-spec.intermediate_size // p.tuning.tile_k)
     parts = p.program.down_parts
     assert p.hbuf_rows >= max(c.KT_D, c.KT_Q, -(-kt_i // parts))
-    # more than 32 column tiles (the 8B's 56, Qwen3-8B's 48: 64 staged rows = 256 KB) split in two ticketed parts;
-    # the 1B's 32 (128 KB) fit beside 5 ring slots
-    assert parts == (2 if kt_i > 32 else 1)
+    # two ticketed parts on every shape: at least two (whole rows alone are fewer blocks than SMs), and two fit (the
+    # 8B's 56 column tiles: 28 a part, 32 staged rows = 128 KB)
+    assert parts == 2
     # the GPU keeps ticketed parts' sums [parts, M, D] in qkv_part's buffer: it has the room
     from mimw.megakernel.state import alloc_scratch
 

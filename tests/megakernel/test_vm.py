@@ -560,7 +560,7 @@ def test_vm_proves_the_decode_batch_programs_the_plan_builds(name, num_sms, page
     p = plan(spec, num_sms, StepShape(seg_lens), page_size)
     prog = _vm_against_reference(name, num_sms, page_size, seg_lens, contexts, p.program.config)
     assert not any(i.flags & isa.CLUSTER_PAIR for i in prog.instructions())
-    assert prog.down_parts == p.program.down_parts == (2 if name == "smollm2-wide" else 1)
+    assert prog.down_parts == p.program.down_parts == 2
 
 
 @pytest.mark.parametrize("parts,num_sms", [(2, 7), (3, 132), (4, 1)])

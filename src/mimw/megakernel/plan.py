@@ -14,9 +14,9 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
     Triton's reductions over the warp axis);
   * the release hold's marks on the words (hold.py);
   * a multi-token step (a decode batch of M = 2..8 sequences, one token each): the tokens padded to MB = 8 (wgmma's
-    N), the staging buffer MB bf16 rows a 32-column chunk, no cluster pairs (their exchange holds one token's sums:
-    ATTN_IN's parts combine through tickets), and DOWN_PROJ in as few ticketed column parts as let its staged
-    input fit beside a ring of ``MIN_RING_MT`` slots (the 8B's I = 14336: two parts).
+    N), the staging buffer MB bf16 rows a 32-column chunk and a norm's weights beside it, no cluster pairs (their
+    exchange holds one token's sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ in ticketed column
+    parts: at least two, and as few as let its staged input fit beside a ring of ``MIN_RING_MT`` slots.
 A program with an instruction that has no device code (the MoE instructions: ops.GPU_OPS) is refused: the GPU kernel
 does not run mixture-of-experts layers yet (the VM does).
 Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
@@ -230,10 +230,18 @@ def check(spec: ModelSpec, t: Tuning) -> None:
         raise ValueError(f"qkv_parts={t.qkv_parts}: 0 (derived) or 1..8 (the finisher's unrolled sum)")
 
 
+def norm_buffer_bytes(spec: ModelSpec, t: Tuning) -> int:
+    """A multi-token step's buffer for a norm's weights (device/matvec_mt.wbuf_rows): the hidden size's 32-column
+    chunks, a power of two of them, bf16."""
+    return _pow2(-(-spec.hidden_size // t.tile_k) * (t.tile_k // 32)) * 32 * 2
+
+
 def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, int]:
-    """A multi-token step's derived settings: the tuning without cluster pairs, and DOWN_PROJ's column parts (1:
-    whole rows), the fewest whose staged input (MB rows a column tile, power-of-two tiles) fits in shared memory
-    beside ``MIN_RING_MT`` ring slots. Raises ValueError for a shape the GPU kernel does not run."""
+    """A multi-token step's derived settings: the tuning without cluster pairs, and DOWN_PROJ's column parts: at
+    least two (whole rows alone are fewer blocks than the GPU has SMs on every shape: the one-token kernel's halves
+    serve the same end), and as few as let the staged input (MB rows a column tile, power-of-two tiles) fit in
+    shared memory beside the norm buffer and ``MIN_RING_MT`` ring slots. Raises ValueError for a shape the GPU
+    kernel does not run."""
     m = shape.num_tokens
     if any(n != 1 for n in shape.seg_lens) or m > MAX_BATCH:
         raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or a decode batch of "
@@ -244,9 +252,9 @@ def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, i
     t = dataclasses.replace(t, clusters=False)
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
     row_bytes, slot = t.tile_k * 2 * MB, t.tile_rows * t.tile_k * 2
-    room = SHARED_BYTES - SCRATCH_BYTES - MIN_RING_MT * slot
+    room = SHARED_BYTES - SCRATCH_BYTES - MIN_RING_MT * slot - norm_buffer_bytes(spec, t)
     base = max(kt(spec.hidden_size), kt(spec.q_size))
-    for parts in range(1, kt(spec.intermediate_size) + 1):
+    for parts in range(min(2, kt(spec.intermediate_size)), kt(spec.intermediate_size) + 1):
         if _pow2(max(base, -(-kt(spec.intermediate_size) // parts))) * row_bytes <= room:
             return t, parts
     raise ValueError(f"{spec.name}: {_pow2(base)} staged column tiles of {MB} tokens do not fit in shared memory "
@@ -276,9 +284,10 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
                  -(-kt(spec.intermediate_size) // program.down_parts))
     hbuf_rows = _pow2(widest)
     hbuf_bytes = hbuf_rows * t.tile_k * 2 * mb
+    wbuf_bytes = norm_buffer_bytes(spec, t) if m > 1 else 0
     xb = exchange_bytes(spec.head_dim) if program.attn_pairs else 0
     slot = t.tile_rows * t.tile_k * 2
-    fit = (SHARED_BYTES - hbuf_bytes - SCRATCH_BYTES - xb) // slot
+    fit = (SHARED_BYTES - hbuf_bytes - wbuf_bytes - SCRATCH_BYTES - xb) // slot
     if t.ring > fit:
         raise ValueError(f"ring={t.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
     if fit < 2:

@@ -23,6 +23,11 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
                                device/cluster.py; ticketed parts store here)
   act [M, I]                   SiLU(gate) * up (input of DOWN_PROJ)
   logits [M, V]
+bf16, the multi-token GPU kernel's staging sources (device/matvec_mt.py; the one-token kernel and the VM leave them
+unwritten): each CTA copies an instruction's input rows from them into shared memory in one round of async copies
+  x16 [M, D]                   x rounded to bf16, written beside x by every writer of x
+  attn16 [M, Hq*hd]            the attention output rounded to bf16 (its only reader, O_PROJ, rounds it so)
+  act16 [M, I]                 SiLU(gate) * up rounded to bf16 (its only reader, DOWN_PROJ, rounds it so)
 MoE layers (program.moe_slots = S routing slots; empty for a dense model; E experts padded to Ep rows, F their
 intermediate size):
   router_logits [M, Ep]        ROUTER's logits (the first E columns are the experts')
@@ -105,11 +110,15 @@ class Scratch:
     slot_w: torch.Tensor
     moe_act: torch.Tensor
     moe_part: torch.Tensor
+    x16: torch.Tensor
+    attn16: torch.Tensor
+    act16: torch.Tensor
 
     def poison(self) -> None:
-        """NaN in every fp32 buffer; the routing table back to never written (no step's tag)."""
+        """NaN in every fp32 and bf16 buffer; the routing table back to never written (no step's tag)."""
         for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits,
-                  self.down_part, self.router_logits, self.slot_w, self.moe_act, self.moe_part):
+                  self.down_part, self.router_logits, self.slot_w, self.moe_act, self.moe_part, self.x16,
+                  self.attn16, self.act16):
             t.fill_(float("nan"))
         self.routed.zero_()
 
@@ -133,6 +142,7 @@ def qkv_part_slots(prog: Program) -> int:
 def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
     sp, m, s = prog.spec, prog.shape.num_tokens, prog.moe_slots
     f = lambda *shape: torch.full(shape, float("nan"), dtype=torch.float32, device=device)  # noqa: E731
+    h = lambda *shape: torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)  # noqa: E731
     return Scratch(
         x=f(m, sp.hidden_size),
         qkv_part=f(qkv_part_slots(prog), m, sp.num_heads + 2 * sp.num_kv_heads, sp.head_dim),
@@ -148,6 +158,9 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         slot_w=f(s, m),
         moe_act=f(s, m, sp.moe_intermediate_size),
         moe_part=f(s, m, sp.hidden_size),
+        x16=h(m, sp.hidden_size),
+        attn16=h(m, sp.q_size),
+        act16=h(m, sp.intermediate_size),
     )
 
 

@@ -2,7 +2,8 @@
 
 ``Smem``  the shared-memory ring (slots, ``empty``/``ready`` barriers), the release hold's barrier ``rel`` and the
           staging buffer ``hbuf`` [KT_ROWS, TK] bf16 (an instruction's input vector, one [TK] row per column tile;
-          with C.M > 1 [KT_ROWS * TK / 32, MB, 32], the tokens' chunks: device/matvec_mt.py).
+          with C.M > 1 [KT_ROWS * TK / 32, MB, 32], the tokens' chunks: device/matvec_mt.py), and ``wbuf``, a norm's
+          weights as [*, 32] chunks (C.M > 1; hbuf itself where M = 1, which never uses it).
 ``Step``  this launch's step: counter and ready-word pointers, the epoch, and the one token's id, position,
           context, cache page and embedding row (M = 1), and the step arrays a multi-token step reads per token.
 ``Bufs``  everything else in global memory the instructions read or write: norm/bias/rope vectors, the paged KV
@@ -60,14 +61,16 @@ class Smem:
     ready: gl.shared_memory_descriptor
     rel: gl.shared_memory_descriptor
     hbuf: gl.shared_memory_descriptor
+    wbuf: gl.shared_memory_descriptor
 
     @constexpr_function
-    def __init__(self, bufs, empty, ready, rel, hbuf):
+    def __init__(self, bufs, empty, ready, rel, hbuf, wbuf):
         self.bufs = bufs
         self.empty = empty
         self.ready = ready
         self.rel = rel
         self.hbuf = hbuf
+        self.wbuf = wbuf
 
 
 @aggregate
@@ -125,6 +128,9 @@ class Bufs:
     act: gl.tensor
     logits: gl.tensor
     splits: gl.tensor | gl.constexpr
+    x16: gl.tensor
+    attn16: gl.tensor
+    act16: gl.tensor
     eps: gl.tensor
     qscale: gl.tensor
 
@@ -133,7 +139,8 @@ class Bufs:
         self.emb, self.anorm, self.mnorm, self.fnorm, self.bias, self.qn, self.kn, self.invf = vecs
         self.kc, self.vc, num_pages = kv
         self.num_pages = _int_arg(num_pages)
-        self.x, self.qkvp, self.q, self.po, self.pml, self.attn, self.act, self.logits, splits = scratch
+        self.x, self.qkvp, self.q, self.po, self.pml, self.attn, self.act, self.logits, splits, self.x16, \
+            self.attn16, self.act16 = scratch
         self.splits = _int_arg(splits)
         self.eps, self.qscale = scalars
 

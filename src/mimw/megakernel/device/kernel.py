@@ -130,13 +130,15 @@ def megakernel(prog, step, weights, vecs, kv, scratch, scalars, trace, C: gl.con
     empty = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     rel = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    if C.M > 1:  # hbuf: the tokens' staged inputs, [MB, 32] chunks (device/matvec_mt.py)
+    if C.M > 1:  # hbuf: the tokens' staged inputs, [MB, 32] chunks; wbuf: a norm's weights (device/matvec_mt.py)
         hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS * (C.TK // 32), C.MB, 32], matvec_mt.xs_layout(C))
+        wbuf = gl.allocate_shared_memory(gl.bfloat16, [matvec_mt.wbuf_rows(C), 32], matvec_mt.wbuf_layout(C))
     else:  # hbuf: staged input vector, one [TK] row per column tile (rank-1 layout: rows are indexed at run time)
         hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS, C.TK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        wbuf = hbuf
     ring.ring_init(empty, ready, C.NB)
     mbarrier.init(rel.index(0), count=1)  # the release hold: one arrival a phase, compute's after a marked release
-    sm = Smem(bufs, empty, ready, rel, hbuf)
+    sm = Smem(bufs, empty, ready, rel, hbuf, wbuf)
     LOADER_REGS: gl.constexpr = C.LOADER_REGS
     gl.warp_specialize([
         (_compute, (prog, step, vecs, kv, scratch, scalars, trace, sm, C)),

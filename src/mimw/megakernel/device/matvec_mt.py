@@ -1,9 +1,13 @@
 """The multi-token matvec (C.M > 1, a decode batch): staging M tokens' inputs, and swap-AB wgmma over weight tiles.
 
-The design of tools/skinny_gemm.py's probe ``skinny_gemm_swap`` (not yet run on a GPU), inside the megakernel's ring:
+The design of tools/skinny_gemm.py's probe ``skinny_gemm_swap``, inside the megakernel's ring:
   * the staging buffer ``xs`` holds the instruction's input for the MB = 8 padded tokens as bf16 chunks
     [MB, 32] (one chunk a 32-column slice; column tile k is chunks 8k .. 8k + 7; rows past M and columns past K
-    zero), staged once per run of same-stage instructions, RMSNorm per token where the instruction normalises x;
+    zero), staged once per run of same-stage instructions by ONE round of async copies (cp.async) from the bf16
+    sources the producers write (state.py: x16, attn16, act16; layer 0's embedding rows), RMSNorm per token then
+    in shared memory where the instruction normalises x. A load round trip to L2 waits behind this SM's own weight
+    tiles in flight (~2.5 us a round on an H100: bench/NOTES.md), so staging in register rounds of 16 chunks cost
+    8-16 round trips an instruction;
   * a ring slot holds a [32, 256] tile chunk-major ([256, 32]: row 32j + r = W[r, 32j .. 32j + 32), launch/pack.py),
     so rows [64q, 64q + 64) are chunks 2q and 2q + 1 of all 32 tile rows: wgmma's 64-row A operand, read in place;
   * chunk c of the tokens (``xs.index(c).permute((1, 0))``, [32, MB]) is the narrow B operand: an A pair against
@@ -16,6 +20,7 @@ PyTorch references: each instruction's ``ops`` module (the same solvers as M = 1
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import constexpr_function
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
@@ -53,61 +58,122 @@ def _chunk_index(C: gl.constexpr):
     return t, c
 
 
-@gluon.jit
-def _load_row(x_ptr, emb_ptr, tok, from_embed, t, o, ok, K):
-    """Columns ``o`` of token t's residual row: x[t] (fp32, written by other CTAs this step: through L2), or for
-    layer 0 its embedding row (bf16; ``tok`` its id)."""
-    if from_embed:
-        v = gl.load(emb_ptr + tok.to(gl.int64) * K + o, mask=ok, other=0.0).to(gl.float32)
-    else:
-        v = gl.load(x_ptr + t * K + o, mask=ok, other=0.0, cache_modifier=".cg")
-    return v
+@constexpr_function
+def copy_layout(C):
+    """[NCG * MB, 32]: one round of chunks (row c * MB + t: chunk c of token t) for the async copies, 8 contiguous
+    bf16 (16 bytes, one cp.async) a thread."""
+    return gl.BlockedLayout([1, 8], [8, 4], [C.NW, 1], [1, 0])
+
+
+@constexpr_function
+def _round_up(n, k):
+    return -(-n // k) * k
+
+
+@constexpr_function
+def wbuf_rows(C):
+    """Rows of the norm weights' buffer: the hidden size's 32-column chunks, a power of two (one copy round)."""
+    n = C.KT_D * (C.TK // 32)
+    return 1 << (n - 1).bit_length()
+
+
+@constexpr_function
+def wbuf_layout(C):
+    """The norm weights' buffer [wbuf_rows, 32], unswizzled; read as [wbuf_rows, 1, 32] (``_wbuf_rows``): chunk c
+    is ``index(c)``, a [1, 32] row."""
+    return gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
 
 
 @gluon.jit
-def stage_normed(xs, x_ptr, emb_ptr, tok_ptr, from_embed, norm_ptr, K, eps, KT: gl.constexpr, C: gl.constexpr):
-    """xs <- per token (x * rsqrt(mean(x^2) + eps)).to(bf16) * norm_w, x = token t's fp32 residual row or (layer 0)
-    its bf16 embedding row; rows past M and columns past K zero. Two passes over x: the sums of squares, then the
-    scaled chunks; each in rounds of ``group_chunks`` chunks whose loads are all in flight together (unrolled)."""
+def _flat(xs, C: gl.constexpr):
+    """The staging buffer as one [chunks * MB, 32] matrix (row c * MB + t): the same bytes, since a chunk of MB = 8
+    rows of 64 bytes is exactly one 64-byte swizzle pattern, so the async copies can take constant row slices."""
+    return xs._reinterpret(gl.bfloat16, [C.KT_ROWS * (C.TK // 32) * C.MB, 32], xs_layout(C))
+
+
+@gluon.jit
+def _copy_index(C: gl.constexpr):
+    """([NCG * MB, 1] chunk of the round, [NCG * MB, 1] token, [1, 32] column) in ``copy_layout``."""
+    L: gl.constexpr = copy_layout(C)
+    r = gl.expand_dims(gl.arange(0, group_chunks(C) * C.MB, gl.SliceLayout(1, L)), 1)
+    j = gl.expand_dims(gl.arange(0, 32, gl.SliceLayout(0, L)), 0)
+    return r // C.MB, r % C.MB, j
+
+
+@gluon.jit
+def _copy_chunks(xs, rows, col0, end, n_chunks, NCH: gl.constexpr, C: gl.constexpr):
+    """Async copies into xs chunks [0, NCH) (a multiple of a round, inside the buffer; unrolled: a shared-memory
+    slice starts at a constant): chunk c < n_chunks of token t <- rows[t] + col0 + 32c .. + 32 (``rows`` in the
+    token's index layout), bf16; chunks past n_chunks, whole chunks at or past ``end`` (a multiple of 32) and
+    padding tokens zero-filled. Not committed or waited for."""
+    NCG: gl.constexpr = group_chunks(C)
+    MB: gl.constexpr = C.MB
+    flat = _flat(xs, C)
+    c, t, j = _copy_index(C)
+    for g in gl.static_range(0, NCH, NCG):
+        first = col0 + (g + c) * 32
+        ok = (t < C.M) & (g + c < n_chunks) & (first < end) & (j >= 0)
+        async_copy.async_copy_global_to_shared(flat.slice(g * MB, NCG * MB), rows + first + j, mask=ok,
+                                               cache_modifier=".cg")
+
+
+@gluon.jit
+def _copied(C: gl.constexpr):
+    """Wait for this thread's copies, then make every thread's visible to the CTA and to wgmma (async proxy)."""
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def stage_normed(xs, wbuf, x16_ptr, emb_ptr, tok_ptr, from_embed, norm_ptr, K, eps, KT: gl.constexpr,
+                 C: gl.constexpr):
+    """xs <- per token (x * rsqrt(mean(x^2) + eps)).to(bf16) * norm_w, x = token t's bf16 residual row (x16) or (layer
+    0) its bf16 embedding row; rows past M and columns past K zero. One round of async copies brings the rows and
+    the norm weights (into ``wbuf``), then two passes over shared memory: the sums of squares, then the scaling in
+    place (each thread rewrites the elements it read)."""
     NCH: gl.constexpr = KT * (C.TK // 32)
     NCG: gl.constexpr = group_chunks(C)
-    t, c = _chunk_index(C)
-    tok = gl.load(tok_ptr + t, mask=t < C.M, other=0)
+    c, t, j = _copy_index(C)
+    if from_embed:
+        tok = gl.load(tok_ptr + t, mask=t < C.M, other=0)
+        rows = emb_ptr + tok.to(gl.int64) * K
+    else:
+        rows = x16_ptr + t * K
+    _copy_chunks(xs, rows, 0, K, NCH, _round_up(NCH, NCG), C)
+    WR: gl.constexpr = wbuf_rows(C)
+    wr = gl.expand_dims(gl.arange(0, WR, gl.SliceLayout(1, copy_layout(C))), 1) * 32
+    async_copy.async_copy_global_to_shared(wbuf, norm_ptr + wr + j, mask=(wr < K) & (j >= 0))
+    wrows = wbuf._reinterpret(gl.bfloat16, [WR, 1, 32], wbuf_layout(C))
+    _copied(C)
+    L: gl.constexpr = chunk_layout(C)
     MB: gl.constexpr = C.MB
-    ss = gl.zeros([MB, 32], gl.float32, chunk_layout(C))
+    ss = gl.zeros([MB, 32], gl.float32, L)
     for g in range(0, NCH, NCG):
-        for j in gl.static_range(NCG):
-            o = (g + j) * 32 + c
-            v = _load_row(x_ptr, emb_ptr, tok, from_embed, t, o, (t < C.M) & (o < K), K)
+        for q in gl.static_range(NCG):
+            v = xs.index(g + q).load(L).to(gl.float32)
             ss += v * v
     rs = gl.expand_dims(gl.rsqrt(gl.sum(ss, axis=1) / K + eps), 1)
     for g in range(0, NCH, NCG):
-        for j in gl.static_range(NCG):
-            o = (g + j) * 32 + c
-            v = _load_row(x_ptr, emb_ptr, tok, from_embed, t, o, (t < C.M) & (o < K), K)
-            w = gl.load(norm_ptr + o, mask=o < K, other=0.0)
-            xs.index(g + j).store((v * rs).to(gl.bfloat16) * w)
+        for q in gl.static_range(NCG):
+            v = xs.index(g + q).load(L).to(gl.float32)
+            w = wrows.index(g + q).load(L)  # [1, 32]: broadcast over the tokens
+            xs.index(g + q).store((v * rs).to(gl.bfloat16) * w)
     fence_async_shared()  # the generic-proxy stores before the async proxy (wgmma) reads them
     gl.thread_barrier()
 
 
 @gluon.jit
 def stage_span(xs, src_ptr, K, k0, k1, C: gl.constexpr):
-    """xs chunks 0 .. 8 (k1 - k0) <- column tiles [k0, k1) of src [M, K] (fp32 activations written by other CTAs
-    this step) rounded to bf16; rows past M and columns past K or k1 zero, in rounds of ``group_chunks`` chunks
-    whose loads are all in flight together (a round may stage one column tile past k1 - k0: zeros, inside the
-    buffer, whose power-of-two column tiles hold any odd span plus one). Column tile k is read by ``dot_tile`` with
-    ``k0`` as its base."""
-    NCG: gl.constexpr = group_chunks(C)
-    t, c = _chunk_index(C)
-    end = gl.minimum(k1 * C.TK, K)
-    for g in range(0, (k1 - k0) * (C.TK // 32), NCG):
-        for j in gl.static_range(NCG):
-            o = k0 * C.TK + (g + j) * 32 + c
-            v = gl.load(src_ptr + t * K + o, mask=(t < C.M) & (o < end), other=0.0, cache_modifier=".cg")
-            xs.index(g + j).store(v.to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
+    """xs chunks 0 .. 8 (k1 - k0) <- column tiles [k0, k1) of src [M, K] (bf16 activations written by other CTAs
+    this step), in one round of async copies; rows past M and columns past K or k1 zero (a round may stage one
+    column tile past k1 - k0: zeros, inside the buffer, whose power-of-two column tiles hold any odd span plus
+    one). Column tile k is read by ``dot_tile`` with ``k0`` as its base."""
+    c, t, j = _copy_index(C)
+    _copy_chunks(xs, src_ptr + t * K, k0 * C.TK, gl.minimum(k1 * C.TK, K), (k1 - k0) * (C.TK // 32),
+                 C.KT_ROWS * (C.TK // 32), C)
+    _copied(C)
 
 
 @gluon.jit
@@ -158,11 +224,11 @@ def tile_index(row0, C: gl.constexpr):
 
 
 @gluon.jit
-def residual_rows(sm, it, k0, k1, base, row0, n_tiles, x_ptr, emb_ptr, tok_ptr, res_from_embed,
+def residual_rows(sm, it, k0, k1, base, row0, n_tiles, x_ptr, x16_ptr, emb_ptr, tok_ptr, res_from_embed,
                   C: gl.constexpr):
     """O_PROJ / DOWN_PROJ for every token: x[t, rows] = residual[t, rows] + W[rows] . h_t over column tiles
-    [k0, k1) (the residual is x itself, or for layer 0's O_PROJ token t's bf16 embedding row). Each row tile's
-    residual is requested before its dot product."""
+    [k0, k1) (the residual is x itself, or for layer 0's O_PROJ token t's bf16 embedding row), and its bf16 copy
+    x16. Each row tile's residual is requested before its dot product."""
     for r in range(n_tiles):
         rows, t = tile_index(row0 + r * C.TR, C)
         ok = (t < C.M) & (rows >= 0)
@@ -173,6 +239,7 @@ def residual_rows(sm, it, k0, k1, base, row0, n_tiles, x_ptr, emb_ptr, tok_ptr, 
             res = gl.load(x_ptr + t * C.D + rows, mask=ok, other=0.0, cache_modifier=".cg")
         acc, it = dot_tile(sm, it, k0, k1, base, C)
         gl.store(x_ptr + t * C.D + rows, res + acc, mask=ok)
+        gl.store(x16_ptr + t * C.D + rows, (res + acc).to(gl.bfloat16), mask=ok)
     return it
 
 

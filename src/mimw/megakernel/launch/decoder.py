@@ -94,7 +94,8 @@ class MegakernelDecoder:
             attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, final_norm=w.final_norm, bias=w.bias, q_norm=w.q_norm,
             k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, num_pages=c.layout.num_pages, x=x.x,
             qkv_part=x.qkv_part, q=x.q, part_o=x.part_o, part_ml=x.part_ml, attn=x.attn, act=x.act,
-            logits=x.logits, splits=p.program.max_splits, eps=self.spec.rms_norm_eps,
+            logits=x.logits, splits=p.program.max_splits, x16=x.x16, attn16=x.attn16, act16=x.act16,
+            eps=self.spec.rms_norm_eps,
             qscale=self.spec.head_dim ** -0.5 * 1.4426950408889634, trace=self.trace))
 
     def _set_up_clusters(self) -> str | None:

@@ -172,7 +172,8 @@ def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, xn, restage, sig, layer, hea
     KT_D: gl.constexpr = C.KT_D
     HD: gl.constexpr = C.HD
     if restage:
-        mt.stage_normed(sm.hbuf, b.x, b.emb, s.toks, layer == 0, b.anorm + layer * C.D, C.D, b.eps, KT_D, C)
+        mt.stage_normed(sm.hbuf, sm.wbuf, b.x16, b.emb, s.toks, layer == 0, b.anorm + layer * C.D, C.D, b.eps, KT_D,
+                        C)
     out = b.qkvp + part * (C.M * C.NQKV * HD) + head * HD
     ROW_TILES: gl.constexpr = HD // C.TR
     for r in gl.static_range(ROW_TILES):

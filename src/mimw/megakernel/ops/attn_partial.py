@@ -151,7 +151,7 @@ def compute(ins, C: gl.constexpr, s, b, sm, wait, target, sig):
         q_ptr = b.q + seg * (C.HQ * C.HD)
         po_ptr = b.po + seg * (C.HQ * C.HD) * b.splits
         pml_ptr = b.pml + seg * (C.HQ * 2) * b.splits
-        attn_ptr = b.attn + seg * (C.HQ * C.HD)
+        attn_ptr = b.attn16 + seg * (C.HQ * C.HD)  # bf16: as O_PROJ stages it (device/matvec_mt.py)
     k0, v0 = _prefetch(layer, kvh, seg, split, n_splits, s, b, C)
     if wait >= 0:
         counter_wait(s.cnt, wait, target)

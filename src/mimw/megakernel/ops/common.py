@@ -9,6 +9,8 @@ weights upcast, except
   * the RMSNorm output, rounded to the weight dtype before the norm-weight multiply, as the reference decoder does:
         h = (x * rsqrt(mean(x^2) + eps)).to(wdtype) * norm_w          (input norms, q/k head norms, final norm)
   * K and V, stored in the cache's format (rounded to its dtype, or fp8 with a scale per row: kv/pages.py).
+The multi-token GPU kernel (device/matvec_mt.py) normalises x rounded to bf16 (its x16 copy, as transformers' bf16
+residual stream holds it): within bf16 rounding of this reference, not bit for bit.
 """
 from __future__ import annotations
 

@@ -110,13 +110,14 @@ def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, row0, k0, k1, sig):
     """A multi-token block (device/matvec_mt.py): whole rows add the residual here; a ticketed column part
     stores its sums for every token into the parts' scratch (the GPU keeps them in qkv_part's buffer, free from a
     layer's DOWN_PROJ until the next layer's ATTN_IN: state.qkv_part_slots sizes it), draws the row block's ticket, and
-    the last part adds the residual to the parts' sum in part order. Returns (it, sig)."""
+    the last part adds the residual to the parts' sum in part order. x and its bf16 copy x16 are written. Returns
+    (it, sig)."""
     n_tiles = ins.field(W_NR)
     if restage:
-        mt.stage_span(sm.hbuf, b.act, C.I, k0, k1, C)
+        mt.stage_span(sm.hbuf, b.act16, C.I, k0, k1, C)
     n_parts = ins.field(W_D)
     if n_parts == 0:
-        it = mt.residual_rows(sm, it, k0, k1, k0, row0, n_tiles, b.x, b.emb, s.toks, False, C)
+        it = mt.residual_rows(sm, it, k0, k1, k0, row0, n_tiles, b.x, b.x16, b.emb, s.toks, False, C)
     else:
         part = ins.field(W_C)
         it = mt.part_rows(sm, it, k0, k1, k0, row0, n_tiles, b.qkvp + part * (C.M * C.D), C.D, C)
@@ -130,6 +131,7 @@ def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, row0, k0, k1, sig):
                 for p in range(1, n_parts):
                     tot += gl.load(b.qkvp + p * (C.M * C.D) + o, mask=ok, other=0.0, cache_modifier=".cg")
                 gl.store(b.x + o, res + tot, mask=ok)
+                gl.store(b.x16 + o, (res + tot).to(gl.bfloat16), mask=ok)
         else:
             sig = -1
     return it, sig

@@ -45,7 +45,7 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, restage):
     KT_D: gl.constexpr = C.KT_D
     if C.M > 1:  # every token's logits: rows [M, V]
         if restage:
-            mt.stage_normed(sm.hbuf, b.x, b.emb, s.toks, False, b.fnorm, C.D, b.eps, KT_D, C)
+            mt.stage_normed(sm.hbuf, sm.wbuf, b.x16, b.emb, s.toks, False, b.fnorm, C.D, b.eps, KT_D, C)
         it = mt.part_rows(sm, it, ins.field(W_K0), ins.field(W_K1), 0, ins.field(W_A), ins.field(W_NR), b.logits,
                           C.V, C)
     else:

@@ -71,10 +71,10 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, restage):
 @gluon.jit
 def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, layer):
     """A multi-token MLP_IN block (device/matvec_mt.py): a tile's [TR, MB] sums are TR/2 gate rows over the same
-    TR/2 up rows, for every token."""
+    TR/2 up rows, for every token; SiLU(gate) * up goes to act16 (bf16, as DOWN_PROJ stages it)."""
     KT_D: gl.constexpr = C.KT_D
     if restage:
-        mt.stage_normed(sm.hbuf, b.x, b.emb, s.toks, False, b.mnorm + layer * C.D, C.D, b.eps, KT_D, C)
+        mt.stage_normed(sm.hbuf, sm.wbuf, b.x16, b.emb, s.toks, False, b.mnorm + layer * C.D, C.D, b.eps, KT_D, C)
     row0 = ins.field(W_A)
     k0 = ins.field(W_K0)
     k1 = ins.field(W_K1)
@@ -90,5 +90,6 @@ def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, layer):
         h = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
         g = gl.convert_layout(gl.sum(gl.where(h == 0, a3, 0.0), axis=0), GL)
         u = gl.convert_layout(gl.sum(gl.where(h == 1, a3, 0.0), axis=0), GL)
-        gl.store(b.act + t * C.I + row0 + r * TH + j, g / (1.0 + gl.exp(-g)) * u, mask=(t < C.M) & (j >= 0))
+        gl.store(b.act16 + t * C.I + row0 + r * TH + j, (g / (1.0 + gl.exp(-g)) * u).to(gl.bfloat16),
+                 mask=(t < C.M) & (j >= 0))
     return it

@@ -47,9 +47,9 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, restage):
     KT_Q: gl.constexpr = C.KT_Q
     if C.M > 1:  # every token's row (device/matvec_mt.py)
         if restage:
-            mt.stage_span(sm.hbuf, b.attn, C.HQ * C.HD, 0, KT_Q, C)
+            mt.stage_span(sm.hbuf, b.attn16, C.HQ * C.HD, 0, KT_Q, C)
         it = mt.residual_rows(sm, it, ins.field(W_K0), ins.field(W_K1), 0, ins.field(W_A), ins.field(W_NR), b.x,
-                              b.emb, s.toks, layer == 0, C)
+                              b.x16, b.emb, s.toks, layer == 0, C)
     else:
         if restage:
             mv.stage_plain(sm.hbuf, b.attn, C.HQ * C.HD, KT_Q, C)
