@@ -64,11 +64,12 @@ def test_megakernel_backend_batch_step_matches_the_reference_and_single_steps():
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 5 / 6
     # the same decode tokens again (rewriting the same K/V rows): as a batch on both paths the router has, then one
     # sequence a step (the megakernel)
-    for _ in range(6):  # the router tries the pass first (warm-up, a measure), then replays (the same)
+    for _ in range(6):  # the router tries each path twice (warm-up, a measure): the decode-batch kernel, the pass,
+        # then replays
         d = mk.forward(toks, segs, mk_cache)
         assert d.shape == (4, spec.vocab_size)
         assert ((d - a[:4]).abs().max() / a[:4].abs().max()).item() < 2e-2
     for i, s in enumerate(segs):
         one = mk.forward(toks[i:i + 1], [s], mk_cache)
         assert ((one[0] - a[i]).abs().max() / a[i].abs().max()).item() < 2e-2
-    assert 4 in mk.router.batched_ms and mk.router.replay_ms is not None
+    assert 4 in mk.router.batched_ms and mk.router.replay_ms is not None and 4 in mk.router.step_ms["kernel"]

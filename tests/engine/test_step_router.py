@@ -71,3 +71,25 @@ def test_bad_observations_are_refused():
         r.observe(REPLAY, 1, 0.0)
     with pytest.raises(ValueError):
         r.observe("sideways", 2, 1.0)
+
+
+def test_three_paths_unmeasured_first_then_the_cheapest():
+    from mimw.engine.backends.step_router import KERNEL
+
+    r = StepRouter(refresh=8)
+    paths = (KERNEL, BATCHED)
+    assert r.choose(6, paths) == KERNEL
+    r.observe(KERNEL, 6, 9000.0)  # its compile: dropped
+    assert r.choose(6, paths) == KERNEL
+    r.observe(KERNEL, 6, 1.5)
+    r.observe(KERNEL, 5, 8000.0)  # another batch size compiles its own kernel: dropped too
+    assert r.step_ms[KERNEL] == {8: 1.5}
+    assert r.choose(6, paths) == BATCHED
+    r.observe(BATCHED, 6, 50.0)
+    r.observe(BATCHED, 6, 5.0)
+    assert r.choose(6, paths) == REPLAY
+    r.observe(REPLAY, 1, 99.0)
+    r.observe(REPLAY, 6, 6.0)  # 1 ms a token
+    picks = [r.choose(6, paths) for _ in range(5)]  # decisions 5..9 of bucket 8
+    assert picks == [KERNEL, KERNEL, KERNEL, BATCHED, KERNEL]  # 1.5 < 5.0 < 6.0; the 8th runs the second best
+    assert r.choose(12) == BATCHED  # past the kernel's batch sizes the backend offers only the pass

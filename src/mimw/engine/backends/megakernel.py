@@ -2,15 +2,14 @@
 segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the
 only KV element type it accepts for now).
 
-The megakernel program is planned for M = 1: a step of one decode token is one megakernel launch (one CUDA graph
-replay). A step of several decode tokens runs either as one launch per sequence or as one pass of the
-``PrefillRunner``'s layers, whichever this backend measured faster for that batch size on this GPU (``StepRouter``);
-every other step (prefill chunks, verify blocks, mixes) is one pass of the runner. The runner writes the segments'
-K/V into the shared cache exactly as the kernel reads it, so decode continues from those pages with no copy. (The
-megakernel's own decode-batch step, ``MegakernelDecoder.step_batch``, is not one of these paths: it has not run on a
-GPU yet.) The weights are fused (q/k/v, gate/up) once here for the prefill path's GEMMs, and the megakernel packs its own
-tile-major copy from row views of them (launch/pack.py): the GPU holds the weights twice, row-major and tile-major.
-Invariants are those of ``Backend``.
+A step of one decode token is one megakernel launch (one CUDA graph replay). A step of several decode tokens runs
+as one launch per sequence, as one launch of the megakernel's decode-batch step (2..8 sequences:
+``MegakernelDecoder.step_batch``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend measured
+fastest for that batch size on this GPU (``StepRouter``); every other step (prefill chunks, verify blocks, mixes) is
+one pass of the runner. The runner writes the segments' K/V into the shared cache exactly as the kernel reads it, so
+decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once here for the prefill
+path's GEMMs, and the megakernel packs its own tile-major copy from row views of them (launch/pack.py): the GPU holds
+the weights twice, row-major and tile-major. Invariants are those of ``Backend``.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from ...models.reference import Segment
 from ...models.weights import ModelWeights
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend, EventTimer
-from .step_router import REPLAY, StepRouter
+from .step_router import BATCHED, KERNEL, REPLAY, StepRouter
 
 
 class MegakernelBackend(Backend):
@@ -68,9 +67,12 @@ class MegakernelBackend(Backend):
             self.router.observe(path, batch, ms)
         if not all(s.length == 1 and s.num_logits == 1 for s in segments):
             return self.prefill.forward(tokens, segments, cache)
-        path = self.router.choose(len(segments))
+        from ...megakernel.plan import MAX_BATCH
+
+        whole = (KERNEL, BATCHED) if len(segments) <= MAX_BATCH else (BATCHED,)
+        path = self.router.choose(len(segments), whole)
         start = self._timer.start()
-        step = self.decode_replays if path == REPLAY else self.decode_pass
+        step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
         out = step(tokens, segments, cache)
         self._timer.stop(start, (path, len(segments)))
         return out
@@ -82,6 +84,12 @@ class MegakernelBackend(Backend):
         # each step returns the decoder's logits buffer, which the next step overwrites: copy each row out
         return torch.cat([dec.step(ids[i], s.start, s.block_table)[:1].to(torch.float32, copy=True)
                           for i, s in enumerate(segments)])
+
+    def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
+        """Single-token segments (2..plan.MAX_BATCH of them) as one launch of the megakernel's decode-batch step."""
+        out = self._decoder(cache).step_batch(tokens.tolist(), [s.start for s in segments],
+                                              [s.block_table for s in segments])
+        return out.to(torch.float32, copy=True)  # the batch decoder's logits buffer: the next launch overwrites it
 
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Any segments as one pass of the prefill path."""

@@ -1,13 +1,14 @@
 """Which path runs a step of several decode tokens on the megakernel backend, decided by what each path measured.
 
 A step of B single-token segments can run as B replays of the M = 1 megakernel (each near the batch-1 floor, so B
-times it) or as one call of the prefill path (weights read once, but a fixed cost of many kernel launches). Which
-is faster depends on the model, the GPU and B (on an H100, Llama-3.2-1B: 2.1 ms of replays against 5.3 ms for one
-call at B = 2, 8.5 against 5.2 ms at B = 8; bench/NOTES.md, "Multi-token steps"), so the router measures instead of
-assuming: it keeps the time of one replay (per token) and of one prefill-path call per bucket of B (powers of two),
-and picks the cheaper estimate. A path with no estimate yet for a bucket is tried first (the prefill path, then
-replays); the first time of each (path, bucket) is dropped as warm-up (compilation, graph capture); every
-``refresh`` steps of a bucket the path not taken runs once so that its estimate follows the GPU.
+times it), as one launch of the megakernel's decode-batch step (B <= 8: the weights streamed once on wgmma), or as
+one pass of the prefill path (weights read once, but a fixed cost of many kernel launches). Which is fastest depends
+on the model, the GPU and B (on an H100, Llama-3.2-1B: 2.1 ms of replays, 5.3 ms for one pass and 1.2 ms for the
+decode-batch kernel at B = 2; 8.5, 5.2 and 1.4 ms at B = 8; bench/NOTES.md, "Multi-token step, measured"), so the
+router measures instead of assuming: it keeps the time of one replay (per token) and of each whole-batch path per
+bucket of B (powers of two), and picks the cheapest estimate. A path with no estimate yet for a bucket is tried first (in the order the backend lists them,
+then replays); the first time of each path and size is dropped as warm-up (compilation, graph capture); every
+``refresh`` steps of a bucket the second-best path runs once so that its estimate follows the GPU.
 
 Pure Python: the backend times each step with CUDA events and hands the times in (``observe``).
 """
@@ -19,46 +20,54 @@ from ..step_costs import bucket  # the power of two at or above a size
 
 REPLAY = "replay"
 BATCHED = "batched"
+KERNEL = "kernel"
 
 
 @dataclass
 class StepRouter:
-    refresh: int = 256  # decisions of one bucket between two runs of the path not taken
+    refresh: int = 256  # decisions of one bucket between two runs of the second-best path
     weight: float = 0.2  # of a new time in its running estimate
     replay_ms: float | None = None  # one M = 1 megakernel step
-    batched_ms: dict[int, float] = field(default_factory=dict)  # bucket -> one prefill-path call
-    _seen: set = field(default_factory=set)  # (path, bucket) whose warm-up time was dropped
+    step_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # whole-batch path -> bucket -> ms a step
+    _seen: set = field(default_factory=set)  # (path, size) whose warm-up time was dropped
     _count: dict[int, int] = field(default_factory=dict)  # decisions per bucket
 
-    def choose(self, batch: int) -> str:
+    @property
+    def batched_ms(self) -> dict[int, float]:
+        return self.step_ms.get(BATCHED, {})
+
+    def choose(self, batch: int, paths: tuple[str, ...] = (BATCHED,)) -> str:
+        """The path for a step of ``batch`` decode tokens: replays, or one of ``paths`` (the whole-batch paths
+        this step may take, in the order to try them while unmeasured)."""
         if batch == 1:
             return REPLAY  # one token: the megakernel is the batch-1 path
         b = bucket(batch)
         n = self._count.get(b, 0) + 1
         self._count[b] = n
-        if b not in self.batched_ms:
-            return BATCHED
+        for p in paths:
+            if b not in self.step_ms.get(p, {}):
+                return p
         if self.replay_ms is None:
             return REPLAY
-        best = REPLAY if batch * self.replay_ms < self.batched_ms[b] else BATCHED
-        if n % self.refresh == 0:
-            return BATCHED if best == REPLAY else REPLAY
-        return best
+        cost = {REPLAY: batch * self.replay_ms, **{p: self.step_ms[p][b] for p in paths}}
+        ranked = sorted(cost, key=cost.__getitem__)
+        return ranked[1] if n % self.refresh == 0 else ranked[0]
 
     def observe(self, path: str, batch: int, ms: float) -> None:
         """A step of ``batch`` decode tokens took ``ms`` on ``path``."""
         if ms <= 0:
             raise ValueError(f"a step's time must be positive, got {ms}")
-        if path not in (REPLAY, BATCHED):
+        if path not in (REPLAY, BATCHED, KERNEL):
             raise ValueError(f"unknown path {path!r}")
-        key = (path, 1 if path == REPLAY else bucket(batch))
-        if key not in self._seen:  # warm-up: compilation, autotuning, graph capture
+        # warm-up: compilation, autotuning, graph capture (the kernel path compiles once per batch size)
+        key = (path, 1 if path == REPLAY else batch if path == KERNEL else bucket(batch))
+        if key not in self._seen:
             self._seen.add(key)
             return
         if path == REPLAY:
             per = ms / batch
             self.replay_ms = per if self.replay_ms is None else (1 - self.weight) * self.replay_ms + self.weight * per
         else:
-            b = bucket(batch)
-            old = self.batched_ms.get(b)
-            self.batched_ms[b] = ms if old is None else (1 - self.weight) * old + self.weight * ms
+            est, b = self.step_ms.setdefault(path, {}), bucket(batch)
+            old = est.get(b)
+            est[b] = ms if old is None else (1 - self.weight) * old + self.weight * ms
