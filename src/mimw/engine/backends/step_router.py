@@ -6,9 +6,10 @@ one pass of the prefill path (weights read once, but a fixed cost of many kernel
 on the model, the GPU and B (on an H100, Llama-3.2-1B: 2.1 ms of replays, 5.3 ms for one pass and 1.2 ms for the
 decode-batch kernel at B = 2; 8.5, 5.2 and 1.4 ms at B = 8; bench/NOTES.md, "Multi-token step, measured"), so the
 router measures instead of assuming: it keeps the time of one replay (per token) and of each whole-batch path per
-bucket of B (powers of two), and picks the cheapest estimate. A path with no estimate yet for a bucket is tried first (in the order the backend lists them,
-then replays); the first time of each path and size is dropped as warm-up (compilation, graph capture); every
-``refresh`` steps of a bucket the second-best path runs once so that its estimate follows the GPU.
+bucket of B (powers of two), and picks the cheapest estimate. A path with no estimate yet for a bucket is tried
+first (in the order the backend lists them, then replays); the first time of each path and size is dropped as
+warm-up (compilation, graph capture); every ``refresh`` steps of a bucket the second-best path runs once so that its
+estimate follows the GPU.
 
 Pure Python: the backend times each step with CUDA events and hands the times in (``observe``).
 """
