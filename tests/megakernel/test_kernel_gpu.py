@@ -62,6 +62,17 @@ def test_release_hold_settings_match_reference_over_64_steps(model, quiet, conte
     _matches_reference_over_64_steps(model, context, Tuning(quiet=quiet))
 
 
+def test_cache_rows_past_2_31_elements_are_addressed_in_64_bits():
+    """A pool whose last layers' rows lie past 2^31 elements (the 1B's 16 layers x 18000 pages x 8192 elements a
+    page-layer: 2.36e9; the 8B's 32 layers pass it from ~4100 pages), the block table drawn from all of it: an int32
+    element offset would wrap and read or write another row. Steps of one sequence through the whole pool's pages
+    against the fp32 oracle (the pool 9.4 GB in bf16, its oracle copy 18.9 GB)."""
+    from mimw.megakernel.tools.check import check_decode
+
+    r = check_decode(get_preset("llama-3.2-1b"), 1000, steps=64, min_pages=18000)
+    assert r.finite and r.bit_identical and r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99, r
+
+
 def test_decoder_falls_back_to_tickets_where_the_clusters_do_not_all_fit(monkeypatch):
     """A GPU on which fewer clusters of two fit than the persistent kernel needs resident (patched here: none fit)
     gets the ticketed program with a warning, and decodes what the reference decodes; the cluster kernel, which

@@ -286,7 +286,8 @@ def _finish(layer, head, n_parts, pos, page, src, PSTRIDE: gl.constexpr, q_ptr, 
         gl.store(qb + HD // 2 + i, bh)
     else:
         kvh = (head - C.HQ) % C.HKV
-        row = (((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS) * HD
+        # the element offset in int64: the pool passes 2^31 elements (the 8B's 32 layers x 4096 pages)
+        row = (((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS).to(gl.int64) * HD
         if head < C.HQ + C.HKV:
             cache = b.kc + row
         else:

@@ -176,7 +176,7 @@ def _rows(bt_ptr, seg, maxp, t, hi, layer, num_pages, kvh, C: gl.constexpr):
 @gluon.jit
 def _kv(kc_ptr, vc_ptr, row, m, d3, HD: gl.constexpr):
     """K and V rows ``row`` [NW, BTW] (mask m) as [NW, BTW, HD] bf16, both requested before either is used."""
-    addr = gl.expand_dims(row, 2) * HD + d3
+    addr = gl.expand_dims(row, 2).to(gl.int64) * HD + d3  # past 2^31 elements (the 8B's 32 layers x 4096 pages)
     m3 = gl.expand_dims(m, 2)
     k = gl.load(kc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
     v = gl.load(vc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
@@ -259,7 +259,7 @@ def _partial(layer, kvh, seg, split, n_splits, k, v, s, b, sm, q_ptr, po_ptr, pm
     # the cache, where ATTN_IN stored it before it signalled
     holds = (lo <= pos) & (pos < hi)
     here = (d3 * 0 + holds.to(gl.int32)) != 0
-    at = (((layer * b.num_pages + s.tok_page) * C.HKV + kvh) * C.PS + pos % C.PS) * HD + d3
+    at = (((layer * b.num_pages + s.tok_page) * C.HKV + kvh) * C.PS + pos % C.PS).to(gl.int64) * HD + d3
     k_new = gl.load(b.kc + at, mask=here, other=0.0, cache_modifier=".cg")
     v_new = gl.load(b.vc + at, mask=here, other=0.0, cache_modifier=".cg")
     m_i = gl.full([NW, GP], EMPTY_M_D, gl.float32, gl.SliceLayout(2, S3))

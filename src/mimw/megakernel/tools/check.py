@@ -75,9 +75,12 @@ def argmax_verdicts(steps: list[tuple[bool, float, float]], tie: float) -> tuple
     return agree, near, flips
 
 
-def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed: int, device="cuda"):
-    """A bf16 cache with ``context`` random positions of one sequence; its block table is a shuffled page list."""
-    n_pages = -(-(context + steps) // page_size) + 3
+def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed: int, device="cuda",
+                 min_pages: int = 0):
+    """A bf16 cache with ``context`` random positions of one sequence; its block table is a shuffled page list.
+    ``min_pages``: a pool at least this large (a long pool with a short context puts the last layers' rows past 2^31
+    elements)."""
+    n_pages = max(-(-(context + steps) // page_size) + 3, min_pages)
     layout = KVLayout.for_spec(spec, page_size, n_pages, torch.bfloat16)
     cache = PagedKVCache(layout, device)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -88,9 +91,10 @@ def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed
 
 
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
-                 graph: bool = True, num_sms: int | None = None, page_size: int = 16) -> CheckResult:
+                 graph: bool = True, num_sms: int | None = None, page_size: int = 16,
+                 min_pages: int = 0) -> CheckResult:
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
-    cache, table = random_cache(spec, context, steps, page_size, seed + 1)
+    cache, table = random_cache(spec, context, steps, page_size, seed + 1, min_pages=min_pages)
     ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, cache.layout.num_pages, torch.float32), "cuda")
     ref_cache.k.copy_(cache.k)
     ref_cache.v.copy_(cache.v)
