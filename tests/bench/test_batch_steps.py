@@ -30,3 +30,27 @@ def test_mimw_bench_steps_parses_and_says_it_needs_a_gpu(capsys):
         pytest.skip("this checks the CPU-only answer")
     assert main(["steps", "--model", "llama-3.2-1b", "--batch", "1,8", "--verify", "16"]) == 1
     assert "needs a Hopper GPU" in capsys.readouterr().err
+
+
+def test_mimw_bench_steps_refuses_unknown_peers_before_any_gpu_work(capsys):
+    from mimw.bench.batch_steps import main as steps_main
+    from mimw.bench.main import main
+
+    assert main(["steps", "--model", "llama-3.2-1b", "--peers", "torch-graph,vllm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("mimw bench steps: error: --peers: unknown peer(s) vllm; known: reference, torch-graph, "
+                   "torch-compile")
+    assert steps_main(["--peers", "torch_compile"]) == 2
+    assert "unknown peer(s) torch_compile" in capsys.readouterr().err
+
+
+def test_steps_options_carry_peers_and_their_budget():
+    import argparse
+
+    from mimw.bench.batch_steps import add_options
+
+    p = argparse.ArgumentParser()
+    add_options(p)
+    a = p.parse_args(["--peers", "reference,torch-graph,torch-compile", "--peer-budget-s", "120"])
+    assert a.peers == "reference,torch-graph,torch-compile" and a.peer_budget_s == 120.0
+    assert p.parse_args([]).peers == "" and p.parse_args([]).peer_budget_s == 0.0
