@@ -17,10 +17,10 @@ anything is timed.
 ``reference`` (mimw's reference decoder, for scale), ``torch-graph`` (a gpt-fast-style batched PyTorch decoder in a
 CUDA graph) and ``torch-compile`` (the same module through Inductor max-autotune, in a CUDA graph), each built for
 the step's shape inside the run and checked against the backend's logits (``<peer>_max_rel_err``,
-``<peer>_argmax_agree``) before it is timed (``<peer>_ms``). ``--peer-budget-s`` caps the seconds peers may take per
-model (compiling the 8B takes minutes a shape); shapes past it keep mimw's numbers and say why their peers are
-missing. The JSON (rewritten after every shape), the tables (``steps_report.markdown``) and a chart of ms per step
-versus tokens per step land in ``--out`` as ``<stamp>-batch-steps.json/.md/.png``.
+``<peer>_argmax_agree``) before it is timed (``<peer>_ms``). ``--peer-budget-s`` caps the seconds each peer may take
+per model (compiling the 8B takes minutes a shape); shapes past it keep the other numbers and say why that peer is
+missing. The JSON and the tables (``steps_report.markdown``), rewritten after every shape, and a chart of ms per
+step versus tokens per step land in ``--out`` as ``<stamp>-batch-steps.json/.md/.png``.
 
     mimw bench steps --model llama-3.2-1b,llama-3.1-8b --context 1024 --peers torch-graph --out $OUT
     (or PYTHONPATH=src python3 -m mimw.bench.batch_steps ... from a source tree)
@@ -68,6 +68,28 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return ((x - ref).abs().max() / ref.abs().max()).item(), (x.argmax(-1) == ref.argmax(-1)).float().mean().item()
 
 
+def measure_mimw(row: dict, mk, inp: StepInputs, device: torch.device, budget_s: float) -> torch.Tensor | None:
+    """Time the backend's step into ``row`` (``mimw_ms``; for a decode batch also its two paths alone, checked
+    against each other); return its logits, what every peer is checked against (None and ``row["error"]`` if the
+    step failed: one shape failing must not lose the others' rows)."""
+    toks, segs, cache = inp.tokens, list(inp.segments), inp.cache
+    try:
+        if row["kind"] == "decode" and len(segs) > 1:
+            a = mk.decode_pass(toks, segs, cache)
+            r = mk.decode_replays(toks, segs, cache)
+            row["max_rel_err"], row["argmax_agree"] = compare(a, r)
+            row["replay_ms"] = time_steps(lambda: mk.decode_replays(toks, segs, cache), device, 50,
+                                          budget_s=budget_s).median_ms
+            row["batched_ms"] = time_steps(lambda: mk.decode_pass(toks, segs, cache), device, 50,
+                                           budget_s=budget_s).median_ms
+        ref = mk.forward(toks, segs, cache).float().clone()
+        row["mimw_ms"] = time_steps(lambda: mk.forward(toks, segs, cache), device, 50, budget_s=budget_s).median_ms
+        return ref
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {e}"
+        return None
+
+
 def measure_peer(row: dict, name: str, weights, inp: StepInputs, ref: torch.Tensor | None, device: torch.device,
                  budget_s: float) -> None:
     """Build peer ``name`` for this step, check its logits against ``ref`` (mimw's, same inputs) and time it, into
@@ -109,8 +131,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help=f"also time these on every step shape, each checked against mimw's logits: {', '.join(PEERS)}"
                         " (torch-compile compiles every shape: about a minute each on the 1B, minutes on the 8B)")
     p.add_argument("--peer-budget-s", type=float, default=0.0, metavar="S",
-                   help="per model, build no further peer once peers have taken S seconds (0: no limit); the "
-                        "shapes after that keep mimw's numbers and say why their peers are missing")
+                   help="per model and peer: build that peer for no further shape once it has taken S seconds "
+                        "(0: no limit); the shapes after that keep the other numbers and say why it is missing")
     p.add_argument("--budget-s", type=float, default=0.5, help="timing seconds per step shape")
     p.add_argument("--out", default=".", help="directory for the JSON, markdown and chart")
 
@@ -140,71 +162,67 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.backends.megakernel import MegakernelBackend
 
     device = torch.device("cuda")
-    batches = [int(b) for b in args.batch.split(",") if b.strip()]
-    blocks = [int(k) for k in args.verify.split(",") if k.strip()]
     bw = measure_read_bandwidth()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = out / f"{time.strftime('%Y%m%d-%H%M', time.gmtime())}-batch-steps"
-    rows: list[dict] = []
+    json_path, md_path = base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
     doc = {"gpu": torch.cuda.get_device_name(device), "read_TBps": bw.tbps, "torch": torch.__version__,
-           "context": args.context, "peers": list(peers), "command": " ".join(sys.argv), "rows": rows}
-    json_path = base.with_name(base.name + ".json")
+           "context": args.context, "peers": list(peers), "command": " ".join(sys.argv), "rows": []}
+
+    def emit(row: dict) -> None:
+        doc["rows"].append(row)
+        print(f"[batch_steps] {json.dumps(row)}", file=sys.stderr, flush=True)
+        json_path.write_text(json.dumps(doc, indent=1))  # after every shape: a run cut short keeps its rows
+        md_path.write_text(markdown(doc))
+
     for model in [m.strip() for m in args.model.split(",") if m.strip()]:
         spec = get_preset(model)
         weights = random_weights(spec, seed=0, dtype=torch.bfloat16, device=device)
-        mk = MegakernelBackend(weights)
-        page = 16
-        per_seq = -(-(args.context + max(blocks + [1]) + 1) // page)
-        n_seq = max(batches + [4])
-        cache = mk.make_cache(page, per_seq * n_seq)
-        g = torch.Generator(device=device).manual_seed(0)
-        cache.k.normal_(generator=g)
-        cache.v.normal_(generator=g)
-        kvb = cache.layout.bytes_per_token()
-        gen = torch.Generator().manual_seed(1)
-        shapes = [("decode", b, 1) for b in batches] + [("verify", s, k) for k in blocks for s in (1, 4)]
-        peer_s, inp, ref = 0.0, None, None
-        for kind, nseg, k in shapes:
-            segs = step_segments(nseg, k, args.context, per_seq)
-            toks = torch.randint(1, spec.vocab_size, (nseg * k,), generator=gen).to(device)
-            row = {"model": model, "kind": kind, "segments": nseg, "block": k, "context": args.context,
-                   "tokens": nseg * k, "floor_ms": floor_ms(step_floor_bytes(spec, segs, kvb), bw.bytes_per_s)}
-            ref = None
-            try:
-                if kind == "decode" and nseg > 1:  # the two paths of a decode batch, checked against each other
-                    a = mk.decode_pass(toks, segs, cache)
-                    r = mk.decode_replays(toks, segs, cache)
-                    row["max_rel_err"], row["argmax_agree"] = compare(a, r)
-                    row["replay_ms"] = time_steps(lambda: mk.decode_replays(toks, segs, cache), device, 50,
-                                                  budget_s=args.budget_s).median_ms
-                    row["batched_ms"] = time_steps(lambda: mk.decode_pass(toks, segs, cache), device, 50,
-                                                   budget_s=args.budget_s).median_ms
-                ref = mk.forward(toks, segs, cache).float().clone()  # what every peer is checked against
-                row["mimw_ms"] = time_steps(lambda: mk.forward(toks, segs, cache), device, 50,
-                                            budget_s=args.budget_s).median_ms
-            except Exception as e:  # noqa: BLE001 - one shape failing must not lose the others' rows
-                row["error"] = f"{type(e).__name__}: {e}"
-            inp = StepInputs(toks, tuple(segs), cache)
-            for name in peers:
-                if args.peer_budget_s and peer_s >= args.peer_budget_s:
-                    row[f"{name}_error"] = f"skipped: --peer-budget-s {args.peer_budget_s:g} spent on earlier shapes"
-                    continue
-                t0 = time.monotonic()
-                measure_peer(row, name, mk.prefill.w, inp, ref, device, args.budget_s)
-                peer_s += time.monotonic() - t0
-            rows.append(row)
-            print(f"[batch_steps] {json.dumps(row)}", file=sys.stderr, flush=True)
-            json_path.write_text(json.dumps(doc, indent=1))  # after every shape: a run cut short keeps its rows
-        del mk, weights, cache, inp, ref
+        mk = MegakernelBackend(weights)  # fuses its own copy (mk.prefill.w, what the torch peers read)
+        del weights  # the unfused originals: 16 GB on the 8B that nothing reads any more
+        run_model(model, mk, args, peers, device, bw.bytes_per_s, emit)
+        del mk
         gc.collect()
         torch.cuda.empty_cache()
         write_chart(doc, base.with_name(base.name + ".png"))
-    table = markdown(doc)
-    print(table)
-    base.with_name(base.name + ".md").write_text(table)
+    print(markdown(doc))
     print(f"[batch_steps] wrote {json_path} (.md, .png beside it)", file=sys.stderr)
     return 0
+
+
+def run_model(model: str, mk, args: argparse.Namespace, peers: Sequence[str], device: torch.device,
+              read_bytes_per_s: float, emit) -> None:
+    """Every step shape of one model through backend ``mk`` (``forward``, ``decode_pass``, ``decode_replays``,
+    ``make_cache``, ``prefill.w``: the megakernel backend's interface) and the peers; ``emit(row)`` per shape."""
+    spec = get_preset(model)
+    batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    blocks = [int(k) for k in args.verify.split(",") if k.strip()]
+    page = 16
+    per_seq = -(-(args.context + max(blocks + [1]) + 1) // page)
+    cache = mk.make_cache(page, per_seq * max(batches + [4]))
+    g = torch.Generator(device=device).manual_seed(0)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    kvb = cache.layout.bytes_per_token()
+    gen = torch.Generator().manual_seed(1)
+    shapes = [("decode", b, 1) for b in batches] + [("verify", s, k) for k in blocks for s in (1, 4)]
+    spent = dict.fromkeys(peers, 0.0)
+    for kind, nseg, k in shapes:
+        segs = step_segments(nseg, k, args.context, per_seq)
+        toks = torch.randint(1, spec.vocab_size, (nseg * k,), generator=gen).to(device)
+        row = {"model": model, "kind": kind, "segments": nseg, "block": k, "context": args.context,
+               "tokens": nseg * k, "floor_ms": floor_ms(step_floor_bytes(spec, segs, kvb), read_bytes_per_s)}
+        inp = StepInputs(toks, tuple(segs), cache)
+        ref = measure_mimw(row, mk, inp, device, args.budget_s)
+        for name in peers:
+            if args.peer_budget_s and spent[name] >= args.peer_budget_s:
+                row[f"{name}_error"] = f"skipped: --peer-budget-s {args.peer_budget_s:g} spent on earlier shapes"
+                continue
+            t0 = time.monotonic()
+            measure_peer(row, name, mk.prefill.w, inp, ref, device, args.budget_s)
+            spent[name] += time.monotonic() - t0
+        emit(row)
 
 
 if __name__ == "__main__":
