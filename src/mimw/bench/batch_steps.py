@@ -61,7 +61,6 @@ def step_floor_bytes(spec, segments: Sequence[Segment], kv_bytes_per_token: int)
     return spec.decode_weight_bytes() + sum(s.start + s.length for s in segments) * kv_bytes_per_token
 
 
-
 def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(largest |x - ref| over the largest |ref|, fraction of rows whose argmax agrees) of two [rows, V] logits."""
     x, ref = x.float(), ref.float()
@@ -129,7 +128,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", default="4,8,16", help="verify block lengths (one segment each, then 4 segments)")
     p.add_argument("--peers", default="", metavar="NAME[,...]",
                    help=f"also time these on every step shape, each checked against mimw's logits: {', '.join(PEERS)}"
-                        " (torch-compile compiles every shape: about a minute each on the 1B, minutes on the 8B)")
+                        " (torch-compile compiles and autotunes every shape: expect minutes a model; --peer-budget-s)")
     p.add_argument("--peer-budget-s", type=float, default=0.0, metavar="S",
                    help="per model and peer: build that peer for no further shape once it has taken S seconds "
                         "(0: no limit); the shapes after that keep the other numbers and say why it is missing")
