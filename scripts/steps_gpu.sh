@@ -7,8 +7,8 @@
 #      seconds a shape; PEERS= for none), each peer at most $PEER_BUDGET_S seconds a model (default 30; later
 #      shapes say it was skipped); the JSON, the tables and the chart (ms per step vs tokens per step) land in $OUT
 #      as <stamp>-batch-steps.json/.md/.png. PEERS=torch-graph,torch-compile compiles every shape with Inductor
-#      max-autotune (not yet timed on a GPU; expected a minute or more a shape, each row records <peer>_build_s):
-#      give it a call of its own, e.g. MODELS=llama-3.2-1b PEER_BUDGET_S=240;
+#      max-autotune (not yet timed on a GPU; each row records <peer>_build_s): too slow for this script's share of
+#      the call; run it as a call of its own (the command in bench/README.md, "Multi-token steps");
 #   3. `python -m mimw.bench.spec_steps`: verify-step timings through the megakernel backend x the acceptance that
 #      `mimw bench spec` measured on the CPU with the real default model (SPEC_RESULTS).
 # $OUT (default bench/results/steps) receives the logs and JSON; the tables are printed last.
