@@ -50,9 +50,8 @@ def test_graph_peer_replays_the_eager_module(contexts, block):
     torch.testing.assert_close(peer.logits(), first, rtol=0, atol=0)  # a replay rewrites the same rows
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2"])
-def test_compile_peer_matches_the_eager_module(name):
-    w, inp = gpu_step(name, (40, 130), 4, seed=1)
+def test_compile_peer_matches_the_eager_module():
+    w, inp = gpu_step("tiny-qwen2", (40, 130), 4, seed=1)  # biases, one KV head; one compile (max-autotune: slow)
     want = eager_logits(w, inp)
     peer = build_peer("torch-compile", w, inp)
     try:
