@@ -73,19 +73,18 @@ class StepState:
     def epoch(self) -> int:
         return int(self.counters[self.epoch_index])
 
-    def fill(self, tokens: Sequence[int], seg_starts_pos: Sequence[int], block_tables: Sequence[Sequence[int]],
-             seg_lens: Sequence[int]) -> None:
-        """Set the step's inputs: ``tokens`` [M]; for each segment its first position and block table."""
+    def fill(self, tokens: Sequence[int] | torch.Tensor, seg_starts_pos: Sequence[int],
+             block_tables: Sequence[Sequence[int]], seg_lens: Sequence[int]) -> None:
+        """Set the step's inputs: ``tokens`` [M] (host ints, or a tensor: a device tensor, e.g. the previous step's
+        samples not yet on the host, is copied on the device); for each segment its first position and block table.
+        On a GPU the host values go through pinned memory by copies that do not wait for the stream (a pageable
+        copy first waits for every kernel queued before it), in queue order before the step's launch."""
         pos, ctx = [], []
         for p0, n in zip(seg_starts_pos, seg_lens):
             pos.extend(range(p0, p0 + n))
             ctx.append(p0 + n)
         if len(tokens) != len(pos):
             raise ValueError(f"{len(tokens)} tokens for segments totalling {len(pos)}")
-        dev = self.tokens.device
-        self.tokens.copy_(torch.tensor(list(tokens), dtype=torch.int32, device=dev))
-        self.positions.copy_(torch.tensor(pos, dtype=torch.int32, device=dev))
-        self.seg_ctx.copy_(torch.tensor(ctx, dtype=torch.int32, device=dev))
         # only the tables' used width is written, in one copy (one host-to-device copy a step, not one a segment):
         # entries past a table's end are never read (every read is of a position below the segment's context), so
         # a step costs O(pages in use), not O(table width)
@@ -93,11 +92,24 @@ class StepState:
         if width > self.block_tables.shape[1]:
             s = max(range(len(block_tables)), key=lambda i: len(block_tables[i]))
             raise ValueError(f"segment {s}: block table of {width} pages exceeds {self.block_tables.shape[1]}")
-        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        on_host = not isinstance(tokens, torch.Tensor)
+        m, nt = len(pos), len(pos) if on_host else 0  # the tokens ride in the host buffer when they are host ints
+        host = torch.zeros(nt + m + len(ctx) + len(block_tables) * width, dtype=torch.int32)
+        if on_host:
+            host[:m] = torch.tensor(list(tokens), dtype=torch.int32)
+        host[nt:nt + m] = torch.tensor(pos, dtype=torch.int32)
+        host[nt + m:nt + m + len(ctx)] = torch.tensor(ctx, dtype=torch.int32)
+        tables = host[nt + m + len(ctx):].view(len(block_tables), width)
         for s, table in enumerate(block_tables):
             tables[s, :len(table)] = torch.tensor(list(table), dtype=torch.int32)
-        self.block_tables[:len(block_tables), :width].copy_(tables.to(dev))
-
+        gpu = self.tokens.device.type == "cuda"
+        if gpu:
+            host = host.pin_memory()  # the caching host allocator reuses it only once these copies completed
+        self.tokens.copy_(host[:m] if on_host else tokens, non_blocking=gpu)
+        self.positions.copy_(host[nt:nt + m], non_blocking=gpu)
+        self.seg_ctx.copy_(host[nt + m:nt + m + len(ctx)], non_blocking=gpu)
+        self.block_tables[:len(block_tables), :width].copy_(
+            host[nt + m + len(ctx):].view(len(block_tables), width), non_blocking=gpu)
 
 @dataclass
 class Scratch:

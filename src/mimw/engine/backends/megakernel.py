@@ -87,8 +87,8 @@ class MegakernelBackend(Backend):
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Single-token segments (2..plan.MAX_BATCH of them) as one launch of the megakernel's decode-batch step."""
-        out = self._decoder(cache).step_batch(tokens.tolist(), [s.start for s in segments],
-                                              [s.block_table for s in segments])
+        # the ids stay on the device (the previous step's samples may not have reached the host)
+        out = self._decoder(cache).step_batch(tokens, [s.start for s in segments], [s.block_table for s in segments])
         return out.to(torch.float32, copy=True)  # the batch decoder's logits buffer: the next launch overwrites it
 
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:

@@ -119,14 +119,16 @@ class MegakernelDecoder:
     def set_inputs(self, token: int, position: int, block_table: Sequence[int]) -> None:
         self.set_batch([token], [position], [block_table])
 
-    def set_batch(self, tokens: Sequence[int], positions: Sequence[int],
+    def set_batch(self, tokens: Sequence[int] | torch.Tensor, positions: Sequence[int],
                   block_tables: Sequence[Sequence[int]]) -> None:
-        """One token of each sequence: its id, its position (the sequence's context before the step) and its
-        sequence's block table; as many as the plan's tokens."""
+        """One token of each sequence: its id (host ints, or a tensor: a device tensor is never read on the host),
+        its position (the sequence's context before the step) and its sequence's block table; as many as the plan's
+        tokens."""
         if not len(tokens) == len(positions) == len(block_tables) == self.shape.num_tokens:
             raise ValueError(f"this decoder runs {self.shape.num_tokens} token(s) a step, got {len(tokens)} tokens, "
                              f"{len(positions)} positions, {len(block_tables)} block tables")
-        self.state.fill(list(tokens), list(positions), list(block_tables), self.shape.seg_lens)
+        toks = tokens if isinstance(tokens, torch.Tensor) else list(tokens)  # a device tensor stays on the device
+        self.state.fill(toks, list(positions), list(block_tables), self.shape.seg_lens)
         self.inputs_set = True
 
     def launch(self) -> None:
