@@ -36,7 +36,7 @@ def test_paged_attention_compiles_to_pipelined_wgmma(preset, scaled):
     spec = get_preset(preset)
     tiles = paged_attention.AttentionTiles.for_head_dim(spec.head_dim)
     kv = "*fp8e4nv" if scaled else "*bf16"
-    sc = "*fp32" if scaled else "*bf16"
+    sc = "*bf16"  # an fp8 cache's scales are bf16, one per row
     args = {"Q": "*bf16", "O": "*bf16", "K": kv, "V": kv, "KS": sc, "VS": sc, "BT": "*i32", "Q_START": "*i32",
             "SEQ_START": "*i32", "SEQ_CTX": "*i32", "WORK": "*i32", "stride_qt": "i32", "stride_qh": "i32",
             "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "qk_scale": "fp32"}

@@ -5,6 +5,7 @@ import torch
 import triton
 from interpret import interpreter_fixes
 
+from mimw.kv import fp8
 from mimw.models import rope
 from mimw.models.spec import get_preset
 from mimw.prefill import activation, norm, paged_attention, rope_append
@@ -98,15 +99,15 @@ def test_paged_attention_matches_the_reference(hq, hkv, hd, ps, tiles):
 
 
 def test_paged_attention_dequantises_an_fp8_cache():
+    """An fp8 cache as ``mimw.kv.pages`` stores it: e4m3 rows, one bf16 scale per (page, head, row)."""
     hq, hkv, hd, ps, pages = 4, 2, 16, 16, 8
     batch = PrefillBatch.build(_pieces(ps, pages, 5), ps, "cpu")
     g = torch.Generator().manual_seed(6)
     k, v = torch.randn(pages, hkv, ps, hd, generator=g), torch.randn(pages, hkv, ps, hd, generator=g)
-    ks, vs = torch.rand(pages, hkv, generator=g) + 0.5, torch.rand(pages, hkv, generator=g) + 0.5
-    k8 = (k / ks[..., None, None]).to(torch.float8_e4m3fn)
-    v8 = (v / vs[..., None, None]).to(torch.float8_e4m3fn)
+    k = k * (torch.rand(pages, hkv, ps, 1, generator=g) * 3 + 0.25)  # rows of different magnitudes
+    (k8, ks), (v8, vs) = fp8.quantize(k), fp8.quantize(v)
     q = torch.randn(batch.num_tokens, hq, hd, generator=g).bfloat16()
     got = paged_attention.paged_prefill_attention(q, k8, v8, batch, paged_attention.AttentionTiles(16, 32, 4, 1),
                                                   ks, vs)
-    want = torch_attention(q.float(), k8.float() * ks[..., None, None], v8.float() * vs[..., None, None], batch)
+    want = torch_attention(q.float(), fp8.dequantize(k8, ks), fp8.dequantize(v8, vs), batch)
     close(got, want, 3e-2)

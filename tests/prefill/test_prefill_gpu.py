@@ -1,6 +1,7 @@
 """The GPU prefill path (bf16, Triton kernels) against the fp32 reference decoder (marker `gpu`): prompts of 1, 17,
 1000 and 4096+13 tokens chunked at several sizes over shuffled block tables, a prefix already in the cache with
-several segments in one call, four model shapes (two layers each), each attention; and decode after prefill
+several segments in one call, four model shapes (two layers each), each attention (mimw's paged Triton kernel;
+torch's FlashAttention-2, cuDNN, SDPA and FlexAttention over gathered pages); and decode after prefill
 through the engine on the megakernel gives the reference's greedy tokens."""
 import pytest
 import torch
@@ -69,8 +70,8 @@ def shuffled_table(pages: int, n: int, seed: int) -> tuple[int, ...]:
 
 
 # one shape after the other (its weights are built once); mimw's kernel first
-@pytest.mark.parametrize("preset,attention,n", [(p, a, n) for p in SHAPES for a in ("triton", "sdpa")
-                                                for n in sorted(CHUNKS)])
+@pytest.mark.parametrize("preset,attention,n", [(p, a, n) for p in SHAPES
+                                                for a in ("triton", "flash", "cudnn", "sdpa") for n in sorted(CHUNKS)])
 def test_chunked_prefill_matches_the_reference(preset, n, attention):
     m = model(preset)
     run = m.runner(attention)
@@ -92,7 +93,8 @@ def test_chunked_prefill_matches_the_reference(preset, n, attention):
                 assert ((x - y).abs().max() / y.abs().max()) < 2e-2
 
 
-@pytest.mark.parametrize("preset,attention", [(p, a) for p in SHAPES for a in ("triton", "sdpa", "flex")])
+@pytest.mark.parametrize("preset,attention", [(p, a) for p in SHAPES
+                                                for a in ("triton", "flash", "cudnn", "sdpa", "flex")])
 def test_prefix_in_cache_and_several_segments_in_one_call(preset, attention):
     """A holds 700 tokens; one call then continues A by a 5-token verify block (5 logit rows), prefills B whose
     first 32 pages are A's (prefix reuse: B computes only its 300 new tokens) and a fresh 40-token C."""

@@ -7,11 +7,23 @@ maintained dense kernel. The alternatives that ``mimw bench prefill`` measures a
              from position 0 is plain causal attention (GQA without repeating K/V: ``enable_gqa``); a piece after
              a prefix needs the diagonal at the bottom right (``causal_lower_right``: it sees the whole prefix),
              whose dispatch does not take ``enable_gqa`` in every torch release, so its K/V heads are repeated.
+  ``flash``  torch's FlashAttention-2 (``aten._flash_attention_forward``) in its variable-length form: one call
+             for all the pass's pieces, K/V of every piece packed end to end, GQA without repeating K/V heads and the
+             causal diagonal at the bottom right (a piece after a prefix sees all of it): the kernel the plain SDPA
+             prefill runs, on the same problem, with no per-piece launches.
+  ``cudnn``  cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``; on Hopper a FlashAttention-3-
+             class kernel) per piece, K/V heads repeated for GQA. Its causal mask is square (top left), so a piece
+             after a prefix is two calls, its own keys (causal) and the prefix's (no mask), merged by their
+             log-sum-exps (``merge_partials``).
 
 The gather costs one read and one write of the piece's K/V per layer (small beside attention's FLOPs at long
-contexts) and memory for one piece's contiguous K/V. FlexAttention lives in ``flex_attention.py``.
+contexts) and memory for one pass's contiguous K/V. ``KeyIndex`` gathers by (page, row) index, which is where an fp8
+cache's rows would be dequantised (value times the row's scale) on their way to a bf16 kernel. FlexAttention lives
+in ``flex_attention.py``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +40,47 @@ def gather(layer: torch.Tensor, batch: PrefillBatch, b: int) -> torch.Tensor:
     pages = batch.block_tables[b, :n].long()
     x = layer[pages].transpose(0, 1)  # [Hkv, n, PS, hd]
     return x.reshape(x.shape[0], n * batch.page_size, x.shape[-1])[:, :p.ctx]
+
+
+@dataclass(frozen=True)
+class KeyIndex:
+    """Where every key of a pass's pieces lives, the pieces' keys end to end: piece b's key j (position j) is row
+    cu_k[b] + j of a gathered tensor, read from ``layer[page[i], :, row[i]]``."""
+
+    page: torch.Tensor  # [sum ctx] int64
+    row: torch.Tensor  # [sum ctx] int64
+    cu_q: torch.Tensor  # [B + 1] int32: piece b's rows of q are cu_q[b] .. cu_q[b+1]
+    cu_k: torch.Tensor  # [B + 1] int32
+    max_q: int
+    max_k: int
+    k_start: tuple[int, ...]  # cu_k on the host
+
+    @classmethod
+    def build(cls, batch: PrefillBatch) -> "KeyIndex":
+        ps, pages, rows = batch.page_size, [], []
+        for p in batch.pieces:
+            pos = torch.arange(p.ctx)
+            pages.append(torch.tensor(p.block_table[:-(-p.ctx // ps)], dtype=torch.long)[pos // ps])
+            rows.append(pos % ps)
+        lq = torch.tensor([0] + [p.length for p in batch.pieces])
+        lk = torch.tensor([0] + [p.ctx for p in batch.pieces])
+        dev = batch.device
+        cu_k = lk.cumsum(0).int()
+        return cls(torch.cat(pages).to(dev), torch.cat(rows).to(dev), lq.cumsum(0).int().to(dev), cu_k.to(dev),
+                   int(lq.max()), int(lk.max()), tuple(cu_k.tolist()))
+
+    def gather(self, layer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[P, Hkv, PS, hd] cache layer -> [sum ctx, Hkv, hd] in ``dtype`` (one indexing kernel)."""
+        return layer[self.page, :, self.row].to(dtype).contiguous()
+
+
+def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over two disjoint key sets, from each set's output and log-sum-exp (natural log, same
+    leading shape as the outputs without their last dimension): o = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2),
+    in fp32, returned in o1's dtype."""
+    w1 = torch.sigmoid(lse1.float() - lse2.float())[..., None]
+    o2f = o2.float()
+    return (o2f + (o1.float() - o2f) * w1).to(o1.dtype)
 
 
 def _rows(batch: PrefillBatch):
@@ -64,6 +117,58 @@ def sdpa_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor
             out = F.scaled_dot_product_attention(qb, k, v, attn_mask=causal_lower_right(p.length, p.ctx))
         o[rows] = out[0].transpose(0, 1)
     return o
+
+
+def flash_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
+                    index: KeyIndex) -> torch.Tensor:
+    """FlashAttention-2 (variable length, bottom-right causal, GQA) over every piece's gathered K/V at once."""
+    k, v = index.gather(k_layer, q.dtype), index.gather(v_layer, q.dtype)
+    out = torch.ops.aten._flash_attention_forward(q, k, v, index.cu_q, index.cu_k, index.max_q, index.max_k, 0.0,
+                                                  True, False)
+    return out[0]
+
+
+def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, lse: bool):
+    """q [L, H, hd], k/v [S, H, hd] -> (o [L, H, hd], log-sum-exp [H, L] fp32 or None)."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, lse, 0.0, causal, False)
+    o = out[0][0].transpose(0, 1)
+    return o, (out[1].reshape(q.shape[1], q.shape[0]) if lse else None)
+
+
+def cudnn_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
+                    index: KeyIndex) -> torch.Tensor:
+    """cuDNN's fused attention per piece: its own keys (causal), and its prefix's (no mask) merged in."""
+    g = q.shape[1] // k_layer.shape[1]
+    k, v = index.gather(k_layer, q.dtype), index.gather(v_layer, q.dtype)
+    o = torch.empty_like(q)
+    for b, p, rows in _rows(batch):
+        k0 = index.k_start[b]
+        kb = k[k0:k0 + p.ctx].repeat_interleave(g, dim=1)
+        vb = v[k0:k0 + p.ctx].repeat_interleave(g, dim=1)
+        own, lse_own = _cudnn(q[rows], kb[p.start:], vb[p.start:], True, p.start > 0)
+        if p.start == 0:
+            o[rows] = own
+            continue
+        pre, lse_pre = _cudnn(q[rows], kb[:p.start], vb[:p.start], False, True)
+        o[rows] = merge_partials(own.transpose(0, 1), lse_own, pre.transpose(0, 1), lse_pre).transpose(0, 1)
+    return o
+
+
+class LibraryAttention:
+    """``flash_attention`` or ``cudnn_attention`` behind the runner's per-pass ``plan`` (the key index is built
+    once per pass, every layer gathers through it)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def plan(self, batch: PrefillBatch):
+        index = KeyIndex.build(batch)
+
+        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+            return self.fn(q, k_layer, v_layer, batch, index)
+
+        return run
 
 
 class GatheredAttention:

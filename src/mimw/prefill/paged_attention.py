@@ -11,8 +11,15 @@ list (``PrefillBatch.work``) puts the blocks with the most keys first, so the lo
 A key tile of ``block_n`` positions spans block_n / page_size pages: each key's page comes from the block table, its
 row is position % page_size, and (page, head) is a contiguous [page_size, hd] tile of the [P, Hkv, PS, hd] layer,
 so every key row is one contiguous hd-element read. ``_load_kv`` is the one place that reads the cache: with
-``SCALED`` it dequantises (fp8 values times a per-(page, head) fp32 scale, the layout an fp8 cache adds beside the
-pages) before the dot, so an fp8 cache changes the loader, not the kernel.
+``SCALED`` it dequantises an fp8 cache (each row's e4m3 values times its own bf16 scale, ``mimw.kv.pages``: the
+scales [P, Hkv, PS] sit beside the pages at the same (page, head, row) index) before the dot, so an fp8 cache
+changes the loader, not the kernel.
+
+Tiles (``AttentionTiles.for_head_dim``): the fastest measured on the H200 (``mimw bench prefill``'s attention
+sweep, bench/NOTES.md): [128, 128, 4 warps] at hd 64 (379 TFLOP/s, against 280 for [128, 128, 8 warps]) and
+[256, 64, 8 warps] at hd 128 (456, against 346 for [128, 64, 8 warps]). Both fill the registers: their fp32
+accumulator and score tile take block_m * (hd + block_n) / (32 * num_warps) = 192 registers a thread, where the
+slow ones take 64-96 (and leave the SM's wgmma fed by fewer, wider programs).
 
 Scores are scaled by log2(e)/sqrt(hd) and exponentiated with exp2; the running max, sum and accumulator are fp32;
 the probabilities enter the second dot in bf16 (as FlashAttention does).
@@ -40,9 +47,10 @@ class AttentionTiles:
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "AttentionTiles":
+        """The measured-best tiles (module docstring): ~192 fp32 registers a thread of accumulator and scores."""
         if head_dim <= 64:
-            return cls(128, 128, 8, 3)
-        return cls(128, 64, 8, 3)
+            return cls(128, 128, 4, 3)
+        return cls(256, 64, 8, 3)
 
     def __post_init__(self) -> None:
         for f in ("block_m", "block_n"):
@@ -67,7 +75,8 @@ def _load_kv(base, scale, bt, offs_n, in_ctx, kvh, d, HKV: tl.constexpr, PS: tl.
     else:
         x = tl.load(ptrs)
     if SCALED:
-        s = tl.load(scale + ph)  # page 0's scale for masked rows: finite, and their scores are masked anyway
+        # one bf16 scale per (page, head, row); masked rows read page 0's: finite, and their scores are masked
+        s = tl.load(scale + ph * PS + offs_n % PS).to(tl.float32)
         x = (x.to(tl.float32) * s[:, None]).to(tl.bfloat16)
     return x
 
@@ -134,7 +143,7 @@ def paged_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: tor
                             tiles: AttentionTiles | None = None, k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, hd] (rows of ``batch``); k_layer, v_layer [P, Hkv, PS, hd] (bf16, or fp8 with ``k_scale``,
-    ``v_scale`` [P, Hkv] fp32) -> o [T, Hq, hd] in q's dtype."""
+    ``v_scale`` [P, Hkv, PS], one scale per row, as ``mimw.kv.pages`` stores them) -> o [T, Hq, hd] in q's dtype."""
     t, hq, hd = q.shape
     _, hkv, ps, _ = k_layer.shape
     tiles = tiles or AttentionTiles.for_head_dim(hd)
@@ -147,6 +156,9 @@ def paged_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: tor
         raise ValueError("k_scale and v_scale go together")
     if not scaled and k_layer.dtype != q.dtype:
         raise ValueError(f"an unscaled cache must hold q's dtype ({q.dtype}), not {k_layer.dtype}")
+    if scaled and not (k_scale.shape == k_layer.shape[:3] == v_scale.shape and k_scale.is_contiguous()
+                       and v_scale.is_contiguous()):
+        raise ValueError(f"k_scale, v_scale must be contiguous [P, Hkv, PS] = {tuple(k_layer.shape[:3])}")
     o = torch.empty_like(q)
     work = batch.work(tiles.block_m)
     ks = k_scale if scaled else k_layer  # unread without SCALED

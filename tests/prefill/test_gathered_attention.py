@@ -1,0 +1,51 @@
+"""The host side of the gathered-pages attentions (``flash``, ``cudnn``): the key index that packs every piece's K/V
+end to end, and the log-sum-exp merge of two partial attentions (CPU; the kernels themselves run in the GPU tests)."""
+import math
+
+import pytest
+import torch
+
+from mimw.models.spec import get_preset
+from mimw.models.weights import random_weights
+from mimw.prefill import PrefillConfig, PrefillRunner
+from mimw.prefill.batch import Piece, PrefillBatch
+from mimw.prefill.gathered_attention import KeyIndex, gather, merge_partials
+
+
+def test_key_index_packs_each_pieces_keys_end_to_end():
+    ps, pages = 4, 12
+    pieces = [Piece((3, 7, 1), 5, 4), Piece((0, 11, 2, 9), 0, 13), Piece((6,), 0, 2)]
+    batch = PrefillBatch.build(pieces, ps, "cpu")
+    layer = torch.randn(pages, 2, ps, 8)
+    idx = KeyIndex.build(batch)
+    assert idx.cu_q.tolist() == [0, 4, 17, 19] and idx.cu_k.tolist() == [0, 9, 22, 24]
+    assert idx.k_start == (0, 9, 22, 24) and (idx.max_q, idx.max_k) == (13, 13)
+    packed = idx.gather(layer, torch.float32)
+    assert packed.shape == (24, 2, 8) and packed.is_contiguous()
+    for b in range(3):
+        want = gather(layer, batch, b).transpose(0, 1)  # [ctx, Hkv, hd]
+        assert torch.equal(packed[idx.k_start[b]:idx.k_start[b + 1]], want)
+
+
+def _attend(q, k, v):
+    """q [H, L, d], k/v [H, S, d] -> (softmax(q k^T / sqrt d) v, its natural log-sum-exp [H, L])."""
+    s = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def test_merge_partials_is_attention_over_both_key_sets():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, n, 16, generator=g) for n in (5, 40, 40))
+    k = k * 3  # peaked softmax: the merge must weigh the halves by their sums, not average them
+    whole, _ = _attend(q, k, v)
+    o1, l1 = _attend(q, k[:, :23], v[:, :23])
+    o2, l2 = _attend(q, k[:, 23:], v[:, 23:])
+    torch.testing.assert_close(merge_partials(o1, l1, o2, l2), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merge_partials(o2, l2, o1, l1), whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["flash", "cudnn"])
+def test_cuda_only_attentions_are_refused_on_the_cpu(attention):
+    w = random_weights(get_preset("smollm2-135m").with_(num_layers=1), seed=0)
+    with pytest.raises(ValueError, match="runs on CUDA only"):
+        PrefillRunner(w, PrefillConfig(attention))
