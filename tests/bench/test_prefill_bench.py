@@ -39,6 +39,25 @@ def test_prefill_flops_count_causal_attention_pairs():
 
 
 def test_bad_arguments_exit_2(capsys):
-    assert main(["bench", "prefill", "--impls", "flash"]) == 2
+    assert main(["bench", "prefill", "--impls", "fa3"]) == 2
     assert main(["bench", "prefill", "--lengths", "2k"]) == 2
+    assert main(["bench", "prefill", "--attention-lengths", "8192", "--chunk", "16384"]) == 2  # no prefix
     assert "error" in capsys.readouterr().err
+
+
+def test_verdict_picks_the_best_geomean_over_the_long_cells_and_names_the_losers():
+    from mimw.bench.prefill_summary import verdict
+
+    def row(model, n, impl, t):
+        return {"model": model, "tokens": n, "impl": impl, "ttft_s": t}
+
+    rows = [row(m, n, "plain-sdpa", 1.0) for m in ("a", "b") for n in (32768, 131072)]
+    rows += [row("a", 32768, "triton", 0.8), row("a", 131072, "triton", 1.3), row("b", 32768, "triton", 0.9),
+             row("b", 131072, "triton", 1.2)]
+    rows += [row("a", 32768, "flash", 0.95), row("a", 131072, "flash", 0.97), row("b", 32768, "flash", 0.96),
+             row("b", 131072, "flash", 0.98)]
+    rows += [row(m, n, "cudnn", 1.1) for m in ("a", "b") for n in (32768, 131072)]
+    rows += [row("a", 2048, "cudnn", 0.1), row("a", 2048, "plain-sdpa", 1.0)]  # short prompts do not count
+    text = verdict({"rows": rows})
+    assert "default: flash" in text and "beats plain SDPA" in text
+    assert "keep: flash, triton; delete: cudnn" in text  # triton is fastest in two cells

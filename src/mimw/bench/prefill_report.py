@@ -51,7 +51,7 @@ def markdown(doc: dict) -> str:
                      f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {speed} | {r.get('peak_gb', 0):.1f} | "
                      f"{check} |")
     if doc.get("attention"):
-        lines += ["", "Attention alone (one layer, causal prompt in passes, TFLOP/s):", "",
+        lines += ["", "Attention alone (one layer, the last pass of a prompt of `tokens`, TFLOP/s):", "",
                   "| model | tokens | impl | tiles | ms | TFLOP/s |", "| --- | ---: | --- | --- | ---: | ---: |"]
         for a in doc["attention"]:
             lines.append(f"| {a['model']} | {a['tokens']} | {a['impl']} | {a.get('tiles', '')} | "
@@ -95,7 +95,7 @@ def write_chart(doc: dict, path: Path) -> None:
 def summary(doc: dict) -> str:
     """The short table: per model and length, each implementation's TTFT and MFU beside plain SDPA's."""
     rows = [r for r in doc["rows"] if "@" not in r["impl"]]
-    impls = [i for i in ("triton", "sdpa", "flex", "engine-triton", "plain-sdpa") if any(r["impl"] == i for r in rows)]
+    impls = [i for i in ("triton", "flash", "cudnn", "sdpa", "flex", "engine-triton", "plain-sdpa") if any(r["impl"] == i for r in rows)]
     out = ["model         tokens  " + "  ".join(f"{i:>18}" for i in impls) + "   (TTFT s / MFU)"]
     for model in sorted({r["model"] for r in rows}):
         for n in sorted({r["tokens"] for r in rows if r["model"] == model and r["tokens"]}):
