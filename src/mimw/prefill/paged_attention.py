@@ -21,7 +21,9 @@ sweep, bench/NOTES.md): [128, 128, 4 warps] at hd 64 (379 TFLOP/s, against 280 f
 accumulator and score tile take block_m * (hd + block_n) / (32 * num_warps) = 192 registers a thread, where the
 slow ones take 64-96 (and leave the SM's wgmma fed by fewer, wider programs).
 
-Scores are scaled by log2(e)/sqrt(hd) and exponentiated with exp2; the running max, sum and accumulator are fp32;
+Scores are scaled by log2(e)/sqrt(hd) and exponentiated with exp2 (the max taken on the unscaled scores, so scale and
+shift are one FMA a score: at hd 64 the softmax's per-score instructions, not the dots, bound the kernel); the
+running max, sum and accumulator are fp32;
 the probabilities enter the second dot in bf16 (as FlashAttention does).
 """
 from __future__ import annotations
@@ -60,23 +62,29 @@ class AttentionTiles:
 
 
 @triton.jit
-def _load_kv(base, scale, bt, offs_n, in_ctx, kvh, d, HKV: tl.constexpr, PS: tl.constexpr, HD: tl.constexpr,
-             MASKED: tl.constexpr, SCALED: tl.constexpr):
-    """[BLOCK_N, HD] bf16 rows of KV head ``kvh`` at positions offs_n (with MASKED, rows outside ``in_ctx`` read
-    as 0; without, every row is inside the sequence and no load is predicated)."""
+def _kv_rows(bt, offs_n, in_ctx, kvh, HKV: tl.constexpr, PS: tl.constexpr, MASKED: tl.constexpr):
+    """[BLOCK_N] int64 rows, in the layer seen as [P * Hkv * PS, hd], of KV head ``kvh`` at positions offs_n: (page
+    * Hkv + kvh) * PS + position % PS. K, V and (fp8) their scales [P, Hkv, PS] share them, so the block table is
+    read once a tile. With MASKED, positions outside ``in_ctx`` map into page 0 (read as 0 by ``_load_kv``)."""
     if MASKED:
         page = tl.load(bt + offs_n // PS, mask=in_ctx, other=0).to(tl.int64)
     else:
         page = tl.load(bt + offs_n // PS).to(tl.int64)
-    ph = page * HKV + kvh
-    ptrs = base + ((ph * PS + offs_n % PS) * HD)[:, None] + d[None, :]
+    return (page * HKV + kvh) * PS + offs_n % PS
+
+
+@triton.jit
+def _load_kv(base, scale, rows, in_ctx, d, HD: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr):
+    """[BLOCK_N, HD] bf16: the cache rows ``rows`` (with MASKED, rows outside ``in_ctx`` read as 0; without, every
+    row is inside the sequence and no load is predicated)."""
+    ptrs = base + (rows * HD)[:, None] + d[None, :]
     if MASKED:
         x = tl.load(ptrs, mask=in_ctx[:, None], other=0.0)
     else:
         x = tl.load(ptrs)
     if SCALED:
         # one bf16 scale per (page, head, row); masked rows read page 0's: finite, and their scores are masked
-        s = tl.load(scale + ph * PS + offs_n % PS).to(tl.float32)
+        s = tl.load(scale + rows).to(tl.float32)
         x = (x.to(tl.float32) * s[:, None]).to(tl.bfloat16)
     return x
 
@@ -87,16 +95,18 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, n0, ctx, K, V, KS, VS, bt, kvh, d, qk_
                  MASKED: tl.constexpr, SCALED: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_ctx = offs_n < ctx
-    k = _load_kv(K, KS, bt, offs_n, in_ctx, kvh, d, HKV, PS, HD, MASKED, SCALED)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
+    rows = _kv_rows(bt, offs_n, in_ctx, kvh, HKV, PS, MASKED)
+    k = _load_kv(K, KS, rows, in_ctx, d, HD, MASKED, SCALED)
+    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32, unscaled
     if MASKED:
         # the first tile a row meets always holds key 0, which it sees: its running max is finite from then on
         qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & in_ctx[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    p = tl.math.exp2(qk - m_new[:, None])
+    # the scale (> 0) commutes with the max, so each score costs one FMA (scale and shift) before its exp2
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = _load_kv(V, VS, bt, offs_n, in_ctx, kvh, d, HKV, PS, HD, MASKED, SCALED)
+    v = _load_kv(V, VS, rows, in_ctx, d, HD, MASKED, SCALED)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
