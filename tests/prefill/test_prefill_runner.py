@@ -61,7 +61,7 @@ def test_unfused_weights_are_views_of_the_fused_ones():
 
 def test_config_refuses_unknown_names():
     with pytest.raises(ValueError, match="attention"):
-        PrefillConfig(attention="flash")
+        PrefillConfig(attention="fa3")
     with pytest.raises(ValueError, match="kernels"):
         PrefillConfig(kernels="cuda")
 

@@ -4,8 +4,8 @@ implementation, against a plain PyTorch SDPA prefill of the same weights and the
 For every model (presets with random bf16 weights) and prompt length: a fresh random prompt on a shuffled block
 table is prefilled from an empty cache in passes of ``--chunk`` tokens (what the engine does with
 ``max_prefill_step_tokens`` = chunk and nothing decoding) by the ``PrefillRunner`` with each attention
-(``triton``: mimw's paged kernel; ``flash``, ``cudnn``, ``sdpa``, ``flex``: torch's over gathered pages), then the first token is taken
-(argmax, synchronised): TTFT is that wall time. ``plain-sdpa`` (``plain_prefill.py``) runs the whole prompt in one
+(``triton``: mimw's paged kernel; ``flash``, ``cudnn``, ``sdpa``, ``flex``: torch's over gathered pages), then the
+first token is taken (argmax, synchronised): TTFT is that wall time (``times_s``: each run's). ``plain-sdpa`` (``plain_prefill.py``) runs the whole prompt in one
 eager call. Each row checks its logits against plain-sdpa's (relative max error). sdpa and flex stop at
 ``gathered_max_tokens`` (32k). Once every model's rows are done, time permitting (``prefill_sweeps``): the
 attention alone (one layer's last pass at each of ``attention_lengths``, TFLOP/s; the paged kernel at several tiles
@@ -141,8 +141,8 @@ class PrefillBench:
             first = int(logits.argmax())
             times.append(time.perf_counter() - t)
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if self.cuda else 0.0
-        return {"ttft_s": statistics.median(times), "ttft_min_s": min(times), "runs": reps, "first_token": first,
-                "peak_gb": peak}, logits
+        return {"ttft_s": statistics.median(times), "ttft_min_s": min(times), "runs": reps, "times_s": times,
+                "first_token": first, "peak_gb": peak}, logits
 
     def empty_cache(self) -> None:
         import torch

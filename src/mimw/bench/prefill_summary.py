@@ -46,8 +46,8 @@ def verdict(doc: dict) -> str:
     if not gm:
         return "\n".join(lines + ["  no attention ran every cell"])
     win = min(gm, key=gm.get)
-    keep = {win} | {i for c in cells for i in ATTENTIONS
-                    if (i, c) in ratio and ratio[i, c] <= 1.02 * min(ratio[j, c] for j in ATTENTIONS if (j, c) in ratio)}
+    best = {c: min(ratio[j, c] for j in ATTENTIONS if (j, c) in ratio) for c in cells}
+    keep = {win} | {i for c in cells for i in ATTENTIONS if (i, c) in ratio and ratio[i, c] <= 1.02 * best[c]}
     lines.append(f"  default: {win} (geomean {gm[win]:.3f}; {'beats' if gm[win] < 1 else 'loses to'} plain SDPA)")
     lines.append(f"  keep: {', '.join(sorted(keep))}; delete: "
                  + (", ".join(i for i in ATTENTIONS if any(k[0] == i for k in ratio) and i not in keep) or "none"))
@@ -58,7 +58,8 @@ def attention_lines(doc: dict) -> list[str]:
     cells: dict[tuple, list[str]] = {}
     for a in doc.get("attention", []):
         if a.get("tflops"):
-            cells.setdefault((a["model"], a["tokens"]), []).append(f"{a['impl']}{a.get('tiles') or ''} {a['tflops']:.0f}")
+            text = f"{a['impl']}{a.get('tiles') or ''} {a['tflops']:.0f}"
+            cells.setdefault((a["model"], a["tokens"]), []).append(text)
     return [f"attention alone, {m} {n} (last pass), TFLOP/s: " + "; ".join(c) for (m, n), c in cells.items()]
 
 

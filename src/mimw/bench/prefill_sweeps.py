@@ -13,10 +13,11 @@ import sys
 import time
 from dataclasses import asdict
 
-# (block_m, block_n, num_warps, num_stages), swept at the first attention length; one that does not compile or fit
-# is a row with its error
-TILES = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (256, 64, 8, 3), (256, 64, 8, 4),
-         (256, 128, 8, 3), (64, 64, 4, 4))
+# (block_m, block_n, num_warps, num_stages) swept at the first attention length, by head dim: the default
+# (``AttentionTiles.for_head_dim``) first, then the earlier default and its measured neighbours; one that does not
+# compile or fit is a row with its error. Other head dims: the default only.
+TILES = {64: ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (256, 128, 8, 3)),
+         128: ((256, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (256, 64, 8, 4))}
 LIBRARY = ("flash", "cudnn", "sdpa", "flex")
 
 
@@ -37,7 +38,7 @@ def attention_sweep(bench, model, spec, cache, pages) -> None:
     cache.k[0].normal_()
     cache.v[0].normal_()
     for i, n in enumerate(bench.cfg.attention_lengths):
-        tiles = TILES if i == 0 else (None,)
+        tiles = TILES.get(spec.head_dim, (None,)) if i == 0 else (None,)
         cases = [("triton", None if t is None else AttentionTiles(*t)) for t in tiles]
         cases += [(impl, None) for impl in LIBRARY if impl in bench.cfg.impls
                   and (impl not in ("sdpa", "flex") or n <= bench.cfg.gathered_max_tokens)]
@@ -62,7 +63,8 @@ def _time_attention(bench, model, spec, cache, pages, n, cases) -> None:
     flops = 4.0 * spec.num_heads * spec.head_dim * pairs
     for impl, tiles in cases:
         shown = tiles or (AttentionTiles.for_head_dim(spec.head_dim) if impl == "triton" else None)
-        row = {"model": model, "tokens": n, "impl": impl, "tiles": None if shown is None else list(asdict(shown).values())}
+        row = {"model": model, "tokens": n, "impl": impl,
+               "tiles": None if shown is None else list(asdict(shown).values())}
         if not bench.time_left():
             row["error"] = "skipped (deadline)"
         else:

@@ -46,8 +46,9 @@ KERNELS = ("triton", "torch")
 @dataclass(frozen=True)
 class PrefillConfig:
     """attention: "triton" (mimw's paged kernel), "flash" / "cudnn" / "sdpa" / "flex" (torch's, over gathered pages:
-    ``gathered_attention``, ``flex_attention``) or "torch" (the reference's fp32 attention); kernels: "triton" (norm, RoPE + append, SwiGLU) or "torch" (the reference's
-    functions); tiles: the paged kernel's (None: ``AttentionTiles.for_head_dim``)."""
+    ``gathered_attention``, ``flex_attention``) or "torch" (the reference's fp32 attention); kernels: "triton" (norm,
+    RoPE + append, SwiGLU) or "torch" (the reference's functions); tiles: the paged kernel's (None:
+    ``AttentionTiles.for_head_dim``)."""
 
     attention: str = "triton"
     kernels: str = "triton"
