@@ -17,13 +17,12 @@ changes the loader, not the kernel.
 
 Tiles (``AttentionTiles.for_head_dim``): the fastest measured on the H200 (``mimw bench prefill``'s attention
 sweep, bench/NOTES.md): [128, 128, 4 warps] at hd 64 (379 TFLOP/s, against 280 for [128, 128, 8 warps]) and
-[256, 64, 8 warps] at hd 128 (456, against 346 for [128, 64, 8 warps]). Both fill the registers: their fp32
-accumulator and score tile take block_m * (hd + block_n) / (32 * num_warps) = 192 registers a thread, where the
-slow ones take 64-96 (and leave the SM's wgmma fed by fewer, wider programs).
+[256, 64, 8 warps] at hd 128 (456, against 346 for [128, 64, 8 warps]), for passes with a piece longer than 128
+rows; shorter passes (decode batches, verify blocks) keep block_m 128. Both fast tiles hold their fp32 accumulator
+and score tile in block_m * (hd + block_n) / (32 * num_warps) = 192 registers a thread; the slower ones in 64-96.
 
-Scores are scaled by log2(e)/sqrt(hd) and exponentiated with exp2 (the max taken on the unscaled scores, so scale and
-shift are one FMA a score: at hd 64 the softmax's per-score instructions, not the dots, bound the kernel); the
-running max, sum and accumulator are fp32;
+Scores are scaled by log2(e)/sqrt(hd) and exponentiated with exp2, the max taken on the unscaled scores so that
+scale and shift are one FMA a score (not a multiply and a subtract); the running max, sum and accumulator are fp32;
 the probabilities enter the second dot in bf16 (as FlashAttention does).
 """
 from __future__ import annotations
@@ -48,11 +47,14 @@ class AttentionTiles:
     num_stages: int = 3
 
     @classmethod
-    def for_head_dim(cls, head_dim: int) -> "AttentionTiles":
-        """The measured-best tiles (module docstring): ~192 fp32 registers a thread of accumulator and scores."""
+    def for_head_dim(cls, head_dim: int, rows: int | None = None) -> "AttentionTiles":
+        """The measured-best tiles for prompt chunks (module docstring); for a pass whose longest piece has at most
+        128 query rows (decode batches, verify blocks: ``rows``), block_m 128, the tiles the megakernel backend's
+        decode-batch routing was measured with (a 256-row block would compute 256 rows for one)."""
+        short = rows is not None and rows <= 128
         if head_dim <= 64:
-            return cls(128, 128, 4, 3)
-        return cls(256, 64, 8, 3)
+            return cls(128, 128, 8, 3) if short else cls(128, 128, 4, 3)
+        return cls(128, 64, 8, 3) if short else cls(256, 64, 8, 3)
 
     def __post_init__(self) -> None:
         for f in ("block_m", "block_n"):
@@ -156,7 +158,7 @@ def paged_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: tor
     ``v_scale`` [P, Hkv, PS], one scale per row, as ``mimw.kv.pages`` stores them) -> o [T, Hq, hd] in q's dtype."""
     t, hq, hd = q.shape
     _, hkv, ps, _ = k_layer.shape
-    tiles = tiles or AttentionTiles.for_head_dim(hd)
+    tiles = tiles or AttentionTiles.for_head_dim(hd, max(p.length for p in batch.pieces))
     if q.stride(2) != 1 or not (k_layer.is_contiguous() and v_layer.is_contiguous()):
         raise ValueError("paged_prefill_attention needs q with contiguous heads and contiguous cache layers")
     if hd & (hd - 1):
