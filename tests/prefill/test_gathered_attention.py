@@ -25,6 +25,8 @@ def test_key_index_packs_each_pieces_keys_end_to_end():
     for b in range(3):
         want = gather(layer, batch, b).transpose(0, 1)  # [ctx, Hkv, hd]
         assert torch.equal(packed[idx.k_start[b]:idx.k_start[b + 1]], want)
+    with pytest.raises(ValueError, match="must hold q's dtype"):  # e.g. fp8 rows without their scales
+        idx.gather(layer.to(torch.float8_e4m3fn), torch.bfloat16)
 
 
 def _attend(q, k, v):

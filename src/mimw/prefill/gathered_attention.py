@@ -70,8 +70,11 @@ class KeyIndex:
                    int(lq.max()), int(lk.max()), tuple(cu_k.tolist()))
 
     def gather(self, layer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[P, Hkv, PS, hd] cache layer -> [sum ctx, Hkv, hd] in ``dtype`` (one indexing kernel)."""
-        return layer[self.page, :, self.row].to(dtype).contiguous()
+        """[P, Hkv, PS, hd] cache layer of element type ``dtype`` -> [sum ctx, Hkv, hd] (one indexing kernel). An
+        fp8 layer is refused: its rows mean nothing without their scales."""
+        if layer.dtype != dtype:
+            raise ValueError(f"the cache must hold q's dtype ({dtype}), not {layer.dtype}")
+        return layer[self.page, :, self.row].contiguous()
 
 
 def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
