@@ -14,7 +14,8 @@
 #     1. the GPU tests of the triton, flash and cudnn attentions against the fp32 reference (4 shapes, chunked,
 #        cached prefix, several segments per call) and of the short steps' CUDA graphs, cut at 110 s;
 #     2. `mimw bench prefill` at 32k and 128k on both shapes: plain SDPA, triton (tiles by head dim), flash
-#        (torch's FlashAttention-2, variable length), cudnn (cuDNN's fused attention); then attention alone for the
+#        (torch's FlashAttention-2, variable length), cudnn (cuDNN's fused attention), no-attention (the runner's
+#        GEMMs and elementwise kernels alone: TTFT minus it is a row's attention time); then attention alone for the
 #        last 16k-token pass of a 32k prompt (the paged kernel at several tiles) and of a 128k prompt; rows after
 #        210 s skipped (killed at 260 s).
 #
@@ -43,7 +44,8 @@ long)
         > "$out/prefill-tests.log" 2>&1
     tests_rc=$?
     timeout 260 python3 -m mimw.bench.main prefill --out "$out" --deadline-s 210 --lengths 32768,131072 \
-        --impls plain-sdpa,triton,flash,cudnn --chunk-sweep '' --no-engine --attention-lengths 32768,131072 \
+        --impls plain-sdpa,triton,flash,cudnn,no-attention --chunk-sweep '' --no-engine \
+        --attention-lengths 32768,131072 \
         ${COMMIT:+--commit "$COMMIT"} > "$out/prefill-bench.log" 2>&1
     bench_rc=$?
     ;;

@@ -3,14 +3,16 @@ implementation, against a plain PyTorch SDPA prefill of the same weights and the
 
 For every model (presets with random bf16 weights) and prompt length: a fresh random prompt on a shuffled block
 table is prefilled from an empty cache in passes of ``--chunk`` tokens (what the engine does with
-``max_prefill_step_tokens`` = chunk and nothing decoding) by the ``PrefillRunner`` with each attention
-(``triton``: mimw's paged kernel; ``flash``, ``cudnn``, ``sdpa``, ``flex``: torch's over gathered pages), then the
-first token is taken (argmax, synchronised): TTFT is that wall time (``times_s``: each run's). ``plain-sdpa`` (``plain_prefill.py``) runs the whole prompt in one
-eager call. Each row checks its logits against plain-sdpa's (relative max error). sdpa and flex stop at
-``gathered_max_tokens`` (32k). Once every model's rows are done, time permitting (``prefill_sweeps``): the
-attention alone (one layer's last pass at each of ``attention_lengths``, TFLOP/s; the paged kernel at several tiles
-at the first length, at its default tiles after), the chunk size swept on the first model, and TTFT through the
-engine (megakernel backend, one request).
+``max_prefill_step_tokens`` = chunk and nothing decoding) by the ``PrefillRunner`` with each attention (``triton``:
+mimw's paged kernel; ``flash``, ``cudnn``, ``sdpa``, ``flex``: torch's over gathered pages), then the first token is
+taken (argmax, synchronised): TTFT is that wall time (``times_s``: each run's). ``plain-sdpa``
+(``plain_prefill.py``) runs the whole prompt in one eager call. ``no-attention`` is the runner with its attention
+replaced by a copy of q (wrong logits, no check): the time of its GEMMs and elementwise kernels alone, so a row's
+attention time is its TTFT minus that one's. Each other row checks its logits against plain-sdpa's (relative max
+error). sdpa and flex stop at ``gathered_max_tokens`` (32k). Once every model's rows are done, time permitting
+(``prefill_sweeps``): the attention alone (one layer's last pass at each of ``attention_lengths``, TFLOP/s; the
+paged kernel at several tiles at the first length, at its default tiles after), the chunk size swept on the first
+model, and TTFT through the engine (megakernel backend, one request).
 
 Rows past ``--deadline-s`` are recorded as skipped, so a run fits its time box; the JSON and markdown are rewritten
 after every row. FLOPs, roofline and MFU: ``prefill_report``.
@@ -27,7 +29,8 @@ from pathlib import Path
 
 from .prefill_sweeps import attention_sweep, engine_ttft
 
-IMPLS = ("plain-sdpa", "triton", "flash", "cudnn", "sdpa", "flex")
+IMPLS = ("plain-sdpa", "triton", "flash", "cudnn", "sdpa", "flex", "no-attention")
+NO_ATTENTION = "no-attention"  # the runner with attention replaced by a copy of q: its GEMMs and elementwise alone
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,9 @@ class PrefillBench:
                 try:
                     res, logits = self.timed(m.fn_for(impl, toks, table), n)
                     row.update(res)
-                    if ref is None:
+                    if impl == NO_ATTENTION:
+                        pass
+                    elif ref is None:
                         ref = logits
                     else:
                         row["rel_err"] = float((logits - ref).abs().max() / ref.abs().max())
@@ -233,7 +238,10 @@ class _Model:
         self.cache = PagedKVCache(KVLayout.for_spec(self.spec, cfg.page_size, self.pages, torch.bfloat16),
                                   cfg.device)
         self.runners = {i: PrefillRunner(self.fused, PrefillConfig(i, cfg.kernels, cfg.chunk))
-                        for i in cfg.impls if i != "plain-sdpa"}
+                        for i in cfg.impls if i not in ("plain-sdpa", NO_ATTENTION)}
+        if NO_ATTENTION in cfg.impls:
+            self.runners[NO_ATTENTION] = PrefillRunner(self.fused, PrefillConfig("torch", cfg.kernels, cfg.chunk))
+            self.runners[NO_ATTENTION].attention = _NoAttention()
         self.gen = torch.Generator().manual_seed(cfg.seed)
 
     def prompt(self, n: int):
@@ -252,6 +260,13 @@ class _Model:
             return lambda: plain_sdpa_prefill(self.weights, toks)
         run = runner or self.runners[impl]
         return lambda: run.forward(toks, [Segment(table, 0, toks.numel())], self.cache)[0]
+
+
+class _NoAttention:
+    """An attention that returns a copy of q: timing the rest of the runner's pass, not a prefill."""
+
+    def plan(self, batch):
+        return lambda q, k_layer, v_layer: q.clone()
 
 
 def measure_gemm_tflops() -> float:

@@ -95,7 +95,8 @@ def write_chart(doc: dict, path: Path) -> None:
 def summary(doc: dict) -> str:
     """The short table: per model and length, each implementation's TTFT and MFU beside plain SDPA's."""
     rows = [r for r in doc["rows"] if "@" not in r["impl"]]
-    impls = [i for i in ("triton", "flash", "cudnn", "sdpa", "flex", "engine-triton", "plain-sdpa") if any(r["impl"] == i for r in rows)]
+    order = ("triton", "flash", "cudnn", "sdpa", "flex", "engine-triton", "no-attention", "plain-sdpa")
+    impls = [i for i in order if any(r["impl"] == i for r in rows)]
     out = ["model         tokens  " + "  ".join(f"{i:>18}" for i in impls) + "   (TTFT s / MFU)"]
     for model in sorted({r["model"] for r in rows}):
         for n in sorted({r["tokens"] for r in rows if r["model"] == model and r["tokens"]}):
