@@ -2,8 +2,8 @@
 
 ``attention_sweep``: one layer's attention alone for the last pass of a causal prompt of each of
 ``attention_lengths`` (its last ``chunk`` tokens, everything before them already in the cache): each
-implementation, the paged kernel at several tiles at the first length and at its default tiles after, TFLOP/s
-(do_bench median). ``engine_ttft``: TTFT through the engine with the megakernel backend (its multi-token steps on the
+implementation at its defaults, then the paged kernel at other tiles at the first length, TFLOP/s (do_bench
+median). ``engine_ttft``: TTFT through the engine with the megakernel backend (its multi-token steps on the
 ``PrefillRunner``), one request at a time, prefix cache off.
 """
 from __future__ import annotations
@@ -29,21 +29,25 @@ class _Ids:
 
 
 def attention_sweep(bench, model, spec, cache, pages) -> None:
-    """One layer's attention for the last pass of a causal prompt of each of ``attention_lengths``, each
-    implementation; the paged kernel at several tiles at the first length, at its default tiles after."""
+    """One layer's attention for the last pass of a causal prompt of each of ``attention_lengths``: every
+    implementation at its defaults, each length in turn; then the paged kernel's other tiles at the first length
+    (last, so that a deadline cuts the sweep before the comparison)."""
     import torch
 
     from ..prefill.paged_attention import AttentionTiles
 
     cache.k[0].normal_()
     cache.v[0].normal_()
-    for i, n in enumerate(bench.cfg.attention_lengths):
-        tiles = TILES.get(spec.head_dim, (None,)) if i == 0 else (None,)
-        cases = [("triton", None if t is None else AttentionTiles(*t)) for t in tiles]
-        cases += [(impl, None) for impl in LIBRARY if impl in bench.cfg.impls
-                  and (impl not in ("sdpa", "flex") or n <= bench.cfg.gathered_max_tokens)]
+    lengths = bench.cfg.attention_lengths
+    for n in lengths:
+        cases = [("triton", None)] + [(impl, None) for impl in LIBRARY if impl in bench.cfg.impls
+                                      and (impl not in ("sdpa", "flex") or n <= bench.cfg.gathered_max_tokens)]
         _time_attention(bench, model, spec, cache, pages, n, cases)
         torch.cuda.empty_cache()
+    default = AttentionTiles.for_head_dim(spec.head_dim)
+    others = [AttentionTiles(*t) for t in TILES.get(spec.head_dim, ()) if AttentionTiles(*t) != default]
+    if lengths and others:
+        _time_attention(bench, model, spec, cache, pages, lengths[0], [("triton", t) for t in others])
 
 
 def _time_attention(bench, model, spec, cache, pages, n, cases) -> None:
