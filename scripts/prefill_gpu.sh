@@ -12,12 +12,12 @@
 #
 #   bash scripts/prefill_gpu.sh long     (the long-prompt attentions against each other, under 7 minutes)
 #     1. the GPU tests of the triton, flash and cudnn attentions against the fp32 reference (4 shapes, chunked,
-#        cached prefix, several segments per call) and of the short steps' CUDA graphs, cut at 110 s;
+#        cached prefix, several segments per call) and of the short steps' CUDA graphs, cut at 150 s;
 #     2. `mimw bench prefill` at 32k and 128k on both shapes: plain SDPA, triton (tiles by head dim), flash
 #        (torch's FlashAttention-2, variable length), cudnn (cuDNN's fused attention), no-attention (the runner's
 #        GEMMs and elementwise kernels alone: TTFT minus it is a row's attention time); then attention alone for the
 #        last 16k-token pass of a 32k prompt (the paged kernel at several tiles) and of a 128k prompt; rows after
-#        210 s skipped (killed at 260 s).
+#        190 s skipped (killed at 240 s).
 #
 # $OUT (default bench/results) receives prefill-tests.log, prefill-bench.log and <stamp>-<gpu>-prefill.{json,md,png};
 # the last lines printed are the tests' verdict, attention alone, and the TTFT/MFU table.
@@ -39,11 +39,11 @@ full)
     bench_rc=$?
     ;;
 long)
-    timeout 110 python3 -m pytest -q -p no:cacheprovider -rfE tests/prefill/test_prefill_gpu.py \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/prefill/test_prefill_gpu.py \
         tests/engine/test_step_graphs_gpu.py -k "triton or flash or cudnn or graph_replays" \
         > "$out/prefill-tests.log" 2>&1
     tests_rc=$?
-    timeout 260 python3 -m mimw.bench.main prefill --out "$out" --deadline-s 210 --lengths 32768,131072 \
+    timeout 240 python3 -m mimw.bench.main prefill --out "$out" --deadline-s 190 --lengths 32768,131072 \
         --impls plain-sdpa,triton,flash,cudnn,no-attention --chunk-sweep '' --no-engine \
         --attention-lengths 32768,131072 \
         ${COMMIT:+--commit "$COMMIT"} > "$out/prefill-bench.log" 2>&1
