@@ -1,5 +1,6 @@
 """The host side of the gathered-pages attentions (``flash``, ``cudnn``): the key index that packs every piece's K/V
-end to end, and the log-sum-exp merge of two partial attentions (CPU; the kernels themselves run in the GPU tests)."""
+end to end, the log-sum-exp merge of two partial attentions, and the wrappers around stand-ins with the libraries'
+documented semantics (CPU; the kernels themselves run in the GPU tests)."""
 import math
 
 import pytest
@@ -51,3 +52,45 @@ def test_cuda_only_attentions_are_refused_on_the_cpu(attention):
     w = random_weights(get_preset("smollm2-135m").with_(num_layers=1), seed=0)
     with pytest.raises(ValueError, match="runs on CUDA only"):
         PrefillRunner(w, PrefillConfig(attention))
+
+
+def _fake_flash(q, k, v, index):
+    """FlashAttention-2's documented semantics in fp32 math: variable length, causal at the bottom right, GQA."""
+    o = torch.empty_like(q)
+    g = q.shape[1] // k.shape[1]
+    for b in range(len(index.k_start) - 1):
+        q0, q1 = int(index.cu_q[b]), int(index.cu_q[b + 1])
+        k0, k1 = index.k_start[b], index.k_start[b + 1]
+        qb = q[q0:q1].transpose(0, 1)
+        kb, vb = (x[k0:k1].repeat_interleave(g, 1).transpose(0, 1) for x in (k, v))
+        s = qb @ kb.transpose(1, 2) / math.sqrt(q.shape[-1])
+        lq, lk = q1 - q0, k1 - k0
+        s = s.masked_fill(torch.arange(lk)[None, :] > torch.arange(lq)[:, None] + (lk - lq), float("-inf"))
+        o[q0:q1] = (torch.softmax(s, -1) @ vb).transpose(0, 1)
+    return o
+
+
+def _fake_cudnn(q, k, v, causal, lse):
+    """cuDNN's: [1, H, L, hd] tensors, the top-left causal mask, the natural log-sum-exp [1, H, L, 1]."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v, (torch.logsumexp(s, -1)[..., None] if lse else None)
+
+
+@pytest.mark.parametrize("impl", ["flash", "cudnn"])
+def test_library_attentions_around_their_kernels_match_the_reference(monkeypatch, impl):
+    """The wrappers (key index, packing, GQA, the prefix merge) around kernels with the libraries' documented
+    semantics give the reference's attention: pieces with and without a prefix, several in one pass."""
+    from mimw.prefill import gathered_attention as ga
+
+    monkeypatch.setattr(ga, "_flash_op", _fake_flash)
+    monkeypatch.setattr(ga, "_cudnn_op", _fake_cudnn)
+    ps, pages, hq, hkv, hd = 4, 40, 6, 2, 8
+    pieces = [Piece(tuple(range(0, 12)), 30, 9), Piece(tuple(range(12, 20)), 0, 17), Piece((20, 21, 22), 5, 1)]
+    batch = PrefillBatch.build(pieces, ps, "cpu")
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(pages, hkv, ps, hd, generator=g), torch.randn(pages, hkv, ps, hd, generator=g)
+    q = torch.randn(batch.num_tokens, hq, hd, generator=g)
+    attend = ga.LibraryAttention(ga.flash_attention if impl == "flash" else ga.cudnn_attention).plan(batch)
+    torch.testing.assert_close(attend(q, k, v), ga.torch_attention(q, k, v, batch), rtol=1e-4, atol=1e-4)

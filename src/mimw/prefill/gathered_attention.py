@@ -122,21 +122,29 @@ def sdpa_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor
     return o
 
 
+def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: KeyIndex) -> torch.Tensor:
+    """torch's FlashAttention-2, variable length: q [T, Hq, hd], k/v [sum ctx, Hkv, hd] -> o [T, Hq, hd]."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, index.cu_q, index.cu_k, index.max_q, index.max_k, 0.0,
+                                                   True, False)[0]
+
+
+def _cudnn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, lse: bool):
+    """cuDNN's fused attention: q [1, H, L, hd], k/v [1, H, S, hd] -> (o [1, H, L, hd], log-sum-exp [1, H, L, 1] or
+    None); ``causal`` is the top-left (square) mask."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse, 0.0, causal, False)
+    return out[0], out[1]
+
+
 def flash_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
                     index: KeyIndex) -> torch.Tensor:
     """FlashAttention-2 (variable length, bottom-right causal, GQA) over every piece's gathered K/V at once."""
-    k, v = index.gather(k_layer, q.dtype), index.gather(v_layer, q.dtype)
-    out = torch.ops.aten._flash_attention_forward(q, k, v, index.cu_q, index.cu_k, index.max_q, index.max_k, 0.0,
-                                                  True, False)
-    return out[0]
+    return _flash_op(q, index.gather(k_layer, q.dtype), index.gather(v_layer, q.dtype), index)
 
 
 def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, lse: bool):
     """q [L, H, hd], k/v [S, H, hd] -> (o [L, H, hd], log-sum-exp [H, L] fp32 or None)."""
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, lse, 0.0, causal, False)
-    o = out[0][0].transpose(0, 1)
-    return o, (out[1].reshape(q.shape[1], q.shape[0]) if lse else None)
+    o, s = _cudnn_op(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, lse)
+    return o[0].transpose(0, 1), (s.reshape(q.shape[1], q.shape[0]) if lse else None)
 
 
 def cudnn_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
