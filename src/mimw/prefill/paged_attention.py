@@ -18,8 +18,8 @@ changes the loader, not the kernel.
 Tiles (``AttentionTiles.for_head_dim``): the fastest measured on the H200 (``mimw bench prefill``'s attention
 sweep, bench/NOTES.md): [128, 128, 4 warps] at hd 64 (379 TFLOP/s, against 280 for [128, 128, 8 warps]) and
 [256, 64, 8 warps] at hd 128 (456, against 346 for [128, 64, 8 warps]), for passes with a piece longer than 128
-rows; shorter passes (decode batches, verify blocks) keep block_m 128. Both fast tiles hold their fp32 accumulator
-and score tile in block_m * (hd + block_n) / (32 * num_warps) = 192 registers a thread; the slower ones in 64-96.
+rows; shorter passes (decode batches, verify blocks) keep block_m 128. Both hold their fp32 accumulator and score
+tile in block_m * (hd + block_n) / (32 * num_warps) = 192 registers a thread, the tiles they replace in 96.
 
 Scores are scaled by log2(e)/sqrt(hd) and exponentiated with exp2, the max taken on the unscaled scores so that
 scale and shift are one FMA a score (not a multiply and a subtract); the running max, sum and accumulator are fp32;
