@@ -63,3 +63,21 @@ def test_verdict_picks_the_best_geomean_over_the_long_cells_and_names_the_losers
     text = verdict({"rows": rows})
     assert "default: flash" in text and "beats plain SDPA" in text
     assert "keep: flash, triton; delete: cudnn" in text  # triton is fastest in two cells
+
+
+def test_the_long_mode_arguments_of_prefill_gpu_sh_are_accepted(capsys):
+    """scripts/prefill_gpu.sh long's bench arguments parse (here, with no GPU, the command stops right after)."""
+    import re
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU this would run the benchmark")
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "prefill_gpu.sh").read_text()
+    block = script[script.index("long)"):]
+    block = block[block.index("mimw.bench.main prefill"):block.index("${COMMIT")]
+    args = re.sub(r'"\$out"', "/tmp/unused", block.replace("\\\n", " ")).split()[1:]
+    args = ["" if a == "''" else a for a in args]
+    assert main(["bench", *args]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
