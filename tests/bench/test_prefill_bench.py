@@ -61,7 +61,7 @@ def test_verdict_picks_the_best_geomean_over_the_long_cells_and_names_the_losers
     rows += [row(m, n, "cudnn", 1.1) for m in ("a", "b") for n in (32768, 131072)]
     rows += [row("a", 2048, "cudnn", 0.1), row("a", 2048, "plain-sdpa", 1.0)]  # short prompts do not count
     text = verdict({"rows": rows})
-    assert "default: flash" in text and "beats plain SDPA" in text
+    assert "default: flash" in text and "beats plain SDPA" in text and "long_attention='flash'" in text
     assert "keep: flash, triton; delete: cudnn" in text  # triton is fastest in two cells
 
 

@@ -48,7 +48,8 @@ def verdict(doc: dict) -> str:
     win = min(gm, key=gm.get)
     best = {c: min(ratio[j, c] for j in ATTENTIONS if (j, c) in ratio) for c in cells}
     keep = {win} | {i for c in cells for i in ATTENTIONS if (i, c) in ratio and ratio[i, c] <= 1.02 * best[c]}
-    lines.append(f"  default: {win} (geomean {gm[win]:.3f}; {'beats' if gm[win] < 1 else 'loses to'} plain SDPA)")
+    lines.append(f"  default: {win} (geomean {gm[win]:.3f}; {'beats' if gm[win] < 1 else 'loses to'} plain SDPA)"
+                 + ("" if win == "triton" else f": PrefillConfig(long_attention={win!r})"))
     lines.append(f"  keep: {', '.join(sorted(keep))}; delete: "
                  + (", ".join(i for i in ATTENTIONS if any(k[0] == i for k in ratio) and i not in keep) or "none"))
     return "\n".join(lines)

@@ -48,16 +48,23 @@ class PrefillConfig:
     """attention: "triton" (mimw's paged kernel), "flash" / "cudnn" / "sdpa" / "flex" (torch's, over gathered pages:
     ``gathered_attention``, ``flex_attention``) or "torch" (the reference's fp32 attention); kernels: "triton" (norm,
     RoPE + append, SwiGLU) or "torch" (the reference's functions); tiles: the paged kernel's (None:
-    ``AttentionTiles.for_head_dim``)."""
+    ``AttentionTiles.for_head_dim``); long_attention: the attention of passes with a piece longer than one query
+    block of the paged kernel (prompt chunks), where ``attention`` keeps the short passes (decode batches, verify
+    blocks: the steps the megakernel backend captures in CUDA graphs, which need the paged kernel's fixed grid);
+    None: ``attention`` for every pass."""
 
     attention: str = "triton"
     kernels: str = "triton"
     max_pass_tokens: int = 16384
     tiles: AttentionTiles | None = None
+    long_attention: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.long_attention is not None and self.long_attention not in ATTENTIONS:
+            raise ValueError(f"long_attention must be one of {', '.join(ATTENTIONS)} or None, "
+                             f"got {self.long_attention!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.max_pass_tokens <= 0:
@@ -99,6 +106,10 @@ class PrefillRunner:
         self.config = config
         self.ops = OPS[config.kernels]
         self.attention = make_attention(config.attention, config.tiles, self.w.device)
+        self.long_attention = (None if config.long_attention is None
+                               else make_attention(config.long_attention, config.tiles, self.w.device))
+        # a pass goes to long_attention when a piece has more rows than one query block of the paged kernel
+        self.short_rows = (config.tiles or AttentionTiles.for_head_dim(self.spec.head_dim)).block_m
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -120,7 +131,8 @@ class PrefillRunner:
         spec, w, ops = self.spec, self.w, self.ops
         eps, t = spec.rms_norm_eps, tokens.numel()
         cos, sin = rope.cos_sin(spec, batch.positions)  # [T, hd/2] fp32, shared by every layer
-        attend = self.attention.plan(batch)
+        long = self.long_attention is not None and max(p.length for p in batch.pieces) > self.short_rows
+        attend = (self.long_attention if long else self.attention).plan(batch)
         x = F.embedding(tokens, w.embed)
         for li, lw in enumerate(w.layers):
             k_layer, v_layer = cache.k[li], cache.v[li]
