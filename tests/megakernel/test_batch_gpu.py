@@ -1,7 +1,8 @@
 """The megakernel's decode batch (``MegakernelDecoder.step_batch``: B sequences, one token each, in one launch) on a
 Hopper GPU against the fp32 reference decoder (marker `gpu`; skipped without CUDA): tools/check.check_batch over 16
-steps, poisoned scratch, repeated launches compared bit for bit, the appended K/V rows checked. 24 cases, ~10-15
-minutes: `scripts/gpu_check.sh` runs them as their own part (PARTS=batches)."""
+steps, poisoned scratch, repeated launches compared bit for bit, the appended K/V rows checked. 40 cases (B = 2..8 on
+wgmma N = 8, 13 and 16 on N = 16), ~8-9 minutes on an H100 (the 24 of B <= 8 took 5): `scripts/gpu_check.sh` runs
+them as their own part (PARTS=batches)."""
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ MODELS = ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"]
 
 
 @pytest.mark.parametrize("context", [17, 1000])
-@pytest.mark.parametrize("batch", [2, 5, 8])
+@pytest.mark.parametrize("batch", [2, 5, 8, 13, 16])
 @pytest.mark.parametrize("model", MODELS)
 def test_decode_batches_match_reference_over_16_steps(model, batch, context):
     """MegakernelDecoder.step_batch: B sequences (contexts context + 3b, their own shuffled pages) advanced by one

@@ -542,13 +542,14 @@ def test_vm_over_an_fp8_cache_matches_the_reference_over_the_same_cache():
     assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))
 
 
-# --- decode batches as the GPU kernel plans them (plan.plan, M = 2..8) ------------------------------------------
+# --- decode batches as the GPU kernel plans them (plan.plan, M = 2..16) -----------------------------------------
 
 BATCH_CASES = [  # (preset, num_sms, page_size, contexts: one segment of one token each)
     ("smollm2-135m", 132, 16, (14, 31)),
     ("smollm2-135m", 1, 64, (62, 1, 127, 30, 5)),
     ("smollm2-135m", 132, 64, (62, 1, 127, 30, 5, 64, 17, 2)),
     ("smollm2-wide", 132, 16, (14, 31, 3, 47, 9)),  # DOWN_PROJ in ticketed column parts
+    ("smollm2-135m", 132, 16, (14, 31, 3, 47, 9, 1, 2, 60, 15, 16, 17, 33, 8, 5, 70, 22)),  # sixteen: MB = 16
 ]
 
 

@@ -3,7 +3,7 @@ segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) 
 only KV element type it accepts for now).
 
 A step of one decode token is one megakernel launch (one CUDA graph replay). A step of several decode tokens runs
-as one launch per sequence, as one launch of the megakernel's decode-batch step (2..8 sequences:
+as one launch per sequence, as one launch of the megakernel's decode-batch step (2..16 sequences:
 ``MegakernelDecoder.step_batch``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend measured
 fastest for that batch size on this GPU (``StepRouter``); every other step (prefill chunks, verify blocks, mixes) is
 one pass of the runner. The runner writes the segments' K/V into the shared cache exactly as the kernel reads it, so

@@ -5,7 +5,7 @@ step per launch of the persistent megakernel, optionally captured in a CUDA grap
     logits = dec.step(token, position, block_table)       # [1, V] fp32, a view into the scratch buffer
     logits = dec.step_batch(tokens, positions, tables)    # [B, V]: B sequences' next tokens in one launch
 With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling the state) and later steps replay it.
-``step_batch`` (B = 2..8, plan.MAX_BATCH) runs a decode batch: one token of each of B sequences, the weights
+``step_batch`` (B = 2..16, plan.MAX_BATCH) runs a decode batch: one token of each of B sequences, the weights
 streamed once (swap-AB wgmma, device/matvec_mt.py). Each B has its own plan, compiled kernel, step state and scratch
 (one program per B, built on first use); all share the packed weights.
 """
