@@ -8,7 +8,7 @@ also records one traced step per cell and prints its per-instruction summary (to
 batch's time goes. Prints a table and writes JSON to ``$OUT/batch_step.json`` when $OUT is set.
 
     PYTHONPATH=src python3 -m mimw.megakernel.tools.batch_step [--models llama-3.2-1b,llama-3.1-8b]
-        [--batches 1,8] [--context 1024] [--tunings "default;ring=5"] [--trace]
+        [--batches 1,2,8,16] [--context 1024] [--tunings "default;ring=5"] [--trace]
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def measure(model: str, batches: list[int], context: int, bw: float, page_size: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default="1,2,8,16")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tunings", default="default", help="';'-separated Tuning overrides (tools/variants.py syntax)")
     ap.add_argument("--trace", action="store_true", help="also trace one step per cell and print its summary")
