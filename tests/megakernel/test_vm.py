@@ -27,6 +27,7 @@ from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.megakernel import isa
 from mimw.megakernel.ops import CLASSES
 from mimw.megakernel.ops.attn_in import AttnIn
+from mimw.megakernel.launch.one_token import split_segments
 from mimw.megakernel.ops.attn_partial import AttnPartial
 from mimw.megakernel.plan import Tuning, plan
 from mimw.megakernel.program import ProgramConfig, StepShape, build_program, cluster_mate_errors
@@ -562,6 +563,31 @@ def test_vm_proves_the_decode_batch_programs_the_plan_builds(name, num_sms, page
     prog = _vm_against_reference(name, num_sms, page_size, seg_lens, contexts, p.program.config)
     assert not any(i.flags & isa.CLUSTER_PAIR for i in prog.instructions())
     assert prog.down_parts == p.program.down_parts == 2
+
+
+@pytest.mark.parametrize("num_sms", [132, 7])
+def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_the_blocks(num_sms):
+    """A verify block of 4, one of 3 and a decode token (8 one-token segments: the plan of a decode batch of 8),
+    two steps in a row, each in several random interleavings: every token's logits and the cache equal the
+    reference's over the real segments."""
+    lens = (4, 3, 1)
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, (37, 15, 60), 2 * max(lens), 11)
+    p = plan(spec, num_sms, StepShape((1,) * sum(lens)))
+    dec = VMDecoder(spec, w, vm_cache, num_sms, StepShape((1,) * sum(lens)), p.program.config)
+    starts = [37, 15, 60]
+    for step in range(2):
+        segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]
+        tokens = torch.randint(0, spec.vocab_size, (sum(lens),), generator=g)
+        want = ref.forward(tokens, segs, ref_cache)
+        one = split_segments(segs)
+        for rep in range(3):
+            dec.state.fill(tokens.tolist(), one.positions, one.block_tables, dec.program.shape.seg_lens, one.firsts)
+            dec.vm.run_step(dec.state, dec.scratch, random.Random(10 * step + rep))
+            got = dec.scratch.logits[list(one.logit_rows)]
+            assert rel_err(got, want) <= 1e-5, f"step {step}, interleaving {rep}: {rel_err(got, want):.2e}"
+        assert dec.state.seg_new.tolist() == list(one.firsts)
+        starts = [s + n for s, n in zip(starts, lens)]
+    assert rel_err(vm_cache.k, ref_cache.k) <= 1e-5 and rel_err(vm_cache.v, ref_cache.v) <= 1e-5
 
 
 @pytest.mark.parametrize("parts,num_sms", [(2, 7), (3, 132), (4, 1)])

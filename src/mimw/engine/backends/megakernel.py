@@ -1,15 +1,17 @@
-"""The megakernel backend: decode tokens run on the persistent Gluon megakernel (Hopper, bf16), multi-token
-segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the
-only KV element type it accepts for now).
+"""The megakernel backend: decode tokens and short multi-token steps run on the persistent Gluon megakernel
+(Hopper, bf16), prefill chunks on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the only KV
+element type it accepts for now).
 
 A step of one decode token is one megakernel launch (one CUDA graph replay). A step of several decode tokens runs
-as one launch per sequence, as one launch of the megakernel's decode-batch step (2..16 sequences:
-``MegakernelDecoder.step_batch``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend measured
-fastest for that batch size on this GPU (``StepRouter``); every other step (prefill chunks, verify blocks, mixes) is
-one pass of the runner. The runner writes the segments' K/V into the shared cache exactly as the kernel reads it, so
-decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once here for the prefill
-path's GEMMs, and the megakernel packs its own tile-major copy from row views of them (launch/pack.py): the GPU holds
-the weights twice, row-major and tile-major. Invariants are those of ``Backend``.
+as one launch per sequence, as one launch of the megakernel's multi-token step (2..plan.MAX_BATCH tokens:
+``MegakernelDecoder.step_segments``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend
+measured fastest for that token count on this GPU (``StepRouter``). A step with verify blocks (or short chunks) of
+2..MAX_BATCH tokens in all runs on the multi-token step or one pass, measured the same way (no replays: they are
+one token's); longer steps are one pass of the runner. The runner writes the segments' K/V into the shared cache
+exactly as the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v,
+gate/up) once here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of
+them (launch/pack.py): the GPU holds the weights twice, row-major and tile-major. Invariants are those of
+``Backend``.
 """
 from __future__ import annotations
 
@@ -63,18 +65,20 @@ class MegakernelBackend(Backend):
         return self._dec
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        for (path, batch), ms in self._timer.completed():
-            self.router.observe(path, batch, ms)
-        if not all(s.length == 1 and s.num_logits == 1 for s in segments):
-            return self.prefill.forward(tokens, segments, cache)
         from ...megakernel.plan import MAX_BATCH
 
-        whole = (KERNEL, BATCHED) if len(segments) <= MAX_BATCH else (BATCHED,)
-        path = self.router.choose(len(segments), whole)
+        for (path, batch), ms in self._timer.completed():
+            self.router.observe(path, batch, ms)
+        m = int(tokens.numel())
+        decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
+        if not decode and not 2 <= m <= MAX_BATCH:  # prefill chunks: the prefill path
+            return self.prefill.forward(tokens, segments, cache)
+        whole = (KERNEL, BATCHED) if m <= MAX_BATCH else (BATCHED,)
+        path = self.router.choose(m, whole, replays=decode)
         start = self._timer.start()
         step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
         out = step(tokens, segments, cache)
-        self._timer.stop(start, (path, len(segments)))
+        self._timer.stop(start, (path, m))
         return out
 
     def decode_replays(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -86,10 +90,15 @@ class MegakernelBackend(Backend):
                           for i, s in enumerate(segments)])
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Single-token segments (2..plan.MAX_BATCH of them) as one launch of the megakernel's decode-batch step."""
-        out = self._decoder(cache).step_batch(tokens.tolist(), [s.start for s in segments],
-                                              [s.block_table for s in segments])
-        return out.to(torch.float32, copy=True)  # the batch decoder's logits buffer: the next launch overwrites it
+        """Segments of 2..plan.MAX_BATCH tokens in all (decode tokens, verify blocks, short chunks) as one launch
+        of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py)."""
+        from ...megakernel.launch.one_token import split_segments
+
+        out = self._decoder(cache).step_segments(tokens.tolist(), segments)
+        rows = split_segments(segments).logit_rows
+        if len(rows) == out.shape[0]:
+            return out.to(torch.float32, copy=True)  # the decoder's logits buffer: the next launch overwrites it
+        return out[list(rows)].to(torch.float32)
 
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Any segments as one pass of the prefill path."""
