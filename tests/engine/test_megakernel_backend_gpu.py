@@ -78,9 +78,10 @@ def test_megakernel_backend_batch_step_matches_the_reference_and_single_steps():
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_megakernel_backend_verify_step_matches_the_reference_on_both_of_its_paths():
-    """A step of two verify blocks and a decode token (8 tokens, every block token's logits) through the backend
-    several times: the router tries the megakernel's multi-token step and the prefill pass (never replays), and
-    every run's logits track the reference's over the same segments."""
+    """A step of two verify blocks and a decode token (7 tokens, every block token's logits; the multi-token step
+    pads it to 8 on the backend's own page) through the backend several times: the router tries the megakernel's
+    multi-token step and the prefill pass (never replays), and every run's logits track the reference's over the
+    same segments."""
     from mimw.engine.backends.megakernel import MegakernelBackend
     from mimw.engine.backends.reference import ReferenceBackend
     from mimw.engine.backends.step_router import KERNEL, REPLAY
@@ -96,13 +97,13 @@ def test_megakernel_backend_verify_step_matches_the_reference_on_both_of_its_pat
         p = torch.randint(spec.vocab_size, (n,), generator=g)
         mk.forward(p, [Segment(t, 0, n)], mk_cache)
         ref.forward(p, [Segment(t, 0, n)], ref_cache)
-    segs = [Segment(tables[0], 40, 4, 4), Segment(tables[1], 9, 3, 3), Segment(tables[2], 77, 1, 1)]
-    toks = torch.randint(spec.vocab_size, (8,), generator=g)
+    segs = [Segment(tables[0], 40, 4, 4), Segment(tables[1], 9, 2, 2), Segment(tables[2], 77, 1, 1)]
+    toks = torch.randint(spec.vocab_size, (7,), generator=g)
     want = ref.forward(toks, segs, ref_cache)
     for _ in range(6):  # the same block again (rewriting the same rows): warm-up and a measure of each path
         got = mk.forward(toks, segs, mk_cache)
-        assert got.shape == want.shape == (8, spec.vocab_size)
+        assert got.shape == want.shape == (7, spec.vocab_size)
         assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
-        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 7 / 8
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 6 / 7
     assert 8 in mk.router.step_ms[KERNEL] and 8 in mk.router.batched_ms and mk.router.replay_ms is None
     assert REPLAY not in mk.router.step_ms

@@ -37,16 +37,20 @@ def test_decode_batches_match_reference_over_16_steps(model, batch, context):
 VERIFY_MIXES = [(4, 3, 1), (8,), (2, 2, 2, 2), (16,), (9, 6, 1)]  # the last two on wgmma N = 16
 
 
-@pytest.mark.parametrize("lens", VERIFY_MIXES, ids=lambda v: "x".join(map(str, v)))
+@pytest.mark.parametrize("lens,padded", [(v, False) for v in VERIFY_MIXES] + [((4, 2, 1), True), ((9, 3), True)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else ("padded" if v else "exact"))
 @pytest.mark.parametrize("model", MODELS)
-def test_verify_blocks_match_reference_over_8_steps(model, lens):
+def test_verify_blocks_match_reference_over_8_steps(model, lens, padded):
     """MegakernelDecoder.step_segments: verify blocks (every token's logits) mixed with decode tokens, run as
     one-token segments (launch/one_token.py): a block's token i attends to the rows its tokens 0..i-1 store in the
-    same launch, which attention's prefetch must not read before its wait (state.seg_new). Against the fp32 oracle
-    over the real segments, bounds as above; repeated launches bit-identical."""
+    same launch, which attention's prefetch must not read before its wait (state.seg_new); padded (7 tokens as
+    the bucket of 8, 12 as 16) by a block on a page of its own. Against the fp32 oracle over the real segments,
+    bounds as above; repeated launches bit-identical; every cache row but the appended ones (and the padding's
+    page) unchanged."""
     from mimw.megakernel.tools.check import check_segments
 
-    r = check_segments(get_preset(model), lens, 1000, steps=8)
+    r = check_segments(get_preset(model), lens, 1000, steps=8, padded=padded)
+    assert r.others_intact, r
     assert r.finite, r
     assert r.bit_identical, f"repeated launches differ (race): {r}"
     assert r.max_rel_err <= max(2e-2, 2 * r.bf16_rel_err), r

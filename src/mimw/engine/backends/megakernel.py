@@ -15,6 +15,7 @@ them (launch/pack.py): the GPU holds the weights twice, row-major and tile-major
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -47,6 +48,8 @@ class MegakernelBackend(Backend):
         self._dec = None  # built on the first decode, for the cache the engine made
         self.router = StepRouter()
         self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
+        # cache -> the page past the caller's that padding rows write (weak: a cache's entry dies with it)
+        self._pad_pages: weakref.WeakKeyDictionary[PagedKVCache, int] = weakref.WeakKeyDictionary()
 
     @property
     def device(self) -> torch.device:
@@ -55,6 +58,13 @@ class MegakernelBackend(Backend):
     @property
     def kv_dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
+        """``num_pages`` pages for the caller, and one more past them that no sequence owns: the multi-token step
+        pads M tokens to their bucket with rows on it (megakernel/launch/one_token.py)."""
+        cache = super().make_cache(page_size, num_pages + 1)
+        self._pad_pages[cache] = num_pages
+        return cache
 
     def _decoder(self, cache: PagedKVCache):
         from ...megakernel.launch.decoder import MegakernelDecoder
@@ -91,12 +101,14 @@ class MegakernelBackend(Backend):
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Segments of 2..plan.MAX_BATCH tokens in all (decode tokens, verify blocks, short chunks) as one launch
-        of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py)."""
+        of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py), padded to the
+        bucket of its tokens where the cache is this backend's (one kernel and graph a bucket, not a token count)."""
         from ...megakernel.launch.one_token import split_segments
 
-        out = self._decoder(cache).step_segments(tokens.tolist(), segments)
+        pad_page = self._pad_pages.get(cache)  # a cache this backend made: padded to the bucket of its tokens
+        out = self._decoder(cache).step_segments(tokens.tolist(), segments, pad_page)
         rows = split_segments(segments).logit_rows
-        if len(rows) == out.shape[0]:
+        if rows == tuple(range(out.shape[0])):
             return out.to(torch.float32, copy=True)  # the decoder's logits buffer: the next launch overwrites it
         return out[list(rows)].to(torch.float32)
 

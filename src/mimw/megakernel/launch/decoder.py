@@ -188,13 +188,16 @@ class MegakernelDecoder:
         logits [B, V] fp32, a view into that batch decoder's scratch."""
         return self._run_batch(tokens, positions, block_tables, None)
 
-    def step_segments(self, tokens: Sequence[int], segments: Sequence[Segment]) -> torch.Tensor:
+    def step_segments(self, tokens: Sequence[int], segments: Sequence[Segment],
+                      pad_page: int | None = None) -> torch.Tensor:
         """Any segments (decode tokens, verify blocks; M = 2..plan.MAX_BATCH tokens in all, concatenated in segment
-        order; one segment a sequence) in one launch, as M one-token segments (one_token.py). Returns every
-        token's logits [M, V] fp32, a view into that decoder's scratch (``split_segments(...).logit_rows`` are the
-        rows the segments' ``num_logits`` ask for)."""
-        one = split_segments(segments)
-        return self._run_batch(tokens, one.positions, one.block_tables, one.firsts)
+        order; one segment a sequence) in one launch, as one-token segments (one_token.py); with ``pad_page`` (a page
+        of the cache no sequence owns) padded to the bucket of M tokens, so that a bucket's plan, kernel and graph
+        serve all its M. Returns the logits of every token the step ran [N, V] fp32, the segments' first (a view into
+        that decoder's scratch; ``split_segments(...).logit_rows`` are the rows the segments' ``num_logits`` ask
+        for)."""
+        one = split_segments(segments, pad_page, self.cache.layout.page_size)
+        return self._run_batch(list(tokens) + [0] * one.padding, one.positions, one.block_tables, one.firsts)
 
     def _run_batch(self, tokens, positions, block_tables, firsts) -> torch.Tensor:
         dec = self.batch_decoder(len(tokens))
