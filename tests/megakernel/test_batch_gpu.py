@@ -16,7 +16,7 @@ MODELS = ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"]
 
 
 @pytest.mark.parametrize("context", [17, 1000])
-@pytest.mark.parametrize("batch", [2, 5, 8, 13, 16])
+@pytest.mark.parametrize("batch", [2, 5, 8, 13, 16, 32])
 @pytest.mark.parametrize("model", MODELS)
 def test_decode_batches_match_reference_over_16_steps(model, batch, context):
     """MegakernelDecoder.step_batch: B sequences (contexts context + 3b, their own shuffled pages) advanced by one
@@ -24,8 +24,11 @@ def test_decode_batches_match_reference_over_16_steps(model, batch, context):
     sequence's logits against the fp32 oracle, repeated launches bit-identical, the appended K/V rows equal to the
     oracle's; each error within 2e-2 (1e-2 for the rows) or twice the bf16 reference's own, whichever is larger;
     argmax the oracle's up to near-ties."""
+    from mimw.megakernel.plan import max_tokens
     from mimw.megakernel.tools.check import check_batch
 
+    if batch > max_tokens(get_preset(model)):
+        pytest.skip(f"{model} plans at most {max_tokens(get_preset(model))} tokens a step")
     r = check_batch(get_preset(model), batch, context, steps=16)
     assert r.finite, r
     assert r.bit_identical, f"repeated launches differ (race): {r}"

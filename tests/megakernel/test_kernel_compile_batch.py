@@ -44,6 +44,13 @@ def test_sixteen_tokens_compile_spill_free_on_wgmma_n16(model):
     assert p.program.down_parts == (4 if model == "llama-3.1-8b" else 2)
 
 
+def test_thirty_two_tokens_compile_spill_free_on_wgmma_n32_where_they_fit():
+    p, k, rep = _build("llama-3.2-1b", 32)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.constants.MB == 32 and p.program.down_parts == 4
+    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in k.asm["ptx"]
+
+
 def test_a_smaller_batch_compiles_too():
     p, k, rep = _build("smollm2-135m", 3)
     assert rep["spill_stores"] == 0 and k.metadata.shared <= SHARED_BYTES

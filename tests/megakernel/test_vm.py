@@ -551,6 +551,7 @@ BATCH_CASES = [  # (preset, num_sms, page_size, contexts: one segment of one tok
     ("smollm2-135m", 132, 64, (62, 1, 127, 30, 5, 64, 17, 2)),
     ("smollm2-wide", 132, 16, (14, 31, 3, 47, 9)),  # DOWN_PROJ in ticketed column parts
     ("smollm2-135m", 132, 16, (14, 31, 3, 47, 9, 1, 2, 60, 15, 16, 17, 33, 8, 5, 70, 22)),  # sixteen: MB = 16
+    ("smollm2-135m", 132, 16, tuple(range(3, 99, 3))),  # thirty-two: MB = 32
 ]
 
 

@@ -13,8 +13,8 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
   * ATTN_PARTIAL's warps merge their softmax states through the staging buffer where it holds them (else through
     Triton's reductions over the warp axis);
   * the release hold's marks on the words (hold.py);
-  * a multi-token step (a decode batch of M = 2..16 sequences, one token each): the tokens padded to MB = 8 or 16
-    (wgmma's N: ``token_rows``), the staging buffer MB bf16 rows a 32-column chunk and a norm's weights beside it,
+  * a multi-token step (M = 2..``max_tokens`` one-token segments: decode tokens, a verify block's tokens): the
+    tokens padded to MB = 8, 16 or 32 (wgmma's N: ``token_rows``), the staging buffer MB bf16 rows a 32-column chunk and a norm's weights beside it,
     no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ
     in ticketed column parts: at least two, and as few as let its staged input fit beside a ring of
     ``MIN_RING_MT`` slots.
@@ -40,7 +40,8 @@ SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90
 SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers:
 # ~4.3 KB in the default kernels); every kernel the compile tests build is checked to fit
 MMA_K = 32  # columns of a folded tile row (device/matvec.dot_tile): two k16 steps of mma.sync
-MAX_BATCH = 16  # the most tokens a multi-token step plans (swap-AB: the tokens are wgmma's N, 8 or 16)
+MAX_BATCH = 32  # the most tokens a multi-token step plans (swap-AB: the tokens are wgmma's N, 8, 16 or 32); fewer
+# where the staged input of that many does not fit (``max_tokens``: the 8B shapes' 4096 columns, 16)
 MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its staging buffer
 
 
@@ -231,8 +232,22 @@ def check(spec: ModelSpec, t: Tuning) -> None:
 
 
 def token_rows(m: int) -> int:
-    """MB, the rows a multi-token step pads its M tokens to: wgmma's N, 8 up to eight tokens, else 16."""
-    return 8 if m <= 8 else 16
+    """MB, the rows a multi-token step pads its M tokens to: wgmma's N, 8 up to eight tokens, 16 up to sixteen,
+    else 32."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
+
+
+def max_tokens(spec: ModelSpec, tuning: Tuning = Tuning()) -> int:
+    """The most tokens a multi-token step of ``spec`` plans: MAX_BATCH, or the largest wgmma N (16, 8) whose staged
+    input fits in shared memory; 1 where the GPU kernel runs no multi-token step (16-row tiles)."""
+    t = tuning.resolve(spec)
+    for m in (MAX_BATCH, 16, 8):
+        try:
+            multi_token(spec, StepShape((1,) * m), t)
+            return m
+        except ValueError:
+            continue
+    return 1
 
 
 def norm_buffer_bytes(spec: ModelSpec, t: Tuning) -> int:
@@ -249,8 +264,8 @@ def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, i
     GPU kernel does not run."""
     m = shape.num_tokens
     if any(n != 1 for n in shape.seg_lens) or m > MAX_BATCH:
-        raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or a decode batch of "
-                         f"2..{MAX_BATCH} sequences of one token each (verify blocks run on the VM only)")
+        raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or 2..{MAX_BATCH} "
+                         "one-token segments (a verify block runs as one-token segments: launch/one_token.py)")
     if t.tile_rows != 32 or t.tile_k % 64:
         raise ValueError(f"a multi-token step needs [32, 256]-style tiles (a chunk pair is wgmma's 64-row A), got "
                          f"[{t.tile_rows}, {t.tile_k}] (head_dim {spec.head_dim})")

@@ -3,10 +3,10 @@
 element type it accepts for now).
 
 A step of one decode token is one megakernel launch (one CUDA graph replay). A step of several decode tokens runs
-as one launch per sequence, as one launch of the megakernel's multi-token step (2..plan.MAX_BATCH tokens:
+as one launch per sequence, as one launch of the megakernel's multi-token step (2..plan.max_tokens tokens:
 ``MegakernelDecoder.step_segments``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend
 measured fastest for that token count on this GPU (``StepRouter``). A step with verify blocks (or short chunks) of
-2..MAX_BATCH tokens in all runs on the multi-token step or one pass, measured the same way (no replays: they are
+2..max_tokens tokens in all runs on the multi-token step or one pass, measured the same way (no replays: they are
 one token's); longer steps are one pass of the runner. The runner writes the segments' K/V into the shared cache
 exactly as the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v,
 gate/up) once here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of
@@ -47,6 +47,10 @@ class MegakernelBackend(Backend):
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
         self.router = StepRouter()
+        from ...megakernel.plan import max_tokens
+
+        # the most tokens the megakernel's multi-token step runs for this model (plan.max_tokens: 32, the 8B's 16)
+        self.max_tokens = max_tokens(weights.spec)
         self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
         # cache -> the page past the caller's that padding rows write (weak: a cache's entry dies with it)
         self._pad_pages: weakref.WeakKeyDictionary[PagedKVCache, int] = weakref.WeakKeyDictionary()
@@ -75,15 +79,13 @@ class MegakernelBackend(Backend):
         return self._dec
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        from ...megakernel.plan import MAX_BATCH
-
         for (path, batch), ms in self._timer.completed():
             self.router.observe(path, batch, ms)
         m = int(tokens.numel())
         decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
-        if not decode and not 2 <= m <= MAX_BATCH:  # prefill chunks: the prefill path
+        if not decode and not 2 <= m <= self.max_tokens:  # prefill chunks: the prefill path
             return self.prefill.forward(tokens, segments, cache)
-        whole = (KERNEL, BATCHED) if m <= MAX_BATCH else (BATCHED,)
+        whole = (KERNEL, BATCHED) if m <= self.max_tokens else (BATCHED,)
         path = self.router.choose(m, whole, replays=decode)
         start = self._timer.start()
         step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
@@ -100,7 +102,7 @@ class MegakernelBackend(Backend):
                           for i, s in enumerate(segments)])
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Segments of 2..plan.MAX_BATCH tokens in all (decode tokens, verify blocks, short chunks) as one launch
+        """Segments of 2..plan.max_tokens tokens in all (decode tokens, verify blocks, short chunks) as one launch
         of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py), padded to the
         bucket of its tokens where the cache is this backend's (one kernel and graph a bucket, not a token count)."""
         from ...megakernel.launch.one_token import split_segments

@@ -6,7 +6,7 @@ step per launch of the persistent megakernel, optionally captured in a CUDA grap
     logits = dec.step_batch(tokens, positions, tables)    # [B, V]: B sequences' next tokens in one launch
     logits = dec.step_segments(tokens, segments)          # [M, V]: decode tokens and verify blocks, M tokens in all
 With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling the state) and later steps replay it.
-``step_batch`` (B = 2..16, plan.MAX_BATCH) runs a decode batch: one token of each of B sequences, the weights
+``step_batch`` (B = 2..plan.max_tokens: 32, the 8B shapes 16) runs a decode batch: one token of each of B sequences, the weights
 streamed once (swap-AB wgmma, device/matvec_mt.py). ``step_segments`` runs any segments of M tokens in all (verify
 blocks included) as M one-token segments (one_token.py). Each M has its own plan, compiled kernel, step state and
 scratch (one program per M, built on first use); all share the packed weights.
@@ -184,13 +184,13 @@ class MegakernelDecoder:
     def step_batch(self, tokens: Sequence[int], positions: Sequence[int],
                    block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """A decode batch in one launch: token b of sequence b at ``positions[b]`` through ``block_tables[b]``
-        (B = 1..plan.MAX_BATCH sequences, each page that receives a new row private to its sequence). Returns
+        (B = 1..plan.max_tokens sequences, each page that receives a new row private to its sequence). Returns
         logits [B, V] fp32, a view into that batch decoder's scratch."""
         return self._run_batch(tokens, positions, block_tables, None)
 
     def step_segments(self, tokens: Sequence[int], segments: Sequence[Segment],
                       pad_page: int | None = None) -> torch.Tensor:
-        """Any segments (decode tokens, verify blocks; M = 2..plan.MAX_BATCH tokens in all, concatenated in segment
+        """Any segments (decode tokens, verify blocks; M = 2..plan.max_tokens tokens in all, concatenated in segment
         order; one segment a sequence) in one launch, as one-token segments (one_token.py); with ``pad_page`` (a page
         of the cache no sequence owns) padded to the bucket of M tokens, so that a bucket's plan, kernel and graph
         serve all its M. Returns the logits of every token the step ran [N, V] fp32, the segments' first (a view into
