@@ -9,19 +9,30 @@ This script times the megakernel backend's step (``MegakernelBackend.forward``: 
 token; for a decode batch the faster of B replays of the M = 1 megakernel and one pass of its prefill path, as its
 ``StepRouter`` measured them; the prefill path for verify blocks) and, for decode
 batches, both paths alone (``decode_replays``, ``decode_pass``), for B in ``--batch`` and verify blocks of K in
-``--verify``; the reference backend as a peer where asked. Every segment has its own pages, filled with random K/V;
-weights are random at the preset's shape. The two paths' logits are checked against each other (argmax agreement
-and the largest relative error) before anything is timed.
+``--verify``. Every segment has its own pages, filled with random K/V; weights are random at the preset's shape.
+The two paths' logits are checked against each other (argmax agreement and the largest relative error) before
+anything is timed.
 
-    mimw bench steps --model llama-3.2-1b,llama-3.1-8b --context 1024 --out $OUT
+``--peers`` times the same step, same tokens, positions and cache contents, through peers (``peers/batched_peers.py``):
+``reference`` (mimw's reference decoder, for scale), ``torch-graph`` (a gpt-fast-style batched PyTorch decoder in a
+CUDA graph) and ``torch-compile`` (the same module through Inductor max-autotune, in a CUDA graph), each built for
+the step's shape inside the run and checked against the backend's logits (``<peer>_max_rel_err``,
+``<peer>_argmax_agree``) before it is timed (``<peer>_ms``). ``--peer-budget-s`` caps the seconds each peer may take
+per model (compiling the 8B takes minutes a shape); shapes past it keep the other numbers and say why that peer is
+missing. The JSON and the tables (``steps_report.markdown``), rewritten after every shape, and a chart of ms per
+step versus tokens per step land in ``--out`` as ``<stamp>-batch-steps.json/.md/.png``.
+
+    mimw bench steps --model llama-3.2-1b,llama-3.1-8b --context 1024 --peers torch-graph --out $OUT
     (or PYTHONPATH=src python3 -m mimw.bench.batch_steps ... from a source tree)
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Sequence
 
@@ -32,6 +43,9 @@ from ..models.spec import get_preset
 from ..models.weights import random_weights
 from .bandwidth import measure_read_bandwidth
 from .floor import floor_ms
+from .peers.base import Unavailable
+from .peers.batched_peers import PEERS, StepInputs, build_peer, parse_peers
+from .steps_report import markdown, write_chart
 from .timing import time_steps
 
 
@@ -47,14 +61,79 @@ def step_floor_bytes(spec, segments: Sequence[Segment], kv_bytes_per_token: int)
     return spec.decode_weight_bytes() + sum(s.start + s.length for s in segments) * kv_bytes_per_token
 
 
+def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(largest |x - ref| over the largest |ref|, fraction of rows whose argmax agrees) of two [rows, V] logits."""
+    x, ref = x.float(), ref.float()
+    return ((x - ref).abs().max() / ref.abs().max()).item(), (x.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+
+def measure_mimw(row: dict, mk, inp: StepInputs, device: torch.device, budget_s: float) -> torch.Tensor | None:
+    """Time the backend's step into ``row`` (``mimw_ms``; for a decode batch also its two paths alone, checked
+    against each other); return its logits, what every peer is checked against (None and ``row["error"]`` if the
+    step failed: one shape failing must not lose the others' rows)."""
+    toks, segs, cache = inp.tokens, list(inp.segments), inp.cache
+    try:
+        if row["kind"] == "decode" and len(segs) > 1:
+            a = mk.decode_pass(toks, segs, cache)
+            r = mk.decode_replays(toks, segs, cache)
+            row["max_rel_err"], row["argmax_agree"] = compare(a, r)
+            row["replay_ms"] = time_steps(lambda: mk.decode_replays(toks, segs, cache), device, 50,
+                                          budget_s=budget_s).median_ms
+            row["batched_ms"] = time_steps(lambda: mk.decode_pass(toks, segs, cache), device, 50,
+                                           budget_s=budget_s).median_ms
+        ref = mk.forward(toks, segs, cache).float().clone()
+        row["mimw_ms"] = time_steps(lambda: mk.forward(toks, segs, cache), device, 50, budget_s=budget_s).median_ms
+        return ref
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def measure_peer(row: dict, name: str, weights, inp: StepInputs, ref: torch.Tensor | None, device: torch.device,
+                 budget_s: float) -> None:
+    """Build peer ``name`` for this step, check its logits against ``ref`` (mimw's, same inputs) and time it, into
+    ``row`` as ``<name>_build_s``, ``_notes``, ``_max_rel_err``, ``_argmax_agree``, ``_ms``; or ``<name>_error``
+    (an unavailable peer or a failure loses this peer's entries only)."""
+    peer = None
+    try:
+        t0 = time.monotonic()
+        peer = build_peer(name, weights, inp)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        row[f"{name}_build_s"] = round(time.monotonic() - t0, 2)
+        row[f"{name}_notes"] = peer.notes
+        peer.step()
+        if ref is not None:
+            row[f"{name}_max_rel_err"], row[f"{name}_argmax_agree"] = compare(peer.logits(), ref)
+        row[f"{name}_ms"] = time_steps(peer.step, device, 20 if name == "reference" else 50,
+                                       budget_s=budget_s).median_ms
+    except Unavailable as e:
+        row[f"{name}_error"] = f"unavailable: {e}"
+    except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others' entries
+        row[f"{name}_error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    finally:
+        if peer is not None:
+            peer.release()
+        del peer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3.2-1b,llama-3.1-8b", help="presets (random weights), comma-separated")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--batch", default="1,2,4,8,16,32,64", help="decode batch sizes")
     p.add_argument("--verify", default="4,8,16", help="verify block lengths (one segment each, then 4 segments)")
-    p.add_argument("--peers", default="", help="also time these backends: reference")
+    p.add_argument("--peers", default="", metavar="NAME[,...]",
+                   help=f"also time these on every step shape, each checked against mimw's logits: {', '.join(PEERS)}"
+                        " (torch-compile compiles and autotunes every shape: expect minutes a model; --peer-budget-s)")
+    p.add_argument("--peer-budget-s", type=float, default=0.0, metavar="S",
+                   help="per model and peer: build that peer for no further shape once it has taken S seconds "
+                        "(0: no limit); the shapes after that keep the other numbers and say why it is missing")
     p.add_argument("--budget-s", type=float, default=0.5, help="timing seconds per step shape")
-    p.add_argument("--out", default=".", help="directory for the JSON")
+    p.add_argument("--out", default=".", help="directory for the JSON, markdown and chart")
 
 
 def add_parser(sub) -> None:
@@ -70,81 +149,79 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        peers = parse_peers(args.peers)
+    except ValueError as e:
+        print(f"mimw bench steps: error: --peers: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("mimw bench steps: needs a Hopper GPU (the megakernel backend); none is available here",
               file=sys.stderr)
         return 1
     from ..engine.backends.megakernel import MegakernelBackend
-    from ..engine.backends.reference import ReferenceBackend
 
     device = torch.device("cuda")
-    batches = [int(b) for b in args.batch.split(",") if b.strip()]
-    blocks = [int(k) for k in args.verify.split(",") if k.strip()]
     bw = measure_read_bandwidth()
-    rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / f"{time.strftime('%Y%m%d-%H%M', time.gmtime())}-batch-steps"
+    json_path, md_path = base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
+    doc = {"gpu": torch.cuda.get_device_name(device), "read_TBps": bw.tbps, "torch": torch.__version__,
+           "context": args.context, "peers": list(peers), "command": " ".join(sys.argv), "rows": []}
+
+    def emit(row: dict) -> None:
+        doc["rows"].append(row)
+        print(f"[batch_steps] {json.dumps(row)}", file=sys.stderr, flush=True)
+        json_path.write_text(json.dumps(doc, indent=1))  # after every shape: a run cut short keeps its rows
+        md_path.write_text(markdown(doc))
+
     for model in [m.strip() for m in args.model.split(",") if m.strip()]:
         spec = get_preset(model)
         weights = random_weights(spec, seed=0, dtype=torch.bfloat16, device=device)
-        mk = MegakernelBackend(weights)
-        peers = {"reference": ReferenceBackend(weights)} if "reference" in args.peers else {}
-        page = 16
-        per_seq = -(-(args.context + max(blocks + [1]) + 1) // page)
-        n_seq = max(batches + [4])
-        cache = mk.make_cache(page, per_seq * n_seq)
-        g = torch.Generator(device=device).manual_seed(0)
-        cache.k.normal_(generator=g)
-        cache.v.normal_(generator=g)
-        kvb = cache.layout.bytes_per_token()
-        gen = torch.Generator().manual_seed(1)
-        shapes = [("decode", b, 1) for b in batches] + [("verify", s, k) for k in blocks for s in (1, 4)]
-        for kind, nseg, k in shapes:
-            segs = step_segments(nseg, k, args.context, per_seq)
-            toks = torch.randint(1, spec.vocab_size, (nseg * k,), generator=gen).to(device)
-            row = {"model": model, "kind": kind, "segments": nseg, "block": k, "context": args.context,
-                   "tokens": nseg * k, "floor_ms": floor_ms(step_floor_bytes(spec, segs, kvb), bw.bytes_per_s)}
-            try:
-                if kind == "decode" and nseg > 1:  # the two paths of a decode batch, checked against each other
-                    a = mk.decode_pass(toks, segs, cache)
-                    r = mk.decode_replays(toks, segs, cache)
-                    row["argmax_agree"] = (a.argmax(-1) == r.argmax(-1)).float().mean().item()
-                    row["max_rel_err"] = ((a - r).abs().max() / r.abs().max()).item()
-                    row["replay_ms"] = time_steps(lambda: mk.decode_replays(toks, segs, cache), device, 50,
-                                                  budget_s=args.budget_s).median_ms
-                    row["batched_ms"] = time_steps(lambda: mk.decode_pass(toks, segs, cache), device, 50,
-                                                   budget_s=args.budget_s).median_ms
-                row["mimw_ms"] = time_steps(lambda: mk.forward(toks, segs, cache), device, 50,
-                                            budget_s=args.budget_s).median_ms
-                for name, be in peers.items():
-                    row[f"{name}_ms"] = time_steps(lambda: be.forward(toks, segs, cache), device, 20,
-                                                   budget_s=args.budget_s).median_ms
-            except Exception as e:  # noqa: BLE001 - one shape failing must not lose the others' rows
-                row["error"] = f"{type(e).__name__}: {e}"
-            rows.append(row)
-            print(f"[batch_steps] {json.dumps(row)}", file=sys.stderr, flush=True)
-        del mk, peers, weights, cache
+        mk = MegakernelBackend(weights)  # fuses its own copy (mk.prefill.w, what the torch peers read)
+        del weights  # the unfused originals: 16 GB on the 8B that nothing reads any more
+        run_model(model, mk, args, peers, device, bw.bytes_per_s, emit)
+        del mk
+        gc.collect()
         torch.cuda.empty_cache()
-    gpu = torch.cuda.get_device_name(device)
-    print(f"\n{gpu}, {bw.tbps:.2f} TB/s read, context {args.context}, random weights, bf16")
-    print("| model | step | tokens | floor ms | mimw ms | x floor | tok/s | replays ms | one call ms | argmax agree |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        if "mimw_ms" not in r:
-            print(f"| {r['model']} | {r['kind']} {r['segments']}x{r['block']} | {r['tokens']} | - | "
-                  f"{r.get('error', '?')} |")
-            continue
-        rep = f"{r['replay_ms']:.3f}" if "replay_ms" in r else "-"
-        one = f"{r['batched_ms']:.3f}" if "batched_ms" in r else "-"
-        agree = f"{r['argmax_agree']:.3f}" if "argmax_agree" in r else "-"
-        print(f"| {r['model']} | {r['kind']} {r['segments']}x{r['block']} | {r['tokens']} | {r['floor_ms']:.3f} | "
-              f"{r['mimw_ms']:.3f} | {r['mimw_ms'] / r['floor_ms']:.2f} | {r['tokens'] * 1e3 / r['mimw_ms']:.0f} | "
-              f"{rep} | {one} | {agree} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{time.strftime('%Y%m%d-%H%M', time.gmtime())}-batch-steps.json"
-    path.write_text(json.dumps({"gpu": gpu, "read_TBps": bw.tbps, "torch": torch.__version__, "rows": rows},
-                               indent=1))
-    print(f"[batch_steps] wrote {path}", file=sys.stderr)
+        write_chart(doc, base.with_name(base.name + ".png"))
+    print(markdown(doc))
+    print(f"[batch_steps] wrote {json_path} (.md, .png beside it)", file=sys.stderr)
     return 0
+
+
+def run_model(model: str, mk, args: argparse.Namespace, peers: Sequence[str], device: torch.device,
+              read_bytes_per_s: float, emit) -> None:
+    """Every step shape of one model through backend ``mk`` (``forward``, ``decode_pass``, ``decode_replays``,
+    ``make_cache``, ``prefill.w``: the megakernel backend's interface) and the peers; ``emit(row)`` per shape."""
+    spec = get_preset(model)
+    batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    blocks = [int(k) for k in args.verify.split(",") if k.strip()]
+    page = 16
+    per_seq = -(-(args.context + max(blocks + [1]) + 1) // page)
+    cache = mk.make_cache(page, per_seq * max(batches + [4]))
+    g = torch.Generator(device=device).manual_seed(0)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    kvb = cache.layout.bytes_per_token()
+    gen = torch.Generator().manual_seed(1)
+    shapes = [("decode", b, 1) for b in batches] + [("verify", s, k) for k in blocks for s in (1, 4)]
+    spent = dict.fromkeys(peers, 0.0)
+    for kind, nseg, k in shapes:
+        segs = step_segments(nseg, k, args.context, per_seq)
+        toks = torch.randint(1, spec.vocab_size, (nseg * k,), generator=gen).to(device)
+        row = {"model": model, "kind": kind, "segments": nseg, "block": k, "context": args.context,
+               "tokens": nseg * k, "floor_ms": floor_ms(step_floor_bytes(spec, segs, kvb), read_bytes_per_s)}
+        inp = StepInputs(toks, tuple(segs), cache)
+        ref = measure_mimw(row, mk, inp, device, args.budget_s)
+        for name in peers:
+            if args.peer_budget_s and spent[name] >= args.peer_budget_s:
+                row[f"{name}_error"] = f"skipped: --peer-budget-s {args.peer_budget_s:g} spent on earlier shapes"
+                continue
+            t0 = time.monotonic()
+            measure_peer(row, name, mk.prefill.w, inp, ref, device, args.budget_s)
+            spent[name] += time.monotonic() - t0
+        emit(row)
 
 
 if __name__ == "__main__":
