@@ -100,12 +100,17 @@ class StepState:
         self.seg_ctx.copy_(torch.tensor(ctx, dtype=torch.int32, device=dev))
         if len(seg_lens) > 1 or seg_new is not None:  # one segment: nothing reads it (a host copy saved a step)
             self.seg_new.copy_(torch.tensor(new, dtype=torch.int32, device=dev))
-        # only each table's used prefix is written: entries past it are never read (every read is of a position
-        # below the segment's context), so a step costs O(pages in use), not O(table width)
+        # only the tables' used width is written, in one copy (one host-to-device copy a step, not one a segment):
+        # entries past a table's end are never read (every read is of a position below the segment's context), so
+        # a step costs O(pages in use), not O(table width)
+        width = max(len(t) for t in block_tables)
+        if width > self.block_tables.shape[1]:
+            s = max(range(len(block_tables)), key=lambda i: len(block_tables[i]))
+            raise ValueError(f"segment {s}: block table of {width} pages exceeds {self.block_tables.shape[1]}")
+        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
         for s, table in enumerate(block_tables):
-            if len(table) > self.block_tables.shape[1]:
-                raise ValueError(f"segment {s}: block table of {len(table)} pages exceeds {self.block_tables.shape[1]}")
-            self.block_tables[s, : len(table)].copy_(torch.tensor(list(table), dtype=torch.int32, device=dev))
+            tables[s, :len(table)] = torch.tensor(list(table), dtype=torch.int32)
+        self.block_tables[:len(block_tables), :width].copy_(tables.to(dev))
 
 
 @dataclass
