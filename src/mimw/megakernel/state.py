@@ -80,10 +80,13 @@ class StepState:
     def epoch(self) -> int:
         return int(self.counters[self.epoch_index])
 
-    def fill(self, tokens: Sequence[int], seg_starts_pos: Sequence[int], block_tables: Sequence[Sequence[int]],
-             seg_lens: Sequence[int], seg_new: Sequence[int] | None = None) -> None:
-        """Set the step's inputs: ``tokens`` [M]; for each segment its first position and block table, and (default:
-        that first position) the first position the step writes in its sequence (at most the segment's first)."""
+    def fill(self, tokens: Sequence[int] | torch.Tensor, seg_starts_pos: Sequence[int],
+             block_tables: Sequence[Sequence[int]], seg_lens: Sequence[int], seg_new: Sequence[int] | None = None) -> None:
+        """Set the step's inputs: ``tokens`` [M] (host ints, or a tensor: a device tensor, e.g. the previous step's
+        samples not yet on the host, is copied on the device); for each segment its first position and block table,
+        and (default: that first position) the first position the step writes in its sequence (at most the
+        segment's first). On a GPU the host values go through pinned memory by copies that do not wait for the
+        stream (a pageable copy first waits for every kernel queued before it), in queue order before the launch."""
         pos, ctx = [], []
         for p0, n in zip(seg_starts_pos, seg_lens):
             pos.extend(range(p0, p0 + n))
@@ -94,12 +97,6 @@ class StepState:
         if len(new) != len(seg_lens) or any(not 0 <= f <= p0 for f, p0 in zip(new, seg_starts_pos)):
             raise ValueError(f"seg_new {new}: one first written position per segment, between 0 and its own first "
                              f"position {list(seg_starts_pos)}")
-        dev = self.tokens.device
-        self.tokens.copy_(torch.tensor(list(tokens), dtype=torch.int32, device=dev))
-        self.positions.copy_(torch.tensor(pos, dtype=torch.int32, device=dev))
-        self.seg_ctx.copy_(torch.tensor(ctx, dtype=torch.int32, device=dev))
-        if len(seg_lens) > 1 or seg_new is not None:  # one segment: nothing reads it (a host copy saved a step)
-            self.seg_new.copy_(torch.tensor(new, dtype=torch.int32, device=dev))
         # only the tables' used width is written, in one copy (one host-to-device copy a step, not one a segment):
         # entries past a table's end are never read (every read is of a position below the segment's context), so
         # a step costs O(pages in use), not O(table width)
@@ -107,11 +104,28 @@ class StepState:
         if width > self.block_tables.shape[1]:
             s = max(range(len(block_tables)), key=lambda i: len(block_tables[i]))
             raise ValueError(f"segment {s}: block table of {width} pages exceeds {self.block_tables.shape[1]}")
-        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        on_host = not isinstance(tokens, torch.Tensor)
+        m, ns = len(pos), len(ctx)
+        nt = m if on_host else 0  # the tokens ride in the host buffer when they are host ints
+        host = torch.zeros(nt + m + 2 * ns + ns * width, dtype=torch.int32)
+        if on_host:
+            host[:m] = torch.tensor(list(tokens), dtype=torch.int32)
+        host[nt:nt + m] = torch.tensor(pos, dtype=torch.int32)
+        host[nt + m:nt + m + ns] = torch.tensor(ctx, dtype=torch.int32)
+        host[nt + m + ns:nt + m + 2 * ns] = torch.tensor(new, dtype=torch.int32)
+        t0 = nt + m + 2 * ns
+        tables = host[t0:].view(ns, width)
         for s, table in enumerate(block_tables):
             tables[s, :len(table)] = torch.tensor(list(table), dtype=torch.int32)
-        self.block_tables[:len(block_tables), :width].copy_(tables.to(dev))
-
+        gpu = self.tokens.device.type == "cuda"
+        if gpu:
+            host = host.pin_memory()  # the caching host allocator reuses it only once these copies completed
+        self.tokens.copy_(host[:m] if on_host else tokens, non_blocking=gpu)
+        self.positions.copy_(host[nt:nt + m], non_blocking=gpu)
+        self.seg_ctx.copy_(host[nt + m:nt + m + ns], non_blocking=gpu)
+        if ns > 1 or seg_new is not None:  # one segment: nothing reads it (a copy saved a step)
+            self.seg_new.copy_(host[nt + m + ns:t0], non_blocking=gpu)
+        self.block_tables[:ns, :width].copy_(host[t0:].view(ns, width), non_blocking=gpu)
 
 @dataclass
 class Scratch:

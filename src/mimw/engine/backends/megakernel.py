@@ -108,7 +108,8 @@ class MegakernelBackend(Backend):
         from ...megakernel.launch.one_token import split_segments
 
         pad_page = self._pad_pages.get(cache)  # a cache this backend made: padded to the bucket of its tokens
-        out = self._decoder(cache).step_segments(tokens.tolist(), segments, pad_page)
+        # the ids stay on the device (the previous step's samples may not have reached the host)
+        out = self._decoder(cache).step_segments(tokens, segments, pad_page)
         rows = split_segments(segments).logit_rows
         if rows == tuple(range(out.shape[0])):
             return out.to(torch.float32, copy=True)  # the decoder's logits buffer: the next launch overwrites it

@@ -123,14 +123,16 @@ class MegakernelDecoder:
     def set_inputs(self, token: int, position: int, block_table: Sequence[int]) -> None:
         self.set_batch([token], [position], [block_table])
 
-    def set_batch(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
-                  firsts: Sequence[int] | None = None) -> None:
-        """One token a segment: its id, its position and its sequence's block table, and (default: its position) the
-        first position the step writes in its sequence (state.seg_new); as many as the plan's tokens."""
+    def set_batch(self, tokens: Sequence[int] | torch.Tensor, positions: Sequence[int],
+                  block_tables: Sequence[Sequence[int]], firsts: Sequence[int] | None = None) -> None:
+        """One token a segment: its id (host ints, or a tensor: a device tensor is never read on the host), its
+        position and its sequence's block table, and (default: its position) the first position the step writes in
+        its sequence (state.seg_new); as many as the plan's tokens."""
         if not len(tokens) == len(positions) == len(block_tables) == self.shape.num_tokens:
             raise ValueError(f"this decoder runs {self.shape.num_tokens} token(s) a step, got {len(tokens)} tokens, "
                              f"{len(positions)} positions, {len(block_tables)} block tables")
-        self.state.fill(list(tokens), list(positions), list(block_tables), self.shape.seg_lens,
+        toks = tokens if isinstance(tokens, torch.Tensor) else list(tokens)  # a device tensor stays on the device
+        self.state.fill(toks, list(positions), list(block_tables), self.shape.seg_lens,
                         None if firsts is None else list(firsts))
         self.inputs_set = True
 
@@ -188,7 +190,7 @@ class MegakernelDecoder:
         logits [B, V] fp32, a view into that batch decoder's scratch."""
         return self._run_batch(tokens, positions, block_tables, None)
 
-    def step_segments(self, tokens: Sequence[int], segments: Sequence[Segment],
+    def step_segments(self, tokens: Sequence[int] | torch.Tensor, segments: Sequence[Segment],
                       pad_page: int | None = None) -> torch.Tensor:
         """Any segments (decode tokens, verify blocks; M = 2..plan.max_tokens tokens in all, concatenated in segment
         order; one segment a sequence) in one launch, as one-token segments (one_token.py); with ``pad_page`` (a page
@@ -197,7 +199,11 @@ class MegakernelDecoder:
         that decoder's scratch; ``split_segments(...).logit_rows`` are the rows the segments' ``num_logits`` ask
         for)."""
         one = split_segments(segments, pad_page, self.cache.layout.page_size)
-        return self._run_batch(list(tokens) + [0] * one.padding, one.positions, one.block_tables, one.firsts)
+        if isinstance(tokens, torch.Tensor):  # on the device: padded there (any id: the padding's logits are unread)
+            tokens = torch.cat([tokens.reshape(-1), tokens.new_zeros(one.padding)])
+        else:
+            tokens = list(tokens) + [0] * one.padding
+        return self._run_batch(tokens, one.positions, one.block_tables, one.firsts)
 
     def _run_batch(self, tokens, positions, block_tables, firsts) -> torch.Tensor:
         dec = self.batch_decoder(len(tokens))

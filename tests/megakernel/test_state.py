@@ -1,0 +1,43 @@
+"""StepState.fill (CPU): the step arrays as the kernel and the VM read them, from host ints or a token tensor."""
+import pytest
+import torch
+
+from mimw.megakernel.state import StepState
+
+
+def _state(m: int, s: int, width: int) -> StepState:
+    z = lambda *shape: torch.full(shape, -1, dtype=torch.int32)  # noqa: E731  (poison: written entries only)
+    return StepState(z(m), z(m), z(s), z(s, width), z(4), z(s))
+
+
+def test_fill_writes_tokens_positions_contexts_and_only_the_tables_used_width():
+    st = _state(4, 2, 8)
+    st.fill([11, 12, 13, 14], [5, 30], [[4, 5], [6, 7, 8]], (3, 1))
+    assert st.tokens.tolist() == [11, 12, 13, 14]
+    assert st.positions.tolist() == [5, 6, 7, 30] and st.seg_ctx.tolist() == [8, 31]
+    # one copy of the used width (3 columns): a shorter table's tail within it is 0, past it untouched
+    assert st.block_tables.tolist() == [[4, 5, 0, -1, -1, -1, -1, -1], [6, 7, 8, -1, -1, -1, -1, -1]]
+
+
+def test_fill_takes_the_tokens_as_a_tensor_without_a_host_round_trip():
+    st = _state(2, 2, 4)
+    st.fill(torch.tensor([7, 9], dtype=torch.int64), [3, 1], [[0], [1]], (1, 1))
+    assert st.tokens.dtype == torch.int32 and st.tokens.tolist() == [7, 9]
+
+
+def test_fill_refuses_a_token_count_or_a_table_that_does_not_fit():
+    st = _state(2, 2, 4)
+    with pytest.raises(ValueError, match="3 tokens for segments totalling 2"):
+        st.fill([1, 2, 3], [3, 1], [[0], [1]], (1, 1))
+    with pytest.raises(ValueError, match="segment 1: block table of 5 pages exceeds 4"):
+        st.fill([1, 2], [3, 1], [[0], [1, 2, 3, 4, 5]], (1, 1))
+
+
+def test_fill_writes_each_segments_first_written_position():
+    st = _state(4, 2, 4)
+    st.fill([1, 2, 3, 4], [40, 41], [[0], [1]], (1, 3))
+    assert st.seg_new.tolist() == [40, 41]  # by default each segment's own first position
+    st.fill([1, 2, 3, 4], [40, 41], [[0], [1]], (1, 3), seg_new=[38, 41])
+    assert st.seg_new.tolist() == [38, 41]
+    with pytest.raises(ValueError, match="seg_new"):
+        st.fill([1, 2, 3, 4], [40, 41], [[0], [1]], (1, 3), seg_new=[41, 41])  # past the segment's first
