@@ -6,8 +6,8 @@ The design of tools/skinny_gemm.py's probe ``skinny_gemm_swap``, inside the mega
     zero), staged once per run of same-stage instructions by ONE round of async copies (cp.async) from the bf16
     sources the producers write (state.py: x16, attn16, act16; layer 0's embedding rows), RMSNorm per token then
     in shared memory where the instruction normalises x. A load round trip to L2 waits behind this SM's own weight
-    tiles in flight (~2.5 us a round on an H100: bench/NOTES.md), so staging in register rounds of 16 chunks cost
-    8-16 round trips an instruction;
+    tiles in flight (~2.5 us on an H100: bench/NOTES.md), so an instruction's staging makes one round trip, not one
+    per round of register loads;
   * a ring slot holds a [32, 256] tile chunk-major ([256, 32]: row 32j + r = W[r, 32j .. 32j + 32), launch/pack.py),
     so rows [64q, 64q + 64) are chunks 2q and 2q + 1 of all 32 tile rows: wgmma's 64-row A operand, read in place;
   * chunk c of the tokens (``xs.index(c).permute((1, 0))``, [32, MB]) is the narrow B operand: an A pair against
@@ -82,8 +82,8 @@ def wbuf_rows(C):
 
 @constexpr_function
 def wbuf_layout(C):
-    """The norm weights' buffer [wbuf_rows, 32], unswizzled; read as [wbuf_rows, 1, 32] (``_wbuf_rows``): chunk c
-    is ``index(c)``, a [1, 32] row."""
+    """The norm weights' buffer [wbuf_rows, 32], unswizzled; ``stage_normed`` reads it as [wbuf_rows, 1, 32]: chunk
+    c is ``index(c)``, a [1, 32] row."""
     return gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
 
 
