@@ -22,6 +22,7 @@ max|logit|. Every mismatch is listed in ``flips`` with its gap and the step's er
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -90,19 +91,25 @@ def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed
     return cache, table
 
 
+def oracles(w, cache: PagedKVCache):
+    """The two references a check compares the kernel with, each over its own copy of ``cache`` (bf16 weights
+    ``w``): the fp32 oracle with an fp32 cache, and the bf16 (transformers-numerics) reference with a bf16 one.
+    Returns (oracle, its cache, bf16 reference, its cache)."""
+    ref_cache = PagedKVCache(dataclasses.replace(cache.layout, dtype=torch.float32), "cuda")
+    ref_cache.k.copy_(cache.k)
+    ref_cache.v.copy_(cache.v)
+    bf16_cache = PagedKVCache(cache.layout, "cuda")
+    bf16_cache.k.copy_(cache.k)
+    bf16_cache.v.copy_(cache.v)
+    return ReferenceDecoder(w.to(dtype=torch.float32)), ref_cache, ReferenceDecoder(w), bf16_cache
+
+
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
                  min_pages: int = 0) -> CheckResult:
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     cache, table = random_cache(spec, context, steps, page_size, seed + 1, min_pages=min_pages)
-    ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, cache.layout.num_pages, torch.float32), "cuda")
-    ref_cache.k.copy_(cache.k)
-    ref_cache.v.copy_(cache.v)
-    ref = ReferenceDecoder(w.to(dtype=torch.float32))
-    bf16_cache = PagedKVCache(cache.layout, "cuda")  # the transformers-numerics reference's own bf16 cache
-    bf16_cache.k.copy_(cache.k)
-    bf16_cache.v.copy_(cache.v)
-    bf16_ref = ReferenceDecoder(w)
+    ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
@@ -188,14 +195,7 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
     for n in per_seq:
         tables.append(tuple(pages[i: i + n]))
         i += n
-    ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, torch.float32), "cuda")
-    ref_cache.k.copy_(cache.k)
-    ref_cache.v.copy_(cache.v)
-    ref = ReferenceDecoder(w.to(dtype=torch.float32))
-    bf16_cache = PagedKVCache(cache.layout, "cuda")  # the transformers-numerics reference's own bf16 cache
-    bf16_cache.k.copy_(cache.k)
-    bf16_cache.v.copy_(cache.v)
-    bf16_ref = ReferenceDecoder(w)
+    ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
     before = (cache.k.clone(), cache.v.clone())
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=max(per_seq), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
