@@ -15,14 +15,25 @@ the finisher every slot's moe_part rows and x[:, rows].
 Words: ``n_slots`` (Word.B) is the ticket's count; the rows are the span's: nrows = NR * tile_rows.
 Tiles: an expert span (isa.EXPERT_SPAN): the block's rows of expert 0 in the edown matrix, every column tile,
 moved by e times the expert stride once the router has run.
-Device: none yet (the GPU kernel does not run MoE layers; plan.plan refuses them).
+Device (one token, C.M = 1): after the dependency wait (its slot's EXPERT_IN blocks) the routing entry names the
+expert, as it named it to the loader (device/ring.py). A slot in use stages moe_act[slot] (bf16, as DOWN_PROJ stages
+act), dots the expert's row tiles, scales them by slot_w[slot] and stores moe_part[slot, rows]; an unused slot
+consumes no tiles and stores nothing. Every slot then draws the row block's ticket; the last adds the slots in use,
+in slot order, to x[rows] and alone signals.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
 from ...models.spec import ModelSpec
+from ..device import layouts, matvec as mv
+from ..device.context import NO_EXPERT as NO_EXPERT_K
+from ..device.context import W_A, W_B, W_C, W_D, W_K0, W_K1, W_LAYER, W_NR
+from ..device.sync import routed_read, ticket_is_last
 from ..isa import NO_COUNTER, NO_EXPERT, Instruction, Op, TileSpan, Word
 from ..tiles import WeightTiles
 from .common import OpContext, activation_in, matvec, routed_expert
@@ -81,3 +92,40 @@ def finish(ctx: OpContext, ins: ExpertDown) -> None:
     for j in active_slots(ctx, ins.layer, ins.n_slots):
         total = parts[j] if total is None else total + parts[j]
     ctx.scratch.x[:, rows] = ctx.scratch.x[:, rows] + total
+
+
+@gluon.jit
+def compute(ins, C: gl.constexpr, s, b, sm, it, restage, sig):
+    """One EXPERT_DOWN block of a routing slot on the GPU (one token); returns (it, the counter it signals: ``sig``
+    for the finisher, -1 otherwise, whether hbuf holds this slot's staged input afterwards)."""
+    layer = ins.field(W_LAYER)
+    slot = ins.field(W_C)
+    row0 = ins.field(W_A)
+    n_tiles = ins.field(W_NR)
+    e = routed_read(b.routed, layer * C.S + slot)
+    used = e != NO_EXPERT_K
+    RL: gl.constexpr = gl.SliceLayout(1, layouts.tile(C))
+    TR: gl.constexpr = C.TR
+    offs = gl.arange(0, C.TR, RL)
+    if used:
+        KT_F: gl.constexpr = C.KT_F
+        if restage:
+            mv.stage_plain(sm.hbuf, b.moe_act + slot * C.F, C.F, KT_F, C)
+        k0 = ins.field(W_K0)
+        k1 = ins.field(W_K1)
+        w = gl.load(b.slot_w + slot, cache_modifier=".cg")
+        for r in range(n_tiles):
+            acc, it = mv.dot_tile(sm, it, k0, k1, C)
+            gl.store(b.moe_part + slot * C.D + row0 + r * C.TR + offs, w * acc)
+    n_slots = ins.field(W_B)
+    if ticket_is_last(s.cnt, ins.field(W_D), n_slots, s.epoch):
+        for r in range(n_tiles):
+            rows = row0 + r * C.TR + offs
+            tot = gl.full([TR], 0.0, gl.float32, RL)
+            for j in range(n_slots):
+                if routed_read(b.routed, layer * C.S + j) != NO_EXPERT_K:
+                    tot += gl.load(b.moe_part + j * C.D + rows, cache_modifier=".cg")
+            gl.store(b.x + rows, gl.load(b.x + rows, cache_modifier=".cg") + tot)
+    else:
+        sig = -1
+    return it, sig, used | (~restage)

@@ -16,7 +16,11 @@ Tiles: the part's rows of the router matrix.
 Each distinct expert gets one slot however many tokens chose it, so a multi-token step reads its weights once:
 EXPERT_IN / EXPERT_DOWN run per slot for all M tokens, and a token that did not choose the slot's expert adds it
 with weight 0.
-Device: none yet (the GPU kernel does not run MoE layers; plan.plan refuses them).
+Device (one token, C.M = 1): RMSNorm(x) staged as MLP_IN stages it (EXPERT_IN, next in the queue, reuses it), the
+part's row tiles dotted and stored; the ticket drawn; the finisher softmaxes the E logits in fp32 (one value a
+lane), takes the top k one by one (the highest probability, the lowest expert among equals), renormalises where
+norm_topk_prob, and stores the k experts ascending into the slots with their weights rounded to bf16 (the weight
+dtype), then signals: the loader's expert spans (device/ring.py) and EXPERT_IN's wait read what it stored.
 """
 from __future__ import annotations
 
@@ -25,10 +29,17 @@ from typing import ClassVar
 
 import torch
 
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
 from ...models.moe import top_k
 from ...models.spec import ModelSpec
 from ..isa import NO_COUNTER, NO_EXPERT, Instruction, Op, TileSpan, Word, route_entry
 from ..tiles import WeightTiles, router_rows
+from ..device import layouts, matvec as mv
+from ..device.context import W_A, W_C, W_D, W_K0, W_K1, W_LAYER, W_NR
+from ..device.sync import route_entry as device_route_entry
+from ..device.sync import ticket_is_last
 from .common import OpContext, matvec, rms_norm
 
 OP = Op.ROUTER
@@ -85,3 +96,54 @@ def finish(ctx: OpContext, ins: Router) -> None:
     epoch = ctx.state.epoch
     ctx.scratch.routed[ins.layer] = torch.tensor([route_entry(e, epoch) for e in experts], dtype=torch.int32)
     ctx.scratch.slot_w.copy_(sw)
+
+
+@gluon.jit
+def compute(ins, C: gl.constexpr, s, b, sm, it, restage, sig):
+    """One ROUTER part on the GPU (one token); returns (it, the counter it signals: ``sig`` for the finisher, -1
+    for a part that finishes nothing)."""
+    layer = ins.field(W_LAYER)
+    KT_D: gl.constexpr = C.KT_D
+    if restage:
+        mv.stage_normed(sm.hbuf, b.x, s.emb_row, False, b.mnorm + layer * C.D, C.D, b.eps, KT_D, C)
+    row0 = ins.field(W_A)
+    k0 = ins.field(W_K0)
+    k1 = ins.field(W_K1)
+    offs = gl.arange(0, C.TR, gl.SliceLayout(1, layouts.tile(C)))
+    for t in range(ins.field(W_NR)):
+        acc, it = mv.dot_tile(sm, it, k0, k1, C)
+        gl.store(b.router_logits + row0 + t * C.TR + offs, acc)
+    if ticket_is_last(s.cnt, ins.field(W_D), ins.field(W_C), s.epoch):
+        _route(C, b, layer, s.epoch)
+    else:
+        sig = -1
+    return it, sig
+
+
+@gluon.jit
+def _route(C: gl.constexpr, b, layer, epoch):
+    """The finisher (one token): softmax, top-k, renormalisation, the slots ascending (``finish``)."""
+    EL: gl.constexpr = layouts.experts(C)
+    i = gl.arange(0, C.EP2, EL)
+    valid = i < C.E
+    lg = gl.load(b.router_logits + i, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    p = gl.where(valid, gl.exp(lg - gl.max(lg, axis=0)), 0.0)
+    p = p / gl.sum(p, axis=0)
+    # top k, most probable first (the lowest expert among equals); their sum in that order
+    chosen = i < 0
+    total = 0.0
+    for _ in range(C.K):
+        best = gl.max(gl.where(chosen | (~valid), -1.0, p), axis=0)
+        pick = gl.min(gl.where((~chosen) & valid & (p == best), i, C.EP2), axis=0)
+        chosen = chosen | (i == pick)
+        total = total + best
+    # the slots: the chosen experts ascending, each with its weight rounded to bf16 (the weight dtype)
+    taken = i < 0
+    for j in range(C.K):
+        e = gl.min(gl.where(chosen & (~taken), i, C.EP2), axis=0)
+        taken = taken | (i == e)
+        w = gl.sum(gl.where(i == e, p, 0.0), axis=0)
+        if C.NORM_TOPK:
+            w = w / total
+        gl.store(b.slot_w + j, w.to(gl.bfloat16).to(gl.float32))
+        gl.store(b.routed + layer * C.S + j, device_route_entry(e, epoch))
