@@ -11,6 +11,18 @@ random past in the shared cache and its own shuffled pages, all advanced by one 
 logits are compared with the oracle's for it, and after the run the K/V rows the kernel appended (each sequence's
 new positions) with the oracle's.
 
+An MoE model (``check_decode``) is also checked for its routing: after every step each MoE layer's routing table
+row must carry the step's tag (isa.route_tag) and name the oracle's k experts, or a near-tie of them. Random routers
+are flat (E logits of O(1) spread) where trained ones are peaked, so the check scales the router weights by
+``router_scale`` (4): routing then has the margins a trained router has, and bf16 rounding rarely reorders it.
+A near-tie: every expert the kernel chose and the oracle did not has an oracle probability at least the oracle's
+k-th minus ``route_tie``, and every expert the oracle chose and the kernel did not at most its (k+1)-th plus
+``route_tie``, where ``route_tie`` is twice the bf16 reference's largest probability error against the oracle over
+the run (what bf16 arithmetic itself does to the router, as ``tie`` below is for the logits). A step whose routing
+took such a near-tie elsewhere than the oracle is left out of the logits' error and argmax (its MoE output
+legitimately differs by a swapped expert's share) and counted in ``route_tie_steps``; any other difference is a
+``route_mismatches`` and fails the check.
+
 Argmax agreement is reported twice: exact, and exact-or-near-tie. The near-tie bound is not a constant and not
 the kernel's own error (a bound taken from the step's own error would excuse every flip: a flip always implies
 max|error| >= gap / 2). It comes from a third decoder run alongside: the same reference in bf16 with Hugging Face
@@ -49,9 +61,19 @@ class CheckResult:
     bf16_argmax_agree: float = float("nan")  # ... and its own exact argmax agreement with the oracle
     tie: float = 0.0  # near-tie bound: 2 x bf16_rel_err
     flips: list = None  # [(step, oracle gap / max|logit|, step error / max|logit|)] for every argmax mismatch
+    # MoE (zero for a dense model): (step, layer) routings that equal the oracle's, that are near-ties of it, that
+    # are neither; steps left out of the logits' checks for a near-tie; whether every entry carried its step's tag
+    route_exact: int = 0
+    route_ties: int = 0
+    route_mismatches: int = 0
+    route_tie_steps: int = 0
+    route_tags_ok: bool = True
+    route_tie: float = 0.0  # 2 x the bf16 reference's largest router probability error
 
-    def ok(self, tol: float = 2e-2, agree: float = 0.99) -> bool:
-        return self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree_or_tie >= agree
+    def ok(self, tol: float = 2e-2, agree: float = 0.99, max_tie_steps: float = 0.25) -> bool:
+        return (self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree_or_tie >= agree
+                and self.route_tags_ok and self.route_mismatches == 0
+                and self.route_tie_steps <= max_tie_steps * self.steps)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -106,18 +128,25 @@ def oracles(w, cache: PagedKVCache):
 
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
-                 min_pages: int = 0) -> CheckResult:
+                 min_pages: int = 0, router_scale: float = 4.0) -> CheckResult:
+    """``steps`` decode steps of one sequence (module doc); an MoE model's routing checked too, its router weights
+    scaled by ``router_scale``."""
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
+    for li in spec.moe_layers:
+        w.layers[li].router.mul_(router_scale)
     cache, table = random_cache(spec, context, steps, page_size, seed + 1, min_pages=min_pages)
     ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
     same, finite, kernel_steps, bf16_steps = True, True, [], []
+    routes, tags_ok, prob_err = [], True, 0.0  # routes: (step, oracle routing, the kernel's experts) a MoE layer
     for i in range(steps):
         seg = [Segment(tuple(table), context + i, 1)]
-        expect = ref.forward(torch.tensor([tok]), seg, ref_cache)[0]
-        bf16_steps.append(step_error(bf16_ref.forward(torch.tensor([tok]), seg, bf16_cache)[0], expect))
+        r_ref, r_bf16 = ([], []) if spec.is_moe else (None, None)
+        expect = ref.forward(torch.tensor([tok]), seg, ref_cache, routings=r_ref)[0]
+        bf16_steps.append(step_error(bf16_ref.forward(torch.tensor([tok]), seg, bf16_cache, routings=r_bf16)[0],
+                                     expect))
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V row: results must not move
             dec.scratch.poison()
@@ -126,13 +155,53 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
         kernel_steps.append(step_error(got[0], expect))
+        if spec.is_moe:
+            tags_ok &= _collect_routes(dec, spec, i, r_ref, routes)
+            prob_err = max([prob_err] + [float((b.probs - r.probs).abs().max()) for r, b in zip(r_ref, r_bf16)])
         tok = int(expect.argmax())
+    route_tie = 2 * prob_err
+    verdicts = [_route_verdict(r, experts, spec.num_experts_per_tok, route_tie) for _, r, experts in routes]
+    tie_steps = {step for (step, _, _), v in zip(routes, verdicts) if v == "tie"}
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
-    agree, near_ties, flips = argmax_verdicts(kernel_steps, tie)
-    worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
-    return CheckResult(spec.name, context, steps, worst, agree / steps, (agree + near_ties) / steps, same, finite,
-                       bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips)
+    kept = [s for i, s in enumerate(kernel_steps) if i not in tie_steps]
+    agree, near_ties, flips = argmax_verdicts(kept, tie)
+    worst = max([e if e == e else float("inf") for _, _, e in kept] + [0.0])
+    n = max(1, len(kept))
+    return CheckResult(spec.name, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
+                       bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips,
+                       verdicts.count("exact"), verdicts.count("tie"), verdicts.count("mismatch"), len(tie_steps),
+                       tags_ok, route_tie)
+
+
+def _collect_routes(dec: MegakernelDecoder, spec: ModelSpec, step: int, oracle: list, out: list) -> bool:
+    """Append (step, the oracle's routing, the experts the kernel's routing table names) for every MoE layer of the
+    step just run; True when every entry carries the tag of that launch's epoch (the last one)."""
+    from .. import isa
+
+    epoch = dec.state.epoch - 1  # the launch that wrote the table moved the epoch on as it finished
+    table = dec.scratch.routed.cpu().tolist()
+    ok = True
+    for li, r in zip(spec.moe_layers, oracle):
+        entries = table[li]
+        ok &= all(isa.routed_expert(e, epoch) is not None for e in entries)
+        out.append((step, r, {e & isa.NO_EXPERT for e in entries} - {isa.NO_EXPERT}))
+    return ok
+
+
+def _route_verdict(r, got: set[int], k: int, route_tie: float) -> str:
+    """"exact", "tie" or "mismatch" for one token's routing: the kernel's experts ``got`` against the oracle's
+    routing ``r`` (module doc: near-ties within ``route_tie`` of the oracle's k-th / (k+1)-th probability)."""
+    want = set(r.ids[0].tolist())
+    if got == want:
+        return "exact"
+    p = r.probs[0].float().cpu()
+    order = torch.sort(p, descending=True).values
+    kth, next_ = float(order[k - 1]), float(order[k]) if k < p.numel() else float("-inf")
+    if len(got) == k and all(float(p[e]) >= kth - route_tie for e in got - want) \
+            and all(float(p[e]) <= next_ + route_tie for e in want - got):
+        return "tie"
+    return "mismatch"
 
 
 @dataclass
