@@ -80,3 +80,17 @@ def test_the_moe_kernels_compile_spill_free_and_fit_shared_memory(model):
         c = p.constants
         assert (c.GP, c.BT, c.SMEM_MERGE, c.S, c.K, c.E) == (8, 16, True, 8, 8, 128)
         assert p.program.max_splits <= 16
+
+
+def test_the_moe_decode_batch_kernel_compiles_spill_free():
+    """Eight tokens of the 30B-A3B a step (64 routing slots; wgmma's N = 8): the router finisher routes eight tokens
+    at once and scans the union of their experts into slots."""
+    from mimw.megakernel.program import StepShape
+
+    p = plan(get_preset("qwen3-30b-a3b"), 132, StepShape((1,) * 8, 1024))
+    k = compile_sm90a(p)
+    rep = ptxas_report(k.asm["ptx"])
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared + p.exchange_bytes <= SHARED_BYTES, (k.metadata.shared, p.exchange_bytes)
+    assert "wgmma.mma_async" in k.asm["ptx"] and "ld.volatile.global" in k.asm["ptx"]
+    assert (p.constants.M, p.constants.S) == (8, 64)

@@ -7,6 +7,8 @@ routing table back to never written) before every launch, relaunches every step 
 the logits against the fp32 oracle, and reads every MoE layer's routing table after every step: each entry must
 carry the step's tag and the experts must be the oracle's, or a near-tie within the bf16 reference's own router
 error (a near-tie step is left out of the logits' comparison, and at most a quarter of the steps may be one).
+A decode batch of the 30B-A3B's shape (``check_batch``: several sequences a launch, each distinct routed expert
+streamed once) is checked through its logits and appended K/V.
 The 30B-A3B runs at its real layer shape (2048 wide, 32 query heads on 4 KV heads, 128 experts of 768, 8 a token)
 with 4 of its 48 layers: the fp32 oracle of all 48 would need ~122 GB."""
 import pytest
@@ -42,3 +44,12 @@ def test_tiny_moe_matches_reference(context):
 @pytest.mark.parametrize("context", [17, 8191])
 def test_30b_a3b_shape_matches_reference(context):
     _check(get_preset("qwen3-30b-a3b").with_(num_layers=4), context, 12)
+
+
+@pytest.mark.parametrize("batch", [3, 8])
+def test_30b_a3b_shape_decode_batch_matches_reference(batch):
+    """3 tokens: 24 slots, some unused whenever the tokens share experts; 8: the most an MoE step plans."""
+    from mimw.megakernel.tools.check import check_batch
+
+    r = check_batch(get_preset("qwen3-30b-a3b").with_(num_layers=4), batch, 1000, steps=6)
+    assert r.ok(), r

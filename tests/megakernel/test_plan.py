@@ -57,7 +57,7 @@ def test_the_words_carry_the_hold_marks_and_the_constants_the_shape():
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
-def test_an_moe_model_plans_one_token_steps_with_its_routing_constants(model):
+def test_an_moe_model_plans_its_routing_constants_and_decode_batches_of_eight_at_most(model):
     spec = get_preset(model)
     p = plan(spec, 132)
     c = p.constants
@@ -71,8 +71,16 @@ def test_an_moe_model_plans_one_token_steps_with_its_routing_constants(model):
     assert p.hbuf_rows >= max(kt(spec.hidden_size), kt(spec.q_size), c.KT_F)
     if model == "qwen3-30b-a3b":
         assert (p.hbuf_rows, c.SMEM_MERGE) == (64, True)
-    with pytest.raises(ValueError, match="one token a step|16, 512"):  # the tiny one has no multi-token step at all
-        plan(spec, 132, StepShape((1, 1), 1024))
+    if model == "tiny-qwen3-moe":  # 16-row tiles: no multi-token step at all
+        with pytest.raises(ValueError, match="16, 512"):
+            plan(spec, 132, StepShape((1, 1), 1024))
+        return
+    # a decode batch of up to eight tokens: min(E, M k) slots, each distinct expert once
+    assert max_tokens(spec) == 8
+    p = plan(spec, 132, StepShape((1,) * 3, 1024))
+    assert (p.constants.M, p.constants.S, p.constants.S2, p.constants.EP) == (3, 24, 32, 128)
+    with pytest.raises(ValueError, match="at most 8 tokens"):
+        plan(spec, 132, StepShape((1,) * 16, 1024))
 
 
 def test_a_dense_model_plans_no_routing():

@@ -19,8 +19,8 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
     no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ
     in ticketed column parts: at least two, and as few as let its staged input fit beside a ring of
     ``MIN_RING_MT`` slots.
-  * mixture-of-experts layers (ROUTER, EXPERT_IN, EXPERT_DOWN): one token a step (a multi-token MoE step is
-    refused); the staging buffer also holds an expert's activation (EXPERT_DOWN's input).
+  * mixture-of-experts layers (ROUTER, EXPERT_IN, EXPERT_DOWN): the staging buffer also holds an expert's
+    activation (EXPERT_DOWN's input).
 A program with an instruction that has no device code (ops.GPU_OPS) is refused.
 Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
 program; launch/decoder.py allocates and launches, launch/compile.py compiles the same plan for sm_90a on the CPU.
@@ -37,6 +37,7 @@ from .hold import check_marks, hold_marks, mark_words
 from .isa import Op
 from .ops import GPU_OPS
 from .program import Program, ProgramConfig, StepShape, build_program
+from .tiles import router_rows
 
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
 SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers:
@@ -45,6 +46,7 @@ MMA_K = 32  # columns of a folded tile row (device/matvec.dot_tile): two k16 ste
 MAX_BATCH = 32  # the most tokens a multi-token step plans (swap-AB: the tokens are wgmma's N, 8, 16 or 32); fewer
 # where the staged input of that many does not fit (``max_tokens``: the 8B shapes' 4096 columns, 16)
 MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its staging buffer
+MAX_MOE_BATCH = 8  # the most tokens a multi-token step of an MoE model plans (wgmma's N = 8)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,9 @@ class Constants:
     V: int = 0  # vocabulary (the logits' row stride where M > 1)
     E: int = 0  # MoE: experts (0: a dense model)
     EP2: int = 1  # experts rounded up to a power of two (the router finisher's vector)
+    EP: int = 0  # the router's rows padded to whole row tiles (router_logits' row stride)
     S: int = 0  # routing slots of an MoE layer (program.moe_slots; 0: a dense model)
+    S2: int = 1  # routing slots rounded up to a power of two
     K: int = 0  # experts a token is routed to (top-k)
     F: int = 0  # an expert's intermediate size
     NORM_TOPK: bool = False  # renormalise the chosen experts' probabilities
@@ -295,6 +299,9 @@ def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, i
     if t.tile_rows != 32 or t.tile_k % 64:
         raise ValueError(f"a multi-token step needs [32, 256]-style tiles (a chunk pair is wgmma's 64-row A), got "
                          f"[{t.tile_rows}, {t.tile_k}] (head_dim {spec.head_dim})")
+    if spec.is_moe and m > MAX_MOE_BATCH:
+        raise ValueError(f"{spec.name}: a multi-token step of a mixture-of-experts model runs at most "
+                         f"{MAX_MOE_BATCH} tokens (got {m}): at 16 the router finisher's registers spill")
     t = dataclasses.replace(t, clusters=False)
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
     mb = token_rows(m)
@@ -324,9 +331,6 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     if host_only:
         raise ValueError(f"{spec.name}: {', '.join(op.name for op in host_only)} have no device code; the VM runs "
                          "them; use the reference backend")
-    if spec.is_moe and m > 1:
-        raise ValueError(f"{spec.name}: the megakernel's GPU kernel runs mixture-of-experts layers one token a step "
-                         f"(a step of {m} tokens was asked for)")
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
     down_pairs = program.down_pairs
     widest = max(kt(spec.hidden_size), kt(spec.q_size),  # ATTN_IN, ROUTER, MLP_IN, EXPERT_IN; O_PROJ
@@ -342,7 +346,10 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     wbuf_bytes = norm_buffer_bytes(spec, t) if m > 1 else 0
     xb = exchange_bytes(spec.head_dim) if program.attn_pairs else 0
     slot = t.tile_rows * t.tile_k * 2
-    fit = (SHARED_BYTES - hbuf_bytes - wbuf_bytes - SCRATCH_BYTES - xb) // slot
+    # a multi-token MoE step's router finisher reduces [8, E] over the warps, and its scan and layout conversions,
+    # through the compiler's scratch: 12 KB more than the dense kernel's 8 (the 30B-A3B's 128 experts: 16.5 KB)
+    moe_bytes = 24 * _pow2(spec.num_experts) * 4 if spec.is_moe and m > 1 else 0
+    fit = (SHARED_BYTES - hbuf_bytes - wbuf_bytes - SCRATCH_BYTES - xb - moe_bytes) // slot
     if t.ring > fit:
         raise ValueError(f"ring={t.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
     if fit < 2:
@@ -361,6 +368,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=_pow2(program.max_splits), GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
         DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m, MB=mb, V=spec.vocab_size,
-        E=spec.num_experts, EP2=_pow2(spec.num_experts), S=program.moe_slots, K=spec.num_experts_per_tok,
+        E=spec.num_experts, EP2=_pow2(spec.num_experts), EP=router_rows(spec, t.tile_rows), S=program.moe_slots,
+        S2=_pow2(program.moe_slots), K=spec.num_experts_per_tok,
         F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob)
     return LaunchPlan(spec, t, num_sms, page_size, program, words, lens, ring, hbuf_rows, xb, c)

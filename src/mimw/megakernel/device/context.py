@@ -149,6 +149,7 @@ class Bufs:
     slot_w: gl.tensor
     moe_act: gl.tensor
     moe_part: gl.tensor
+    moe_act16: gl.tensor
     eps: gl.tensor
     qscale: gl.tensor
 
@@ -158,7 +159,8 @@ class Bufs:
         self.kc, self.vc, num_pages = kv
         self.num_pages = _int_arg(num_pages)
         self.x, self.qkvp, self.q, self.po, self.pml, self.attn, self.act, self.logits, splits, self.x16, \
-            self.attn16, self.act16, self.router_logits, self.routed, self.slot_w, self.moe_act, self.moe_part = scratch
+            self.attn16, self.act16, self.router_logits, self.routed, self.slot_w, self.moe_act, self.moe_part, \
+            self.moe_act16 = scratch
         self.splits = _int_arg(splits)
         self.eps, self.qscale = scalars
 

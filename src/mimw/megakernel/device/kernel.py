@@ -103,7 +103,7 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, ep_bar, C: g
                 it, xn, sig = down_proj.compute(ins, C, s, b, sm, it, xn, restage, tid, sig)
             elif op == OP_LM_HEAD:
                 it = lm_head.compute(ins, C, s, b, sm, it, restage)
-            if C.S > 0:  # MoE layers (one token a step: plan.py); a dense model's kernel compiles none of it
+            if C.S > 0:  # MoE layers: a dense model's kernel compiles none of it
                 if op == OP_ROUTER:
                     it, sig = router.compute(ins, C, s, b, sm, it, restage, sig)
                 elif op == OP_EXPERT_IN:

@@ -50,3 +50,9 @@ def thread(C):
 def experts(C):
     """EL [EP2]: a router's logits, the E experts padded to a power of two, a few a compute thread."""
     return gl.BlockedLayout([max(1, C.EP2 // (32 * C.NW))], [32], [C.NW], [0])
+
+
+@constexpr_function
+def token_experts(C):
+    """[8, EP2]: eight tokens' router logits, one token a row (rows over the warps), experts over lanes."""
+    return gl.BlockedLayout([1, max(1, C.EP2 // 32)], [1, 32], [C.NW, 1], [1, 0])

@@ -102,6 +102,7 @@ class MegakernelDecoder:
             logits=x.logits, splits=p.program.max_splits, x16=x.x16, attn16=x.attn16, act16=x.act16,
             router_logits=self._nonempty(x.router_logits), routed=self._nonempty(x.routed),
             slot_w=self._nonempty(x.slot_w), moe_act=self._nonempty(x.moe_act), moe_part=self._nonempty(x.moe_part),
+            moe_act16=self._nonempty(x.moe_act16),
             eps=self.spec.rms_norm_eps,
             qscale=self.spec.head_dim ** -0.5 * 1.4426950408889634, trace=self.trace))
 

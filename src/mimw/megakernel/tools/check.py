@@ -6,7 +6,8 @@ decode steps. The oracle is the reference decoder in fp32 on the same bf16-round
 the same cache; each step feeds both the oracle's greedy token. Scratch is poisoned (NaN) before every launch.
 Every step also relaunches once more and compares logits bit for bit (a moving result would be a race).
 
-``check_batch`` does the same for a decode batch (``MegakernelDecoder.step_batch``): B sequences, each with its own
+``check_batch`` does the same for a decode batch (an MoE model's included: its routing is then checked through the
+logits alone) (``MegakernelDecoder.step_batch``): B sequences, each with its own
 random past in the shared cache and its own shuffled pages, all advanced by one launch a step; every sequence's
 logits are compared with the oracle's for it, and after the run the K/V rows the kernel appended (each sequence's
 new positions) with the oracle's.
@@ -126,14 +127,20 @@ def oracles(w, cache: PagedKVCache):
     return ReferenceDecoder(w.to(dtype=torch.float32)), ref_cache, ReferenceDecoder(w), bf16_cache
 
 
+def moe_ready_weights(spec: ModelSpec, seed: int, router_scale: float = 4.0):
+    """Random bf16 weights on the GPU, an MoE model's router weights scaled by ``router_scale`` (module doc)."""
+    w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
+    for li in spec.moe_layers:
+        w.layers[li].router.mul_(router_scale)
+    return w
+
+
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
                  min_pages: int = 0, router_scale: float = 4.0) -> CheckResult:
     """``steps`` decode steps of one sequence (module doc); an MoE model's routing checked too, its router weights
     scaled by ``router_scale``."""
-    w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
-    for li in spec.moe_layers:
-        w.layers[li].router.mul_(router_scale)
+    w = moe_ready_weights(spec, seed, router_scale)
     cache, table = random_cache(spec, context, steps, page_size, seed + 1, min_pages=min_pages)
     ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
@@ -248,8 +255,9 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
     segments), ``steps`` steps, against the fp32 oracle and the bf16 reference run over the real segments. The next
     step's tokens are the oracle's argmax at every position. ``batch`` in the result is the step's token count.
     ``padded``: the step padded to its bucket by rows on a page of its own (launch/one_token.py), whose rows are
-    then left out of the cache comparison, every other page compared."""
-    w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
+    then left out of the cache comparison, every other page compared. An MoE model's router weights are scaled as
+    ``check_decode`` scales them; its routing is checked through the logits only."""
+    w = moe_ready_weights(spec, seed)
     contexts = [context + 3 * b for b in range(len(lens))]
     m = sum(lens)
     per_seq = [-(-(c + steps * n) // page_size) for c, n in zip(contexts, lens)]
