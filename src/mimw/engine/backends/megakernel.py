@@ -35,9 +35,10 @@ class MegakernelBackend(Backend):
             raise ValueError(f"KV element type {str(kv_dtype).removeprefix('torch.')}: the megakernel backend does "
                              "not read FP8 KV pages yet (its attention loads bf16 tiles); use --kv-dtype bf16, or "
                              "--backend reference for an fp8 KV cache")
-        if weights.spec.is_moe:  # megakernel/plan.py refuses the program too; say it before any GPU work
+        if weights.spec.is_moe:  # the megakernel decodes MoE layers, but the prefill path (prefill/) has no MoE
+            # block yet; say it before any GPU work
             raise ValueError(f"the megakernel backend does not run mixture-of-experts models ({weights.spec.name}) "
-                               "yet; use the reference backend")
+                               "yet (its prefill path has no MoE block); use the reference backend")
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             raise RuntimeError("the megakernel backend needs a Hopper (sm_90) GPU; use the reference backend")
         fused = FusedWeights.from_weights(weights.to(device="cuda", dtype=torch.bfloat16))
