@@ -171,8 +171,10 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
     tie_steps = {step for (step, _, _), v in zip(routes, verdicts) if v == "tie"}
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
-    kept = [s for i, s in enumerate(kernel_steps) if i not in tie_steps]
+    numbers = [i for i in range(steps) if i not in tie_steps]
+    kept = [kernel_steps[i] for i in numbers]
     agree, near_ties, flips = argmax_verdicts(kept, tie)
+    flips = [(numbers[i], gap, err) for i, gap, err in flips]  # by step number
     worst = max([e if e == e else float("inf") for _, _, e in kept] + [0.0])
     n = max(1, len(kept))
     return CheckResult(spec.name, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,

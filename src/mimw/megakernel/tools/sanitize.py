@@ -7,7 +7,8 @@ attention warps' states: the shared-memory merge), ATTN_IN's pairs alone on 8 SM
 two column parts a head, a tiny Qwen3 (16-row tiles, one part a head, q/k norms), a decode batch of three
 sequences on the 2-layer SmolLM2 (swap-AB wgmma, device/matvec_mt.py), a verify block, and the MoE layers: the tiny
 Qwen3-MoE and two 30B-A3B-shaped layers with 32 experts (router tickets, the loader's wait on the routing table,
-the experts' tickets), one token and a decode batch of three. Exits non-zero if logits (or an MoE step's routing) are wrong.
+the experts' tickets), one token and a decode batch of three. Exits non-zero if logits (or an MoE step's routing)
+are wrong.
 
 First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
 shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
