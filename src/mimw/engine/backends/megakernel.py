@@ -10,7 +10,9 @@ measured fastest for that token count on this GPU (``StepRouter``). A step with 
 one token's); longer steps are one pass of the runner. The runner writes the segments' K/V into the shared cache
 exactly as the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v,
 gate/up) once here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of
-them (launch/pack.py): the GPU holds the weights twice, row-major and tile-major. Invariants are those of
+them (launch/pack.py): the GPU holds the weights twice, row-major and tile-major. A mixture-of-experts model decodes
+on the megakernel the same way (one token, or decode batches of up to eight); its prefill chunks run on the bf16
+reference decoder (``ReferencePrefill``: the prefill path has no MoE block yet). Invariants are those of
 ``Backend``.
 """
 from __future__ import annotations
@@ -21,11 +23,22 @@ from typing import Sequence
 import torch
 
 from ...kv.pages import PagedKVCache
-from ...models.reference import Segment
+from ...models.reference import ReferenceDecoder, Segment
 from ...models.weights import ModelWeights
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend, EventTimer
 from .step_router import BATCHED, KERNEL, REPLAY, StepRouter
+
+
+class ReferencePrefill:
+    """A mixture-of-experts model's prefill path: the reference decoder (bf16, transformers' numerics) over the
+    backend's cache, every segment's last ``num_logits`` rows, fp32 (``PrefillRunner.forward``'s contract)."""
+
+    def __init__(self, weights: ModelWeights):
+        self.decoder = ReferenceDecoder(weights)
+
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
+        return self.decoder.forward(tokens, segments, cache, last_only=True).float()
 
 
 class MegakernelBackend(Backend):
@@ -35,16 +48,21 @@ class MegakernelBackend(Backend):
             raise ValueError(f"KV element type {str(kv_dtype).removeprefix('torch.')}: the megakernel backend does "
                              "not read FP8 KV pages yet (its attention loads bf16 tiles); use --kv-dtype bf16, or "
                              "--backend reference for an fp8 KV cache")
-        if weights.spec.is_moe:  # the megakernel decodes MoE layers, but the prefill path (prefill/) has no MoE
-            # block yet; say it before any GPU work
-            raise ValueError(f"the megakernel backend does not run mixture-of-experts models ({weights.spec.name}) "
-                               "yet (its prefill path has no MoE block); use the reference backend")
+        if weights.spec.is_moe:  # a plan for its one-token step must exist (ValueError naming why, before any GPU)
+            from ...megakernel.plan import plan
+
+            plan(weights.spec, 132)
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             raise RuntimeError("the megakernel backend needs a Hopper (sm_90) GPU; use the reference backend")
-        fused = FusedWeights.from_weights(weights.to(device="cuda", dtype=torch.bfloat16))
-        self.weights = fused.unfused()
         self.spec = weights.spec
-        self.prefill = PrefillRunner(fused, prefill)
+        if weights.spec.is_moe:  # the prefill path (prefill/) has no MoE block: MoE prefill runs on the bf16
+            # reference decoder over the same cache
+            self.weights = weights.to(device="cuda", dtype=torch.bfloat16)
+            self.prefill = ReferencePrefill(self.weights)
+        else:
+            fused = FusedWeights.from_weights(weights.to(device="cuda", dtype=torch.bfloat16))
+            self.weights = fused.unfused()
+            self.prefill = PrefillRunner(fused, prefill)
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
         self.router = StepRouter()
