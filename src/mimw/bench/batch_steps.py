@@ -92,6 +92,7 @@ def measure_mimw(row: dict, mk, inp: StepInputs, device: torch.device, budget_s:
         return ref
     except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
         return None
 
 
