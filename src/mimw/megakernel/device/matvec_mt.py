@@ -46,8 +46,11 @@ def group_chunks(C):
 
 @constexpr_function
 def out_layout(C):
-    """[TR, MB]: a row tile's sums for every token, one row a lane."""
-    return gl.BlockedLayout([1, C.MB], [32, 1], [C.NW, 1], [1, 0])
+    """[TR, MB]: a row tile's sums for every token, one row a lane (MB <= 16), or at MB = 32 eight tokens a thread,
+    four lanes a row (32 registers a thread would spill)."""
+    if C.MB <= 16:
+        return gl.BlockedLayout([1, C.MB], [32, 1], [C.NW, 1], [1, 0])
+    return gl.BlockedLayout([1, 8], [32 // (C.MB // 8), C.MB // 8], [C.NW, 1], [1, 0])
 
 
 @gluon.jit
@@ -150,13 +153,16 @@ def stage_normed(xs, wbuf, x16_ptr, emb_ptr, tok_ptr, from_embed, norm_ptr, K, e
     L: gl.constexpr = chunk_layout(C)
     MB: gl.constexpr = C.MB
     ss = gl.zeros([MB, 32], gl.float32, L)
-    for g in range(0, NCH, NCG):
-        for q in gl.static_range(NCG):
+    # the shared-memory passes: a round of chunks an iteration (their loads in flight together); 4 at MB = 32,
+    # where a chunk is 8 registers a thread
+    SU: gl.constexpr = NCG if C.MB <= 16 else 4
+    for g in range(0, NCH, SU):
+        for q in gl.static_range(SU):
             v = xs.index(g + q).load(L).to(gl.float32)
             ss += v * v
     rs = gl.expand_dims(gl.rsqrt(gl.sum(ss, axis=1) / K + eps), 1)
-    for g in range(0, NCH, NCG):
-        for q in gl.static_range(NCG):
+    for g in range(0, NCH, SU):
+        for q in gl.static_range(SU):
             v = xs.index(g + q).load(L).to(gl.float32)
             w = wrows.index(g + q).load(L)  # [1, 32]: broadcast over the tokens
             xs.index(g + q).store((v * rs).to(gl.bfloat16) * w)
