@@ -6,8 +6,8 @@ A step of B decode segments at context C must read every weight once and each se
 
 and a verify step of S segments of K tokens reads the same weights and S contexts' KV (plus the block's own rows).
 This script times the megakernel backend's step (``MegakernelBackend.forward``: the megakernel for one decode
-token; for a decode batch the faster of B replays of the M = 1 megakernel and one pass of its prefill path, as its
-``StepRouter`` measured them; the prefill path for verify blocks) and, for decode
+token; for a decode batch the faster of B replays of the M = 1 megakernel and one pass of its prefill path replayed
+as a CUDA graph per B, as its ``StepRouter`` measured them; the prefill path for verify blocks) and, for decode
 batches, both paths alone (``decode_replays``, ``decode_pass``), for B in ``--batch`` and verify blocks of K in
 ``--verify``. Every segment has its own pages, filled with random K/V; weights are random at the preset's shape.
 The two paths' logits are checked against each other (argmax agreement and the largest relative error) before

@@ -6,7 +6,9 @@ A step of one decode token is one megakernel launch (one CUDA graph replay). A s
 as one launch per sequence, as one launch of the megakernel's decode-batch step (2..8 sequences:
 ``MegakernelDecoder.step_batch``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend measured
 fastest for that batch size on this GPU (``StepRouter``); every other step (prefill chunks, verify blocks, mixes) is
-one pass of the runner. The runner writes the segments' K/V into the shared cache exactly as the kernel reads it, so
+one pass of the runner. A pass whose segments are short (each fits one query block of the paged attention
+kernel: decode batches, verify blocks) replays as a CUDA graph per step pattern (``StepGraphs``); long prefill chunks
+run eager. The runner writes the segments' K/V into the shared cache exactly as the kernel reads it, so
 decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once here for the prefill
 path's GEMMs, and the megakernel packs its own tile-major copy from row views of them (launch/pack.py): the GPU holds
 the weights twice, row-major and tile-major. Invariants are those of ``Backend``.
@@ -22,6 +24,7 @@ from ...models.reference import Segment
 from ...models.weights import ModelWeights
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend, EventTimer
+from .step_graphs import StepGraphs
 from .step_router import BATCHED, KERNEL, REPLAY, StepRouter
 
 
@@ -43,6 +46,7 @@ class MegakernelBackend(Backend):
         self.prefill = PrefillRunner(fused, prefill)
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
+        self._graphs = None  # short steps' graphs over the prefill path, for the cache the engine made
         self.router = StepRouter()
         self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
 
@@ -66,15 +70,17 @@ class MegakernelBackend(Backend):
         for (path, batch), ms in self._timer.completed():
             self.router.observe(path, batch, ms)
         if not all(s.length == 1 and s.num_logits == 1 for s in segments):
-            return self.prefill.forward(tokens, segments, cache)
+            return self.decode_pass(tokens, segments, cache)
         from ...megakernel.plan import MAX_BATCH
 
         whole = (KERNEL, BATCHED) if len(segments) <= MAX_BATCH else (BATCHED,)
         path = self.router.choose(len(segments), whole)
+        captures = self._graphs.captures if self._graphs is not None else 0
         start = self._timer.start()
         step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
         out = step(tokens, segments, cache)
-        self._timer.stop(start, (path, len(segments)))
+        if self._graphs is None or self._graphs.captures == captures:  # a step that captured a graph: no measure
+            self._timer.stop(start, (path, len(segments)))
         return out
 
     def decode_replays(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -92,5 +98,10 @@ class MegakernelBackend(Backend):
         return out.to(torch.float32, copy=True)  # the batch decoder's logits buffer: the next launch overwrites it
 
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Any segments as one pass of the prefill path."""
+        """Any segments as one pass of the prefill path: replayed as a CUDA graph when every segment fits one query
+        block of the paged attention kernel (decode batches, verify blocks: ``StepGraphs``), else eager."""
+        if self._graphs is None or self._graphs.cache is not cache:
+            self._graphs = StepGraphs(self.prefill, cache)
+        if self._graphs.fits(segments):
+            return self._graphs.forward(tokens, segments)
         return self.prefill.forward(tokens, segments, cache)
