@@ -13,8 +13,8 @@ block table wider than that width recaptures the graphs wider.
 
 Capture: one eager pass on the step's real inputs first (compilation, autotuning; it writes the same K/V rows the
 replay rewrites), then the capture, then the replay. Every graph draws on one memory pool (graphs replay one at a
-time, and each step's logits are copied out before the next replay). At most ``max_graphs`` patterns are kept
-(least recently used dropped). Invariants are ``Backend.forward``'s.
+time, and each step's logits are copied out before the next replay; a recapture wider starts a new pool). At most
+``max_graphs`` patterns are kept (least recently used dropped). Invariants are ``Backend.forward``'s.
 """
 from __future__ import annotations
 
@@ -73,6 +73,9 @@ class StepGraphs:
         if host.block_tables.shape[1] > self.width:
             self.width = max(host.block_tables.shape[1], 2 * self.width)
             self.graphs.clear()  # their static block tables are too narrow
+            # with its last graph gone the caching allocator frees the private pool, and a capture into a freed
+            # pool's handle fails: the wider graphs draw on a new one
+            self.pool = torch.cuda.graph_pool_handle()
         key = tuple((p.length, p.num_logits) for p in pieces)
         g = self.graphs.get(key)
         if g is None:
