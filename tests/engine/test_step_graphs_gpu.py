@@ -47,8 +47,11 @@ def test_graph_replays_match_the_eager_pass_across_contexts_patterns_and_a_wider
         for layer in range(spec.num_layers):  # the same K/V rows written
             assert torch.allclose(cache.k[layer].float(), twin.k[layer].float(), rtol=2e-2, atol=2e-2)
             assert torch.allclose(cache.v[layer].float(), twin.v[layer].float(), rtol=2e-2, atol=2e-2)
+    # block tables are trimmed to each step's pages: widths 3, 13 (recapture), 16 (recapture at the mix); steps 2
+    # and 5 replayed a graph, the others captured one, and the last recapture dropped the narrower graphs
     assert graphs.width >= 16
-    assert set(graphs.graphs) == {((1, 1),) * 3, ((4, 4),) * 3, ((1, 1), (4, 4), (2, 1))}
+    assert graphs.captures == 4
+    assert set(graphs.graphs) == {((1, 1), (4, 4), (2, 1))}
     long = [Segment(tables[0], 0, graphs.block_m + 1)]
     assert not graphs.fits(long)
     with pytest.raises(ValueError):
