@@ -270,9 +270,10 @@ class Scheduler:
             self._register(c.request)
 
     def _register(self, r: Request) -> None:
-        """Offer r's full pages of computed tokens to the prefix cache."""
+        """Offer r's full pages of computed and known tokens to the prefix cache (a page whose last token is still
+        in flight on the device is offered at a later commit, once the host has it)."""
         ps = self.cfg.page_size
-        full = r.num_computed // ps
+        full = min(r.num_computed, len(r.token_ids)) // ps
         if self.prefix is None or full <= r.num_registered:
             return
         hashes = chain_hashes(r.token_ids[:full * ps], ps, r.page_hashes)
