@@ -299,6 +299,7 @@ class Engine:
         if self.host is not None and self._backup_window > self.allocator.num_free:
             self.host.backup(self.prefix, self._backup_window - self.allocator.num_free)  # type: ignore[arg-type]
         ends = list(itertools.accumulate(s.num_logits for s in segments))  # row after each segment's last
+        self._collect_prompt_logprobs(plan.chunks, segments, ends, logits)  # reads logits only where asked
         done = [c for c in plan.chunks if c.samples]
         for c in done:
             if c.request.num_output_tokens == 0 and not c.request.num_inflight:  # prefill complete
@@ -315,7 +316,6 @@ class Engine:
         if launched is not None:
             launched.mark()
             self._inflight = launched
-        self._collect_prompt_logprobs(plan.chunks, segments, ends, logits)
         out += self._verify_drafts(plan.chunks, drafts, ends, logits)
         if on_host:
             out += self._sample_on_host(logits, on_host)
