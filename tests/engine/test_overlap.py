@@ -112,7 +112,7 @@ def test_stops_mid_batch_eos_stop_strings_and_lengths(tiny_weights):
     got, _ = both(tiny_weights, reqs, num_pages=64, page_size=4, max_batch=8)
     assert got["eos"][0] == base[0][:5] and got["eos"][2] == "stop"
     assert got["len3"][2] == "length" and len(got["len3"][0]) == 3 and len(got["len1"][0]) == 1
-    assert got["long"][0] == base[3] and got["text"][2] == "stop" and len(got["text"][0]) <= 7
+    assert got["long"][0] == base[3] and got["text"][2] == "stop" and len(got["text"][0]) < 16
 
 
 def test_aborts_and_preemption(tiny_weights):
