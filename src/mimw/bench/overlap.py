@@ -1,0 +1,212 @@
+"""``mimw bench overlap`` (also ``python -m mimw.bench.overlap``): what the engine adds to the backend's decode step,
+with the overlap scheduler (``engine/overlap.py``) off and on.
+
+For each batch size B: the backend's own decode step over B sequences (``forward`` called back to back with the
+same inputs, timed on the device: the step the engine cannot beat; for the megakernel also its bare graph replay,
+the kernel's step at batch 1) and the engine's inter-token latency, measured as a server sees it - B greedy
+requests submitted to an ``EngineLoop`` (the server's engine thread), every token event time-stamped by its
+callback, the mean gap between a request's consecutive tokens once all B decode. ``host share`` = 1 - step / ITL:
+the part of each token's time the device idles for the host. In-process (no HTTP), random weights at the preset's
+shape, a byte-level tokenizer. Prints a table and writes ``overlap-<device>-<model>.json`` to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+
+def add_arguments(sub) -> None:
+    p = sub.add_parser("overlap", help="engine inter-token latency vs the backend's step, overlap off and on",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.2-1b", metavar="PRESET", help="preset (random weights; default "
+                   "llama-3.2-1b)")
+    p.add_argument("--backend", default="auto", choices=("auto", "megakernel", "reference"),
+                   help="auto: megakernel on a Hopper GPU, else reference")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--batches", default="1,8,32", metavar="B[,B...]")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request (default 32)")
+    p.add_argument("--step-iters", type=int, default=50, help="back-to-back backend steps timed (default 50)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench/results/overlap", metavar="DIR")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, iters: int, device: torch.device) -> float:
+    """Mean ms of ``fn()`` over ``iters`` back-to-back calls (device events on a GPU, so launch queues fill)."""
+    fn()
+    _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) * 1e3 / iters
+
+
+def backend_step_ms(engine, batch: int, context: int, iters: int) -> dict:
+    """The backend's decode step over ``batch`` sequences at ``context`` positions, in free pages of the engine's
+    cache (before any request has used them), back to back."""
+    from ..models.reference import Segment
+
+    ps = engine.config.page_size
+    per = -(-(context + 1) // ps)
+    dev = engine.backend.device
+    segs = [Segment(tuple(range(b * per, (b + 1) * per)), context, 1) for b in range(batch)]
+    tokens = torch.randint(0, 256, (batch,), device=dev)
+    out = {"backend_step_ms": _timed(lambda: engine.backend.forward(tokens, segs, engine.cache), iters, dev)}
+    dec = getattr(engine.backend, "_dec", None)
+    if dec is not None and dec.graph is not None:  # the megakernel's own launch (M = 1), graph replay only
+        out["kernel_ms"] = _timed(dec.run, iters, dev)
+    return out
+
+
+def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> dict:
+    """B greedy requests through an EngineLoop; the mean gap between a request's consecutive token events once
+    every request decodes (its first 4 tokens skipped), averaged over the requests."""
+    from ..engine.loop import EngineLoop
+    from ..engine.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    times: dict[str, list[float]] = {}
+    done = threading.Event()
+    left = [batch]
+    lock = threading.Lock()
+
+    def on_output(e) -> None:
+        now = time.perf_counter()
+        times.setdefault(e.request_id, []).extend([now] * max(1, len(e.token_ids)))
+        if e.finished:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+    loop = EngineLoop(engine, max_queue=batch + 1).start()
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    try:
+        for b in range(batch):
+            ids = torch.randint(3, 256, (prompt,), generator=g).tolist()
+            loop.submit(f"s{seed}-r{b}", ids, params, on_output)
+        if not done.wait(600):
+            raise RuntimeError("the engine did not finish in 600 s")
+    finally:
+        loop.stop()
+    wall = time.perf_counter() - t0
+    skip = 4
+    gaps = [(ts[-1] - ts[skip]) / (len(ts) - 1 - skip) for ts in times.values() if len(ts) > skip + 1]
+    return {"itl_ms": 1e3 * statistics.fmean(gaps), "wall_s": wall, "tokens": sum(len(t) for t in times.values())}
+
+
+def _engine(backend, overlap: bool, max_batch: int, pages: int):
+    from ..engine.engine import Engine, EngineConfig
+    from ..server.main import ByteTokenizer
+
+    cfg = EngineConfig(num_pages=pages, page_size=16, max_batch=max_batch, max_step_tokens=max(512, max_batch),
+                       overlap=overlap, enable_prefix_cache=False)
+    return Engine(backend, ByteTokenizer(), cfg)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..models.checkpoint import load_model
+    from ..server.main import _backend
+
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if not batches or min(batches) < 1 or args.tokens < 8 or args.prompt < 1:
+        raise ValueError("--batches must list sizes >= 1, --tokens be >= 8 and --prompt >= 1")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = args.backend
+    if name == "auto":
+        name = "megakernel" if device.type == "cuda" and torch.cuda.get_device_capability() == (9, 0) else "reference"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    loaded = load_model(args.model, dtype=dtype, device=device, progress=False)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"cpu ({torch.get_num_threads()} threads)"
+    ps = 16
+    pages = max(batches) * (-(-(args.prompt + args.tokens + 1) // ps) + 1) + 8
+    # a backend each: the megakernel backend keeps one decoder (packed weights, CUDA graph) for one cache
+    engines = {mode: _engine(_backend(name, loaded.weights, None), mode, max(batches), pages) for mode in (False, True)}
+    print(f"[overlap] {args.model} on {dev_name}, {name} backend; {args.tokens} tokens a request after a "
+          f"{args.prompt}-token prompt", file=sys.stderr, flush=True)
+    rows = []
+    for b in batches:
+        row: dict = {"batch": b, **backend_step_ms(engines[False], b, args.prompt + args.tokens // 2, args.step_iters)}
+        for mode, eng in engines.items():
+            engine_itl_ms(eng, b, args.prompt, 8, seed=1000 + b)  # warm-up: compilation, graph capture, pools
+            row["overlap" if mode else "sync"] = engine_itl_ms(eng, b, args.prompt, args.tokens, seed=b)
+        step = row["backend_step_ms"]
+        for k in ("sync", "overlap"):
+            itl = row[k]["itl_ms"]
+            row[k]["itl_over_step"] = itl / step
+            row[k]["host_share"] = max(0.0, 1 - step / itl)
+        rows.append(row)
+        print(_line(row), file=sys.stderr, flush=True)
+    doc = {"bench": "overlap", "model": args.model, "backend": name, "device": dev_name,
+           "torch": torch.__version__, "tokens": args.tokens, "prompt": args.prompt, "rows": rows,
+           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"overlap-{_slug(dev_name)}-{args.model}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(table(rows))
+    print(f"wrote {path}")
+    return 0
+
+
+def _slug(text: str) -> str:
+    return "-".join("".join(c.lower() if c.isalnum() else " " for c in text).split()) or "device"
+
+
+def _line(row: dict) -> str:
+    k = f", kernel {row['kernel_ms']:.3f} ms" if "kernel_ms" in row else ""
+    return (f"[overlap] batch {row['batch']}: step {row['backend_step_ms']:.3f} ms{k}; ITL sync "
+            f"{row['sync']['itl_ms']:.3f} ms, overlap {row['overlap']['itl_ms']:.3f} ms")
+
+
+def table(rows: Sequence[dict]) -> str:
+    head = ("| batch | backend step ms | kernel ms | ITL sync ms | ITL overlap ms | overlap / step | host share sync "
+            "| host share overlap |")
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        k = f"{r['kernel_ms']:.3f}" if "kernel_ms" in r else "-"
+        lines.append(f"| {r['batch']} | {r['backend_step_ms']:.3f} | {k} | {r['sync']['itl_ms']:.3f} | "
+                     f"{r['overlap']['itl_ms']:.3f} | {r['overlap']['itl_over_step']:.3f} | "
+                     f"{r['sync']['host_share']:.1%} | {r['overlap']['host_share']:.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mimw.bench.overlap")
+    add_arguments(parser.add_subparsers(dest="bench_command", required=True))
+    args = parser.parse_args(["overlap", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
