@@ -193,3 +193,49 @@ def test_overlap_on_the_gpu_matches_the_synchronous_engine(tiny_weights):
     reqs = [(f"r{i}", p, greedy(10) if i % 2 else SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=10))
             for i, p in enumerate(PROMPTS)]
     both(w, reqs, num_pages=128, page_size=4, max_batch=8)
+
+
+hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                            reason="the megakernel needs a Hopper (sm_90) GPU")
+
+
+@pytest.mark.gpu
+@hopper
+def test_megakernel_decode_and_device_sampling_never_synchronise():
+    from mimw.engine.backends.megakernel import MegakernelBackend
+    from mimw.engine.sampling import sample_ids
+    from mimw.models.reference import Segment
+    from mimw.models.spec import get_preset
+    from mimw.models.weights import random_weights
+
+    spec = get_preset("smollm2-135m").with_(num_layers=4)
+    mk = MegakernelBackend(random_weights(spec, 3, dtype=torch.bfloat16, device="cuda"))
+    cache = mk.make_cache(16, 16)
+    segs = [Segment((1, 2), 20, 1), Segment((3, 4, 5), 40, 1)]
+    tokens = torch.tensor([5, 9], device="cuda")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, logit_bias={3: 1.0})]
+    ids = sample_ids(mk.forward(tokens, segs, cache), params, [0.0, 0.5])  # compiles and captures the graph
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # the next step's tokens are the previous samples, on the device
+            ids = sample_ids(mk.forward(ids.clamp(min=0), segs, cache), params, [0.0, 0.5])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(0 <= t < spec.vocab_size for t in ids.tolist())
+
+
+@pytest.mark.gpu
+@hopper
+def test_megakernel_engine_with_overlap_matches_the_synchronous_engine():
+    from mimw.engine.backends.megakernel import MegakernelBackend
+    from mimw.models.spec import get_preset
+    from mimw.models.weights import random_weights
+
+    spec = get_preset("smollm2-135m").with_(num_layers=4)
+    w = random_weights(spec, 3, dtype=torch.bfloat16, device="cuda")
+    reqs = [(f"r{i}", [t + 3 for t in p], greedy(12)) for i, p in enumerate(PROMPTS[:4])]
+    engines = [Engine(MegakernelBackend(w), ByteTokenizer(), EngineConfig(overlap=o, num_pages=64, page_size=16))
+               for o in (False, True)]
+    want, got = (run(e, reqs, check=False) for e in engines)
+    assert got == want

@@ -46,8 +46,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
-    """Mean ms of ``fn()`` over ``iters`` back-to-back calls (device events on a GPU, so launch queues fill)."""
-    fn()
+    """Mean ms of ``fn()`` over ``iters`` back-to-back calls (device events on a GPU, so launch queues fill),
+    after 3 untimed calls (compilation, graph capture, first touch of the pages)."""
+    for _ in range(3):
+        fn()
     _sync(device)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -200,11 +202,17 @@ def table(rows: Sequence[dict]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mimw.bench.overlap")
     add_arguments(parser.add_subparsers(dest="bench_command", required=True))
-    args = parser.parse_args(["overlap", *(argv if argv is not None else sys.argv[1:])])
+    return run_checked(parser.parse_args(["overlap", *(argv if argv is not None else sys.argv[1:])]))
+
+
+def run_checked(args: argparse.Namespace) -> int:
+    """``run`` with a bad option reported in one line (exit code 2)."""
+    from ..models.spec import SpecError
+
     try:
         return run(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, SpecError) as e:
+        print(f"mimw bench overlap: error: {e}", file=sys.stderr)
         return 2
 
 
