@@ -100,6 +100,13 @@ def test_greedy_and_seeded_sampling_match_the_synchronous_engine(tiny_weights, b
     assert got["r0"][0] == greedy_alone(tiny_weights, PROMPTS[0], 12)
 
 
+def test_no_step_is_spent_on_a_request_whose_token_in_flight_is_its_last(tiny_weights):
+    reqs = [(f"r{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(PROMPTS[:4], (1, 5, 9, 9)))]
+    a, b = make(tiny_weights, False, num_pages=64, page_size=4), make(tiny_weights, True, num_pages=64, page_size=4)
+    assert run(a, reqs) == run(b, reqs)
+    assert a.stats().steps == b.stats().steps == 9
+
+
 def test_stops_mid_batch_eos_stop_strings_and_lengths(tiny_weights):
     base = {i: greedy_alone(tiny_weights, p, 16) for i, p in enumerate(PROMPTS[:6])}
     reqs = [("eos", PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[base[0][4]])),

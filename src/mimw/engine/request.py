@@ -130,6 +130,11 @@ class Request:
         return self.num_tokens - self.num_computed
 
     @property
+    def last_in_flight(self) -> bool:
+        """Its token in flight is its last (max_tokens, which the engine caps at the context): nothing to run."""
+        return self.num_inflight > 0 and self.num_output_tokens + self.num_inflight >= self.params.max_tokens
+
+    @property
     def needs_prompt_logits(self) -> bool:
         """Prompt logprobs were asked for and some are still missing."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
