@@ -6,6 +6,11 @@ verify their drafts -> stop checks and incremental detokenisation, token by toke
 step; a verified draft gives several tokens in one event). Everything here runs on one thread (``EngineLoop``
 provides it); it is not thread-safe.
 
+Overlap (``overlap.py``, docs/engine.md; ``EngineConfig.overlap``, on by default): the requests that need nothing
+from the host between two tokens sample on the device, and the step returns before reading their tokens; the next
+step launches first, its inputs taken from the device, and then reads them and does their per-token work. A step
+holding a request that needs the host (``overlap.needs_host``), drafts or prompt logprobs is read at once.
+
 Sessions (``sessions.SessionTable``): a request may name a session; when it finishes, the session retains its
 pages (pinned in the ``Retention`` that orders every tier's evictions) until the session's TTL runs out or it is
 closed. With ``host_kv_bytes``, a host tier (``mimw.kv.host_tier``) keeps pages the device cache evicts; ``step``
