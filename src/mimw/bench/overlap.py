@@ -6,7 +6,8 @@ same inputs, timed on the device: the step the engine cannot beat; for the megak
 the kernel's step at batch 1) and the engine's inter-token latency, measured as a server sees it - B greedy
 requests submitted to an ``EngineLoop`` (the server's engine thread), every token event time-stamped by its
 callback, the mean gap between a request's consecutive tokens once all B decode. ``host share`` = 1 - step / ITL:
-the part of each token's time the device idles for the host. In-process (no HTTP), random weights at the preset's
+the part of each token's time the device idles for the host; ``engine host ms`` = the engine's own work per step
+with a backend that costs nothing (``FixedLogits``): what overlap has to hide. In-process (no HTTP), random weights at the preset's
 shape, a byte-level tokenizer. Prints a table and writes ``overlap-<device>-<model>.json`` to ``--out``.
 """
 from __future__ import annotations
@@ -22,6 +23,9 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from ..engine.backends.base import Backend
+from ..kv.pages import KVLayout, PagedKVCache
 
 
 def add_arguments(sub) -> None:
@@ -67,13 +71,16 @@ def _timed(fn, iters: int, device: torch.device) -> float:
 
 def backend_step_ms(engine, batch: int, context: int, iters: int) -> dict:
     """The backend's decode step over ``batch`` sequences at ``context`` positions, in free pages of the engine's
-    cache (before any request has used them), back to back."""
+    cache (no request runs meanwhile), back to back, after a prefill of those positions (real K/V: no zeros)."""
     from ..models.reference import Segment
 
     ps = engine.config.page_size
     per = -(-(context + 1) // ps)
     dev = engine.backend.device
-    segs = [Segment(tuple(range(b * per, (b + 1) * per)), context, 1) for b in range(batch)]
+    tables = [tuple(range(b * per, (b + 1) * per)) for b in range(batch)]
+    prompt = torch.randint(3, 256, (batch * context,), generator=torch.Generator().manual_seed(batch)).to(dev)
+    engine.backend.forward(prompt, [Segment(t, 0, context) for t in tables], engine.cache)
+    segs = [Segment(t, context, 1) for t in tables]
     tokens = torch.randint(0, 256, (batch,), device=dev)
     out = {"backend_step_ms": _timed(lambda: engine.backend.forward(tokens, segs, engine.cache), iters, dev)}
     dec = getattr(engine.backend, "_dec", None)
@@ -120,6 +127,50 @@ def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> di
     return {"itl_ms": 1e3 * statistics.fmean(gaps), "wall_s": wall, "tokens": sum(len(t) for t in times.values())}
 
 
+class FixedLogits(Backend):
+    """A backend that costs (almost) nothing: the same logits rows every step, already on the device. With it a
+    step's time is the engine's own host work (and the sampling kernels): what overlap has to hide."""
+
+    def __init__(self, spec, device: torch.device):
+        self.spec = spec
+        self._device = device
+        g = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(64, spec.vocab_size, generator=g).to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
+        """A pool that is never read, on the CPU whatever the device (the engine's page accounting needs one)."""
+        return PagedKVCache(KVLayout.for_spec(self.spec, page_size, num_pages, torch.float32), torch.device("cpu"))
+
+    def forward(self, tokens, segments, cache) -> torch.Tensor:
+        return self.logits[:len(segments)]
+
+
+def engine_host_ms(spec, device: torch.device, batch: int, prompt: int, tokens: int) -> dict:
+    """Mean ms of ``Engine.step`` (called in a loop, as the engine thread does) with ``FixedLogits``, once every
+    request decodes, overlap off and on: the engine's per-step host cost at this batch."""
+    from ..engine.sampling import SamplingParams
+
+    out = {}
+    for mode in (False, True):
+        eng = _engine(FixedLogits(spec, device), mode, batch, batch * (-(-(prompt + tokens + 1) // 16) + 1) + 8)
+        for b in range(batch):
+            eng.add_request(f"h{b}", [5] * prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        _sync(device)
+        t, n = time.perf_counter(), 0
+        while eng.has_work():
+            eng.step()
+            n += 1
+        _sync(device)
+        out["overlap" if mode else "sync"] = (time.perf_counter() - t) * 1e3 / max(1, n)
+    return out
+
+
 def _engine(backend, overlap: bool, max_batch: int, pages: int):
     from ..engine.engine import Engine, EngineConfig
     from ..server.main import ByteTokenizer
@@ -155,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for b in batches:
         row: dict = {"batch": b, **backend_step_ms(engines[False], b, args.prompt + args.tokens // 2, args.step_iters)}
+        row["engine_host_ms"] = engine_host_ms(loaded.spec, device, b, args.prompt, args.tokens)
         for mode, eng in engines.items():
             engine_itl_ms(eng, b, args.prompt, 8, seed=1000 + b)  # warm-up: compilation, graph capture, pools
             row["overlap" if mode else "sync"] = engine_itl_ms(eng, b, args.prompt, args.tokens, seed=b)
@@ -183,19 +235,23 @@ def _slug(text: str) -> str:
 
 def _line(row: dict) -> str:
     k = f", kernel {row['kernel_ms']:.3f} ms" if "kernel_ms" in row else ""
+    h = row["engine_host_ms"]
     return (f"[overlap] batch {row['batch']}: step {row['backend_step_ms']:.3f} ms{k}; ITL sync "
-            f"{row['sync']['itl_ms']:.3f} ms, overlap {row['overlap']['itl_ms']:.3f} ms")
+            f"{row['sync']['itl_ms']:.3f} ms, overlap {row['overlap']['itl_ms']:.3f} ms; engine host work "
+            f"{h['sync']:.3f} / {h['overlap']:.3f} ms a step")
 
 
 def table(rows: Sequence[dict]) -> str:
-    head = ("| batch | backend step ms | kernel ms | ITL sync ms | ITL overlap ms | overlap / step | host share sync "
-            "| host share overlap |")
-    lines = [head, "|" + "---|" * 8]
+    head = ("| batch | backend step ms | kernel ms | engine host ms | ITL sync ms | ITL overlap ms | overlap / step "
+            "| overlap / kernel | host share sync | host share overlap |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         k = f"{r['kernel_ms']:.3f}" if "kernel_ms" in r else "-"
-        lines.append(f"| {r['batch']} | {r['backend_step_ms']:.3f} | {k} | {r['sync']['itl_ms']:.3f} | "
-                     f"{r['overlap']['itl_ms']:.3f} | {r['overlap']['itl_over_step']:.3f} | "
-                     f"{r['sync']['host_share']:.1%} | {r['overlap']['host_share']:.1%} |")
+        kr = f"{r['overlap']['itl_ms'] / r['kernel_ms']:.3f}" if "kernel_ms" in r and r["batch"] == 1 else "-"
+        lines.append(f"| {r['batch']} | {r['backend_step_ms']:.3f} | {k} | {r['engine_host_ms']['overlap']:.3f} | "
+                     f"{r['sync']['itl_ms']:.3f} | {r['overlap']['itl_ms']:.3f} | "
+                     f"{r['overlap']['itl_over_step']:.3f} | {kr} | {r['sync']['host_share']:.1%} | "
+                     f"{r['overlap']['host_share']:.1%} |")
     return "\n".join(lines)
 
 
