@@ -7,8 +7,10 @@ the kernel's step at batch 1) and the engine's inter-token latency, measured as 
 requests submitted to an ``EngineLoop`` (the server's engine thread), every token event time-stamped by its
 callback, the mean gap between a request's consecutive tokens once all B decode. ``host share`` = 1 - step / ITL:
 the part of each token's time the device idles for the host; ``engine host ms`` = the engine's own work per step
-with a backend that costs nothing (``FixedLogits``): what overlap has to hide. In-process (no HTTP), random weights at the preset's
-shape, a byte-level tokenizer. Prints a table and writes ``overlap-<device>-<model>.json`` to ``--out``.
+with a backend that costs nothing (``FixedLogits``): what overlap has to hide. A backend that picks its path by
+measuring (the megakernel's ``StepRouter``) shares one router between the two engines, so both run a batch the
+same way. In-process (no HTTP), random weights at the preset's shape, a byte-level tokenizer. Prints a table and
+writes ``overlap-<device>-<model>.json`` to ``--out``. On a shared CPU, ``--threads 1`` gives steadier numbers.
 """
 from __future__ import annotations
 
@@ -82,6 +84,9 @@ def backend_step_ms(engine, batch: int, context: int, iters: int) -> dict:
     engine.backend.forward(prompt, [Segment(t, 0, context) for t in tables], engine.cache)
     segs = [Segment(t, context, 1) for t in tables]
     tokens = torch.randint(0, 256, (batch,), device=dev)
+    for _ in range(8):  # a backend that picks its path by measuring (the megakernel's StepRouter) learns here
+        engine.backend.forward(tokens, segs, engine.cache)
+        _sync(dev)
     out = {"backend_step_ms": _timed(lambda: engine.backend.forward(tokens, segs, engine.cache), iters, dev)}
     dec = getattr(engine.backend, "_dec", None)
     if dec is not None and dec.graph is not None:  # the megakernel's own launch (M = 1), graph replay only
@@ -201,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
     pages = max(batches) * (-(-(args.prompt + args.tokens + 1) // ps) + 1) + 8
     # a backend each: the megakernel backend keeps one decoder (packed weights, CUDA graph) for one cache
     engines = {mode: _engine(_backend(name, loaded.weights, None), mode, max(batches), pages) for mode in (False, True)}
+    router = getattr(engines[False].backend, "router", None)
+    if router is not None:  # one set of path estimates, so that both engines run a batch the same way
+        engines[True].backend.router = router
     print(f"[overlap] {args.model} on {dev_name}, {name} backend; {args.tokens} tokens a request after a "
           f"{args.prompt}-token prompt", file=sys.stderr, flush=True)
     rows = []
@@ -210,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
         for mode, eng in engines.items():
             engine_itl_ms(eng, b, args.prompt, 8, seed=1000 + b)  # warm-up: compilation, graph capture, pools
             row["overlap" if mode else "sync"] = engine_itl_ms(eng, b, args.prompt, args.tokens, seed=b)
+        if router is not None:
+            row["router"] = {"replay_ms": router.replay_ms, "batched_ms": dict(router.batched_ms)}
         step = row["backend_step_ms"]
         for k in ("sync", "overlap"):
             itl = row[k]["itl_ms"]
