@@ -108,7 +108,7 @@ def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> di
 
     def on_output(e) -> None:
         now = time.perf_counter()
-        times.setdefault(e.request_id, []).extend([now] * max(1, len(e.token_ids)))
+        times.setdefault(e.request_id, []).extend([now] * len(e.token_ids))
         if e.finished:
             with lock:
                 left[0] -= 1
