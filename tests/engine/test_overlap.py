@@ -209,6 +209,8 @@ hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_de
 @pytest.mark.gpu
 @hopper
 def test_megakernel_decode_and_device_sampling_never_synchronise():
+    """The megakernel's replays (the batch-1 path, and the per-sequence path of small batches) and the device
+    sampler queue their work without waiting for the GPU: the overlapped engine's launch path."""
     from mimw.engine.backends.megakernel import MegakernelBackend
     from mimw.engine.sampling import sample_ids
     from mimw.models.reference import Segment
@@ -221,19 +223,16 @@ def test_megakernel_decode_and_device_sampling_never_synchronise():
     segs = [Segment((1, 2), 20, 1), Segment((3, 4, 5), 40, 1)]
     tokens = torch.tensor([5, 9], device="cuda")
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, logit_bias={3: 1.0})]
-    # warm-up: both of the backend's paths for a decode batch (megakernel replays, the prefill path's graph) compile,
-    # capture and are measured by its router, one step at a time
-    for n in (1, 1, 1, 2, 2, 2, 2, 2):
-        ids = sample_ids(mk.forward(tokens[:n], segs[:n], cache), params[:n], [0.0, 0.5][:n])
-        torch.cuda.synchronize()
-    assert mk.router.replay_ms is not None and mk.router.batched_ms
+    ids = sample_ids(mk.decode_replays(tokens, segs, cache), params, [0.0, 0.5])  # compiles, captures the graph
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):  # the next step's tokens are the previous samples, on the device
-            ids = sample_ids(mk.forward(ids.clamp(min=0), segs, cache), params, [0.0, 0.5])
+            ids = sample_ids(mk.decode_replays(ids.clamp(min=0), segs, cache), params, [0.0, 0.5])
+        one = sample_ids(mk.forward(ids[:1].clamp(min=0), segs[:1], cache), params[:1], [0.0])  # batch 1: replay
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert all(0 <= t < spec.vocab_size for t in ids.tolist())
+    assert all(0 <= t < spec.vocab_size for t in ids.tolist() + one.tolist())
 
 
 @pytest.mark.gpu
