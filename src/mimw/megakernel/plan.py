@@ -13,10 +13,11 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
   * ATTN_PARTIAL's warps merge their softmax states through the staging buffer where it holds them (else through
     Triton's reductions over the warp axis);
   * the release hold's marks on the words (hold.py);
-  * a multi-token step (a decode batch of M = 2..8 sequences, one token each): the tokens padded to MB = 8 (wgmma's
-    N), the staging buffer MB bf16 rows a 32-column chunk and a norm's weights beside it, no cluster pairs (their
-    exchange holds one token's sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ in ticketed column
-    parts: at least two, and as few as let its staged input fit beside a ring of ``MIN_RING_MT`` slots.
+  * a multi-token step (M = 2..``max_tokens`` one-token segments: decode tokens, a verify block's tokens): the
+    tokens padded to MB = 8, 16 or 32 (wgmma's N: ``token_rows``), the staging buffer MB bf16 rows a 32-column chunk and a norm's weights beside it,
+    no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ
+    in ticketed column parts: at least two, and as few as let its staged input fit beside a ring of
+    ``MIN_RING_MT`` slots.
 A program with an instruction that has no device code (the MoE instructions: ops.GPU_OPS) is refused: the GPU kernel
 does not run mixture-of-experts layers yet (the VM does).
 Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
@@ -39,8 +40,8 @@ SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90
 SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers:
 # ~4.3 KB in the default kernels); every kernel the compile tests build is checked to fit
 MMA_K = 32  # columns of a folded tile row (device/matvec.dot_tile): two k16 steps of mma.sync
-MB = 8  # a multi-token step's tokens padded to wgmma's smallest N (swap-AB: the tokens are the B operand)
-MAX_BATCH = 8  # the most tokens a multi-token step plans (one wgmma N of 8)
+MAX_BATCH = 32  # the most tokens a multi-token step plans (swap-AB: the tokens are wgmma's N, 8, 16 or 32); fewer
+# where the staged input of that many does not fit (``max_tokens``: the 8B shapes' 4096 columns, 16)
 MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its staging buffer
 
 
@@ -134,7 +135,7 @@ class Constants:
     TRACE: bool  # per-instruction timestamps (tools/trace.py)
     NW: int  # compute warps
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
-    MB: int = 1  # tokens padded to the B operand's N (8 where M > 1): staged rows a 32-column chunk
+    MB: int = 1  # tokens padded to the B operand's N (8 or 16 where M > 1): staged rows a 32-column chunk
     V: int = 0  # vocabulary (the logits' row stride where M > 1)
 
     @property
@@ -230,6 +231,25 @@ def check(spec: ModelSpec, t: Tuning) -> None:
         raise ValueError(f"qkv_parts={t.qkv_parts}: 0 (derived) or 1..8 (the finisher's unrolled sum)")
 
 
+def token_rows(m: int) -> int:
+    """MB, the rows a multi-token step pads its M tokens to: wgmma's N, 8 up to eight tokens, 16 up to sixteen,
+    else 32."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
+
+
+def max_tokens(spec: ModelSpec, tuning: Tuning = Tuning()) -> int:
+    """The most tokens a multi-token step of ``spec`` plans: MAX_BATCH, or the largest wgmma N (16, 8) whose staged
+    input fits in shared memory; 1 where the GPU kernel runs no multi-token step (16-row tiles)."""
+    t = tuning.resolve(spec)
+    for m in (MAX_BATCH, 16, 8):
+        try:
+            multi_token(spec, StepShape((1,) * m), t)
+            return m
+        except ValueError:
+            continue
+    return 1
+
+
 def norm_buffer_bytes(spec: ModelSpec, t: Tuning) -> int:
     """A multi-token step's buffer for a norm's weights (device/matvec_mt.wbuf_rows): the hidden size's 32-column
     chunks, a power of two of them, bf16."""
@@ -239,25 +259,26 @@ def norm_buffer_bytes(spec: ModelSpec, t: Tuning) -> int:
 def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, int]:
     """A multi-token step's derived settings: the tuning without cluster pairs, and DOWN_PROJ's column parts: at
     least two (whole rows alone are fewer blocks than the GPU has SMs on every shape: the one-token kernel's halves
-    serve the same end), and as few as let the staged input (MB rows a column tile, power-of-two tiles) fit in
-    shared memory beside the norm buffer and ``MIN_RING_MT`` ring slots. Raises ValueError for a shape the GPU
-    kernel does not run."""
+    serve the same end), and as few as let the staged input (``token_rows`` rows a column tile, power-of-two tiles)
+    fit in shared memory beside the norm buffer and ``MIN_RING_MT`` ring slots. Raises ValueError for a shape the
+    GPU kernel does not run."""
     m = shape.num_tokens
     if any(n != 1 for n in shape.seg_lens) or m > MAX_BATCH:
-        raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or a decode batch of "
-                         f"2..{MAX_BATCH} sequences of one token each (verify blocks run on the VM only)")
+        raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or 2..{MAX_BATCH} "
+                         "one-token segments (a verify block runs as one-token segments: launch/one_token.py)")
     if t.tile_rows != 32 or t.tile_k % 64:
         raise ValueError(f"a multi-token step needs [32, 256]-style tiles (a chunk pair is wgmma's 64-row A), got "
                          f"[{t.tile_rows}, {t.tile_k}] (head_dim {spec.head_dim})")
     t = dataclasses.replace(t, clusters=False)
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
-    row_bytes, slot = t.tile_k * 2 * MB, t.tile_rows * t.tile_k * 2
+    mb = token_rows(m)
+    row_bytes, slot = t.tile_k * 2 * mb, t.tile_rows * t.tile_k * 2
     room = SHARED_BYTES - SCRATCH_BYTES - MIN_RING_MT * slot - norm_buffer_bytes(spec, t)
     base = max(kt(spec.hidden_size), kt(spec.q_size))
     for parts in range(min(2, kt(spec.intermediate_size)), kt(spec.intermediate_size) + 1):
         if _pow2(max(base, -(-kt(spec.intermediate_size) // parts))) * row_bytes <= room:
             return t, parts
-    raise ValueError(f"{spec.name}: {_pow2(base)} staged column tiles of {MB} tokens do not fit in shared memory "
+    raise ValueError(f"{spec.name}: {_pow2(base)} staged column tiles of {mb} tokens do not fit in shared memory "
                      f"beside {MIN_RING_MT} ring slots")
 
 
@@ -268,7 +289,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     m, down_parts, mb = shape.num_tokens, 1, 1
     if m > 1:
         t, down_parts = multi_token(spec, shape, t)
-        mb = MB
+        mb = token_rows(m)
     cfg = t.program_config()
     if down_parts > 1:
         cfg = dataclasses.replace(cfg, down_parts=down_parts)

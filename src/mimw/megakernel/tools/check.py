@@ -22,6 +22,7 @@ max|logit|. Every mismatch is listed in ``flips`` with its gap and the step's er
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -90,19 +91,25 @@ def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed
     return cache, table
 
 
+def oracles(w, cache: PagedKVCache):
+    """The two references a check compares the kernel with, each over its own copy of ``cache`` (bf16 weights
+    ``w``): the fp32 oracle with an fp32 cache, and the bf16 (transformers-numerics) reference with a bf16 one.
+    Returns (oracle, its cache, bf16 reference, its cache)."""
+    ref_cache = PagedKVCache(dataclasses.replace(cache.layout, dtype=torch.float32), "cuda")
+    ref_cache.k.copy_(cache.k)
+    ref_cache.v.copy_(cache.v)
+    bf16_cache = PagedKVCache(cache.layout, "cuda")
+    bf16_cache.k.copy_(cache.k)
+    bf16_cache.v.copy_(cache.v)
+    return ReferenceDecoder(w.to(dtype=torch.float32)), ref_cache, ReferenceDecoder(w), bf16_cache
+
+
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
                  min_pages: int = 0) -> CheckResult:
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     cache, table = random_cache(spec, context, steps, page_size, seed + 1, min_pages=min_pages)
-    ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, cache.layout.num_pages, torch.float32), "cuda")
-    ref_cache.k.copy_(cache.k)
-    ref_cache.v.copy_(cache.v)
-    ref = ReferenceDecoder(w.to(dtype=torch.float32))
-    bf16_cache = PagedKVCache(cache.layout, "cuda")  # the transformers-numerics reference's own bf16 cache
-    bf16_cache.k.copy_(cache.k)
-    bf16_cache.v.copy_(cache.v)
-    bf16_ref = ReferenceDecoder(w)
+    ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
@@ -143,11 +150,12 @@ class BatchResult:
     bf16_rel_err: float = float("nan")  # the bf16 (transformers-numerics) reference's largest logit error
     bf16_kv_rel_err: float = float("nan")  # ... and its appended rows' (its own bf16 cache against the oracle's)
     tie: float = 0.0  # near-tie bound: 2 x bf16_rel_err
+    others_intact: bool = True  # every cache row the step does not append (nor the padding's page) unchanged
 
     def ok(self, tol: float = 2e-2, agree: float = 0.99, kv_tol: float = 1e-2) -> bool:
         """Within ``tol`` / ``kv_tol`` of the oracle, or within twice the bf16 reference's own error where bf16
-        arithmetic alone is further off, and the argmax the oracle's up to near-ties."""
-        return (self.finite and self.bit_identical and self.max_rel_err <= max(tol, 2 * self.bf16_rel_err)
+        arithmetic alone is further off, and the argmax the oracle's up to near-ties; no other row touched."""
+        return (self.others_intact and self.finite and self.bit_identical and self.max_rel_err <= max(tol, 2 * self.bf16_rel_err)
                 and self.argmax_agree_or_tie >= agree and self.kv_rel_err <= max(kv_tol, 2 * self.bf16_kv_rel_err))
 
     def as_dict(self) -> dict:
@@ -160,63 +168,78 @@ def check_batch(spec: ModelSpec, batch: int, context: int, steps: int = 16, seed
     """``batch`` sequences whose contexts spread around ``context`` (context + 3b, so their pages and splits differ),
     ``steps`` decode steps of all of them in one launch each, against the fp32 oracle per sequence; the bf16
     (transformers-numerics) reference beside it, fed the same tokens, gives the error bf16 arithmetic alone makes."""
+    return check_segments(spec, (1,) * batch, context, steps, seed, tuning, graph, num_sms, page_size)
+
+
+def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: int = 16, seed: int = 0,
+                   tuning: Tuning = Tuning(), graph: bool = True, num_sms: int | None = None,
+                   page_size: int = 16, padded: bool = False) -> BatchResult:
+    """Sequences s = 0, 1, .. with contexts context + 3s, each advanced by ``lens[s]`` tokens a step (1: a decode
+    token; more: a verify block, every token's logits) in one launch (``MegakernelDecoder.step_segments``: one-token
+    segments), ``steps`` steps, against the fp32 oracle and the bf16 reference run over the real segments. The next
+    step's tokens are the oracle's argmax at every position. ``batch`` in the result is the step's token count.
+    ``padded``: the step padded to its bucket by rows on a page of its own (launch/one_token.py), whose rows are
+    then left out of the cache comparison, every other page compared."""
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
-    contexts = [context + 3 * b for b in range(batch)]
-    per_seq = [-(-(c + steps) // page_size) for c in contexts]
-    n_pages = sum(per_seq) + 3
+    contexts = [context + 3 * b for b in range(len(lens))]
+    m = sum(lens)
+    per_seq = [-(-(c + steps * n) // page_size) for c, n in zip(contexts, lens)]
+    n_pages = sum(per_seq) + 3 + int(padded)
+    pad_page = n_pages - 1 if padded else None
     cache = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, torch.bfloat16), "cuda")
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     cache.k.normal_(0, 1, generator=g)
     cache.v.normal_(0, 1, generator=g)
-    pages = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    pages = torch.randperm(n_pages - int(padded), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     tables, i = [], 0
     for n in per_seq:
-        tables.append(pages[i: i + n])
+        tables.append(tuple(pages[i: i + n]))
         i += n
-    ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, torch.float32), "cuda")
-    ref_cache.k.copy_(cache.k)
-    ref_cache.v.copy_(cache.v)
-    ref = ReferenceDecoder(w.to(dtype=torch.float32))
-    bf16_cache = PagedKVCache(cache.layout, "cuda")  # the transformers-numerics reference's own bf16 cache
-    bf16_cache.k.copy_(cache.k)
-    bf16_cache.v.copy_(cache.v)
-    bf16_ref = ReferenceDecoder(w)
-    width = max(per_seq)
-    dec = MegakernelDecoder(w, cache, max_pages_per_seq=width, tuning=tuning, num_sms=num_sms,
-                            context_hint=max(context, 1), use_graph=graph, batch=batch)
-    toks = torch.randint(spec.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
+    before = (cache.k.clone(), cache.v.clone())
+    dec = MegakernelDecoder(w, cache, max_pages_per_seq=max(per_seq), tuning=tuning, num_sms=num_sms,
+                            context_hint=max(context, 1), use_graph=graph)
+    toks = torch.randint(spec.vocab_size, (m,), generator=torch.Generator().manual_seed(seed)).tolist()
     same, finite, kernel_steps, bf16_steps = True, True, [], []
-    for i in range(steps):
-        positions = [c + i for c in contexts]
-        segs = [Segment(tuple(t), p, 1) for t, p in zip(tables, positions)]
-        expect = ref.forward(torch.tensor(toks), segs, ref_cache)  # [B, V]
+    starts = list(contexts)
+    for _ in range(steps):
+        segs = [Segment(t, p, n, n) for t, p, n in zip(tables, starts, lens)]
+        expect = ref.forward(torch.tensor(toks), segs, ref_cache)  # [M, V]: every token's logits
         bf16 = bf16_ref.forward(torch.tensor(toks), segs, bf16_cache)
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V rows: results must not move
-            dec.scratch.poison()
-            got.append(dec.step_batch(toks, positions, tables).clone())
+            dec.batch_decoder(m).scratch.poison()
+            got.append(dec.step_segments(toks, segs, pad_page)[:m].clone())
         torch.cuda.synchronize()
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
-        for b in range(batch):
+        for b in range(m):
             kernel_steps.append(step_error(got[0][b], expect[b]))
             bf16_steps.append(step_error(bf16[b], expect[b]))
         toks = [int(t) for t in expect.argmax(-1)]
+        starts = [p + n for p, n in zip(starts, lens)]
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
     agree, near_ties, _ = argmax_verdicts(kernel_steps, tie)
     worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
-    # the rows this run appended: every sequence's positions context .. context + steps - 1, every layer and head
+    # the rows this run appended: every sequence's positions context .. context + steps * n - 1, every layer and head
     kv_err, bf16_kv_err = 0.0, 0.0
     pools = [(cache.k, bf16_cache.k, ref_cache.k, ref_cache.k.abs().max()),
              (cache.v, bf16_cache.v, ref_cache.v, ref_cache.v.abs().max())]
-    for t, c in zip(tables, contexts):
-        for p in range(c, c + steps):
+    written = torch.zeros(n_pages, page_size, dtype=torch.bool)
+    if padded:
+        written[pad_page] = True
+    for t, c, n in zip(tables, contexts, lens):
+        for p in range(c, c + steps * n):
             page, row = t[p // page_size], p % page_size
+            written[page, row] = True
             for pool, bf16_pool, ref_pool, scale in pools:
                 e = ref_pool[:, page, :, row]
                 kv_err = max(kv_err, float((pool[:, page, :, row].float() - e).abs().max() / scale))
                 bf16_kv_err = max(bf16_kv_err, float((bf16_pool[:, page, :, row].float() - e).abs().max() / scale))
-    n = steps * batch
-    return BatchResult(spec.name, batch, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
-                       kv_err, bf16_err, bf16_kv_err, tie)
+    keep = ~written.to(cache.k.device)  # [pages, rows]: the pools are [layers, pages, heads, rows, hd]
+    intact = all(bool(torch.equal(a.permute(1, 3, 0, 2, 4)[keep], b.permute(1, 3, 0, 2, 4)[keep]))
+                 for a, b in zip((cache.k, cache.v), before))
+    n = steps * m
+    return BatchResult(spec.name, m, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
+                       kv_err, bf16_err, bf16_kv_err, tie, intact)
