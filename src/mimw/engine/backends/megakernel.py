@@ -94,10 +94,12 @@ class MegakernelBackend(Backend):
         return out
 
     def decode_replays(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Single-token segments as one megakernel launch each."""
+        """Single-token segments as one megakernel launch each. The ids stay on the device (the previous step's
+        samples may not have reached the host) and the step state goes by non-blocking copies from pinned memory
+        (``StepState.fill``), so queueing the launches never waits for the GPU."""
         dec = self._decoder(cache)
         # each step returns the decoder's logits buffer, which the next step overwrites: copy each row out
-        return torch.cat([_decode(dec, tokens[i:i + 1], s.start, s.block_table)[:1].to(torch.float32, copy=True)
+        return torch.cat([dec.step_batch(tokens[i:i + 1], [s.start], [s.block_table])[:1].to(torch.float32, copy=True)
                           for i, s in enumerate(segments)])
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -118,21 +120,3 @@ class MegakernelBackend(Backend):
         """Any segments as one pass of the prefill path."""
         return self.prefill.forward(tokens, segments, cache)
 
-
-def _decode(dec, token: torch.Tensor, position: int, block_table: Sequence[int]) -> torch.Tensor:
-    """``MegakernelDecoder.step`` with the token id taken on the device (it may be the previous step's sample, not
-    yet on the host) and the step state written by non-blocking copies from pinned memory, so that queueing the
-    launch never waits for the GPU (``StepState.fill``'s pageable copies synchronise the stream)."""
-    st = dec.state
-    if len(block_table) > st.block_tables.shape[1]:
-        raise ValueError(f"block table of {len(block_table)} pages exceeds {st.block_tables.shape[1]}")
-    host = torch.tensor([position, position + 1, *block_table], dtype=torch.int32).pin_memory()
-    st.tokens.copy_(token)  # int64 -> int32 on the device (a CPU id is copied from the host)
-    st.positions.copy_(host[0:1], non_blocking=True)
-    st.seg_ctx.copy_(host[1:2], non_blocking=True)
-    st.block_tables[0, :len(block_table)].copy_(host[2:], non_blocking=True)
-    dec.inputs_set = True
-    if dec.use_graph and dec.graph is None:
-        dec.capture()  # lazily, with this real step in the state
-    dec.run()
-    return dec.scratch.logits
