@@ -99,11 +99,12 @@ class MegakernelBackend(Backend):
         return out
 
     def decode_replays(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Single-token segments as one megakernel launch each."""
+        """Single-token segments as one megakernel launch each. The ids stay on the device (the previous step's
+        samples may not have reached the host) and the step state goes by non-blocking copies from pinned memory
+        (``StepState.fill``), so queueing the launches never waits for the GPU."""
         dec = self._decoder(cache)
-        ids = tokens.tolist()
         # each step returns the decoder's logits buffer, which the next step overwrites: copy each row out
-        return torch.cat([dec.step(ids[i], s.start, s.block_table)[:1].to(torch.float32, copy=True)
+        return torch.cat([dec.step_batch(tokens[i:i + 1], [s.start], [s.block_table])[:1].to(torch.float32, copy=True)
                           for i, s in enumerate(segments)])
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -128,3 +129,4 @@ class MegakernelBackend(Backend):
         if self._graphs.fits(segments):
             return self._graphs.forward(tokens, segments)
         return self.prefill.forward(tokens, segments, cache)
+
