@@ -9,7 +9,9 @@ The kernel (device/kernel.py) takes eight arguments, most of them tuples, plus t
     weights   the TMA descriptor of the packed weight tile array (tiles.py), [num_tiles * TR * TK / 32, 32] bf16
     vecs      norms, bias, q/k norms, RoPE inverse frequencies
     kv        the paged cache's K and V pools and their page count
-    scratch   state.py's scratch buffers, the attention splits' stride, then the bf16 staging sources
+    scratch   state.py's scratch buffers, the attention splits' stride, the bf16 staging sources, then the MoE
+              buffers (router logits, the routing table, slot weights, experts' activations and parts, and the
+              activations' bf16 copy; a dense model's are empty, passed as a one-element stand-in)
     scalars   eps, the attention's q scale (head_dim^-0.5 * log2 e)
     trace     [num_sms, max_len, 4] int64 timestamps when traced (a one-element dummy otherwise)
 """
@@ -28,7 +30,8 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...] | str], ...] = (
     ("kv", (("k", "*bf16"), ("v", "*bf16"), ("num_pages", "i32"))),
     ("scratch", (("x", "*fp32"), ("qkv_part", "*fp32"), ("q", "*fp32"), ("part_o", "*fp32"), ("part_ml", "*fp32"),
                  ("attn", "*fp32"), ("act", "*fp32"), ("logits", "*fp32"), ("splits", "i32"), ("x16", "*bf16"),
-                 ("attn16", "*bf16"), ("act16", "*bf16"))),
+                 ("attn16", "*bf16"), ("act16", "*bf16"), ("router_logits", "*fp32"), ("routed", "*i32"),
+                 ("slot_w", "*fp32"), ("moe_act", "*fp32"), ("moe_part", "*fp32"), ("moe_act16", "*bf16"))),
     ("scalars", (("eps", "fp32"), ("qscale", "fp32"))),
     ("trace", "*i64"),
 )

@@ -6,10 +6,25 @@ decode steps. The oracle is the reference decoder in fp32 on the same bf16-round
 the same cache; each step feeds both the oracle's greedy token. Scratch is poisoned (NaN) before every launch.
 Every step also relaunches once more and compares logits bit for bit (a moving result would be a race).
 
-``check_batch`` does the same for a decode batch (``MegakernelDecoder.step_batch``): B sequences, each with its own
+``check_batch`` does the same for a decode batch (an MoE model's included: its routing is checked exactly on the
+last MoE layer's own logits, the rest through the logits) (``MegakernelDecoder.step_batch``): B sequences, each with its own
 random past in the shared cache and its own shuffled pages, all advanced by one launch a step; every sequence's
 logits are compared with the oracle's for it, and after the run the K/V rows the kernel appended (each sequence's
 new positions) with the oracle's.
+
+An MoE model (``check_decode``) is also checked for its routing, twice after every step. Exactly: the last MoE
+layer's router logits and slot weights are still in the scratch, and its routing table row must name the top k of
+those very logits (``models.moe.top_k``) with their weights (within one bf16 rounding): the router finisher checked
+on its own input, whatever the numerics before it (``route_self_ok``). Against the oracle: each MoE layer's row
+must carry the step's tag (isa.route_tag) and name the oracle's k experts, or a near-tie of them. A near-tie: every expert the kernel chose and the oracle did not has an oracle probability at least the oracle's
+k-th minus ``route_tie``, and every expert the oracle chose and the kernel did not at most its (k+1)-th plus
+``route_tie``, where ``route_tie`` is twice the bf16 reference's largest probability error against the oracle over
+the run (what bf16 arithmetic itself does to the router, as ``tie`` below is for the logits). On random weights
+the k-th and (k+1)-th of many experts are often close (their gap shrinks as the router's spread and the bf16 error
+grow alike), so near-ties are expected. A step whose routing took such a near-tie elsewhere than the oracle is
+left out of the logits' error and argmax (its MoE output legitimately differs by a swapped expert's share) and
+counted in ``route_tie_steps`` (``ok``: at most half the steps); any other difference is a ``route_mismatches``
+and fails the check.
 
 Argmax agreement is reported twice: exact, and exact-or-near-tie. The near-tie bound is not a constant and not
 the kernel's own error (a bound taken from the step's own error would excuse every flip: a flip always implies
@@ -49,9 +64,20 @@ class CheckResult:
     bf16_argmax_agree: float = float("nan")  # ... and its own exact argmax agreement with the oracle
     tie: float = 0.0  # near-tie bound: 2 x bf16_rel_err
     flips: list = None  # [(step, oracle gap / max|logit|, step error / max|logit|)] for every argmax mismatch
+    # MoE (zero for a dense model): (step, layer) routings that equal the oracle's, that are near-ties of it, that
+    # are neither; steps left out of the logits' checks for a near-tie; whether every entry carried its step's tag
+    route_exact: int = 0
+    route_ties: int = 0
+    route_mismatches: int = 0
+    route_tie_steps: int = 0
+    route_tags_ok: bool = True
+    route_self_ok: bool = True  # every step's last MoE layer routed the top k of its own logits (module doc)
+    route_tie: float = 0.0  # 2 x the bf16 reference's largest router probability error
 
-    def ok(self, tol: float = 2e-2, agree: float = 0.99) -> bool:
-        return self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree_or_tie >= agree
+    def ok(self, tol: float = 2e-2, agree: float = 0.99, max_tie_steps: float = 0.5) -> bool:
+        return (self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree_or_tie >= agree
+                and self.route_tags_ok and self.route_self_ok and self.route_mismatches == 0
+                and self.route_tie_steps <= max_tie_steps * self.steps)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -107,6 +133,7 @@ def oracles(w, cache: PagedKVCache):
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
                  min_pages: int = 0) -> CheckResult:
+    """``steps`` decode steps of one sequence (module doc); an MoE model's routing checked too."""
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     cache, table = random_cache(spec, context, steps, page_size, seed + 1, min_pages=min_pages)
     ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
@@ -114,10 +141,14 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
                             context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
     same, finite, kernel_steps, bf16_steps = True, True, [], []
+    routes, tags_ok, self_ok, prob_err = [], True, True, 0.0  # routes: (step, oracle routing, the kernel's
+    # experts) an MoE layer
     for i in range(steps):
         seg = [Segment(tuple(table), context + i, 1)]
-        expect = ref.forward(torch.tensor([tok]), seg, ref_cache)[0]
-        bf16_steps.append(step_error(bf16_ref.forward(torch.tensor([tok]), seg, bf16_cache)[0], expect))
+        r_ref, r_bf16 = ([], []) if spec.is_moe else (None, None)
+        expect = ref.forward(torch.tensor([tok]), seg, ref_cache, routings=r_ref)[0]
+        bf16_steps.append(step_error(bf16_ref.forward(torch.tensor([tok]), seg, bf16_cache, routings=r_bf16)[0],
+                                     expect))
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V row: results must not move
             dec.scratch.poison()
@@ -126,13 +157,74 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
         kernel_steps.append(step_error(got[0], expect))
+        if spec.is_moe:
+            tags_ok &= _collect_routes(dec, spec, i, r_ref, routes)
+            self_ok &= own_routing_ok(dec, spec)
+            prob_err = max([prob_err] + [float((b.probs - r.probs).abs().max()) for r, b in zip(r_ref, r_bf16)])
         tok = int(expect.argmax())
+    route_tie = 2 * prob_err
+    verdicts = [_route_verdict(r, experts, spec.num_experts_per_tok, route_tie) for _, r, experts in routes]
+    tie_steps = {step for (step, _, _), v in zip(routes, verdicts) if v == "tie"}
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
-    agree, near_ties, flips = argmax_verdicts(kernel_steps, tie)
-    worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
-    return CheckResult(spec.name, context, steps, worst, agree / steps, (agree + near_ties) / steps, same, finite,
-                       bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips)
+    numbers = [i for i in range(steps) if i not in tie_steps]
+    kept = [kernel_steps[i] for i in numbers]
+    agree, near_ties, flips = argmax_verdicts(kept, tie)
+    flips = [(numbers[i], gap, err) for i, gap, err in flips]  # by step number
+    worst = max([e if e == e else float("inf") for _, _, e in kept] + [0.0])
+    n = max(1, len(kept))
+    return CheckResult(spec.name, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
+                       bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips,
+                       verdicts.count("exact"), verdicts.count("tie"), verdicts.count("mismatch"), len(tie_steps),
+                       tags_ok, self_ok, route_tie)
+
+
+def _collect_routes(dec: MegakernelDecoder, spec: ModelSpec, step: int, oracle: list, out: list) -> bool:
+    """Append (step, the oracle's routing, the experts the kernel's routing table names) for every MoE layer of the
+    step just run; True when every entry carries the tag of that launch's epoch (the last one)."""
+    from .. import isa
+
+    epoch = dec.state.epoch - 1  # the launch that wrote the table moved the epoch on as it finished
+    table = dec.scratch.routed.cpu().tolist()
+    ok = True
+    for li, r in zip(spec.moe_layers, oracle):
+        entries = table[li]
+        ok &= all(isa.routed_expert(e, epoch) is not None for e in entries)
+        out.append((step, r, {e & isa.NO_EXPERT for e in entries} - {isa.NO_EXPERT}))
+    return ok
+
+
+def own_routing_ok(dec: MegakernelDecoder, spec: ModelSpec) -> bool:
+    """The step just run (its M tokens): the last MoE layer's routing table row and slot weights are what the
+    router's reference finisher (``ops.router``: ``models.moe.top_k`` and ``slots``) makes of the router logits the
+    kernel left in the scratch: the same experts in the same slots, the weights within one bf16 step (the kernel sums
+    the softmax in another order)."""
+    from ...models.moe import top_k
+    from .. import isa
+    from ..ops.router import slots
+
+    li = spec.moe_layers[-1]
+    w, ids = top_k(dec.scratch.router_logits[:, : spec.num_experts].float(), spec)
+    want_ids, want_w = slots(ids, w.to(torch.bfloat16).float(), dec.scratch.routed.shape[1])
+    got_ids = [int(e) & isa.NO_EXPERT for e in dec.scratch.routed[li].tolist()]
+    used = [j for j, e in enumerate(want_ids) if e != isa.NO_EXPERT]
+    return got_ids == want_ids and bool(torch.allclose(dec.scratch.slot_w[used].float(), want_w[used], rtol=2 ** -7,
+                                                       atol=0.0))
+
+
+def _route_verdict(r, got: set[int], k: int, route_tie: float) -> str:
+    """"exact", "tie" or "mismatch" for one token's routing: the kernel's experts ``got`` against the oracle's
+    routing ``r`` (module doc: near-ties within ``route_tie`` of the oracle's k-th / (k+1)-th probability)."""
+    want = set(r.ids[0].tolist())
+    if got == want:
+        return "exact"
+    p = r.probs[0].float().cpu()
+    order = torch.sort(p, descending=True).values
+    kth, next_ = float(order[k - 1]), float(order[k]) if k < p.numel() else float("-inf")
+    if len(got) == k and all(float(p[e]) >= kth - route_tie for e in got - want) \
+            and all(float(p[e]) <= next_ + route_tie for e in want - got):
+        return "tie"
+    return "mismatch"
 
 
 @dataclass
@@ -151,11 +243,12 @@ class BatchResult:
     bf16_kv_rel_err: float = float("nan")  # ... and its appended rows' (its own bf16 cache against the oracle's)
     tie: float = 0.0  # near-tie bound: 2 x bf16_rel_err
     others_intact: bool = True  # every cache row the step does not append (nor the padding's page) unchanged
+    route_self_ok: bool = True  # MoE: every step's last MoE layer routed its own logits as the reference does
 
     def ok(self, tol: float = 2e-2, agree: float = 0.99, kv_tol: float = 1e-2) -> bool:
         """Within ``tol`` / ``kv_tol`` of the oracle, or within twice the bf16 reference's own error where bf16
         arithmetic alone is further off, and the argmax the oracle's up to near-ties; no other row touched."""
-        return (self.others_intact and self.finite and self.bit_identical and self.max_rel_err <= max(tol, 2 * self.bf16_rel_err)
+        return (self.others_intact and self.route_self_ok and self.finite and self.bit_identical and self.max_rel_err <= max(tol, 2 * self.bf16_rel_err)
                 and self.argmax_agree_or_tie >= agree and self.kv_rel_err <= max(kv_tol, 2 * self.bf16_kv_rel_err))
 
     def as_dict(self) -> dict:
@@ -179,7 +272,8 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
     segments), ``steps`` steps, against the fp32 oracle and the bf16 reference run over the real segments. The next
     step's tokens are the oracle's argmax at every position. ``batch`` in the result is the step's token count.
     ``padded``: the step padded to its bucket by rows on a page of its own (launch/one_token.py), whose rows are
-    then left out of the cache comparison, every other page compared."""
+    then left out of the cache comparison, every other page compared. An MoE model's routing: the last MoE layer's
+    routing of its own logits after every step (``own_routing_ok``), the rest through the logits."""
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     contexts = [context + 3 * b for b in range(len(lens))]
     m = sum(lens)
@@ -200,7 +294,7 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=max(per_seq), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
     toks = torch.randint(spec.vocab_size, (m,), generator=torch.Generator().manual_seed(seed)).tolist()
-    same, finite, kernel_steps, bf16_steps = True, True, [], []
+    same, finite, kernel_steps, bf16_steps, self_ok = True, True, [], [], True
     starts = list(contexts)
     for _ in range(steps):
         segs = [Segment(t, p, n, n) for t, p, n in zip(tables, starts, lens)]
@@ -211,6 +305,8 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
             dec.batch_decoder(m).scratch.poison()
             got.append(dec.step_segments(toks, segs, pad_page)[:m].clone())
         torch.cuda.synchronize()
+        if spec.is_moe and not padded:  # (a padded step routes its padding tokens too, in a bigger decoder)
+            self_ok &= own_routing_ok(dec.batch_decoder(m), spec)
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
         for b in range(m):
@@ -242,4 +338,4 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
                  for a, b in zip((cache.k, cache.v), before))
     n = steps * m
     return BatchResult(spec.name, m, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
-                       kv_err, bf16_err, bf16_kv_err, tie, intact)
+                       kv_err, bf16_err, bf16_kv_err, tie, intact, self_ok)
