@@ -1,4 +1,4 @@
-"""CI (CPU only): the decode-batch megakernel (plan.plan with M = 2..8 tokens: swap-AB wgmma, device/matvec_mt.py)
+"""CI (CPU only): the decode-batch megakernel (plan.plan with M = 2..16 tokens: swap-AB wgmma, device/matvec_mt.py)
 compiles for sm_90a without spills and fits shared memory; the one-token kernel keeps none of its code."""
 import functools
 
@@ -33,6 +33,22 @@ def test_the_decode_batch_kernel_compiles_spill_free_on_wgmma(model):
     # no other way); every input staged by 16-byte async copies
     assert p.program.down_parts == 2
     assert "cp.async.cg.shared.global" in ptx and ", 0x10," in ptx
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_sixteen_tokens_compile_spill_free_on_wgmma_n16(model):
+    p, k, rep = _build(model, 16)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.constants.MB == 16
+    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in k.asm["ptx"]
+    assert p.program.down_parts == (4 if model == "llama-3.1-8b" else 2)
+
+
+def test_thirty_two_tokens_compile_spill_free_on_wgmma_n32_where_they_fit():
+    p, k, rep = _build("llama-3.2-1b", 32)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.constants.MB == 32 and p.program.down_parts == 4
+    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in k.asm["ptx"]
 
 
 def test_a_smaller_batch_compiles_too():

@@ -1,7 +1,8 @@
 """The launch plan (plan.py): host logic on the CPU."""
 import pytest
 
-from mimw.megakernel.plan import SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, norm_buffer_bytes, plan
+from mimw.megakernel.plan import (SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, max_tokens, norm_buffer_bytes,
+                                  plan)
 from mimw.megakernel.program import StepShape
 from mimw.models.spec import get_preset
 
@@ -56,22 +57,52 @@ def test_the_words_carry_the_hold_marks_and_the_constants_the_shape():
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
-def test_the_plan_refuses_moe_models_the_gpu_kernel_cannot_run_yet(model):
-    with pytest.raises(ValueError, match="does not run mixture-of-experts layers yet.*ROUTER, EXPERT_IN, EXPERT_DOWN"):
-        plan(get_preset(model), 132)
+def test_an_moe_model_plans_its_routing_constants_and_decode_batches_of_eight_at_most(model):
+    spec = get_preset(model)
+    p = plan(spec, 132)
+    c = p.constants
+    assert (c.E, c.S, c.K, c.F, c.NORM_TOPK) == (spec.num_experts, spec.num_experts_per_tok,
+                                                   spec.num_experts_per_tok, spec.moe_intermediate_size, True)
+    assert c.EP2 >= c.E and c.EP2 & (c.EP2 - 1) == 0
+    # the staging buffer holds the widest staged input: RMSNorm(x), the attention output, an expert's activation
+    # (the 30B-A3B's 6144-wide dense intermediate size has no dense layer to stage it), and where a KV group has
+    # more than four heads the attention warps' states (the 30B-A3B's eight heads of 128: 16.3 KB, 64 rows)
+    kt = lambda k: -(-k // c.TK)  # noqa: E731
+    assert p.hbuf_rows >= max(kt(spec.hidden_size), kt(spec.q_size), c.KT_F)
+    if model == "qwen3-30b-a3b":
+        assert (p.hbuf_rows, c.SMEM_MERGE) == (64, True)
+    if model == "tiny-qwen3-moe":  # 16-row tiles: no multi-token step at all
+        with pytest.raises(ValueError, match="16, 512"):
+            plan(spec, 132, StepShape((1, 1), 1024))
+        return
+    # a decode batch of up to eight tokens: min(E, M k) slots, each distinct expert once
+    assert max_tokens(spec) == 8
+    p = plan(spec, 132, StepShape((1,) * 3, 1024))
+    assert (p.constants.M, p.constants.S, p.constants.S2, p.constants.EP) == (3, 24, 32, 128)
+    with pytest.raises(ValueError, match="at most 8 tokens"):
+        plan(spec, 132, StepShape((1,) * 16, 1024))
+
+
+def test_a_dense_model_plans_no_routing():
+    c = plan(get_preset("smollm2-135m"), 132).constants
+    assert (c.E, c.S, c.K, c.F) == (0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
-@pytest.mark.parametrize("batch", [2, 5, 8])
-def test_a_decode_batch_plans_tickets_and_a_staging_buffer_of_eight_tokens(model, batch):
+@pytest.mark.parametrize("batch", [2, 5, 8, 11, 16, 32])
+def test_a_decode_batch_plans_tickets_and_a_staging_buffer_of_eight_or_sixteen_tokens(model, batch):
     from mimw.megakernel import isa
 
     spec = get_preset(model)
+    if batch > max_tokens(spec):  # the 8B shapes: 32 tokens of 4096 columns do not fit beside the ring
+        assert model in ("llama-3.1-8b", "qwen3-8b") and max_tokens(spec) == 16
+        return
     p = plan(spec, 132, StepShape((1,) * batch, 1024))
     c, slot = p.constants, p.tuning.tile_rows * p.tuning.tile_k * 2
-    assert (c.M, c.MB, p.cluster_size, p.exchange_bytes, c.DOWN_PAIRS) == (batch, 8, 1, 0, False)
+    mb = 8 if batch <= 8 else 16 if batch <= 16 else 32  # wgmma's N
+    assert (c.M, c.MB, p.cluster_size, p.exchange_bytes, c.DOWN_PAIRS) == (batch, mb, 1, 0, False)
     assert not (p.words[..., isa.Word.FLAGS] & isa.CLUSTER_PAIR).any()
-    assert p.staging_bytes == p.hbuf_rows * p.tuning.tile_k * 2 * 8
+    assert p.staging_bytes == p.hbuf_rows * p.tuning.tile_k * 2 * mb
     norm = norm_buffer_bytes(spec, p.tuning)  # a norm's weights as 32-column chunks, a power of two of them
     chunks = norm // 64
     assert chunks & (chunks - 1) == 0 and chunks * 32 >= spec.hidden_size > chunks * 16
@@ -79,9 +110,11 @@ def test_a_decode_batch_plans_tickets_and_a_staging_buffer_of_eight_tokens(model
     kt_i = -(-spec.intermediate_size // p.tuning.tile_k)
     parts = p.program.down_parts
     assert p.hbuf_rows >= max(c.KT_D, c.KT_Q, -(-kt_i // parts))
-    # two ticketed parts on every shape: at least two (whole rows alone are fewer blocks than SMs), and two fit (the
-    # 8B's 56 column tiles: 28 a part, 32 staged rows = 128 KB)
-    assert parts == 2
+    # at least two ticketed parts (whole rows alone are fewer blocks than SMs), and as few as fit: two at MB = 8 on
+    # every shape (the 8B's 56 column tiles: 28 a part, 32 staged rows = 128 KB); at MB = 16 the 8B's take four (14
+    # tiles: 16 staged rows = 128 KB) and Qwen3-8B's 48 three; at MB = 32 the 1B's 32 take four
+    expect = {8: {}, 16: {"llama-3.1-8b": 4, "qwen3-8b": 3}, 32: {"llama-3.2-1b": 4}}[mb]
+    assert parts == expect.get(model, 2)
     # the GPU keeps ticketed parts' sums [parts, M, D] in qkv_part's buffer: it has the room
     from mimw.megakernel.state import alloc_scratch
 
@@ -98,9 +131,11 @@ def test_the_single_token_plan_keeps_its_settings():
 
 
 def test_the_plan_refuses_multi_token_steps_the_gpu_kernel_cannot_run():
-    with pytest.raises(ValueError, match="verify blocks run on the VM only"):
+    with pytest.raises(ValueError, match="one-token segments"):
         plan(get_preset("llama-3.2-1b"), 132, StepShape((4,)))
-    with pytest.raises(ValueError, match="decode batch of 2..8"):
-        plan(get_preset("llama-3.2-1b"), 132, StepShape((1,) * 9))
+    with pytest.raises(ValueError, match="2..32 one-token segments"):
+        plan(get_preset("llama-3.2-1b"), 132, StepShape((1,) * 33))
+    with pytest.raises(ValueError, match="do not fit in shared memory"):  # 32 tokens of the 8B's 4096 columns
+        plan(get_preset("llama-3.1-8b"), 132, StepShape((1,) * 32))
     with pytest.raises(ValueError, match="chunk pair"):  # 32-dim heads: 16-row tiles
         plan(get_preset("tiny-qwen3"), 8, StepShape((1, 1)))

@@ -27,6 +27,7 @@ from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.megakernel import isa
 from mimw.megakernel.ops import CLASSES
 from mimw.megakernel.ops.attn_in import AttnIn
+from mimw.megakernel.launch.one_token import split_segments
 from mimw.megakernel.ops.attn_partial import AttnPartial
 from mimw.megakernel.plan import Tuning, plan
 from mimw.megakernel.program import ProgramConfig, StepShape, build_program, cluster_mate_errors
@@ -542,13 +543,15 @@ def test_vm_over_an_fp8_cache_matches_the_reference_over_the_same_cache():
     assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))
 
 
-# --- decode batches as the GPU kernel plans them (plan.plan, M = 2..8) ------------------------------------------
+# --- decode batches as the GPU kernel plans them (plan.plan, M = 2..16) -----------------------------------------
 
 BATCH_CASES = [  # (preset, num_sms, page_size, contexts: one segment of one token each)
     ("smollm2-135m", 132, 16, (14, 31)),
     ("smollm2-135m", 1, 64, (62, 1, 127, 30, 5)),
     ("smollm2-135m", 132, 64, (62, 1, 127, 30, 5, 64, 17, 2)),
     ("smollm2-wide", 132, 16, (14, 31, 3, 47, 9)),  # DOWN_PROJ in ticketed column parts
+    ("smollm2-135m", 132, 16, (14, 31, 3, 47, 9, 1, 2, 60, 15, 16, 17, 33, 8, 5, 70, 22)),  # sixteen: MB = 16
+    ("smollm2-135m", 132, 16, tuple(range(3, 99, 3))),  # thirty-two: MB = 32
 ]
 
 
@@ -561,6 +564,38 @@ def test_vm_proves_the_decode_batch_programs_the_plan_builds(name, num_sms, page
     prog = _vm_against_reference(name, num_sms, page_size, seg_lens, contexts, p.program.config)
     assert not any(i.flags & isa.CLUSTER_PAIR for i in prog.instructions())
     assert prog.down_parts == p.program.down_parts == 2
+
+
+@pytest.mark.parametrize("num_sms,padded", [(132, False), (7, False), (132, True)])
+def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_the_blocks(num_sms, padded):
+    """A verify block of 4, one of 3 and a decode token (8 one-token segments: the plan of a decode batch of 8),
+    two steps in a row, each in several random interleavings: every token's logits and the cache equal the
+    reference's over the real segments."""
+    lens = (4, 2, 1) if padded else (4, 3, 1)  # padded: 7 tokens run as the bucket of 8, a padding row last
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, (37, 15, 60), 2 * max(lens), 11)
+    pad_page = min(set(range(vm_cache.layout.num_pages)) - {p for t in tables for p in t}) if padded else None
+    n = 8 if padded else sum(lens)
+    p = plan(spec, num_sms, StepShape((1,) * n))
+    dec = VMDecoder(spec, w, vm_cache, num_sms, StepShape((1,) * n), p.program.config)
+    pad_rows = (vm_cache.k[:, pad_page].clone(), vm_cache.v[:, pad_page].clone()) if padded else None
+    starts = [37, 15, 60]
+    for step in range(2):
+        segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]
+        tokens = torch.randint(0, spec.vocab_size, (sum(lens),), generator=g)
+        want = ref.forward(tokens, segs, ref_cache)
+        one = split_segments(segs, pad_page)
+        for rep in range(3):
+            dec.state.fill(tokens.tolist() + [0] * one.padding, one.positions, one.block_tables,
+                           dec.program.shape.seg_lens, one.firsts)
+            dec.vm.run_step(dec.state, dec.scratch, random.Random(10 * step + rep))
+            got = dec.scratch.logits[list(one.logit_rows)]
+            assert rel_err(got, want) <= 1e-5, f"step {step}, interleaving {rep}: {rel_err(got, want):.2e}"
+        assert dec.state.seg_new.tolist() == list(one.firsts)
+        starts = [s + n for s, n in zip(starts, lens)]
+    if padded:  # the padding wrote its page and nothing else: put the reference's bytes back before comparing
+        assert not torch.equal(vm_cache.k[:, pad_page], pad_rows[0])
+        vm_cache.k[:, pad_page], vm_cache.v[:, pad_page] = ref_cache.k[:, pad_page], ref_cache.v[:, pad_page]
+    assert rel_err(vm_cache.k, ref_cache.k) <= 1e-5 and rel_err(vm_cache.v, ref_cache.v) <= 1e-5
 
 
 @pytest.mark.parametrize("parts,num_sms", [(2, 7), (3, 132), (4, 1)])

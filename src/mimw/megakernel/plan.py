@@ -11,14 +11,17 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
   * the ring: as many slots as fit in shared memory beside the staging buffer, the compiler's scratch and the
     cluster exchange region;
   * ATTN_PARTIAL's warps merge their softmax states through the staging buffer where it holds them (else through
-    Triton's reductions over the warp axis);
+    Triton's reductions over the warp axis); its block (``attn_block``) and a group's splits (``combine_splits``)
+    shrink where a KV group has more than four query heads, so its registers hold;
   * the release hold's marks on the words (hold.py);
-  * a multi-token step (a decode batch of M = 2..8 sequences, one token each): the tokens padded to MB = 8 (wgmma's
-    N), the staging buffer MB bf16 rows a 32-column chunk and a norm's weights beside it, no cluster pairs (their
-    exchange holds one token's sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ in ticketed column
-    parts: at least two, and as few as let its staged input fit beside a ring of ``MIN_RING_MT`` slots.
-A program with an instruction that has no device code (the MoE instructions: ops.GPU_OPS) is refused: the GPU kernel
-does not run mixture-of-experts layers yet (the VM does).
+  * a multi-token step (M = 2..``max_tokens`` one-token segments: decode tokens, a verify block's tokens): the
+    tokens padded to MB = 8, 16 or 32 (wgmma's N: ``token_rows``), the staging buffer MB bf16 rows a 32-column chunk and a norm's weights beside it,
+    no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ
+    in ticketed column parts: at least two, and as few as let its staged input fit beside a ring of
+    ``MIN_RING_MT`` slots.
+  * mixture-of-experts layers (ROUTER, EXPERT_IN, EXPERT_DOWN): the staging buffer also holds an expert's
+    activation (EXPERT_DOWN's input).
+A program with an instruction that has no device code (ops.GPU_OPS) is refused.
 Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
 program; launch/decoder.py allocates and launches, launch/compile.py compiles the same plan for sm_90a on the CPU.
 """
@@ -34,14 +37,16 @@ from .hold import check_marks, hold_marks, mark_words
 from .isa import Op
 from .ops import GPU_OPS
 from .program import Program, ProgramConfig, StepShape, build_program
+from .tiles import router_rows
 
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
 SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers:
 # ~4.3 KB in the default kernels); every kernel the compile tests build is checked to fit
 MMA_K = 32  # columns of a folded tile row (device/matvec.dot_tile): two k16 steps of mma.sync
-MB = 8  # a multi-token step's tokens padded to wgmma's smallest N (swap-AB: the tokens are the B operand)
-MAX_BATCH = 8  # the most tokens a multi-token step plans (one wgmma N of 8)
+MAX_BATCH = 32  # the most tokens a multi-token step plans (swap-AB: the tokens are wgmma's N, 8, 16 or 32); fewer
+# where the staged input of that many does not fit (``max_tokens``: the 8B shapes' 4096 columns, 16)
 MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its staging buffer
+MAX_MOE_BATCH = 8  # the most tokens a multi-token step of an MoE model plans (wgmma's N = 8)
 
 
 @dataclass(frozen=True)
@@ -134,8 +139,16 @@ class Constants:
     TRACE: bool  # per-instruction timestamps (tools/trace.py)
     NW: int  # compute warps
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
-    MB: int = 1  # tokens padded to the B operand's N (8 where M > 1): staged rows a 32-column chunk
+    MB: int = 1  # tokens padded to the B operand's N (8 or 16 where M > 1): staged rows a 32-column chunk
     V: int = 0  # vocabulary (the logits' row stride where M > 1)
+    E: int = 0  # MoE: experts (0: a dense model)
+    EP2: int = 1  # experts rounded up to a power of two (the router finisher's vector)
+    EP: int = 0  # the router's rows padded to whole row tiles (router_logits' row stride)
+    S: int = 0  # routing slots of an MoE layer (program.moe_slots; 0: a dense model)
+    S2: int = 1  # routing slots rounded up to a power of two
+    K: int = 0  # experts a token is routed to (top-k)
+    F: int = 0  # an expert's intermediate size
+    NORM_TOPK: bool = False  # renormalise the chosen experts' probabilities
 
     @property
     def NQKV(self) -> int:
@@ -156,6 +169,10 @@ class Constants:
     @property
     def KT_I(self) -> int:
         return -(-self.I // self.TK)
+
+    @property
+    def KT_F(self) -> int:
+        return -(-self.F // self.TK)
 
     @property
     def KT_H(self) -> int:  # a DOWN_PROJ half's column tiles, at most
@@ -198,8 +215,22 @@ def _pow2(n: int) -> int:
 
 
 def attn_block(spec: ModelSpec) -> int:
-    """BT: positions in one attention block (8 KB of K at bf16: 64 for head_dim 64, 32 for 128)."""
-    return max(8, 4096 // spec.head_dim)
+    """BT: positions in one attention block: 8 KB of K at bf16 (64 for head_dim 64, 32 for 128), fewer where a
+    KV group has more than four query heads (the 30B-A3B's eight: 16), so that a thread's share of the block's
+    [heads, positions, head_dim] products stays at the four-head count and the attention does not spill."""
+    gp = _pow2(spec.group_size)
+    return max(8, min(4096 // spec.head_dim, 16384 // (spec.head_dim * gp)))
+
+
+def combine_splits(spec: ModelSpec, t: Tuning) -> int:
+    """The most attention splits a KV group's combine loads in one round ([GP heads, splits, head_dim] fp32 over the
+    compute threads, at most 128 a thread: 16 for the 30B-A3B's eight heads of 128, beyond every dense preset's
+    count)."""
+    per_round = 128 * 32 * t.num_warps // (_pow2(spec.group_size) * spec.head_dim)
+    p = 1
+    while 2 * p <= per_round:
+        p *= 2
+    return p
 
 
 def exchange_bytes(head_dim: int) -> int:
@@ -230,6 +261,25 @@ def check(spec: ModelSpec, t: Tuning) -> None:
         raise ValueError(f"qkv_parts={t.qkv_parts}: 0 (derived) or 1..8 (the finisher's unrolled sum)")
 
 
+def token_rows(m: int) -> int:
+    """MB, the rows a multi-token step pads its M tokens to: wgmma's N, 8 up to eight tokens, 16 up to sixteen,
+    else 32."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
+
+
+def max_tokens(spec: ModelSpec, tuning: Tuning = Tuning()) -> int:
+    """The most tokens a multi-token step of ``spec`` plans: MAX_BATCH, or the largest wgmma N (16, 8) whose staged
+    input fits in shared memory; 1 where the GPU kernel runs no multi-token step (16-row tiles)."""
+    t = tuning.resolve(spec)
+    for m in (MAX_BATCH, 16, 8):
+        try:
+            multi_token(spec, StepShape((1,) * m), t)
+            return m
+        except ValueError:
+            continue
+    return 1
+
+
 def norm_buffer_bytes(spec: ModelSpec, t: Tuning) -> int:
     """A multi-token step's buffer for a norm's weights (device/matvec_mt.wbuf_rows): the hidden size's 32-column
     chunks, a power of two of them, bf16."""
@@ -239,25 +289,29 @@ def norm_buffer_bytes(spec: ModelSpec, t: Tuning) -> int:
 def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, int]:
     """A multi-token step's derived settings: the tuning without cluster pairs, and DOWN_PROJ's column parts: at
     least two (whole rows alone are fewer blocks than the GPU has SMs on every shape: the one-token kernel's halves
-    serve the same end), and as few as let the staged input (MB rows a column tile, power-of-two tiles) fit in
-    shared memory beside the norm buffer and ``MIN_RING_MT`` ring slots. Raises ValueError for a shape the GPU
-    kernel does not run."""
+    serve the same end), and as few as let the staged input (``token_rows`` rows a column tile, power-of-two tiles)
+    fit in shared memory beside the norm buffer and ``MIN_RING_MT`` ring slots. Raises ValueError for a shape the
+    GPU kernel does not run."""
     m = shape.num_tokens
     if any(n != 1 for n in shape.seg_lens) or m > MAX_BATCH:
-        raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or a decode batch of "
-                         f"2..{MAX_BATCH} sequences of one token each (verify blocks run on the VM only)")
+        raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or 2..{MAX_BATCH} "
+                         "one-token segments (a verify block runs as one-token segments: launch/one_token.py)")
     if t.tile_rows != 32 or t.tile_k % 64:
         raise ValueError(f"a multi-token step needs [32, 256]-style tiles (a chunk pair is wgmma's 64-row A), got "
                          f"[{t.tile_rows}, {t.tile_k}] (head_dim {spec.head_dim})")
+    if spec.is_moe and m > MAX_MOE_BATCH:
+        raise ValueError(f"{spec.name}: a multi-token step of a mixture-of-experts model runs at most "
+                         f"{MAX_MOE_BATCH} tokens (got {m}): at 16 the router finisher's registers spill")
     t = dataclasses.replace(t, clusters=False)
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
-    row_bytes, slot = t.tile_k * 2 * MB, t.tile_rows * t.tile_k * 2
+    mb = token_rows(m)
+    row_bytes, slot = t.tile_k * 2 * mb, t.tile_rows * t.tile_k * 2
     room = SHARED_BYTES - SCRATCH_BYTES - MIN_RING_MT * slot - norm_buffer_bytes(spec, t)
     base = max(kt(spec.hidden_size), kt(spec.q_size))
     for parts in range(min(2, kt(spec.intermediate_size)), kt(spec.intermediate_size) + 1):
         if _pow2(max(base, -(-kt(spec.intermediate_size) // parts))) * row_bytes <= room:
             return t, parts
-    raise ValueError(f"{spec.name}: {_pow2(base)} staged column tiles of {MB} tokens do not fit in shared memory "
+    raise ValueError(f"{spec.name}: {_pow2(base)} staged column tiles of {mb} tokens do not fit in shared memory "
                      f"beside {MIN_RING_MT} ring slots")
 
 
@@ -268,33 +322,40 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     m, down_parts, mb = shape.num_tokens, 1, 1
     if m > 1:
         t, down_parts = multi_token(spec, shape, t)
-        mb = MB
-    cfg = t.program_config()
+        mb = token_rows(m)
+    cfg = dataclasses.replace(t.program_config(), max_splits=combine_splits(spec, t))
     if down_parts > 1:
         cfg = dataclasses.replace(cfg, down_parts=down_parts)
     program = build_program(spec, shape, num_sms, cfg)
     host_only = sorted({ins.OP for ins in program.instructions()} - set(GPU_OPS) - {Op.NOP})
     if host_only:
-        raise ValueError(f"{spec.name}: the megakernel's GPU kernel does not run mixture-of-experts layers yet "
-                         f"({', '.join(op.name for op in host_only)} have no device code; the VM runs them); use the "
-                         "reference backend")
+        raise ValueError(f"{spec.name}: {', '.join(op.name for op in host_only)} have no device code; the VM runs "
+                         "them; use the reference backend")
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
     down_pairs = program.down_pairs
-    widest = max(kt(spec.hidden_size), kt(spec.q_size),
-                 -(-kt(spec.intermediate_size) // program.down_parts))
+    widest = max(kt(spec.hidden_size), kt(spec.q_size),  # ATTN_IN, ROUTER, MLP_IN, EXPERT_IN; O_PROJ
+                 -(-kt(spec.intermediate_size) // program.down_parts) if spec.mlp_layers else 1,  # DOWN_PROJ
+                 kt(spec.moe_intermediate_size) if spec.is_moe else 1)  # EXPERT_DOWN
+    gp = _pow2(spec.group_size)
+    merge_bytes = t.num_warps * gp * (spec.head_dim + 2) * 4  # ATTN_PARTIAL's warps' states (SMEM_MERGE)
+    if m == 1 and gp > 4:  # the warps' states of more than four heads merge through the staging buffer: Triton's
+        # own reduction over the warp axis would take its scratch from the ring and spill registers
+        widest = max(widest, -(-merge_bytes // (t.tile_k * 2)))
     hbuf_rows = _pow2(widest)
     hbuf_bytes = hbuf_rows * t.tile_k * 2 * mb
     wbuf_bytes = norm_buffer_bytes(spec, t) if m > 1 else 0
     xb = exchange_bytes(spec.head_dim) if program.attn_pairs else 0
     slot = t.tile_rows * t.tile_k * 2
-    fit = (SHARED_BYTES - hbuf_bytes - wbuf_bytes - SCRATCH_BYTES - xb) // slot
+    # a multi-token MoE step's router finisher reduces [8, E] over the warps, and its scan and layout conversions,
+    # through the compiler's scratch: 12 KB more than the dense kernel's 8 (the 30B-A3B's 128 experts: 16.5 KB)
+    moe_bytes = 24 * _pow2(spec.num_experts) * 4 if spec.is_moe and m > 1 else 0
+    fit = (SHARED_BYTES - hbuf_bytes - wbuf_bytes - SCRATCH_BYTES - xb - moe_bytes) // slot
     if t.ring > fit:
         raise ValueError(f"ring={t.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
     if fit < 2:
         raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
     ring = t.ring or fit
-    gp = _pow2(spec.group_size)
-    smem_merge = t.num_warps * gp * (spec.head_dim + 2) * 4 <= hbuf_bytes
+    smem_merge = merge_bytes <= hbuf_bytes
     words, lens = program.encode()
     if t.quiet >= 0:
         marks = hold_marks(program, t.quiet)
@@ -306,5 +367,8 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         QK_NORM=spec.qk_norm, TR=t.tile_rows, TK=t.tile_k, NB=ring, KT_ROWS=hbuf_rows,
         SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=_pow2(program.max_splits), GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
-        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m, MB=mb, V=spec.vocab_size)
+        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m, MB=mb, V=spec.vocab_size,
+        E=spec.num_experts, EP2=_pow2(spec.num_experts), EP=router_rows(spec, t.tile_rows), S=program.moe_slots,
+        S2=_pow2(program.moe_slots), K=spec.num_experts_per_tok,
+        F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob)
     return LaunchPlan(spec, t, num_sms, page_size, program, words, lens, ring, hbuf_rows, xb, c)

@@ -110,6 +110,7 @@ class PrefillRunner:
                                else make_attention(config.long_attention, config.tiles, self.w.device))
         # a pass goes to long_attention when a piece has more rows than one query block of the paged kernel
         self.short_rows = (config.tiles or AttentionTiles.for_head_dim(self.spec.head_dim)).block_m
+        self._inv_freq = rope.inv_freq(self.spec).to(self.w.device)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -130,7 +131,10 @@ class PrefillRunner:
     def _pass(self, tokens: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache) -> torch.Tensor:
         spec, w, ops = self.spec, self.w, self.ops
         eps, t = spec.rms_norm_eps, tokens.numel()
-        cos, sin = rope.cos_sin(spec, batch.positions)  # [T, hd/2] fp32, shared by every layer
+        # [T, hd/2] fp32, shared by every layer: rope.cos_sin's arithmetic from inverse frequencies kept on the
+        # device (no host-to-device copy inside a pass, so a pass can be captured in a CUDA graph)
+        ang = batch.positions.float()[:, None] * self._inv_freq[None, :]
+        cos, sin = ang.cos(), ang.sin()
         long = self.long_attention is not None and max(p.length for p in batch.pieces) > self.short_rows
         attend = (self.long_attention if long else self.attention).plan(batch)
         x = F.embedding(tokens, w.embed)

@@ -1,28 +1,47 @@
-"""The megakernel backend: decode tokens run on the persistent Gluon megakernel (Hopper, bf16), multi-token
-segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the
-only KV element type it accepts for now).
+"""The megakernel backend: decode tokens and short multi-token steps run on the persistent Gluon megakernel
+(Hopper, bf16), prefill chunks on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the only KV
+element type it accepts for now).
 
 A step of one decode token is one megakernel launch (one CUDA graph replay). A step of several decode tokens runs
-as one launch per sequence, as one launch of the megakernel's decode-batch step (2..8 sequences:
-``MegakernelDecoder.step_batch``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend measured
-fastest for that batch size on this GPU (``StepRouter``); every other step (prefill chunks, verify blocks, mixes) is
-one pass of the runner. The runner writes the segments' K/V into the shared cache exactly as the kernel reads it, so
-decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once here for the prefill
-path's GEMMs, and the megakernel packs its own tile-major copy from row views of them (launch/pack.py): the GPU holds
-the weights twice, row-major and tile-major. Invariants are those of ``Backend``.
+as one launch per sequence, as one launch of the megakernel's multi-token step (2..plan.max_tokens tokens:
+``MegakernelDecoder.step_segments``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend
+measured fastest for that token count on this GPU (``StepRouter``). A step with verify blocks (or short chunks) of
+2..max_tokens tokens in all runs on the multi-token step or one pass, measured the same way (no replays: they are
+one token's); longer steps are one pass of the runner. A pass whose segments are short (each fits one query block of
+the paged attention kernel: decode batches, verify blocks) replays as a CUDA graph per step pattern
+(``StepGraphs``); long prefill chunks run eager. The runner writes the segments' K/V into the shared cache exactly as
+the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once
+here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of them
+(launch/pack.py): the GPU holds the weights twice, row-major and tile-major. A mixture-of-experts model decodes on
+the megakernel one token a launch (a decode batch as replays: its multi-token MoE step has not passed its GPU check
+yet, bench/NOTES.md "MoE on the megakernel"); its prefill chunks and verify blocks run eager on the bf16 reference
+decoder (``ReferencePrefill``: the prefill path has no MoE block yet). Invariants are those of ``Backend``.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
 
 from ...kv.pages import PagedKVCache
-from ...models.reference import Segment
+from ...models.reference import ReferenceDecoder, Segment
 from ...models.weights import ModelWeights
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend, EventTimer
+from .step_graphs import StepGraphs
 from .step_router import BATCHED, KERNEL, REPLAY, StepRouter
+
+
+class ReferencePrefill:
+    """A mixture-of-experts model's prefill path: the reference decoder (bf16, transformers' numerics) over the
+    backend's cache, every segment's last ``num_logits`` rows, fp32 (``PrefillRunner.forward``'s contract)."""
+
+    def __init__(self, weights: ModelWeights):
+        self.decoder = ReferenceDecoder(weights)
+
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
+        return self.decoder.forward(tokens, segments, cache, last_only=True).float()
 
 
 class MegakernelBackend(Backend):
@@ -32,19 +51,33 @@ class MegakernelBackend(Backend):
             raise ValueError(f"KV element type {str(kv_dtype).removeprefix('torch.')}: the megakernel backend does "
                              "not read FP8 KV pages yet (its attention loads bf16 tiles); use --kv-dtype bf16, or "
                              "--backend reference for an fp8 KV cache")
-        if weights.spec.is_moe:  # megakernel/plan.py refuses the program too; say it before any GPU work
-            raise ValueError(f"the megakernel backend does not run mixture-of-experts models ({weights.spec.name}) "
-                               "yet; use the reference backend")
+        if weights.spec.is_moe:  # a plan for its one-token step must exist (ValueError naming why, before any GPU)
+            from ...megakernel.plan import plan
+
+            plan(weights.spec, 132)
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             raise RuntimeError("the megakernel backend needs a Hopper (sm_90) GPU; use the reference backend")
-        fused = FusedWeights.from_weights(weights.to(device="cuda", dtype=torch.bfloat16))
-        self.weights = fused.unfused()
         self.spec = weights.spec
-        self.prefill = PrefillRunner(fused, prefill)
+        if weights.spec.is_moe:  # the prefill path (prefill/) has no MoE block: MoE prefill runs on the bf16
+            # reference decoder over the same cache
+            self.weights = weights.to(device="cuda", dtype=torch.bfloat16)
+            self.prefill = ReferencePrefill(self.weights)
+        else:
+            fused = FusedWeights.from_weights(weights.to(device="cuda", dtype=torch.bfloat16))
+            self.weights = fused.unfused()
+            self.prefill = PrefillRunner(fused, prefill)
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
+        self._graphs = None  # short steps' graphs over the prefill path, for the cache the engine made
         self.router = StepRouter()
+        from ...megakernel.plan import max_tokens
+
+        # the most tokens the megakernel's multi-token step runs for this model (plan.max_tokens: 32, the 8B's 16);
+        # an MoE model's one (module doc)
+        self.max_tokens = 1 if weights.spec.is_moe else max_tokens(weights.spec)
         self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
+        # cache -> the page past the caller's that padding rows write (weak: a cache's entry dies with it)
+        self._pad_pages: weakref.WeakKeyDictionary[PagedKVCache, int] = weakref.WeakKeyDictionary()
 
     @property
     def device(self) -> torch.device:
@@ -53,6 +86,13 @@ class MegakernelBackend(Backend):
     @property
     def kv_dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
+        """``num_pages`` pages for the caller, and one more past them that no sequence owns: the multi-token step
+        pads M tokens to their bucket with rows on it (megakernel/launch/one_token.py)."""
+        cache = super().make_cache(page_size, num_pages + 1)
+        self._pad_pages[cache] = num_pages
+        return cache
 
     def _decoder(self, cache: PagedKVCache):
         from ...megakernel.launch.decoder import MegakernelDecoder
@@ -65,32 +105,52 @@ class MegakernelBackend(Backend):
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         for (path, batch), ms in self._timer.completed():
             self.router.observe(path, batch, ms)
-        if not all(s.length == 1 and s.num_logits == 1 for s in segments):
-            return self.prefill.forward(tokens, segments, cache)
-        from ...megakernel.plan import MAX_BATCH
-
-        whole = (KERNEL, BATCHED) if len(segments) <= MAX_BATCH else (BATCHED,)
-        path = self.router.choose(len(segments), whole)
+        m = int(tokens.numel())
+        decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
+        if not decode and not 2 <= m <= self.max_tokens:  # prefill chunks, long steps: the prefill path
+            return self.decode_pass(tokens, segments, cache)
+        whole = (KERNEL, BATCHED) if m <= self.max_tokens else (BATCHED,)
+        path = self.router.choose(m, whole, replays=decode)
+        captures = self._graphs.captures if self._graphs is not None else 0
         start = self._timer.start()
         step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
         out = step(tokens, segments, cache)
-        self._timer.stop(start, (path, len(segments)))
+        if self._graphs is None or self._graphs.captures == captures:  # a step that captured a graph: no measure
+            self._timer.stop(start, (path, m))
         return out
 
     def decode_replays(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Single-token segments as one megakernel launch each."""
+        """Single-token segments as one megakernel launch each. The ids stay on the device (the previous step's
+        samples may not have reached the host) and the step state goes by non-blocking copies from pinned memory
+        (``StepState.fill``), so queueing the launches never waits for the GPU."""
         dec = self._decoder(cache)
-        ids = tokens.tolist()
         # each step returns the decoder's logits buffer, which the next step overwrites: copy each row out
-        return torch.cat([dec.step(ids[i], s.start, s.block_table)[:1].to(torch.float32, copy=True)
+        return torch.cat([dec.step_batch(tokens[i:i + 1], [s.start], [s.block_table])[:1].to(torch.float32, copy=True)
                           for i, s in enumerate(segments)])
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Single-token segments (2..plan.MAX_BATCH of them) as one launch of the megakernel's decode-batch step."""
+        """Segments of 2..plan.max_tokens tokens in all (decode tokens, verify blocks, short chunks) as one launch
+        of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py), padded to the
+        bucket of its tokens where the cache is this backend's (one kernel and graph a bucket, not a token count)."""
+        from ...megakernel.launch.one_token import split_segments
+
+        pad_page = self._pad_pages.get(cache)  # a cache this backend made: padded to the bucket of its tokens
         # the ids stay on the device (the previous step's samples may not have reached the host)
-        out = self._decoder(cache).step_batch(tokens, [s.start for s in segments], [s.block_table for s in segments])
-        return out.to(torch.float32, copy=True)  # the batch decoder's logits buffer: the next launch overwrites it
+        out = self._decoder(cache).step_segments(tokens, segments, pad_page)
+        rows = split_segments(segments).logit_rows
+        if rows == tuple(range(out.shape[0])):
+            return out.to(torch.float32, copy=True)  # the decoder's logits buffer: the next launch overwrites it
+        return out[list(rows)].to(torch.float32)
 
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Any segments as one pass of the prefill path."""
+        """Any segments as one pass of the prefill path: replayed as a CUDA graph when every segment fits one query
+        block of the paged attention kernel (decode batches, verify blocks: ``StepGraphs``), else eager (an MoE
+        model's reference prefill always)."""
+        if isinstance(self.prefill, ReferencePrefill):
+            return self.prefill.forward(tokens, segments, cache)
+        if self._graphs is None or self._graphs.cache is not cache:
+            self._graphs = StepGraphs(self.prefill, cache)
+        if self._graphs.fits(segments):
+            return self._graphs.forward(tokens, segments)
         return self.prefill.forward(tokens, segments, cache)
+

@@ -3,12 +3,15 @@
 
 The kernel (device/kernel.py) takes eight arguments, most of them tuples, plus the constants ``C``:
     prog      the program: words [num_sms, max_len, NWORDS] int32, queue lengths [num_sms], max_len
-    step      the step state (state.py): tokens, positions, seg_ctx, block tables and their width, the counters
+    step      the step state (state.py): tokens, positions, seg_ctx, seg_new, block tables and their width, the
+              counters
               and how many there are before DONE/EPOCH, the cluster pairs' ready words
     weights   the TMA descriptor of the packed weight tile array (tiles.py), [num_tiles * TR * TK / 32, 32] bf16
     vecs      norms, bias, q/k norms, RoPE inverse frequencies
     kv        the paged cache's K and V pools and their page count
-    scratch   state.py's scratch buffers, the attention splits' stride, then the bf16 staging sources
+    scratch   state.py's scratch buffers, the attention splits' stride, the bf16 staging sources, then the MoE
+              buffers (router logits, the routing table, slot weights, experts' activations and parts, and the
+              activations' bf16 copy; a dense model's are empty, passed as a one-element stand-in)
     scalars   eps, the attention's q scale (head_dim^-0.5 * log2 e)
     trace     [num_sms, max_len, 4] int64 timestamps when traced (a one-element dummy otherwise)
 """
@@ -18,15 +21,17 @@ from typing import Any
 
 GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...] | str], ...] = (
     ("prog", (("words", "*i32"), ("lens", "*i32"), ("max_len", "i32"))),
-    ("step", (("tokens", "*i32"), ("positions", "*i32"), ("seg_ctx", "*i32"), ("block_tables", "*i32"),
-              ("max_pages", "i32"), ("counters", "*i32"), ("num_counters", "i32"), ("ready", "*i32"))),
+    ("step", (("tokens", "*i32"), ("positions", "*i32"), ("seg_ctx", "*i32"), ("seg_new", "*i32"),
+              ("block_tables", "*i32"), ("max_pages", "i32"), ("counters", "*i32"), ("num_counters", "i32"),
+              ("ready", "*i32"))),
     ("weights", "desc"),
     ("vecs", (("embed", "*bf16"), ("attn_norm", "*bf16"), ("mlp_norm", "*bf16"), ("final_norm", "*bf16"),
               ("bias", "*fp32"), ("q_norm", "*bf16"), ("k_norm", "*bf16"), ("inv_freq", "*fp32"))),
     ("kv", (("k", "*bf16"), ("v", "*bf16"), ("num_pages", "i32"))),
     ("scratch", (("x", "*fp32"), ("qkv_part", "*fp32"), ("q", "*fp32"), ("part_o", "*fp32"), ("part_ml", "*fp32"),
                  ("attn", "*fp32"), ("act", "*fp32"), ("logits", "*fp32"), ("splits", "i32"), ("x16", "*bf16"),
-                 ("attn16", "*bf16"), ("act16", "*bf16"))),
+                 ("attn16", "*bf16"), ("act16", "*bf16"), ("router_logits", "*fp32"), ("routed", "*i32"),
+                 ("slot_w", "*fp32"), ("moe_act", "*fp32"), ("moe_part", "*fp32"), ("moe_act16", "*bf16"))),
     ("scalars", (("eps", "fp32"), ("qscale", "fp32"))),
     ("trace", "*i64"),
 )
