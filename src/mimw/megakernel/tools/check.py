@@ -343,7 +343,7 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V rows: results must not move
             dec.batch_decoder(m).scratch.poison()
-            got.append(dec.step_segments(toks, segs, pad_page)[:m].clone())
+            got.append(dec.step_segments(toks, segs, pad_page)[0][:m].clone())
         torch.cuda.synchronize()
         if moe:
             log.record(dec.batch_decoder(m), spec, i, r_ref, r_bf16)
