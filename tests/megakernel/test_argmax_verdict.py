@@ -51,6 +51,25 @@ def test_a_routing_is_exact_a_near_tie_within_the_bound_or_a_mismatch():
     assert _route_verdict(r, {0, 1}, 3, 1.0) == "mismatch"  # too few experts
 
 
+def test_a_batch_routing_is_judged_on_the_union_of_its_tokens_experts():
+    """A decode batch's routing table names the step's distinct experts (the union over its tokens)."""
+    from mimw.megakernel.tools.check import _route_verdict
+    from mimw.models.moe import Routing
+
+    p = torch.tensor([[0.40, 0.30, 0.151, 0.149, 0.0, 0.0, 0.0],    # token 0: experts 0, 1, 2 (2, 3 0.002 apart)
+                      [0.0, 0.0, 0.0, 0.35, 0.33, 0.32, 0.0]])      # token 1: experts 3, 4, 5
+    w, ids = torch.topk(p, 3)
+    r = Routing(ids, w, p)
+    assert _route_verdict(r, {0, 1, 2, 3, 4, 5}, 3, 0.0) == "exact"
+    # token 0 took 3 for 2: 2 is then missing from the union (3 is token 1's anyway)
+    assert _route_verdict(r, {0, 1, 3, 4, 5}, 3, 0.004) == "tie"
+    assert _route_verdict(r, {0, 1, 3, 4, 5}, 3, 0.001) == "mismatch"
+    # dropping expert 4 (token 1's 0.33, far above its 4th) is no tie
+    assert _route_verdict(r, {0, 1, 2, 3, 5}, 3, 0.004) == "mismatch"
+    # an expert no token comes near (6: probability 0 for both) in place of 2 is no tie
+    assert _route_verdict(r, {0, 1, 3, 4, 5, 6}, 3, 0.004) == "mismatch"
+
+
 def test_the_kernels_routing_table_is_read_with_its_steps_tag():
     from types import SimpleNamespace
 

@@ -6,13 +6,13 @@ decode steps. The oracle is the reference decoder in fp32 on the same bf16-round
 the same cache; each step feeds both the oracle's greedy token. Scratch is poisoned (NaN) before every launch.
 Every step also relaunches once more and compares logits bit for bit (a moving result would be a race).
 
-``check_batch`` does the same for a decode batch (an MoE model's included: its routing is checked exactly on the
-last MoE layer's own logits, the rest through the logits) (``MegakernelDecoder.step_batch``): B sequences, each with its own
+``check_batch`` does the same for a decode batch (``MegakernelDecoder.step_batch``): B sequences, each with its own
 random past in the shared cache and its own shuffled pages, all advanced by one launch a step; every sequence's
 logits are compared with the oracle's for it, and after the run the K/V rows the kernel appended (each sequence's
 new positions) with the oracle's.
 
-An MoE model (``check_decode``) is also checked for its routing, twice after every step. Exactly: the last MoE
+An MoE model (``check_decode``, ``check_batch``) is also checked for its routing, twice after every step (a batch:
+the union of its tokens' experts, what its routing table names). Exactly: the last MoE
 layer's router logits and slot weights are still in the scratch, and its routing table row must name the top k of
 those very logits (``models.moe.top_k``) with their weights (within one bf16 rounding): the router finisher checked
 on its own input, whatever the numerics before it (``route_self_ok``). Against the oracle: each MoE layer's row
@@ -213,18 +213,22 @@ def own_routing_ok(dec: MegakernelDecoder, spec: ModelSpec) -> bool:
 
 
 def _route_verdict(r, got: set[int], k: int, route_tie: float) -> str:
-    """"exact", "tie" or "mismatch" for one token's routing: the kernel's experts ``got`` against the oracle's
-    routing ``r`` (module doc: near-ties within ``route_tie`` of the oracle's k-th / (k+1)-th probability)."""
-    want = set(r.ids[0].tolist())
+    """"exact", "tie" or "mismatch" for one step's routing of one MoE layer: the experts the kernel's table names
+    ``got`` (the step's M tokens' distinct experts) against the oracle's routing ``r`` (ids [M, k], probs [M, E]).
+    A near-tie (module doc): every expert only the kernel chose is within ``route_tie`` of some token's k-th oracle
+    probability, and every expert only the oracle chose is, for every token that chose it, within ``route_tie`` of
+    that token's (k+1)-th."""
+    ids, p = r.ids.cpu(), r.probs.float().cpu()
+    want = set(ids.flatten().tolist())
     if got == want:
         return "exact"
-    p = r.probs[0].float().cpu()
-    order = torch.sort(p, descending=True).values
-    kth, next_ = float(order[k - 1]), float(order[k]) if k < p.numel() else float("-inf")
-    if len(got) == k and all(float(p[e]) >= kth - route_tie for e in got - want) \
-            and all(float(p[e]) <= next_ + route_tie for e in want - got):
-        return "tie"
-    return "mismatch"
+    order = torch.sort(p, dim=-1, descending=True).values  # [M, E]
+    kth = order[:, k - 1]
+    next_ = order[:, k] if k < p.shape[1] else torch.full_like(kth, float("-inf"))
+    extra = all(bool((p[:, e] >= kth - route_tie).any()) for e in got - want)
+    missing = all(bool((p[m, e] <= next_[m] + route_tie)) for e in want - got for m in range(ids.shape[0])
+                  if e in ids[m].tolist())
+    return "tie" if k <= len(got) <= ids.numel() and extra and missing else "mismatch"
 
 
 @dataclass
@@ -244,12 +248,21 @@ class BatchResult:
     tie: float = 0.0  # near-tie bound: 2 x bf16_rel_err
     others_intact: bool = True  # every cache row the step does not append (nor the padding's page) unchanged
     route_self_ok: bool = True  # MoE: every step's last MoE layer routed its own logits as the reference does
+    # MoE (zero for a dense model), as CheckResult's: (step, layer) routings equal to the oracle's, near-ties of it,
+    # neither; steps left out of the logits' and appended rows' checks for a near-tie; every entry tagged
+    route_exact: int = 0
+    route_ties: int = 0
+    route_mismatches: int = 0
+    route_tie_steps: int = 0
+    route_tags_ok: bool = True
 
     def ok(self, tol: float = 2e-2, agree: float = 0.99, kv_tol: float = 1e-2) -> bool:
         """Within ``tol`` / ``kv_tol`` of the oracle, or within twice the bf16 reference's own error where bf16
         arithmetic alone is further off, and the argmax the oracle's up to near-ties; no other row touched."""
-        return (self.others_intact and self.route_self_ok and self.finite and self.bit_identical and self.max_rel_err <= max(tol, 2 * self.bf16_rel_err)
-                and self.argmax_agree_or_tie >= agree and self.kv_rel_err <= max(kv_tol, 2 * self.bf16_kv_rel_err))
+        return (self.others_intact and self.route_self_ok and self.finite and self.bit_identical
+                and self.max_rel_err <= max(tol, 2 * self.bf16_rel_err)
+                and self.argmax_agree_or_tie >= agree and self.kv_rel_err <= max(kv_tol, 2 * self.bf16_kv_rel_err)
+                and self.route_tags_ok and self.route_mismatches == 0 and self.route_tie_steps <= self.steps // 2)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -295,18 +308,23 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
                             context_hint=max(context, 1), use_graph=graph)
     toks = torch.randint(spec.vocab_size, (m,), generator=torch.Generator().manual_seed(seed)).tolist()
     same, finite, kernel_steps, bf16_steps, self_ok = True, True, [], [], True
+    moe = spec.is_moe and not padded  # (a padded step routes its padding tokens too, in a bigger decoder)
+    routes, tags_ok, prob_err = [], True, 0.0  # as check_decode's
     starts = list(contexts)
-    for _ in range(steps):
+    for i in range(steps):
         segs = [Segment(t, p, n, n) for t, p, n in zip(tables, starts, lens)]
-        expect = ref.forward(torch.tensor(toks), segs, ref_cache)  # [M, V]: every token's logits
-        bf16 = bf16_ref.forward(torch.tensor(toks), segs, bf16_cache)
+        r_ref, r_bf16 = ([], []) if moe else (None, None)
+        expect = ref.forward(torch.tensor(toks), segs, ref_cache, routings=r_ref)  # [M, V]: every token's logits
+        bf16 = bf16_ref.forward(torch.tensor(toks), segs, bf16_cache, routings=r_bf16)
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V rows: results must not move
             dec.batch_decoder(m).scratch.poison()
             got.append(dec.step_segments(toks, segs, pad_page)[:m].clone())
         torch.cuda.synchronize()
-        if spec.is_moe and not padded:  # (a padded step routes its padding tokens too, in a bigger decoder)
+        if moe:
             self_ok &= own_routing_ok(dec.batch_decoder(m), spec)
+            tags_ok &= _collect_routes(dec.batch_decoder(m), spec, i, r_ref, routes)
+            prob_err = max([prob_err] + [float((b.probs - r.probs).abs().max()) for r, b in zip(r_ref, r_bf16)])
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
         for b in range(m):
@@ -314,10 +332,16 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
             bf16_steps.append(step_error(bf16[b], expect[b]))
         toks = [int(t) for t in expect.argmax(-1)]
         starts = [p + n for p, n in zip(starts, lens)]
+    route_tie = 2 * prob_err
+    verdicts = [_route_verdict(r, experts, spec.num_experts_per_tok, route_tie) for _, r, experts in routes]
+    # a step routed to a near-tie elsewhere than the oracle is left out: its logits and the rows it appended
+    # follow other experts (later steps read those rows among a thousand: their logits stay comparable)
+    tie_steps = {step for (step, _, _), v in zip(routes, verdicts) if v == "tie"}
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
-    agree, near_ties, _ = argmax_verdicts(kernel_steps, tie)
-    worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
+    kept = [e for j, e in enumerate(kernel_steps) if j // m not in tie_steps]
+    agree, near_ties, _ = argmax_verdicts(kept, tie)
+    worst = max([e if e == e else float("inf") for _, _, e in kept] + [0.0])
     # the rows this run appended: every sequence's positions context .. context + steps * n - 1, every layer and head
     kv_err, bf16_kv_err = 0.0, 0.0
     pools = [(cache.k, bf16_cache.k, ref_cache.k, ref_cache.k.abs().max()),
@@ -329,6 +353,8 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
         for p in range(c, c + steps * n):
             page, row = t[p // page_size], p % page_size
             written[page, row] = True
+            if (p - c) // n in tie_steps:
+                continue
             for pool, bf16_pool, ref_pool, scale in pools:
                 e = ref_pool[:, page, :, row]
                 kv_err = max(kv_err, float((pool[:, page, :, row].float() - e).abs().max() / scale))
@@ -336,6 +362,7 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
     keep = ~written.to(cache.k.device)  # [pages, rows]: the pools are [layers, pages, heads, rows, hd]
     intact = all(bool(torch.equal(a.permute(1, 3, 0, 2, 4)[keep], b.permute(1, 3, 0, 2, 4)[keep]))
                  for a, b in zip((cache.k, cache.v), before))
-    n = steps * m
+    n = max(1, len(kept))
     return BatchResult(spec.name, m, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
-                       kv_err, bf16_err, bf16_kv_err, tie, intact, self_ok)
+                       kv_err, bf16_err, bf16_kv_err, tie, intact, self_ok, verdicts.count("exact"),
+                       verdicts.count("tie"), verdicts.count("mismatch"), len(tie_steps), tags_ok)
