@@ -15,10 +15,10 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
     shrink where a KV group has more than four query heads, so its registers hold;
   * the release hold's marks on the words (hold.py);
   * a multi-token step (M = 2..``max_tokens`` one-token segments: decode tokens, a verify block's tokens): the
-    tokens padded to MB = 8, 16 or 32 (wgmma's N: ``token_rows``), the staging buffer MB bf16 rows a 32-column chunk and a norm's weights beside it,
-    no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ
-    in ticketed column parts: at least two, and as few as let its staged input fit beside a ring of
-    ``MIN_RING_MT`` slots.
+    tokens padded to MB = 8, 16 or 32 (wgmma's N: ``token_rows``), the staging buffer MB bf16 rows a 32-column chunk
+    and a norm's weights beside it, no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts
+    combine through tickets), and DOWN_PROJ in ticketed column parts: at least two, and as few as let its staged
+    input fit beside a ring of ``MIN_RING_MT`` slots.
   * mixture-of-experts layers (ROUTER, EXPERT_IN, EXPERT_DOWN): the staging buffer also holds an expert's
     activation (EXPERT_DOWN's input).
 A program with an instruction that has no device code (ops.GPU_OPS) is refused.
