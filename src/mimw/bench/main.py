@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run backends in this process (no crash/hang isolation; for debugging)")
     p.add_argument("--layers", type=int, default=0, metavar="N",
                    help="presets cut to their first N layers (real layer shapes; floor and peers over the same "
-                        "layers): a model too large for the GPU, e.g. --model qwen3-30b-a3b --layers 20 on 80 GB")
+                        "layers): a model too large for the GPU, e.g. --model qwen3-30b-a3b --layers 12 on 80 GB")
     p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
                    help="KV cache element type of mimw's backends (default bf16); with fp8 the floor counts fp8 KV "
                         "bytes and the peers hold the same values in their own bf16 caches")
