@@ -4,11 +4,13 @@ rank's logits and residual stream are bit-identical (to each other, and from one
 next).
 
 Each case prefills a context with the reference decoder (``ReferenceDecoder``, one GPU's numerics, fp32 weights),
-then runs consecutive steps through ``TPDecoder`` without resetting any counter, each step under several
-interleavings across every rank's SMs (the first: lowest ready first; then random), and diffs every rank's logits
-against the reference (max|a - b| / max|b| <= 1e-5). The cases cover N = 2 and 4, one token, a decode batch of three
-and a verify block, and the DOWN_PROJ variants whose partial leaves from a finisher (cluster pairs, ticketed column
-parts). Presets whose KV heads do not divide by 4 run at N = 4 as variants with more KV heads.
+then runs its consecutive steps through ``TPDecoder`` several times over (the same steps launched again: the same
+K/V re-stored), without resetting any counter, each time under another interleaving across every rank's SMs (the
+first: lowest ready first; then random), every rank launching its next step as soon as its own ended, and diffs
+every rank's logits against the reference (max|a - b| / max|b| <= 1e-5). The cases cover N = 2 and 4, one token,
+a decode batch of three and a verify block, and the DOWN_PROJ variants whose partial leaves from a finisher
+(cluster pairs, ticketed column parts). Presets whose KV heads do not divide by 4 run at N = 4 as variants with more
+KV heads.
 """
 from __future__ import annotations
 
@@ -16,14 +18,13 @@ import dataclasses
 import functools
 import random
 
-import numpy as np
 import pytest
 import torch
 
 from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.megakernel import isa
 from mimw.megakernel.ops import CLASSES
-from mimw.megakernel.peers import DOWN_SUM, LM_GATHER, O_SUM
+from mimw.megakernel.peers import DOWN_SUM, LM_GATHER, O_SUM, PeerView
 from mimw.megakernel.plan import Tuning
 from mimw.megakernel.program import StepShape, build_program
 from mimw.megakernel.readiness import DependencyError, InboxVersions
@@ -37,7 +38,7 @@ from mimw.models.weights import random_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/megakernel/conftest.py
 
-STEPS, INTERLEAVINGS_PER_STEP = 3, 4
+STEPS, INTERLEAVINGS = 3, 5
 
 VARIANTS = {
     "tiny-qwen3-kv4": get_preset("tiny-qwen3").with_(num_kv_heads=4),  # 8 query heads in 4 groups: N = 4
@@ -105,21 +106,25 @@ def test_rank_programs_match_the_reference_over_interleavings(name, size, num_sm
                                                                                                     (False, False))
     words = [q.encode() for q in dec.programs]  # every rank runs the same words
     assert all(torch.equal(a, b) for wl in words[1:] for a, b in zip(wl, words[0]))
-    starts, runs = list(contexts), 0
+    starts, inputs, wants = list(contexts), [], []
     for step in range(STEPS):
         tokens = torch.randint(0, spec.vocab_size, (sum(seg_lens),), generator=g)
-        want = ref.forward(tokens, [Segment(t, p0, n) for t, p0, n in zip(tables, starts, seg_lens)], ref_cache)
-        first = None
-        for rep in range(INTERLEAVINGS_PER_STEP):
-            rng = None if rep == 0 else random.Random(1000 * step + rep)
-            got = dec.step(tokens.tolist(), starts, tables, rng)
-            runs += 1
-            assert rel_err(got[0], want) <= 1e-5, f"step {step}, interleaving {rep}: {rel_err(got[0], want):.2e}"
-            first = got[0] if first is None else first
-            for r in range(size):  # bit-identical on every rank, in every interleaving
-                assert torch.equal(got[r], first), f"step {step}, interleaving {rep}: rank {r}'s logits differ"
-                assert torch.equal(dec.scratches[r].x, dec.scratches[0].x)
+        wants.append(ref.forward(tokens, [Segment(t, p0, n) for t, p0, n in zip(tables, starts, seg_lens)],
+                                 ref_cache))
+        inputs.append((tokens.tolist(), starts, tables))
         starts = [p0 + n for p0, n in zip(starts, seg_lens)]
+    first, runs, lead = None, 0, 0
+    for rep in range(INTERLEAVINGS):
+        got = dec.steps(inputs, None if rep == 0 else random.Random(rep))
+        runs, lead = runs + STEPS, max(lead, dec.lead)
+        first = first or got
+        for step, want in enumerate(wants):
+            err = rel_err(got[step][0], want)
+            assert err <= 1e-5, f"step {step}, interleaving {rep}: {err:.2e}"
+            for r in range(size):  # bit-identical on every rank, in every interleaving
+                assert torch.equal(got[step][r], first[step][0]), f"step {step}, interleaving {rep}, rank {r}"
+        assert all(torch.equal(sc.x, dec.scratches[0].x) for sc in dec.scratches)
+    assert lead == 1  # a rank ran its next step while a peer was still in the last one, and never further ahead
     # every rank stored its own heads' K/V: together, the reference cache
     for r, c in enumerate(dec.caches):
         want_k = shard_cache(ref_cache, TensorParallel(spec, r, size, p.config.tile_rows))
@@ -148,11 +153,9 @@ def test_the_8b_shape_matches_the_reference_at_2_and_4_ranks():
     want = ref.forward(tokens, [Segment(table, 20, 1)], ref_cache)
     for size in (2, 4):
         dec = TPDecoder(spec, w, cache, size, 132, StepShape((1,)))
-        got = dec.step(tokens.tolist(), [20], [table], random.Random(size))
-        assert rel_err(got[0], want) <= 1e-5
-        assert all(torch.equal(x, got[0]) for x in got)
-        again = dec.step(tokens.tolist(), [20], [table])  # a second launch, lowest ready first
-        assert all(torch.equal(x, got[0]) for x in again)
+        got = dec.steps([(tokens.tolist(), [20], [table])] * 2, random.Random(size))  # the step launched twice
+        assert rel_err(got[0][0], want) <= 1e-5
+        assert all(torch.equal(x, got[0][0]) for step in got for x in step)
 
 
 # --- the checks catch broken programs --------------------------------------------------------------------------
@@ -168,13 +171,11 @@ def _setup(size=2, name="tiny-llama3", num_sms=7, seg_lens=(1, 1), contexts=(40,
     return progs, [shard_weights(w, tp) for tp in tps], [shard_cache(cache, tp) for tp in tps], fill
 
 
-def _run(progs, weights, caches, fill, words, rng):
-    """One step of fresh state (a failed step leaves the counters mid-step)."""
+def _run(progs, weights, caches, fill, words, rng, steps=1):
+    """``steps`` launches of the step on fresh state (a failed step leaves the counters mid-step)."""
     vm = TPVM(progs, weights, caches, words)
     states = [alloc_state(p, caches[0].layout.num_pages) for p in progs]
-    for st in states:
-        st.fill(*fill)
-    vm.run_step(states, [alloc_scratch(p) for p in progs], vm.alloc_peer_memory(), rng)
+    return vm.run_steps(states, [alloc_scratch(p) for p in progs], vm.alloc_peer_memory(), [fill] * steps, rng)
 
 
 def _edit(progs, rank, pred, word, value):
@@ -213,34 +214,59 @@ def test_the_intact_rank_programs_pass_the_same_interleavings():
     progs, weights, caches, fill = _setup()
     for seed in range(30):
         _run(progs, weights, caches, fill, None, random.Random(seed))
+    assert _run(progs, weights, caches, fill, None, None, steps=3).lead == 1
 
 
 def test_a_partial_that_signals_no_peer_is_a_deadlock_naming_the_peer_counter():
     progs, weights, caches, fill = _setup()
     words = _edit(progs, 0, lambda i: i.OP == isa.Op.O_PROJ and i.layer == 1, isa.Word.SIGNAL, isa.NO_COUNTER)
-    with pytest.raises(DeadlockError, match=r"(?s)rank 1: .*L1\.o_peer\.r\d+\) to reach 2, it is 1"):
+    with pytest.raises(DeadlockError, match=r"(?s)rank 1 \(step 0\): .*L1\.o_peer\.r\d+\) to reach 2, it is 1"):
         _run(progs, weights, caches, fill, words, random.Random(0))
 
 
 def test_inbox_versions_catch_an_unread_overwrite_and_a_read_before_the_store():
     inbox = InboxVersions(2, 8, 4)
     rows = slice(0, 4)
-    with pytest.raises(DependencyError, match=r"reads the o inbox's slots of ranks \[0, 1\]"):
-        inbox.check_read("REDUCE", 0, O_SUM, rows, 0)
+    with pytest.raises(DependencyError, match=r"reads the o inbox's slots of ranks \[0, 1\] at never"):
+        inbox.check_read("REDUCE", 0, O_SUM, rows, 0, 0)
     inbox.check_store("O_PROJ", 1, O_SUM, rows)
-    inbox.stored(1, O_SUM, rows, 0)
-    inbox.stored(0, O_SUM, rows, 0)
-    with pytest.raises(DependencyError, match="overwrites rank 0's o inbox"):
-        inbox.check_store("O_PROJ", 1, O_SUM, rows)  # layer 1's partial while layer 0's is unread
-    inbox.check_read("REDUCE", 0, O_SUM, rows, 0)
+    inbox.stored(1, O_SUM, rows, 0, 0)
+    inbox.stored(0, O_SUM, rows, 0, 0)
+    with pytest.raises(DependencyError, match="overwrites rank 0's o inbox \\(step 0 layer 0\\)"):
+        inbox.check_store("O_PROJ", 1, O_SUM, rows)  # the next partial while this one is unread
+    inbox.check_read("REDUCE", 0, O_SUM, rows, 0, 0)
     with pytest.raises(DependencyError, match="overwrites rank 1's o inbox"):
         inbox.check_store("O_PROJ", 1, O_SUM, rows)  # read on rank 0, not yet on rank 1
-    inbox.check_read("REDUCE", 1, O_SUM, rows, 0)
+    inbox.check_read("REDUCE", 1, O_SUM, rows, 0, 0)
     inbox.check_store("O_PROJ", 1, O_SUM, rows)  # read everywhere: free
-    assert np.all(inbox.read[0][O_SUM][:, rows])
+    inbox.stored(1, O_SUM, rows, 1, 0)  # the next step's layer 0 on rank 1 only
+    with pytest.raises(DependencyError, match=r"slots of ranks \[0\] at step 0 layer 0, needs step 1 layer 0"):
+        inbox.check_read("REDUCE", 1, O_SUM, rows, 1, 0)  # rank 0's partial is the last step's
 
 
 def test_the_vm_refuses_rank_programs_out_of_order():
     progs, weights, caches, _ = _setup()
     with pytest.raises(ValueError, match="in order"):
         TPVM(progs[::-1], weights, caches)
+
+
+def test_one_inbox_for_both_sums_is_caught_overwriting_unread_partials(monkeypatch):
+    """Why O_SUM and DOWN_SUM are separate inboxes (peers.py): were DOWN_PROJ's partials stored where O_PROJ's are,
+    a rank running ahead would overwrite a peer's O_PROJ partials before the peer's REDUCE read them."""
+    one = lambda kind: O_SUM if kind == DOWN_SUM else kind  # noqa: E731
+    send, inbox = PeerView.send, PeerView.inbox
+    store, stored, read = InboxVersions.check_store, InboxVersions.stored, InboxVersions.check_read
+    monkeypatch.setattr(PeerView, "send", lambda self, kind, rows, value: send(self, one(kind), rows, value))
+    monkeypatch.setattr(PeerView, "inbox", lambda self, kind: inbox(self, one(kind)))
+    monkeypatch.setattr(InboxVersions, "check_store", lambda self, w, src, kind, rows: store(self, w, src, one(kind),
+                                                                                              rows))
+    monkeypatch.setattr(InboxVersions, "stored", lambda self, src, kind, *a: stored(self, src, one(kind), *a))
+    monkeypatch.setattr(InboxVersions, "check_read", lambda self, w, dst, kind, *a: read(self, w, dst, one(kind), *a))
+    progs, weights, caches, fill = _setup()
+    for seed in range(30):
+        try:
+            _run(progs, weights, caches, fill, None, random.Random(seed))
+        except DependencyError as e:
+            assert "overwrites" in str(e)
+            return
+    pytest.fail("one inbox for both sums went unnoticed in 30 interleavings")

@@ -15,8 +15,9 @@ during this step (-1: not written this step):
     attn     [M, Hq]          layer whose combining ATTN_PARTIAL wrote (token, head)
     act      [I]              layer whose MLP_IN wrote the columns
     logits   [V]              1 once LM_HEAD (tensor parallelism: the gathering REDUCE) wrote the columns
-  Tensor parallelism (``InboxVersions``, shared by the ranks): every rank's inboxes (peers.py), per (kind, src,
-  column), the layer whose partial rank src stored there and whether the owner's REDUCE read it; a PEER-flagged
+  Tensor parallelism (``InboxVersions``, shared by the ranks, kept across steps): every rank's inboxes (peers.py),
+  per (kind, src, column), the (step, layer) whose partial rank src stored there and whether the owner's REDUCE
+  read it; a PEER-flagged
   O_PROJ / DOWN_PROJ writes no x (its REDUCE does: 2l+1, 2l+2), a PEER-flagged LM_HEAD no logits.
   MoE layers (x: 2l+2 after the layer's EXPERT_DOWN finishers, as after DOWN_PROJ):
     rlogits  [Ep]             layer whose ROUTER part wrote the columns (the finisher reads the first E)
@@ -65,7 +66,7 @@ class Readiness:
         self.attn = full(m, sp.num_heads)
         self.act = full(sp.intermediate_size)
         self.logits = full(program.logits_width)
-        self.inbox, self.rank = inbox, rank
+        self.inbox, self.rank, self.epoch = inbox, rank, state.epoch  # the step's epoch, read at its start
         s = program.moe_slots
         self.rlogits = full(router_rows(sp, program.config.tile_rows) if sp.is_moe else 0)
         self.routed = np.zeros(sp.num_layers, dtype=bool)
@@ -153,7 +154,7 @@ class Readiness:
             self._require(ins, "x rows", self.x[ins.row0: ins.row0 + ins.nrows], 2 * L + 1)
         elif op == Op.REDUCE:
             rows = slice(ins.row0, ins.row0 + ins.nrows)
-            self.inbox.check_read(str(ins), self.rank, ins.kind, rows, L)
+            self.inbox.check_read(str(ins), self.rank, ins.kind, rows, self.epoch, L)
             if ins.kind == O_SUM and L > 0:
                 self._require(ins, "x rows", self.x[rows], 2 * L)
             elif ins.kind == DOWN_SUM:
@@ -178,7 +179,7 @@ class Readiness:
             self.down_part[ins.part, ins.row0: ins.row0 + ins.nrows] = ins.layer
         elif op in (Op.O_PROJ, Op.DOWN_PROJ, Op.LM_HEAD) and ins.flags & PEER:
             kind = {Op.O_PROJ: O_SUM, Op.DOWN_PROJ: DOWN_SUM, Op.LM_HEAD: LM_GATHER}[op]
-            self.inbox.stored(self.rank, kind, slice(ins.row0, ins.row0 + ins.nrows), ins.layer)
+            self.inbox.stored(self.rank, kind, slice(ins.row0, ins.row0 + ins.nrows), self.epoch, ins.layer)
         elif op in (Op.O_PROJ, Op.DOWN_PROJ):
             self.x[ins.row0: ins.row0 + ins.nrows] = 2 * ins.layer + (1 if op == Op.O_PROJ else 2)
         elif op == Op.MLP_IN:
@@ -228,7 +229,7 @@ class Readiness:
         if ins.OP == Op.ATTN_PARTIAL:
             self.attn[self._seg(ins.seg), self._group(ins.kv_head)] = ins.layer
         elif ins.OP == Op.DOWN_PROJ and ins.flags & PEER:
-            self.inbox.stored(self.rank, DOWN_SUM, slice(ins.row0, ins.row0 + ins.nrows), ins.layer)
+            self.inbox.stored(self.rank, DOWN_SUM, slice(ins.row0, ins.row0 + ins.nrows), self.epoch, ins.layer)
         elif ins.OP == Op.DOWN_PROJ:
             self.x[ins.row0: ins.row0 + ins.nrows] = 2 * ins.layer + 2
         elif ins.OP == Op.ROUTER:
@@ -249,34 +250,45 @@ class Readiness:
 
 
 class InboxVersions:
-    """Readiness of every rank's inboxes within one step (readiness.py's idea, across ranks): for each (rank, kind,
-    src, column) the layer whose partial was stored there (-1: none this step) and whether the owner's REDUCE has
-    read it. Shared by the ranks' ``Readiness`` objects."""
+    """Readiness of every rank's inboxes (readiness.py's idea, across ranks and steps): for each (rank, kind, src,
+    column) the (step, layer) whose partial rank src stored there last (none: never) and whether the owner's REDUCE
+    has read it. Shared by the ranks' ``Readiness`` objects, kept across steps: a rank may start its next step while
+    a peer is still in this one (tp_vm.py)."""
 
     def __init__(self, size: int, hidden: int, vocab_shard: int):
         widths = (hidden, hidden, vocab_shard)
-        self.ver = [[np.full((size, w), -1, dtype=np.int32) for w in widths] for _ in range(size)]
+        self.ver = [[np.full((size, w), -1, dtype=np.int64) for w in widths] for _ in range(size)]
         self.read = [[np.zeros((size, w), dtype=bool) for w in widths] for _ in range(size)]
 
+    @staticmethod
+    def version(epoch: int, layer: int) -> int:
+        return (epoch & 0xFFFFFFFF) << 20 | layer
+
+    @staticmethod
+    def _describe(versions) -> str:
+        return ", ".join("never" if v < 0 else f"step {v >> 20} layer {v & 0xFFFFF}" for v in sorted(set(versions)))
+
     def check_store(self, what: str, src: int, kind: int, rows: slice) -> None:
-        """Before rank ``src`` stores rows of inbox ``kind`` on every rank: each region must be unwritten this step
-        or already read (else the store overwrites a partial its owner still needs)."""
+        """Before rank ``src`` stores rows of inbox ``kind`` on every rank: each region must be never written or
+        already read (else the store overwrites a partial its owner still needs)."""
         for dst in range(len(self.ver)):
             unread = (self.ver[dst][kind][src, rows] >= 0) & ~self.read[dst][kind][src, rows]
             if unread.any():
+                got = self._describe(self.ver[dst][kind][src, rows][unread].tolist())
                 raise DependencyError(f"{what} on rank {src} overwrites rank {dst}'s {INBOX_NAMES[kind]} inbox "
-                                      f"(layer {int(self.ver[dst][kind][src, rows].max())}) before its REDUCE read it")
+                                      f"({got}) before its REDUCE read it")
 
-    def stored(self, src: int, kind: int, rows: slice, layer: int) -> None:
+    def stored(self, src: int, kind: int, rows: slice, epoch: int, layer: int) -> None:
         for dst in range(len(self.ver)):
-            self.ver[dst][kind][src, rows] = layer
+            self.ver[dst][kind][src, rows] = self.version(epoch, layer)
             self.read[dst][kind][src, rows] = False
 
-    def check_read(self, what: str, dst: int, kind: int, rows: slice, layer: int) -> None:
-        got = self.ver[dst][kind][:, rows]
-        if not (got == layer).all():
-            missing = sorted({int(s) for s in np.nonzero((got != layer).any(axis=1))[0]})
+    def check_read(self, what: str, dst: int, kind: int, rows: slice, epoch: int, layer: int) -> None:
+        """Rank ``dst``'s REDUCE of ``rows`` in step ``epoch``: every rank's partial of ``layer`` must be there."""
+        want, got = self.version(epoch, layer), self.ver[dst][kind][:, rows]
+        if not (got == want).all():
+            missing = sorted({int(s) for s in np.nonzero((got != want).any(axis=1))[0]})
             raise DependencyError(f"{what} on rank {dst} reads the {INBOX_NAMES[kind]} inbox's slots of ranks "
-                                  f"{missing} at versions {sorted(set(got.ravel().tolist()) - {layer})}, needs "
-                                  f"layer {layer} (-1: not stored this step)")
+                                  f"{missing} at {self._describe(got[got != want].tolist())}, needs step "
+                                  f"{epoch & 0xFFFFFFFF} layer {layer}")
         self.read[dst][kind][:, rows] = True

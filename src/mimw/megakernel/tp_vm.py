@@ -2,16 +2,15 @@
 
 Each rank has its own program words (``build_program`` with ``ProgramConfig.tp = (rank, N)``), weight shard, KV
 cache shard, step state, scratch and counter table; what they share is peer memory (``peers.PeerMemory``: every
-rank's inboxes) and, through isa.PEER signals, each other's peer counters. A ``TPStepRun`` holds one ``StepRun``
-per rank (vm.py: the counter semantics, cluster-pair rendezvous and data-readiness checks are the one-GPU VM's) and
+rank's inboxes) and, through isa.PEER signals, each other's peer counters. A ``TPRun`` holds each rank's current
+``StepRun`` (vm.py: the one-GPU counter semantics, cluster-pair rendezvous and data-readiness checks) and
 interleaves instructions across every rank's SMs: the lowest (rank, SM) whose head may run, or, given an ``rng``, a
-uniformly random one, so a rank may run arbitrarily far ahead of its peers wherever the counters let it. The ranks'
-``Readiness`` share one ``readiness.InboxVersions``, which checks every inbox read (the REDUCE finds every rank's
-partial of its layer) and every inbox store (it overwrites nothing its owner has not read yet). An unmet wait raises
-``DependencyError``; no head ready on any rank before every queue finished raises ``DeadlockError``.
-
-One step runs on every rank before the next starts on any (a launch per step on each GPU; across steps the inboxes
-are safe by the argument in peers.py).
+uniformly random one, so a rank runs as far ahead of its peers as the counters let it. Steps are launched per rank,
+as N GPUs launch them: a rank that finished step k fills its state and starts step k + 1 at once, while a peer may
+still be in step k (its peer counters then already hold the early signals: ``StepRun.peers_ahead``). The ranks'
+``Readiness`` share one ``readiness.InboxVersions``, kept across steps, which checks every inbox read (the REDUCE
+finds every rank's partial of its step and layer) and every store (it overwrites nothing its owner has not read).
+An unmet wait raises ``DependencyError``; no head ready on any rank before every step finished, ``DeadlockError``.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from .state import Scratch, StepState, alloc_scratch, alloc_state
 from .tensor_parallel import TensorParallel, shard_cache, shard_weights
 from .vm import VM, DeadlockError, StepRun
 
-__all__ = ["TPVM", "TPStepRun", "TPDecoder"]
+__all__ = ["TPVM", "TPRun", "TPDecoder"]
 
 
 class TPVM:
@@ -57,52 +56,75 @@ class TPVM:
         p = self.programs[0]
         return alloc_peer_memory(self.size, p.shape.num_tokens, p.spec.hidden_size, p.spec.vocab_size)
 
-    def start(self, states: list[StepState], scratches: list[Scratch], memory: PeerMemory) -> "TPStepRun":
-        return TPStepRun(self, states, scratches, memory)
+    def start(self, states: list[StepState], scratches: list[Scratch], memory: PeerMemory, fills: list[tuple],
+              inbox: InboxVersions | None = None) -> "TPRun":
+        return TPRun(self, states, scratches, memory, fills, inbox)
 
-    def run_step(self, states: list[StepState], scratches: list[Scratch], memory: PeerMemory,
-                 rng: random.Random | None = None) -> None:
-        """Run one step on every rank; on return each rank's scratch.logits holds the whole vocabulary's logits.
-        If it raises, the counters are left mid-step, as aborted kernels would leave them."""
-        run = self.start(states, scratches, memory)
+    def run_steps(self, states: list[StepState], scratches: list[Scratch], memory: PeerMemory, fills: list[tuple],
+                  rng: random.Random | None = None) -> "TPRun":
+        """Run ``len(fills)`` steps on every rank (step k's inputs: ``StepState.fill(*fills[k])``); returns the
+        finished run: ``run.logits[k][r]``, rank r's logits [M, V] of step k (the whole vocabulary). If it raises,
+        the counters are left mid-step, as aborted kernels would leave them."""
+        run = self.start(states, scratches, memory, fills)
         try:
             while not run.finished:
                 run.run(run.pick(rng))
-            run.check_complete()
         finally:
             run.sync_counters()
+        return run
 
 
-class TPStepRun:
-    """One step in progress on every rank: a ``StepRun`` per rank, signalling each other's peer counters."""
+class TPRun:
+    """Steps in progress on every rank: each rank's current ``StepRun``, signalling each other's peer counters."""
 
-    def __init__(self, tpvm: TPVM, states: list[StepState], scratches: list[Scratch], memory: PeerMemory):
-        p = tpvm.programs[0]
-        inbox = InboxVersions(tpvm.size, p.spec.hidden_size, p.spec.vocab_size)
-        self.runs = [StepRun(vm, st, sc, memory.view(r), inbox)
-                     for r, (vm, st, sc) in enumerate(zip(tpvm.vms, states, scratches))]
-        for run in self.runs:
-            run.peer_runs = self.runs
+    def __init__(self, tpvm: TPVM, states: list[StepState], scratches: list[Scratch], memory: PeerMemory,
+                 fills: list[tuple], inbox: InboxVersions | None = None):
+        p, n = tpvm.programs[0], tpvm.size
+        self.tpvm, self.states, self.scratches, self.memory, self.fills = tpvm, states, scratches, memory, fills
+        self.inbox = inbox or InboxVersions(n, p.spec.hidden_size, p.spec.vocab_size)
+        self.step = [0] * n  # the step each rank is in (len(fills): done)
+        self.lead = 0  # the most steps one rank has been ahead of another
+        self.logits: list[list[torch.Tensor | None]] = [[None] * n for _ in fills]
+        self.runs: list[StepRun] = []  # each rank's current step; the list the runs signal peers through
+        for r in range(n):
+            self.runs.append(self._start(r))
+
+    def _start(self, rank: int) -> StepRun:
+        """Rank ``rank``'s host fills its state and launches its next step."""
+        self.states[rank].fill(*self.fills[self.step[rank]])
+        run = StepRun(self.tpvm.vms[rank], self.states[rank], self.scratches[rank], self.memory.view(rank),
+                      self.inbox)
+        run.peer_runs, run.peers_ahead = self.runs, True
+        return run
 
     @property
     def finished(self) -> bool:
-        return all(run.finished for run in self.runs)
+        return all(k == len(self.fills) for k in self.step)
 
     def pick(self, rng: random.Random | None = None) -> tuple[int, int]:
         """(rank, SM) to run next: the lowest ready one, or a uniformly random ready one."""
-        ready = [(r, s) for r, run in enumerate(self.runs) for s in run.ready]
+        ready = [(r, s) for r, run in enumerate(self.runs) if self.step[r] < len(self.fills) for s in run.ready]
         if not ready:
-            blocked = [f"rank {r}: {run._describe_blocked()}" for r, run in enumerate(self.runs) if not run.finished]
+            blocked = [f"rank {r} (step {self.step[r]}): {run._describe_blocked()}"
+                       for r, run in enumerate(self.runs) if not run.finished]
             raise DeadlockError("no queue head may run on any rank:\n" + "\n".join(blocked))
         return min(ready) if rng is None else ready[rng.randrange(len(ready))]
 
     def run(self, at: tuple[int, int]) -> None:
+        """Run the head of SM ``at[1]`` of rank ``at[0]``; a rank whose step ended checks it, hands its logits to
+        its host and starts its next step."""
         rank, sm = at
-        self.runs[rank].run(sm)
-
-    def check_complete(self) -> None:
-        for run in self.runs:
-            run.check_complete()
+        run = self.runs[rank]
+        run.run(sm)
+        if not run.finished:
+            return
+        run.check_complete()
+        run.sync_counters()
+        self.logits[self.step[rank]][rank] = self.scratches[rank].logits.clone()
+        self.step[rank] += 1
+        self.lead = max(self.lead, max(self.step) - min(self.step))
+        if self.step[rank] < len(self.fills):
+            self.runs[rank] = self._start(rank)
 
     def sync_counters(self) -> None:
         for run in self.runs:
@@ -127,10 +149,17 @@ class TPDecoder:
         self.states = [alloc_state(p, max_pages=cache.layout.num_pages) for p in self.programs]
         self.scratches = [alloc_scratch(p) for p in self.programs]
         self.memory = self.vm.alloc_peer_memory()
+        self.lead = 0
+
+    def steps(self, inputs: list[tuple], rng: random.Random | None = None) -> list[list[torch.Tensor]]:
+        """Consecutive steps, each (tokens [M], each segment's first position, block tables), every rank launching
+        its next step as soon as its own ended -> ``logits[k][r]``: rank r's logits [M, V] of step k."""
+        seg_lens = self.programs[0].shape.seg_lens
+        run = self.vm.run_steps(self.states, self.scratches, self.memory,
+                                [(tokens, starts, tables, seg_lens) for tokens, starts, tables in inputs], rng)
+        self.lead = run.lead  # the most steps one rank ran ahead of another
+        return run.logits
 
     def step(self, tokens, seg_start_positions, block_tables, rng: random.Random | None = None) -> list[torch.Tensor]:
-        """tokens [M]; each segment's first position and block table -> every rank's logits [M, V], rank order."""
-        for st, p in zip(self.states, self.programs):
-            st.fill(tokens, seg_start_positions, block_tables, p.shape.seg_lens)
-        self.vm.run_step(self.states, self.scratches, self.memory, rng)
-        return [sc.logits.clone() for sc in self.scratches]
+        """One step -> every rank's logits [M, V], rank order."""
+        return self.steps([(tokens, seg_start_positions, block_tables)], rng)[0]
