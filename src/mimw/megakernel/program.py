@@ -56,10 +56,10 @@ from .ops.mlp_in import span as mlp_span
 from .ops.o_proj import OProj
 from .ops.o_proj import span as o_span
 from .ops.reduce import Reduce
-from .peers import DOWN_SUM, LM_GATHER, O_SUM
-from .tensor_parallel import TensorParallel, shard_spec
 from .ops.router import Router
 from .ops.router import span as router_span
+from .peers import DOWN_SUM, LM_GATHER, O_SUM
+from .tensor_parallel import TensorParallel, shard_spec
 from .tiles import WeightTiles, router_rows
 
 

@@ -17,8 +17,8 @@ during this step (-1: not written this step):
     logits   [V]              1 once LM_HEAD (tensor parallelism: the gathering REDUCE) wrote the columns
   Tensor parallelism (``InboxVersions``, shared by the ranks, kept across steps): every rank's inboxes (peers.py),
   per (kind, src, column), the (step, layer) whose partial rank src stored there and whether the owner's REDUCE
-  read it; a PEER-flagged
-  O_PROJ / DOWN_PROJ writes no x (its REDUCE does: 2l+1, 2l+2), a PEER-flagged LM_HEAD no logits.
+  read it; a PEER-flagged O_PROJ / DOWN_PROJ writes no x (its REDUCE does: 2l+1, 2l+2), a PEER-flagged LM_HEAD no
+  logits (the gathering REDUCE writes every shard's).
   MoE layers (x: 2l+2 after the layer's EXPERT_DOWN finishers, as after DOWN_PROJ):
     rlogits  [Ep]             layer whose ROUTER part wrote the columns (the finisher reads the first E)
     routed   [L]              whether layer l's ROUTER finisher wrote its routing table row this step

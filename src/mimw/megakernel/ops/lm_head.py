@@ -3,8 +3,9 @@
     logits[:, r] = (RMSNorm(x) * final_norm) . W_lm[r]^T    r = the block's vocabulary rows, W_lm [V, D]
 Writes: logits[:, rows]. Reads: all of x (after the last layer's DOWN_PROJ). ``layer`` is unused (0). It signals
 no counter: nobody waits for the logits inside the step (the launch's end publishes them).
-Tensor parallelism (isa.PEER): the rows are of the rank's V/N vocabulary rows; they go to every rank's LM_GATHER
-inbox (peers.py), whose REDUCE copies them to the logits columns of this rank's shard.
+Tensor parallelism (isa.PEER): the rows are of the rank's V/N vocabulary rows; their logits go to every rank's
+LM_GATHER inbox (peers.py) instead, and signal the rows' peer counter there; each rank's gathering REDUCE copies them
+to this rank's columns of its logits.
 Tiles: the block's rows of the lm matrix, every column tile.
 Device: RMSNorm(x) staged once for a run of LM_HEAD instructions, then a row tile's logits per tile row.
 """
