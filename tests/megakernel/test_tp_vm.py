@@ -31,7 +31,7 @@ from mimw.megakernel.readiness import DependencyError, InboxVersions
 from mimw.megakernel.tensor_parallel import TensorParallel, shard_cache, shard_weights
 from mimw.megakernel.tp_vm import TPVM, TPDecoder
 from mimw.megakernel.state import alloc_scratch, alloc_state
-from mimw.megakernel.vm import DeadlockError
+from mimw.megakernel.vm import DeadlockError, VMDecoder
 from mimw.models.reference import ReferenceDecoder, Segment
 from mimw.models.spec import get_preset
 from mimw.models.weights import random_weights
@@ -244,10 +244,13 @@ def test_inbox_versions_catch_an_unread_overwrite_and_a_read_before_the_store():
         inbox.check_read("REDUCE", 1, O_SUM, rows, 1, 0)  # rank 0's partial is the last step's
 
 
-def test_the_vm_refuses_rank_programs_out_of_order():
+def test_the_vm_refuses_rank_programs_out_of_order_and_the_one_gpu_decoder_refuses_a_rank():
     progs, weights, caches, _ = _setup()
     with pytest.raises(ValueError, match="in order"):
         TPVM(progs[::-1], weights, caches)
+    spec, w = model("tiny-llama3")
+    with pytest.raises(ValueError, match="runs on N ranks"):
+        VMDecoder(spec, w, caches[0], 7, StepShape((1,)), config(spec, tp=(0, 2)))
 
 
 def test_one_inbox_for_both_sums_is_caught_overwriting_unread_partials(monkeypatch):

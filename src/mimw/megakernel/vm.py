@@ -266,6 +266,9 @@ class VMDecoder:
         from .plan import Tuning  # the shipping program config for this shape unless one is given
 
         config = config or Tuning().resolve(spec).program_config()
+        if config.tp[1] > 1:
+            raise ValueError(f"a tensor-parallel config (rank, size = {config.tp}) runs on N ranks: "
+                             "tp_vm.TPDecoder")
         self.program = build_program(spec, shape, num_sms, config)
         self.vm = VM(self.program, weights, cache)
         self.state = alloc_state(self.program, max_pages=cache.layout.num_pages)
