@@ -1,4 +1,5 @@
-"""Where a hung megakernel launch stopped: per SM, the first instruction it did not finish, and the counters it waits on.
+"""Where a hung megakernel launch stopped: per SM, the first instruction it did not finish, and the counter it
+waits on.
 
 A persistent kernel that deadlocks (a dependency counter that never reaches its target, a ring slot the loader and
 compute count differently, a barrier one partition never reaches) only shows as a ``torch.cuda.synchronize`` that
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import isa
+
+PAGE_SIZE = 16  # the test cache's page size (the engine's default)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ def locate(words: torch.Tensor, lens: torch.Tensor, trace: torch.Tensor, counter
     return out
 
 
-def signallers(words: torch.Tensor, lens: torch.Tensor, trace: torch.Tensor, counter: int) -> list[tuple[int, int, bool]]:
+def signallers(words: torch.Tensor, lens: torch.Tensor, trace: torch.Tensor,
+               counter: int) -> list[tuple[int, int, bool]]:
     """(SM, index, finished) of every instruction that signals ``counter``."""
     return [(s, i, bool(trace[s, i, 3] != 0)) for s in range(words.shape[0]) for i in range(int(lens[s]))
             if int(words[s, i, isa.Word.SIGNAL]) == counter]
@@ -111,24 +115,22 @@ def _decoder(args):
     from ...models.spec import get_preset
     from ...models.weights import random_weights
     from ..launch.decoder import MegakernelDecoder
+    from ..launch.one_token import split_segments
     from ..plan import Tuning
     from .check import random_cache
 
     spec = get_preset(args.model)
     w = random_weights(spec, 0, dtype=torch.bfloat16, device="cuda")
     n_seq, k = (int(x) for x in args.verify.split("x")) if args.verify else (args.batch, 1)
-    cache, table = random_cache(spec, args.context, k + 1, 16, 1, min_pages=n_seq * (-(-(args.context + k) // 16) + 1))
+    per = -(-(args.context + k) // PAGE_SIZE)  # pages a sequence holds, its step's rows included
+    cache, table = random_cache(spec, args.context, k + 1, PAGE_SIZE, 1, min_pages=n_seq * (per + 1))
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=Tuning(trace=True),
                             context_hint=max(args.context, 1), use_graph=False)
     if n_seq * k == 1:
         dec.set_inputs(1, args.context, table)
         return dec
-    per = -(-(args.context + k) // 16)
-    tables = [table[j * per:(j + 1) * per] for j in range(n_seq)]
-    segs = [Segment(tuple(t), args.context, k, k) for t in tables]
-    from ..launch.one_token import split_segments
-
-    one = split_segments(segs, None, 16)
+    segs = [Segment(tuple(table[j * per:(j + 1) * per]), args.context, k, k) for j in range(n_seq)]
+    one = split_segments(segs, None, PAGE_SIZE)
     sub = dec.batch_decoder(len(one.positions))
     sub.set_batch([1] * len(one.positions), one.positions, one.block_tables, one.firsts)
     return sub
