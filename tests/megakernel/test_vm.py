@@ -547,19 +547,46 @@ def test_vm_proves_the_decode_batch_programs_the_plan_builds(name, num_sms, page
     assert prog.down_parts == p.program.down_parts == 2
 
 
-@pytest.mark.parametrize("num_sms,padded", [(132, False), (7, False), (132, True)])
-def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_the_blocks(num_sms, padded):
-    """A verify block of 4, one of 3 and a decode token (8 one-token segments: the plan of a decode batch of 8),
-    two steps in a row, each in several random interleavings: every token's logits and the cache equal the
-    reference's over the real segments."""
-    lens = (4, 2, 1) if padded else (4, 3, 1)  # padded: 7 tokens run as the bucket of 8, a padding row last
-    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, (37, 15, 60), 2 * max(lens), 11)
+VERIFY_CASES = [  # (num_sms, segment lengths, padded, query blocks)
+    (132, (4, 3, 1), False, False),
+    (7, (4, 3, 1), False, False),
+    (132, (4, 2, 1), True, False),  # 7 tokens run as the bucket of 8, a padding row last
+    (132, (4, 3, 1), False, True),
+    (7, (4, 3, 1), False, True),
+    (132, (4, 2, 1), True, True),  # the padding row a block of one
+    (132, (16,), False, True),  # T = 16 at contexts not a multiple of the GPU's blocks
+    (132, (1, 5, 1, 6), True, True),  # two verify blocks and decode tokens, 13 padded by a block of 3
+    (1, (5, 4, 1), False, True),  # every split on one SM
+    (132, (1, 20), True, True),  # a segment past one query block: blocks of 16 and 4 (the second continues the
+    # first: its rows of this step are the first block's), the padding a block of 11
+]
+
+
+@pytest.mark.parametrize("num_sms,lens,padded,blocks", VERIFY_CASES,
+                         ids=[f"sm{c[0]}-{'x'.join(map(str, c[1]))}{'-pad' if c[2] else ''}{'-qb' if c[3] else ''}"
+                              for c in VERIFY_CASES])
+def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_the_blocks(num_sms, lens, padded,
+                                                                                            blocks):
+    """Verify blocks and decode tokens as one-token segments (the plan of a decode batch of their bucket), their
+    attention per token or (``blocks``) in query blocks (StepShape.attn_blocks: one instruction per block, KV head
+    and split), two steps in a row, each in several random interleavings: every token's logits and the cache equal
+    the reference's over the real segments."""
+    contexts = (37, 15, 60, 23)[: len(lens)]
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, contexts, 2 * max(lens), 11)
     pad_page = min(set(range(vm_cache.layout.num_pages)) - {p for t in tables for p in t}) if padded else None
-    n = 8 if padded else sum(lens)
-    p = plan(spec, num_sms, StepShape((1,) * n))
-    dec = VMDecoder(spec, w, vm_cache, num_sms, StepShape((1,) * n), p.program.config)
+    one0 = split_segments([Segment(t, s, n, n) for t, s, n in zip(tables, contexts, lens)], pad_page)
+    n = one0.num_tokens
+    shape = StepShape((1,) * n, 1024, one0.blocks if blocks else ())
+    assert not blocks or shape.attn_blocks  # every case with query blocks has a block past one token
+    p = plan(spec, num_sms, shape)
+    dec = VMDecoder(spec, w, vm_cache, num_sms, shape, p.program.config)
+    if blocks:  # one instruction per (query block, KV head, split); M = 1's splits where one block is alone
+        attn = [i for i in dec.program.instructions() if i.OP == isa.Op.ATTN_PARTIAL and i.layer == 0]
+        assert sorted({(i.seg, i.tokens) for i in attn}) == list(shape.attn_groups)
+        if len(shape.attn_groups) == 1:
+            assert dec.program.n_splits == plan(spec, num_sms, StepShape((1,), 1024)).program.n_splits
     pad_rows = (vm_cache.k[:, pad_page].clone(), vm_cache.v[:, pad_page].clone()) if padded else None
-    starts = [37, 15, 60]
+    starts = list(contexts)
     for step in range(2):
         segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]
         tokens = torch.randint(0, spec.vocab_size, (sum(lens),), generator=g)

@@ -47,6 +47,8 @@ MAX_BATCH = 32  # the most tokens a multi-token step plans (swap-AB: the tokens 
 # where the staged input of that many does not fit (``max_tokens``: the 8B shapes' 4096 columns, 16)
 MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its staging buffer
 MAX_MOE_BATCH = 8  # the most tokens a multi-token step of an MoE model plans (wgmma's N = 8)
+MAX_QUERY_BLOCK = 16  # the most tokens of one attention query block (StepShape.attn_blocks): its query rows are
+# tokens x the group's heads on mma.sync (16 x 4 = 64 rows, 16 a warp), its partials' combine a token at a time
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,8 @@ class Constants:
     TRACE: bool  # per-instruction timestamps (tools/trace.py)
     NW: int  # compute warps
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
+    QT: int = 1  # tokens of the step's longest attention query block, a power of two (1: every token alone; more:
+    # ATTN_PARTIAL's query-block path, ops/attn_partial.py)
     MB: int = 1  # tokens padded to the B operand's N (8 or 16 where M > 1): staged rows a 32-column chunk
     V: int = 0  # vocabulary (the logits' row stride where M > 1)
     E: int = 0  # MoE: experts (0: a dense model)
@@ -296,6 +300,9 @@ def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, i
     if any(n != 1 for n in shape.seg_lens) or m > MAX_BATCH:
         raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or 2..{MAX_BATCH} "
                          "one-token segments (a verify block runs as one-token segments: launch/one_token.py)")
+    if max(shape.attn_blocks, default=1) > MAX_QUERY_BLOCK:
+        raise ValueError(f"attn_blocks={shape.attn_blocks}: an attention query block holds at most "
+                         f"{MAX_QUERY_BLOCK} tokens")
     if t.tile_rows != 32 or t.tile_k % 64:
         raise ValueError(f"a multi-token step needs [32, 256]-style tiles (a chunk pair is wgmma's 64-row A), got "
                          f"[{t.tile_rows}, {t.tile_k}] (head_dim {spec.head_dim})")
@@ -367,7 +374,8 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         QK_NORM=spec.qk_norm, TR=t.tile_rows, TK=t.tile_k, NB=ring, KT_ROWS=hbuf_rows,
         SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=_pow2(program.max_splits), GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
-        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m, MB=mb, V=spec.vocab_size,
+        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m,
+        QT=_pow2(max(shape.attn_blocks, default=1)), MB=mb, V=spec.vocab_size,
         E=spec.num_experts, EP2=_pow2(spec.num_experts), EP=router_rows(spec, t.tile_rows), S=program.moe_slots,
         S2=_pow2(program.moe_slots), K=spec.num_experts_per_tok,
         F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob)

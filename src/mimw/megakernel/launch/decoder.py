@@ -8,8 +8,9 @@ step per launch of the persistent megakernel, optionally captured in a CUDA grap
 With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling the state) and later steps replay it.
 ``step_batch`` (B = 2..plan.max_tokens: 32, the 8B shapes 16) runs a decode batch: one token of each of B sequences,
 the weights streamed once (swap-AB wgmma, device/matvec_mt.py). ``step_segments`` runs any segments of M tokens in
-all (verify blocks included) as M one-token segments (one_token.py). Each M has its own plan, compiled kernel, step
-state and scratch (one program per M, built on first use); all share the packed weights.
+all (verify blocks included) as M one-token segments (one_token.py) whose attention runs each verify block as one
+query block. Each M and layout of query blocks has its own plan, step state, scratch and graph (one program each,
+built on first use; the compiled kernel is shared where the constants agree); all share the packed weights.
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ from .pack import pack
 class MegakernelDecoder:
     def __init__(self, weights: ModelWeights, cache: PagedKVCache, max_pages_per_seq: int | None = None,
                  tuning: Tuning = Tuning(), num_sms: int | None = None, context_hint: int = 1024,
-                 use_graph: bool = False, batch: int = 1, packed=None):
-        """``batch``: tokens a step (one of each of ``batch`` sequences); ``packed``: another decoder's packed
-        weights and descriptor to share (``step_batch``'s decoders)."""
+                 use_graph: bool = False, batch: int = 1, packed=None, blocks: tuple[int, ...] = ()):
+        """``batch``: tokens a step (one of each of ``batch`` sequences); ``blocks``: attention's query blocks of
+        those one-token segments (program.StepShape.attn_blocks; () : every token its own); ``packed``: another
+        decoder's packed weights and descriptor to share (``step_batch``'s decoders)."""
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -47,10 +49,10 @@ class MegakernelDecoder:
         self.spec, self.cache, self.use_graph = spec, cache, use_graph
         self.num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
         self.max_pages = max_pages_per_seq or cache.layout.num_pages
-        self.shape = StepShape((1,) * batch, context_hint)
+        self.shape = StepShape((1,) * batch, context_hint, blocks)
         self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size, tuning)
         self._tuning = tuning
-        self._batches: dict[int, MegakernelDecoder] = {}
+        self._batches: dict[tuple[int, tuple[int, ...]], MegakernelDecoder] = {}
         if packed is not None:
             self.w, self.desc = packed
         else:
@@ -184,18 +186,18 @@ class MegakernelDecoder:
         self.run()
         return self.scratch.logits
 
-    def batch_decoder(self, batch: int) -> "MegakernelDecoder":
-        """The decoder of ``batch`` tokens a step (self for 1), sharing this one's packed weights and cache; built on
-        first use."""
-        if batch == self.shape.num_tokens:
+    def batch_decoder(self, batch: int, blocks: tuple[int, ...] = ()) -> "MegakernelDecoder":
+        """The decoder of ``batch`` tokens a step in attention query blocks ``blocks`` (self for this one's shape),
+        sharing this one's packed weights and cache; built on first use."""
+        if (batch, blocks) == (self.shape.num_tokens, self.shape.attn_blocks):
             return self
-        if batch not in self._batches:
+        if (batch, blocks) not in self._batches:
             # with the packed weights given, the constructor reads only the weights' spec: no reference to the
             # caller's weights is kept
-            self._batches[batch] = MegakernelDecoder(
+            self._batches[batch, blocks] = MegakernelDecoder(
                 SimpleNamespace(spec=self.spec), self.cache, self.max_pages, self._tuning, self.num_sms,
-                self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc))
-        return self._batches[batch]
+                self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc), blocks=blocks)
+        return self._batches[batch, blocks]
 
     def step_batch(self, tokens: Sequence[int], positions: Sequence[int],
                    block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -216,10 +218,10 @@ class MegakernelDecoder:
             tokens = torch.cat([tokens.reshape(-1), tokens.new_zeros(one.padding)])
         else:
             tokens = list(tokens) + [0] * one.padding
-        return self._run_batch(tokens, one.positions, one.block_tables, one.firsts), one.logit_rows
+        return self._run_batch(tokens, one.positions, one.block_tables, one.firsts, one.blocks), one.logit_rows
 
-    def _run_batch(self, tokens, positions, block_tables, firsts) -> torch.Tensor:
-        dec = self.batch_decoder(len(tokens))
+    def _run_batch(self, tokens, positions, block_tables, firsts, blocks: tuple[int, ...] = ()) -> torch.Tensor:
+        dec = self.batch_decoder(len(tokens), blocks)
         dec.set_batch(tokens, positions, block_tables, firsts)
         if dec.use_graph and dec.graph is None:
             dec.capture()

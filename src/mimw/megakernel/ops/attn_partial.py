@@ -58,9 +58,12 @@ class AttnPartial(Instruction):
     OP: ClassVar[Op] = Op.ATTN_PARTIAL
     FIELDS: ClassVar[dict[str, Word]] = {"layer": Word.LAYER, "kv_head": Word.A, "seg": Word.B, "split": Word.C,
                                          "n_splits": Word.D, "ticket": Word.E}
+    PACKED: ClassVar[dict[str, tuple[Word, int]]] = {"tokens": (Word.B, 1)}
     layer: int = 0
     kv_head: int = 0
     seg: int = 0
+    tokens: int = 1  # segments seg .. seg + tokens - 1 as one query block (StepShape.attn_blocks: one-token
+    # segments of one sequence at consecutive positions); 1: segment seg alone
     split: int = 0
     n_splits: int = 1
     ticket: int = NO_COUNTER  # the counter the splits draw tickets from (a lone split: none)
@@ -79,11 +82,27 @@ def kv_bytes(spec: ModelSpec, ins: AttnPartial, context: int, seg_len: int) -> i
     return math.ceil((context + seg_len) / ins.n_splits) * spec.head_dim * 2 * 2
 
 
+def query(ctx: OpContext, ins: AttnPartial) -> tuple[slice, int]:
+    """The instruction's query tokens and the context after them: a segment's, or a query block's (its segments
+    continue one sequence, the last one's context is the block's); raises ValueError where the step state's
+    segments of a block do not (the GPU reads them as one sequence)."""
+    toks = ctx.program.shape.query_tokens(ins.seg, ins.tokens)
+    last = ins.seg + ins.tokens - 1
+    if ins.tokens > 1:
+        st = ctx.state
+        p0 = int(st.positions[toks.start])
+        if (st.positions[toks].tolist() != list(range(p0, p0 + ins.tokens))
+                or not bool((st.block_tables[ins.seg: last + 1] == st.block_tables[ins.seg]).all())):
+            raise ValueError(f"{ins}: segments {ins.seg}..{last} are not one sequence's consecutive positions")
+    return toks, int(ctx.state.seg_ctx[last])
+
+
 def solve(ctx: OpContext, ins: AttnPartial) -> None:
     spec, sc = ctx.spec, ctx.scratch
     g, hd = spec.group_size, spec.head_dim
-    toks, heads = ctx.seg_tokens(ins.seg), slice(ins.kv_head * g, (ins.kv_head + 1) * g)
-    lo, hi = split_range(int(ctx.state.seg_ctx[ins.seg]), ins.split, ins.n_splits, toks.stop - toks.start)
+    heads = slice(ins.kv_head * g, (ins.kv_head + 1) * g)
+    toks, context = query(ctx, ins)
+    lo, hi = split_range(context, ins.split, ins.n_splits, toks.stop - toks.start)
     if lo == hi:
         sc.part_o[toks, heads, ins.split] = 0.0
         sc.part_ml[toks, heads, ins.split, 0] = EMPTY_M
@@ -107,11 +126,11 @@ def solve(ctx: OpContext, ins: AttnPartial) -> None:
     sc.part_ml[toks, heads, ins.split, 1] = p.sum(-1)
 
 
-def combine(ctx: OpContext, kv_head: int, seg: int, n_splits: int) -> torch.Tensor:
-    """The group's attention output [T, G*hd] for the segment's T tokens, from splits [0, n_splits)' partials."""
+def combine(ctx: OpContext, kv_head: int, toks: slice, n_splits: int) -> torch.Tensor:
+    """The group's attention output [T, G*hd] for the T tokens ``toks``, from splits [0, n_splits)' partials."""
     spec, sc = ctx.spec, ctx.scratch
     g = spec.group_size
-    toks, heads = ctx.seg_tokens(seg), slice(kv_head * g, (kv_head + 1) * g)
+    heads = slice(kv_head * g, (kv_head + 1) * g)
     o = sc.part_o[toks, heads, :n_splits]  # [T, G, n, hd]
     m, l = sc.part_ml[toks, heads, :n_splits].unbind(-1)  # [T, G, n] each
     w = torch.exp(m - m.amax(-1, keepdim=True))  # [T, G, n]
@@ -121,8 +140,8 @@ def combine(ctx: OpContext, kv_head: int, seg: int, n_splits: int) -> torch.Tens
 
 def finish(ctx: OpContext, ins: AttnPartial) -> None:
     gh = ctx.spec.group_size * ctx.spec.head_dim
-    ctx.scratch.attn[ctx.seg_tokens(ins.seg), ins.kv_head * gh: (ins.kv_head + 1) * gh] = \
-        combine(ctx, ins.kv_head, ins.seg, ins.n_splits)
+    toks = ctx.program.shape.query_tokens(ins.seg, ins.tokens)
+    ctx.scratch.attn[toks, ins.kv_head * gh: (ins.kv_head + 1) * gh] = combine(ctx, ins.kv_head, toks, ins.n_splits)
 
 
 # --- device ---------------------------------------------------------------------------------------------------
