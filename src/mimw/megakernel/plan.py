@@ -142,7 +142,8 @@ class Constants:
     NW: int  # compute warps
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
     QT: int = 1  # tokens of the step's longest attention query block, a power of two (1: every token alone; more:
-    # ATTN_PARTIAL's query-block path, ops/attn_partial.py)
+    # ATTN_PARTIAL's query-block path, ops/attn_query_block.py)
+    QBT: int = 0  # a query block's K/V block positions (plan.query_block; 0: no query blocks)
     MB: int = 1  # tokens padded to the B operand's N (8 or 16 where M > 1): staged rows a 32-column chunk
     V: int = 0  # vocabulary (the logits' row stride where M > 1)
     E: int = 0  # MoE: experts (0: a dense model)
@@ -284,6 +285,31 @@ def max_tokens(spec: ModelSpec, tuning: Tuning = Tuning()) -> int:
     return 1
 
 
+def staged_tiles(spec: ModelSpec, t: Tuning, down_parts: int) -> int:
+    """Column tiles of the widest input an instruction stages (DOWN_PROJ's a part's where it runs in parts)."""
+    kt = lambda k: -(-k // t.tile_k)  # noqa: E731
+    return max(kt(spec.hidden_size), kt(spec.q_size),  # ATTN_IN, ROUTER, MLP_IN, EXPERT_IN; O_PROJ
+               -(-kt(spec.intermediate_size) // down_parts) if spec.mlp_layers else 1,  # DOWN_PROJ
+               kt(spec.moe_intermediate_size) if spec.is_moe else 1)  # EXPERT_DOWN
+
+
+def query_block(spec: ModelSpec, t: Tuning, qt: int, staging_bytes: int) -> tuple[int, int]:
+    """An attention query block's use of the staging buffer (``staging_bytes``; ops/attn_query_block.py): (QBT, the
+    K/V block's positions: 32, or 16 where q [QT x GP rows, head_dim] and two stages of 32-position K and V blocks do
+    not fit; the most splits a block's combine stages, at most 32: a token's partials [GP, splits, head_dim] fp32
+    beside every token's (m, l)). Raises ValueError where neither fits."""
+    gp, hd = _pow2(spec.group_size), spec.head_dim
+    rows = max(16 * t.num_warps, qt * gp)  # at least one m16 row block a warp
+    fits = [b for b in (32, 16) if (-(-rows // b) + 4) * b * hd * 2 <= staging_bytes]
+    splits = 1  # at most 32: the combine's lanes go over the splits
+    while splits < 32 and gp * 2 * splits * hd * 4 + qt * gp * 2 * splits * 8 <= staging_bytes:
+        splits *= 2
+    if not fits or gp * splits * hd * 4 + qt * gp * splits * 8 > staging_bytes:
+        raise ValueError(f"{spec.name}: a query block of {qt} tokens does not fit the {staging_bytes}-byte staging "
+                         "buffer")
+    return fits[0], splits
+
+
 def norm_buffer_bytes(spec: ModelSpec, t: Tuning) -> int:
     """A multi-token step's buffer for a norm's weights (device/matvec_mt.wbuf_rows): the hidden size's 32-column
     chunks, a power of two of them, bf16."""
@@ -333,16 +359,17 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     cfg = dataclasses.replace(t.program_config(), max_splits=combine_splits(spec, t))
     if down_parts > 1:
         cfg = dataclasses.replace(cfg, down_parts=down_parts)
+    qbt, qt = 0, _pow2(max(shape.attn_blocks, default=1))
+    if qt > 1:  # attention's query blocks (ops/attn_query_block.py) stage through the staging buffer
+        qbt, splits = query_block(spec, t, qt, _pow2(staged_tiles(spec, t, down_parts)) * t.tile_k * 2 * mb)
+        cfg = dataclasses.replace(cfg, max_splits=min(cfg.max_splits, splits))
     program = build_program(spec, shape, num_sms, cfg)
     host_only = sorted({ins.OP for ins in program.instructions()} - set(GPU_OPS) - {Op.NOP})
     if host_only:
         raise ValueError(f"{spec.name}: {', '.join(op.name for op in host_only)} have no device code; the VM runs "
                          "them; use the reference backend")
-    kt = lambda k: -(-k // t.tile_k)  # noqa: E731
     down_pairs = program.down_pairs
-    widest = max(kt(spec.hidden_size), kt(spec.q_size),  # ATTN_IN, ROUTER, MLP_IN, EXPERT_IN; O_PROJ
-                 -(-kt(spec.intermediate_size) // program.down_parts) if spec.mlp_layers else 1,  # DOWN_PROJ
-                 kt(spec.moe_intermediate_size) if spec.is_moe else 1)  # EXPERT_DOWN
+    widest = staged_tiles(spec, t, program.down_parts)
     gp = _pow2(spec.group_size)
     merge_bytes = t.num_warps * gp * (spec.head_dim + 2) * 4  # ATTN_PARTIAL's warps' states (SMEM_MERGE)
     if m == 1 and gp > 4:  # the warps' states of more than four heads merge through the staging buffer: Triton's
@@ -375,7 +402,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=_pow2(program.max_splits), GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
         DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m,
-        QT=_pow2(max(shape.attn_blocks, default=1)), MB=mb, V=spec.vocab_size,
+        QT=qt, QBT=qbt, MB=mb, V=spec.vocab_size,
         E=spec.num_experts, EP2=_pow2(spec.num_experts), EP=router_rows(spec, t.tile_rows), S=program.moe_slots,
         S2=_pow2(program.moe_slots), K=spec.num_experts_per_tok,
         F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob)

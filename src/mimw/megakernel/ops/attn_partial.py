@@ -44,10 +44,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ...models.spec import ModelSpec
 from ..device import layouts
-from ..device.context import W_A, W_B, W_C, W_D, W_E, W_LAYER, Step
+from ..device.context import PACK_SHIFT, W_A, W_B, W_C, W_D, W_E, W_LAYER, Step
 from ..device.sync import counter_wait, globaltimer, ticket_is_last
 from ..isa import NO_COUNTER, Instruction, Op, Word
 from ..state import EMPTY_M, split_range
+from . import attn_query_block
 from .common import OpContext
 
 OP = Op.ATTN_PARTIAL
@@ -153,12 +154,29 @@ EMPTY_M_D: gl.constexpr = gl.constexpr(EMPTY_M)
 
 @gluon.jit
 def compute(ins, C: gl.constexpr, s, b, sm, wait, target, sig):
-    """One split on the GPU: the first block's K/V requested, the dependency wait (``wait`` < 0: none), the
-    partial, and the ticket's combine. Returns (the counter it signals: ``sig`` for the combining split, else -1;
-    the time its wait was met, 0 untraced)."""
+    """One split on the GPU: a query block's (C.QT > 1, the instruction's block past one token:
+    attn_query_block.py), or one segment's (``_compute_one``). Returns (the counter it signals: ``sig`` for the
+    combining split, else -1; the time its wait was met, 0 untraced)."""
+    if C.QT > 1:
+        nt = (ins.field(W_B) >> PACK_SHIFT) + 1
+        if nt > 1:
+            sig, t_ready = attn_query_block.compute_block(
+                ins.field(W_LAYER), ins.field(W_A), ins.field(W_B) & ((1 << PACK_SHIFT) - 1), nt, ins.field(W_C),
+                ins.field(W_D), ins.field(W_E), wait, target, sig, attn_query_block.Block(s, b, sm), C)
+        else:
+            sig, t_ready = _compute_one(ins, C, s, b, sm, wait, target, sig)
+    else:
+        sig, t_ready = _compute_one(ins, C, s, b, sm, wait, target, sig)
+    return sig, t_ready
+
+
+@gluon.jit
+def _compute_one(ins, C: gl.constexpr, s, b, sm, wait, target, sig):
+    """One split of one segment: the first block's K/V requested, the dependency wait (``wait`` < 0: none), the
+    partial, and the ticket's combine."""
     layer = ins.field(W_LAYER)
     kvh = ins.field(W_A)
-    seg = ins.field(W_B)
+    seg = ins.field(W_B) & ((1 << PACK_SHIFT) - 1)
     split = ins.field(W_C)
     n_splits = ins.field(W_D)
     q_ptr = b.q
