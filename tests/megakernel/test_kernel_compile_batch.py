@@ -1,11 +1,13 @@
 """CI (CPU only): the multi-token megakernel (plan.plan with M = 2..32 tokens: swap-AB wgmma, device/matvec_mt.py)
-compiles for sm_90a without spills and fits shared memory, for every bucket a shipping preset pads its steps to;
-the one-token kernel keeps none of its code."""
+compiles for sm_90a without spills and fits shared memory, for every bucket a shipping preset pads its steps to,
+and with attention's query blocks (verify blocks: ops/attn_query_block.py); the one-token kernel keeps none of its
+code."""
 import functools
 
 import pytest
 
 from mimw.megakernel.launch.compile import compile_sm90a, ptxas_report
+from mimw.megakernel.launch.one_token import bucket_of
 from mimw.megakernel.plan import SHARED_BYTES, plan
 from mimw.megakernel.program import StepShape
 from mimw.models.spec import get_preset
@@ -14,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 @functools.lru_cache(maxsize=None)
-def _build(model: str, batch: int):
-    p = plan(get_preset(model), 132, StepShape((1,) * batch, 1024))
+def _build(model: str, batch: int, blocks: tuple[int, ...] = ()):
+    p = plan(get_preset(model), 132, StepShape((1,) * batch, 1024, blocks))
     k = compile_sm90a(p)
     return p, k, ptxas_report(k.asm["ptx"])
 
@@ -82,3 +84,48 @@ def test_the_one_token_kernel_has_no_multi_token_code():
     p, k, _ = _build("llama-3.2-1b", 1)
     ptx = k.asm["ptx"]
     assert p.constants.M == 1 and "wgmma" not in ptx and "mma.sync.aligned.m16n8k16" in ptx
+
+
+CALL_SPILL_BYTES = 16  # a kernel with a noinline call (the query-block path), at 255 registers, may keep a few of
+# its long-lived values in local memory (measured: 12 bytes for the 8B shapes' 16-token blocks, 0 elsewhere)
+
+
+def _block_cases():
+    """(preset, bucket, query blocks): a verify block of 16 at bucket 16 and two at 32 (where plan.max_tokens
+    allows), and the mixes the engine pads to: decode tokens, verify blocks and the padding's block."""
+    from mimw.megakernel.plan import max_tokens
+
+    out = []
+    for name in ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"):
+        out.append((name, 16, (16,)))
+        if max_tokens(get_preset(name)) >= 32:
+            out.append((name, 32, (16, 16)))
+    out += [("llama-3.2-1b", 16, (1, 5, 1, 6, 3)), ("llama-3.1-8b", 8, (4, 4)), ("smollm2-135m", 8, (1, 6, 1))]
+    return out
+
+
+@pytest.mark.parametrize("model,batch,blocks", _block_cases(),
+                         ids=[f"{n}-{m}-{'.'.join(map(str, b))}" for n, m, b in _block_cases()])
+def test_the_query_block_kernels_compile_spill_free_on_mma_sync(model, batch, blocks):
+    p, k, rep = _build(model, batch, blocks)
+    block_fn = [f for f in rep["functions"] if "compute_block" in f]
+    assert len(block_fn) == 1, sorted(rep["functions"])  # the query-block path, allocated apart (noinline)
+    assert rep["functions"][block_fn[0]]["spill_stores"] == 0 and rep["functions"][block_fn[0]]["spill_loads"] == 0
+    assert rep["spill_stores"] <= CALL_SPILL_BYTES and rep["spill_loads"] <= CALL_SPILL_BYTES, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.constants.QT == bucket_of(max(blocks))
+    ptx = k.asm["ptx"]
+    # S = Q K^T and P V on mma.sync beside the matvecs' wgmma; K/V and the partials staged by 16-byte cp.async
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and "wgmma.mma_async" in ptx
+    assert "cp.async.cg.shared.global" in ptx
+    # one attention instruction per (query block, KV head, split), the splits M = 1 would use where it is alone
+    attn = [i for i in p.program.instructions() if i.OP.name == "ATTN_PARTIAL" and i.layer == 0]
+    assert sorted({(i.seg, i.tokens) for i in attn}) == list(p.program.shape.attn_groups)
+    if len(blocks) == 1:  # M = 1's splits, or as many as the combine stages (SmolLM2's small staging buffer)
+        m1 = plan(get_preset(model), 132, StepShape((1,), 1024)).program.n_splits[0]
+        assert p.program.n_splits == (min(m1, p.program.config.max_splits),)
+
+
+def test_a_decode_batch_kernel_has_no_query_block_code():
+    p, k, rep = _build("llama-3.2-1b", 16)
+    assert p.constants.QT == 1 and not [f for f in rep["functions"] if "compute_block" in f]
+    assert "mma.sync" not in k.asm["ptx"]

@@ -2,7 +2,7 @@
 import pytest
 
 from mimw.megakernel.plan import (SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, max_tokens, norm_buffer_bytes,
-                                  plan)
+                                  plan, query_block)
 from mimw.megakernel.program import StepShape
 from mimw.models.spec import get_preset
 
@@ -139,3 +139,23 @@ def test_the_plan_refuses_multi_token_steps_the_gpu_kernel_cannot_run():
         plan(get_preset("llama-3.1-8b"), 132, StepShape((1,) * 32))
     with pytest.raises(ValueError, match="chunk pair"):  # 32-dim heads: 16-row tiles
         plan(get_preset("tiny-qwen3"), 8, StepShape((1, 1)))
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
+def test_query_blocks_fit_the_staging_buffer(model):
+    """A query block's q, two stages of K/V blocks, and its combine's partials all live in the staging buffer
+    (ops/attn_query_block.py): QBT and the splits' cap are what fits it."""
+    spec = get_preset(model)
+    for m, blocks in ((16, (16,)), (8, (4, 4)), (16, (1, 5, 1, 6, 3))):
+        p = plan(spec, 132, StepShape((1,) * m, 1024, blocks))
+        c = p.constants
+        gp, hd, rows = c.GP, c.HD, max(16 * c.NW, c.QT * c.GP)
+        assert c.QT == {16: 16, 4: 4, 6: 8}[max(blocks)] and c.QBT in (16, 32)  # the longest block, a power of two
+        assert (-(-rows // c.QBT) + 4) * c.QBT * hd * 2 <= p.staging_bytes  # q and two stages
+        assert gp * c.SP2 * hd * 4 + c.QT * gp * c.SP2 * 8 <= p.staging_bytes  # a token's partials, the (m, l)
+        assert p.program.max_splits <= p.program.config.max_splits <= 32
+        assert plan(spec, 132, StepShape((1,) * m, 1024)).constants.QT == 1  # a decode batch: none of it
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        plan(spec, 132, StepShape((1,) * 17, 1024, (17,)))
+    with pytest.raises(ValueError, match="does not fit"):
+        query_block(spec, Tuning().resolve(spec), 16, 4096)

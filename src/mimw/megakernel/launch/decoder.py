@@ -206,6 +206,11 @@ class MegakernelDecoder:
         logits [B, V] fp32, a view into that batch decoder's scratch."""
         return self._run_batch(tokens, positions, block_tables, None)
 
+    def segments_decoder(self, segments: Sequence[Segment], pad_page: int | None = None) -> "MegakernelDecoder":
+        """The decoder ``step_segments`` runs these segments on (their bucket's tokens in their query blocks)."""
+        one = split_segments(segments, pad_page, self.cache.layout.page_size)
+        return self.batch_decoder(one.num_tokens, one.blocks)
+
     def step_segments(self, tokens: Sequence[int] | torch.Tensor, segments: Sequence[Segment],
                       pad_page: int | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
         """Any segments (decode tokens, verify blocks; M = 2..plan.max_tokens tokens in all, concatenated in segment

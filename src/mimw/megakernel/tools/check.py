@@ -342,11 +342,11 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
         bf16 = bf16_ref.forward(torch.tensor(toks), segs, bf16_cache, routings=r_bf16)
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V rows: results must not move
-            dec.batch_decoder(m).scratch.poison()
+            dec.segments_decoder(segs, pad_page).scratch.poison()
             got.append(dec.step_segments(toks, segs, pad_page)[0][:m].clone())
         torch.cuda.synchronize()
         if moe:
-            log.record(dec.batch_decoder(m), spec, i, r_ref, r_bf16)
+            log.record(dec.segments_decoder(segs, pad_page), spec, i, r_ref, r_bf16)
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
         for b in range(m):

@@ -6,7 +6,8 @@ Named cases (``cases``), two decode steps each, no CUDA graph: the default kerne
 attention warps' states: the shared-memory merge), ATTN_IN's pairs alone on 8 SMs, the tickets (no clusters) with
 two column parts a head, a tiny Qwen3 (16-row tiles, one part a head, q/k norms), a decode batch of three
 sequences on the 2-layer SmolLM2 (swap-AB wgmma, device/matvec_mt.py), a verify block, a decode batch of eight
-1B-shaped sequences whose one split each walks five K/V blocks through the cp.async stages, and the MoE layers: the tiny
+1B-shaped sequences whose one split each walks five K/V blocks through the cp.async stages, a 1B-shaped verify block
+of sixteen as one query block (mma.sync, its K/V and partials through the cp.async stages), and the MoE layers: the tiny
 Qwen3-MoE and two 30B-A3B-shaped layers with 32 experts (router tickets, the loader's wait on the routing table,
 the experts' tickets), one token and a decode batch of three. Exits non-zero if logits (or an MoE step's routing)
 are wrong.
@@ -82,6 +83,10 @@ def cases() -> dict[str, tuple]:
         # eight sequences of 1B-shaped layers at context 300 on 16 SMs: one split a sequence walks five K/V blocks
         # through the cp.async stages in the staging buffer, then the warps' merge reuses it
         "kv_pipeline": (one_b, 300, 16, Tuning(), (1,) * 8),
+        # a verify block of sixteen as one query block (ops/attn_query_block.py) on 32 SMs: four splits a KV head,
+        # each over three 32-position K/V blocks through the cp.async stages (the last one's also the block's own
+        # rows, read after the wait), q staged beside them, the combine's partials through the stages after
+        "query_block": (one_b, 300, 32, Tuning(), (16,)),
         "moe": (moe, 40, 8, Tuning(), (1,)),  # ROUTER, EXPERT_IN, EXPERT_DOWN; the loader's routing poll
         "moe_a3b": (a3b, 40, 16, Tuning(), (1,)),  # the 30B-A3B's layer (eight heads a KV group), 32 experts
         "moe_batch": (a3b, 40, 16, Tuning(), (1, 1, 1)),  # three tokens: 24 slots, the union of their experts
