@@ -87,7 +87,8 @@ def test_the_one_token_kernel_has_no_multi_token_code():
 
 
 CALL_SPILL_BYTES = 16  # a kernel with a noinline call (the query-block path), at 255 registers, may keep a few of
-# its long-lived values in local memory (measured: 12 bytes for the 8B shapes' 16-token blocks, 0 elsewhere)
+# its long-lived values in local memory (measured: 4-12 bytes on the 8B shapes, Llama's and Qwen3's; 0 on the 1B
+# and SmolLM2)
 
 
 def _block_cases():
@@ -112,7 +113,7 @@ def test_the_query_block_kernels_compile_spill_free_on_mma_sync(model, batch, bl
     assert len(block_fn) == 1, sorted(rep["functions"])  # the query-block path, allocated apart (noinline)
     assert rep["functions"][block_fn[0]]["spill_stores"] == 0 and rep["functions"][block_fn[0]]["spill_loads"] == 0
     assert rep["spill_stores"] <= CALL_SPILL_BYTES and rep["spill_loads"] <= CALL_SPILL_BYTES, rep
-    assert k.metadata.shared <= SHARED_BYTES and p.constants.QT == bucket_of(max(blocks))
+    assert k.metadata.shared <= SHARED_BYTES and p.constants.QT == min(16, bucket_of(batch))
     ptx = k.asm["ptx"]
     # S = Q K^T and P V on mma.sync beside the matvecs' wgmma; K/V and the partials staged by 16-byte cp.async
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and "wgmma.mma_async" in ptx

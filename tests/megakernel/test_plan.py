@@ -150,7 +150,9 @@ def test_query_blocks_fit_the_staging_buffer(model):
         p = plan(spec, 132, StepShape((1,) * m, 1024, blocks))
         c = p.constants
         gp, hd, rows = c.GP, c.HD, max(16 * c.NW, c.QT * c.GP)
-        assert c.QT == {16: 16, 4: 4, 6: 8}[max(blocks)] and c.QBT in (16, 32)  # the longest block, a power of two
+        assert c.QT == m and c.QBT in (16, 32)  # the bucket's longest block: one kernel for all its layouts
+        # ... and the splits of a block alone, whatever this layout's
+        assert c.SP2 == plan(spec, 132, StepShape((1,) * m, 1024, (m,))).constants.SP2 >= p.program.max_splits
         assert (-(-rows // c.QBT) + 4) * c.QBT * hd * 2 <= p.staging_bytes  # q and two stages
         assert gp * c.SP2 * hd * 4 + c.QT * gp * c.SP2 * 8 <= p.staging_bytes  # a token's partials, the (m, l)
         assert p.program.max_splits <= p.program.config.max_splits <= 32

@@ -36,7 +36,7 @@ from ..models.spec import ModelSpec
 from .hold import check_marks, hold_marks, mark_words
 from .isa import Op
 from .ops import GPU_OPS
-from .program import Program, ProgramConfig, StepShape, build_program
+from .program import Program, ProgramConfig, StepShape, attention_splits, build_program
 from .tiles import router_rows
 
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
@@ -141,8 +141,8 @@ class Constants:
     TRACE: bool  # per-instruction timestamps (tools/trace.py)
     NW: int  # compute warps
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
-    QT: int = 1  # tokens of the step's longest attention query block, a power of two (1: every token alone; more:
-    # ATTN_PARTIAL's query-block path, ops/attn_query_block.py)
+    QT: int = 1  # tokens of an attention query block at most, a power of two (1: every token alone; more:
+    # ATTN_PARTIAL's query-block path, ops/attn_query_block.py): the bucket's, up to MAX_QUERY_BLOCK
     QBT: int = 0  # a query block's K/V block positions (plan.query_block; 0: no query blocks)
     MB: int = 1  # tokens padded to the B operand's N (8 or 16 where M > 1): staged rows a 32-column chunk
     V: int = 0  # vocabulary (the logits' row stride where M > 1)
@@ -359,11 +359,17 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     cfg = dataclasses.replace(t.program_config(), max_splits=combine_splits(spec, t))
     if down_parts > 1:
         cfg = dataclasses.replace(cfg, down_parts=down_parts)
-    qbt, qt = 0, _pow2(max(shape.attn_blocks, default=1))
-    if qt > 1:  # attention's query blocks (ops/attn_query_block.py) stage through the staging buffer
+    qbt, qt = 0, 1
+    if shape.attn_blocks:  # attention's query blocks (ops/attn_query_block.py) stage through the staging buffer.
+        # Every layout of blocks in a bucket compiles one kernel: QT the bucket's longest possible block, and (below)
+        # SP2 the splits of a block alone, the most any layout of the bucket gives one
+        qt = _pow2(min(m, MAX_QUERY_BLOCK))
         qbt, splits = query_block(spec, t, qt, _pow2(staged_tiles(spec, t, down_parts)) * t.tile_k * 2 * mb)
         cfg = dataclasses.replace(cfg, max_splits=min(cfg.max_splits, splits))
     program = build_program(spec, shape, num_sms, cfg)
+    sp2 = _pow2(program.max_splits)
+    if shape.attn_blocks:
+        sp2 = max(sp2, _pow2(attention_splits(spec, StepShape((1,), shape.context_hint), num_sms, cfg)[0]))
     host_only = sorted({ins.OP for ins in program.instructions()} - set(GPU_OPS) - {Op.NOP})
     if host_only:
         raise ValueError(f"{spec.name}: {', '.join(op.name for op in host_only)} have no device code; the VM runs "
@@ -399,7 +405,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, NL=spec.num_layers, PS=page_size, HAS_BIAS=spec.attention_bias,
         QK_NORM=spec.qk_norm, TR=t.tile_rows, TK=t.tile_k, NB=ring, KT_ROWS=hbuf_rows,
-        SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=_pow2(program.max_splits), GP=gp,
+        SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=sp2, GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
         DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m,
         QT=qt, QBT=qbt, MB=mb, V=spec.vocab_size,
