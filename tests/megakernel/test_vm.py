@@ -228,6 +228,34 @@ def _dependency_errors(vm, prog, cache, fill, seeds):
             yield str(e)
 
 
+def _query_block_setup(num_sms=7):
+    """A query block of three one-token segments of one sequence (context 40) beside a decode token (context 21)."""
+    spec, w, _, _, cache, tables, g = prefilled("tiny-qwen3", 16, (40, 21), 4, 5)
+    prog = build_program(spec, StepShape((1,) * 4, 64, (3, 1)), num_sms, shipping(spec))
+    tokens = torch.randint(0, spec.vocab_size, (4,), generator=g).tolist()
+    fill = (tokens, [40, 41, 42, 21], [tables[0]] * 3 + [tables[1]], (1,) * 4, [40, 40, 40, 21])
+    return prog, w, cache, fill
+
+
+def test_a_query_block_split_without_its_wait_is_caught_reading_the_blocks_own_rows():
+    prog, w, cache, fill = _query_block_setup()
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.ATTN_PARTIAL,
+                 lambda ins: ins.layer == 1 and ins.tokens == 3 and ins.split == ins.n_splits - 1)
+    words[s, i, isa.Word.WAIT] = isa.NO_COUNTER
+    errors = list(_dependency_errors(VM(prog, w, cache, (words, lengths)), prog, cache, fill, 20))
+    assert errors and all("reads" in e for e in errors)
+
+
+def test_a_query_block_whose_segments_are_not_one_sequence_is_refused():
+    prog, w, cache, (tokens, positions, tables, lens, firsts) = _query_block_setup()
+    vm = VM(prog, w, cache)
+    state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
+    state.fill(tokens, [40, 41, 43, 21], tables, lens, [40, 40, 40, 21])  # a gap in the block's positions
+    with pytest.raises(ValueError, match="not one sequence"):
+        vm.run_step(state, scratch, random.Random(0))
+
+
 def test_a_part_that_skips_its_ticket_is_caught_finishing_before_the_other_parts():
     spec, w, _, _, cache, tables, g = prefilled("tiny-llama", 16, (14,), 4, 7)
     prog = build_program(spec, StepShape((1,)), 7, shipping(spec, tile_k=16, qkv_parts=3, clusters=False))

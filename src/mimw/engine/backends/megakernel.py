@@ -130,8 +130,9 @@ class MegakernelBackend(Backend):
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Segments of 2..plan.max_tokens tokens in all (decode tokens, verify blocks, short chunks) as one launch
-        of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py), padded to the
-        bucket of its tokens where the cache is this backend's (one kernel and graph a bucket, not a token count)."""
+        of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py; a verify block's
+        attention as one query block), padded to the bucket of its tokens where the cache is this backend's (one
+        kernel a bucket, not a token count; a graph a layout of verify blocks)."""
         pad_page = self._pad_pages.get(cache)  # a cache this backend made: padded to the bucket of its tokens
         # the ids stay on the device (the previous step's samples may not have reached the host)
         out, rows = self._decoder(cache).step_segments(tokens, segments, pad_page)

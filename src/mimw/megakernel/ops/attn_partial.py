@@ -1,8 +1,9 @@
-"""ATTN_PARTIAL: attention of one segment's query tokens over one split of its context, for the G query heads
-that share one KV head; the last split of the segment and group to draw its ticket combines every split's partial.
+"""ATTN_PARTIAL: attention of one segment's query tokens (or a query block's: ``tokens`` one-token segments of one
+sequence, program.StepShape.attn_blocks) over one split of its context, for the G query heads that share one KV
+head; the last split of the segment and group to draw its ticket combines every split's partial, every token's.
 
-    ctx = seg_ctx[seg];  [lo, hi) = state.split_range(ctx, split, n_splits, seg_len)   (possibly empty; the last
-    split holds the segment's new positions)
+    ctx = seg_ctx[last segment];  [lo, hi) = state.split_range(ctx, split, n_splits, query tokens)   (possibly
+    empty; the last split holds the step's new positions)
     for every query token t of the segment (position p_t) and query head h of the group (h = kv_head*G + j):
         s_j   = (q[t, h] . K[j]) * hd^-0.5        for j in [lo, hi), masked out where j > p_t (causal)
         m     = max_j s_j                       (EMPTY_M when no j survives)
@@ -16,8 +17,9 @@ finish (the combining split) writes attn[t, h*hd:(h+1)*hd] for the group's heads
     M = max_i m_i;  w_i = exp(m_i - M)  (an empty split has w_i = 0);  out = sum_i w_i o_i / sum_i w_i l_i
 Tiles: none (K/V come through L2, not the ring).
 
-Device (``compute``, M = 1): split-KV decode attention over the paged cache, all query heads of a KV group in one
-pass. Each [BT, HD] block of K and V is loaded once and used for the scores of all GP heads (GP = G rounded up to a
+Device: a query block of more than one token runs ``attn_query_block.compute_block`` (its tokens x the group's
+heads on mma.sync); everything else runs ``_compute_one`` (M = 1, one-token segments): split-KV decode attention
+over the paged cache, all query heads of a KV group in one pass. Each [BT, HD] block of K and V is loaded once and used for the scores of all GP heads (GP = G rounded up to a
 power of two; padding heads have q = 0 and are never stored). Each warp owns BT / NW consecutive positions of every
 block and keeps its own online-softmax state, so every reduction inside the loop stays within a warp; the warps'
 states merge once at the end, through the staging buffer (free during attention) with one barrier where it holds
