@@ -48,7 +48,8 @@ VERIFY_CASES = ([(v, False, 1000) for v in VERIFY_MIXES] + [((4, 2, 1), True, 10
 
 
 @pytest.mark.parametrize("lens,padded,context", VERIFY_CASES,
-                         ids=["x".join(map(str, v)) + ("-padded" if p else "") + f"-ctx{c}" for v, p, c in VERIFY_CASES])
+                         ids=["x".join(map(str, v)) + ("-padded" if p else "") + f"-ctx{c}"
+                              for v, p, c in VERIFY_CASES])
 @pytest.mark.parametrize("model", MODELS)
 def test_verify_blocks_match_reference_over_8_steps(model, lens, padded, context):
     """MegakernelDecoder.step_segments: verify blocks (every token's logits) mixed with decode tokens, run as

@@ -17,21 +17,22 @@ finish (the combining split) writes attn[t, h*hd:(h+1)*hd] for the group's heads
     M = max_i m_i;  w_i = exp(m_i - M)  (an empty split has w_i = 0);  out = sum_i w_i o_i / sum_i w_i l_i
 Tiles: none (K/V come through L2, not the ring).
 
-Device: a query block of more than one token runs ``attn_query_block.compute_block`` (its tokens x the group's
-heads on mma.sync); everything else runs ``_compute_one`` (M = 1, one-token segments): split-KV decode attention
-over the paged cache, all query heads of a KV group in one pass. Each [BT, HD] block of K and V is loaded once and used for the scores of all GP heads (GP = G rounded up to a
-power of two; padding heads have q = 0 and are never stored). Each warp owns BT / NW consecutive positions of every
-block and keeps its own online-softmax state, so every reduction inside the loop stays within a warp; the warps'
-states merge once at the end, through the staging buffer (free during attention) with one barrier where it holds
-them (``_merge_smem``), else through Triton's reductions over the warp axis. The first block's past K/V is requested
-BEFORE the instruction's dependency wait (``prefetch``): it does not depend on this step; only the newest row
-(position ``pos``, written by ATTN_IN) does, and the split holding it (the last) reads it after the wait, with q, and
-adds it to warp 0's state as a block one position wide. Later blocks cost one round trip each (K and V requested
-together); in a multi-token step, whose few splits a segment walk many blocks each, they come through two cp.async
-stages in the staging buffer instead, two blocks ahead of the math. Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax
-uses exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). K/V rows are read
-with 16-byte vector loads through L2 (.cg): the newest row was written by another CTA in this step. The last split
-to draw the ticket combines every split's partial in one round of independent loads.
+Device: a query block of more than one token runs ``attn_query_block.compute_block`` (its tokens x the group's heads
+on mma.sync); everything else runs ``_compute_one`` (M = 1, one-token segments): split-KV decode attention over the
+paged cache, all query heads of a KV group in one pass. Each [BT, HD] block of K and V is loaded once and used for
+the scores of all GP heads (GP = G rounded up to a power of two; padding heads have q = 0 and are never stored).
+Each warp owns BT / NW consecutive positions of every block and keeps its own online-softmax state, so every
+reduction inside the loop stays within a warp; the warps' states merge once at the end, through the staging buffer
+(free during attention) with one barrier where it holds them (``_merge_smem``), else through Triton's reductions
+over the warp axis. The first block's past K/V is requested BEFORE the instruction's dependency wait (``prefetch``):
+it does not depend on this step; only the newest row (position ``pos``, written by ATTN_IN) does, and the split
+holding it (the last) reads it after the wait, with q, and adds it to warp 0's state as a block one position wide.
+Later blocks cost one round trip each (K and V requested together); in a multi-token step, whose few splits a
+segment walk many blocks each, they come through two cp.async stages in the staging buffer instead, two blocks ahead
+of the math. Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax
+uses exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). K/V rows are read with
+16-byte vector loads through L2 (.cg): the newest row was written by another CTA in this step. The last split to
+draw the ticket combines every split's partial in one round of independent loads.
 """
 from __future__ import annotations
 

@@ -13,27 +13,32 @@ fp32 accumulate): a thread holds its rows' states, so nothing merges across warp
 key position <= the row's token position (the block's own rows are keys of its later tokens), and < the split's
 end.
 
-K/V come through two cp.async stages in the staging buffer ([4, BT, HD] bf16: K of stage s at 2s, V at 2s + 1;
-free during attention), 16-byte vectors, swizzled so the operand loads of a row block meet no bank conflict.
-Blocks 0 and 1 are requested before the dependency wait, their rows below ``first`` (the first position this step
-writes in the sequence: state.seg_new) only; the split holding rows at or past it requests those two blocks again,
-whole, once the wait is met (ATTN_IN stored them before it signalled). Block b + 2 goes into block b's stage once
-every warp has read it: the mma operands span the warps' copies, so each stage is bracketed by two partition
-barriers (its copies visible; its reads done). The stages' last copies (past the split: zero-filled) land before
-the instruction ends, when the next one's staging may write the buffer.
+q [R, HD] bf16 (pre-scaled) and the K/V blocks live in the staging buffer (free during attention): q first, then
+two stages of a K and a V block of QBT positions (plan.query_block: 32, or 16 where the buffer is small), filled by
+16-byte cp.async copies and swizzled so the operand loads of a row block meet no bank conflict. Blocks 0 and 1 are
+requested before the dependency wait, their rows below ``first`` (the first position this step writes in the
+sequence: state.seg_new) only; the split holding rows at or past it requests those two blocks again, whole, once
+the wait is met (ATTN_IN stored them before it signalled). Block b + 2 goes into block b's stage once every warp has
+read it: the mma operands span the warps' copies, so each block is bracketed by two partition barriers (its copies
+visible; its reads done). A block is consumed in sub-blocks of 32 keys (head_dim 64) or 16 (128), S over head_dim
+in chunks of 32, so no operand holds more than 32 registers a thread. The stages' last copies (past the split:
+zero-filled) land before the instruction ends, when the next one's staging may write the buffer.
 
 Partials stay per token (state.py's part_o / part_ml rows of each token); the split that draws the ticket last
-combines every token of the block, one token at a time (attn_partial._reduce: all its splits' partials in one
-round of loads).
+combines every token of the block (``_combine``: per token the math of attn_partial._reduce), their partials through
+cp.async stages in the staging buffer, two tokens ahead where two fit.
+
+``compute_block`` is a function of its own (noinline), called with a few values (``Block``): its registers are
+allocated apart from the rest of the kernel, which sits at 255 (inlined, it pushed the other instructions' paths
+into spills; tests/megakernel/test_kernel_compile_batch.py checks both).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import constexpr_function
-from triton.language.core import _aggregate as aggregate
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.language.core import _aggregate as aggregate
 
-from ..device import layouts
 from ..device.sync import counter_wait, globaltimer, ticket_is_last
 from ..state import EMPTY_M
 
@@ -80,9 +85,8 @@ def stage_layout(C):
 @aggregate
 class Block:
     """What a query block's split reads and writes beyond its words: the step's arrays and counters, the scratch
-    and cache pointers, the staging buffer. ``compute_block`` is a function of its own (noinline), called with
-    these few values rather than the kernel's whole state: its registers are allocated apart from the rest of the
-    kernel's, which are at their limit (inlined, its mma operands and stages push the other paths into spills)."""
+    and cache pointers, the staging buffer; the few values ``compute_block`` (noinline) is called with, rather than
+    the kernel's whole state."""
     cnt: gl.tensor
     epoch: gl.tensor
     poss: gl.tensor
