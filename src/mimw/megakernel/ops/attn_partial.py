@@ -163,13 +163,36 @@ def compute(ins, C: gl.constexpr, s, b, sm, wait, target, sig):
     if C.QT > 1:
         nt = (ins.field(W_B) >> PACK_SHIFT) + 1
         if nt > 1:
-            sig, t_ready = attn_query_block.compute_block(
-                ins.field(W_LAYER), ins.field(W_A), ins.field(W_B) & ((1 << PACK_SHIFT) - 1), nt, ins.field(W_C),
-                ins.field(W_D), ins.field(W_E), wait, target, sig, attn_query_block.Block(s, b, sm), C)
+            sig, t_ready = _compute_block(ins, nt, C, s, b, sm, wait, target, sig)
         else:
             sig, t_ready = _compute_one(ins, C, s, b, sm, wait, target, sig)
     else:
         sig, t_ready = _compute_one(ins, C, s, b, sm, wait, target, sig)
+    return sig, t_ready
+
+
+@gluon.jit
+def _compute_block(ins, nt, C: gl.constexpr, s, b, sm, wait, target, sig):
+    """One split of a query block of ``nt`` tokens: its noinline parts (attn_query_block.py) around the dependency
+    wait and the ticket, which stay here, in the kernel's own code, where Triton makes their barriers the
+    partition's (a noinline function's would be the CTA's: device/sync.py)."""
+    layer = ins.field(W_LAYER)
+    kvh = ins.field(W_A)
+    seg = ins.field(W_B) & ((1 << PACK_SHIFT) - 1)
+    split = ins.field(W_C)
+    n_splits = ins.field(W_D)
+    blk = attn_query_block.Block(s, b, sm)
+    attn_query_block.request_block(layer, kvh, seg, nt, split, n_splits, blk, C)
+    if wait >= 0:
+        counter_wait(s.cnt, wait, target)
+    t_ready = 0
+    if C.TRACE:
+        t_ready = globaltimer()
+    attn_query_block.compute_block(layer, kvh, seg, nt, split, n_splits, blk, C)
+    if ticket_is_last(s.cnt, ins.field(W_E), n_splits, s.epoch):  # the last split combines every token
+        attn_query_block.combine_block(kvh, seg, nt, n_splits, blk, C)
+    else:
+        sig = -1
     return sig, t_ready
 
 

@@ -39,7 +39,7 @@ from triton.experimental.gluon._runtime import constexpr_function
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.core import _aggregate as aggregate
 
-from ..device.sync import counter_wait, globaltimer, ticket_is_last
+from ..device.sync import copies_landed, partition_barrier
 from ..state import EMPTY_M
 
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -124,48 +124,77 @@ class Block:
         self.hbuf = sm.hbuf
 
 
-@gluon.jit(noinline=True)
-def compute_block(layer, kvh, seg, nt, split, n_splits, ticket, wait, target, sig, b, C: gl.constexpr):
-    """One split of the query block of ``nt`` tokens (segments seg .. seg + nt - 1): blocks 0 and 1 requested, the
-    dependency wait, the partial, and the ticket's combine of every token (``_combine``).
-    Returns (the counter it signals: ``sig`` for the combining split, else -1; the time its wait was met)."""
-    HD: gl.constexpr = C.HD
-    BT: gl.constexpr = C.QBT
+@gluon.jit
+def _range(seg, nt, split, n_splits, b):
+    """The split's positions [lo, hi) (state.split_range(p0 + nt, split, n_splits, nt): the p0 past positions in
+    chunks, the last split also the block's own rows) and ``pre``: rows below it do not depend on this step (``first``,
+    the first position this step writes in the sequence: state.seg_new). Returns (p0, lo, hi, pre)."""
     p0 = gl.load(b.poss + seg)  # the block's first position: its tokens are at p0 .. p0 + nt - 1
-    first = gl.load(b.news + seg)  # rows at or past it are written in this step
-    # state.split_range(p0 + nt, split, n_splits, nt): the p0 past positions in chunks, the last split also the
-    # block's own rows
+    first = gl.load(b.news + seg)
     chunk = (p0 + n_splits - 1) // n_splits
     lo = gl.minimum(split * chunk, p0)
     hi = gl.where(split == n_splits - 1, p0 + nt, gl.minimum(lo + chunk, p0))
-    pre = gl.minimum(hi, first)  # rows below it do not depend on this step
-    CP: gl.constexpr = copy_layout(C)
-    tk = gl.expand_dims(gl.arange(0, BT, gl.SliceLayout(1, CP)), 1)  # [BT, 1]
-    dk = gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, CP)), 0)  # [1, HD]
-    # the staging buffer: q [R, HD] first (QU blocks' worth), then the stages' K and V blocks
+    return p0, lo, hi, gl.minimum(hi, first)
+
+
+@gluon.jit
+def _stages(b, C: gl.constexpr):
+    """The staging buffer as [QU + 4, QBT, HD] bf16 blocks: q's QU blocks, then two stages of a K and a V block;
+    returns (the blocks, QU)."""
+    BT: gl.constexpr = C.QBT
+    HD: gl.constexpr = C.HD
     QU: gl.constexpr = (rows(C) + BT - 1) // BT
-    kvbuf = b.hbuf._reinterpret(gl.bfloat16, [QU + 4, BT, HD], stage_layout(C))
     gl.static_assert((QU + 4) * BT * HD * 2 <= b.hbuf.type.shape[0] * b.hbuf.type.shape[1] * b.hbuf.type.shape[2] * 2,
                      "the staging buffer must hold q and two stages of K/V blocks")
+    return b.hbuf._reinterpret(gl.bfloat16, [QU + 4, BT, HD], stage_layout(C)), QU
+
+
+@gluon.jit
+def _offsets(C: gl.constexpr):
+    """A copy's [BT, 1] position and [1, HD] column offsets."""
+    CP: gl.constexpr = copy_layout(C)
+    tk = gl.expand_dims(gl.arange(0, C.QBT, gl.SliceLayout(1, CP)), 1)
+    dk = gl.expand_dims(gl.arange(0, C.HD, gl.SliceLayout(0, CP)), 0)
+    return tk, dk
+
+
+@gluon.jit(noinline=True)
+def request_block(layer, kvh, seg, nt, split, n_splits, b, C: gl.constexpr):
+    """Before the dependency wait: blocks 0 and 1 of the split of the query block of ``nt`` tokens (segments seg ..
+    seg + nt - 1) requested into the stages, their rows below ``first`` only (the rest of the step's rows come after
+    the wait, ``compute_block``). Two commit groups, no barrier (sync.py: a noinline function of the partition)."""
+    p0, lo, hi, pre = _range(seg, nt, split, n_splits, b)
+    tk, dk = _offsets(C)
+    kvbuf, QU = _stages(b, C)
     bt_row = b.bt + seg * b.maxp
     _copy(kvbuf, QU, b, bt_row, layer, kvh, lo + tk, pre, dk, C)
-    _copy(kvbuf, QU + 2, b, bt_row, layer, kvh, lo + BT + tk, pre, dk, C)
-    if wait >= 0:
-        counter_wait(b.cnt, wait, target)
-    t_ready = 0
-    if C.TRACE:
-        t_ready = globaltimer()
+    _copy(kvbuf, QU + 2, b, bt_row, layer, kvh, lo + C.QBT + tk, pre, dk, C)
+
+
+@gluon.jit(noinline=True)
+def compute_block(layer, kvh, seg, nt, split, n_splits, b, C: gl.constexpr):
+    """After the dependency wait, ``request_block``'s two groups in flight: blocks 0 and 1 again where they hold rows
+    this step wrote, q staged, and the split's partial of every token (``_partial``). Its barriers are the
+    partition's own (sync.partition_barrier); the caller draws the ticket, whose barrier orders the last reads of the
+    staging buffer before the combine's copies."""
+    BT: gl.constexpr = C.QBT
+    p0, lo, hi, pre = _range(seg, nt, split, n_splits, b)
+    tk, dk = _offsets(C)
+    kvbuf, QU = _stages(b, C)
+    bt_row = b.bt + seg * b.maxp
     if pre < gl.minimum(hi, lo + 2 * BT):  # blocks 0 and 1 hold rows this step wrote: both again, whole
-        async_copy.wait_group(0)  # the first copies landed: the second ones' writes come after them
+        copies_landed(0, C.NW)  # the first copies landed: the second ones' writes (this thread's, the same
+        # elements) come after them
         _copy(kvbuf, QU, b, bt_row, layer, kvh, lo + tk, hi, dk, C)
         _copy(kvbuf, QU + 2, b, bt_row, layer, kvh, lo + BT + tk, hi, dk, C)
-    _stage_q(b.hbuf._reinterpret(gl.bfloat16, [rows(C), HD], stage_layout(C)), kvh, seg, nt, b, C)
+    _stage_q(b.hbuf._reinterpret(gl.bfloat16, [rows(C), C.HD], stage_layout(C)), kvh, seg, nt, b, C)
     _partial(layer, kvh, seg, nt, split, p0, lo, hi, kvbuf, bt_row, tk, dk, b, C)
-    if ticket_is_last(b.cnt, ticket, n_splits, b.epoch):  # the last split combines every token
-        _combine(kvh, seg, nt, n_splits, b, C)
-    else:
-        sig = -1
-    return sig, t_ready
+
+
+@gluon.jit(noinline=True)
+def combine_block(kvh, seg, nt, n_splits, b, C: gl.constexpr):
+    """The split that drew the ticket last: every token of the block combined (``_combine``)."""
+    _combine(kvh, seg, nt, n_splits, b, C)
 
 
 @gluon.jit
@@ -211,7 +240,7 @@ def _combine(kvh, seg, nt, n_splits, b, C: gl.constexpr):
     out_ok = gl.expand_dims(og < G, 1)  # [GP, 1]: masks broadcast, so a row's columns stay one vector
     for t in range(nt):
         st = t % NST
-        async_copy.wait_group(NST - 1)  # this token's copies (this thread's own elements) landed
+        copies_landed(NST - 1, NW)  # this token's copies (this thread's own elements) landed
         ml = mlbuf.index(ML0 + t).load(LML)
         ms = gl.sum(gl.where(mk == 0, ml, 0.0), axis=2)  # [GP, SP2]; masked splits: 0 with l = 0 (their weight
         ls = gl.sum(gl.where(mk == 1, ml, 0.0), axis=2)  # below counts nothing)
@@ -225,7 +254,7 @@ def _combine(kvh, seg, nt, n_splits, b, C: gl.constexpr):
             o = gl.sum(w3 * po, axis=1) / den  # [GP, 32]
             gl.store(b.attn16 + (seg + t) * (C.HQ * HD) + d0 + out, o, mask=out_ok)
         _copy_partials(obuf, st, b, seg + t + NST, kvh, n_splits, t + NST < nt, C)
-    async_copy.wait_group(0)  # the stages' last copies (past the block: zero-filled) land before the buffer's reuse
+    copies_landed(0, NW)  # the stages' last copies (past the block: zero-filled) land before the buffer's reuse
 
 
 @gluon.jit
@@ -299,8 +328,8 @@ def _partial(layer, kvh, seg, nt, split, p0, lo, hi, kvbuf, bt_row, tk, dk, b, C
     QU: gl.constexpr = (R + BT - 1) // BT
     for t0 in range(lo, hi, BT):
         kb = QU + 2 * (((t0 - lo) // BT) % 2)  # the stage's K block; V at kb + 1
-        async_copy.wait_group(1)  # this block's copies (this thread's) landed; the next block's may fly
-        gl.thread_barrier()  # ... and every thread's (and q's stores, before the first block)
+        copies_landed(1, C.NW)  # this block's copies (this thread's) landed; the next block's may fly
+        partition_barrier(C.NW)  # ... and every thread's (and q's stores, before the first block)
         # the block in sub-blocks of KS keys, S over HD in chunks of 32: every operand at 16 registers a thread or
         # fewer but V's [KS, HD] (the 8B's: 32), so the kernel's other paths keep theirs
         for k0 in gl.static_range(0, BT, KS):
@@ -319,9 +348,9 @@ def _partial(layer, kvh, seg, nt, split, p0, lo, hi, kvbuf, bt_row, tk, dk, b, C
             v = kvbuf.index(kb + 1).slice(k0, KS).load(KB)  # V [KS, HD]
             o = mma_v2(pa, v, o * gl.expand_dims(alpha, 1))
             m_i = m_new
-        gl.thread_barrier()  # every thread read the stage: block + 2 may overwrite it
+        partition_barrier(C.NW)  # every thread read the stage: block + 2 may overwrite it
         _copy(kvbuf, kb, b, bt_row, layer, kvh, t0 + 2 * BT + tk, hi, dk, C)
-    async_copy.wait_group(0)  # the last copies (past the split: zero-filled) land before the buffer is reused
+    copies_landed(0, C.NW)  # the last copies (past the split: zero-filled) land before the buffer is reused
     # partials: token t's row of part_o / part_ml, head kvh * G + j, this split
     dd = gl.expand_dims(gl.arange(0, HD, COL), 0)
     tok = seg + r // GP
