@@ -4,7 +4,7 @@ import torch
 from mimw.megakernel import isa
 from mimw.megakernel.plan import plan
 from mimw.models.spec import get_preset
-from mimw.megakernel.tools.hang import locate, report, signallers
+from mimw.megakernel.tools.hang import locate, report, signallers, verify_step
 
 
 def _program():
@@ -59,3 +59,11 @@ def test_a_met_wait_is_stuck_inside_its_work():
     st = locate(words, lens, _done_before(lens, {0: i}), counters, n)[0]
     assert not st.waiting
     assert "inside its work" in report(words, lens, _done_before(lens, {0: i}), counters, n)
+
+
+def test_verify_steps_run_their_blocks_as_query_blocks_unless_per_token():
+    one = verify_step([tuple(range(3))], 37, 16)
+    assert one.blocks == (16,) and one.positions == tuple(range(37, 53)) and set(one.firsts) == {37}
+    tables = [tuple(range(j * 2, j * 2 + 2)) for j in range(3)]
+    assert verify_step(tables, 20, 4).blocks == (4, 4, 4)
+    assert verify_step(tables, 20, 4, query_blocks=False).blocks == ()

@@ -12,7 +12,7 @@ each stuck wait needs are followed to the instructions that signal them and whet
 exits at once (``os._exit``): the driver tears the hung context down.
 
     PYTHONPATH=src python3 -m mimw.megakernel.tools.hang --model smollm2-135m --context 17 [--batch 8]
-        [--verify 1x16] [--timeout 20]
+        [--verify 1x16 [--per-token]] [--timeout 20]
 
 Pure host logic (``locate``) is CPU-tested; the launch needs a Hopper GPU.
 """
@@ -105,9 +105,21 @@ def report(words: torch.Tensor, lens: torch.Tensor, trace: torch.Tensor, counter
     return "\n".join(lines)
 
 
+def verify_step(tables, context: int, k: int, query_blocks: bool = True):
+    """The one-token step of verify blocks of ``k`` tokens at ``context``, one a block table of ``tables``
+    (one_token.split_segments); its attention in query blocks (the GPU's verify path), or, with ``query_blocks``
+    False, every token its own (the per-token path, to tell the two apart)."""
+    from dataclasses import replace
+
+    from ...models.reference import Segment
+    from ..launch.one_token import split_segments
+
+    one = split_segments([Segment(tuple(t), context, k, k) for t in tables], None, 16)
+    return one if query_blocks else replace(one, blocks=())
+
+
 def _decoder(args):
     """A traced decoder with its inputs set for one step (M = 1, a decode batch, or verify blocks), no graph."""
-    from ...models.reference import Segment
     from ...models.spec import get_preset
     from ...models.weights import random_weights
     from ..launch.decoder import MegakernelDecoder
@@ -124,12 +136,8 @@ def _decoder(args):
         dec.set_inputs(1, args.context, table)
         return dec
     per = -(-(args.context + k) // 16)
-    tables = [table[j * per:(j + 1) * per] for j in range(n_seq)]
-    segs = [Segment(tuple(t), args.context, k, k) for t in tables]
-    from ..launch.one_token import split_segments
-
-    one = split_segments(segs, None, 16)
-    sub = dec.batch_decoder(len(one.positions))
+    one = verify_step([table[j * per:(j + 1) * per] for j in range(n_seq)], args.context, k, not args.per_token)
+    sub = dec.batch_decoder(len(one.positions), one.blocks)
     sub.set_batch([1] * len(one.positions), one.positions, one.block_tables, one.firsts)
     return sub
 
@@ -140,6 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=17)
     p.add_argument("--batch", type=int, default=1, help="decode tokens a step (one-token segments)")
     p.add_argument("--verify", default="", help="SxK: S verify blocks of K tokens (replaces --batch)")
+    p.add_argument("--per-token", action="store_true",
+                   help="verify blocks' attention per token, not in query blocks (ops/attn_query_block.py)")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for the launch")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -164,7 +174,7 @@ def main(argv=None) -> int:
     read.synchronize()
     n = len(dec.program.counters)
     print(f"launch {'finished' if finished else f'still running after {args.timeout:.0f} s'}: {args.model}, "
-          f"context {args.context}, {dec.shape.num_tokens} token(s)")
+          f"context {args.context}, {dec.shape.num_tokens} token(s), query blocks {dec.shape.attn_blocks or 'none'}")
     print(report(dec.plan.words, dec.plan.lens, trace, counters, n))  # the host's copy of the program
     sys.stdout.flush()
     if not finished:
