@@ -48,7 +48,7 @@ def ptxas_report(ptx: str) -> dict:
         out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True, check=True).stderr
     num = lambda pat: int(re.search(pat, out).group(1))  # noqa: E731
-    # every function's own line (the entry first; a noinline device function, e.g. attn_query_block.compute_block,
+    # every function's own line (the entry first; a noinline device function, e.g. attn_query_block's,
     # is allocated apart and reported after it)
     functions = {m.group(1): dict(stack=int(m.group(2)), spill_stores=int(m.group(3)), spill_loads=int(m.group(4)))
                  for m in re.finditer(r"Function properties for (\S+)\s+(\d+) bytes stack frame, (\d+) bytes spill "

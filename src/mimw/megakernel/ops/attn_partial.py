@@ -17,8 +17,8 @@ finish (the combining split) writes attn[t, h*hd:(h+1)*hd] for the group's heads
     M = max_i m_i;  w_i = exp(m_i - M)  (an empty split has w_i = 0);  out = sum_i w_i o_i / sum_i w_i l_i
 Tiles: none (K/V come through L2, not the ring).
 
-Device: a query block of more than one token runs ``attn_query_block.compute_block`` (its tokens x the group's heads
-on mma.sync); everything else runs ``_compute_one`` (M = 1, one-token segments): split-KV decode attention over the
+Device: a query block of more than one token runs ``_compute_block`` (attn_query_block.py's noinline parts around the
+wait and the ticket: its tokens x the group's heads on mma.sync); everything else runs ``_compute_one`` (M = 1, one-token segments): split-KV decode attention over the
 paged cache, all query heads of a KV group in one pass. Each [BT, HD] block of K and V is loaded once and used for
 the scores of all GP heads (GP = G rounded up to a power of two; padding heads have q = 0 and are never stored).
 Each warp owns BT / NW consecutive positions of every block and keeps its own online-softmax state, so every

@@ -28,9 +28,15 @@ Partials stay per token (state.py's part_o / part_ml rows of each token); the sp
 combines every token of the block (``_combine``: per token the math of attn_partial._reduce), their partials through
 cp.async stages in the staging buffer, two tokens ahead where two fit.
 
-``compute_block`` is a function of its own (noinline), called with a few values (``Block``): its registers are
-allocated apart from the rest of the kernel, which sits at 255 (inlined, it pushed the other instructions' paths
-into spills; tests/megakernel/test_kernel_compile_batch.py checks both).
+The path is three functions of their own (noinline), called with a few values (``Block``) by
+attn_partial._compute_block: ``request_block`` (blocks 0 and 1, before the dependency wait), ``compute_block`` (the
+partial) and ``combine_block``; their registers are allocated apart from the rest of the kernel, which sits at 255
+(inlined, the path pushed the other instructions' paths into spills; tests/megakernel/test_kernel_compile_batch.py
+checks both). A noinline function's barriers are not the compute partition's (device/sync.py: Triton leaves them
+CTA-wide, and the loader's warps never reach them): the dependency wait and the ticket (scalar atomics, broadcast
+through a barrier) stay in the caller, and these functions sync only through sync.partition_barrier and wait for
+their copies through sync.copies_landed (Gluon's wait_group adds a barrier); the compile test checks that no
+barrier of the kernel is CTA-wide.
 """
 
 from triton.experimental import gluon
@@ -85,7 +91,7 @@ def stage_layout(C):
 @aggregate
 class Block:
     """What a query block's split reads and writes beyond its words: the step's arrays and counters, the scratch
-    and cache pointers, the staging buffer; the few values ``compute_block`` (noinline) is called with, rather than
+    and cache pointers, the staging buffer; the few values the noinline functions are called with, rather than
     the kernel's whole state."""
     cnt: gl.tensor
     epoch: gl.tensor
