@@ -1,4 +1,6 @@
-"""tools/hang.py's reading of a hung launch (pure host logic): a program's words, a fabricated trace and counters."""
+"""A hung launch: tools/hang.py's reading of one (a program's words, a fabricated trace and counters), and the PTX check
+for the CTA-wide barrier that causes one (launch/compile.partition_barrier_errors)."""
+import pytest
 import torch
 
 from mimw.megakernel import isa
@@ -67,3 +69,14 @@ def test_verify_steps_run_their_blocks_as_query_blocks_unless_per_token():
     tables = [tuple(range(j * 2, j * 2 + 2)) for j in range(3)]
     assert verify_step(tables, 20, 4).blocks == (4, 4, 4)
     assert verify_step(tables, 20, 4, query_blocks=False).blocks == ()
+
+
+def test_a_cta_wide_barrier_zero_is_found_in_ptx():
+    from mimw.megakernel.launch.compile import partition_barrier_errors
+
+    ok = "bar.sync 0, 128;\n\tbarrier.sync 1, 160;\n\tbar.sync 0, 128;"
+    assert partition_barrier_errors(ok, 4) == []
+    assert partition_barrier_errors(ok + "\n\tbar.sync 0;", 4) == [("0", "")]  # a noinline function's
+    assert partition_barrier_errors("bar.sync 0, 256;", 4) == [("0", "256")]
+    with pytest.raises(ValueError, match="no barrier"):
+        partition_barrier_errors("mov.u32 %r1, 0;", 4)

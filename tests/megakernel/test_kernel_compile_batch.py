@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from mimw.megakernel.launch.compile import compile_sm90a, ptxas_report
+from mimw.megakernel.launch.compile import compile_sm90a, partition_barrier_errors, ptxas_report
 from mimw.megakernel.launch.one_token import bucket_of
 from mimw.megakernel.plan import SHARED_BYTES, plan
 from mimw.megakernel.program import StepShape
@@ -32,6 +32,7 @@ def test_the_decode_batch_kernel_compiles_spill_free_on_wgmma(model):
     assert "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16" in ptx
     assert "mma.sync.aligned" not in ptx and "st.async.shared::cluster" not in ptx
     assert "cp.async.bulk.tensor" in ptx and "atom.global.gpu.release.add" in ptx
+    assert not partition_barrier_errors(ptx, p.constants.NW)  # no CTA-wide barrier 0 (the loader never arrives)
     # DOWN_PROJ runs in two ticketed column parts (whole rows alone are fewer blocks than SMs; the 8B's input fits
     # no other way); every input staged by 16-byte async copies
     assert p.program.down_parts == 2
@@ -91,18 +92,6 @@ CALL_SPILL_BYTES = 16  # a kernel with a noinline call (the query-block path), a
 # and SmolLM2)
 
 
-def _assert_partition_barriers(ptx: str, nw: int):
-    """Barrier 0 is the compute partition's: every use names its NW warps' threads. A bare ``bar.sync 0`` waits
-    for the whole CTA, the loader's warps included, which never arrive: the deadlock of a barrier Triton leaves
-    unrewritten in a noinline function (device/sync.py); the warp-specialize lowering's own CTA-wide barrier is 1."""
-    import re
-
-    bars = re.findall(r"\b(?:bar|barrier)\.sync(?:\.aligned)?\s+(\d+)\s*(?:,\s*(\d+))?\s*;", ptx)
-    assert bars, "no barrier found: the pattern no longer matches the PTX"
-    bad = [(i, n) for i, n in bars if i == "0" and n != str(32 * nw)]
-    assert not bad, f"barrier 0 must name the partition's {32 * nw} threads: {bad[:4]}"
-
-
 def _block_cases():
     """(preset, bucket, query blocks): a verify block of 16 at bucket 16 and two at 32 (where plan.max_tokens
     allows), and the mixes the engine pads to: decode tokens, verify blocks and the padding's block."""
@@ -129,7 +118,7 @@ def test_the_query_block_kernels_compile_spill_free_on_mma_sync(model, batch, bl
     assert rep["spill_stores"] <= CALL_SPILL_BYTES and rep["spill_loads"] <= CALL_SPILL_BYTES, rep
     assert k.metadata.shared <= SHARED_BYTES and p.constants.QT == min(16, bucket_of(batch))
     ptx = k.asm["ptx"]
-    _assert_partition_barriers(ptx, p.constants.NW)
+    assert not partition_barrier_errors(ptx, p.constants.NW)  # noinline parts hold the partition's barriers
     # S = Q K^T and P V on mma.sync beside the matvecs' wgmma; K/V and the partials staged by 16-byte cp.async
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and "wgmma.mma_async" in ptx
     assert "cp.async.cg.shared.global" in ptx
