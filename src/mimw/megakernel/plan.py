@@ -12,11 +12,14 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
     cluster exchange region;
   * ATTN_PARTIAL's warps merge their softmax states through the staging buffer where it holds them (else through
     Triton's reductions over the warp axis);
-  * the release hold's marks on the words (hold.py);
+  * the KV cache's element type (``kv_dtype``: bf16, or fp8 e4m3 with a bf16 scale per (token, head), kv/pages.py):
+    ``Constants.FP8``, the attention block (``attn_block``: as many positions as 8 KB of K) and the cost model's K/V
+    bytes follow it; it is the cache's, never a tuning knob;
   * a multi-token step (a decode batch of M = 2..8 sequences, one token each): the tokens padded to MB = 8 (wgmma's
     N), the staging buffer MB bf16 rows a 32-column chunk and a norm's weights beside it, no cluster pairs (their
     exchange holds one token's sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ in ticketed column
-    parts: at least two, and as few as let its staged input fit beside a ring of ``MIN_RING_MT`` slots.
+    parts: at least two, and as few as let its staged input fit beside a ring of ``MIN_RING_MT`` slots;
+  * the release hold's marks on the words (hold.py).
 A program with an instruction that has no device code (the MoE instructions: ops.GPU_OPS) is refused: the GPU kernel
 does not run mixture-of-experts layers yet (the VM does).
 Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv import fp8
+from ..kv.pages import KVLayout
 from ..models.spec import ModelSpec
 from .hold import check_marks, hold_marks, mark_words
 from .isa import Op
@@ -131,6 +136,7 @@ class Constants:
     XB: int  # cluster exchange bytes past Triton's shared memory (0: no cluster pairs)
     DOWN_PAIRS: bool  # DOWN_PROJ in cluster pairs, each half staging its columns from the staging buffer's row 0
     SMEM_MERGE: bool  # ATTN_PARTIAL merges its warps' states through the staging buffer
+    FP8: bool  # the KV cache holds e4m3 rows with a bf16 scale each (kv/fp8.py), else bf16 rows
     TRACE: bool  # per-instruction timestamps (tools/trace.py)
     NW: int  # compute warps
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
@@ -197,9 +203,13 @@ def _pow2(n: int) -> int:
     return p
 
 
-def attn_block(spec: ModelSpec) -> int:
-    """BT: positions in one attention block (8 KB of K at bf16: 64 for head_dim 64, 32 for 128)."""
-    return max(8, 4096 // spec.head_dim)
+KV_DTYPES = (torch.bfloat16, fp8.FP8)  # the cache element types the kernel reads and writes
+
+
+def attn_block(spec: ModelSpec, kv_dtype: torch.dtype = torch.bfloat16) -> int:
+    """BT: positions in one attention block, 8 KB of K (one round trip's worth): at bf16 64 for head_dim 64, 32 for
+    128; at fp8 twice as many, so a round trip moves as many bytes and a split half as many round trips."""
+    return max(8, 8192 // (spec.head_dim * kv_dtype.itemsize))
 
 
 def exchange_bytes(head_dim: int) -> int:
@@ -262,14 +272,19 @@ def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, i
 
 
 def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_size: int = 16,
-         tuning: Tuning = Tuning()) -> LaunchPlan:
+         tuning: Tuning = Tuning(), kv_dtype: torch.dtype = torch.bfloat16) -> LaunchPlan:
+    """``kv_dtype``: the paged cache's element type (``PagedKVCache.layout.dtype``), one of ``KV_DTYPES``."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"the megakernel reads a bf16 or an fp8 (e4m3) KV cache, not {kv_dtype}")
     t = tuning.resolve(spec)
     check(spec, t)
     m, down_parts, mb = shape.num_tokens, 1, 1
     if m > 1:
         t, down_parts = multi_token(spec, shape, t)
         mb = MB
-    cfg = t.program_config()
+    row_bytes = KVLayout.for_spec(spec, page_size, 1, kv_dtype).bytes_per_token() // (2 * spec.num_layers
+                                                                                      * spec.num_kv_heads)
+    cfg = dataclasses.replace(t.program_config(), kv_row_bytes=row_bytes)
     if down_parts > 1:
         cfg = dataclasses.replace(cfg, down_parts=down_parts)
     program = build_program(spec, shape, num_sms, cfg)
@@ -304,7 +319,8 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, NL=spec.num_layers, PS=page_size, HAS_BIAS=spec.attention_bias,
         QK_NORM=spec.qk_norm, TR=t.tile_rows, TK=t.tile_k, NB=ring, KT_ROWS=hbuf_rows,
-        SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=_pow2(program.max_splits), GP=gp,
+        SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec, kv_dtype), SP2=_pow2(program.max_splits), GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
-        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m, MB=mb, V=spec.vocab_size)
+        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, FP8=kv_dtype == fp8.FP8, TRACE=t.trace, NW=t.num_warps, M=m,
+        MB=mb, V=spec.vocab_size)
     return LaunchPlan(spec, t, num_sms, page_size, program, words, lens, ring, hbuf_rows, xb, c)

@@ -7,7 +7,8 @@
 ``Step``  this launch's step: counter and ready-word pointers, the epoch, and the one token's id, position,
           context, cache page and embedding row (M = 1), and the step arrays a multi-token step reads per token.
 ``Bufs``  everything else in global memory the instructions read or write: norm/bias/rope vectors, the paged KV
-          cache, the scratch buffers of state.py, and the scalars eps and qscale.
+          cache (K and V pools, and their per-row scales where ``C.FP8``), the scratch buffers of state.py, and the
+          scalars eps and qscale.
 ``Ins``   one instruction's words, decoded field by field on demand (isa.Word) with masked reductions.
 Compile-time constants travel as one frozen dataclass, ``plan.Constants`` (the kernel's ``C``). Integer arguments
 the launch may specialize (Triton compiles an int argument equal to 1 as a constant) are fields that hold either.
@@ -116,8 +117,10 @@ class Bufs:
     qn: gl.tensor
     kn: gl.tensor
     invf: gl.tensor
-    kc: gl.tensor
+    kc: gl.tensor  # [L, pages, Hkv, PS, HD] bf16, or e4m3 where C.FP8
     vc: gl.tensor
+    ksc: gl.tensor  # [L, pages, Hkv, PS] bf16 scales of kc's rows where C.FP8 (else a dummy)
+    vsc: gl.tensor
     num_pages: gl.tensor | gl.constexpr
     x: gl.tensor
     qkvp: gl.tensor
@@ -137,7 +140,7 @@ class Bufs:
     @constexpr_function
     def __init__(self, vecs, kv, scratch, scalars):
         self.emb, self.anorm, self.mnorm, self.fnorm, self.bias, self.qn, self.kn, self.invf = vecs
-        self.kc, self.vc, num_pages = kv
+        self.kc, self.vc, self.ksc, self.vsc, num_pages = kv
         self.num_pages = _int_arg(num_pages)
         self.x, self.qkvp, self.q, self.po, self.pml, self.attn, self.act, self.logits, splits, self.x16, \
             self.attn16, self.act16 = scratch

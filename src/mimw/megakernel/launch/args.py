@@ -7,7 +7,9 @@ The kernel (device/kernel.py) takes eight arguments, most of them tuples, plus t
               and how many there are before DONE/EPOCH, the cluster pairs' ready words
     weights   the TMA descriptor of the packed weight tile array (tiles.py), [num_tiles * TR * TK / 32, 32] bf16
     vecs      norms, bias, q/k norms, RoPE inverse frequencies
-    kv        the paged cache's K and V pools and their page count
+    kv        the paged cache's K and V pools, their scales and the page count: bf16 pools, or (``Constants.FP8``)
+              e4m3 pools with a bf16 scale per (token, head) row, kv/pages.py (a bf16 cache passes a one-element
+              dummy for each scale tensor, never read)
     scratch   state.py's scratch buffers, the attention splits' stride, then the bf16 staging sources
     scalars   eps, the attention's q scale (head_dim^-0.5 * log2 e)
     trace     [num_sms, max_len, 4] int64 timestamps when traced (a one-element dummy otherwise)
@@ -23,7 +25,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...] | str], ...] = (
     ("weights", "desc"),
     ("vecs", (("embed", "*bf16"), ("attn_norm", "*bf16"), ("mlp_norm", "*bf16"), ("final_norm", "*bf16"),
               ("bias", "*fp32"), ("q_norm", "*bf16"), ("k_norm", "*bf16"), ("inv_freq", "*fp32"))),
-    ("kv", (("k", "*bf16"), ("v", "*bf16"), ("num_pages", "i32"))),
+    ("kv", (("k", "*bf16"), ("v", "*bf16"), ("k_scale", "*bf16"), ("v_scale", "*bf16"), ("num_pages", "i32"))),
     ("scratch", (("x", "*fp32"), ("qkv_part", "*fp32"), ("q", "*fp32"), ("part_o", "*fp32"), ("part_ml", "*fp32"),
                  ("attn", "*fp32"), ("act", "*fp32"), ("logits", "*fp32"), ("splits", "i32"), ("x16", "*bf16"),
                  ("attn16", "*bf16"), ("act16", "*bf16"))),
@@ -46,10 +48,14 @@ def desc_type(tile_rows: int, tile_k: int) -> str:
     return f"tensordesc<bf16[{box[0]}, {box[1]}],{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"
 
 
-def signature(tile_rows: int, tile_k: int) -> dict[str, Any]:
-    """The compile signature: each argument's type string, or a tuple of them."""
+FP8_POOLS = ("k", "v")  # the pools whose element type an fp8 cache changes (to e4m3: triton's fp8e4nv)
+
+
+def signature(tile_rows: int, tile_k: int, fp8: bool = False) -> dict[str, Any]:
+    """The compile signature: each argument's type string, or a tuple of them; ``fp8``: e4m3 K/V pools."""
+    kv = lambda name, t: "*fp8e4nv" if fp8 and name in FP8_POOLS else t  # noqa: E731
     return {name: desc_type(tile_rows, tile_k) if fields == "desc" else
-            (fields if isinstance(fields, str) else tuple(t for _, t in fields)) for name, fields in GROUPS}
+            (fields if isinstance(fields, str) else tuple(kv(n, t) for n, t in fields)) for name, fields in GROUPS}
 
 
 def pointer_paths() -> list[tuple[int, ...]]:

@@ -16,7 +16,7 @@ def compile_sm90a(p: LaunchPlan, ones: bool = False):
 
     from ..device.kernel import megakernel
 
-    sig = args.signature(p.tuning.tile_rows, p.tuning.tile_k)
+    sig = args.signature(p.tuning.tile_rows, p.tuning.tile_k, p.constants.FP8)
     constants = {"C": p.constants}
     if ones:
         for path in args.int_paths():

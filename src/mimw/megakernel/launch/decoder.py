@@ -1,7 +1,8 @@
 """MegakernelDecoder: plans the step once, owns the packed weights, step state and scratch, and runs one decode
 step per launch of the persistent megakernel, optionally captured in a CUDA graph.
 
-    dec = MegakernelDecoder(weights, cache)                # weights: ModelWeights; cache: PagedKVCache (bf16, cuda)
+    dec = MegakernelDecoder(weights, cache)                # weights: ModelWeights; cache: PagedKVCache on cuda,
+                                                          # bf16 or fp8 (e4m3 + a bf16 scale per row, kv/pages.py)
     logits = dec.step(token, position, block_table)       # [1, V] fp32, a view into the scratch buffer
     logits = dec.step_batch(tokens, positions, tables)    # [B, V]: B sequences' next tokens in one launch
 With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling the state) and later steps replay it.
@@ -37,14 +38,20 @@ class MegakernelDecoder:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         spec = weights.spec
-        if cache.layout.dtype != torch.bfloat16 or cache.device.type != "cuda":
-            raise ValueError("the megakernel needs a bf16 KV cache on a CUDA device")
+        from ..plan import KV_DTYPES
+
+        if cache.layout.dtype not in KV_DTYPES or cache.device.type != "cuda":
+            raise ValueError(f"the megakernel needs a bf16 or fp8 KV cache on a CUDA device, got "
+                             f"{cache.layout.describe()} on {cache.device}")
         dev = cache.device
         self.spec, self.cache, self.use_graph = spec, cache, use_graph
         self.num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
         self.max_pages = max_pages_per_seq or cache.layout.num_pages
         self.shape = StepShape((1,) * batch, context_hint)
-        self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size, tuning)
+        self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size, tuning, cache.layout.dtype)
+        # a bf16 cache has no scales: the kernel's scale arguments get a one-element dummy it never reads
+        none = torch.ones(1, dtype=torch.bfloat16, device=dev)
+        self.scales = (cache.k_scale, cache.v_scale) if cache.layout.quantized else (none, none)
         self._tuning = tuning
         self._batches: dict[int, MegakernelDecoder] = {}
         if packed is not None:
@@ -68,7 +75,7 @@ class MegakernelDecoder:
                               stacklevel=2)
                 self.cluster_fallback = why
                 self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size,
-                                 dataclasses.replace(tuning, clusters=False))
+                                 dataclasses.replace(tuning, clusters=False), cache.layout.dtype)
                 self._allocate()
 
     def _allocate(self) -> None:
@@ -92,10 +99,10 @@ class MegakernelDecoder:
             seg_ctx=s.seg_ctx, block_tables=s.block_tables, max_pages=s.block_tables.shape[1], counters=s.counters,
             num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, embed=w.embed,
             attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, final_norm=w.final_norm, bias=w.bias, q_norm=w.q_norm,
-            k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, num_pages=c.layout.num_pages, x=x.x,
-            qkv_part=x.qkv_part, q=x.q, part_o=x.part_o, part_ml=x.part_ml, attn=x.attn, act=x.act,
-            logits=x.logits, splits=p.program.max_splits, x16=x.x16, attn16=x.attn16, act16=x.act16,
-            eps=self.spec.rms_norm_eps,
+            k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, k_scale=self.scales[0], v_scale=self.scales[1],
+            num_pages=c.layout.num_pages, x=x.x, qkv_part=x.qkv_part, q=x.q, part_o=x.part_o, part_ml=x.part_ml,
+            attn=x.attn, act=x.act, logits=x.logits, splits=p.program.max_splits, x16=x.x16, attn16=x.attn16,
+            act16=x.act16, eps=self.spec.rms_norm_eps,
             qscale=self.spec.head_dim ** -0.5 * 1.4426950408889634, trace=self.trace))
 
     def _set_up_clusters(self) -> str | None:

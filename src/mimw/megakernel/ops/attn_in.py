@@ -20,7 +20,8 @@ Tiles: the head's hd rows of the qkv matrix, the part's column tiles.
 Device (``compute``): RMSNorm(x) staged once for a run of ATTN_IN instructions; each row tile's sums go to the
 qkv_part scratch (a ticket: the last part finishes the head from the parts in global memory) or, in a cluster pair,
 into both CTAs' exchange slots (device/cluster.py): part 0 waits for part 1's sums and finishes the head, reading
-the step-independent finish inputs (inverse frequencies, q/k norm weights, bias) before the exchange's wait.
+the step-independent finish inputs (inverse frequencies, q/k norm weights, bias) before the exchange's wait. A K/V row is stored in the cache's format (``store_row``): bf16, or (an fp8 cache) quantised
+in registers to e4m3 with its bf16 scale, bit for bit as the host's ``PagedKVCache.store``.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ...kv import fp8
 from ...models import rope
 from ...models.spec import ModelSpec
 from ..device import cluster, layouts, matvec as mv, matvec_mt as mt
@@ -248,8 +250,9 @@ def _finish_inputs(layer, head, b, C: gl.constexpr):
 def _finish(layer, head, n_parts, pos, page, src, PSTRIDE: gl.constexpr, q_ptr, b, C: gl.constexpr, xn, pre):
     """The head's finisher for the token at position ``pos`` (its cache page ``page``): y = sum of the parts in part
     order (part p's sums at ``src + p * PSTRIDE``) (+bias) (+RMSNorm) (+RoPE), then store: q heads to the token's
-    q scratch ``q_ptr``, k/v heads into the token's paged cache row. The halves a = y[:HD/2] and b = y[HD/2:] are
-    held as [HD/2TR, TR] tiles. A cluster pair's sums come from exchange ``xn``'s slot."""
+    q scratch ``q_ptr``, k/v heads into the token's paged cache row (``store_row``: bf16, or e4m3 with its scale).
+    The halves a = y[:HD/2] and b = y[HD/2:] are held as [HD/2TR, TR] tiles. A cluster pair's sums come from
+    exchange ``xn``'s slot."""
     HD: gl.constexpr = C.HD
     i = _half_index(C)
     inv_f, nw_a, nw_b, bias_a, bias_b = pre
@@ -286,11 +289,37 @@ def _finish(layer, head, n_parts, pos, page, src, PSTRIDE: gl.constexpr, q_ptr, 
         gl.store(qb + HD // 2 + i, bh)
     else:
         kvh = (head - C.HQ) % C.HKV
-        # the element offset in int64: the pool passes 2^31 elements (the 8B's 32 layers x 4096 pages)
-        row = (((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS).to(gl.int64) * HD
+        row = ((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS
         if head < C.HQ + C.HKV:
-            cache = b.kc + row
+            cache = b.kc
+            scales = b.ksc
         else:
-            cache = b.vc + row
-        gl.store(cache + i, a.to(gl.bfloat16))
-        gl.store(cache + HD // 2 + i, bh.to(gl.bfloat16))
+            cache = b.vc
+            scales = b.vsc
+        store_row(cache + row * HD, scales + row, a, bh, i, C)
+
+
+E4M3_MAX: gl.constexpr = gl.constexpr(fp8.E4M3_MAX)
+MIN_SCALE: gl.constexpr = gl.constexpr(2.0 ** -126)  # kv/fp8.py's floor on a nonzero row's scale
+
+
+@gluon.jit
+def store_row(dst, scale_dst, a, bh, i, C: gl.constexpr):
+    """One K or V row into the cache: halves a = y[:HD/2], bh = y[HD/2:] ([HD/2TR, TR] fp32, ``i`` their indices)
+    to ``dst`` [HD] as bf16, or (C.FP8) quantised exactly as kv/fp8.py's ``quantize``: scale = bf16(amax / 448)
+    (1 where amax == 0, at least 2^-126), q = e4m3(clamp(y / scale, -448, 448)), its scale to ``scale_dst``. The
+    divisions round to nearest (div_rn, not the approximate division '/' compiles to) and the conversions round to
+    nearest even, as torch's do, so the bytes equal the host's ``PagedKVCache.store`` of the same row."""
+    HD: gl.constexpr = C.HD
+    if C.FP8:
+        amax = gl.maximum(gl.max(gl.max(gl.abs(a), axis=1), axis=0), gl.max(gl.max(gl.abs(bh), axis=1), axis=0))
+        sc = gl.where(amax > 0.0, gl.maximum(gl.div_rn(amax, E4M3_MAX), MIN_SCALE), 1.0)
+        sc = sc.to(gl.bfloat16).to(gl.float32)  # the stored bf16 scale, which the division uses
+        qa = gl.minimum(gl.maximum(gl.div_rn(a, sc), -E4M3_MAX), E4M3_MAX)
+        qb = gl.minimum(gl.maximum(gl.div_rn(bh, sc), -E4M3_MAX), E4M3_MAX)
+        gl.store(dst + i, qa.to(gl.float8e4nv))
+        gl.store(dst + HD // 2 + i, qb.to(gl.float8e4nv))
+        gl.store(scale_dst + i * 0, gl.where(i >= 0, sc, 0.0).to(gl.bfloat16), mask=i == 0)  # one thread
+    else:
+        gl.store(dst + i, a.to(gl.bfloat16))
+        gl.store(dst + HD // 2 + i, bh.to(gl.bfloat16))

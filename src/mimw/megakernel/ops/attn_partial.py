@@ -72,9 +72,10 @@ class AttnPartial(Instruction):
         return self.n_splits
 
 
-def kv_bytes(spec: ModelSpec, ins: AttnPartial, context: int, seg_len: int) -> int:
-    """The K/V bytes one split reads at ``context`` (the scheduler's cost model)."""
-    return math.ceil((context + seg_len) / ins.n_splits) * spec.head_dim * 2 * 2
+def kv_bytes(spec: ModelSpec, ins: AttnPartial, context: int, seg_len: int, row_bytes: int = 0) -> int:
+    """The K/V bytes one split reads at ``context`` (the scheduler's cost model); ``row_bytes``: one cached K row's
+    bytes, scale included (0: bf16)."""
+    return math.ceil((context + seg_len) / ins.n_splits) * (row_bytes or spec.head_dim * 2) * 2
 
 
 def solve(ctx: OpContext, ins: AttnPartial) -> None:
@@ -152,13 +153,13 @@ def compute(ins, C: gl.constexpr, s, b, sm, wait, target, sig):
         po_ptr = b.po + seg * (C.HQ * C.HD) * b.splits
         pml_ptr = b.pml + seg * (C.HQ * 2) * b.splits
         attn_ptr = b.attn16 + seg * (C.HQ * C.HD)  # bf16: as O_PROJ stages it (device/matvec_mt.py)
-    k0, v0 = _prefetch(layer, kvh, seg, split, n_splits, s, b, C)
+    k0, v0, ks0, vs0 = _prefetch(layer, kvh, seg, split, n_splits, s, b, C)
     if wait >= 0:
         counter_wait(s.cnt, wait, target)
     t_ready = 0
     if C.TRACE:
         t_ready = globaltimer()
-    _partial(layer, kvh, seg, split, n_splits, k0, v0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
+    _partial(layer, kvh, seg, split, n_splits, k0, v0, ks0, vs0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
     if ticket_is_last(s.cnt, ins.field(W_E), n_splits, s.epoch):  # the last split combines and signals
         _reduce(kvh, n_splits, b, po_ptr, pml_ptr, attn_ptr, C)
     else:
@@ -174,13 +175,29 @@ def _rows(bt_ptr, seg, maxp, t, hi, layer, num_pages, kvh, C: gl.constexpr):
 
 
 @gluon.jit
-def _kv(kc_ptr, vc_ptr, row, m, d3, HD: gl.constexpr):
-    """K and V rows ``row`` [NW, BTW] (mask m) as [NW, BTW, HD] bf16, both requested before either is used."""
-    addr = gl.expand_dims(row, 2).to(gl.int64) * HD + d3  # past 2^31 elements (the 8B's 32 layers x 4096 pages)
+def _kv(b, row, m, d3, C: gl.constexpr):
+    """K and V rows ``row`` [NW, BTW] (mask m) as [NW, BTW, HD] in the cache's element type, and (C.FP8) their
+    scales [NW, BTW] (else placeholders): all requested before any is used. ``row`` is also the scales' index."""
+    addr = gl.expand_dims(row, 2) * C.HD + d3
     m3 = gl.expand_dims(m, 2)
-    k = gl.load(kc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
-    v = gl.load(vc_ptr + addr, mask=m3, other=0.0, cache_modifier=".cg")
-    return k, v
+    k = gl.load(b.kc + addr, mask=m3, other=0.0, cache_modifier=".cg")
+    v = gl.load(b.vc + addr, mask=m3, other=0.0, cache_modifier=".cg")
+    ks = row
+    vs = row
+    if C.FP8:
+        ks = gl.load(b.ksc + row, mask=m, other=0.0, cache_modifier=".cg")
+        vs = gl.load(b.vsc + row, mask=m, other=0.0, cache_modifier=".cg")
+    return k, v, ks, vs
+
+
+@gluon.jit
+def _deq(x, scale, C: gl.constexpr):
+    """Rows [NW, BTW, HD] as fp32: bf16 widened, or (C.FP8) e4m3 times its row's bf16 scale [NW, BTW], exact in fp32
+    as kv/fp8.py's dequantize."""
+    out = x.to(gl.float32)
+    if C.FP8:
+        out = out * gl.expand_dims(scale.to(gl.float32), 2)
+    return out
 
 
 @gluon.jit
@@ -212,29 +229,31 @@ def _prefetch(layer, kvh, seg, split, n_splits, s, b, C: gl.constexpr):
     t = lo + _positions(C.BT, C.NW, gl.SliceLayout(2, KV3))
     d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, C.HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
     row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
-    return _kv(b.kc, b.vc, row, t < hp, d3, C.HD)
+    return _kv(b, row, t < hp, d3, C)
 
 
 @gluon.jit
 def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
-    """One block of the online softmax, per warp: scores [NW, GP, BTW] (invalid positions masked), then the
+    """One block of the online softmax, per warp, over fp32 K/V [NW, BTW, HD]: scores [NW, GP, BTW] (invalid
+    positions masked), then the
     running max m_i, denominator l_i [NW, GP] and output o [NW, GP, HD] are rescaled and updated."""
-    sc = gl.sum(q4 * gl.expand_dims(k.to(gl.float32), 1), axis=3)
+    sc = gl.sum(q4 * gl.expand_dims(k, 1), axis=3)
     sc = gl.where(valid, sc, EMPTY_M_D)
     m_new = gl.maximum(m_i, gl.max(sc, axis=2))
     alpha = gl.exp2(m_i - m_new)
     p = gl.where(valid, gl.exp2(sc - gl.expand_dims(m_new, 2)), 0.0)
     l_i = l_i * alpha + gl.sum(p, axis=2)
-    pv = gl.sum(gl.expand_dims(p, 3) * gl.expand_dims(v.to(gl.float32), 1), axis=2)
+    pv = gl.sum(gl.expand_dims(p, 3) * gl.expand_dims(v, 1), axis=2)
     o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(2, Q3)), 2) + pv
     return m_new, l_i, o
 
 
 @gluon.jit
-def _partial(layer, kvh, seg, split, n_splits, k, v, s, b, sm, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
-    """The split's partial after its wait, given ``_prefetch``'s first block (k, v): the newest row first (the
-    split holding ``pos``: a one-position block, warp 0's), then block 0 and the split's later past blocks; the
-    warps' states merged; (o, m, l) stored to the partials' scratch."""
+def _partial(layer, kvh, seg, split, n_splits, k, v, ks, vs, s, b, sm, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
+    """The split's partial after its wait, given ``_prefetch``'s first block (k, v and their scales ks, vs where
+    C.FP8): the newest row first (the split holding ``pos``: a one-position block, warp 0's), then block 0 and the
+    split's later past blocks, each dequantised in registers (``_deq``); the warps' states merged; (o, m, l) stored
+    to the partials' scratch."""
     G: gl.constexpr = C.G
     GP: gl.constexpr = C.GP
     HD: gl.constexpr = C.HD
@@ -259,23 +278,27 @@ def _partial(layer, kvh, seg, split, n_splits, k, v, s, b, sm, q_ptr, po_ptr, pm
     # the cache, where ATTN_IN stored it before it signalled
     holds = (lo <= pos) & (pos < hi)
     here = (d3 * 0 + holds.to(gl.int32)) != 0
-    at = (((layer * b.num_pages + s.tok_page) * C.HKV + kvh) * C.PS + pos % C.PS).to(gl.int64) * HD + d3
-    k_new = gl.load(b.kc + at, mask=here, other=0.0, cache_modifier=".cg")
-    v_new = gl.load(b.vc + at, mask=here, other=0.0, cache_modifier=".cg")
+    at_row = ((layer * b.num_pages + s.tok_page) * C.HKV + kvh) * C.PS + pos % C.PS
+    at = at_row * HD + d3
+    k_new = gl.load(b.kc + at, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
+    v_new = gl.load(b.vc + at, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
+    if C.FP8:  # the row's scale, broadcast along HD
+        k_new = k_new * gl.load(b.ksc + at_row + d3 * 0, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
+        v_new = v_new * gl.load(b.vsc + at_row + d3 * 0, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
     m_i = gl.full([NW, GP], EMPTY_M_D, gl.float32, gl.SliceLayout(2, S3))
     l_i = gl.zeros([NW, GP], gl.float32, gl.SliceLayout(2, S3))
     o = gl.zeros([NW, GP, HD], gl.float32, Q3)
     if holds:  # the newest row first, its loads in q's round trip: a block one position wide (K and V
         # [1, 1, HD], scores [NW, GP, 1]), warp 0's
         w0 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, gl.SliceLayout(1, gl.SliceLayout(2, S3))), 1), 2)
-        m_i, l_i, o = _block(q4, k_new.to(gl.float32), v_new.to(gl.float32), w0 == 0, m_i, l_i, o, Q3)
+        m_i, l_i, o = _block(q4, k_new, v_new, w0 == 0, m_i, l_i, o, Q3)
     # block 0 (prefetched), then the rest of the split's past: one round trip per block
-    m_i, l_i, o = _block(q4, k, v, lo + ts < hp, m_i, l_i, o, Q3)
+    m_i, l_i, o = _block(q4, _deq(k, ks, C), _deq(v, vs, C), lo + ts < hp, m_i, l_i, o, Q3)
     for t0 in range(lo + BT, hp, BT):
         t = t0 + tk
         row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
-        k, v = _kv(b.kc, b.vc, row, t < hp, d3, HD)
-        m_i, l_i, o = _block(q4, k, v, t0 + ts < hp, m_i, l_i, o, Q3)
+        k, v, ks, vs = _kv(b, row, t < hp, d3, C)
+        m_i, l_i, o = _block(q4, _deq(k, ks, C), _deq(v, vs, C), t0 + ts < hp, m_i, l_i, o, Q3)
     if C.SMEM_MERGE:
         mbuf = sm.hbuf
         if C.M > 1:  # the tokens' chunk buffer (device/matvec_mt.py), read as the one-token [KT_ROWS, TK] rows
