@@ -4,6 +4,7 @@ import functools
 
 import pytest
 
+from mimw.kv.pages import parse_kv_dtype
 from mimw.megakernel.launch.compile import compile_sm90a, ptxas_report
 from mimw.megakernel.plan import SHARED_BYTES, Tuning, plan
 from mimw.models.spec import get_preset
@@ -12,9 +13,10 @@ pytestmark = pytest.mark.slow
 
 
 @functools.lru_cache(maxsize=None)
-def _build(model: str, tuning: Tuning = Tuning()):
-    """(plan on 132 SMs, compiled kernel, ptxas report) of the kernel a decoder on an H100 or H200 launches."""
-    p = plan(get_preset(model), 132, tuning=tuning)
+def _build(model: str, tuning: Tuning = Tuning(), kv: str = "bf16"):
+    """(plan on 132 SMs, compiled kernel, ptxas report) of the kernel a decoder on an H100 or H200 launches over a
+    ``kv`` ("bf16" or "fp8") cache."""
+    p = plan(get_preset(model), 132, tuning=tuning, kv_dtype=parse_kv_dtype(kv))
     k = compile_sm90a(p)
     return p, k, ptxas_report(k.asm["ptx"])
 
@@ -65,3 +67,21 @@ def test_the_kernel_compiles_with_its_int_arguments_specialized_to_one():
     p = plan(get_preset("smollm2-135m"), 132)
     k = compile_sm90a(p, ones=True)
     assert ptxas_report(k.asm["ptx"])["spill_stores"] == 0
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b", "tiny-qwen3"])
+def test_the_fp8_kv_kernels_compile_spill_free_and_fit_shared_memory(model):
+    """The kernel over an fp8 cache: e4m3 K/V loads widened in registers (cvt from e4m3x2), the finisher's rows
+    quantised with round-to-nearest divisions and a saturating round-to-nearest-even e4m3 conversion (what torch's
+    quantiser computes); the same ring as the bf16 kernel."""
+    p, k, rep = _build(model, kv="fp8")
+    _assert_sound(p, k, rep)
+    ptx = k.asm["ptx"]
+    assert p.constants.FP8 and "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "div.rn.f32" in ptx
+    assert p.ring == _build(model)[0].ring
+
+
+def test_the_fp8_kernel_compiles_with_its_int_arguments_specialized_to_one():
+    p = plan(get_preset("smollm2-135m"), 132, kv_dtype=parse_kv_dtype("fp8"))
+    assert ptxas_report(compile_sm90a(p, ones=True).asm["ptx"])["spill_stores"] == 0

@@ -6,7 +6,10 @@ bit (a moving result would be a race), and diffs the logits against the fp32 ref
 equal or a near-tie of the bf16 (transformers-numerics) reference's own error."""
 import pytest
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from mimw.megakernel.ops import attn_in
 from mimw.megakernel.plan import Tuning
 from mimw.models.spec import get_preset
 
@@ -114,3 +117,72 @@ def test_traced_launch_stamps_every_instruction_in_order_and_computes_the_same_l
         assert bool((ins[s, n:] == 0).all())
     out = summarize(dec.trace, dec.words, dec.lens)
     assert out["step_us"] > 0 and set(out["critical_path_us"]) >= {"ATTN_IN", "DOWN_PROJ", "layer"}
+
+
+# --- an fp8 KV cache (e4m3 + a bf16 scale per (token, KV head), kv/fp8.py) -------------------------------------
+
+@gluon.jit
+def _store_rows(x_ptr, q_ptr, s_ptr, C: gl.constexpr):
+    """Row program_id(0) of x [R, HD] fp32 through ATTN_IN's row store into q [R, HD] and s [R]."""
+    r = gl.program_id(0)
+    i = attn_in._half_index(C)
+    a = gl.load(x_ptr + r * C.HD + i)
+    bh = gl.load(x_ptr + r * C.HD + C.HD // 2 + i)
+    attn_in.store_row(q_ptr + r * C.HD, s_ptr + r, a, bh, i, C)
+
+
+def _fp8_matches_reference(model, context, tuning=Tuning()):
+    """The kernel over an fp8 cache against the fp32 oracle over a copy of that very fp8 cache (tools/check.py):
+    logits within bf16 error as above, and the rows the kernel appended are kv/fp8.py rows (re-quantising their
+    dequantised values gives back their bytes and scales) within one e4m3 step of the oracle's."""
+    from mimw.kv import fp8
+    from mimw.megakernel.tools.check import check_decode
+
+    r = check_decode(get_preset(model), context, steps=64, tuning=tuning, kv_dtype=fp8.FP8)
+    assert r.finite and r.bit_identical, r
+    assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r
+    assert r.kv_rows["requant_exact"], r.kv_rows
+    assert r.kv_rows["max_err"] <= 0.1, r.kv_rows  # one e4m3 step near the amax is 2^-3 x 448/480
+    assert r.kv_rows["bytes_equal"] >= 0.5, r.kv_rows  # most rows round the same as the oracle's
+    return r
+
+
+@pytest.mark.parametrize("context", [17, 1000, 8191])
+@pytest.mark.parametrize("model", MODELS)
+def test_fp8_kv_megakernel_matches_reference_over_the_same_fp8_cache(model, context):
+    _fp8_matches_reference(model, context)
+
+
+def test_fp8_kv_tickets_match_reference():
+    _fp8_matches_reference("llama-3.2-1b", 8191, Tuning(clusters=False))
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b", "tiny-qwen3"])
+def test_fp8_row_store_is_bit_exact_with_the_host_quantiser(model):
+    """ATTN_IN's finisher stores a K/V row through ``attn_in.store_row``: the same device function, run here on
+    hand-picked fp32 rows (random scales, a zero row, tiny rows near the 2^-126 scale floor, rows whose quotients sit
+    on e4m3 rounding ties, rows with one dominant element), writes exactly the bytes and scales
+    ``PagedKVCache.store`` writes for them."""
+    from mimw.kv import fp8
+    from mimw.megakernel.plan import plan
+
+    spec = get_preset(model)
+    c = plan(spec, 132, kv_dtype=fp8.FP8).constants
+    hd, g = spec.head_dim, torch.Generator(device="cuda").manual_seed(0)
+    rows = [torch.randn(256, hd, device="cuda", generator=g) * torch.logspace(-6, 4, 256, device="cuda")[:, None]]
+    rows.append(torch.zeros(1, hd, device="cuda"))
+    tiny = (1 + torch.rand(4, hd, device="cuda", generator=g)) * 2e-36  # normal, but amax / 448 < 2^-126
+    rows.append(torch.where(torch.rand(4, hd, device="cuda", generator=g) < 0.5, -tiny, tiny))
+    ties = torch.randint(-448, 449, (8, hd), device="cuda", generator=g).float() + 0.5  # x / 1.0 on halfway points
+    ties[:, 0] = 448.0  # amax at most 448.5: scale bf16(amax / 448) = 1
+    rows.append(ties)
+    spike = torch.randn(8, hd, device="cuda", generator=g) * 0.01
+    spike[:, 3] = 1000.0
+    rows.append(spike)
+    x = torch.cat(rows).contiguous()
+    q = torch.full((x.shape[0], hd), 0x7F, dtype=torch.uint8, device="cuda")  # poisoned: e4m3 NaN
+    s = torch.full((x.shape[0],), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _store_rows[(x.shape[0],)](x, q.view(fp8.FP8), s, C=c, num_warps=c.NW)
+    eq, es = fp8.quantize(x)
+    assert torch.equal(q, eq.view(torch.uint8)), (q != eq.view(torch.uint8)).nonzero()[:8]
+    assert torch.equal(s, es)

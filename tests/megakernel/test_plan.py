@@ -104,3 +104,36 @@ def test_the_plan_refuses_multi_token_steps_the_gpu_kernel_cannot_run():
         plan(get_preset("llama-3.2-1b"), 132, StepShape((1,) * 9))
     with pytest.raises(ValueError, match="chunk pair"):  # 32-dim heads: 16-row tiles
         plan(get_preset("tiny-qwen3"), 8, StepShape((1, 1)))
+
+
+def test_an_fp8_cache_sets_the_kernels_fp8_constants_and_halves_the_cost_models_kv_bytes():
+    """The KV element type is the cache's (never a tuning knob): Constants.FP8, an attention block of 8 KB of K
+    (twice the positions at fp8), and K/V bytes in the scheduler's cost model at e4m3 + a bf16 scale a row."""
+    import torch
+
+    from mimw.kv import fp8
+    from mimw.megakernel.ops.attn_partial import AttnPartial, kv_bytes
+
+    for model, bt in (("llama-3.2-1b", 64), ("llama-3.1-8b", 32)):
+        spec = get_preset(model)
+        b16, f8 = plan(spec, 132), plan(spec, 132, kv_dtype=fp8.FP8)
+        assert (b16.constants.FP8, b16.constants.BT) == (False, bt)
+        assert (f8.constants.FP8, f8.constants.BT) == (True, 2 * bt)
+        assert f8.program.config.kv_row_bytes == spec.head_dim + 2
+        assert b16.program.config.kv_row_bytes == 2 * spec.head_dim
+        ins = AttnPartial(n_splits=16)
+        assert kv_bytes(spec, ins, 131071, 1, f8.program.config.kv_row_bytes) == 8192 * (spec.head_dim + 2) * 2
+        assert kv_bytes(spec, ins, 131071, 1) == 8192 * spec.head_dim * 2 * 2
+    with pytest.raises(ValueError, match="bf16 or an fp8"):
+        plan(get_preset("llama-3.2-1b"), 132, kv_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_long_contexts_split_attention_over_the_sms(model):
+    """At 32k and 128k every KV head's context is cut into as many splits as the SMs allow (132 // Hkv = 16 for 8
+    KV heads): 8192 positions a split at 128k."""
+    spec = get_preset(model)
+    for ctx in (32768, 131072):
+        p = plan(spec, 132, StepShape((1,), ctx))
+        assert p.program.max_splits == 132 // spec.num_kv_heads == 16
+        assert p.constants.SP2 == 16

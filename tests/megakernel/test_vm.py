@@ -587,3 +587,36 @@ def test_a_down_proj_part_that_skips_its_ticket_is_caught():
             return
         assert "counters off" in e  # it finished last: its missing ticket leaves the ticket short
     pytest.fail("a DOWN_PROJ part finishing without its ticket went unnoticed in 20 interleavings")
+
+
+def test_the_fp8_program_planned_for_128k_matches_the_reference_at_a_long_context():
+    """The program the GPU runs for an fp8 cache at context 131072 (plan.plan with the cache's dtype: 66 splits a KV
+    head for tiny-qwen3's 2 KV heads on 132 SMs) over a 40000-position fp8 cache of random rows, two steps in the
+    VM against the reference decoder over a copy of the same cache: the splits cover the whole context, and the
+    appended rows are the reference's bytes."""
+    from mimw.kv import fp8
+    from mimw.megakernel.plan import plan
+
+    spec, w = model("tiny-qwen3")
+    ctx, ps = 40000, 16
+    p = plan(spec, 132, StepShape((1,), 131072), ps, kv_dtype=fp8.FP8)
+    assert p.constants.FP8 and p.program.max_splits == 66
+    layout = KVLayout.for_spec(spec, ps, ctx // ps + 4, fp8.FP8)
+    ref_cache, vm_cache = PagedKVCache(layout), PagedKVCache(layout)
+    table = tuple(random.Random(0).sample(range(layout.num_pages), layout.num_pages))
+    g = torch.Generator().manual_seed(3)
+    pos = torch.arange(ctx)
+    for layer in range(spec.num_layers):
+        k, v = (torch.randn(ctx, spec.num_kv_heads, spec.head_dim, generator=g) for _ in range(2))
+        ref_cache.write(layer, table, pos, k, v)
+    for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()):
+        b.copy_(a)
+    ref, vm = ReferenceDecoder(w), VM(p.program, w, vm_cache)
+    state, scratch = alloc_state(p.program, max_pages=layout.num_pages), alloc_scratch(p.program)
+    for step in range(2):
+        tok = torch.randint(0, spec.vocab_size, (1,), generator=g)
+        want = ref.forward(tok, [Segment(table, ctx + step, 1)], ref_cache)
+        state.fill(tok.tolist(), [ctx + step], [table], (1,))
+        vm.run_step(state, scratch, random.Random(step))
+        assert rel_err(scratch.logits, want) <= 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))

@@ -1,7 +1,8 @@
 """`mimw bench` entry for the megakernel backend (contract: ``mimw.bench.peers.mimw_peers``).
 
-``make_step(spec, weights, context, options="")`` builds a MegakernelDecoder (plan.Tuning overrides ``options``,
-"NAME=VALUE,...", ``Tuning.parse``) over a paged cache holding the benchmark's seeded K/V for positions
+``make_step(spec, weights, context, options="", kv_dtype=None)`` builds a MegakernelDecoder (plan.Tuning overrides
+``options``, "NAME=VALUE,...", ``Tuning.parse``) over a paged cache (bf16, or ``kv_dtype`` fp8: e4m3 rows with their
+scales, as ``mimw bench decode --kv-dtype fp8`` runs it) holding the benchmark's seeded K/V for positions
 0..context-1, captures one decode step (token ``inputs.token`` at position ``context``) in a CUDA graph, and returns a
 zero-argument callable that replays it; ``step.logits`` is the [1, V] logits buffer.
 """
@@ -15,7 +16,8 @@ from ..models.spec import ModelSpec
 from ..models.weights import ModelWeights
 
 
-def make_step(spec: ModelSpec, weights: ModelWeights, context: int, options: str = "") -> Callable[[], None]:
+def make_step(spec: ModelSpec, weights: ModelWeights, context: int, options: str = "",
+              kv_dtype: torch.dtype | None = None) -> Callable[[], None]:
     from .plan import Tuning
 
     tuning = Tuning.parse(options)  # ValueError on a bad option, before any GPU work
@@ -24,7 +26,7 @@ def make_step(spec: ModelSpec, weights: ModelWeights, context: int, options: str
     from ..bench.inputs import decode_inputs, paged_cache
     from .launch.decoder import MegakernelDecoder
 
-    inputs = decode_inputs(spec, context, device="cuda")
+    inputs = decode_inputs(spec, context, device="cuda", kv_dtype=kv_dtype)
     cache, table = paged_cache(spec, inputs)
     dec = MegakernelDecoder(weights if weights.dtype == torch.bfloat16 else weights.to(dtype=torch.bfloat16),
                             cache, max_pages_per_seq=len(table), tuning=tuning, context_hint=max(1, context))

@@ -11,8 +11,8 @@ callable that runs one decode step (graph-captured/replayed inside); ``options``
     decodes ``inputs.token`` at position C, so that its logits can be checked against the reference;
   - the callable may carry ``logits``: a tensor ([V] or [1, V]) the step overwrites, or a zero-argument function
     returning it. Without it the row is reported "unchecked".
-ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>"; so does an fp8
-run (``inputs.kv_dtype``) until the kernel reads fp8 pages.
+ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>". An fp8 run
+(``inputs.kv_dtype``) passes the cache's element type on: the kernel reads and writes e4m3 pages with their scales.
 """
 from __future__ import annotations
 
@@ -40,14 +40,12 @@ def mimw_reference(ctx: PeerContext) -> Peer:
 def mimw_megakernel(ctx: PeerContext) -> Peer:
     if ctx.bw.spec.is_moe:
         raise Unavailable("the megakernel's GPU kernel does not run mixture-of-experts layers yet")
-    if ctx.inputs.kv_dtype not in (None, torch.bfloat16):
-        raise Unavailable("the megakernel does not read fp8 KV pages yet")
     try:
         from ...megakernel.bench_backend import make_step
     except ImportError as e:
         raise Unavailable(f"mimw.megakernel.bench_backend: {e}") from None
     try:
-        step = make_step(ctx.bw.spec, ctx.bw.weights, ctx.inputs.context, ctx.megakernel)
+        step = make_step(ctx.bw.spec, ctx.bw.weights, ctx.inputs.context, ctx.megakernel, ctx.inputs.kv_dtype)
     except (ImportError, NotImplementedError) as e:
         raise Unavailable(f"{type(e).__name__}: {e}") from None
     logits = getattr(step, "logits", None)

@@ -3,7 +3,10 @@
 For one model shape and context: random bf16 weights, a bf16 paged KV cache whose first ``context`` positions hold
 random K/V (the values past tokens would have left there — the kernel cannot tell), then ``steps`` consecutive
 decode steps. The oracle is the reference decoder in fp32 on the same bf16-rounded weights, over an fp32 copy of
-the same cache; each step feeds both the oracle's greedy token. Scratch is poisoned (NaN) before every launch.
+the same cache; each step feeds both the oracle's greedy token. With ``kv_dtype`` fp8 the cache holds the random
+K/V quantised (e4m3 + a bf16 scale per row, kv/fp8.py) and the oracle (and the bf16 reference below) run over
+copies of that very fp8 cache, storing their own new rows through ``PagedKVCache.store`` as the kernel stores its
+own; ``kv_rows`` then compares the rows the kernel wrote with the oracle's. Scratch is poisoned (NaN) before every launch.
 Every step also relaunches once more and compares logits bit for bit (a moving result would be a race).
 
 ``check_batch`` does the same for a decode batch (``MegakernelDecoder.step_batch``): B sequences, each with its own
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ...kv import fp8
 from ...kv.pages import KVLayout, PagedKVCache
 from ...models.reference import ReferenceDecoder, Segment
 from ...models.spec import ModelSpec
@@ -48,6 +52,7 @@ class CheckResult:
     bf16_argmax_agree: float = float("nan")  # ... and its own exact argmax agreement with the oracle
     tie: float = 0.0  # near-tie bound: 2 x bf16_rel_err
     flips: list = None  # [(step, oracle gap / max|logit|, step error / max|logit|)] for every argmax mismatch
+    kv_rows: dict = None  # fp8: the K/V rows the kernel wrote this run against the oracle's (``kv_row_check``)
 
     def ok(self, tol: float = 2e-2, agree: float = 0.99) -> bool:
         return self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree_or_tie >= agree
@@ -76,32 +81,71 @@ def argmax_verdicts(steps: list[tuple[bool, float, float]], tie: float) -> tuple
 
 
 def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed: int, device="cuda",
-                 min_pages: int = 0):
-    """A bf16 cache with ``context`` random positions of one sequence; its block table is a shuffled page list.
-    ``min_pages``: a pool at least this large (a long pool with a short context puts the last layers' rows past 2^31
-    elements)."""
-    n_pages = max(-(-(context + steps) // page_size) + 3, min_pages)
-    layout = KVLayout.for_spec(spec, page_size, n_pages, torch.bfloat16)
-    cache = PagedKVCache(layout, device)
+                 kv_dtype: torch.dtype = torch.bfloat16):
+    """A cache with ``context`` random positions of one sequence (bf16, or fp8: the same values quantised row by row
+    as ``PagedKVCache.store`` quantises them); its block table is a shuffled page list."""
+    n_pages = -(-(context + steps) // page_size) + 3
+    cache = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, torch.bfloat16), device)
     g = torch.Generator(device=device).manual_seed(seed)
     cache.k.normal_(0, 1, generator=g)
     cache.v.normal_(0, 1, generator=g)
     table = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    if kv_dtype == fp8.FP8:
+        out = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, fp8.FP8), device)
+        for name, scale in (("k", out.k_scale), ("v", out.v_scale)):
+            q, s = fp8.quantize(getattr(cache, name))
+            getattr(out, name).view(torch.uint8).copy_(q.view(torch.uint8))
+            scale.copy_(s)
+        cache = out
     return cache, table
+
+
+def copy_cache(cache: PagedKVCache) -> PagedKVCache:
+    """A second cache of the same layout holding the same bytes (scales included)."""
+    out = PagedKVCache(cache.layout, cache.device)
+    for dst, src in zip(out.page_tensors(), cache.page_tensors()):
+        dst.copy_(src)
+    return out
+
+
+def kv_row_check(got: PagedKVCache, expect: PagedKVCache, table, positions) -> dict:
+    """fp8 rows at ``positions`` (every layer, K and V, every KV head) that the kernel wrote (``got``) against the
+    oracle's (``expect``): ``requant_exact``: re-quantising the kernel's dequantised rows gives back its very bytes
+    and scales (what a row quantised by kv/fp8.py's rule satisfies; a wrong scale or rounding breaks it);
+    ``max_err``: the largest |kernel - oracle| relative to the row's amax, after dequantising (the two rows differ
+    by bf16 activation rounding, which may move an element by one e4m3 step: 2^-3 relative near the amax);
+    ``bytes_equal``: the fraction of rows whose bytes and scale equal the oracle's."""
+    pos = torch.as_tensor(list(positions), device=got.device)
+    pages, rows = got.slots(table, pos)
+    requant, err, equal, n = True, 0.0, 0, 0
+    for layer in range(got.layout.num_layers):
+        for name in ("k", "v"):
+            x = got.load(name, layer, pages, rows)  # [T, Hkv, hd] fp32
+            y = expect.load(name, layer, pages, rows)
+            q, s = fp8.quantize(x)
+            pool = getattr(got, name).view(torch.uint8)[layer, pages, :, rows]  # [T, Hkv, hd]
+            scales = (got.k_scale if name == "k" else got.v_scale)[layer, pages, :, rows]
+            requant &= bool(torch.equal(q.view(torch.uint8), pool)) and bool(torch.equal(s, scales))
+            amax = y.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+            err = max(err, ((x - y).abs() / amax).max().item())
+            equal += int((x == y).all(-1).sum())
+            n += x.shape[0] * x.shape[1]
+    return {"requant_exact": requant, "max_err": err, "bytes_equal": equal / max(n, 1)}
 
 
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
-                 min_pages: int = 0) -> CheckResult:
+                 kv_dtype: torch.dtype = torch.bfloat16) -> CheckResult:
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
-    cache, table = random_cache(spec, context, steps, page_size, seed + 1, min_pages=min_pages)
-    ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, cache.layout.num_pages, torch.float32), "cuda")
-    ref_cache.k.copy_(cache.k)
-    ref_cache.v.copy_(cache.v)
+    cache, table = random_cache(spec, context, steps, page_size, seed + 1, kv_dtype=kv_dtype)
+    if cache.layout.quantized:  # the oracles read (and append to) the same fp8 cache
+        ref_cache = copy_cache(cache)
+    else:
+        ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, cache.layout.num_pages, torch.float32), "cuda")
+        ref_cache.k.copy_(cache.k)
+        ref_cache.v.copy_(cache.v)
     ref = ReferenceDecoder(w.to(dtype=torch.float32))
-    bf16_cache = PagedKVCache(cache.layout, "cuda")  # the transformers-numerics reference's own bf16 cache
-    bf16_cache.k.copy_(cache.k)
-    bf16_cache.v.copy_(cache.v)
+    bf16_cache = copy_cache(cache)  # the transformers-numerics reference's own cache
     bf16_ref = ReferenceDecoder(w)
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
@@ -124,8 +168,9 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
     tie = 2 * bf16_err
     agree, near_ties, flips = argmax_verdicts(kernel_steps, tie)
     worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
+    rows = kv_row_check(cache, ref_cache, table, range(context, context + steps)) if cache.layout.quantized else None
     return CheckResult(spec.name, context, steps, worst, agree / steps, (agree + near_ties) / steps, same, finite,
-                       bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips)
+                       bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips, rows)
 
 
 @dataclass
