@@ -147,7 +147,7 @@ def _fp8_matches_reference(model, context, tuning=Tuning()):
     return r
 
 
-@pytest.mark.parametrize("context", [17, 1000, 8191])
+@pytest.mark.parametrize("context", [17, 8191])
 @pytest.mark.parametrize("model", MODELS)
 def test_fp8_kv_megakernel_matches_reference_over_the_same_fp8_cache(model, context):
     _fp8_matches_reference(model, context)
