@@ -131,14 +131,14 @@ def _store_rows(x_ptr, q_ptr, s_ptr, C: gl.constexpr):
     attn_in.store_row(q_ptr + r * C.HD, s_ptr + r, a, bh, i, C)
 
 
-def _fp8_matches_reference(model, context, tuning=Tuning()):
+def _fp8_matches_reference(model, context, tuning=Tuning(), min_pages=0):
     """The kernel over an fp8 cache against the fp32 oracle over a copy of that very fp8 cache (tools/check.py):
     logits within bf16 error as above, and the rows the kernel appended are kv/fp8.py rows (re-quantising their
     dequantised values gives back their bytes and scales) within one e4m3 step of the oracle's."""
     from mimw.kv import fp8
     from mimw.megakernel.tools.check import check_decode
 
-    r = check_decode(get_preset(model), context, steps=64, tuning=tuning, kv_dtype=fp8.FP8)
+    r = check_decode(get_preset(model), context, steps=64, tuning=tuning, kv_dtype=fp8.FP8, min_pages=min_pages)
     assert r.finite and r.bit_identical, r
     assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r
     assert r.kv_rows["requant_exact"], r.kv_rows
@@ -155,6 +155,17 @@ def test_fp8_kv_megakernel_matches_reference_over_the_same_fp8_cache(model, cont
 
 def test_fp8_kv_tickets_match_reference():
     _fp8_matches_reference("llama-3.2-1b", 8191, Tuning(clusters=False))
+
+
+def test_cache_rows_past_2_31_elements_are_addressed_in_64_bits():
+    """The 8B's pool at 128k holds 32 x 8193 pages x 16384 elements = 4.3e9 > 2^31 elements: a cache of 4200 pages
+    whose block table draws from all of them puts layer 31's rows past 2^31, where an int32 element offset would
+    wrap. Both element types (the bf16 pool is 8.8 GB, its fp32 oracle copy 17.6 GB)."""
+    from mimw.megakernel.tools.check import check_decode
+
+    _fp8_matches_reference("llama-3.1-8b", 1000, min_pages=4200)
+    r = check_decode(get_preset("llama-3.1-8b"), 1000, steps=64, min_pages=4200)
+    assert r.finite and r.bit_identical and r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99, r
 
 
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b", "tiny-qwen3"])

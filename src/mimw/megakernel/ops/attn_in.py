@@ -296,7 +296,8 @@ def _finish(layer, head, n_parts, pos, page, src, PSTRIDE: gl.constexpr, q_ptr, 
         else:
             cache = b.vc
             scales = b.vsc
-        store_row(cache + row * HD, scales + row, a, bh, i, C)
+        # the element offset in int64: a pool passes 2^31 elements at long contexts (the 8B's 32 layers at 128k)
+        store_row(cache + row.to(gl.int64) * HD, scales + row, a, bh, i, C)
 
 
 E4M3_MAX: gl.constexpr = gl.constexpr(fp8.E4M3_MAX)

@@ -178,7 +178,7 @@ def _rows(bt_ptr, seg, maxp, t, hi, layer, num_pages, kvh, C: gl.constexpr):
 def _kv(b, row, m, d3, C: gl.constexpr):
     """K and V rows ``row`` [NW, BTW] (mask m) as [NW, BTW, HD] in the cache's element type, and (C.FP8) their
     scales [NW, BTW] (else placeholders): all requested before any is used. ``row`` is also the scales' index."""
-    addr = gl.expand_dims(row, 2) * C.HD + d3
+    addr = gl.expand_dims(row, 2).to(gl.int64) * C.HD + d3  # past 2^31 elements at long contexts (8B at 128k)
     m3 = gl.expand_dims(m, 2)
     k = gl.load(b.kc + addr, mask=m3, other=0.0, cache_modifier=".cg")
     v = gl.load(b.vc + addr, mask=m3, other=0.0, cache_modifier=".cg")
@@ -279,7 +279,7 @@ def _partial(layer, kvh, seg, split, n_splits, k, v, ks, vs, s, b, sm, q_ptr, po
     holds = (lo <= pos) & (pos < hi)
     here = (d3 * 0 + holds.to(gl.int32)) != 0
     at_row = ((layer * b.num_pages + s.tok_page) * C.HKV + kvh) * C.PS + pos % C.PS
-    at = at_row * HD + d3
+    at = at_row.to(gl.int64) * HD + d3
     k_new = gl.load(b.kc + at, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
     v_new = gl.load(b.vc + at, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
     if C.FP8:  # the row's scale, broadcast along HD

@@ -81,10 +81,11 @@ def argmax_verdicts(steps: list[tuple[bool, float, float]], tie: float) -> tuple
 
 
 def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed: int, device="cuda",
-                 kv_dtype: torch.dtype = torch.bfloat16):
+                 kv_dtype: torch.dtype = torch.bfloat16, min_pages: int = 0):
     """A cache with ``context`` random positions of one sequence (bf16, or fp8: the same values quantised row by row
-    as ``PagedKVCache.store`` quantises them); its block table is a shuffled page list."""
-    n_pages = -(-(context + steps) // page_size) + 3
+    as ``PagedKVCache.store`` quantises them); its block table is a shuffled page list. ``min_pages``: a pool at
+    least this large (a long pool with a short context puts the last layers' rows past 2^31 elements)."""
+    n_pages = max(-(-(context + steps) // page_size) + 3, min_pages)
     cache = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, torch.bfloat16), device)
     g = torch.Generator(device=device).manual_seed(seed)
     cache.k.normal_(0, 1, generator=g)
@@ -135,9 +136,9 @@ def kv_row_check(got: PagedKVCache, expect: PagedKVCache, table, positions) -> d
 
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
-                 kv_dtype: torch.dtype = torch.bfloat16) -> CheckResult:
+                 kv_dtype: torch.dtype = torch.bfloat16, min_pages: int = 0) -> CheckResult:
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
-    cache, table = random_cache(spec, context, steps, page_size, seed + 1, kv_dtype=kv_dtype)
+    cache, table = random_cache(spec, context, steps, page_size, seed + 1, kv_dtype=kv_dtype, min_pages=min_pages)
     if cache.layout.quantized:  # the oracles read (and append to) the same fp8 cache
         ref_cache = copy_cache(cache)
     else:
