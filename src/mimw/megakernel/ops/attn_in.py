@@ -20,8 +20,9 @@ Tiles: the head's hd rows of the qkv matrix, the part's column tiles.
 Device (``compute``): RMSNorm(x) staged once for a run of ATTN_IN instructions; each row tile's sums go to the
 qkv_part scratch (a ticket: the last part finishes the head from the parts in global memory) or, in a cluster pair,
 into both CTAs' exchange slots (device/cluster.py): part 0 waits for part 1's sums and finishes the head, reading
-the step-independent finish inputs (inverse frequencies, q/k norm weights, bias) before the exchange's wait. A K/V row is stored in the cache's format (``store_row``): bf16, or (an fp8 cache) quantised
-in registers to e4m3 with its bf16 scale, bit for bit as the host's ``PagedKVCache.store``.
+the step-independent finish inputs (inverse frequencies, q/k norm weights, bias) before the exchange's wait. A K/V
+row is stored in the cache's format (``store_row``): bf16, or (an fp8 cache) quantised in registers to e4m3 with
+its bf16 scale, bit for bit as the host's ``PagedKVCache.store``.
 """
 from __future__ import annotations
 

@@ -29,6 +29,13 @@ together). Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 *
 uses exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). K/V rows are read
 with 16-byte vector loads through L2 (.cg): the newest row was written by another CTA in this step. The last split
 to draw the ticket combines every split's partial in one round of independent loads.
+
+An fp8 cache (``C.FP8``: e4m3 rows, a bf16 scale per (token, KV head) row, kv/pages.py) changes the loads only: each
+block's e4m3 K/V rows (8-byte vectors) and their scales ([BT] per block, at the rows' own index) are requested
+together and dequantised in registers as kv/fp8.py's ``dequantize`` computes them (``float(q) * float(scale)``, exact
+in fp32), so the rest is the same math over the same values the reference reads. Its blocks hold twice the positions
+(``plan.attn_block``: 8 KB of K, 16 KB of K and V, a round trip), so a split makes half the round trips of bf16.
+Element offsets into the pools are int64: the 8B's pools pass 2^31 elements at 128k.
 """
 from __future__ import annotations
 
@@ -235,8 +242,8 @@ def _prefetch(layer, kvh, seg, split, n_splits, s, b, C: gl.constexpr):
 @gluon.jit
 def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
     """One block of the online softmax, per warp, over fp32 K/V [NW, BTW, HD]: scores [NW, GP, BTW] (invalid
-    positions masked), then the
-    running max m_i, denominator l_i [NW, GP] and output o [NW, GP, HD] are rescaled and updated."""
+    positions masked), then the running max m_i, denominator l_i [NW, GP] and output o [NW, GP, HD] are rescaled
+    and updated."""
     sc = gl.sum(q4 * gl.expand_dims(k, 1), axis=3)
     sc = gl.where(valid, sc, EMPTY_M_D)
     m_new = gl.maximum(m_i, gl.max(sc, axis=2))
@@ -283,8 +290,9 @@ def _partial(layer, kvh, seg, split, n_splits, k, v, ks, vs, s, b, sm, q_ptr, po
     k_new = gl.load(b.kc + at, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
     v_new = gl.load(b.vc + at, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
     if C.FP8:  # the row's scale, broadcast along HD
-        k_new = k_new * gl.load(b.ksc + at_row + d3 * 0, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
-        v_new = v_new * gl.load(b.vsc + at_row + d3 * 0, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
+        at_s = at_row + d3 * 0
+        k_new = k_new * gl.load(b.ksc + at_s, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
+        v_new = v_new * gl.load(b.vsc + at_s, mask=here, other=0.0, cache_modifier=".cg").to(gl.float32)
     m_i = gl.full([NW, GP], EMPTY_M_D, gl.float32, gl.SliceLayout(2, S3))
     l_i = gl.zeros([NW, GP], gl.float32, gl.SliceLayout(2, S3))
     o = gl.zeros([NW, GP, HD], gl.float32, Q3)

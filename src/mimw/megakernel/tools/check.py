@@ -6,8 +6,8 @@ decode steps. The oracle is the reference decoder in fp32 on the same bf16-round
 the same cache; each step feeds both the oracle's greedy token. With ``kv_dtype`` fp8 the cache holds the random
 K/V quantised (e4m3 + a bf16 scale per row, kv/fp8.py) and the oracle (and the bf16 reference below) run over
 copies of that very fp8 cache, storing their own new rows through ``PagedKVCache.store`` as the kernel stores its
-own; ``kv_rows`` then compares the rows the kernel wrote with the oracle's. Scratch is poisoned (NaN) before every launch.
-Every step also relaunches once more and compares logits bit for bit (a moving result would be a race).
+own; ``kv_rows`` then compares the rows the kernel wrote with the oracle's. Scratch is poisoned (NaN) before every
+launch. Every step also relaunches once more and compares logits bit for bit (a moving result would be a race).
 
 ``check_batch`` does the same for a decode batch (``MegakernelDecoder.step_batch``): B sequences, each with its own
 random past in the shared cache and its own shuffled pages, all advanced by one launch a step; every sequence's
