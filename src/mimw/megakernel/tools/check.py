@@ -115,7 +115,8 @@ def kv_row_check(got: PagedKVCache, expect: PagedKVCache, table, positions) -> d
     and scales (what a row quantised by kv/fp8.py's rule satisfies; a wrong scale or rounding breaks it);
     ``max_err``: the largest |kernel - oracle| relative to the row's amax, after dequantising (the two rows differ
     by bf16 activation rounding, which may move an element by one e4m3 step: 2^-3 relative near the amax);
-    ``bytes_equal``: the fraction of rows whose bytes and scale equal the oracle's."""
+    ``bytes_equal``: the fraction of rows equal to the oracle's after dequantising (for information: bf16 rounding
+    of the activations moves most rows' scales by a bf16 step)."""
     pos = torch.as_tensor(list(positions), device=got.device)
     pages, rows = got.slots(table, pos)
     requant, err, equal, n = True, 0.0, 0, 0
