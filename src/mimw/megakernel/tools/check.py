@@ -6,7 +6,9 @@ decode steps. The oracle is the reference decoder in fp32 on the same bf16-round
 the same cache; each step feeds both the oracle's greedy token. With ``kv_dtype`` fp8 the cache holds the random
 K/V quantised (e4m3 + a bf16 scale per row, kv/fp8.py) and the oracle (and the bf16 reference below) run over
 copies of that very fp8 cache, storing their own new rows through ``PagedKVCache.store`` as the kernel stores its
-own; ``kv_rows`` then compares the rows the kernel wrote with the oracle's. Scratch is poisoned (NaN) before every
+own; ``kv_rows`` compares each step's rows, the kernel's with the oracle's, and then both oracles' caches take the
+kernel's rows, so that every step reads the same past as the kernel (an e4m3 step flipped by bf16 rounding, 2^-4 of
+an element, would otherwise accumulate over the run's new rows). Scratch is poisoned (NaN) before every
 launch. Every step also relaunches once more and compares logits bit for bit (a moving result would be a race).
 
 ``check_batch`` does the same for a decode batch (``MegakernelDecoder.step_batch``): B sequences, each with its own
@@ -112,7 +114,8 @@ def copy_cache(cache: PagedKVCache) -> PagedKVCache:
 def kv_row_check(got: PagedKVCache, expect: PagedKVCache, table, positions) -> dict:
     """fp8 rows at ``positions`` (every layer, K and V, every KV head) that the kernel wrote (``got``) against the
     oracle's (``expect``): ``requant_exact``: re-quantising the kernel's dequantised rows gives back its very bytes
-    and scales (what a row quantised by kv/fp8.py's rule satisfies; a wrong scale or rounding breaks it);
+    and scales (what a row quantised by kv/fp8.py's rule satisfies: its largest element sits at +-448; a row scaled
+    by another amax breaks it; the rounding itself is checked bit for bit by the GPU test of ``store_row``);
     ``max_err``: the largest |kernel - oracle| relative to the row's amax, after dequantising (the two rows differ
     by bf16 activation rounding, which may move an element by one e4m3 step: 2^-3 relative near the amax);
     ``bytes_equal``: the fraction of rows equal to the oracle's after dequantising (for information: bf16 rounding
@@ -132,7 +135,24 @@ def kv_row_check(got: PagedKVCache, expect: PagedKVCache, table, positions) -> d
             err = max(err, ((x - y).abs() / amax).max().item())
             equal += int((x == y).all(-1).sum())
             n += x.shape[0] * x.shape[1]
-    return {"requant_exact": requant, "max_err": err, "bytes_equal": equal / max(n, 1)}
+    return {"requant_exact": requant, "max_err": err, "bytes_equal": equal / max(n, 1), "rows": n}
+
+
+def merge_row_checks(a: dict | None, b: dict) -> dict:
+    """Two ``kv_row_check`` results over disjoint positions (weighted by their row counts) as one."""
+    if a is None:
+        return b
+    n_a, n_b = a.get("rows", 1), b.get("rows", 1)
+    return {"requant_exact": a["requant_exact"] and b["requant_exact"], "max_err": max(a["max_err"], b["max_err"]),
+            "bytes_equal": (a["bytes_equal"] * n_a + b["bytes_equal"] * n_b) / (n_a + n_b), "rows": n_a + n_b}
+
+
+def copy_rows(dst: PagedKVCache, src: PagedKVCache, table, positions) -> None:
+    """Positions' rows (every layer, K and V, every KV head, scales included) copied from ``src`` into ``dst``."""
+    pos = torch.as_tensor(list(positions), device=src.device)
+    pages, rows = src.slots(table, pos)
+    for d, t in zip(dst.page_tensors(), src.page_tensors()):
+        d[:, pages, :, rows] = t[:, pages, :, rows]
 
 
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
@@ -152,7 +172,7 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
-    same, finite, kernel_steps, bf16_steps = True, True, [], []
+    same, finite, kernel_steps, bf16_steps, rows = True, True, [], [], None
     for i in range(steps):
         seg = [Segment(tuple(table), context + i, 1)]
         expect = ref.forward(torch.tensor([tok]), seg, ref_cache)[0]
@@ -166,11 +186,14 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
         finite &= bool(torch.isfinite(got[0]).all())
         kernel_steps.append(step_error(got[0], expect))
         tok = int(expect.argmax())
+        if cache.layout.quantized:  # the step's rows: the kernel's against the oracle's, then the kernel's for both
+            rows = merge_row_checks(rows, kv_row_check(cache, ref_cache, table, [context + i]))
+            copy_rows(ref_cache, cache, table, [context + i])
+            copy_rows(bf16_cache, cache, table, [context + i])
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
     agree, near_ties, flips = argmax_verdicts(kernel_steps, tie)
     worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
-    rows = kv_row_check(cache, ref_cache, table, range(context, context + steps)) if cache.layout.quantized else None
     return CheckResult(spec.name, context, steps, worst, agree / steps, (agree + near_ties) / steps, same, finite,
                        bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips, rows)
 
