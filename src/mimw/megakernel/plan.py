@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from ..kv import fp8
-from ..kv.pages import KVLayout
 from ..models.spec import ModelSpec
 from .hold import check_marks, hold_marks, mark_words
 from .isa import Op
@@ -282,8 +281,8 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     if m > 1:
         t, down_parts = multi_token(spec, shape, t)
         mb = MB
-    row_bytes = KVLayout.for_spec(spec, page_size, 1, kv_dtype).bytes_per_token() // (2 * spec.num_layers
-                                                                                      * spec.num_kv_heads)
+    # one cached K (or V) row: head_dim elements, and for fp8 its bf16 scale (kv/pages.py)
+    row_bytes = spec.head_dim * kv_dtype.itemsize + (fp8.SCALE_DTYPE.itemsize if kv_dtype == fp8.FP8 else 0)
     cfg = dataclasses.replace(t.program_config(), kv_row_bytes=row_bytes)
     if down_parts > 1:
         cfg = dataclasses.replace(cfg, down_parts=down_parts)
