@@ -4,15 +4,15 @@ mimw-reference: ``ReferenceDecoder`` over a ``PagedKVCache`` (fp8 with ``--kv-dt
 CUDA-graph capturable: its slot arithmetic reads ``positions.max()`` on the host (a device sync) every layer. It is
 the oracle the other backends are checked against, timed for scale only.
 
-mimw-megakernel: ``mimw.megakernel.bench_backend.make_step(spec, weights, context, options)`` returns a zero-argument
-callable that runs one decode step (graph-captured/replayed inside); ``options`` are plan.Tuning overrides
-("NAME=VALUE,...", ``--megakernel``). Contract, beyond the call itself:
-  - the KV cache holds ``mimw.bench.inputs.decode_inputs(spec, context)`` (seed 0) at positions 0..C-1 and the step
+mimw-megakernel: ``mimw.megakernel.bench_backend.make_step(spec, weights, context, options, inputs)`` returns a
+zero-argument callable that runs one decode step (graph-captured/replayed inside); ``options`` are plan.Tuning
+overrides ("NAME=VALUE,...", ``--megakernel``). Contract, beyond the call itself:
+  - the KV cache holds ``inputs`` (the run's ``mimw.bench.inputs.decode_inputs``) at positions 0..C-1 and the step
     decodes ``inputs.token`` at position C, so that its logits can be checked against the reference;
   - the callable may carry ``logits``: a tensor ([V] or [1, V]) the step overwrites, or a zero-argument function
     returning it. Without it the row is reported "unchecked".
-ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>". An fp8 run
-(``inputs.kv_dtype``) passes the cache's element type on: the kernel reads and writes e4m3 pages with their scales.
+ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>". It gets the
+run's inputs (an fp8 run's included: ``inputs.kv_dtype``, the kernel then reads and writes e4m3 pages with scales).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def mimw_megakernel(ctx: PeerContext) -> Peer:
     except ImportError as e:
         raise Unavailable(f"mimw.megakernel.bench_backend: {e}") from None
     try:
-        step = make_step(ctx.bw.spec, ctx.bw.weights, ctx.inputs.context, ctx.megakernel, ctx.inputs.kv_dtype)
+        step = make_step(ctx.bw.spec, ctx.bw.weights, ctx.inputs.context, ctx.megakernel, ctx.inputs)
     except (ImportError, NotImplementedError) as e:
         raise Unavailable(f"{type(e).__name__}: {e}") from None
     logits = getattr(step, "logits", None)
