@@ -21,7 +21,7 @@ import torch
 
 from ...kv.pages import PagedKVCache
 from ...models.weights import ModelWeights
-from ..plan import LaunchPlan, Tuning, plan
+from ..plan import KV_DTYPES, LaunchPlan, Tuning, plan
 from ..program import StepShape
 from ..state import alloc_scratch, alloc_state
 from . import args
@@ -38,8 +38,6 @@ class MegakernelDecoder:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         spec = weights.spec
-        from ..plan import KV_DTYPES
-
         if cache.layout.dtype not in KV_DTYPES or cache.device.type != "cuda":
             raise ValueError(f"the megakernel needs a bf16 or fp8 KV cache on a CUDA device, got "
                              f"{cache.layout.describe()} on {cache.device}")
