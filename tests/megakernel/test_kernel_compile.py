@@ -69,7 +69,7 @@ def test_the_kernel_compiles_with_its_int_arguments_specialized_to_one():
     assert ptxas_report(k.asm["ptx"])["spill_stores"] == 0
 
 
-@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b", "tiny-qwen3"])
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "tiny-qwen3"])
 def test_the_fp8_kv_kernels_compile_spill_free_and_fit_shared_memory(model):
     """The kernel over an fp8 cache: e4m3 K/V loads widened in registers (cvt from e4m3x2), the finisher's rows
     quantised with round-to-nearest divisions and a saturating round-to-nearest-even e4m3 conversion (what torch's
