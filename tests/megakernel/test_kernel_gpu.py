@@ -160,15 +160,10 @@ def test_fp8_kv_tickets_match_reference():
     _fp8_matches_reference("llama-3.2-1b", 8191, Tuning(clusters=False))
 
 
-def test_cache_rows_past_2_31_elements_are_addressed_in_64_bits():
-    """The 8B's pool at 128k holds 32 x 8193 pages x 16384 elements = 4.3e9 > 2^31 elements: a cache of 4200 pages
-    whose block table draws from all of them puts layer 31's rows past 2^31, where an int32 element offset would
-    wrap. Both element types (the bf16 pool is 8.8 GB, its fp32 oracle copy 17.6 GB)."""
-    from mimw.megakernel.tools.check import check_decode
-
-    _fp8_matches_reference("llama-3.1-8b", 1000, min_pages=4200)
-    r = check_decode(get_preset("llama-3.1-8b"), 1000, steps=64, min_pages=4200)
-    assert r.finite and r.bit_identical and r.max_rel_err <= 2e-2 and r.argmax_agree_or_tie >= 0.99, r
+def test_fp8_cache_rows_past_2_31_elements_are_addressed_in_64_bits():
+    """The fp8 pool of the 64-bit addressing test above (the 1B's 18000 pages; the 8B's pool at 128k holds 32 x 8193
+    pages x 16384 elements = 4.3e9): the kernel over it against the oracle over a copy of the same fp8 cache."""
+    _fp8_matches_reference("llama-3.2-1b", 1000, min_pages=18000)
 
 
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b", "tiny-qwen3"])
