@@ -3,7 +3,9 @@
 # the working tree (nothing installed):
 #   tests   tests/megakernel/test_kernel_gpu.py -k "fp8 or 2_31": the kernel over an fp8 cache against the reference
 #           over the same fp8 cache (4 shapes x contexts 17 and 8191 x 64 steps, and the tickets), the finisher's row
-#           store bit for bit against kv/fp8.py's quantiser, and the 8B over a pool past 2^31 elements (bf16, fp8)
+#           store bit for bit against kv/fp8.py's quantiser, and the 8B over a pool past 2^31 elements (bf16, fp8);
+#           tests/megakernel/test_batch_gpu.py -k fp8: decode batches (1B x 8, 8B x 16) and verify blocks at
+#           context 17 (block 0's rows of the same launch reloaded after the wait, with their scales) over fp8
 #   bench   `mimw bench decode` of mimw-megakernel at contexts 8192, 32768, 131072 for llama-3.2-1b and
 #           llama-3.1-8b, batch 1, once with --kv-dtype bf16 and once with fp8 (each row's floor at its own KV
 #           bytes), then the two side by side (mimw.bench.kv_compare), the table last
@@ -20,8 +22,8 @@ parts=" ${PARTS:-tests bench} "
 status=()
 
 if [[ "$parts" == *" tests "* ]]; then
-    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
-        -k "fp8 or 2_31" > "$out/fp8-tests.log" 2>&1
+    timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
+        tests/megakernel/test_batch_gpu.py -k "fp8 or 2_31" > "$out/fp8-tests.log" 2>&1
     status+=("fp8 GPU tests: exit $? ($(tail -n 1 "$out/fp8-tests.log"))")
 fi
 if [[ "$parts" == *" bench "* ]]; then

@@ -61,7 +61,8 @@ def test_steps_options_carry_peers_and_their_budget():
 
 class StandIn:
     """The megakernel backend's interface as the steps bench uses it, on the CPU: the reference backend for every
-    path, over fp32 weights, and the fused copy the torch peers read."""
+    path (the multi-token launch too, up to ``max_tokens`` tokens), over fp32 weights, and the fused copy the torch
+    peers read."""
 
     def __init__(self, spec):
         import torch
@@ -74,7 +75,8 @@ class StandIn:
         self.be = ReferenceBackend(fused.unfused())
         self.prefill = type("Prefill", (), {"w": fused})()
         self.make_cache = self.be.make_cache
-        self.forward = self.decode_pass = self.be.forward
+        self.forward = self.decode_pass = self.decode_kernel = self.be.forward
+        self.max_tokens = 8
         self.calls = 0
         self._torch = torch
 
@@ -112,6 +114,9 @@ def test_run_model_measures_every_shape_and_each_peer_on_the_cpu(monkeypatch):
     assert [(r["kind"], r["segments"], r["block"], r["tokens"]) for r in rows] == [
         ("decode", 1, 1, 1), ("decode", 3, 1, 3), ("verify", 1, 4, 4), ("verify", 4, 4, 16)]
     assert mk.calls > 0 and rows[1]["argmax_agree"] == 1.0 and rows[1]["max_rel_err"] < 1e-5
+    # the multi-token launch alone where its tokens fit (2..max_tokens), checked against one pass
+    assert ["kernel_ms" in r for r in rows] == [False, True, True, False]
+    assert rows[2]["kernel_argmax_agree"] == 1.0 and rows[2]["kernel_max_rel_err"] < 1e-5
     for r in rows:
         assert "error" not in r and r["mimw_ms"] > 0 and r["floor_ms"] > 0
         # the same tokens, positions and cache contents: the reference peer reproduces the backend's logits

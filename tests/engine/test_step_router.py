@@ -93,3 +93,24 @@ def test_three_paths_unmeasured_first_then_the_cheapest():
     picks = [r.choose(6, paths) for _ in range(5)]  # decisions 5..9 of bucket 8
     assert picks == [KERNEL, KERNEL, KERNEL, BATCHED, KERNEL]  # 1.5 < 5.0 < 6.0; the 8th runs the second best
     assert r.choose(12) == BATCHED  # past the kernel's batch sizes the backend offers only the pass
+
+
+def test_a_verify_step_never_replays_and_takes_the_cheaper_whole_step_path():
+    from mimw.engine.backends.step_router import KERNEL
+
+    r = StepRouter(refresh=4)
+    paths = (KERNEL, BATCHED)
+    assert r.choose(5, paths, replays=False) == KERNEL  # unmeasured: tried in the order given
+    for _ in range(2):
+        r.observe(KERNEL, 5, 1.5)
+    assert r.choose(5, paths, replays=False) == BATCHED
+    for _ in range(2):
+        r.observe(BATCHED, 5, 4.0)
+    _warm(r, 0.01, {})  # replays would be far cheaper: a verify step still never takes them
+    picks = [r.choose(6, paths, replays=False) for _ in range(8)]
+    assert REPLAY not in picks and picks.count(KERNEL) == 6 and picks.count(BATCHED) == 2  # every 4th: refresh
+    # one whole-step path and no replays: the refresh has no second-best to try
+    only = StepRouter(refresh=1)
+    for _ in range(2):
+        only.observe(BATCHED, 32, 3.0)
+    assert [only.choose(32, (BATCHED,), replays=False) for _ in range(3)] == [BATCHED] * 3

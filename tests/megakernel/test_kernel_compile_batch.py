@@ -1,9 +1,11 @@
-"""CI (CPU only): the decode-batch megakernel (plan.plan with M = 2..8 tokens: swap-AB wgmma, device/matvec_mt.py)
-compiles for sm_90a without spills and fits shared memory; the one-token kernel keeps none of its code."""
+"""CI (CPU only): the decode-batch megakernel (plan.plan with M = 2..32 tokens: swap-AB wgmma, device/matvec_mt.py)
+compiles for sm_90a without spills and fits shared memory, over a bf16 and an fp8 KV cache; the one-token kernel
+keeps none of its code."""
 import functools
 
 import pytest
 
+from mimw.kv.pages import parse_kv_dtype
 from mimw.megakernel.launch.compile import compile_sm90a, ptxas_report
 from mimw.megakernel.plan import SHARED_BYTES, plan
 from mimw.megakernel.program import StepShape
@@ -13,8 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 @functools.lru_cache(maxsize=None)
-def _build(model: str, batch: int):
-    p = plan(get_preset(model), 132, StepShape((1,) * batch, 1024))
+def _build(model: str, batch: int, kv: str = "bf16"):
+    p = plan(get_preset(model), 132, StepShape((1,) * batch, 1024), kv_dtype=parse_kv_dtype(kv))
     k = compile_sm90a(p)
     return p, k, ptxas_report(k.asm["ptx"])
 
@@ -35,6 +37,22 @@ def test_the_decode_batch_kernel_compiles_spill_free_on_wgmma(model):
     assert "cp.async.cg.shared.global" in ptx and ", 0x10," in ptx
 
 
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_sixteen_tokens_compile_spill_free_on_wgmma_n16(model):
+    p, k, rep = _build(model, 16)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.constants.MB == 16
+    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in k.asm["ptx"]
+    assert p.program.down_parts == (4 if model == "llama-3.1-8b" else 2)
+
+
+def test_thirty_two_tokens_compile_spill_free_on_wgmma_n32_where_they_fit():
+    p, k, rep = _build("llama-3.2-1b", 32)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.constants.MB == 32 and p.program.down_parts == 4
+    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in k.asm["ptx"]
+
+
 def test_a_smaller_batch_compiles_too():
     p, k, rep = _build("smollm2-135m", 3)
     assert rep["spill_stores"] == 0 and k.metadata.shared <= SHARED_BYTES
@@ -45,3 +63,21 @@ def test_the_one_token_kernel_has_no_multi_token_code():
     p, k, _ = _build("llama-3.2-1b", 1)
     ptx = k.asm["ptx"]
     assert p.constants.M == 1 and "wgmma" not in ptx and "mma.sync.aligned.m16n8k16" in ptx
+
+
+@pytest.mark.parametrize("model,batch", [("llama-3.2-1b", 8), ("llama-3.1-8b", 16)])
+def test_the_fp8_decode_batch_kernels_compile_spill_free_on_wgmma(model, batch):
+    """The multi-token kernel over an fp8 cache (the GPU-tested shapes of test_batch_gpu.py): e4m3 K/V widened in
+    registers (attention's blocks and its late reload of block 0 with their scales), the finisher's rows quantised
+    with round-to-nearest divisions and saturating e4m3 conversions; the same plan as the bf16 kernel's (attention
+    blocks of bf16's positions: fp8's twice as many spill here) but for the rows' bytes."""
+    p, k, rep = _build(model, batch, "fp8")
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.exchange_bytes == 0, k.metadata.shared
+    c, ptx = p.constants, k.asm["ptx"]
+    assert c.FP8 and c.M == batch and c.MB == batch
+    assert f"wgmma.mma_async.sync.aligned.m64n{batch}k16.f32.bf16.bf16" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+    b16 = plan(get_preset(model), 132, StepShape((1,) * batch, 1024))
+    assert (p.ring, p.hbuf_rows, p.program.down_parts) == (b16.ring, b16.hbuf_rows, b16.program.down_parts)
+    assert c.BT == b16.constants.BT

@@ -1,7 +1,8 @@
 """The launch plan (plan.py): host logic on the CPU."""
 import pytest
 
-from mimw.megakernel.plan import SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, norm_buffer_bytes, plan
+from mimw.megakernel.plan import (SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, max_tokens, norm_buffer_bytes,
+                                  plan)
 from mimw.megakernel.program import StepShape
 from mimw.models.spec import get_preset
 
@@ -62,16 +63,20 @@ def test_the_plan_refuses_moe_models_the_gpu_kernel_cannot_run_yet(model):
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
-@pytest.mark.parametrize("batch", [2, 5, 8])
-def test_a_decode_batch_plans_tickets_and_a_staging_buffer_of_eight_tokens(model, batch):
+@pytest.mark.parametrize("batch", [2, 5, 8, 11, 16, 32])
+def test_a_decode_batch_plans_tickets_and_a_staging_buffer_of_eight_or_sixteen_tokens(model, batch):
     from mimw.megakernel import isa
 
     spec = get_preset(model)
+    if batch > max_tokens(spec):  # the 8B shapes: 32 tokens of 4096 columns do not fit beside the ring
+        assert model in ("llama-3.1-8b", "qwen3-8b") and max_tokens(spec) == 16
+        return
     p = plan(spec, 132, StepShape((1,) * batch, 1024))
     c, slot = p.constants, p.tuning.tile_rows * p.tuning.tile_k * 2
-    assert (c.M, c.MB, p.cluster_size, p.exchange_bytes, c.DOWN_PAIRS) == (batch, 8, 1, 0, False)
+    mb = 8 if batch <= 8 else 16 if batch <= 16 else 32  # wgmma's N
+    assert (c.M, c.MB, p.cluster_size, p.exchange_bytes, c.DOWN_PAIRS) == (batch, mb, 1, 0, False)
     assert not (p.words[..., isa.Word.FLAGS] & isa.CLUSTER_PAIR).any()
-    assert p.staging_bytes == p.hbuf_rows * p.tuning.tile_k * 2 * 8
+    assert p.staging_bytes == p.hbuf_rows * p.tuning.tile_k * 2 * mb
     norm = norm_buffer_bytes(spec, p.tuning)  # a norm's weights as 32-column chunks, a power of two of them
     chunks = norm // 64
     assert chunks & (chunks - 1) == 0 and chunks * 32 >= spec.hidden_size > chunks * 16
@@ -79,9 +84,11 @@ def test_a_decode_batch_plans_tickets_and_a_staging_buffer_of_eight_tokens(model
     kt_i = -(-spec.intermediate_size // p.tuning.tile_k)
     parts = p.program.down_parts
     assert p.hbuf_rows >= max(c.KT_D, c.KT_Q, -(-kt_i // parts))
-    # two ticketed parts on every shape: at least two (whole rows alone are fewer blocks than SMs), and two fit (the
-    # 8B's 56 column tiles: 28 a part, 32 staged rows = 128 KB)
-    assert parts == 2
+    # at least two ticketed parts (whole rows alone are fewer blocks than SMs), and as few as fit: two at MB = 8 on
+    # every shape (the 8B's 56 column tiles: 28 a part, 32 staged rows = 128 KB); at MB = 16 the 8B's take four (14
+    # tiles: 16 staged rows = 128 KB) and Qwen3-8B's 48 three; at MB = 32 the 1B's 32 take four
+    expect = {8: {}, 16: {"llama-3.1-8b": 4, "qwen3-8b": 3}, 32: {"llama-3.2-1b": 4}}[mb]
+    assert parts == expect.get(model, 2)
     # the GPU keeps ticketed parts' sums [parts, M, D] in qkv_part's buffer: it has the room
     from mimw.megakernel.state import alloc_scratch
 
@@ -98,10 +105,12 @@ def test_the_single_token_plan_keeps_its_settings():
 
 
 def test_the_plan_refuses_multi_token_steps_the_gpu_kernel_cannot_run():
-    with pytest.raises(ValueError, match="verify blocks run on the VM only"):
+    with pytest.raises(ValueError, match="one-token segments"):
         plan(get_preset("llama-3.2-1b"), 132, StepShape((4,)))
-    with pytest.raises(ValueError, match="decode batch of 2..8"):
-        plan(get_preset("llama-3.2-1b"), 132, StepShape((1,) * 9))
+    with pytest.raises(ValueError, match="2..32 one-token segments"):
+        plan(get_preset("llama-3.2-1b"), 132, StepShape((1,) * 33))
+    with pytest.raises(ValueError, match="do not fit in shared memory"):  # 32 tokens of the 8B's 4096 columns
+        plan(get_preset("llama-3.1-8b"), 132, StepShape((1,) * 32))
     with pytest.raises(ValueError, match="chunk pair"):  # 32-dim heads: 16-row tiles
         plan(get_preset("tiny-qwen3"), 8, StepShape((1, 1)))
 
@@ -137,3 +146,23 @@ def test_long_contexts_split_attention_over_the_sms(model):
         p = plan(spec, 132, StepShape((1,), ctx))
         assert p.program.max_splits == 132 // spec.num_kv_heads == 16
         assert p.constants.SP2 == 16
+
+
+@pytest.mark.parametrize("model,batch", [("llama-3.2-1b", 8), ("llama-3.2-1b", 32), ("llama-3.1-8b", 16)])
+def test_an_fp8_multi_token_plan_differs_from_the_bf16_one_only_in_its_kv_settings(model, batch):
+    """Decode batches and verify blocks over an fp8 cache: the same multi-token plan (tokens padded to wgmma's N,
+    ring, staging buffer, DOWN_PROJ parts, splits, and attention blocks of bf16's positions: twice as many spill
+    registers there) with Constants.FP8 and the cost model's K/V rows at e4m3 + a bf16 scale."""
+    import dataclasses
+
+    from mimw.kv import fp8
+
+    spec = get_preset(model)
+    shape = StepShape((1,) * batch, 1024)
+    b16, f8 = plan(spec, 132, shape), plan(spec, 132, shape, kv_dtype=fp8.FP8)
+    assert (f8.constants.FP8, f8.constants.M, f8.constants.BT) == (True, batch, b16.constants.BT)
+    assert dataclasses.replace(f8.constants, FP8=False) == b16.constants
+    assert plan(spec, 132, kv_dtype=fp8.FP8).constants.BT == 2 * b16.constants.BT  # one token: 8 KB of K
+    assert (f8.ring, f8.hbuf_rows, f8.program.down_parts, f8.program.max_splits) == \
+        (b16.ring, b16.hbuf_rows, b16.program.down_parts, b16.program.max_splits)
+    assert f8.program.config.kv_row_bytes == spec.head_dim + 2

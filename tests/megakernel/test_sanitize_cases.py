@@ -8,18 +8,20 @@ from mimw.megakernel.program import StepShape
 from mimw.megakernel.tools.sanitize import cases
 
 
-def test_cases_cover_both_pairs_the_shared_memory_merge_the_tickets_and_a_decode_batch():
+def test_cases_cover_both_pairs_the_shared_memory_merge_the_tickets_a_decode_batch_and_a_verify_block():
     todo = cases()
-    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 6
+    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 7
     shapes = {}
-    for name, (spec, context, num_sms, tuning, batch) in todo.items():
-        p = plan(spec, num_sms, StepShape((1,) * batch, context), 16, tuning)  # every case is a valid kernel
+    for name, (spec, context, num_sms, tuning, lens) in todo.items():
+        # every case is a valid kernel: M one-token segments (a verify block's tokens each one: launch/one_token.py)
+        p = plan(spec, num_sms, StepShape((1,) * sum(lens), context), 16, tuning)
         shapes[name] = (p.program.attn_pairs, p.program.down_pairs, p.constants.SMEM_MERGE)
-    assert todo["decode_batch"][4] == 3 and shapes["decode_batch"][:2] == (False, False)
+    assert todo["decode_batch"][4] == (1, 1, 1) and shapes["decode_batch"][:2] == (False, False)
+    assert todo["verify_block"][4] == (3, 1) and shapes["verify_block"][:2] == (False, False)
     assert shapes["cluster_down"] == (True, True, False)  # SmolLM2: its staging buffer is too small to merge
     assert shapes["attn_smem_merge"][2] and shapes["cluster_qkv"][:2] == (True, False)
     assert shapes["tickets"][:2] == (False, False) and todo["tickets"][3] == Tuning(clusters=False, qkv_parts=2)
-    assert all(c[4] == 1 for n, c in todo.items() if n != "decode_batch")
+    assert all(c[4] == (1,) for n, c in todo.items() if n not in ("decode_batch", "verify_block"))
 
 
 def test_the_list_is_one_name_a_line_for_the_shell_loop():

@@ -7,7 +7,7 @@ from mimw.megakernel.state import StepState
 
 def _state(m: int, s: int, width: int) -> StepState:
     z = lambda *shape: torch.full(shape, -1, dtype=torch.int32)  # noqa: E731  (poison: written entries only)
-    return StepState(z(m), z(m), z(s), z(s, width), z(4))
+    return StepState(z(m), z(m), z(s), z(s, width), z(4), z(s))
 
 
 def test_fill_writes_tokens_positions_contexts_and_only_the_tables_used_width():
@@ -31,3 +31,13 @@ def test_fill_refuses_a_token_count_or_a_table_that_does_not_fit():
         st.fill([1, 2, 3], [3, 1], [[0], [1]], (1, 1))
     with pytest.raises(ValueError, match="segment 1: block table of 5 pages exceeds 4"):
         st.fill([1, 2], [3, 1], [[0], [1, 2, 3, 4, 5]], (1, 1))
+
+
+def test_fill_writes_each_segments_first_written_position():
+    st = _state(4, 2, 4)
+    st.fill([1, 2, 3, 4], [40, 41], [[0], [1]], (1, 3))
+    assert st.seg_new.tolist() == [40, 41]  # by default each segment's own first position
+    st.fill([1, 2, 3, 4], [40, 41], [[0], [1]], (1, 3), seg_new=[38, 41])
+    assert st.seg_new.tolist() == [38, 41]
+    with pytest.raises(ValueError, match="seg_new"):
+        st.fill([1, 2, 3, 4], [40, 41], [[0], [1]], (1, 3), seg_new=[41, 41])  # past the segment's first

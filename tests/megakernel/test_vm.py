@@ -23,10 +23,12 @@ import random
 import pytest
 import torch
 
+from mimw.kv import fp8
 from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.megakernel import isa
 from mimw.megakernel.ops import CLASSES
 from mimw.megakernel.ops.attn_in import AttnIn
+from mimw.megakernel.launch.one_token import split_segments
 from mimw.megakernel.ops.attn_partial import AttnPartial
 from mimw.megakernel.plan import Tuning, plan
 from mimw.megakernel.program import ProgramConfig, StepShape, build_program, cluster_mate_errors
@@ -60,12 +62,14 @@ def model(name: str):
     return spec, random_weights(spec, seed=1)
 
 
-def prefilled(name: str, page_size: int, contexts: tuple[int, ...], new_tokens: int, seed: int):
+def prefilled(name: str, page_size: int, contexts: tuple[int, ...], new_tokens: int, seed: int,
+              kv_dtype: torch.dtype = torch.float32):
     """Reference decoder + its cache holding each sequence's first ``contexts[s]`` tokens, a copy of that cache
-    for the VM, and each sequence's block table (shuffled pages, enough for ``new_tokens`` more)."""
+    for the VM, and each sequence's block table (shuffled pages, enough for ``new_tokens`` more); ``kv_dtype``: the
+    caches' element type (fp8: scales included)."""
     spec, w = model(name)
     per_seq = [-(-(c + new_tokens) // page_size) for c in contexts]
-    layout = KVLayout.for_spec(spec, page_size, sum(per_seq) + 3, torch.float32)
+    layout = KVLayout.for_spec(spec, page_size, sum(per_seq) + 3, kv_dtype)
     pages = list(range(layout.num_pages))
     random.Random(seed).shuffle(pages)
     tables, i = [], 0
@@ -77,8 +81,8 @@ def prefilled(name: str, page_size: int, contexts: tuple[int, ...], new_tokens: 
     prompt = torch.randint(0, spec.vocab_size, (sum(contexts),), generator=g)
     ref.forward(prompt, [Segment(t, 0, c) for t, c in zip(tables, contexts)], ref_cache)
     vm_cache = PagedKVCache(layout)
-    vm_cache.k.copy_(ref_cache.k)
-    vm_cache.v.copy_(ref_cache.v)
+    for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()):
+        b.copy_(a)
     return spec, w, ref, ref_cache, vm_cache, tables, g
 
 
@@ -542,13 +546,15 @@ def test_vm_over_an_fp8_cache_matches_the_reference_over_the_same_cache():
     assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))
 
 
-# --- decode batches as the GPU kernel plans them (plan.plan, M = 2..8) ------------------------------------------
+# --- decode batches as the GPU kernel plans them (plan.plan, M = 2..16) -----------------------------------------
 
 BATCH_CASES = [  # (preset, num_sms, page_size, contexts: one segment of one token each)
     ("smollm2-135m", 132, 16, (14, 31)),
     ("smollm2-135m", 1, 64, (62, 1, 127, 30, 5)),
     ("smollm2-135m", 132, 64, (62, 1, 127, 30, 5, 64, 17, 2)),
     ("smollm2-wide", 132, 16, (14, 31, 3, 47, 9)),  # DOWN_PROJ in ticketed column parts
+    ("smollm2-135m", 132, 16, (14, 31, 3, 47, 9, 1, 2, 60, 15, 16, 17, 33, 8, 5, 70, 22)),  # sixteen: MB = 16
+    ("smollm2-135m", 132, 16, tuple(range(3, 99, 3))),  # thirty-two: MB = 32
 ]
 
 
@@ -561,6 +567,61 @@ def test_vm_proves_the_decode_batch_programs_the_plan_builds(name, num_sms, page
     prog = _vm_against_reference(name, num_sms, page_size, seg_lens, contexts, p.program.config)
     assert not any(i.flags & isa.CLUSTER_PAIR for i in prog.instructions())
     assert prog.down_parts == p.program.down_parts == 2
+
+
+@pytest.mark.parametrize("num_sms,padded", [(132, False), (7, False), (132, True)])
+def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_the_blocks(num_sms, padded):
+    """A verify block of 4, one of 3 and a decode token (8 one-token segments: the plan of a decode batch of 8),
+    two steps in a row, each in several random interleavings: every token's logits and the cache equal the
+    reference's over the real segments."""
+    lens = (4, 2, 1) if padded else (4, 3, 1)  # padded: 7 tokens run as the bucket of 8, a padding row last
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, (37, 15, 60), 2 * max(lens), 11)
+    pad_page = min(set(range(vm_cache.layout.num_pages)) - {p for t in tables for p in t}) if padded else None
+    n = 8 if padded else sum(lens)
+    p = plan(spec, num_sms, StepShape((1,) * n))
+    dec = VMDecoder(spec, w, vm_cache, num_sms, StepShape((1,) * n), p.program.config)
+    pad_rows = (vm_cache.k[:, pad_page].clone(), vm_cache.v[:, pad_page].clone()) if padded else None
+    starts = [37, 15, 60]
+    for step in range(2):
+        segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]
+        tokens = torch.randint(0, spec.vocab_size, (sum(lens),), generator=g)
+        want = ref.forward(tokens, segs, ref_cache)
+        one = split_segments(segs, pad_page)
+        for rep in range(3):
+            dec.state.fill(tokens.tolist() + [0] * one.padding, one.positions, one.block_tables,
+                           dec.program.shape.seg_lens, one.firsts)
+            dec.vm.run_step(dec.state, dec.scratch, random.Random(10 * step + rep))
+            got = dec.scratch.logits[list(one.logit_rows)]
+            assert rel_err(got, want) <= 1e-5, f"step {step}, interleaving {rep}: {rel_err(got, want):.2e}"
+        assert dec.state.seg_new.tolist() == list(one.firsts)
+        starts = [s + n for s, n in zip(starts, lens)]
+    if padded:  # the padding wrote its page and nothing else: put the reference's bytes back before comparing
+        assert not torch.equal(vm_cache.k[:, pad_page], pad_rows[0])
+        vm_cache.k[:, pad_page], vm_cache.v[:, pad_page] = ref_cache.k[:, pad_page], ref_cache.v[:, pad_page]
+    assert rel_err(vm_cache.k, ref_cache.k) <= 1e-5 and rel_err(vm_cache.v, ref_cache.v) <= 1e-5
+
+
+def test_the_fp8_verify_program_matches_the_reference_over_the_same_fp8_cache():
+    """Verify blocks and a decode token (8 one-token segments) with the program plan.plan builds for an fp8 cache:
+    every token's logits and the rows appended (e4m3 bytes and scales) are the reference's over its own fp8 cache,
+    whose past the VM's copy shares."""
+    lens = (4, 3, 1)
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, (37, 15, 60), 2 * max(lens), 5,
+                                                            fp8.FP8)
+    p = plan(spec, 132, StepShape((1,) * sum(lens)), kv_dtype=fp8.FP8)
+    assert p.constants.FP8 and p.constants.M == 8
+    dec = VMDecoder(spec, w, vm_cache, 132, StepShape((1,) * sum(lens)), p.program.config)
+    starts = [37, 15, 60]
+    for step in range(2):
+        segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]
+        tokens = torch.randint(0, spec.vocab_size, (sum(lens),), generator=g)
+        want = ref.forward(tokens, segs, ref_cache)
+        one = split_segments(segs)
+        dec.state.fill(tokens.tolist(), one.positions, one.block_tables, dec.program.shape.seg_lens, one.firsts)
+        dec.vm.run_step(dec.state, dec.scratch, random.Random(step))
+        assert rel_err(dec.scratch.logits[list(one.logit_rows)], want) <= 1e-5
+        starts = [s + n for s, n in zip(starts, lens)]
+    assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))
 
 
 @pytest.mark.parametrize("parts,num_sms", [(2, 7), (3, 132), (4, 1)])

@@ -6,9 +6,10 @@ A step of B decode segments at context C must read every weight once and each se
 
 and a verify step of S segments of K tokens reads the same weights and S contexts' KV (plus the block's own rows).
 This script times the megakernel backend's step (``MegakernelBackend.forward``: the megakernel for one decode
-token; for a decode batch the faster of B replays of the M = 1 megakernel and one pass of its prefill path, as its
-``StepRouter`` measured them; the prefill path for verify blocks) and, for decode
-batches, both paths alone (``decode_replays``, ``decode_pass``), for B in ``--batch`` and verify blocks of K in
+token; for more the fastest of B replays of the M = 1 megakernel (decode batches), one launch of its multi-token
+step (up to ``plan.max_tokens`` tokens) and one pass of its prefill path, as its ``StepRouter`` measured them) and
+each path alone (``replay_ms``, ``kernel_ms``, ``batched_ms``; the multi-token launch's logits checked against the
+pass's: ``kernel_max_rel_err``, ``kernel_argmax_agree``), for B in ``--batch`` and verify blocks of K in
 ``--verify``. Every segment has its own pages, filled with random K/V; weights are random at the preset's shape.
 The two paths' logits are checked against each other (argmax agreement and the largest relative error) before
 anything is timed.
@@ -81,11 +82,17 @@ def measure_mimw(row: dict, mk, inp: StepInputs, device: torch.device, budget_s:
                                           budget_s=budget_s).median_ms
             row["batched_ms"] = time_steps(lambda: mk.decode_pass(toks, segs, cache), device, 50,
                                            budget_s=budget_s).median_ms
+        if 2 <= len(toks) <= mk.max_tokens:  # the megakernel's multi-token launch alone, checked against one pass
+            row["kernel_max_rel_err"], row["kernel_argmax_agree"] = compare(
+                mk.decode_kernel(toks, segs, cache), mk.decode_pass(toks, segs, cache))
+            row["kernel_ms"] = time_steps(lambda: mk.decode_kernel(toks, segs, cache), device, 50,
+                                          budget_s=budget_s).median_ms
         ref = mk.forward(toks, segs, cache).float().clone()
         row["mimw_ms"] = time_steps(lambda: mk.forward(toks, segs, cache), device, 50, budget_s=budget_s).median_ms
         return ref
     except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
         return None
 
 

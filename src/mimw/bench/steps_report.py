@@ -2,8 +2,9 @@
 
 The result document (``batch_steps`` writes it as JSON): ``gpu``, ``read_TBps``, ``context``, ``peers`` (names, run
 order) and ``rows``, one per (model, step shape): ``model``, ``kind`` ("decode" or "verify"), ``segments``,
-``block``, ``tokens``, ``floor_ms``; where measured ``mimw_ms``, ``replay_ms``, ``batched_ms`` and the two decode
-paths' ``max_rel_err`` / ``argmax_agree`` against each other, or ``error``; per peer ``<peer>_ms``,
+``block``, ``tokens``, ``floor_ms``; where measured ``mimw_ms``, ``replay_ms``, ``kernel_ms``, ``batched_ms``, the
+decode paths' ``max_rel_err`` / ``argmax_agree`` against each other and ``kernel_max_rel_err`` /
+``kernel_argmax_agree`` (the multi-token launch against one pass), or ``error``; per peer ``<peer>_ms``,
 ``<peer>_max_rel_err`` and ``<peer>_argmax_agree`` (against mimw's logits of the same step), ``<peer>_build_s``,
 ``<peer>_notes``, or ``<peer>_error``.
 
@@ -41,21 +42,22 @@ def markdown(doc: dict) -> str:
     rows, peers = doc["rows"], doc.get("peers", [])
     lines = [f"{doc.get('gpu', '?')}, {doc.get('read_TBps', 0):.2f} TB/s read, context {doc.get('context', '?')}, "
              "random weights, bf16", "",
-             "| model | step | tokens | floor ms | mimw ms | x floor | tok/s | replays ms | one call ms | argmax agree "
-             "| best peer ms | x best peer |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model | step | tokens | floor ms | mimw ms | x floor | tok/s | replays ms | kernel ms | one pass ms "
+             "| argmax agree | best peer ms | x best peer |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         best = best_peer(r, peers)
         best_cell = f"{best[1]:.3f} ({best[0]})" if best else "-"
         if "mimw_ms" not in r:
             lines.append(f"| {r['model']} | {_step(r)} | {r['tokens']} | {r['floor_ms']:.3f} | "
-                         f"{r.get('error', '?')} | - | - | - | - | - | {best_cell} | - |")
+                         f"{r.get('error', '?')} | - | - | - | - | - | - | {best_cell} | - |")
             continue
         ms = r["mimw_ms"]
         speedup = f"{best[1] / ms:.2f}x" if best else "-"
         lines.append(f"| {r['model']} | {_step(r)} | {r['tokens']} | {r['floor_ms']:.3f} | {ms:.3f} | "
                      f"{ms / r['floor_ms']:.2f} | {r['tokens'] * 1e3 / ms:.0f} | {_f(r.get('replay_ms'))} | "
-                     f"{_f(r.get('batched_ms'))} | {_f(r.get('argmax_agree'))} | {best_cell} | {speedup} |")
+                     f"{_f(r.get('kernel_ms'))} | {_f(r.get('batched_ms'))} | "
+                     f"{_f(r.get('argmax_agree', r.get('kernel_argmax_agree')))} | {best_cell} | {speedup} |")
     if peers:
         lines += ["", "Peers, each checked against mimw's logits of the same step:", "",
                   "| model | step | peer | ms | x floor | peer / mimw | max rel err | argmax agree | build s | notes |",

@@ -13,13 +13,14 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
   * ATTN_PARTIAL's warps merge their softmax states through the staging buffer where it holds them (else through
     Triton's reductions over the warp axis);
   * the KV cache's element type (``kv_dtype``: bf16, or fp8 e4m3 with a bf16 scale per (token, head), kv/pages.py):
-    ``Constants.FP8``, the attention block (``attn_block``: as many positions as 8 KB of K) and the cost model's K/V
-    bytes follow it; it is the cache's, never a tuning knob;
-  * a multi-token step (a decode batch of M = 2..8 sequences, one token each): the tokens padded to MB = 8 (wgmma's
-    N), the staging buffer MB bf16 rows a 32-column chunk and a norm's weights beside it, no cluster pairs (their
-    exchange holds one token's sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ in ticketed column
-    parts: at least two, and as few as let its staged input fit beside a ring of ``MIN_RING_MT`` slots;
-  * the release hold's marks on the words (hold.py).
+    ``Constants.FP8``, the attention block (``attn_block``: as many positions as 8 KB of K; a multi-token step's as
+    many as bf16's) and the cost model's K/V bytes follow it; it is the cache's, never a tuning knob;
+  * the release hold's marks on the words (hold.py);
+  * a multi-token step (M = 2..``max_tokens`` one-token segments: decode tokens, a verify block's tokens): the
+    tokens padded to MB = 8, 16 or 32 (wgmma's N: ``token_rows``), the staging buffer MB bf16 rows a 32-column
+    chunk and a norm's weights beside it, no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts
+    combine through tickets), and DOWN_PROJ in ticketed column parts: at least two, and as few as let its staged
+    input fit beside a ring of ``MIN_RING_MT`` slots.
 A program with an instruction that has no device code (the MoE instructions: ops.GPU_OPS) is refused: the GPU kernel
 does not run mixture-of-experts layers yet (the VM does).
 Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
@@ -43,8 +44,8 @@ SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90
 SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers:
 # ~4.3 KB in the default kernels); every kernel the compile tests build is checked to fit
 MMA_K = 32  # columns of a folded tile row (device/matvec.dot_tile): two k16 steps of mma.sync
-MB = 8  # a multi-token step's tokens padded to wgmma's smallest N (swap-AB: the tokens are the B operand)
-MAX_BATCH = 8  # the most tokens a multi-token step plans (one wgmma N of 8)
+MAX_BATCH = 32  # the most tokens a multi-token step plans (swap-AB: the tokens are wgmma's N, 8, 16 or 32); fewer
+# where the staged input of that many does not fit (``max_tokens``: the 8B shapes' 4096 columns, 16)
 MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its staging buffer
 
 
@@ -139,7 +140,7 @@ class Constants:
     TRACE: bool  # per-instruction timestamps (tools/trace.py)
     NW: int  # compute warps
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
-    MB: int = 1  # tokens padded to the B operand's N (8 where M > 1): staged rows a 32-column chunk
+    MB: int = 1  # tokens padded to the B operand's N (8, 16 or 32 where M > 1): staged rows a 32-column chunk
     V: int = 0  # vocabulary (the logits' row stride where M > 1)
 
     @property
@@ -205,9 +206,14 @@ def _pow2(n: int) -> int:
 KV_DTYPES = (torch.bfloat16, fp8.FP8)  # the cache element types the kernel reads and writes
 
 
-def attn_block(spec: ModelSpec, kv_dtype: torch.dtype = torch.bfloat16) -> int:
+def attn_block(spec: ModelSpec, kv_dtype: torch.dtype = torch.bfloat16, num_tokens: int = 1) -> int:
     """BT: positions in one attention block, 8 KB of K (one round trip's worth): at bf16 64 for head_dim 64, 32 for
-    128; at fp8 twice as many, so a round trip moves as many bytes and a split half as many round trips."""
+    128; at fp8 twice as many, so a round trip moves as many bytes and a split half as many round trips. A
+    multi-token step (``num_tokens`` > 1) keeps bf16's positions at fp8 (4 KB of K): its kernel holds more beside
+    the block (the token's step fields, block 0's late reload), and the fp8 block of twice the positions spills
+    there (ptxas at 255 registers: 16 spill stores on the 1B at M = 8, 68 with the late reload)."""
+    if num_tokens > 1:
+        kv_dtype = torch.bfloat16
     return max(8, 8192 // (spec.head_dim * kv_dtype.itemsize))
 
 
@@ -239,6 +245,25 @@ def check(spec: ModelSpec, t: Tuning) -> None:
         raise ValueError(f"qkv_parts={t.qkv_parts}: 0 (derived) or 1..8 (the finisher's unrolled sum)")
 
 
+def token_rows(m: int) -> int:
+    """MB, the rows a multi-token step pads its M tokens to: wgmma's N, 8 up to eight tokens, 16 up to sixteen,
+    else 32."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
+
+
+def max_tokens(spec: ModelSpec, tuning: Tuning = Tuning()) -> int:
+    """The most tokens a multi-token step of ``spec`` plans: MAX_BATCH, or the largest wgmma N (16, 8) whose staged
+    input fits in shared memory; 1 where the GPU kernel runs no multi-token step (16-row tiles)."""
+    t = tuning.resolve(spec)
+    for m in (MAX_BATCH, 16, 8):
+        try:
+            multi_token(spec, StepShape((1,) * m), t)
+            return m
+        except ValueError:
+            continue
+    return 1
+
+
 def norm_buffer_bytes(spec: ModelSpec, t: Tuning) -> int:
     """A multi-token step's buffer for a norm's weights (device/matvec_mt.wbuf_rows): the hidden size's 32-column
     chunks, a power of two of them, bf16."""
@@ -248,25 +273,26 @@ def norm_buffer_bytes(spec: ModelSpec, t: Tuning) -> int:
 def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, int]:
     """A multi-token step's derived settings: the tuning without cluster pairs, and DOWN_PROJ's column parts: at
     least two (whole rows alone are fewer blocks than the GPU has SMs on every shape: the one-token kernel's halves
-    serve the same end), and as few as let the staged input (MB rows a column tile, power-of-two tiles) fit in
-    shared memory beside the norm buffer and ``MIN_RING_MT`` ring slots. Raises ValueError for a shape the GPU
-    kernel does not run."""
+    serve the same end), and as few as let the staged input (``token_rows`` rows a column tile, power-of-two tiles)
+    fit in shared memory beside the norm buffer and ``MIN_RING_MT`` ring slots. Raises ValueError for a shape the
+    GPU kernel does not run."""
     m = shape.num_tokens
     if any(n != 1 for n in shape.seg_lens) or m > MAX_BATCH:
-        raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or a decode batch of "
-                         f"2..{MAX_BATCH} sequences of one token each (verify blocks run on the VM only)")
+        raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or 2..{MAX_BATCH} "
+                         "one-token segments (a verify block runs as one-token segments: launch/one_token.py)")
     if t.tile_rows != 32 or t.tile_k % 64:
         raise ValueError(f"a multi-token step needs [32, 256]-style tiles (a chunk pair is wgmma's 64-row A), got "
                          f"[{t.tile_rows}, {t.tile_k}] (head_dim {spec.head_dim})")
     t = dataclasses.replace(t, clusters=False)
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
-    row_bytes, slot = t.tile_k * 2 * MB, t.tile_rows * t.tile_k * 2
+    mb = token_rows(m)
+    row_bytes, slot = t.tile_k * 2 * mb, t.tile_rows * t.tile_k * 2
     room = SHARED_BYTES - SCRATCH_BYTES - MIN_RING_MT * slot - norm_buffer_bytes(spec, t)
     base = max(kt(spec.hidden_size), kt(spec.q_size))
     for parts in range(min(2, kt(spec.intermediate_size)), kt(spec.intermediate_size) + 1):
         if _pow2(max(base, -(-kt(spec.intermediate_size) // parts))) * row_bytes <= room:
             return t, parts
-    raise ValueError(f"{spec.name}: {_pow2(base)} staged column tiles of {MB} tokens do not fit in shared memory "
+    raise ValueError(f"{spec.name}: {_pow2(base)} staged column tiles of {mb} tokens do not fit in shared memory "
                      f"beside {MIN_RING_MT} ring slots")
 
 
@@ -280,7 +306,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     m, down_parts, mb = shape.num_tokens, 1, 1
     if m > 1:
         t, down_parts = multi_token(spec, shape, t)
-        mb = MB
+        mb = token_rows(m)
     # one cached K (or V) row: head_dim elements, and for fp8 its bf16 scale (kv/pages.py)
     row_bytes = spec.head_dim * kv_dtype.itemsize + (fp8.SCALE_DTYPE.itemsize if kv_dtype == fp8.FP8 else 0)
     cfg = dataclasses.replace(t.program_config(), kv_row_bytes=row_bytes)
@@ -318,7 +344,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, NL=spec.num_layers, PS=page_size, HAS_BIAS=spec.attention_bias,
         QK_NORM=spec.qk_norm, TR=t.tile_rows, TK=t.tile_k, NB=ring, KT_ROWS=hbuf_rows,
-        SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec, kv_dtype), SP2=_pow2(program.max_splits), GP=gp,
+        SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec, kv_dtype, m), SP2=_pow2(program.max_splits), GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
         DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, FP8=kv_dtype == fp8.FP8, TRACE=t.trace, NW=t.num_warps, M=m,
         MB=mb, V=spec.vocab_size)

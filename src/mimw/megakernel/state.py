@@ -4,6 +4,12 @@ Step state (int32, refilled by the host before every step; everything else is wr
   tokens [M]              token id of each token in the step
   positions [M]           absolute position of each token in its sequence
   seg_ctx [S]             context length of each segment after this step (= last position + 1)
+  seg_new [S]             the first position this step writes in each segment's sequence: the segment's own first
+                          position, or, for a segment that continues rows of its sequence another segment of the step
+                          writes (a verify block run as one-token segments: launch/decoder.py), that block's first
+                          position. The multi-token GPU kernel reads positions below it before its dependency
+                          wait (attention's prefetch), never those at or above it; the one-token kernel and the VM
+                          do not read it.
   block_tables [S, P]     page ids of each segment's sequence (kv/pages.py layout)
   counters [C + 2]        dependency counters (never reset), then ``DONE`` (CTAs finished) and ``EPOCH`` (steps run)
 Token m belongs to the segment s with seg_start[s] <= m < seg_start[s] + seg_len[s]; seg_start/seg_len are part of
@@ -60,6 +66,7 @@ class StepState:
     seg_ctx: torch.Tensor
     block_tables: torch.Tensor
     counters: torch.Tensor
+    seg_new: torch.Tensor
 
     @property
     def done_index(self) -> int:
@@ -74,17 +81,22 @@ class StepState:
         return int(self.counters[self.epoch_index])
 
     def fill(self, tokens: Sequence[int] | torch.Tensor, seg_starts_pos: Sequence[int],
-             block_tables: Sequence[Sequence[int]], seg_lens: Sequence[int]) -> None:
+             block_tables: Sequence[Sequence[int]], seg_lens: Sequence[int], seg_new: Sequence[int] | None = None) -> None:
         """Set the step's inputs: ``tokens`` [M] (host ints, or a tensor: a device tensor, e.g. the previous step's
-        samples not yet on the host, is copied on the device); for each segment its first position and block table.
-        On a GPU the host values go through pinned memory by copies that do not wait for the stream (a pageable
-        copy first waits for every kernel queued before it), in queue order before the step's launch."""
+        samples not yet on the host, is copied on the device); for each segment its first position and block table,
+        and (default: that first position) the first position the step writes in its sequence (at most the
+        segment's first). On a GPU the host values go through pinned memory by copies that do not wait for the
+        stream (a pageable copy first waits for every kernel queued before it), in queue order before the launch."""
         pos, ctx = [], []
         for p0, n in zip(seg_starts_pos, seg_lens):
             pos.extend(range(p0, p0 + n))
             ctx.append(p0 + n)
         if len(tokens) != len(pos):
             raise ValueError(f"{len(tokens)} tokens for segments totalling {len(pos)}")
+        new = list(seg_starts_pos) if seg_new is None else list(seg_new)
+        if len(new) != len(seg_lens) or any(not 0 <= f <= p0 for f, p0 in zip(new, seg_starts_pos)):
+            raise ValueError(f"seg_new {new}: one first written position per segment, between 0 and its own first "
+                             f"position {list(seg_starts_pos)}")
         # only the tables' used width is written, in one copy (one host-to-device copy a step, not one a segment):
         # entries past a table's end are never read (every read is of a position below the segment's context), so
         # a step costs O(pages in use), not O(table width)
@@ -93,13 +105,16 @@ class StepState:
             s = max(range(len(block_tables)), key=lambda i: len(block_tables[i]))
             raise ValueError(f"segment {s}: block table of {width} pages exceeds {self.block_tables.shape[1]}")
         on_host = not isinstance(tokens, torch.Tensor)
-        m, nt = len(pos), len(pos) if on_host else 0  # the tokens ride in the host buffer when they are host ints
-        host = torch.zeros(nt + m + len(ctx) + len(block_tables) * width, dtype=torch.int32)
+        m, ns = len(pos), len(ctx)
+        nt = m if on_host else 0  # the tokens ride in the host buffer when they are host ints
+        host = torch.zeros(nt + m + 2 * ns + ns * width, dtype=torch.int32)
         if on_host:
             host[:m] = torch.tensor(list(tokens), dtype=torch.int32)
         host[nt:nt + m] = torch.tensor(pos, dtype=torch.int32)
-        host[nt + m:nt + m + len(ctx)] = torch.tensor(ctx, dtype=torch.int32)
-        tables = host[nt + m + len(ctx):].view(len(block_tables), width)
+        host[nt + m:nt + m + ns] = torch.tensor(ctx, dtype=torch.int32)
+        host[nt + m + ns:nt + m + 2 * ns] = torch.tensor(new, dtype=torch.int32)
+        t0 = nt + m + 2 * ns
+        tables = host[t0:].view(ns, width)
         for s, table in enumerate(block_tables):
             tables[s, :len(table)] = torch.tensor(list(table), dtype=torch.int32)
         gpu = self.tokens.device.type == "cuda"
@@ -107,9 +122,10 @@ class StepState:
             host = host.pin_memory()  # the caching host allocator reuses it only once these copies completed
         self.tokens.copy_(host[:m] if on_host else tokens, non_blocking=gpu)
         self.positions.copy_(host[nt:nt + m], non_blocking=gpu)
-        self.seg_ctx.copy_(host[nt + m:nt + m + len(ctx)], non_blocking=gpu)
-        self.block_tables[:len(block_tables), :width].copy_(
-            host[nt + m + len(ctx):].view(len(block_tables), width), non_blocking=gpu)
+        self.seg_ctx.copy_(host[nt + m:nt + m + ns], non_blocking=gpu)
+        if ns > 1 or seg_new is not None:  # one segment: nothing reads it (a copy saved a step)
+            self.seg_new.copy_(host[nt + m + ns:t0], non_blocking=gpu)
+        self.block_tables[:ns, :width].copy_(host[t0:].view(ns, width), non_blocking=gpu)
 
 @dataclass
 class Scratch:
@@ -143,7 +159,7 @@ class Scratch:
 def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu") -> StepState:
     m, s = prog.shape.num_tokens, len(prog.shape.seg_lens)
     z = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
-    return StepState(z(m), z(m), z(s), z(s, max_pages), z(len(prog.counters) + 2))
+    return StepState(z(m), z(m), z(s), z(s, max_pages), z(len(prog.counters) + 2), z(s))
 
 
 def qkv_part_slots(prog: Program) -> int:

@@ -1,18 +1,21 @@
-"""The megakernel backend: decode tokens run on the persistent Gluon megakernel (Hopper, bf16), multi-token
-segments (prefill chunks, verify blocks) on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the
-only KV element type it accepts for now).
+"""The megakernel backend: decode tokens and short multi-token steps run on the persistent Gluon megakernel
+(Hopper, bf16), prefill chunks on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the only KV
+element type it accepts for now).
 
 A step of one decode token is one megakernel launch (one CUDA graph replay). A step of several decode tokens runs
-as one launch per sequence, as one launch of the megakernel's decode-batch step (2..8 sequences:
-``MegakernelDecoder.step_batch``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend measured
-fastest for that batch size on this GPU (``StepRouter``); every other step (prefill chunks, verify blocks, mixes) is
-one pass of the runner. The runner writes the segments' K/V into the shared cache exactly as the kernel reads it, so
-decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once here for the prefill
-path's GEMMs, and the megakernel packs its own tile-major copy from row views of them (launch/pack.py): the GPU holds
-the weights twice, row-major and tile-major. Invariants are those of ``Backend``.
+as one launch per sequence, as one launch of the megakernel's multi-token step (2..plan.max_tokens tokens:
+``MegakernelDecoder.step_segments``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend
+measured fastest for that token count on this GPU (``StepRouter``). A step with verify blocks (or short chunks) of
+2..max_tokens tokens in all runs on the multi-token step or one pass, measured the same way (no replays: they are
+one token's); longer steps are one pass of the runner. The runner writes the segments' K/V into the shared cache
+exactly as the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v,
+gate/up) once here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of
+them (launch/pack.py): the GPU holds the weights twice, row-major and tile-major. Invariants are those of
+``Backend``.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -46,7 +49,13 @@ class MegakernelBackend(Backend):
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
         self.router = StepRouter()
+        from ...megakernel.plan import max_tokens
+
+        # the most tokens the megakernel's multi-token step runs for this model (plan.max_tokens: 32, the 8B's 16)
+        self.max_tokens = max_tokens(weights.spec)
         self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
+        # cache -> the page past the caller's that padding rows write (weak: a cache's entry dies with it)
+        self._pad_pages: weakref.WeakKeyDictionary[PagedKVCache, int] = weakref.WeakKeyDictionary()
 
     @property
     def device(self) -> torch.device:
@@ -55,6 +64,13 @@ class MegakernelBackend(Backend):
     @property
     def kv_dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
+        """``num_pages`` pages for the caller, and one more past them that no sequence owns: the multi-token step
+        pads M tokens to their bucket with rows on it (megakernel/launch/one_token.py)."""
+        cache = super().make_cache(page_size, num_pages + 1)
+        self._pad_pages[cache] = num_pages
+        return cache
 
     def _decoder(self, cache: PagedKVCache):
         from ...megakernel.launch.decoder import MegakernelDecoder
@@ -67,16 +83,16 @@ class MegakernelBackend(Backend):
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         for (path, batch), ms in self._timer.completed():
             self.router.observe(path, batch, ms)
-        if not all(s.length == 1 and s.num_logits == 1 for s in segments):
+        m = int(tokens.numel())
+        decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
+        if not decode and not 2 <= m <= self.max_tokens:  # prefill chunks: the prefill path
             return self.prefill.forward(tokens, segments, cache)
-        from ...megakernel.plan import MAX_BATCH
-
-        whole = (KERNEL, BATCHED) if len(segments) <= MAX_BATCH else (BATCHED,)
-        path = self.router.choose(len(segments), whole)
+        whole = (KERNEL, BATCHED) if m <= self.max_tokens else (BATCHED,)
+        path = self.router.choose(m, whole, replays=decode)
         start = self._timer.start()
         step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
         out = step(tokens, segments, cache)
-        self._timer.stop(start, (path, len(segments)))
+        self._timer.stop(start, (path, m))
         return out
 
     def decode_replays(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -88,10 +104,18 @@ class MegakernelBackend(Backend):
                           for i, s in enumerate(segments)])
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Single-token segments (2..plan.MAX_BATCH of them) as one launch of the megakernel's decode-batch step."""
+        """Segments of 2..plan.max_tokens tokens in all (decode tokens, verify blocks, short chunks) as one launch
+        of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py), padded to the
+        bucket of its tokens where the cache is this backend's (one kernel and graph a bucket, not a token count)."""
+        from ...megakernel.launch.one_token import split_segments
+
+        pad_page = self._pad_pages.get(cache)  # a cache this backend made: padded to the bucket of its tokens
         # the ids stay on the device (the previous step's samples may not have reached the host)
-        out = self._decoder(cache).step_batch(tokens, [s.start for s in segments], [s.block_table for s in segments])
-        return out.to(torch.float32, copy=True)  # the batch decoder's logits buffer: the next launch overwrites it
+        out = self._decoder(cache).step_segments(tokens, segments, pad_page)
+        rows = split_segments(segments).logit_rows
+        if rows == tuple(range(out.shape[0])):
+            return out.to(torch.float32, copy=True)  # the decoder's logits buffer: the next launch overwrites it
+        return out[list(rows)].to(torch.float32)
 
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Any segments as one pass of the prefill path."""

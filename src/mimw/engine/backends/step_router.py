@@ -1,6 +1,6 @@
-"""Which path runs a step of several decode tokens on the megakernel backend, decided by what each path measured.
+"""Which path runs a step of several tokens on the megakernel backend, decided by what each path measured.
 
-A step of B single-token segments can run as B replays of the M = 1 megakernel (each near the batch-1 floor, so B
+A step of B single-token segments (decode) can run as B replays of the M = 1 megakernel (each near the batch-1 floor, so B
 times it), as one launch of the megakernel's decode-batch step (B <= 8: the weights streamed once on wgmma), or as
 one pass of the prefill path (weights read once, but a fixed cost of many kernel launches). Which is fastest depends
 on the model, the GPU and B (on an H100, Llama-3.2-1B: 2.1 ms of replays, 5.3 ms for one pass and 1.2 ms for the
@@ -9,7 +9,9 @@ router measures instead of assuming: it keeps the time of one replay (per token)
 bucket of B (powers of two), and picks the cheapest estimate. A path with no estimate yet for a bucket is tried
 first (in the order the backend lists them, then replays); the first time of each path and size is dropped as
 warm-up (compilation, graph capture); every ``refresh`` steps of a bucket the second-best path runs once so that its
-estimate follows the GPU.
+estimate follows the GPU. A step with verify blocks has no replay path (``replays=False``): the megakernel's
+multi-token step or the pass, estimated per bucket of its token count as decode steps are (the multi-token step
+runs the same program for M tokens whatever its segments).
 
 Pure Python: the backend times each step with CUDA events and hands the times in (``observe``).
 """
@@ -37,10 +39,10 @@ class StepRouter:
     def batched_ms(self) -> dict[int, float]:
         return self.step_ms.get(BATCHED, {})
 
-    def choose(self, batch: int, paths: tuple[str, ...] = (BATCHED,)) -> str:
-        """The path for a step of ``batch`` decode tokens: replays, or one of ``paths`` (the whole-batch paths
-        this step may take, in the order to try them while unmeasured)."""
-        if batch == 1:
+    def choose(self, batch: int, paths: tuple[str, ...] = (BATCHED,), replays: bool = True) -> str:
+        """The path for a step of ``batch`` tokens: replays (a decode step's only, where ``replays``), or one of
+        ``paths`` (the whole-batch paths this step may take, in the order to try them while unmeasured)."""
+        if batch == 1 and replays:
             return REPLAY  # one token: the megakernel is the batch-1 path
         b = bucket(batch)
         n = self._count.get(b, 0) + 1
@@ -48,11 +50,13 @@ class StepRouter:
         for p in paths:
             if b not in self.step_ms.get(p, {}):
                 return p
-        if self.replay_ms is None:
+        if replays and self.replay_ms is None:
             return REPLAY
-        cost = {REPLAY: batch * self.replay_ms, **{p: self.step_ms[p][b] for p in paths}}
+        cost = {p: self.step_ms[p][b] for p in paths}
+        if replays:
+            cost[REPLAY] = batch * self.replay_ms
         ranked = sorted(cost, key=cost.__getitem__)
-        return ranked[1] if n % self.refresh == 0 else ranked[0]
+        return ranked[1] if n % self.refresh == 0 and len(ranked) > 1 else ranked[0]
 
     def observe(self, path: str, batch: int, ms: float) -> None:
         """A step of ``batch`` decode tokens took ``ms`` on ``path``."""

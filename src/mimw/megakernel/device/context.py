@@ -89,9 +89,10 @@ class Step:
     toks: gl.tensor  # the step arrays (state.py): tokens [M], positions [M], seg_ctx [S]; a multi-token step (C.M > 1)
     poss: gl.tensor  # reads each token's and segment's entries from them (the scalars above are token 0's)
     ctxs: gl.tensor
+    news: gl.tensor  # seg_new [S] (state.py): read by a multi-token step's attention prefetch
 
     @constexpr_function
-    def __init__(self, cnt, ncnt, rdy, bt, maxp, epoch, pos, ctx, tok_page, emb_row, toks, poss, ctxs):
+    def __init__(self, cnt, ncnt, rdy, bt, maxp, epoch, pos, ctx, tok_page, emb_row, toks, poss, ctxs, news):
         self.cnt = cnt
         self.ncnt = _int_arg(ncnt)
         self.rdy = rdy
@@ -105,6 +106,7 @@ class Step:
         self.toks = toks
         self.poss = poss
         self.ctxs = ctxs
+        self.news = news
 
 
 @aggregate

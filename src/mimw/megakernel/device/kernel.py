@@ -38,7 +38,7 @@ def _words(words_ptr, MAXLEN, i, offs, n):
 @gluon.jit
 def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, C: gl.constexpr):
     words_ptr, lens_ptr, MAXLEN = prog
-    tok_ptr, pos_ptr, ctx_ptr, bt_ptr, MAXP, cnt_ptr, NCNT, rdy_ptr = step
+    tok_ptr, pos_ptr, ctx_ptr, new_ptr, bt_ptr, MAXP, cnt_ptr, NCNT, rdy_ptr = step
     b = Bufs(vecs, kv, scratch, scalars)
     WL: gl.constexpr = layouts.thread(C)
     pid = gl.program_id(0)
@@ -47,7 +47,7 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, C: gl.conste
     tok = gl.load(tok_ptr)
     pos = gl.load(pos_ptr)
     s = Step(cnt_ptr, NCNT, rdy_ptr, bt_ptr, MAXP, epoch, pos, gl.load(ctx_ptr), gl.load(bt_ptr + pos // C.PS),
-             b.emb + tok.to(gl.int64) * C.D, tok_ptr, pos_ptr, ctx_ptr)
+             b.emb + tok.to(gl.int64) * C.D, tok_ptr, pos_ptr, ctx_ptr, new_ptr)
     offs = gl.arange(0, 16, WL)
     tid = gl.arange(0, 32 * C.NW, WL)  # one element per compute thread
     if C.XB > 0:  # cluster pairs: the exchange barriers, then this CTA's ready word moves to epoch + 1 (release);

@@ -6,8 +6,8 @@ The design of tools/skinny_gemm.py's probe ``skinny_gemm_swap``, inside the mega
     zero), staged once per run of same-stage instructions by ONE round of async copies (cp.async) from the bf16
     sources the producers write (state.py: x16, attn16, act16; layer 0's embedding rows), RMSNorm per token then
     in shared memory where the instruction normalises x. A load round trip to L2 waits behind this SM's own weight
-    tiles in flight (~2.5 us a round on an H100: bench/NOTES.md), so staging in register rounds of 16 chunks cost
-    8-16 round trips an instruction;
+    tiles in flight (~2.5 us on an H100: bench/NOTES.md), so an instruction's staging makes one round trip, not one
+    per round of register loads;
   * a ring slot holds a [32, 256] tile chunk-major ([256, 32]: row 32j + r = W[r, 32j .. 32j + 32), launch/pack.py),
     so rows [64q, 64q + 64) are chunks 2q and 2q + 1 of all 32 tile rows: wgmma's 64-row A operand, read in place;
   * chunk c of the tokens (``xs.index(c).permute((1, 0))``, [32, MB]) is the narrow B operand: an A pair against
@@ -46,8 +46,11 @@ def group_chunks(C):
 
 @constexpr_function
 def out_layout(C):
-    """[TR, MB]: a row tile's sums for every token, one row a lane."""
-    return gl.BlockedLayout([1, C.MB], [32, 1], [C.NW, 1], [1, 0])
+    """[TR, MB]: a row tile's sums for every token, one row a lane (MB <= 16), or at MB = 32 eight tokens a thread,
+    four lanes a row (32 registers a thread would spill)."""
+    if C.MB <= 16:
+        return gl.BlockedLayout([1, C.MB], [32, 1], [C.NW, 1], [1, 0])
+    return gl.BlockedLayout([1, 8], [32 // (C.MB // 8), C.MB // 8], [C.NW, 1], [1, 0])
 
 
 @gluon.jit
@@ -79,8 +82,8 @@ def wbuf_rows(C):
 
 @constexpr_function
 def wbuf_layout(C):
-    """The norm weights' buffer [wbuf_rows, 32], unswizzled; read as [wbuf_rows, 1, 32] (``_wbuf_rows``): chunk c
-    is ``index(c)``, a [1, 32] row."""
+    """The norm weights' buffer [wbuf_rows, 32], unswizzled; ``stage_normed`` reads it as [wbuf_rows, 1, 32]: chunk
+    c is ``index(c)``, a [1, 32] row."""
     return gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
 
 
@@ -150,13 +153,16 @@ def stage_normed(xs, wbuf, x16_ptr, emb_ptr, tok_ptr, from_embed, norm_ptr, K, e
     L: gl.constexpr = chunk_layout(C)
     MB: gl.constexpr = C.MB
     ss = gl.zeros([MB, 32], gl.float32, L)
-    for g in range(0, NCH, NCG):
-        for q in gl.static_range(NCG):
+    # the shared-memory passes: a round of chunks an iteration (their loads in flight together); 4 at MB = 32,
+    # where a chunk is 8 registers a thread
+    SU: gl.constexpr = NCG if C.MB <= 16 else 4
+    for g in range(0, NCH, SU):
+        for q in gl.static_range(SU):
             v = xs.index(g + q).load(L).to(gl.float32)
             ss += v * v
     rs = gl.expand_dims(gl.rsqrt(gl.sum(ss, axis=1) / K + eps), 1)
-    for g in range(0, NCH, NCG):
-        for q in gl.static_range(NCG):
+    for g in range(0, NCH, SU):
+        for q in gl.static_range(SU):
             v = xs.index(g + q).load(L).to(gl.float32)
             w = wrows.index(g + q).load(L)  # [1, 32]: broadcast over the tokens
             xs.index(g + q).store((v * rs).to(gl.bfloat16) * w)

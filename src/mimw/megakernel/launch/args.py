@@ -3,7 +3,8 @@
 
 The kernel (device/kernel.py) takes eight arguments, most of them tuples, plus the constants ``C``:
     prog      the program: words [num_sms, max_len, NWORDS] int32, queue lengths [num_sms], max_len
-    step      the step state (state.py): tokens, positions, seg_ctx, block tables and their width, the counters
+    step      the step state (state.py): tokens, positions, seg_ctx, seg_new, block tables and their width, the
+              counters
               and how many there are before DONE/EPOCH, the cluster pairs' ready words
     weights   the TMA descriptor of the packed weight tile array (tiles.py), [num_tiles * TR * TK / 32, 32] bf16
     vecs      norms, bias, q/k norms, RoPE inverse frequencies
@@ -20,8 +21,9 @@ from typing import Any
 
 GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...] | str], ...] = (
     ("prog", (("words", "*i32"), ("lens", "*i32"), ("max_len", "i32"))),
-    ("step", (("tokens", "*i32"), ("positions", "*i32"), ("seg_ctx", "*i32"), ("block_tables", "*i32"),
-              ("max_pages", "i32"), ("counters", "*i32"), ("num_counters", "i32"), ("ready", "*i32"))),
+    ("step", (("tokens", "*i32"), ("positions", "*i32"), ("seg_ctx", "*i32"), ("seg_new", "*i32"),
+              ("block_tables", "*i32"), ("max_pages", "i32"), ("counters", "*i32"), ("num_counters", "i32"),
+              ("ready", "*i32"))),
     ("weights", "desc"),
     ("vecs", (("embed", "*bf16"), ("attn_norm", "*bf16"), ("mlp_norm", "*bf16"), ("final_norm", "*bf16"),
               ("bias", "*fp32"), ("q_norm", "*bf16"), ("k_norm", "*bf16"), ("inv_freq", "*fp32"))),

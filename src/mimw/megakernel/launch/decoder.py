@@ -5,10 +5,12 @@ step per launch of the persistent megakernel, optionally captured in a CUDA grap
                                                           # bf16 or fp8 (e4m3 + a bf16 scale per row, kv/pages.py)
     logits = dec.step(token, position, block_table)       # [1, V] fp32, a view into the scratch buffer
     logits = dec.step_batch(tokens, positions, tables)    # [B, V]: B sequences' next tokens in one launch
+    logits = dec.step_segments(tokens, segments)          # [M, V]: decode tokens and verify blocks, M tokens in all
 With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling the state) and later steps replay it.
-``step_batch`` (B = 2..8, plan.MAX_BATCH) runs a decode batch: one token of each of B sequences, the weights
-streamed once (swap-AB wgmma, device/matvec_mt.py). Each B has its own plan, compiled kernel, step state and scratch
-(one program per B, built on first use); all share the packed weights.
+``step_batch`` (B = 2..plan.max_tokens: 32, the 8B shapes 16) runs a decode batch: one token of each of B sequences, the weights
+streamed once (swap-AB wgmma, device/matvec_mt.py). ``step_segments`` runs any segments of M tokens in all (verify
+blocks included) as M one-token segments (one_token.py). Each M has its own plan, compiled kernel, step state and
+scratch (one program per M, built on first use); all share the packed weights.
 """
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ from typing import Sequence
 import torch
 
 from ...kv.pages import PagedKVCache
+from ...models.reference import Segment
 from ...models.weights import ModelWeights
 from ..plan import KV_DTYPES, LaunchPlan, Tuning, plan
 from ..program import StepShape
 from ..state import alloc_scratch, alloc_state
 from . import args
+from .one_token import split_segments
 from .pack import pack
 
 
@@ -94,7 +98,7 @@ class MegakernelDecoder:
         s, x, w, c, p = self.state, self.scratch, self.w, self.cache, self.plan
         return args.values(dict(
             words=self.words, lens=self.lens, max_len=self.words.shape[1], tokens=s.tokens, positions=s.positions,
-            seg_ctx=s.seg_ctx, block_tables=s.block_tables, max_pages=s.block_tables.shape[1], counters=s.counters,
+            seg_ctx=s.seg_ctx, seg_new=s.seg_new, block_tables=s.block_tables, max_pages=s.block_tables.shape[1], counters=s.counters,
             num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, embed=w.embed,
             attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, final_norm=w.final_norm, bias=w.bias, q_norm=w.q_norm,
             k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, k_scale=self.scales[0], v_scale=self.scales[1],
@@ -125,15 +129,16 @@ class MegakernelDecoder:
         self.set_batch([token], [position], [block_table])
 
     def set_batch(self, tokens: Sequence[int] | torch.Tensor, positions: Sequence[int],
-                  block_tables: Sequence[Sequence[int]]) -> None:
-        """One token of each sequence: its id (host ints, or a tensor: a device tensor is never read on the host),
-        its position (the sequence's context before the step) and its sequence's block table; as many as the plan's
-        tokens."""
+                  block_tables: Sequence[Sequence[int]], firsts: Sequence[int] | None = None) -> None:
+        """One token a segment: its id (host ints, or a tensor: a device tensor is never read on the host), its
+        position and its sequence's block table, and (default: its position) the first position the step writes in
+        its sequence (state.seg_new); as many as the plan's tokens."""
         if not len(tokens) == len(positions) == len(block_tables) == self.shape.num_tokens:
             raise ValueError(f"this decoder runs {self.shape.num_tokens} token(s) a step, got {len(tokens)} tokens, "
                              f"{len(positions)} positions, {len(block_tables)} block tables")
         toks = tokens if isinstance(tokens, torch.Tensor) else list(tokens)  # a device tensor stays on the device
-        self.state.fill(toks, list(positions), list(block_tables), self.shape.seg_lens)
+        self.state.fill(toks, list(positions), list(block_tables), self.shape.seg_lens,
+                        None if firsts is None else list(firsts))
         self.inputs_set = True
 
     def launch(self) -> None:
@@ -186,10 +191,28 @@ class MegakernelDecoder:
     def step_batch(self, tokens: Sequence[int], positions: Sequence[int],
                    block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """A decode batch in one launch: token b of sequence b at ``positions[b]`` through ``block_tables[b]``
-        (B = 1..plan.MAX_BATCH sequences, each page that receives a new row private to its sequence). Returns
+        (B = 1..plan.max_tokens sequences, each page that receives a new row private to its sequence). Returns
         logits [B, V] fp32, a view into that batch decoder's scratch."""
+        return self._run_batch(tokens, positions, block_tables, None)
+
+    def step_segments(self, tokens: Sequence[int] | torch.Tensor, segments: Sequence[Segment],
+                      pad_page: int | None = None) -> torch.Tensor:
+        """Any segments (decode tokens, verify blocks; M = 2..plan.max_tokens tokens in all, concatenated in segment
+        order; one segment a sequence) in one launch, as one-token segments (one_token.py); with ``pad_page`` (a page
+        of the cache no sequence owns) padded to the bucket of M tokens, so that a bucket's plan, kernel and graph
+        serve all its M. Returns the logits of every token the step ran [N, V] fp32, the segments' first (a view into
+        that decoder's scratch; ``split_segments(...).logit_rows`` are the rows the segments' ``num_logits`` ask
+        for)."""
+        one = split_segments(segments, pad_page, self.cache.layout.page_size)
+        if isinstance(tokens, torch.Tensor):  # on the device: padded there (any id: the padding's logits are unread)
+            tokens = torch.cat([tokens.reshape(-1), tokens.new_zeros(one.padding)])
+        else:
+            tokens = list(tokens) + [0] * one.padding
+        return self._run_batch(tokens, one.positions, one.block_tables, one.firsts)
+
+    def _run_batch(self, tokens, positions, block_tables, firsts) -> torch.Tensor:
         dec = self.batch_decoder(len(tokens))
-        dec.set_batch(tokens, positions, block_tables)
+        dec.set_batch(tokens, positions, block_tables, firsts)
         if dec.use_graph and dec.graph is None:
             dec.capture()
         dec.run()

@@ -34,7 +34,9 @@ An fp8 cache (``C.FP8``: e4m3 rows, a bf16 scale per (token, KV head) row, kv/pa
 block's e4m3 K/V rows (8-byte vectors) and their scales ([BT] per block, at the rows' own index) are requested
 together and dequantised in registers as kv/fp8.py's ``dequantize`` computes them (``float(q) * float(scale)``, exact
 in fp32), so the rest is the same math over the same values the reference reads. Its blocks hold twice the positions
-(``plan.attn_block``: 8 KB of K, 16 KB of K and V, a round trip), so a split makes half the round trips of bf16.
+(``plan.attn_block``: 8 KB of K, 16 KB of K and V, a round trip), so a split makes half the round trips of bf16;
+a multi-token step's blocks keep bf16's positions (its kernel would spill registers with twice as many). There,
+block 0's rows that this step writes (from ``first`` on) are reloaded after the wait with their scales.
 Element offsets into the pools are int64: the 8B's pools pass 2^31 elements at 128k.
 """
 from __future__ import annotations
@@ -152,21 +154,24 @@ def compute(ins, C: gl.constexpr, s, b, sm, wait, target, sig):
     po_ptr = b.po
     pml_ptr = b.pml
     attn_ptr = b.attn
-    if C.M > 1:  # a decode batch: segment seg is token seg, its position, context and page read from the step
+    first = s.pos  # the first position this step writes in the sequence (one token: its own)
+    if C.M > 1:  # one-token segments: segment seg is token seg, its position, context, page and first written
+        # position (a verify block's first, where the segment continues it) read from the step
         pos = gl.load(s.poss + seg)
+        first = gl.load(s.news + seg)
         s = Step(s.cnt, s.ncnt, s.rdy, s.bt, s.maxp, s.epoch, pos, gl.load(s.ctxs + seg),
-                 gl.load(s.bt + seg * s.maxp + pos // C.PS), s.emb_row, s.toks, s.poss, s.ctxs)
+                 gl.load(s.bt + seg * s.maxp + pos // C.PS), s.emb_row, s.toks, s.poss, s.ctxs, s.news)
         q_ptr = b.q + seg * (C.HQ * C.HD)
         po_ptr = b.po + seg * (C.HQ * C.HD) * b.splits
         pml_ptr = b.pml + seg * (C.HQ * 2) * b.splits
         attn_ptr = b.attn16 + seg * (C.HQ * C.HD)  # bf16: as O_PROJ stages it (device/matvec_mt.py)
-    k0, v0, ks0, vs0 = _prefetch(layer, kvh, seg, split, n_splits, s, b, C)
+    k0, v0, ks0, vs0 = _prefetch(layer, kvh, seg, split, n_splits, first, s, b, C)
     if wait >= 0:
         counter_wait(s.cnt, wait, target)
     t_ready = 0
     if C.TRACE:
         t_ready = globaltimer()
-    _partial(layer, kvh, seg, split, n_splits, k0, v0, ks0, vs0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
+    _partial(layer, kvh, seg, split, n_splits, first, k0, v0, ks0, vs0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
     if ticket_is_last(s.cnt, ins.field(W_E), n_splits, s.epoch):  # the last split combines and signals
         _reduce(kvh, n_splits, b, po_ptr, pml_ptr, attn_ptr, C)
     else:
@@ -228,14 +233,18 @@ def _split_range(split, n_splits, ctx):
 
 
 @gluon.jit
-def _prefetch(layer, kvh, seg, split, n_splits, s, b, C: gl.constexpr):
+def _prefetch(layer, kvh, seg, split, n_splits, first, s, b, C: gl.constexpr):
     """Before the dependency wait: the first block's K/V (past positions only; ``pos``, which ATTN_IN writes in
-    this step, is never in a block) does not depend on the step, so its round trip overlaps the wait."""
+    this step, is never in a block) does not depend on the step, so its round trip overlaps the wait. A multi-token
+    step's segment may continue rows of its sequence that other segments write in this step (a verify block as
+    one-token segments): positions from ``first`` on are left for after the wait (``_partial``)."""
     KV3: gl.constexpr = gl.SliceLayout(1, layouts.attention(C))
     lo, hi, hp = _split_range(split, n_splits, s.ctx)
     t = lo + _positions(C.BT, C.NW, gl.SliceLayout(2, KV3))
     d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, C.HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
     row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
+    if C.M > 1:
+        return _kv(b, row, t < gl.minimum(hp, first), d3, C)
     return _kv(b, row, t < hp, d3, C)
 
 
@@ -256,11 +265,12 @@ def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
 
 
 @gluon.jit
-def _partial(layer, kvh, seg, split, n_splits, k, v, ks, vs, s, b, sm, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
+def _partial(layer, kvh, seg, split, n_splits, first, k, v, ks, vs, s, b, sm, q_ptr, po_ptr, pml_ptr,
+             C: gl.constexpr):
     """The split's partial after its wait, given ``_prefetch``'s first block (k, v and their scales ks, vs where
-    C.FP8): the newest row first (the split holding ``pos``: a one-position block, warp 0's), then block 0 and the
-    split's later past blocks, each dequantised in registers (``_deq``); the warps' states merged; (o, m, l) stored
-    to the partials' scratch."""
+    C.FP8): the newest row first (the split holding ``pos``: a one-position block, warp 0's), then block 0 (its
+    rows from ``first`` on, which this step wrote, loaded now with their scales) and the split's later past blocks,
+    each dequantised in registers (``_deq``); the warps' states merged; (o, m, l) stored to the partials' scratch."""
     G: gl.constexpr = C.G
     GP: gl.constexpr = C.GP
     HD: gl.constexpr = C.HD
@@ -300,6 +310,18 @@ def _partial(layer, kvh, seg, split, n_splits, k, v, ks, vs, s, b, sm, q_ptr, po
         # [1, 1, HD], scores [NW, GP, 1]), warp 0's
         w0 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, gl.SliceLayout(1, gl.SliceLayout(2, S3))), 1), 2)
         m_i, l_i, o = _block(q4, k_new, v_new, w0 == 0, m_i, l_i, o, Q3)
+    if C.M > 1:  # block 0's rows this step wrote (a verify block's earlier tokens), read after the wait, with
+        # their scales (C.FP8) where the prefetch left them 0
+        if (first < hp) & (first < lo + BT):
+            t = lo + tk
+            late = (t >= first) & (t < hp)
+            k2, v2, ks2, vs2 = _kv(b, _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C), late, d3, C)
+            late3 = gl.expand_dims(late, 2)
+            k = gl.where(late3, k2, k)
+            v = gl.where(late3, v2, v)
+            if C.FP8:
+                ks = gl.where(late, ks2, ks)
+                vs = gl.where(late, vs2, vs)
     # block 0 (prefetched), then the rest of the split's past: one round trip per block
     m_i, l_i, o = _block(q4, _deq(k, ks, C), _deq(v, vs, C), lo + ts < hp, m_i, l_i, o, Q3)
     for t0 in range(lo + BT, hp, BT):

@@ -8,7 +8,7 @@ also records one traced step per cell and prints its per-instruction summary (to
 batch's time goes. Prints a table and writes JSON to ``$OUT/batch_step.json`` when $OUT is set.
 
     PYTHONPATH=src python3 -m mimw.megakernel.tools.batch_step [--models llama-3.2-1b,llama-3.1-8b]
-        [--batches 1,8] [--context 1024] [--tunings "default;ring=5"] [--trace]
+        [--batches 1,2,8,16,32] [--context 1024] [--tunings "default;ring=5"] [--trace]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ...kv.pages import KVLayout, PagedKVCache
 from ...models.spec import get_preset
 from ...models.weights import random_weights
 from ..launch.decoder import MegakernelDecoder
-from ..plan import Tuning
+from ..plan import Tuning, max_tokens
 from .trace import format_summary, summarize
 from .variants import read_bandwidth, time_step
 
@@ -32,6 +32,7 @@ from .variants import read_bandwidth, time_step
 def measure(model: str, batches: list[int], context: int, bw: float, page_size: int = 16,
             tuning: Tuning = Tuning(), name: str = "default", trace: bool = False) -> list[dict]:
     spec = get_preset(model)
+    batches = [b for b in batches if b <= max_tokens(spec, tuning)]  # the 8B shapes plan at most 16
     w = random_weights(spec, 0, dtype=torch.bfloat16, device="cuda")
     b_max = max(batches)
     per_seq = -(-(context + 1) // page_size)
@@ -69,7 +70,8 @@ def measure(model: str, batches: list[int], context: int, bw: float, page_size: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default="1,2,8,16,32", help="batch sizes; those above the model's max_tokens are "
+                    "left out")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tunings", default="default", help="';'-separated Tuning overrides (tools/variants.py syntax)")
     ap.add_argument("--trace", action="store_true", help="also trace one step per cell and print its summary")

@@ -14,7 +14,8 @@ launch. Every step also relaunches once more and compares logits bit for bit (a 
 ``check_batch`` does the same for a decode batch (``MegakernelDecoder.step_batch``): B sequences, each with its own
 random past in the shared cache and its own shuffled pages, all advanced by one launch a step; every sequence's
 logits are compared with the oracle's for it, and after the run the K/V rows the kernel appended (each sequence's
-new positions) with the oracle's.
+new positions) with the oracle's. ``check_segments`` generalises it to verify blocks (one-token segments); both
+take ``kv_dtype`` fp8 as check_decode does (the rows then compared step by step, ``kv_row_check``).
 
 Argmax agreement is reported twice: exact, and exact-or-near-tie. The near-tie bound is not a constant and not
 the kernel's own error (a bound taken from the step's own error would excuse every flip: a flip always implies
@@ -27,6 +28,7 @@ max|logit|. Every mismatch is listed in ``flips`` with its gap and the step's er
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -93,14 +95,22 @@ def random_cache(spec: ModelSpec, context: int, steps: int, page_size: int, seed
     cache.k.normal_(0, 1, generator=g)
     cache.v.normal_(0, 1, generator=g)
     table = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed)).tolist()
-    if kv_dtype == fp8.FP8:
-        out = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, fp8.FP8), device)
-        for name, scale in (("k", out.k_scale), ("v", out.v_scale)):
-            q, s = fp8.quantize(getattr(cache, name))
-            getattr(out, name).view(torch.uint8).copy_(q.view(torch.uint8))
-            scale.copy_(s)
-        cache = out
-    return cache, table
+    return as_kv_dtype(cache, kv_dtype), table
+
+
+def as_kv_dtype(cache: PagedKVCache, kv_dtype: torch.dtype) -> PagedKVCache:
+    """A bf16 ``cache`` itself (``kv_dtype`` bf16), or an fp8 cache of the same pages holding its rows quantised
+    row by row as ``PagedKVCache.store`` quantises them (kv/fp8.py)."""
+    if kv_dtype == torch.bfloat16:
+        return cache
+    if kv_dtype != fp8.FP8:
+        raise ValueError(f"a check's KV cache is bf16 or fp8 (e4m3), not {kv_dtype}")
+    out = PagedKVCache(dataclasses.replace(cache.layout, dtype=fp8.FP8), cache.device)
+    for name, scale in (("k", out.k_scale), ("v", out.v_scale)):
+        q, s = fp8.quantize(getattr(cache, name))
+        getattr(out, name).view(torch.uint8).copy_(q.view(torch.uint8))
+        scale.copy_(s)
+    return out
 
 
 def copy_cache(cache: PagedKVCache) -> PagedKVCache:
@@ -155,20 +165,27 @@ def copy_rows(dst: PagedKVCache, src: PagedKVCache, table, positions) -> None:
         d[:, pages, :, rows] = t[:, pages, :, rows]
 
 
+def oracles(w, cache: PagedKVCache):
+    """The two references a check compares the kernel with, each over its own copy of ``cache`` (bf16 weights
+    ``w``): the fp32 oracle and the bf16 (transformers-numerics) reference. A bf16 cache: the oracle's copy is fp32,
+    the reference's bf16. An fp8 cache: both read (and append to) copies of that very fp8 cache, storing their new
+    rows through ``PagedKVCache.store`` (quantised as the kernel quantises its own), so that all three read the
+    same dequantised past. Returns (oracle, its cache, bf16 reference, its cache)."""
+    if cache.layout.quantized:
+        ref_cache = copy_cache(cache)
+    else:
+        ref_cache = PagedKVCache(dataclasses.replace(cache.layout, dtype=torch.float32), cache.device)
+        ref_cache.k.copy_(cache.k)
+        ref_cache.v.copy_(cache.v)
+    return ReferenceDecoder(w.to(dtype=torch.float32)), ref_cache, ReferenceDecoder(w), copy_cache(cache)
+
+
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
                  kv_dtype: torch.dtype = torch.bfloat16, min_pages: int = 0) -> CheckResult:
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     cache, table = random_cache(spec, context, steps, page_size, seed + 1, kv_dtype=kv_dtype, min_pages=min_pages)
-    if cache.layout.quantized:  # the oracles read (and append to) the same fp8 cache
-        ref_cache = copy_cache(cache)
-    else:
-        ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, cache.layout.num_pages, torch.float32), "cuda")
-        ref_cache.k.copy_(cache.k)
-        ref_cache.v.copy_(cache.v)
-    ref = ReferenceDecoder(w.to(dtype=torch.float32))
-    bf16_cache = copy_cache(cache)  # the transformers-numerics reference's own cache
-    bf16_ref = ReferenceDecoder(w)
+    ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
@@ -213,12 +230,19 @@ class BatchResult:
     bf16_rel_err: float = float("nan")  # the bf16 (transformers-numerics) reference's largest logit error
     bf16_kv_rel_err: float = float("nan")  # ... and its appended rows' (its own bf16 cache against the oracle's)
     tie: float = 0.0  # near-tie bound: 2 x bf16_rel_err
+    others_intact: bool = True  # every cache row the step does not append (nor the padding's page) unchanged
+    kv_rows: dict = None  # fp8: the appended rows against the oracle's, step by step (``kv_row_check``)
 
-    def ok(self, tol: float = 2e-2, agree: float = 0.99, kv_tol: float = 1e-2) -> bool:
+    def ok(self, tol: float = 2e-2, agree: float = 0.99, kv_tol: float = 1e-2, fp8_kv_tol: float = 0.2) -> bool:
         """Within ``tol`` / ``kv_tol`` of the oracle, or within twice the bf16 reference's own error where bf16
-        arithmetic alone is further off, and the argmax the oracle's up to near-ties."""
-        return (self.finite and self.bit_identical and self.max_rel_err <= max(tol, 2 * self.bf16_rel_err)
-                and self.argmax_agree_or_tie >= agree and self.kv_rel_err <= max(kv_tol, 2 * self.bf16_kv_rel_err))
+        arithmetic alone is further off, and the argmax the oracle's up to near-ties; no other row touched. An fp8
+        cache's rows instead: kv/fp8.py rows (``requant_exact``) within ``fp8_kv_tol`` of the row's amax of the
+        oracle's (about one e4m3 step: the kernel quantises bf16-rounded activations, the oracle fp32 ones)."""
+        rows_ok = (self.kv_rows["requant_exact"] and self.kv_rel_err <= fp8_kv_tol if self.kv_rows is not None
+                   else self.kv_rel_err <= max(kv_tol, 2 * self.bf16_kv_rel_err))
+        return (self.others_intact and self.finite and self.bit_identical
+                and self.max_rel_err <= max(tol, 2 * self.bf16_rel_err) and self.argmax_agree_or_tie >= agree
+                and rows_ok)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -226,67 +250,99 @@ class BatchResult:
 
 def check_batch(spec: ModelSpec, batch: int, context: int, steps: int = 16, seed: int = 0,
                 tuning: Tuning = Tuning(), graph: bool = True, num_sms: int | None = None,
-                page_size: int = 16) -> BatchResult:
+                page_size: int = 16, kv_dtype: torch.dtype = torch.bfloat16) -> BatchResult:
     """``batch`` sequences whose contexts spread around ``context`` (context + 3b, so their pages and splits differ),
     ``steps`` decode steps of all of them in one launch each, against the fp32 oracle per sequence; the bf16
     (transformers-numerics) reference beside it, fed the same tokens, gives the error bf16 arithmetic alone makes."""
+    return check_segments(spec, (1,) * batch, context, steps, seed, tuning, graph, num_sms, page_size,
+                          kv_dtype=kv_dtype)
+
+
+def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: int = 16, seed: int = 0,
+                   tuning: Tuning = Tuning(), graph: bool = True, num_sms: int | None = None,
+                   page_size: int = 16, padded: bool = False, kv_dtype: torch.dtype = torch.bfloat16) -> BatchResult:
+    """Sequences s = 0, 1, .. with contexts context + 3s, each advanced by ``lens[s]`` tokens a step (1: a decode
+    token; more: a verify block, every token's logits) in one launch (``MegakernelDecoder.step_segments``: one-token
+    segments), ``steps`` steps, against the fp32 oracle and the bf16 reference run over the real segments. The next
+    step's tokens are the oracle's argmax at every position. ``batch`` in the result is the step's token count.
+    ``padded``: the step padded to its bucket by rows on a page of its own (launch/one_token.py), whose rows are
+    then left out of the cache comparison, every other page compared. ``kv_dtype`` fp8: the random past quantised
+    (``as_kv_dtype``), both references over copies of that fp8 cache (``oracles``); after every step the rows it
+    appended are checked against the oracle's (``kv_row_check``: ``kv_rows``, its ``max_err`` as ``kv_rel_err``;
+    the bf16 reference's rows likewise give ``bf16_kv_rel_err``) and then copied into both references' caches, so
+    that every step reads the kernel's past, as check_decode does."""
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
-    contexts = [context + 3 * b for b in range(batch)]
-    per_seq = [-(-(c + steps) // page_size) for c in contexts]
-    n_pages = sum(per_seq) + 3
+    contexts = [context + 3 * b for b in range(len(lens))]
+    m = sum(lens)
+    per_seq = [-(-(c + steps * n) // page_size) for c, n in zip(contexts, lens)]
+    n_pages = sum(per_seq) + 3 + int(padded)
+    pad_page = n_pages - 1 if padded else None
     cache = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, torch.bfloat16), "cuda")
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     cache.k.normal_(0, 1, generator=g)
     cache.v.normal_(0, 1, generator=g)
-    pages = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    cache = as_kv_dtype(cache, kv_dtype)
+    pages = torch.randperm(n_pages - int(padded), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     tables, i = [], 0
     for n in per_seq:
-        tables.append(pages[i: i + n])
+        tables.append(tuple(pages[i: i + n]))
         i += n
-    ref_cache = PagedKVCache(KVLayout.for_spec(spec, page_size, n_pages, torch.float32), "cuda")
-    ref_cache.k.copy_(cache.k)
-    ref_cache.v.copy_(cache.v)
-    ref = ReferenceDecoder(w.to(dtype=torch.float32))
-    bf16_cache = PagedKVCache(cache.layout, "cuda")  # the transformers-numerics reference's own bf16 cache
-    bf16_cache.k.copy_(cache.k)
-    bf16_cache.v.copy_(cache.v)
-    bf16_ref = ReferenceDecoder(w)
-    width = max(per_seq)
-    dec = MegakernelDecoder(w, cache, max_pages_per_seq=width, tuning=tuning, num_sms=num_sms,
-                            context_hint=max(context, 1), use_graph=graph, batch=batch)
-    toks = torch.randint(spec.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
-    same, finite, kernel_steps, bf16_steps = True, True, [], []
-    for i in range(steps):
-        positions = [c + i for c in contexts]
-        segs = [Segment(tuple(t), p, 1) for t, p in zip(tables, positions)]
-        expect = ref.forward(torch.tensor(toks), segs, ref_cache)  # [B, V]
+    ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
+    before = tuple(t.clone() for t in cache.page_tensors())  # fp8: the pools' bytes and the scales
+    dec = MegakernelDecoder(w, cache, max_pages_per_seq=max(per_seq), tuning=tuning, num_sms=num_sms,
+                            context_hint=max(context, 1), use_graph=graph)
+    toks = torch.randint(spec.vocab_size, (m,), generator=torch.Generator().manual_seed(seed)).tolist()
+    same, finite, kernel_steps, bf16_steps, rows, bf16_rows = True, True, [], [], None, None
+    starts = list(contexts)
+    for _ in range(steps):
+        segs = [Segment(t, p, n, n) for t, p, n in zip(tables, starts, lens)]
+        expect = ref.forward(torch.tensor(toks), segs, ref_cache)  # [M, V]: every token's logits
         bf16 = bf16_ref.forward(torch.tensor(toks), segs, bf16_cache)
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V rows: results must not move
-            dec.scratch.poison()
-            got.append(dec.step_batch(toks, positions, tables).clone())
+            dec.batch_decoder(m).scratch.poison()
+            got.append(dec.step_segments(toks, segs, pad_page)[:m].clone())
         torch.cuda.synchronize()
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
-        for b in range(batch):
+        for b in range(m):
             kernel_steps.append(step_error(got[0][b], expect[b]))
             bf16_steps.append(step_error(bf16[b], expect[b]))
         toks = [int(t) for t in expect.argmax(-1)]
+        if cache.layout.quantized:  # the step's rows: the kernel's (and the bf16 reference's) against the oracle's,
+            # then the kernel's for both references
+            for t, p, n in zip(tables, starts, lens):
+                new = range(p, p + n)
+                rows = merge_row_checks(rows, kv_row_check(cache, ref_cache, t, new))
+                bf16_rows = merge_row_checks(bf16_rows, kv_row_check(bf16_cache, ref_cache, t, new))
+                copy_rows(ref_cache, cache, t, new)
+                copy_rows(bf16_cache, cache, t, new)
+        starts = [p + n for p, n in zip(starts, lens)]
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
     agree, near_ties, _ = argmax_verdicts(kernel_steps, tie)
     worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
-    # the rows this run appended: every sequence's positions context .. context + steps - 1, every layer and head
+    # the rows this run appended: every sequence's positions context .. context + steps * n - 1, every layer and head
     kv_err, bf16_kv_err = 0.0, 0.0
-    pools = [(cache.k, bf16_cache.k, ref_cache.k, ref_cache.k.abs().max()),
-             (cache.v, bf16_cache.v, ref_cache.v, ref_cache.v.abs().max())]
-    for t, c in zip(tables, contexts):
-        for p in range(c, c + steps):
+    pools = [] if cache.layout.quantized else [(cache.k, bf16_cache.k, ref_cache.k, ref_cache.k.abs().max()),
+                                               (cache.v, bf16_cache.v, ref_cache.v, ref_cache.v.abs().max())]
+    written = torch.zeros(n_pages, page_size, dtype=torch.bool)
+    if padded:
+        written[pad_page] = True
+    for t, c, n in zip(tables, contexts, lens):
+        for p in range(c, c + steps * n):
             page, row = t[p // page_size], p % page_size
+            written[page, row] = True
             for pool, bf16_pool, ref_pool, scale in pools:
                 e = ref_pool[:, page, :, row]
                 kv_err = max(kv_err, float((pool[:, page, :, row].float() - e).abs().max() / scale))
                 bf16_kv_err = max(bf16_kv_err, float((bf16_pool[:, page, :, row].float() - e).abs().max() / scale))
-    n = steps * batch
-    return BatchResult(spec.name, batch, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
-                       kv_err, bf16_err, bf16_kv_err, tie)
+    if cache.layout.quantized:  # compared step by step above (the references now hold the kernel's rows)
+        kv_err, bf16_kv_err = rows["max_err"], bf16_rows["max_err"]
+    # [pages, rows]: the pools are [layers, pages, heads, rows, hd], the scales [layers, pages, heads, rows]
+    keep = ~written.to(cache.k.device)
+    intact = all(bool(torch.equal(a.movedim((1, 3), (0, 1))[keep], b.movedim((1, 3), (0, 1))[keep]))
+                 for a, b in zip(cache.page_tensors(), before))
+    n = steps * m
+    return BatchResult(spec.name, m, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
+                       kv_err, bf16_err, bf16_kv_err, tie, intact, rows)

@@ -23,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ...models.spec import get_preset
 from ..plan import Tuning
-from .check import check_batch, check_decode
+from .check import check_decode, check_segments
 
 
 @gluon.jit
@@ -61,16 +61,18 @@ def run_control(num_warps: int = 4) -> bool:
 
 
 def cases() -> dict[str, tuple]:
-    """The named cases, in order: name -> (spec, context, num_sms, tuning, batch: sequences a step)."""
+    """The named cases, in order: name -> (spec, context, num_sms, tuning, the step's segment lengths: (1,) one
+    token, more a multi-token step)."""
     tiny, small = get_preset("tiny-qwen3"), get_preset("smollm2-135m").with_(num_layers=2)
     one_b = get_preset("llama-3.2-1b").with_(num_layers=2, vocab_size=4096)
     return {
-        "cluster_down": (small, 40, 72, Tuning(), 1),  # DOWN_PROJ's 36 row blocks pair over cluster mates
-        "attn_smem_merge": (one_b, 40, 72, Tuning(), 1),  # SmolLM2's staging buffer is too small for the merge
-        "cluster_qkv": (small, 40, 8, Tuning(), 1),  # ATTN_IN's pairs alone, 4 clusters of two
-        "tickets": (small, 40, 8, Tuning(clusters=False, qkv_parts=2), 1),
-        "tiny_qwen3": (tiny, 40, 8, Tuning(), 1),
-        "decode_batch": (small, 40, 8, Tuning(), 3),  # three sequences a launch: the multi-token code
+        "cluster_down": (small, 40, 72, Tuning(), (1,)),  # DOWN_PROJ's 36 row blocks pair over cluster mates
+        "attn_smem_merge": (one_b, 40, 72, Tuning(), (1,)),  # SmolLM2's staging buffer is too small for the merge
+        "cluster_qkv": (small, 40, 8, Tuning(), (1,)),  # ATTN_IN's pairs alone, 4 clusters of two
+        "tickets": (small, 40, 8, Tuning(clusters=False, qkv_parts=2), (1,)),
+        "tiny_qwen3": (tiny, 40, 8, Tuning(), (1,)),
+        "decode_batch": (small, 40, 8, Tuning(), (1, 1, 1)),  # three sequences a launch: the multi-token code
+        "verify_block": (small, 40, 8, Tuning(), (3, 1)),  # a verify block of three beside a decode token
     }
 
 
@@ -93,9 +95,9 @@ def main() -> int:
     print(f"ws_control: {'ok' if ok else 'WRONG'}", flush=True)
     if "--control" in argv:
         return 0 if ok else 1
-    for name, (spec, context, num_sms, tuning, batch) in todo.items():
-        if batch > 1:
-            r = check_batch(spec, batch, context, steps=2, graph=False, num_sms=num_sms, tuning=tuning)
+    for name, (spec, context, num_sms, tuning, lens) in todo.items():
+        if sum(lens) > 1:
+            r = check_segments(spec, lens, context, steps=2, graph=False, num_sms=num_sms, tuning=tuning)
         else:
             r = check_decode(spec, context, steps=2, graph=False, num_sms=num_sms, tuning=tuning)
         print(name, r, flush=True)

@@ -1,0 +1,71 @@
+"""A step's segments as the multi-token kernel runs them: one-token segments.
+
+The GPU kernel's multi-token program (plan.plan) runs M one-token segments, each with its own position, context and
+block table. A verify block (K consecutive tokens of one sequence, every one's logits wanted) runs as K such
+segments that share the sequence's block table: token i sits at position p0 + i with context p0 + i + 1, and its
+attention reads the rows of tokens 0..i-1, which their own segments' ATTN_IN finishers store in this same step
+before attention's dependency is met. Each of them carries p0, the first position the step writes in the sequence
+(state.seg_new), so that attention's prefetch, issued before that dependency, never reads those rows. A decode
+token is the case K = 1. Per token, this computes exactly what decoding the block's tokens one after another does.
+
+Buckets: a step of M tokens may be padded to N > M (the power of two at or above M), so that one program, one
+compiled kernel and one CUDA graph serve every M of the bucket. The padding tokens are one more block, of a page no
+sequence owns (``pad_page``), at positions 0 .. N - M - 1: they store their rows there, read only there, and their
+logits are never asked for.
+
+Pure host logic (CPU-tested): ``split_segments`` maps segments to the kernel's per-token inputs and says which
+logit rows the caller wants.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ...models.reference import Segment
+
+
+@dataclass(frozen=True)
+class OneTokenStep:
+    positions: tuple[int, ...]  # each token's position (its one-token segment's start)
+    block_tables: tuple[tuple[int, ...], ...]  # each token's sequence's block table
+    firsts: tuple[int, ...]  # the first position the step writes in each token's sequence (state.seg_new)
+    logit_rows: tuple[int, ...]  # the tokens whose logits the segments want, in segment order (Backend.forward)
+    padding: int = 0  # tokens past the segments' (the last ones): their ids are the caller's to add (any id)
+
+
+def bucket_of(m: int) -> int:
+    """The power of two at or above ``m``: the tokens of a padded step."""
+    return 1 << (m - 1).bit_length()
+
+
+def split_segments(segments: Sequence[Segment], pad_page: int | None = None, page_size: int = 16) -> OneTokenStep:
+    """Segments (any lengths; tokens concatenated in segment order, as ``Backend.forward`` takes them) -> the
+    one-token segments the kernel runs, token for token; with ``pad_page``, padded to ``bucket_of`` their tokens by
+    a block on that page (at most ``page_size`` tokens of padding). Two segments must not write one sequence (a
+    block table appears once): a sequence's block of this step is one segment."""
+    positions, tables, firsts, rows = [], [], [], []
+    seen = set()
+    for s in segments:
+        if s.length < 1 or not 0 <= s.num_logits <= s.length:
+            raise ValueError(f"segment at {s.start}: length {s.length}, num_logits {s.num_logits}")
+        table = tuple(s.block_table)
+        if table in seen:
+            raise ValueError("two segments of one step write the same sequence: give its tokens as one segment")
+        seen.add(table)
+        t0 = len(positions)
+        positions.extend(range(s.start, s.start + s.length))
+        tables.extend([table] * s.length)
+        firsts.extend([s.start] * s.length)
+        rows.extend(range(t0 + s.length - s.num_logits, t0 + s.length))
+    pad = bucket_of(len(positions)) - len(positions) if pad_page is not None else 0
+    if pad > page_size:
+        raise ValueError(f"{len(positions)} tokens pad by {pad}, more than one page of {page_size} rows")
+    if pad and (pad_page,) in seen:
+        raise ValueError(f"page {pad_page} is the padding's, not a sequence's")
+    positions.extend(range(pad))
+    tables.extend([(pad_page,)] * pad)
+    firsts.extend([0] * pad)
+    return OneTokenStep(tuple(positions), tuple(tables), tuple(firsts), tuple(rows), pad)
+
+
+__all__ = ["OneTokenStep", "bucket_of", "split_segments"]

@@ -1,0 +1,41 @@
+"""Verify blocks and decode tokens as the multi-token GPU kernel runs them: one-token segments (launch/one_token.py),
+the host mapping. The VM running the GPU plan's program on that mapping: tests/megakernel/test_vm.py."""
+import pytest
+
+from mimw.megakernel.launch.one_token import bucket_of, split_segments
+from mimw.models.reference import Segment
+
+
+def test_a_verify_block_becomes_one_token_segments_sharing_its_table_and_first_position():
+    a, b, c = (1, 2), (3, 4, 5), (6,)
+    one = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 1, 1), Segment(c, 5, 4, 2)])
+    assert one.positions == (40, 41, 42, 17, 5, 6, 7, 8)
+    assert one.block_tables == (a, a, a, b, c, c, c, c)
+    assert one.firsts == (40, 40, 40, 17, 5, 5, 5, 5)
+    # every token of the verify block, the decode token, the last two of the third segment
+    assert one.logit_rows == (0, 1, 2, 3, 6, 7)
+
+
+def test_two_segments_writing_one_sequence_and_bad_segments_are_refused():
+    with pytest.raises(ValueError, match="same sequence"):
+        split_segments([Segment((1, 2), 40, 2, 2), Segment((1, 2), 42, 1, 1)])
+    with pytest.raises(ValueError, match="num_logits"):
+        split_segments([Segment((1,), 4, 2, 3)])
+    with pytest.raises(ValueError, match="length"):
+        split_segments([Segment((1,), 4, 0, 0)])
+
+
+def test_a_step_pads_to_its_bucket_with_a_block_on_the_padding_page():
+    a, b = (1, 2), (3, 4, 5)
+    one = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 2, 1)], pad_page=9)
+    assert bucket_of(5) == 8 and one.padding == 3
+    assert one.positions == (40, 41, 42, 17, 18, 0, 1, 2)
+    assert one.block_tables == (a, a, a, b, b, (9,), (9,), (9,))
+    assert one.firsts == (40, 40, 40, 17, 17, 0, 0, 0)  # the padding is one block of its own
+    assert one.logit_rows == (0, 1, 2, 4)  # never a padding row
+    assert split_segments([Segment(a, 40, 4, 4)], pad_page=9).padding == 0  # a full bucket
+    assert split_segments([Segment(a, 40, 3, 3)]).padding == 0  # no padding page: no padding
+    with pytest.raises(ValueError, match="padding"):
+        split_segments([Segment((9,), 4, 3, 3)], pad_page=9)
+    with pytest.raises(ValueError, match="more than one page"):
+        split_segments([Segment(a, 0, 9, 1)], pad_page=9, page_size=4)
