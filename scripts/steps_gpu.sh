@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi-token steps on a Hopper GPU in one call (~5 minutes on an H100/H200), from the working tree:
-#   1. GPU tests of the megakernel backend's step paths (the router's two paths, a mixed step; cut at 150 s);
+#   1. GPU tests of the megakernel backend's step paths (StepGraphs, the router, a mixed step; cut at 150 s);
 #   2. `python -m mimw.bench.batch_steps`: decode batches 1..64 and verify blocks against their floor, per-sequence
 #      replays against one pass (Llama-3.2-1B and Llama-3.1-8B shapes, random weights, context 1024), and against
 #      the peers in $PEERS (default torch-graph: the batched PyTorch decoder in a CUDA graph, built and captured in
@@ -20,8 +20,8 @@ out=${OUT:-bench/results/steps}
 mkdir -p "$out"
 models=${MODELS:-llama-3.2-1b,llama-3.1-8b}
 spec_results=${SPEC_RESULTS:-$(ls bench/results/*-cpu-spec-*.json | tail -n 1)}
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_megakernel_backend_gpu.py \
-    > "$out/steps-tests.log" 2>&1
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_step_graphs_gpu.py \
+    tests/engine/test_megakernel_backend_gpu.py > "$out/steps-tests.log" 2>&1
 echo "tests (rc $?): $(tail -n 1 "$out/steps-tests.log")"
 timeout 270 python3 -m mimw.bench.main steps --model "$models" --context "${CONTEXT:-1024}" \
     --batch 1,2,4,8,16,32,64 --verify 4,16 --budget-s 0.3 --peers "${PEERS-torch-graph}" \

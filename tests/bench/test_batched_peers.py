@@ -99,3 +99,36 @@ def test_build_peer_refuses_unknown_names():
     w, inp = setup()
     with pytest.raises(ValueError, match="unknown peer 'eager'"):
         build_peer("eager", FusedWeights.from_weights(w), inp)
+
+
+def test_the_graph_peer_keeps_what_its_graph_reads_alive(monkeypatch):
+    """A CUDA graph keeps only its own memory pool: the module (static caches, rope tables), tokens and positions it
+    reads must live as long as the peer, or later allocations reuse them under the replays (on the GPU: an index
+    assert at the second replay). Here capture is stubbed (no CUDA) and the step module's outputs are watched."""
+    import gc
+    import weakref
+
+    from mimw.bench.peers import batched_peers, graph
+
+    w, inp = setup(contexts=(4, 9), block=1)
+    watched = []
+
+    def watching(fw, step_inp):
+        out = step_module(fw, step_inp)
+        watched.extend(weakref.ref(t) for t in out[:3])  # module, tokens, positions
+        return out
+
+    class Graph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(batched_peers, "_require_cuda", lambda fw, what: None)
+    monkeypatch.setattr(batched_peers, "step_module", watching)
+    monkeypatch.setattr(graph, "capture", lambda fn: (Graph(), fn()))
+    with torch.no_grad():
+        peer = batched_peers.torch_graph_peer(FusedWeights.from_weights(w), inp)
+    gc.collect()
+    assert len(watched) == 3 and all(r() is not None for r in watched)
+    del peer
+    gc.collect()
+    assert all(r() is None for r in watched)  # held by the peer, not leaked

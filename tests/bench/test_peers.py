@@ -62,3 +62,35 @@ def test_backend_names():
         parse_backends("torch-eager,nope")
     assert [b for b in BACKENDS if is_mimw(b)] == ["mimw-megakernel", "mimw-reference"]
     assert cache_len_for(1024) == 1040 and cache_len_for(1023) == 1024
+
+
+def test_the_graph_peer_keeps_what_its_graph_reads_alive(monkeypatch):
+    """A CUDA graph keeps only its own memory pool: the module (static caches), token and position it reads must live
+    as long as the peer, or later allocations reuse them under the replays. Capture is stubbed here (no CUDA)."""
+    import gc
+    import weakref
+
+    from mimw.bench.peers import graph, torch_peers
+
+    ctx, _ = _ctx("tiny-qwen3")
+    watched, module = [], torch_peers._module
+
+    def watching(c):
+        out = module(c)
+        watched.extend(weakref.ref(t) for t in out)  # module, token, position
+        return out
+
+    class Graph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch_peers, "require_cuda", lambda c, what: None)
+    monkeypatch.setattr(torch_peers, "_module", watching)
+    monkeypatch.setattr(torch_peers, "capture", lambda fn: (Graph(), fn()))
+    with torch.no_grad():
+        peer = torch_peers.torch_eager_graph(ctx)
+    gc.collect()
+    assert len(watched) == 3 and all(r() is not None for r in watched)
+    del peer
+    gc.collect()
+    assert all(r() is None for r in watched)

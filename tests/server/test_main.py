@@ -1,5 +1,6 @@
 """``mimw serve`` construction: flags -> engine + app, clear errors for bad flags, the tokenizer fallback."""
 import argparse
+import json
 
 import httpx
 import pytest
@@ -72,3 +73,24 @@ def test_fp8_kv_on_the_megakernel_backend_is_a_clear_start_up_error(capsys):
     assert main(["--model", "tiny-llama", "--backend", "megakernel", "--kv-dtype", "fp8", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "does not write FP8 KV" in err and "--kv-dtype bf16" in err and "Traceback" not in err
+
+
+def test_no_overlap_flag_and_the_same_stream_either_way():
+    texts = {}
+    for flags in ((), ("--no-overlap",)):
+        b = build(parse("--model", "tiny-llama", "--kv-pages", "32", "--page-size", "8", "--max-batch", "4",
+                        "--device", "cpu", *flags))
+        try:
+            assert b.loop.engine.config.overlap is not bool(flags)
+            with serve_app(b.app) as url:
+                body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 12, "temperature": 0.8, "seed": 5,
+                        "ignore_eos": True, "stream": True}
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                    lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+                assert lines[-1] == "data: [DONE]"
+                chunks = [json.loads(x[6:]) for x in lines[:-1]]
+                texts[flags] = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+                assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        finally:
+            b.loop.stop()
+    assert "".join(texts[()]) == "".join(texts[("--no-overlap",)]) and "".join(texts[()])

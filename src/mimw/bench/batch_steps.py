@@ -7,9 +7,10 @@ A step of B decode segments at context C must read every weight once and each se
 and a verify step of S segments of K tokens reads the same weights and S contexts' KV (plus the block's own rows).
 This script times the megakernel backend's step (``MegakernelBackend.forward``: the megakernel for one decode
 token; for more the fastest of B replays of the M = 1 megakernel (decode batches), one launch of its multi-token
-step (up to ``plan.max_tokens`` tokens) and one pass of its prefill path, as its ``StepRouter`` measured them) and
-each path alone (``replay_ms``, ``kernel_ms``, ``batched_ms``; the multi-token launch's logits checked against the
-pass's: ``kernel_max_rel_err``, ``kernel_argmax_agree``), for B in ``--batch`` and verify blocks of K in
+step (up to ``plan.max_tokens`` tokens) and one pass of its prefill path (a CUDA graph per step pattern where the
+segments are short), as its ``StepRouter`` measured them) and each path alone (``replay_ms``, ``kernel_ms``,
+``batched_ms``; the multi-token launch's logits checked against the pass's: ``kernel_max_rel_err``,
+``kernel_argmax_agree``), for B in ``--batch`` and verify blocks of K in
 ``--verify``. Every segment has its own pages, filled with random K/V; weights are random at the preset's shape.
 The two paths' logits are checked against each other (argmax agreement and the largest relative error) before
 anything is timed.

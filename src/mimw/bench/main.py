@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .trace.main import add_subcommands as add_trace_subcommands
 
     add_trace_subcommands(sub)
+    from .overlap import add_arguments as add_overlap_arguments
+
+    add_overlap_arguments(sub)
     add_kv_accuracy(sub)
     from .batch_steps import add_parser as add_steps
 
@@ -151,12 +154,17 @@ def run(args: argparse.Namespace) -> int:
         from .batch_steps import run as run_steps
 
         return run_steps(args)
+    if getattr(args, "bench_command", None) == "overlap":
+        from .overlap import run_checked
+
+        return run_checked(args)
     if getattr(args, "bench_command", None) == "kv-accuracy":
         from .kv_accuracy import run_args
 
         return run_args(args)
     if getattr(args, "bench_command", None) != "decode":
-        print("mimw bench: choose a benchmark: decode, prefill, serve, spec, steps, trace, trace-gen, kv-accuracy",
+        print("mimw bench: choose a benchmark: decode, prefill, serve, spec, steps, trace, trace-gen, kv-accuracy, "
+              "overlap",
               file=sys.stderr)
         return 2
     try:

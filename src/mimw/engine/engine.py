@@ -6,6 +6,11 @@ verify their drafts -> stop checks and incremental detokenisation, token by toke
 step; a verified draft gives several tokens in one event). Everything here runs on one thread (``EngineLoop``
 provides it); it is not thread-safe.
 
+Overlap (``overlap.py``, docs/engine.md; ``EngineConfig.overlap``, on by default): the requests that need nothing
+from the host between two tokens sample on the device, and the step returns before reading their tokens; the next
+step launches first, its inputs taken from the device, and then reads them and does their per-token work. A step
+holding a request that needs the host (``overlap.needs_host``), drafts or prompt logprobs is read at once.
+
 Sessions (``sessions.SessionTable``): a request may name a session; when it finishes, the session retains its
 pages (pinned in the ``Retention`` that orders every tier's evictions) until the session's TTL runs out or it is
 closed. With ``host_kv_bytes``, a host tier (``mimw.kv.host_tier``) keeps pages the device cache evicts; ``step``
@@ -34,7 +39,8 @@ from .backends.base import Backend
 from .detokenize import Decoder, TextStream
 from .logprobs import TokenLogprob, logprobs_of
 from .request import Request, RequestOutput, RequestTimes
-from .sampling import SamplingParams, TokenContext, make_generator, sample_batch
+from .overlap import InFlight, needs_host, step_tokens
+from .sampling import SamplingParams, TokenContext, draw_uniforms, make_generator, on_device, sample_batch, sample_ids
 from .scheduler import Scheduler, SchedulerConfig
 from .spec.drafter import NO_DRAFT
 from .spec.speculator import SpecStats, Speculator
@@ -66,6 +72,7 @@ class EngineConfig:
     max_sessions: int = 4096  # live sessions at most (the least recently used idle one is closed past it)
     kv_eviction: str = "session"  # "session": live sessions' pages are evicted last; "lru": plain LRU
     host_kv_bytes: int = 0  # host-memory KV tier (0: none); needs the prefix cache
+    overlap: bool = True  # launch step N+1 before reading step N's tokens (engine/overlap.py)
 
     def __post_init__(self) -> None:
         if self.num_pages <= 0:
@@ -144,6 +151,9 @@ class Engine:
         self._steps = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._overlap = config.overlap and speculator is None  # drafts are proposed from the tokens the host holds
+        self._inflight: InFlight | None = None  # the latest step's tokens, sampled on the device, not yet read
+        self._held: list[RequestOutput] = []  # an abort's read events (given to on_output): the next step returns them
 
     # --- requests -----------------------------------------------------------------------------------------
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -223,6 +233,11 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None:
             return False
+        if self._inflight is not None and req in self._inflight.rows:
+            # its token in flight was generated before the abort: deliver it (the next step returns the events)
+            self._held += self._resolve()
+            if req.is_finished:
+                return False
         self._finish(req, "abort", "")
         return True
 
@@ -232,11 +247,12 @@ class Engine:
 
     def fail_all(self, error: str) -> None:
         """End every request with finish_reason "error" (after an unexpected failure of a step)."""
+        self._inflight, self._held = None, []
         for req in list(self._requests.values()):
             self._finish(req, "error", "", error=error, flush=False)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def stats(self) -> EngineStats:
         p = self.prefix
@@ -252,58 +268,112 @@ class Engine:
 
     # --- one step -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns the events it produced. With overlap (``engine/overlap.py``) these are mostly the
+        previous step's: this step's tokens stay on the device until the next call (or a call that has nothing
+        to run) reads them, while the device already runs the step after."""
+        held, self._held = self._held, []
+        return held + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         self.sessions.expire(time.monotonic())
         if self.host is not None:
             self.host.poll()
         plan = self.scheduler.schedule()
         self._preemptions += len(plan.preempted)
         if not plan.chunks:
-            return []
+            return self._resolve()
         self._steps += 1
         start = time.monotonic()
         for c in plan.chunks:
             if c.request.scheduled_time is None:
                 c.request.scheduled_time = start
         drafts = self.speculator.propose(plan, self.scheduler, self.max_model_len) if self.speculator else {}
-        tokens: list[int] = []
-        segments = []
-        for c in plan.chunks:  # a drafted chunk runs its draft too, with a logits row after each drafted token
-            d = drafts.get(c.request, NO_DRAFT).tokens
-            tokens += c.request.token_ids[c.start:c.start + c.length] + list(d)
-            segments.append(Segment(tuple(c.request.block_table), c.start, c.length + len(d),
-                                    _num_logits(c) + len(d)))
+        segments = [Segment(tuple(c.request.block_table), c.start, c.length + len(d), _num_logits(c) + len(d))
+                    for c in plan.chunks for d in (drafts.get(c.request, NO_DRAFT).tokens,)]
+        # a drafted chunk runs its draft too, with a logits row after each drafted token
         if self.host is not None:
             self.host.fence()  # this step may overwrite reallocated pages that copies still touch
         try:
-            logits = self.backend.timed_forward(torch.tensor(tokens, dtype=torch.long), segments, self.cache)
+            tokens = step_tokens(plan.chunks, drafts, self._inflight, self.backend.device)
+            logits = self.backend.timed_forward(tokens, segments, self.cache)
         except Exception as e:  # a failed step fails its requests, never the engine
-            return [self._finish(c.request, "error", "", error=f"{type(e).__name__}: {e}") for c in plan.chunks]
+            out = self._resolve()
+            return out + [self._finish(c.request, "error", "", error=f"{type(e).__name__}: {e}")
+                          for c in plan.chunks if not c.request.is_finished]
         self.scheduler.commit(plan)
         if self.host is not None and self._backup_window > self.allocator.num_free:
             self.host.backup(self.prefix, self._backup_window - self.allocator.num_free)  # type: ignore[arg-type]
         ends = list(itertools.accumulate(s.num_logits for s in segments))  # row after each segment's last
-        self._collect_prompt_logprobs(plan.chunks, segments, ends, logits)
+        self._collect_prompt_logprobs(plan.chunks, segments, ends, logits)  # reads logits only where asked
         done = [c for c in plan.chunks if c.samples]
         for c in done:
-            if c.request.first_token_time is None:  # prefill complete
+            if c.request.num_output_tokens == 0 and not c.request.num_inflight:  # prefill complete
                 self._prompt_tokens += c.request.num_prompt_tokens
         # max_tokens 0 (scoring a prompt: its logprobs only) ends when the prompt is computed, sampling nothing
-        scored = [self._finish(c.request, "length", "") for c in done if c.request.params.max_tokens == 0]
-        scored += self._verify_drafts(plan.chunks, drafts, ends, logits)
-        rows = [ends[i] - 1 for i, c in enumerate(plan.chunks)
-                if c.samples and c.request.params.max_tokens > 0 and c.request not in drafts]
+        out = [self._finish(c.request, "length", "") for c in done if c.request.params.max_tokens == 0]
+        sampling = [(ends[i] - 1, c.request) for i, c in enumerate(plan.chunks)
+                    if c.samples and c.request.params.max_tokens > 0 and c.request not in drafts]
+        on_host = [(i, r) for i, r in sampling if needs_host(r.params)]
+        launched = self._sample_on_device(logits, [(i, r) for i, r in sampling if not needs_host(r.params)])
+        if launched is None and len(on_host) < len(sampling):  # the device sampler failed: sample on the host
+            on_host = sampling
+        out += self._resolve()  # the previous step's tokens, read while this step runs
+        if launched is not None:
+            launched.mark()
+            self._inflight = launched
+        out += self._verify_drafts(plan.chunks, drafts, ends, logits)
+        if on_host:
+            out += self._sample_on_host(logits, on_host)
+        if not self._overlap or on_host or drafts or any(s.num_logits > 1 for s in segments):
+            out += self._resolve()  # the next step needs this one's tokens on the host
+        return out
+
+    def _sample_on_device(self, logits: torch.Tensor, rows: list[tuple[int, Request]]) -> InFlight | None:
+        """Sample ``rows`` (logits row, request) into a device tensor and start its copy to the host; None when
+        there is nothing to sample or the sampler failed."""
         if not rows:
-            return scored
-        reqs = [c.request for c in done if c.request.params.max_tokens > 0 and c.request not in drafts]
+            return None
+        reqs = [r for _, r in rows]
+        params = [r.params for r in reqs]
+        try:
+            x = logits if [i for i, _ in rows] == list(range(logits.shape[0])) else \
+                logits.index_select(0, on_device([i for i, _ in rows], torch.long, logits.device))
+            ids = sample_ids(x, params, draw_uniforms(params, [r.generator for r in reqs]))
+        except Exception:  # e.g. a generator missing: the host path samples these rows and reports the culprits
+            return None
+        return InFlight(reqs, ids, may_fail=not all(p.greedy for p in params))
+
+    def _resolve(self) -> list[RequestOutput]:
+        """Read the tokens in flight (waiting for their copy) and append them with every stop check."""
+        f, self._inflight = self._inflight, None
+        if f is None:
+            return []
+        ids = f.read()
+        now = time.monotonic()
+        out = []
+        for r, t in zip(f.requests, ids):
+            if r.is_finished:  # aborted, or ended by the token before: its token is discarded unseen
+                continue
+            if t < 0:
+                out.append(self._finish(r, "error", "", error="sampling failed: the logits give no valid sampling "
+                                        "distribution (NaN or infinite values)"))
+            else:
+                out.append(self._append_safely(r, [t], now))
+        return out
+
+    def _sample_on_host(self, logits: torch.Tensor, rows: list[tuple[int, Request]]) -> list[RequestOutput]:
+        """Sample ``rows`` with what only the host has (penalty histories, grammar masks) and report logprobs."""
+        idx = [i for i, _ in rows]
+        reqs = [r for _, r in rows]
         try:
             contexts = [_context(r) for r in reqs] if any(r.params.has_processors for r in reqs) else None
-            new: list[int | Exception] = list(sample_batch(logits[rows], [r.params for r in reqs],
+            new: list[int | Exception] = list(sample_batch(logits[idx], [r.params for r in reqs],
                                                            [r.generator for r in reqs], contexts))
         except Exception:  # e.g. NaN logits under temperature sampling: find the culprits one by one
-            new = [self._sample_one(logits[i], r) for i, r in zip(rows, reqs)]
-        lps = self._token_logprobs(logits, rows, reqs, new)
+            new = [self._sample_one(logits[i], r) for i, r in zip(idx, reqs)]
+        lps = self._token_logprobs(logits, idx, reqs, new)
         now = time.monotonic()
-        return scored + [self._finish(r, "error", "", error=f"sampling failed: {type(t).__name__}: {t}")
+        return [self._finish(r, "error", "", error=f"sampling failed: {type(t).__name__}: {t}")
                 if isinstance(t, Exception) else self._append_safely(r, [t], now, (lp,))
                 for r, t, lp in zip(reqs, new, lps)]
 

@@ -122,12 +122,13 @@ class EngineLoop:
                     self._apply(cmd)
                 if self.engine.has_work():
                     before = self._stats.steps
+                    events = []
                     try:
-                        self.engine.step()
+                        events = self.engine.step()
                     except Exception:  # a bug in a step: fail the requests in flight, keep serving new ones
                         log.exception("engine step failed; failing the requests in flight")
                         self.engine.fail_all("internal error in the engine step (see the server log)")
-                    if self.engine.stats().steps == before:  # nothing could run (e.g. all waiting): don't spin
+                    if not events and self.engine.stats().steps == before:  # nothing ran (all waiting): don't spin
                         with self._cv:
                             self._cv.wait(0.005)
                 self._publish()

@@ -7,9 +7,13 @@ admission (prefill, possibly in chunks), exactly one token while decoding, or pr
 preemption (the request lost its pages and recomputes them, mostly from the prefix cache). LOADING: admitted with
 prefix pages that are still being copied back from the host tier; it runs once they have arrived.
 
+With the overlapped engine (``engine/overlap.py``), a token sampled on the device is counted in ``num_tokens``
+(``num_inflight``) one step before the host appends it to ``token_ids``: the scheduler plans with it, the engine
+feeds it to the next step from the device.
+
 Invariants:
   * len(block_table) == pages_for(num_computed) between steps (pages are allocated when a chunk is scheduled).
-  * num_computed < len(token_ids) while RUNNING or WAITING: there is always a next token to sample from.
+  * num_computed < num_tokens while RUNNING or WAITING: there is always a next token to sample from.
   * FINISHED requests hold no pages.
   * A request that asks for prompt logprobs computes its whole prompt (no prefix reuse) until every prompt
     token's logprob is collected (``needs_prompt_logits``); afterwards it behaves like any other.
@@ -96,6 +100,7 @@ class Request:
     matcher: Any = field(init=False, default=None)  # grammar.GrammarMatcher of params.grammar, if any
     prompt_logprobs: list[TokenLogprob] = field(init=False, default_factory=list)  # of prompt tokens 1, 2, ...
     prompt_logprobs_sent: bool = field(init=False, default=False)
+    num_inflight: int = field(init=False, default=0)  # sampled on the device, not read yet (engine/overlap.py)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -108,7 +113,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Positions of the sequence: the known tokens and the one still in flight on the device, if any."""
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -121,7 +127,12 @@ class Request:
     @property
     def num_pending(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
-        return len(self.token_ids) - self.num_computed
+        return self.num_tokens - self.num_computed
+
+    @property
+    def last_in_flight(self) -> bool:
+        """Its token in flight is its last (max_tokens, which the engine caps at the context): nothing to run."""
+        return self.num_inflight > 0 and self.num_output_tokens + self.num_inflight >= self.params.max_tokens
 
     @property
     def needs_prompt_logits(self) -> bool:

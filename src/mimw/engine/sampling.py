@@ -7,7 +7,9 @@ API (all the serving engine and the speculative decoder need):
                               packed allowed-token bitmask.
   ``distribution(x, ps, cs)`` logits [B, V] -> the final per-token sampling distribution [B, V] (fp32, on the
                               logits' device) after every processor: THE definition of what a row samples from.
-  ``sample_batch(x, ps, gs, cs)``  logits [B, V] -> B token ids drawn from that distribution.
+  ``sample_ids(x, ps, us, cs)``    logits [B, V] -> token ids [B] on the logits' device (u: one uniform a row).
+  ``sample_batch(x, ps, gs, cs)``  the same, with uniforms from the generators, read back: B token ids.
+  ``draw_uniforms(ps, gs)``   the uniforms ``sample_ids`` takes, one from each non-greedy row's generator.
   ``make_generator(p)``       the request's own ``torch.Generator`` (CPU), seeded from ``p.seed``; ``None`` if greedy.
   ``sample(logits, p, g)``    one row without context (``mimw generate``).
 
@@ -24,9 +26,10 @@ that use them:
 
 Invariants:
   * temperature == 0 is greedy: ``argmax`` of the processed logits (lowest id on ties); no generator is used.
-  * Draws happen on the CPU in fp32 with the request's own generator, advanced once per sampled token, so
-    concurrent requests never share random state and a (seed, distribution) pair always gives the same tokens;
-    each row's distribution depends only on that row's logits, params and context, never on its batch.
+  * Each sampled token takes one uniform from the request's own CPU generator (advanced once per sampled token)
+    and is drawn on the logits' device by the inverse CDF (``sample_ids``), so concurrent requests never share
+    random state and a (seed, distribution) pair always gives the same tokens on a given device; each row's
+    distribution depends only on that row's logits, params and context, never on its batch.
 """
 from __future__ import annotations
 
@@ -188,13 +191,13 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         words = torch.stack([contexts[b].allowed for b in masked]).to(dev, torch.int32)  # [M, W]
         ids = torch.arange(V, device=dev)
         allowed = (words[:, ids >> 5] >> (ids & 31)) & 1  # [M, V]
-        rows = torch.tensor(masked, device=dev)
+        rows = on_device(masked, torch.long, dev)
         x[rows] = x[rows].masked_fill(allowed == 0, float("-inf"))
     biased = [(b, t, v) for b, p in enumerate(params) for t, v in p.logit_bias if t < V]
     if biased:
         r, t, v = zip(*biased)
-        x.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
-                     torch.tensor(v, dtype=x.dtype, device=dev), accumulate=True)
+        x.index_put_((on_device(r, torch.long, dev), on_device(t, torch.long, dev)), on_device(v, x.dtype, dev),
+                     accumulate=True)
     pen = [b for b, p in enumerate(params) if p.has_penalties]
     if pen:
         _apply_penalties(x, pen, params, contexts)
@@ -242,18 +245,19 @@ def _filter(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     # top one to inf (inf - inf = NaN); below fp32's smallest normal the temperature is that number (same argmax set).
     x = x - x.max(dim=-1, keepdim=True).values
     tiny = torch.finfo(torch.float32).tiny
-    temp = torch.tensor([max(p.temperature, tiny) for p in params], device=dev, dtype=x.dtype)[:, None]
+    # every decision below is taken from the params on the host: no value is read back from the device
+    temp = on_device([max(p.temperature, tiny) for p in params], x.dtype, dev)[:, None]
     probs = torch.softmax(x / temp, dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=x.dtype)[:, None]
-    if (min_p > 0).any():
+    if any(p.min_p > 0 for p in params):
+        min_p = on_device([p.min_p for p in params], x.dtype, dev)[:, None]
         probs = torch.where(probs >= min_p * probs.max(dim=-1, keepdim=True).values, probs, 0.0)
     V = x.shape[1]
     top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=x.dtype)[:, None]
-    if min(top_k) < V or (top_p < 1).any():
+    if min(top_k) < V or any(p.top_p < 1 for p in params):
+        top_p = on_device([p.top_p for p in params], x.dtype, dev)[:, None]
         sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties keep the lower id first
         rank = torch.arange(V, device=dev)[None, :]
-        keep = rank < torch.tensor(top_k, device=dev)[:, None]
+        keep = rank < on_device(top_k, torch.long, dev)[:, None]
         # keep token j iff the mass strictly before it is < top_p (so the most likely token always stays)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p
         keep &= (before < top_p) | (top_p >= 1)
@@ -292,26 +296,66 @@ def distribution(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
+def draw_uniforms(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> list[float]:
+    """One uniform in [0, 1) per non-greedy row from its request's generator (advanced once), 0.0 for greedy
+    rows. The draw does not depend on the logits, so the overlapped engine takes it before the step has run."""
+    if any(generators[b] is None for b, p in enumerate(params) if not p.greedy):
+        raise ValueError("non-greedy sampling needs the request's generator (make_generator(params))")
+    return [0.0 if p.greedy else float(torch.rand((), generator=g)) for p, g in zip(params, generators)]
+
+
+def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float],
+               contexts: Sequence[TokenContext] | None = None) -> torch.Tensor:
+    """logits [B, V] -> int64 token ids [B] on the logits' device, without reading anything back to the host.
+
+    Greedy rows: the argmax of the processed logits. The others: the inverse CDF of their ``distribution`` row at
+    ``uniforms[b]`` (the first token whose cumulative probability exceeds u x total, so a token of probability 0
+    is never drawn); -1 where that row has no valid distribution (NaN or infinite logits, nothing allowed)."""
+    contexts = contexts if contexts is not None else [_NO_CONTEXT] * len(params)
+    _check(logits, params, contexts, "contexts")
+    _check(logits, params, uniforms, "uniforms")
+    x = process_logits(logits, params, contexts) if _needs_processing(params, contexts) else logits
+    ids = torch.argmax(x, dim=-1)
+    rest = [b for b, p in enumerate(params) if not p.greedy]
+    if rest:
+        dev, V = x.device, x.shape[1]
+        whole = len(rest) == len(params)
+        index = None if whole else on_device(rest, torch.long, dev)
+        probs = _filter((x if whole else x.index_select(0, index)).float(), [params[b] for b in rest])
+        cdf = torch.cumsum(probs, dim=-1)
+        total = cdf[:, -1:]
+        target = on_device([uniforms[b] for b in rest], cdf.dtype, dev)[:, None] * total
+        pick = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=V - 1)
+        pick = torch.where(torch.isfinite(total[:, 0]) & (total[:, 0] > 0), pick, -1)
+        if whole:
+            ids = pick
+        else:
+            ids.index_copy_(0, index, pick)
+    return ids
+
+
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
                  contexts: Sequence[TokenContext] | None = None) -> list[int]:
-    """logits [B, V] -> B token ids; row b uses ``params[b]``, ``generators[b]`` and ``contexts[b]``.
-
-    Greedy rows are resolved with one batched argmax on the logits' device (one host sync for the batch); the
-    others draw from their ``distribution`` row on the CPU with their own generator."""
-    contexts = contexts if contexts is not None else [_NO_CONTEXT] * len(params)
+    """logits [B, V] -> B token ids; row b uses ``params[b]``, ``generators[b]`` and ``contexts[b]``:
+    ``sample_ids`` with a uniform from each generator, read back (one host sync for the batch). A row without a
+    valid distribution raises ``ValueError``."""
     _check(logits, params, generators, "generators")
-    _check(logits, params, contexts, "contexts")
-    x = process_logits(logits, params, contexts) if _needs_processing(params, contexts) else logits
-    out = torch.argmax(x, dim=-1).tolist()
-    rest = [b for b, p in enumerate(params) if not p.greedy]
-    if rest:
-        if any(generators[b] is None for b in rest):
-            raise ValueError("non-greedy sampling needs the request's generator (make_generator(params))")
-        probs = _filter(x[rest].float(), [params[b] for b in rest]).cpu()
-        for i, b in enumerate(rest):
-            out[b] = int(torch.multinomial(probs[i], 1, generator=generators[b]))
+    out = sample_ids(logits, params, draw_uniforms(params, generators), contexts).tolist()
+    bad = [b for b, t in enumerate(out) if t < 0]
+    if bad:
+        raise ValueError(f"row {bad[0]} has no valid sampling distribution (NaN or infinite logits, or no token "
+                         "allowed)")
     return out
+
+
+def on_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device``; on a GPU through pinned memory with a non-blocking copy, so
+    that the host never waits for the work already queued (a pageable copy would synchronise the stream)."""
+    t = torch.tensor(list(values), dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

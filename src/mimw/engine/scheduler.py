@@ -24,6 +24,10 @@ Policy, oldest request first (FCFS):
   Finished and preempted requests release their pages last page first, so that among pages released together
   the tail of a prefix is evicted before its head (a chain broken at its head matches nothing).
 
+With the overlapped engine (``engine/overlap.py``) a request may have one token in flight (sampled on the device,
+not read yet): it counts as a token to run like any other, except that a request whose in-flight token is its
+last (``Request.last_in_flight``) takes no part in the step.
+
 Pure host logic (no tensors): the engine turns a ``StepPlan`` into backend calls, then calls ``commit``.
 """
 from __future__ import annotations
@@ -104,7 +108,7 @@ class Scheduler:
         self._promote_loaded()
         chunks: list[Chunk] = []
         preempted: list[Request] = []
-        decoders_behind = sum(1 for r in self.running if r.num_pending == 1)
+        decoders_behind = sum(1 for r in self.running if r.num_pending == 1 and not r.last_in_flight)
         budget = self.cfg.max_step_tokens
         if not decoders_behind and self.cfg.max_prefill_step_tokens:
             budget = self.cfg.max_prefill_step_tokens
@@ -113,6 +117,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
+            if r.last_in_flight:  # the token the device holds for it ends it (engine/overlap.py)
+                i += 1
+                continue
             if r.num_pending == 1:
                 decoders_behind -= 1
                 want = 1
@@ -121,7 +128,7 @@ class Scheduler:
             n = min(want, self._fits(r)) if want > 0 else 0
             while want > 0 and n == 0:  # make room: preempt the newest running request
                 victim = self.running[-1]
-                if victim.num_pending == 1 and victim is not r:
+                if victim.num_pending == 1 and victim is not r and not victim.last_in_flight:
                     decoders_behind -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -270,9 +277,10 @@ class Scheduler:
             self._register(c.request)
 
     def _register(self, r: Request) -> None:
-        """Offer r's full pages of computed tokens to the prefix cache."""
+        """Offer r's full pages of computed and known tokens to the prefix cache (a page whose last token is still
+        in flight on the device is offered at a later commit, once the host has it)."""
         ps = self.cfg.page_size
-        full = r.num_computed // ps
+        full = min(r.num_computed, len(r.token_ids)) // ps
         if self.prefix is None or full <= r.num_registered:
             return
         hashes = chain_hashes(r.token_ids[:full * ps], ps, r.page_hashes)

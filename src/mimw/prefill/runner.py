@@ -92,6 +92,7 @@ class PrefillRunner:
         self.config = config
         self.ops = OPS[config.kernels]
         self.attention = make_attention(config.attention, config.tiles, self.w.device)
+        self._inv_freq = rope.inv_freq(self.spec).to(self.w.device)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -112,7 +113,10 @@ class PrefillRunner:
     def _pass(self, tokens: torch.Tensor, batch: PrefillBatch, cache: PagedKVCache) -> torch.Tensor:
         spec, w, ops = self.spec, self.w, self.ops
         eps, t = spec.rms_norm_eps, tokens.numel()
-        cos, sin = rope.cos_sin(spec, batch.positions)  # [T, hd/2] fp32, shared by every layer
+        # [T, hd/2] fp32, shared by every layer: rope.cos_sin's arithmetic from inverse frequencies kept on the
+        # device (no host-to-device copy inside a pass, so a pass can be captured in a CUDA graph)
+        ang = batch.positions.float()[:, None] * self._inv_freq[None, :]
+        cos, sin = ang.cos(), ang.sin()
         attend = self.attention.plan(batch)
         x = F.embedding(tokens, w.embed)
         for li, lw in enumerate(w.layers):

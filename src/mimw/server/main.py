@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pages are kept there and copied back on a hit (default 0: none)")
     p.add_argument("--kv-eviction", default="session", choices=["session", "lru"],
                    help="session: pages of live sessions are evicted after all others (default); lru: plain LRU")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read each step's tokens before launching the next (default: overlap the host's per-token "
+                        "work with the next step, engine/overlap.py)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     spec_options.add_arguments(p)
 
@@ -228,7 +231,7 @@ def build(args: argparse.Namespace) -> Built:
                        max_step_tokens=args.max_step_tokens or max(512, args.max_batch),
                        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
                        session_ttl_s=args.session_ttl, kv_eviction=args.kv_eviction,
-                       host_kv_bytes=int(args.host_kv_gb * (1 << 30)))
+                       host_kv_bytes=int(args.host_kv_gb * (1 << 30)), overlap=not args.no_overlap)
     speculator = spec_options.build_speculator(spec_cfg, loaded, args.page_size, num_pages, draft) if spec_cfg else None
     engine = Engine(backend, tok.for_engine(), cfg, tok.eos_token_ids, speculator=speculator)
     kv = engine.cache.layout

@@ -40,6 +40,10 @@ class Peer:
     logits: Callable[[], torch.Tensor | None]
     notes: str = ""
     reset: Callable[[], None] = field(default=lambda: None)
+    # what a captured graph reads and writes in place (the module with its static caches, the token and position):
+    # held as long as the peer, since a graph keeps only its own pool alive and freed inputs would be reused by later
+    # allocations under its replays
+    keep: tuple = ()
 
 
 def cache_len_for(context: int, multiple: int = 16) -> int:

@@ -57,6 +57,10 @@ class StepPeer:
     logits: Callable[[], torch.Tensor]
     notes: str
     release: Callable[[], None] = field(default=lambda: None)
+    # what a captured graph reads and writes in place (the module with its static caches, the step's tokens and
+    # positions): held as long as the peer, since a graph keeps only its own pool alive and freed inputs would be
+    # reused by later allocations under its replays
+    keep: tuple = ()
 
 
 def cache_len(segments: Sequence[Segment]) -> int:
@@ -110,7 +114,8 @@ def torch_graph_peer(w: FusedWeights, inp: StepInputs) -> StepPeer:
     m, tokens, pos, rows = step_module(w, inp)
     with torch.no_grad():
         graph, out = capture(lambda: m(tokens, pos))
-    return StepPeer(graph.replay, _selected(out, rows), "eager kernels, one CUDA graph per step shape")
+    return StepPeer(graph.replay, _selected(out, rows), "eager kernels, one CUDA graph per step shape",
+                    keep=(m, tokens, pos))
 
 
 def torch_compile_peer(w: FusedWeights, inp: StepInputs) -> StepPeer:
@@ -133,7 +138,8 @@ def torch_compile_peer(w: FusedWeights, inp: StepInputs) -> StepPeer:
         torch.cuda.synchronize()
         graph, out = capture(lambda: fn(tokens, pos))
     return StepPeer(graph.replay, _selected(out, rows),
-                    "inductor max-autotune GEMMs + coordinate-descent, manual CUDA graph", torch._dynamo.reset)
+                    "inductor max-autotune GEMMs + coordinate-descent, manual CUDA graph", torch._dynamo.reset,
+                    keep=(m, fn, tokens, pos))
 
 
 BUILDERS: dict[str, Callable[[FusedWeights, StepInputs], StepPeer]] = {

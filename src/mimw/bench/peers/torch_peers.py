@@ -51,7 +51,7 @@ def torch_eager_graph(ctx: PeerContext) -> Peer:
     require_cuda(ctx, "CUDA-graph capture")
     m, tok, pos = _module(ctx)
     graph, logits = capture(lambda: m(tok, pos))
-    return Peer(graph.replay, lambda: logits, "eager kernels, one CUDA graph per step")
+    return Peer(graph.replay, lambda: logits, "eager kernels, one CUDA graph per step", keep=(m, tok, pos))
 
 
 def _compiled(ctx: PeerContext, mode: str):
@@ -63,7 +63,7 @@ def _compiled(ctx: PeerContext, mode: str):
     m, tok, pos = _module(ctx)
     for t in (*m.buffers(), tok, pos):  # the step's inputs never move either: no copy-in per replay
         torch._dynamo.mark_static_address(t)
-    return torch.compile(m, mode=mode, fullgraph=True), tok, pos
+    return torch.compile(m, mode=mode, fullgraph=True), tok, pos  # the compiled module holds m
 
 
 def torch_compile_reduce_overhead(ctx: PeerContext) -> Peer:
@@ -89,4 +89,5 @@ def torch_compile_max_autotune(ctx: PeerContext) -> Peer:
         fn(tok, pos)  # compile + autotune on the default stream, outside any capture
         torch.cuda.synchronize()
         graph, logits = capture(lambda: fn(tok, pos))
-    return Peer(graph.replay, lambda: logits, "inductor max-autotune GEMMs + coordinate-descent, manual CUDA graph")
+    return Peer(graph.replay, lambda: logits, "inductor max-autotune GEMMs + coordinate-descent, manual CUDA graph",
+                keep=(fn, tok, pos))

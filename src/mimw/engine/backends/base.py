@@ -15,6 +15,10 @@ Invariants every backend keeps:
     engine's state.
   * A sequence's logits do not depend on which other sequences share the step beyond floating-point
     reassociation (no cross-sequence state).
+  * ``tokens`` lives on ``device`` (the engine builds it there) and may hold ids that the previous step sampled
+    and the host has not read yet (``engine/overlap.py``): a backend reads them on the device only, never with
+    ``.item()``/``.tolist()``/``int()``, and reads nothing back from the device during ``forward`` (no host
+    synchronisation), so that the engine can queue the next step while this one runs.
 """
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ class Backend(ABC):
 
     @abstractmethod
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """tokens [T] (int64, the segments' tokens concatenated) -> logits [sum(num_logits), vocab] fp32."""
+        """tokens [T] (int64 on ``device``, the segments' tokens concatenated) -> logits [sum(num_logits), vocab] fp32
+        on ``device``."""
 
     @property
     def step_costs(self) -> StepCosts:

@@ -7,11 +7,12 @@ as one launch per sequence, as one launch of the megakernel's multi-token step (
 ``MegakernelDecoder.step_segments``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend
 measured fastest for that token count on this GPU (``StepRouter``). A step with verify blocks (or short chunks) of
 2..max_tokens tokens in all runs on the multi-token step or one pass, measured the same way (no replays: they are
-one token's); longer steps are one pass of the runner. The runner writes the segments' K/V into the shared cache
-exactly as the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v,
-gate/up) once here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of
-them (launch/pack.py): the GPU holds the weights twice, row-major and tile-major. Invariants are those of
-``Backend``.
+one token's); longer steps are one pass of the runner. A pass whose segments are short (each fits one query block of
+the paged attention kernel: decode batches, verify blocks) replays as a CUDA graph per step pattern
+(``StepGraphs``); long prefill chunks run eager. The runner writes the segments' K/V into the shared cache exactly as
+the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once
+here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of them
+(launch/pack.py): the GPU holds the weights twice, row-major and tile-major. Invariants are those of ``Backend``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ...models.reference import Segment
 from ...models.weights import ModelWeights
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend, EventTimer
+from .step_graphs import StepGraphs
 from .step_router import BATCHED, KERNEL, REPLAY, StepRouter
 
 
@@ -48,6 +50,7 @@ class MegakernelBackend(Backend):
         self.prefill = PrefillRunner(fused, prefill)
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
+        self._graphs = None  # short steps' graphs over the prefill path, for the cache the engine made
         self.router = StepRouter()
         from ...megakernel.plan import max_tokens
 
@@ -85,22 +88,25 @@ class MegakernelBackend(Backend):
             self.router.observe(path, batch, ms)
         m = int(tokens.numel())
         decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
-        if not decode and not 2 <= m <= self.max_tokens:  # prefill chunks: the prefill path
-            return self.prefill.forward(tokens, segments, cache)
+        if not decode and not 2 <= m <= self.max_tokens:  # prefill chunks, long steps: the prefill path
+            return self.decode_pass(tokens, segments, cache)
         whole = (KERNEL, BATCHED) if m <= self.max_tokens else (BATCHED,)
         path = self.router.choose(m, whole, replays=decode)
+        captures = self._graphs.captures if self._graphs is not None else 0
         start = self._timer.start()
         step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
         out = step(tokens, segments, cache)
-        self._timer.stop(start, (path, m))
+        if self._graphs is None or self._graphs.captures == captures:  # a step that captured a graph: no measure
+            self._timer.stop(start, (path, m))
         return out
 
     def decode_replays(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Single-token segments as one megakernel launch each."""
+        """Single-token segments as one megakernel launch each. The ids stay on the device (the previous step's
+        samples may not have reached the host) and the step state goes by non-blocking copies from pinned memory
+        (``StepState.fill``), so queueing the launches never waits for the GPU."""
         dec = self._decoder(cache)
-        ids = tokens.tolist()
         # each step returns the decoder's logits buffer, which the next step overwrites: copy each row out
-        return torch.cat([dec.step(ids[i], s.start, s.block_table)[:1].to(torch.float32, copy=True)
+        return torch.cat([dec.step_batch(tokens[i:i + 1], [s.start], [s.block_table])[:1].to(torch.float32, copy=True)
                           for i, s in enumerate(segments)])
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
@@ -118,5 +124,11 @@ class MegakernelBackend(Backend):
         return out[list(rows)].to(torch.float32)
 
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Any segments as one pass of the prefill path."""
+        """Any segments as one pass of the prefill path: replayed as a CUDA graph when every segment fits one query
+        block of the paged attention kernel (decode batches, verify blocks: ``StepGraphs``), else eager."""
+        if self._graphs is None or self._graphs.cache is not cache:
+            self._graphs = StepGraphs(self.prefill, cache)
+        if self._graphs.fits(segments):
+            return self._graphs.forward(tokens, segments)
         return self.prefill.forward(tokens, segments, cache)
+

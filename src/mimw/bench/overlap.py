@@ -1,0 +1,287 @@
+"""``mimw bench overlap`` (also ``python -m mimw.bench.overlap``): what the engine adds to the backend's decode step,
+with the overlap scheduler (``engine/overlap.py``) off and on.
+
+For each batch size B: the backend's own decode step over B sequences (``forward`` called back to back with the
+same inputs, timed on the device: the step the engine cannot beat; for the megakernel also its bare graph replay,
+the kernel's step at batch 1) and the engine's inter-token latency, measured as a server sees it - B greedy
+requests submitted to an ``EngineLoop`` (the server's engine thread), every token event time-stamped by its
+callback, the mean gap between a request's consecutive tokens once all B decode. ``host share`` = 1 - step / ITL:
+the part of each token's time the device idles for the host; ``engine host ms`` = the engine's own work per step
+with a backend that costs nothing (``FixedLogits``): what overlap has to hide. A backend that picks its path by
+measuring (the megakernel's ``StepRouter``) shares one router between the two engines, so both run a batch the
+same way. In-process (no HTTP), random weights at the preset's shape, a byte-level tokenizer. Prints a table and
+writes ``overlap-<device>-<model>.json`` to ``--out``. On a shared CPU, ``--threads 1`` gives steadier numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..engine.backends.base import Backend
+from ..kv.pages import KVLayout, PagedKVCache
+
+
+def add_arguments(sub) -> None:
+    p = sub.add_parser("overlap", help="engine inter-token latency vs the backend's step, overlap off and on",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.2-1b", metavar="PRESET", help="preset (random weights; default "
+                   "llama-3.2-1b)")
+    p.add_argument("--backend", default="auto", choices=("auto", "megakernel", "reference"),
+                   help="auto: megakernel on a Hopper GPU, else reference")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--batches", default="1,8,32", metavar="B[,B...]")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request (default 32)")
+    p.add_argument("--step-iters", type=int, default=50, help="back-to-back backend steps timed (default 50)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench/results/overlap", metavar="DIR")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, iters: int, device: torch.device) -> float:
+    """Mean ms of ``fn()`` over ``iters`` back-to-back calls (device events on a GPU, so launch queues fill),
+    after 3 untimed calls (compilation, graph capture, first touch of the pages)."""
+    for _ in range(3):
+        fn()
+    _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) * 1e3 / iters
+
+
+def backend_step_ms(engine, batch: int, context: int, iters: int) -> dict:
+    """The backend's decode step over ``batch`` sequences at ``context`` positions, in free pages of the engine's
+    cache (no request runs meanwhile), back to back, after a prefill of those positions (real K/V: no zeros)."""
+    from ..models.reference import Segment
+
+    ps = engine.config.page_size
+    per = -(-(context + 1) // ps)
+    dev = engine.backend.device
+    tables = [tuple(range(b * per, (b + 1) * per)) for b in range(batch)]
+    prompt = torch.randint(3, 256, (batch * context,), generator=torch.Generator().manual_seed(batch)).to(dev)
+    engine.backend.forward(prompt, [Segment(t, 0, context) for t in tables], engine.cache)
+    segs = [Segment(t, context, 1) for t in tables]
+    tokens = torch.randint(0, 256, (batch,), device=dev)
+    for _ in range(8):  # a backend that picks its path by measuring (the megakernel's StepRouter) learns here
+        engine.backend.forward(tokens, segs, engine.cache)
+        _sync(dev)
+    out = {"backend_step_ms": _timed(lambda: engine.backend.forward(tokens, segs, engine.cache), iters, dev)}
+    dec = getattr(engine.backend, "_dec", None)
+    if dec is not None and dec.graph is not None:  # the megakernel's own launch (M = 1), graph replay only
+        out["kernel_ms"] = _timed(dec.run, iters, dev)
+    return out
+
+
+def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> dict:
+    """B greedy requests through an EngineLoop; the mean gap between a request's consecutive token events once
+    every request decodes (its first 4 tokens skipped), averaged over the requests."""
+    from ..engine.loop import EngineLoop
+    from ..engine.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    times: dict[str, list[float]] = {}
+    done = threading.Event()
+    left = [batch]
+    lock = threading.Lock()
+
+    def on_output(e) -> None:
+        now = time.perf_counter()
+        times.setdefault(e.request_id, []).extend([now] * len(e.token_ids))
+        if e.finished:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+    loop = EngineLoop(engine, max_queue=batch + 1).start()
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    try:
+        for b in range(batch):
+            ids = torch.randint(3, 256, (prompt,), generator=g).tolist()
+            loop.submit(f"s{seed}-r{b}", ids, params, on_output)
+        if not done.wait(600):
+            raise RuntimeError("the engine did not finish in 600 s")
+    finally:
+        loop.stop()
+    wall = time.perf_counter() - t0
+    skip = 4
+    gaps = [(ts[-1] - ts[skip]) / (len(ts) - 1 - skip) for ts in times.values() if len(ts) > skip + 1]
+    return {"itl_ms": 1e3 * statistics.fmean(gaps), "wall_s": wall, "tokens": sum(len(t) for t in times.values())}
+
+
+class FixedLogits(Backend):
+    """A backend that costs (almost) nothing: the same logits rows every step, already on the device. With it a
+    step's time is the engine's own host work (and the sampling kernels): what overlap has to hide."""
+
+    def __init__(self, spec, device: torch.device):
+        self.spec = spec
+        self._device = device
+        g = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(64, spec.vocab_size, generator=g).to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
+        """A pool that is never read, on the CPU whatever the device (the engine's page accounting needs one)."""
+        return PagedKVCache(KVLayout.for_spec(self.spec, page_size, num_pages, torch.float32), torch.device("cpu"))
+
+    def forward(self, tokens, segments, cache) -> torch.Tensor:
+        return self.logits[:len(segments)]
+
+
+def engine_host_ms(spec, device: torch.device, batch: int, prompt: int, tokens: int) -> dict:
+    """Mean ms of ``Engine.step`` (called in a loop, as the engine thread does) with ``FixedLogits``, once every
+    request decodes, overlap off and on: the engine's per-step host cost at this batch."""
+    from ..engine.sampling import SamplingParams
+
+    out = {}
+    for mode in (False, True):
+        eng = _engine(FixedLogits(spec, device), mode, batch, batch * (-(-(prompt + tokens + 1) // 16) + 1) + 8)
+        for b in range(batch):
+            eng.add_request(f"h{b}", [5] * prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        _sync(device)
+        t, n = time.perf_counter(), 0
+        while eng.has_work():
+            eng.step()
+            n += 1
+        _sync(device)
+        out["overlap" if mode else "sync"] = (time.perf_counter() - t) * 1e3 / max(1, n)
+    return out
+
+
+def _engine(backend, overlap: bool, max_batch: int, pages: int):
+    from ..engine.engine import Engine, EngineConfig
+    from ..server.main import ByteTokenizer
+
+    cfg = EngineConfig(num_pages=pages, page_size=16, max_batch=max_batch, max_step_tokens=max(512, max_batch),
+                       overlap=overlap, enable_prefix_cache=False)
+    return Engine(backend, ByteTokenizer(), cfg)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..models.checkpoint import load_model
+    from ..server.main import _backend
+
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if not batches or min(batches) < 1 or args.tokens < 8 or args.prompt < 1:
+        raise ValueError("--batches must list sizes >= 1, --tokens be >= 8 and --prompt >= 1")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = args.backend
+    if name == "auto":
+        name = "megakernel" if device.type == "cuda" and torch.cuda.get_device_capability() == (9, 0) else "reference"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    loaded = load_model(args.model, dtype=dtype, device=device, progress=False)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"cpu ({torch.get_num_threads()} threads)"
+    ps = 16
+    pages = max(batches) * (-(-(args.prompt + args.tokens + 1) // ps) + 1) + 8
+    # a backend each: the megakernel backend keeps one decoder (packed weights, CUDA graph) for one cache
+    engines = {mode: _engine(_backend(name, loaded.weights, None), mode, max(batches), pages) for mode in (False, True)}
+    router = getattr(engines[False].backend, "router", None)
+    if router is not None:  # one set of path estimates, so that both engines run a batch the same way
+        engines[True].backend.router = router
+    print(f"[overlap] {args.model} on {dev_name}, {name} backend; {args.tokens} tokens a request after a "
+          f"{args.prompt}-token prompt", file=sys.stderr, flush=True)
+    rows = []
+    for b in batches:
+        row: dict = {"batch": b, **backend_step_ms(engines[False], b, args.prompt + args.tokens // 2, args.step_iters)}
+        row["engine_host_ms"] = engine_host_ms(loaded.spec, device, b, args.prompt, args.tokens)
+        for mode, eng in engines.items():
+            engine_itl_ms(eng, b, args.prompt, 8, seed=1000 + b)  # warm-up: compilation, graph capture, pools
+            row["overlap" if mode else "sync"] = engine_itl_ms(eng, b, args.prompt, args.tokens, seed=b)
+        if router is not None:
+            row["router"] = {"replay_ms": router.replay_ms,
+                             "step_ms": {path: dict(ms) for path, ms in router.step_ms.items()}}
+        step = row["backend_step_ms"]
+        for k in ("sync", "overlap"):
+            itl = row[k]["itl_ms"]
+            row[k]["itl_over_step"] = itl / step
+            row[k]["host_share"] = max(0.0, 1 - step / itl)
+        rows.append(row)
+        print(_line(row), file=sys.stderr, flush=True)
+    doc = {"bench": "overlap", "model": args.model, "backend": name, "device": dev_name,
+           "torch": torch.__version__, "tokens": args.tokens, "prompt": args.prompt, "rows": rows,
+           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"overlap-{_slug(dev_name)}-{args.model}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(table(rows))
+    print(f"wrote {path}")
+    return 0
+
+
+def _slug(text: str) -> str:
+    return "-".join("".join(c.lower() if c.isalnum() else " " for c in text).split()) or "device"
+
+
+def _line(row: dict) -> str:
+    k = f", kernel {row['kernel_ms']:.3f} ms" if "kernel_ms" in row else ""
+    h = row["engine_host_ms"]
+    return (f"[overlap] batch {row['batch']}: step {row['backend_step_ms']:.3f} ms{k}; ITL sync "
+            f"{row['sync']['itl_ms']:.3f} ms, overlap {row['overlap']['itl_ms']:.3f} ms; engine host work "
+            f"{h['sync']:.3f} / {h['overlap']:.3f} ms a step")
+
+
+def table(rows: Sequence[dict]) -> str:
+    head = ("| batch | backend step ms | kernel ms | engine host ms | ITL sync ms | ITL overlap ms | overlap / step "
+            "| overlap / kernel | host share sync | host share overlap |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        k = f"{r['kernel_ms']:.3f}" if "kernel_ms" in r else "-"
+        kr = f"{r['overlap']['itl_ms'] / r['kernel_ms']:.3f}" if "kernel_ms" in r and r["batch"] == 1 else "-"
+        lines.append(f"| {r['batch']} | {r['backend_step_ms']:.3f} | {k} | {r['engine_host_ms']['overlap']:.3f} | "
+                     f"{r['sync']['itl_ms']:.3f} | {r['overlap']['itl_ms']:.3f} | "
+                     f"{r['overlap']['itl_over_step']:.3f} | {kr} | {r['sync']['host_share']:.1%} | "
+                     f"{r['overlap']['host_share']:.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mimw.bench.overlap")
+    add_arguments(parser.add_subparsers(dest="bench_command", required=True))
+    return run_checked(parser.parse_args(["overlap", *(argv if argv is not None else sys.argv[1:])]))
+
+
+def run_checked(args: argparse.Namespace) -> int:
+    """``run`` with a bad option reported in one line (exit code 2)."""
+    from ..models.spec import SpecError
+
+    try:
+        return run(args)
+    except (ValueError, SpecError) as e:
+        print(f"mimw bench overlap: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

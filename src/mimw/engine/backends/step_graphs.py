@@ -1,0 +1,116 @@
+"""StepGraphs: short multi-token steps (decode batches, verify blocks) through the prefill path's layers, replayed
+as one CUDA graph per step pattern.
+
+Eager, the prefill path's pass launches ~10 kernels a layer from Python, so a short step costs milliseconds of
+launches whatever its size (the 1B shape: ~5 ms on an H100 for 0.8-1.5 ms of HBM traffic). Captured once, the same
+pass replays with no launch gaps. A step qualifies when each of its segments fits one query block of the paged
+attention kernel (``length <= block_m``): the kernel's grid (query heads x segments) and work list (one block per
+segment) then do not depend on the contexts, so one graph serves any contexts. Its pattern, the segments'
+(length, logit rows) in order, names its graph. What changes between steps is data, copied into the graph's
+static inputs before each replay: the tokens, each row's position and cache slot, each segment's start and context,
+and its block table (zero-padded to the graphs' common width; entries past a segment's context are never read). A
+block table wider than that width recaptures the graphs wider.
+
+Capture: one eager pass on the step's real inputs first (compilation, autotuning; it writes the same K/V rows the
+replay rewrites), then the capture, then the replay. Every graph draws on one memory pool (graphs replay one at a
+time, and each step's logits are copied out before the next replay; a recapture wider starts a new pool). At most
+``max_graphs`` patterns are kept (least recently used dropped). Invariants are ``Backend.forward``'s.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+from ...kv.pages import PagedKVCache
+from ...models.reference import Segment
+from ...prefill import PrefillRunner
+from ...prefill.batch import Piece, PrefillBatch
+from ...prefill.paged_attention import AttentionTiles
+
+_STEP_FIELDS = ("positions", "slots", "q_start", "seq_start", "seq_ctx", "logit_rows")
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor  # [T] int64, static input
+    batch: PrefillBatch  # static inputs (device tensors) the captured kernels read
+    logits: torch.Tensor  # [sum(num_logits), V] fp32, static output
+
+
+def block_m(runner: PrefillRunner) -> int | None:
+    """Query rows of one block of the runner's paged attention kernel; None when its attention is another (whose
+    shapes follow the contexts: no graph)."""
+    if runner.config.attention != "triton":
+        return None
+    return (runner.config.tiles or AttentionTiles.for_head_dim(runner.spec.head_dim)).block_m
+
+
+class StepGraphs:
+    def __init__(self, runner: PrefillRunner, cache: PagedKVCache, max_graphs: int = 64):
+        self.runner = runner
+        self.cache = cache
+        self.block_m = block_m(runner)
+        self.max_graphs = max_graphs
+        self.width = 0  # block-table columns every graph's static batch holds
+        self.captures = 0  # graphs captured so far (a step that captured is no measure of a replay)
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def fits(self, segments: Sequence[Segment]) -> bool:
+        return self.block_m is not None and all(s.length <= self.block_m for s in segments)
+
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        """tokens [T] (the segments' tokens concatenated) -> fp32 logits [sum(num_logits), vocab]; writes each
+        token's K/V into the cache."""
+        if not self.fits(segments):
+            raise ValueError(f"StepGraphs runs segments of at most {self.block_m} tokens on the paged kernel")
+        pieces = [Piece(tuple(s.block_table), s.start, s.length, s.num_logits) for s in segments]
+        host = PrefillBatch.build(pieces, self.cache.layout.page_size, "cpu")
+        if host.block_tables.shape[1] > self.width:
+            self.width = max(host.block_tables.shape[1], 2 * self.width)
+            self.graphs.clear()  # their static block tables are too narrow
+            # with its last graph gone the caching allocator frees the private pool, and a capture into a freed
+            # pool's handle fails: the wider graphs draw on a new one
+            self.pool = torch.cuda.graph_pool_handle()
+        key = tuple((p.length, p.num_logits) for p in pieces)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._capture(tokens, host)
+            self.graphs[key] = g
+            if len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+            self._load(g, tokens, host)
+        g.graph.replay()
+        return g.logits.clone()
+
+    def _load(self, g: _Graph, tokens: torch.Tensor, host: PrefillBatch) -> None:
+        g.tokens.copy_(tokens)
+        for name in _STEP_FIELDS:
+            getattr(g.batch, name).copy_(getattr(host, name))
+        g.batch.block_tables.zero_()
+        g.batch.block_tables[:, :host.block_tables.shape[1]].copy_(host.block_tables)
+
+    def _capture(self, tokens: torch.Tensor, host: PrefillBatch) -> _Graph:
+        dev = self.runner.w.device
+        tables = torch.zeros(host.block_tables.shape[0], self.width, dtype=host.block_tables.dtype)
+        tables[:, :host.block_tables.shape[1]] = host.block_tables
+        values = {f.name: getattr(host, f.name) for f in fields(PrefillBatch) if f.name != "_work"}
+        values["block_tables"] = tables
+        batch = PrefillBatch(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in values.items()})
+        static_tokens = tokens.to(device=dev, dtype=torch.long).clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            self.runner._pass(static_tokens, batch, self.cache)  # compile, autotune, build the work list
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            logits = self.runner._pass(static_tokens, batch, self.cache)
+        self.captures += 1
+        return _Graph(graph, static_tokens, batch, logits)

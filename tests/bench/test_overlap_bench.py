@@ -1,0 +1,24 @@
+"""``mimw bench overlap`` on the CPU with the tiny preset: one short run writes its table and JSON; bad options
+are one-line errors."""
+import json
+
+from mimw.bench.overlap import main
+
+
+def test_a_short_cpu_run_writes_rows_for_both_modes(tmp_path, capsys):
+    assert main(["--model", "tiny-llama", "--batches", "1,2", "--tokens", "10", "--prompt", "5", "--step-iters", "3",
+                 "--threads", "1", "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("overlap-*-tiny-llama.json")).read_text())
+    assert doc["backend"] == "reference" and [r["batch"] for r in doc["rows"]] == [1, 2]
+    for r in doc["rows"]:
+        assert r["backend_step_ms"] > 0 and r["engine_host_ms"]["sync"] > 0 and r["engine_host_ms"]["overlap"] > 0
+        for mode in ("sync", "overlap"):
+            assert r[mode]["itl_ms"] > 0 and r[mode]["tokens"] == r["batch"] * 10
+    assert "| batch |" in capsys.readouterr().out
+
+
+def test_bad_options_are_one_line_errors(capsys):
+    assert main(["--batches", "0"]) == 2
+    assert main(["--model", "no-such-preset", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("mimw bench overlap: error:") == 2 and "Traceback" not in err
