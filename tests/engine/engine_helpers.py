@@ -21,6 +21,19 @@ class ByteTokenizer:
         return bytes(i for i in ids if i > 2).decode("utf-8", errors="replace")
 
 
+class IdTokenizer:
+    """Token ids as text (" 17 4093 ..."): any vocabulary, no special tokens (random-weight models emit ids a byte
+    tokenizer cannot decode)."""
+
+    eos_token_ids = ()
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids) -> str:
+        return "".join(f" {i}" for i in ids)
+
+
 def greedy_alone(weights, prompt: list[int], n: int, kv_dtype=None) -> list[int]:
     """The oracle: ReferenceDecoder on one sequence with contiguous pages, whole prompt at once (KV in
     ``kv_dtype``, default the weights' dtype)."""

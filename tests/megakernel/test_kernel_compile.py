@@ -85,3 +85,32 @@ def test_the_fp8_kv_kernels_compile_spill_free_and_fit_shared_memory(model):
 def test_the_fp8_kernel_compiles_with_its_int_arguments_specialized_to_one():
     p = plan(get_preset("smollm2-135m"), 132, kv_dtype=parse_kv_dtype("fp8"))
     assert ptxas_report(compile_sm90a(p, ones=True).asm["ptx"])["spill_stores"] == 0
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
+def test_the_moe_kernels_compile_spill_free_and_fit_shared_memory(model):
+    """One token a step through ROUTER, EXPERT_IN and EXPERT_DOWN: the loader's poll of the routing table
+    (volatile loads) and the router finisher's tag, beside everything the dense kernels check. The 30B-A3B's
+    eight query heads per KV head take the attention's head-split layout, a 16-position block, 16 splits at most
+    and the staging buffer widened for the warps' merge (plan.py)."""
+    p, k, rep = _build(model)
+    _assert_sound(p, k, rep)
+    assert "ld.volatile.global" in k.asm["ptx"]  # the loader's routing poll
+    if model == "qwen3-30b-a3b":
+        c = p.constants
+        assert (c.GP, c.BT, c.SMEM_MERGE, c.S, c.K, c.E) == (8, 16, True, 8, 8, 128)
+        assert p.program.max_splits <= 16
+
+
+def test_the_moe_decode_batch_kernel_compiles_spill_free():
+    """Eight tokens of the 30B-A3B a step (64 routing slots; wgmma's N = 8): the router finisher routes eight tokens
+    at once and scans the union of their experts into slots."""
+    from mimw.megakernel.program import StepShape
+
+    p = plan(get_preset("qwen3-30b-a3b"), 132, StepShape((1,) * 8, 1024))
+    k = compile_sm90a(p)
+    rep = ptxas_report(k.asm["ptx"])
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared + p.exchange_bytes <= SHARED_BYTES, (k.metadata.shared, p.exchange_bytes)
+    assert "wgmma.mma_async" in k.asm["ptx"] and "ld.volatile.global" in k.asm["ptx"]
+    assert (p.constants.M, p.constants.S) == (8, 64)

@@ -46,12 +46,17 @@ def test_tile_major_stores_every_tile_as_one_contiguous_chunk_major_block(rows, 
             assert torch.equal(tiled[r * kt + c][:tile_rows], want[:, :32])
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_every_instructions_span_names_the_tiles_of_its_own_weights(name):
     """The packed tile array, read through each instruction's TileSpan as the loader streams it, holds exactly the
-    weight rows and columns the instruction's reference solver multiplies (gu interleaved, lm the tied embedding)."""
+    weight rows and columns the instruction's reference solver multiplies (gu interleaved, lm the tied embedding;
+    an expert span resolved for the first, a middle and the last expert, as the loader resolves it)."""
+    from mimw.megakernel.isa import EXPERT_SPAN
     from mimw.megakernel.ops.attn_in import AttnIn
     from mimw.megakernel.ops.down_proj import DownProj
+    from mimw.megakernel.ops.expert_down import ExpertDown
+    from mimw.megakernel.ops.expert_in import ExpertIn
+    from mimw.megakernel.ops.router import Router
     from mimw.megakernel.ops.lm_head import LmHead
     from mimw.megakernel.ops.mlp_in import MlpIn
     from mimw.megakernel.ops.o_proj import OProj
@@ -68,24 +73,34 @@ def test_every_instructions_span_names_the_tiles_of_its_own_weights(name):
     tiles = packed.tiles.view(-1, 16, 32).float()  # one [TK/32 * TR, 32] block a tile (16 x 32 tiles here)
     hd = spec.head_dim
     checked = 0
+    expected = 0
     for ins in prog.instructions():
-        t = ins.tiles
-        if not t.n_tiles:
-            continue
-        got = torch.cat([torch.cat([unfold(tiles[t.t0 + r * t.kt + k], 16) for k in range(t.k0, t.k1)], 1)
-                         for r in range(t.nr)])
-        lw = w.layers[ins.layer] if not isinstance(ins, LmHead) else None
-        if isinstance(ins, AttnIn):
-            full = torch.cat([lw.wq, lw.wk, lw.wv])[ins.head * hd: (ins.head + 1) * hd]
-        elif isinstance(ins, OProj):
-            full = lw.wo[ins.row0: ins.row0 + ins.nrows]
-        elif isinstance(ins, MlpIn):
-            full = interleave_gate_up(lw.w_gate, lw.w_up, 16)[2 * ins.row0: 2 * (ins.row0 + ins.nrows)]
-        elif isinstance(ins, DownProj):
-            full = lw.w_down[ins.row0: ins.row0 + ins.nrows]
-        else:
-            full = w.lm_head[ins.row0: ins.row0 + ins.nrows]
-        want = torch.nn.functional.pad(full.float(), (0, t.kt * 32 - full.shape[1]))[:, t.k0 * 32: t.k1 * 32]
-        assert torch.equal(got, want.to(torch.bfloat16).float()), ins
-        checked += 1
-    assert checked == sum(1 for i in prog.instructions() if i.tiles.n_tiles)
+        experts = [0, spec.num_experts // 2, spec.num_experts - 1] if ins.flags & EXPERT_SPAN else [None]
+        expected += len(experts) if ins.tiles.n_tiles else 0
+        for e in experts:
+            t = ins.tiles if e is None else ins.tiles.for_expert(e)
+            if not t.n_tiles:
+                continue
+            got = torch.cat([torch.cat([unfold(tiles[t.t0 + r * t.kt + k], 16) for k in range(t.k0, t.k1)], 1)
+                             for r in range(t.nr)])
+            lw = w.layers[ins.layer] if not isinstance(ins, LmHead) else None
+            if isinstance(ins, AttnIn):
+                full = torch.cat([lw.wq, lw.wk, lw.wv])[ins.head * hd: (ins.head + 1) * hd]
+            elif isinstance(ins, OProj):
+                full = lw.wo[ins.row0: ins.row0 + ins.nrows]
+            elif isinstance(ins, MlpIn):
+                full = interleave_gate_up(lw.w_gate, lw.w_up, 16)[2 * ins.row0: 2 * (ins.row0 + ins.nrows)]
+            elif isinstance(ins, DownProj):
+                full = lw.w_down[ins.row0: ins.row0 + ins.nrows]
+            elif isinstance(ins, Router):  # zero rows past E
+                full = torch.nn.functional.pad(lw.router, (0, 0, 0, 16))[ins.row0: ins.row0 + ins.nrows]
+            elif isinstance(ins, ExpertIn):
+                full = interleave_gate_up(lw.e_gate[e], lw.e_up[e], 16)[2 * ins.row0: 2 * (ins.row0 + ins.nrows)]
+            elif isinstance(ins, ExpertDown):
+                full = lw.e_down[e][ins.rows(16)]
+            else:
+                full = w.lm_head[ins.row0: ins.row0 + ins.nrows]
+            want = torch.nn.functional.pad(full.float(), (0, t.kt * 32 - full.shape[1]))[:, t.k0 * 32: t.k1 * 32]
+            assert torch.equal(got, want.to(torch.bfloat16).float()), (ins, e)
+            checked += 1
+    assert checked == expected

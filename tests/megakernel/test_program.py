@@ -249,3 +249,22 @@ def test_row_blocks_price_copies_of_a_stage():
     eight = row_blocks(768, 2 * 2048 * 2, 132, cfg, 16, copies=8)
     assert len(eight) < len(one)  # eight slots fill the SMs with fewer, larger blocks each
     assert sum(n for _, n in eight) == 768
+
+
+@pytest.mark.parametrize("name,num_sms,seg_lens", [("tiny-qwen3-moe", 8, (1,)), ("tiny-qwen3-moe", 5, (1, 1, 1)),
+                                                   ("qwen3-30b-a3b", 132, (1,))])
+def test_no_loader_can_wait_on_a_router_that_waits_for_it(name, num_sms, seg_lens):
+    """The GPU loader stops at an expert span until its layer's router has stored the routing entry (device/ring.py):
+    every queue places all of a layer's ROUTER parts, and all they wait for, before its expert instructions."""
+    from mimw.megakernel.program import loader_wait_errors
+
+    prog = build_program(get_preset(name), StepShape(seg_lens), num_sms)
+    assert any(ins.flags & isa.EXPERT_SPAN for ins in prog.instructions())
+    assert loader_wait_errors(prog.queues, prog.spec.num_layers) == []
+    # a queue whose ROUTER part came after one of its own layer's expert instructions is caught
+    q = next(q for q in prog.queues if any(i.OP == isa.Op.ROUTER for i in q)
+             and any(i.flags & isa.EXPERT_SPAN for i in q))
+    r = next(k for k, i in enumerate(q) if i.OP == isa.Op.ROUTER)
+    x = next(k for k, i in enumerate(q) if i.flags & isa.EXPERT_SPAN and i.layer == q[r].layer)
+    q[r], q[x] = q[x], q[r]
+    assert loader_wait_errors(prog.queues, prog.spec.num_layers)

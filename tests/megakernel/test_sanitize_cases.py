@@ -10,7 +10,7 @@ from mimw.megakernel.tools.sanitize import cases
 
 def test_cases_cover_both_pairs_the_shared_memory_merge_the_tickets_a_decode_batch_and_a_verify_block():
     todo = cases()
-    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 7
+    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 10
     shapes = {}
     for name, (spec, context, num_sms, tuning, lens) in todo.items():
         # every case is a valid kernel: M one-token segments (a verify block's tokens each one: launch/one_token.py)
@@ -21,7 +21,8 @@ def test_cases_cover_both_pairs_the_shared_memory_merge_the_tickets_a_decode_bat
     assert shapes["cluster_down"] == (True, True, False)  # SmolLM2: its staging buffer is too small to merge
     assert shapes["attn_smem_merge"][2] and shapes["cluster_qkv"][:2] == (True, False)
     assert shapes["tickets"][:2] == (False, False) and todo["tickets"][3] == Tuning(clusters=False, qkv_parts=2)
-    assert all(c[4] == (1,) for n, c in todo.items() if n not in ("decode_batch", "verify_block"))
+    assert all(c[4] == (1,) for n, c in todo.items() if n not in ("decode_batch", "verify_block", "moe_batch"))
+    assert todo["moe"][0].is_moe and todo["moe_a3b"][0].is_moe and shapes["moe_a3b"][2]  # eight heads: the merge
 
 
 def test_the_list_is_one_name_a_line_for_the_shell_loop():

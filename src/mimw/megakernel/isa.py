@@ -235,5 +235,5 @@ def kernel_constants() -> dict[str, int]:
     out.update({f"W_{w.name}": int(w) for w in Word})
     out.update(NWORDS=NWORDS, CLUSTER_PAIR=CLUSTER_PAIR, HOLD_ARRIVE=HOLD_ARRIVE, HOLD_WAIT=HOLD_WAIT,
                EXPERT_SPAN=EXPERT_SPAN, XS_WORD=int(XS_WORD), SLOT_WORD=int(SLOT_WORD), ROUTE_BITS=ROUTE_BITS,
-               NO_EXPERT=NO_EXPERT)
+               NO_EXPERT=NO_EXPERT, ROUTE_TAG_MASK=_TAG_MASK, ROUTE_TAG_SET=_TAG_SET)
     return out

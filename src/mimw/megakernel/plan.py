@@ -11,7 +11,8 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
   * the ring: as many slots as fit in shared memory beside the staging buffer, the compiler's scratch and the
     cluster exchange region;
   * ATTN_PARTIAL's warps merge their softmax states through the staging buffer where it holds them (else through
-    Triton's reductions over the warp axis);
+    Triton's reductions over the warp axis); its block (``attn_block``) and a group's splits (``combine_splits``)
+    shrink where a KV group has more than four query heads, so its registers hold;
   * the KV cache's element type (``kv_dtype``: bf16, or fp8 e4m3 with a bf16 scale per (token, head), kv/pages.py):
     ``Constants.FP8``, the attention block (``attn_block``: as many positions as 8 KB of K; a multi-token step's as
     many as bf16's) and the cost model's K/V bytes follow it; it is the cache's, never a tuning knob;
@@ -21,8 +22,9 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
     chunk and a norm's weights beside it, no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts
     combine through tickets), and DOWN_PROJ in ticketed column parts: at least two, and as few as let its staged
     input fit beside a ring of ``MIN_RING_MT`` slots.
-A program with an instruction that has no device code (the MoE instructions: ops.GPU_OPS) is refused: the GPU kernel
-does not run mixture-of-experts layers yet (the VM does).
+  * mixture-of-experts layers (ROUTER, EXPERT_IN, EXPERT_DOWN): the staging buffer also holds an expert's
+    activation (EXPERT_DOWN's input); over a bf16 KV cache only (an fp8 one is refused: not checked together).
+A program with an instruction that has no device code (ops.GPU_OPS) is refused.
 Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
 program; launch/decoder.py allocates and launches, launch/compile.py compiles the same plan for sm_90a on the CPU.
 """
@@ -39,6 +41,7 @@ from .hold import check_marks, hold_marks, mark_words
 from .isa import Op
 from .ops import GPU_OPS
 from .program import Program, ProgramConfig, StepShape, build_program
+from .tiles import router_rows
 
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
 SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers:
@@ -47,6 +50,7 @@ MMA_K = 32  # columns of a folded tile row (device/matvec.dot_tile): two k16 ste
 MAX_BATCH = 32  # the most tokens a multi-token step plans (swap-AB: the tokens are wgmma's N, 8, 16 or 32); fewer
 # where the staged input of that many does not fit (``max_tokens``: the 8B shapes' 4096 columns, 16)
 MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its staging buffer
+MAX_MOE_BATCH = 8  # the most tokens a multi-token step of an MoE model plans (wgmma's N = 8)
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,14 @@ class Constants:
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
     MB: int = 1  # tokens padded to the B operand's N (8, 16 or 32 where M > 1): staged rows a 32-column chunk
     V: int = 0  # vocabulary (the logits' row stride where M > 1)
+    E: int = 0  # MoE: experts (0: a dense model)
+    EP2: int = 1  # experts rounded up to a power of two (the router finisher's vector)
+    EP: int = 0  # the router's rows padded to whole row tiles (router_logits' row stride)
+    S: int = 0  # routing slots of an MoE layer (program.moe_slots; 0: a dense model)
+    S2: int = 1  # routing slots rounded up to a power of two
+    K: int = 0  # experts a token is routed to (top-k)
+    F: int = 0  # an expert's intermediate size
+    NORM_TOPK: bool = False  # renormalise the chosen experts' probabilities
 
     @property
     def NQKV(self) -> int:
@@ -162,6 +174,10 @@ class Constants:
     @property
     def KT_I(self) -> int:
         return -(-self.I // self.TK)
+
+    @property
+    def KT_F(self) -> int:
+        return -(-self.F // self.TK)
 
     @property
     def KT_H(self) -> int:  # a DOWN_PROJ half's column tiles, at most
@@ -211,10 +227,25 @@ def attn_block(spec: ModelSpec, kv_dtype: torch.dtype = torch.bfloat16, num_toke
     128; at fp8 twice as many, so a round trip moves as many bytes and a split half as many round trips. A
     multi-token step (``num_tokens`` > 1) keeps bf16's positions at fp8 (4 KB of K): its kernel holds more beside
     the block (the token's step fields, block 0's late reload), and the fp8 block of twice the positions spills
-    there (ptxas at 255 registers: 16 spill stores on the 1B at M = 8, 68 with the late reload)."""
-    if num_tokens > 1:
+    there (ptxas at 255 registers: 16 spill stores on the 1B at M = 8, 68 with the late reload). Where a KV group
+    has more than four query heads (the 30B-A3B's eight) the block is bf16's shrunk by as much (16 at head_dim 128),
+    at either element type, so that a thread's share of the block's [heads, positions, head_dim] products stays at
+    the four-head count and the attention does not spill."""
+    gp = _pow2(spec.group_size)
+    if num_tokens > 1 or gp > 4:
         kv_dtype = torch.bfloat16
-    return max(8, 8192 // (spec.head_dim * kv_dtype.itemsize))
+    return max(8, 8192 // (spec.head_dim * kv_dtype.itemsize) * 4 // max(4, gp))
+
+
+def combine_splits(spec: ModelSpec, t: Tuning) -> int:
+    """The most attention splits a KV group's combine loads in one round ([GP heads, splits, head_dim] fp32 over the
+    compute threads, at most 128 a thread: 16 for the 30B-A3B's eight heads of 128, beyond every dense preset's
+    count)."""
+    per_round = 128 * 32 * t.num_warps // (_pow2(spec.group_size) * spec.head_dim)
+    p = 1
+    while 2 * p <= per_round:
+        p *= 2
+    return p
 
 
 def exchange_bytes(head_dim: int) -> int:
@@ -283,6 +314,9 @@ def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, i
     if t.tile_rows != 32 or t.tile_k % 64:
         raise ValueError(f"a multi-token step needs [32, 256]-style tiles (a chunk pair is wgmma's 64-row A), got "
                          f"[{t.tile_rows}, {t.tile_k}] (head_dim {spec.head_dim})")
+    if spec.is_moe and m > MAX_MOE_BATCH:
+        raise ValueError(f"{spec.name}: a multi-token step of a mixture-of-experts model runs at most "
+                         f"{MAX_MOE_BATCH} tokens (got {m}): at 16 the router finisher's registers spill")
     t = dataclasses.replace(t, clusters=False)
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
     mb = token_rows(m)
@@ -301,6 +335,10 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     """``kv_dtype``: the paged cache's element type (``PagedKVCache.layout.dtype``), one of ``KV_DTYPES``."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"the megakernel reads a bf16 or an fp8 (e4m3) KV cache, not {kv_dtype}")
+    if spec.is_moe and kv_dtype == fp8.FP8:  # neither compiled nor GPU-checked together (tools/check.py's routing
+        # checks and fp8 row checks have not run on one model); refused rather than run unchecked
+        raise ValueError(f"{spec.name}: the megakernel runs a mixture-of-experts model over a bf16 KV cache only, "
+                         "not fp8 yet; use --kv-dtype bf16, or the reference backend for an fp8 KV cache")
     t = tuning.resolve(spec)
     check(spec, t)
     m, down_parts, mb = shape.num_tokens, 1, 1
@@ -309,32 +347,39 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         mb = token_rows(m)
     # one cached K (or V) row: head_dim elements, and for fp8 its bf16 scale (kv/pages.py)
     row_bytes = spec.head_dim * kv_dtype.itemsize + (fp8.SCALE_DTYPE.itemsize if kv_dtype == fp8.FP8 else 0)
-    cfg = dataclasses.replace(t.program_config(), kv_row_bytes=row_bytes)
+    cfg = dataclasses.replace(t.program_config(), kv_row_bytes=row_bytes, max_splits=combine_splits(spec, t))
     if down_parts > 1:
         cfg = dataclasses.replace(cfg, down_parts=down_parts)
     program = build_program(spec, shape, num_sms, cfg)
     host_only = sorted({ins.OP for ins in program.instructions()} - set(GPU_OPS) - {Op.NOP})
     if host_only:
-        raise ValueError(f"{spec.name}: the megakernel's GPU kernel does not run mixture-of-experts layers yet "
-                         f"({', '.join(op.name for op in host_only)} have no device code; the VM runs them); use the "
-                         "reference backend")
+        raise ValueError(f"{spec.name}: {', '.join(op.name for op in host_only)} have no device code; the VM runs "
+                         "them; use the reference backend")
     kt = lambda k: -(-k // t.tile_k)  # noqa: E731
     down_pairs = program.down_pairs
-    widest = max(kt(spec.hidden_size), kt(spec.q_size),
-                 -(-kt(spec.intermediate_size) // program.down_parts))
+    widest = max(kt(spec.hidden_size), kt(spec.q_size),  # ATTN_IN, ROUTER, MLP_IN, EXPERT_IN; O_PROJ
+                 -(-kt(spec.intermediate_size) // program.down_parts) if spec.mlp_layers else 1,  # DOWN_PROJ
+                 kt(spec.moe_intermediate_size) if spec.is_moe else 1)  # EXPERT_DOWN
+    gp = _pow2(spec.group_size)
+    merge_bytes = t.num_warps * gp * (spec.head_dim + 2) * 4  # ATTN_PARTIAL's warps' states (SMEM_MERGE)
+    if m == 1 and gp > 4:  # the warps' states of more than four heads merge through the staging buffer: Triton's
+        # own reduction over the warp axis would take its scratch from the ring and spill registers
+        widest = max(widest, -(-merge_bytes // (t.tile_k * 2)))
     hbuf_rows = _pow2(widest)
     hbuf_bytes = hbuf_rows * t.tile_k * 2 * mb
     wbuf_bytes = norm_buffer_bytes(spec, t) if m > 1 else 0
     xb = exchange_bytes(spec.head_dim) if program.attn_pairs else 0
     slot = t.tile_rows * t.tile_k * 2
-    fit = (SHARED_BYTES - hbuf_bytes - wbuf_bytes - SCRATCH_BYTES - xb) // slot
+    # a multi-token MoE step's router finisher reduces [8, E] over the warps, and its scan and layout conversions,
+    # through the compiler's scratch: 12 KB more than the dense kernel's 8 (the 30B-A3B's 128 experts: 16.5 KB)
+    moe_bytes = 24 * _pow2(spec.num_experts) * 4 if spec.is_moe and m > 1 else 0
+    fit = (SHARED_BYTES - hbuf_bytes - wbuf_bytes - SCRATCH_BYTES - xb - moe_bytes) // slot
     if t.ring > fit:
         raise ValueError(f"ring={t.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
     if fit < 2:
         raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
     ring = t.ring or fit
-    gp = _pow2(spec.group_size)
-    smem_merge = t.num_warps * gp * (spec.head_dim + 2) * 4 <= hbuf_bytes
+    smem_merge = merge_bytes <= hbuf_bytes
     words, lens = program.encode()
     if t.quiet >= 0:
         marks = hold_marks(program, t.quiet)
@@ -347,5 +392,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec, kv_dtype, m), SP2=_pow2(program.max_splits), GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
         DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, FP8=kv_dtype == fp8.FP8, TRACE=t.trace, NW=t.num_warps, M=m,
-        MB=mb, V=spec.vocab_size)
+        MB=mb, V=spec.vocab_size, E=spec.num_experts, EP2=_pow2(spec.num_experts),
+        EP=router_rows(spec, t.tile_rows), S=program.moe_slots, S2=_pow2(program.moe_slots),
+        K=spec.num_experts_per_tok, F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob)
     return LaunchPlan(spec, t, num_sms, page_size, program, words, lens, ring, hbuf_rows, xb, c)

@@ -92,6 +92,8 @@ class ProgramConfig:
     clusters: bool = True  # cluster pairs where the shape can form them (see the module doc)
     down_parts: int = 0  # DOWN_PROJ column parts behind a ticket a row block (0 or 1: whole rows); plan.py derives it
     # where a multi-token step's staged activations do not fit in shared memory beside the ring
+    max_splits: int = 0  # cap on a segment's attention splits (0: none); plan.py derives it from the GPU combine's
+    # registers
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,8 @@ class Program:
                 raise AssertionError(f"counter {c.name} is signalled {n} times per step, expected {c.count}")
         if errors := cluster_mate_errors(self.queues):
             raise AssertionError("; ".join(errors[:4]))
+        if errors := loader_wait_errors(self.queues, self.spec.num_layers):
+            raise AssertionError("; ".join(errors[:4]))
 
 
 def row_blocks(rows: int, row_bytes: int, num_sms: int, cfg: ProgramConfig,
@@ -226,7 +230,8 @@ def qkv_parts(spec: ModelSpec, num_sms: int, cfg: ProgramConfig) -> int:
 def attention_splits(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramConfig) -> tuple[int, ...]:
     per_seg = max(1, num_sms // (spec.num_kv_heads * len(shape.seg_lens)))
     by_len = max(1, math.ceil(shape.context_hint / cfg.min_split_tokens))
-    return tuple(min(per_seg, by_len) for _ in shape.seg_lens)
+    cap = cfg.max_splits or per_seg
+    return tuple(min(per_seg, by_len, cap) for _ in shape.seg_lens)
 
 
 def moe_slots(spec: ModelSpec, shape: StepShape) -> int:
@@ -396,6 +401,33 @@ def place_pairs(spec: ModelSpec, shape: StepShape, cfg: ProgramConfig, stage: li
         total[2 * c] += c_
         total[2 * c + 1] += c_
         heapq.heappush(heap, (load + c_, tot + 2 * c_, c))
+
+
+# an instruction's place in the step's stage order (layer, stage): what any instruction waits for comes earlier
+_STAGE = {isa.Op.ATTN_IN: 0, isa.Op.ATTN_PARTIAL: 1, isa.Op.O_PROJ: 2, isa.Op.MLP_IN: 3, isa.Op.ROUTER: 3,
+          isa.Op.DOWN_PROJ: 4, isa.Op.EXPERT_IN: 4, isa.Op.EXPERT_DOWN: 5, isa.Op.LM_HEAD: 0}
+
+
+def stage_key(ins: Instruction, num_layers: int) -> tuple[int, int]:
+    return (num_layers if ins.OP == isa.Op.LM_HEAD else ins.layer, _STAGE.get(ins.OP, 0))
+
+
+def loader_wait_errors(queues: list[list[Instruction]], num_layers: int) -> list[str]:
+    """Why a GPU loader could wait forever on a routing entry (empty: it cannot). The loader of a queue stops at an
+    expert span of layer l (isa.EXPERT_SPAN) until layer l's ROUTER finisher stores the entry, so no queue may hold,
+    after such an instruction, a ROUTER of layer l or anything of an earlier stage (everything the routers wait for,
+    directly or not): every instruction after it must be of layer l's expert stages or later (device/ring.py)."""
+    out = []
+    for s, q in enumerate(queues):
+        bar, where = None, None  # the latest expert instruction's stage so far: what later ones must not precede
+        for i, ins in enumerate(q):
+            key = stage_key(ins, num_layers)
+            if bar is not None and key < bar:
+                out.append(f"SM {s}: {ins} (position {i}) comes after the expert span at position {where}: its "
+                           "loader could wait on a router that waits for it")
+            if ins.flags & isa.EXPERT_SPAN:
+                bar, where = (ins.layer, 4), i
+    return out
 
 
 def cluster_mate_errors(queues: list[list[Instruction]]) -> list[str]:

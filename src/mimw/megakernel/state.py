@@ -34,6 +34,7 @@ unwritten): each CTA copies an instruction's input rows from them into shared me
   x16 [M, D]                   x rounded to bf16, written beside x by every writer of x
   attn16 [M, Hq*hd]            the attention output rounded to bf16 (its only reader, O_PROJ, rounds it so)
   act16 [M, I]                 SiLU(gate) * up rounded to bf16 (its only reader, DOWN_PROJ, rounds it so)
+  moe_act16 [S, M, F]          an MoE layer's moe_act rounded to bf16 (its only reader, EXPERT_DOWN, rounds it so)
 MoE layers (program.moe_slots = S routing slots; empty for a dense model; E experts padded to Ep rows, F their
 intermediate size):
   router_logits [M, Ep]        ROUTER's logits (the first E columns are the experts')
@@ -146,12 +147,13 @@ class Scratch:
     x16: torch.Tensor
     attn16: torch.Tensor
     act16: torch.Tensor
+    moe_act16: torch.Tensor
 
     def poison(self) -> None:
         """NaN in every fp32 and bf16 buffer; the routing table back to never written (no step's tag)."""
         for t in (self.x, self.qkv_part, self.q, self.part_o, self.part_ml, self.attn, self.act, self.logits,
                   self.down_part, self.router_logits, self.slot_w, self.moe_act, self.moe_part, self.x16,
-                  self.attn16, self.act16):
+                  self.attn16, self.act16, self.moe_act16):
             t.fill_(float("nan"))
         self.routed.zero_()
 
@@ -194,6 +196,7 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         x16=h(m, sp.hidden_size),
         attn16=h(m, sp.q_size),
         act16=h(m, sp.intermediate_size),
+        moe_act16=h(s, m, sp.moe_intermediate_size),
     )
 
 

@@ -27,10 +27,12 @@ from .weights import LayerWeights
 
 @dataclass(frozen=True)
 class Routing:
-    """One MoE layer's routing of T tokens: ``ids`` [T, k] (int64, descending probability), ``weights`` [T, k]."""
+    """One MoE layer's routing of T tokens: ``ids`` [T, k] (int64, descending probability), ``weights`` [T, k], and
+    (from ``route``) every expert's probability ``probs`` [T, E] fp32, what a check needs to tell near-ties."""
 
     ids: torch.Tensor
     weights: torch.Tensor
+    probs: torch.Tensor | None = None
 
     @property
     def experts(self) -> list[int]:
@@ -52,7 +54,7 @@ def route(h: torch.Tensor, router: torch.Tensor, spec: ModelSpec) -> Routing:
     """h [T, D] (the MLP input, after the post-attention norm), router [E, D] -> the top-k routing."""
     logits = F.linear(h, router)  # [T, E]
     w, ids = top_k(logits, spec)
-    return Routing(ids, w.to(logits.dtype))
+    return Routing(ids, w.to(logits.dtype), torch.softmax(logits, dim=-1, dtype=torch.float32))
 
 
 def expert_mlp(h: torch.Tensor, lw: LayerWeights, e: int) -> torch.Tensor:

@@ -13,6 +13,9 @@ overrides ("NAME=VALUE,...", ``--megakernel``). Contract, beyond the call itself
     returning it. Without it the row is reported "unchecked".
 ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>". It gets the
 run's inputs (an fp8 run's included: ``inputs.kv_dtype``, the kernel then reads and writes e4m3 pages with scales).
+An MoE model runs (one token a step, the megakernel's MoE layers) over a bf16 cache (an fp8 run of one is
+unavailable: plan.py refuses the pair); its logits are checked like a dense model's, so a routing near-tie on the
+benchmark's random router can flag a row.
 """
 from __future__ import annotations
 
@@ -38,8 +41,8 @@ def mimw_reference(ctx: PeerContext) -> Peer:
 
 
 def mimw_megakernel(ctx: PeerContext) -> Peer:
-    if ctx.bw.spec.is_moe:
-        raise Unavailable("the megakernel's GPU kernel does not run mixture-of-experts layers yet")
+    if ctx.bw.spec.is_moe and ctx.inputs.kv_dtype not in (None, torch.bfloat16):
+        raise Unavailable("the megakernel runs a mixture-of-experts model over a bf16 KV cache only (plan.py)")
     try:
         from ...megakernel.bench_backend import make_step
     except ImportError as e:

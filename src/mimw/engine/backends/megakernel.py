@@ -12,7 +12,10 @@ the paged attention kernel: decode batches, verify blocks) replays as a CUDA gra
 (``StepGraphs``); long prefill chunks run eager. The runner writes the segments' K/V into the shared cache exactly as
 the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once
 here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of them
-(launch/pack.py): the GPU holds the weights twice, row-major and tile-major. Invariants are those of ``Backend``.
+(launch/pack.py): the GPU holds the weights twice, row-major and tile-major. A mixture-of-experts model decodes on
+the megakernel one token a launch (a decode batch as replays: its multi-token MoE step has not passed its GPU check
+yet, bench/NOTES.md "MoE on the megakernel"); its prefill chunks and verify blocks run eager on the bf16 reference
+decoder (``ReferencePrefill``: the prefill path has no MoE block yet). Invariants are those of ``Backend``.
 """
 from __future__ import annotations
 
@@ -22,12 +25,23 @@ from typing import Sequence
 import torch
 
 from ...kv.pages import PagedKVCache
-from ...models.reference import Segment
+from ...models.reference import ReferenceDecoder, Segment
 from ...models.weights import ModelWeights
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend, EventTimer
 from .step_graphs import StepGraphs
 from .step_router import BATCHED, KERNEL, REPLAY, StepRouter
+
+
+class ReferencePrefill:
+    """A mixture-of-experts model's prefill path: the reference decoder (bf16, transformers' numerics) over the
+    backend's cache, every segment's last ``num_logits`` rows, fp32 (``PrefillRunner.forward``'s contract)."""
+
+    def __init__(self, weights: ModelWeights):
+        self.decoder = ReferenceDecoder(weights)
+
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
+        return self.decoder.forward(tokens, segments, cache, last_only=True).float()
 
 
 class MegakernelBackend(Backend):
@@ -39,23 +53,30 @@ class MegakernelBackend(Backend):
             raise ValueError(f"KV element type {str(kv_dtype).removeprefix('torch.')}: the megakernel backend's "
                              "prefill path does not write FP8 KV pages yet (its decode kernel reads them); use "
                              "--kv-dtype bf16, or --backend reference for an fp8 KV cache")
-        if weights.spec.is_moe:  # megakernel/plan.py refuses the program too; say it before any GPU work
-            raise ValueError(f"the megakernel backend does not run mixture-of-experts models ({weights.spec.name}) "
-                               "yet; use the reference backend")
+        if weights.spec.is_moe:  # a plan for its one-token step must exist (ValueError naming why, before any GPU)
+            from ...megakernel.plan import plan
+
+            plan(weights.spec, 132)
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             raise RuntimeError("the megakernel backend needs a Hopper (sm_90) GPU; use the reference backend")
-        fused = FusedWeights.from_weights(weights.to(device="cuda", dtype=torch.bfloat16))
-        self.weights = fused.unfused()
         self.spec = weights.spec
-        self.prefill = PrefillRunner(fused, prefill)
+        if weights.spec.is_moe:  # the prefill path (prefill/) has no MoE block: MoE prefill runs on the bf16
+            # reference decoder over the same cache
+            self.weights = weights.to(device="cuda", dtype=torch.bfloat16)
+            self.prefill = ReferencePrefill(self.weights)
+        else:
+            fused = FusedWeights.from_weights(weights.to(device="cuda", dtype=torch.bfloat16))
+            self.weights = fused.unfused()
+            self.prefill = PrefillRunner(fused, prefill)
         self.use_graph = use_graph
         self._dec = None  # built on the first decode, for the cache the engine made
         self._graphs = None  # short steps' graphs over the prefill path, for the cache the engine made
         self.router = StepRouter()
         from ...megakernel.plan import max_tokens
 
-        # the most tokens the megakernel's multi-token step runs for this model (plan.max_tokens: 32, the 8B's 16)
-        self.max_tokens = max_tokens(weights.spec)
+        # the most tokens the megakernel's multi-token step runs for this model (plan.max_tokens: 32, the 8B's 16);
+        # an MoE model's one (module doc)
+        self.max_tokens = 1 if weights.spec.is_moe else max_tokens(weights.spec)
         self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
         # cache -> the page past the caller's that padding rows write (weak: a cache's entry dies with it)
         self._pad_pages: weakref.WeakKeyDictionary[PagedKVCache, int] = weakref.WeakKeyDictionary()
@@ -125,7 +146,10 @@ class MegakernelBackend(Backend):
 
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Any segments as one pass of the prefill path: replayed as a CUDA graph when every segment fits one query
-        block of the paged attention kernel (decode batches, verify blocks: ``StepGraphs``), else eager."""
+        block of the paged attention kernel (decode batches, verify blocks: ``StepGraphs``), else eager (an MoE
+        model's reference prefill always)."""
+        if isinstance(self.prefill, ReferencePrefill):
+            return self.prefill.forward(tokens, segments, cache)
         if self._graphs is None or self._graphs.cache is not cache:
             self._graphs = StepGraphs(self.prefill, cache)
         if self._graphs.fits(segments):

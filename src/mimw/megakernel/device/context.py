@@ -7,8 +7,9 @@
 ``Step``  this launch's step: counter and ready-word pointers, the epoch, and the one token's id, position,
           context, cache page and embedding row (M = 1), and the step arrays a multi-token step reads per token.
 ``Bufs``  everything else in global memory the instructions read or write: norm/bias/rope vectors, the paged KV
-          cache (K and V pools, and their per-row scales where ``C.FP8``), the scratch buffers of state.py, and the
-          scalars eps and qscale.
+          cache (K and V pools, and their per-row scales where ``C.FP8``), the scratch buffers of state.py (the MoE
+          ones included: the routing table, slot weights, experts' activations and parts), and the scalars eps and
+          qscale.
 ``Ins``   one instruction's words, decoded field by field on demand (isa.Word) with masked reductions.
 Compile-time constants travel as one frozen dataclass, ``plan.Constants`` (the kernel's ``C``). Integer arguments
 the launch may specialize (Triton compiles an int argument equal to 1 as a constant) are fields that hold either.
@@ -47,6 +48,16 @@ OP_O_PROJ: gl.constexpr = gl.constexpr(_C["OP_O_PROJ"])
 OP_MLP_IN: gl.constexpr = gl.constexpr(_C["OP_MLP_IN"])
 OP_DOWN_PROJ: gl.constexpr = gl.constexpr(_C["OP_DOWN_PROJ"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(_C["OP_LM_HEAD"])
+OP_ROUTER: gl.constexpr = gl.constexpr(_C["OP_ROUTER"])
+OP_EXPERT_IN: gl.constexpr = gl.constexpr(_C["OP_EXPERT_IN"])
+OP_EXPERT_DOWN: gl.constexpr = gl.constexpr(_C["OP_EXPERT_DOWN"])
+EXPERT_SPAN: gl.constexpr = gl.constexpr(_C["EXPERT_SPAN"])
+XS_WORD: gl.constexpr = gl.constexpr(_C["XS_WORD"])
+SLOT_WORD: gl.constexpr = gl.constexpr(_C["SLOT_WORD"])
+ROUTE_BITS: gl.constexpr = gl.constexpr(_C["ROUTE_BITS"])
+NO_EXPERT: gl.constexpr = gl.constexpr(_C["NO_EXPERT"])
+ROUTE_TAG_MASK: gl.constexpr = gl.constexpr(_C["ROUTE_TAG_MASK"])
+ROUTE_TAG_SET: gl.constexpr = gl.constexpr(_C["ROUTE_TAG_SET"])
 
 
 @constexpr_function
@@ -136,6 +147,12 @@ class Bufs:
     x16: gl.tensor
     attn16: gl.tensor
     act16: gl.tensor
+    router_logits: gl.tensor  # the MoE scratch (state.py): router_logits [M, Ep], routed [L, S] int32,
+    routed: gl.tensor  # slot_w [S, M], moe_act [S, M, F], moe_part [S, M, D]
+    slot_w: gl.tensor
+    moe_act: gl.tensor
+    moe_part: gl.tensor
+    moe_act16: gl.tensor
     eps: gl.tensor
     qscale: gl.tensor
 
@@ -145,7 +162,8 @@ class Bufs:
         self.kc, self.vc, self.ksc, self.vsc, num_pages = kv
         self.num_pages = _int_arg(num_pages)
         self.x, self.qkvp, self.q, self.po, self.pml, self.attn, self.act, self.logits, splits, self.x16, \
-            self.attn16, self.act16 = scratch
+            self.attn16, self.act16, self.router_logits, self.routed, self.slot_w, self.moe_act, self.moe_part, \
+            self.moe_act16 = scratch
         self.splits = _int_arg(splits)
         self.eps, self.qscale = scalars
 

@@ -6,7 +6,8 @@ Roles (``gl.warp_specialize``):
       tiles from the ring, epilogue, store), and signal its counter (release).
   loader (1 warp, small register budget; device/ring.py): walks the SAME queue and streams every instruction's
       weight tiles, as its words name them (isa.TileSpan), with TMA into the ring. It never waits on a counter, so
-      it prefetches the next instructions' weights (next layer included) while compute waits for dependencies.
+      it prefetches the next instructions' weights (next layer included) while compute waits for dependencies; an
+      MoE expert span first waits for its routing entry (the one wait on step data: device/ring.py).
 With cluster pairs (``C.XB``) the CTAs run in clusters of two, and the two parts of a paired instruction swap their
 sums through distributed shared memory (device/cluster.py). At the end each CTA adds 1 to the DONE counter; the CTA
 that completes it bumps EPOCH, which moves every counter's step-numbered target for the next launch (no reset kernel,
@@ -19,10 +20,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from ..ops import attn_in, attn_partial, down_proj, lm_head, mlp_in, o_proj
+from ..ops import attn_in, attn_partial, down_proj, expert_down, expert_in, lm_head, mlp_in, o_proj, router
 from . import cluster, layouts, matvec_mt, ring
-from .context import (HOLD_ARRIVE, NWORDS, OP_ATTN_IN, OP_ATTN_PARTIAL, OP_DOWN_PROJ, OP_LM_HEAD, OP_MLP_IN,
-                      OP_O_PROJ, W_C, W_FLAGS, W_LAYER, W_OP, W_SIGNAL, W_WAIT, W_WAIT_COUNT, Bufs, Ins, Smem, Step)
+from .context import (HOLD_ARRIVE, NWORDS, OP_ATTN_IN, OP_ATTN_PARTIAL, OP_DOWN_PROJ, OP_EXPERT_DOWN, OP_EXPERT_IN,
+                      OP_LM_HEAD, OP_MLP_IN, OP_O_PROJ, OP_ROUTER, W_C, W_FLAGS, W_LAYER, W_OP, W_SIGNAL, W_WAIT,
+                      W_WAIT_COUNT, Bufs, Ins, Smem, Step)
 from .sync import counter_signal, counter_wait, globaltimer
 
 TRACE_STAMPS: gl.constexpr = gl.constexpr(4)  # [start, dependency met, outputs stored, signalled] (tools/trace.py)
@@ -36,7 +38,7 @@ def _words(words_ptr, MAXLEN, i, offs, n):
 
 
 @gluon.jit
-def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, C: gl.constexpr):
+def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, ep_bar, C: gl.constexpr):
     words_ptr, lens_ptr, MAXLEN = prog
     tok_ptr, pos_ptr, ctx_ptr, new_ptr, bt_ptr, MAXP, cnt_ptr, NCNT, rdy_ptr = step
     b = Bufs(vecs, kv, scratch, scalars)
@@ -65,7 +67,9 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, C: gl.conste
         w_next = _words(words_ptr, MAXLEN, i + 1, offs, n)  # requested before this instruction's work
         op = ins.field(W_OP)
         wait = ins.field(W_WAIT)
-        key = op * 65536 + ins.field(W_LAYER)
+        # EXPERT_IN stages what its layer's ROUTER staged (RMSNorm(x)): one key; EXPERT_DOWN stages its slot's input
+        key = (op - (op == OP_EXPERT_IN).to(gl.int32) * (OP_EXPERT_IN - OP_ROUTER)) * 65536 + ins.field(W_LAYER)
+        key = key + (op == OP_EXPERT_DOWN).to(gl.int32) * ins.field(W_C) * 1048576
         if C.DOWN_PAIRS or C.M > 1:  # a DOWN_PROJ half (or column part) stages only its own columns: the other
             # part restages
             key = key + (op == OP_DOWN_PROJ).to(gl.int32) * ins.field(W_C) * 1048576
@@ -99,6 +103,15 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, C: gl.conste
                 it, xn, sig = down_proj.compute(ins, C, s, b, sm, it, xn, restage, tid, sig)
             elif op == OP_LM_HEAD:
                 it = lm_head.compute(ins, C, s, b, sm, it, restage)
+            if C.S > 0:  # MoE layers: a dense model's kernel compiles none of it
+                if op == OP_ROUTER:
+                    it, sig = router.compute(ins, C, s, b, sm, it, restage, sig)
+                elif op == OP_EXPERT_IN:
+                    it, kept = expert_in.compute(ins, C, s, b, sm, it, restage)
+                    staged = gl.where(kept, staged, -1)  # an unused slot staged nothing
+                elif op == OP_EXPERT_DOWN:
+                    it, sig, kept = expert_down.compute(ins, C, s, b, sm, it, restage, sig)
+                    staged = gl.where(kept, staged, -1)
         if C.TRACE:
             t_release = globaltimer()
         if sig >= 0:
@@ -115,6 +128,8 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, C: gl.conste
             gl.store(tb + 2, t_release)
             gl.store(tb + 3, globaltimer())
     # step bookkeeping: the last CTA to finish moves every counter target on to the next step
+    if C.S > 0:  # not before this CTA's loader has read the epoch (its routing tags: device/ring.py)
+        mbarrier.wait(ep_bar.index(0), 0)
     gl.thread_barrier()
     done = gl.atomic_add(cnt_ptr + NCNT, 1, sem="acq_rel", scope="gpu")
     if done == (epoch + 1) * gl.num_programs(0) - 1:
@@ -130,6 +145,7 @@ def megakernel(prog, step, weights, vecs, kv, scratch, scalars, trace, C: gl.con
     empty = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     rel = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ep_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     if C.M > 1:  # hbuf: the tokens' staged inputs, [MB, 32] chunks; wbuf: a norm's weights (device/matvec_mt.py)
         hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS * (C.TK // 32), C.MB, 32], matvec_mt.xs_layout(C))
         wbuf = gl.allocate_shared_memory(gl.bfloat16, [matvec_mt.wbuf_rows(C), 32], matvec_mt.wbuf_layout(C))
@@ -138,9 +154,10 @@ def megakernel(prog, step, weights, vecs, kv, scratch, scalars, trace, C: gl.con
         wbuf = hbuf
     ring.ring_init(empty, ready, C.NB)
     mbarrier.init(rel.index(0), count=1)  # the release hold: one arrival a phase, compute's after a marked release
+    mbarrier.init(ep_bar.index(0), count=1)  # MoE: the loader has read the step's epoch
     sm = Smem(bufs, empty, ready, rel, hbuf, wbuf)
     LOADER_REGS: gl.constexpr = C.LOADER_REGS
     gl.warp_specialize([
-        (_compute, (prog, step, vecs, kv, scratch, scalars, trace, sm, C)),
-        (ring.loader, (prog, weights, bufs, empty, ready, rel, C)),
+        (_compute, (prog, step, vecs, kv, scratch, scalars, trace, sm, ep_bar, C)),
+        (ring.loader, (prog, (step[6], step[7], scratch[13]), weights, bufs, empty, ready, rel, ep_bar, C)),
     ], [1], [LOADER_REGS])

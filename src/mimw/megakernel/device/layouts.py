@@ -25,9 +25,12 @@ def half_head(C):
 
 @constexpr_function
 def attention(C):
-    """L4 [warp, GP heads, BT / NW positions, HD]: 16-byte vectors along HD, one warp per run of positions."""
+    """L4 [warp, GP heads, BT / NW positions, HD]: 16-byte vectors along HD, one warp per run of positions; the
+    lanes not on HD go over the positions, or where a group has more than four heads (the 30B-A3B's eight) first
+    over the heads, so that a thread's queries and outputs stay at four heads' worth of registers."""
     tpd = min(32, C.HD // 8)
-    return gl.BlockedLayout([1, C.GP, 1, 8], [1, 1, 32 // tpd, tpd], [C.NW, 1, 1, 1], [3, 2, 1, 0])
+    hh = max(1, min(32 // tpd, C.GP // 4))
+    return gl.BlockedLayout([1, C.GP // hh, 1, 8], [1, hh, 32 // tpd // hh, tpd], [C.NW, 1, 1, 1], [3, 2, 1, 0])
 
 
 @constexpr_function
@@ -41,3 +44,15 @@ def combine(C):
 def thread(C):
     """WL [32 * NW]: one element a compute thread (also the instruction words' layout)."""
     return gl.BlockedLayout([1], [32], [C.NW], [0])
+
+
+@constexpr_function
+def experts(C):
+    """EL [EP2]: a router's logits, the E experts padded to a power of two, a few a compute thread."""
+    return gl.BlockedLayout([max(1, C.EP2 // (32 * C.NW))], [32], [C.NW], [0])
+
+
+@constexpr_function
+def token_experts(C):
+    """[8, EP2]: eight tokens' router logits, one token a row (rows over the warps), experts over lanes."""
+    return gl.BlockedLayout([1, max(1, C.EP2 // 32)], [1, 32], [C.NW, 1], [1, 0])

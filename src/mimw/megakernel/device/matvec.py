@@ -157,3 +157,19 @@ def residual_rows(sm, it, k0, k1, row0, n_tiles, x_ptr, res_ptr, res_from_embed,
         acc, it = dot_tile(sm, it, k0, k1, C)
         gl.store(x_ptr + rows, res + acc)
     return it
+
+
+@gluon.jit
+def swiglu_rows(sm, it, k0, k1, n_tiles, out_ptr, C: gl.constexpr):
+    """MLP_IN / EXPERT_IN: each row tile holds TR/2 gate rows over the same TR/2 up rows; out[r * TR/2 + j] =
+    SiLU(gate_j . h) * (up_j . h) for row tile r, over column tiles [k0, k1)."""
+    TH: gl.constexpr = C.TR // 2
+    for t in range(n_tiles):
+        acc, it = dot_tile(sm, it, k0, k1, C)
+        a2 = gl.reshape(acc, [2, TH])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
+        h = gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, a2.type.layout)), 1)
+        g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
+        u = gl.sum(gl.where(h == 1, a2, 0.0), axis=0)
+        offs = gl.arange(0, TH, g.type.layout)
+        gl.store(out_ptr + t * TH + offs, g / (1.0 + gl.exp(-g)) * u)
+    return it

@@ -258,3 +258,25 @@ def part_rows(sm, it, k0, k1, base, row0, n_tiles, out_ptr, N, C: gl.constexpr):
         acc, it = dot_tile(sm, it, k0, k1, base, C)
         gl.store(out_ptr + t * N + rows, acc, mask=(t < C.M) & (rows >= 0))
     return it
+
+
+@gluon.jit
+def swiglu_rows(sm, it, k0, k1, n_tiles, out_ptr, N, C: gl.constexpr):
+    """MLP_IN / EXPERT_IN for every token: a tile's [TR, MB] sums are TR/2 gate rows over the same TR/2 up rows;
+    out[t, r * TR/2 + j] = SiLU(gate_j . h_t) * (up_j . h_t) in bf16 (out [M, N], as DOWN_PROJ / EXPERT_DOWN stage
+    it), row tile r, column tiles [k0, k1)."""
+    TH: gl.constexpr = C.TR // 2
+    MB: gl.constexpr = C.MB
+    GL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [C.NW, 1], [1, 0])  # [TH, MB]
+    j = gl.expand_dims(gl.arange(0, TH, gl.SliceLayout(1, GL)), 1)
+    t = gl.expand_dims(gl.arange(0, C.MB, gl.SliceLayout(0, GL)), 0)
+    for r in range(n_tiles):
+        acc, it = dot_tile(sm, it, k0, k1, 0, C)
+        a3 = gl.reshape(acc, [2, TH, MB])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
+        L3: gl.constexpr = a3.type.layout
+        h = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
+        g = gl.convert_layout(gl.sum(gl.where(h == 0, a3, 0.0), axis=0), GL)
+        u = gl.convert_layout(gl.sum(gl.where(h == 1, a3, 0.0), axis=0), GL)
+        gl.store(out_ptr + t * N + r * TH + j, (g / (1.0 + gl.exp(-g)) * u).to(gl.bfloat16),
+                 mask=(t < C.M) & (j >= 0))
+    return it

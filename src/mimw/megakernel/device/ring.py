@@ -11,7 +11,19 @@ so all consumer warps have finished reading the slot.
 
 The loader is one warp with a small register budget: it only computes tile numbers and issues TMA. It never waits
 on a dependency counter (weights do not depend on this step's activations), so it runs ahead across instruction and
-layer boundaries, bounded only by the ring, the in-flight cap and the release hold:
+layer boundaries, bounded only by the ring, the in-flight cap, the release hold and the routing of MoE layers:
+  * expert spans (isa.EXPERT_SPAN: EXPERT_IN, EXPERT_DOWN): which expert's tiles a routing slot streams is known
+    once the layer's ROUTER finisher has stored the slot's routing entry (isa.route_entry). The loader polls that
+    one entry (sync.routed_wait) until it carries this step's tag (isa.route_tag of the epoch, read at the start:
+    compute waits for that read before the launch's end can move the epoch on), then streams expert e's tiles
+    ``T0 + e * XS + r * KT + k``; an unused slot (NO_EXPERT) streams nothing, and compute, reading the same entry
+    after its dependency wait, consumes nothing. This is the one place the loader waits on step data. It cannot
+    deadlock: the program places every queue's instructions stage by stage (program.py), so each of layer l's
+    ROUTER parts, and everything they wait for, precede every expert instruction of layer l in every queue
+    (``program.loader_wait_errors`` checks it for every program); a loader waiting on layer l's entry has streamed
+    its own router tiles, and every other loader reaches its router tiles having waited only on earlier layers'
+    entries, which by the same argument are stored. While it waits, the tiles already requested (the router's,
+    earlier experts') keep landing; the next layer's attention tiles wait behind it;
   * in-flight cap (``INFLIGHT``): tile ``it`` is requested only once tile ``it - INFLIGHT`` has landed; fewer
     requests queued in the memory system shorten every round trip the step's hops make;
   * release hold (``QUIET``, hold.py's marks): a marked instruction's tiles past its first ``QUIET`` wait for the
@@ -23,7 +35,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .context import HOLD_ARRIVE, HOLD_WAIT, NWORDS, W_FLAGS, W_K0, W_K1, W_KT, W_NR, W_T0
+from .context import (EXPERT_SPAN, HOLD_ARRIVE, HOLD_WAIT, NO_EXPERT, NWORDS, SLOT_WORD, W_FLAGS, W_K0, W_K1, W_KT,
+                      W_LAYER, W_NR, W_T0, XS_WORD)
+from .sync import route_tag, routed_wait
 
 
 @gluon.jit
@@ -59,16 +73,24 @@ def _field(w, offs, k: gl.constexpr):
 
 
 @gluon.jit
-def loader(prog, desc, bufs, empty, ready, rel, C: gl.constexpr):
+def loader(prog, moe, desc, bufs, empty, ready, rel, ep_bar, C: gl.constexpr):
     """The loader role: walk this CTA's queue (``prog`` = (words, lengths, max_len)) and stream every instruction's
-    weight tiles (isa.TileSpan in its words) into the ring, row tile by row tile, column tiles K0..K1 of each."""
+    weight tiles (isa.TileSpan in its words) into the ring, row tile by row tile, column tiles K0..K1 of each; an
+    expert span once its routing entry names the expert (``moe`` = (counters, their number, the routing table);
+    module doc). With MoE layers (C.S > 0) it reads the step's epoch first and then arrives on ``ep_bar``, which
+    compute waits for before the launch's last act moves the epoch on."""
     INFLIGHT: gl.constexpr = C.INFLIGHT
     QUIET: gl.constexpr = C.QUIET
     words_ptr, lens_ptr, MAXLEN = prog
+    cnt_ptr, NCNT, routed_ptr = moe
     WP2: gl.constexpr = 16
     offs = gl.arange(0, WP2, gl.BlockedLayout([1], [32], [1], [0]))
     pid = gl.program_id(0)
     n = gl.load(lens_ptr + pid)
+    tag = 0
+    if C.S > 0:
+        tag = route_tag(gl.load(cnt_ptr + NCNT + 1, cache_modifier=".cg"))
+        mbarrier.arrive(ep_bar.index(0), count=1)
     released = 0  # releases compute announced (hold.py marks) that this walk has passed: the hold's phase count
     it = 0
     for i in range(n):
@@ -85,6 +107,13 @@ def loader(prog, desc, bufs, empty, ready, rel, C: gl.constexpr):
             k0 = _field(w, offs, W_K0)
             k1 = _field(w, offs, W_K1)
             kt = _field(w, offs, W_KT)
+            if C.S > 0:
+                if (flags & EXPERT_SPAN) != 0:  # the one wait on step data: the expert this slot holds
+                    e = routed_wait(routed_ptr, _field(w, offs, W_LAYER) * C.S + _field(w, offs, SLOT_WORD), tag)
+                    if e == NO_EXPERT:
+                        nr = 0
+                    else:
+                        t0 = t0 + e * _field(w, offs, XS_WORD)
             for r in range(nr):
                 for k in range(k0, k1):
                     it = _load(desc, t0 + r * kt + k, bufs, empty, ready, it, INFLIGHT, rel, hold_at, parity)

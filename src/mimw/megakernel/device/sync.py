@@ -8,9 +8,16 @@ use ``cache_modifier=".cg"`` (L2, bypassing the non-coherent L1) because scratch
 layers and a stale L1 line from an earlier layer must never be read. Targets are step-numbered: in step ``epoch`` a
 counter that receives ``count`` signals per step is complete at ``(epoch + 1) * count``, so counters are never reset
 between steps (isa.py).
+
+Routing entries (isa.py, MoE): ``route_tag`` is isa.route_tag on the device; ``routed_wait`` is the loader's poll of
+one entry until it carries this step's tag (volatile loads: re-read from memory each time; the loader only turns
+the entry into tile numbers of weights no one writes, so it needs no acquire); ``routed_read`` is compute's read of
+an entry its dependency wait already ordered after the router's store (L2, not the non-coherent L1).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+from .context import NO_EXPERT, ROUTE_BITS, ROUTE_TAG_MASK, ROUTE_TAG_SET
 
 
 @gluon.jit
@@ -50,3 +57,30 @@ def globaltimer():
     t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [offs], dtype=gl.int64, is_pure=False,
                                   pack=1)
     return gl.max(t, axis=0)
+
+
+@gluon.jit
+def route_tag(epoch):
+    """isa.route_tag: the tag of step ``epoch``'s routing entries."""
+    return (epoch & ROUTE_TAG_MASK) | ROUTE_TAG_SET
+
+
+@gluon.jit
+def route_entry(expert, epoch):
+    """isa.route_entry: the entry step ``epoch`` stores for ``expert`` (NO_EXPERT: an unused slot)."""
+    return (route_tag(epoch) << ROUTE_BITS) | expert
+
+
+@gluon.jit
+def routed_wait(routed_ptr, index, tag):
+    """The loader: spin on routing entry ``index`` until it carries ``tag``; returns its expert (or NO_EXPERT)."""
+    v = gl.load(routed_ptr + index, volatile=True)
+    while (v >> ROUTE_BITS) != tag:
+        v = gl.load(routed_ptr + index, volatile=True)
+    return v & NO_EXPERT
+
+
+@gluon.jit
+def routed_read(routed_ptr, index):
+    """Compute, after its dependency wait: the expert of routing entry ``index`` (or NO_EXPERT)."""
+    return gl.load(routed_ptr + index, cache_modifier=".cg") & NO_EXPERT

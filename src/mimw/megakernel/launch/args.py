@@ -11,7 +11,9 @@ The kernel (device/kernel.py) takes eight arguments, most of them tuples, plus t
     kv        the paged cache's K and V pools, their scales and the page count: bf16 pools, or (``Constants.FP8``)
               e4m3 pools with a bf16 scale per (token, head) row, kv/pages.py (a bf16 cache passes a one-element
               dummy for each scale tensor, never read)
-    scratch   state.py's scratch buffers, the attention splits' stride, then the bf16 staging sources
+    scratch   state.py's scratch buffers, the attention splits' stride, the bf16 staging sources, then the MoE
+              buffers (router logits, the routing table, slot weights, experts' activations and parts, and the
+              activations' bf16 copy; a dense model's are empty, passed as a one-element stand-in)
     scalars   eps, the attention's q scale (head_dim^-0.5 * log2 e)
     trace     [num_sms, max_len, 4] int64 timestamps when traced (a one-element dummy otherwise)
 """
@@ -30,7 +32,8 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...] | str], ...] = (
     ("kv", (("k", "*bf16"), ("v", "*bf16"), ("k_scale", "*bf16"), ("v_scale", "*bf16"), ("num_pages", "i32"))),
     ("scratch", (("x", "*fp32"), ("qkv_part", "*fp32"), ("q", "*fp32"), ("part_o", "*fp32"), ("part_ml", "*fp32"),
                  ("attn", "*fp32"), ("act", "*fp32"), ("logits", "*fp32"), ("splits", "i32"), ("x16", "*bf16"),
-                 ("attn16", "*bf16"), ("act16", "*bf16"))),
+                 ("attn16", "*bf16"), ("act16", "*bf16"), ("router_logits", "*fp32"), ("routed", "*i32"),
+                 ("slot_w", "*fp32"), ("moe_act", "*fp32"), ("moe_part", "*fp32"), ("moe_act16", "*bf16"))),
     ("scalars", (("eps", "fp32"), ("qscale", "fp32"))),
     ("trace", "*i64"),
 )

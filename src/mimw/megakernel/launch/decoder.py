@@ -86,6 +86,7 @@ class MegakernelDecoder:
         self.words, self.lens = p.words.to(dev), p.lens.to(dev)
         self.state = alloc_state(p.program, self.max_pages, dev)
         self.scratch = alloc_scratch(p.program, dev)
+        self._stand_ins: dict[torch.dtype, torch.Tensor] = {}  # one-element stand-ins for empty scratch (_nonempty)
         # [num_sms, max_len, 4] int64 ns per instruction when traced (tools/trace.py), else a 1-element dummy
         self.trace = torch.zeros((self.num_sms, self.words.shape[1], 4) if p.tuning.trace else (1,),
                                  dtype=torch.int64, device=dev)
@@ -104,8 +105,20 @@ class MegakernelDecoder:
             k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, k_scale=self.scales[0], v_scale=self.scales[1],
             num_pages=c.layout.num_pages, x=x.x, qkv_part=x.qkv_part, q=x.q, part_o=x.part_o, part_ml=x.part_ml,
             attn=x.attn, act=x.act, logits=x.logits, splits=p.program.max_splits, x16=x.x16, attn16=x.attn16,
-            act16=x.act16, eps=self.spec.rms_norm_eps,
+            act16=x.act16, router_logits=self._nonempty(x.router_logits), routed=self._nonempty(x.routed),
+            slot_w=self._nonempty(x.slot_w), moe_act=self._nonempty(x.moe_act), moe_part=self._nonempty(x.moe_part),
+            moe_act16=self._nonempty(x.moe_act16),
+            eps=self.spec.rms_norm_eps,
             qscale=self.spec.head_dim ** -0.5 * 1.4426950408889634, trace=self.trace))
+
+    def _nonempty(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or where it is empty (a dense model's MoE scratch, never read) a one-element stand-in of its dtype:
+        a kernel pointer argument must address device memory."""
+        if t.numel():
+            return t
+        if t.dtype not in self._stand_ins:
+            self._stand_ins[t.dtype] = torch.zeros(1, dtype=t.dtype, device=t.device)
+        return self._stand_ins[t.dtype]
 
     def _set_up_clusters(self) -> str | None:
         """Compile the kernel (the JIT's cached kernel of this specialization, which every later launch finds), set

@@ -7,7 +7,8 @@ the hot path never repacks.
                                              each TR rows; columns past K zero), read by one TMA load
   embed [V, D] bf16                           row-major: layer 0 reads one token's row
 plus norms [L, D] (bf16), qkv bias [L, (Hq+2Hkv) hd] (fp32), q/k norm [L, hd], RoPE inv_freq.
-MLP_IN's gate and up rows interleave in TR/2-row halves (``interleave_gate_up``), so one tile yields TR/2 outputs.
+MLP_IN's gate and up rows interleave in TR/2-row halves (``interleave_gate_up``), so one tile yields TR/2 outputs;
+so do an expert's (EXPERT_IN). An MoE layer's router gets zero rows up to whole row tiles (tiles.router_rows).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from ...models import rope
 from ...models.weights import ModelWeights
-from ..tiles import WeightTiles
+from ..tiles import WeightTiles, router_rows
 
 
 @dataclass
@@ -60,17 +61,26 @@ def pack(w: ModelWeights, wt: WeightTiles, device: torch.device | str = "cuda") 
     bf = dict(device=device, dtype=torch.bfloat16)
     tr, tk = wt.tile_rows, wt.tile_k
     tiles = torch.empty(wt.num_tiles, tr * tk // 32, 32, **bf)
-    per_layer = {"qkv": lambda l: torch.cat([l.wq, l.wk, l.wv]), "o": lambda l: l.wo,
-                 "gu": lambda l: interleave_gate_up(l.w_gate, l.w_up, tr), "down": lambda l: l.w_down}
-    for name, block in per_layer.items():  # layer by layer into place: no whole-matrix temporaries
-        m = wt[name]
-        t = m.base
-        for layer in w.layers:
-            blk = tile_major(block(layer).to(**bf), tr, tk)
-            tiles[t: t + blk.shape[0]] = blk
-            t += blk.shape[0]
+    ep = router_rows(spec, tr)
+    every, dense, moe = range(spec.num_layers), spec.mlp_layers, spec.moe_layers
+    # (matrix, the layers it holds, each layer's blocks of rows in order): an MoE layer's experts one after the other
+    per_layer = {"qkv": (every, lambda l: [torch.cat([l.wq, l.wk, l.wv])]), "o": (every, lambda l: [l.wo]),
+                 "gu": (dense, lambda l: [interleave_gate_up(l.w_gate, l.w_up, tr)]),
+                 "down": (dense, lambda l: [l.w_down]),
+                 "router": (moe, lambda l: [torch.nn.functional.pad(l.router, (0, 0, 0, ep - l.router.shape[0]))]),
+                 "egu": (moe, lambda l: (interleave_gate_up(l.e_gate[e], l.e_up[e], tr)
+                                         for e in range(spec.num_experts))),
+                 "edown": (moe, lambda l: (l.e_down[e] for e in range(spec.num_experts)))}
+    for name, (layers, blocks) in per_layer.items():  # block by block into place: no whole-matrix temporaries
+        t = wt[name].base
+        for layer in layers:
+            for block in blocks(w.layers[layer]):
+                blk = tile_major(block.to(**bf), tr, tk)
+                tiles[t: t + blk.shape[0]] = blk
+                t += blk.shape[0]
     lm = wt["lm"]
-    tiles[lm.base:] = tile_major((w.embed if w.lm_head is w.embed else w.lm_head).to(**bf), tr, tk)
+    lm_tiles = tile_major((w.embed if w.lm_head is w.embed else w.lm_head).to(**bf), tr, tk)
+    tiles[lm.base: lm.base + lm_tiles.shape[0]] = lm_tiles
     ls = w.layers
     if spec.attention_bias:
         bias = torch.stack([torch.cat([l.bq, l.bk, l.bv]) for l in ls]).to(device=device, dtype=torch.float32)

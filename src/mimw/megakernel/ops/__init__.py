@@ -6,9 +6,8 @@ streams none), its PyTorch reference ``solve`` (and ``finish`` where parts of a 
 to draw a ticket, or part 0 of a cluster pair), and the Gluon device code the kernel dispatches to
 (``device/kernel.py``). Adding an instruction means adding one module and one row below (and its dispatch line).
 
-``GPU_OPS`` are the instructions with device code, the ones the kernel dispatches; the MoE instructions (ROUTER,
-EXPERT_IN, EXPERT_DOWN) have their fields, spans and reference solvers but no device code yet, so the VM runs MoE
-programs and ``plan.plan`` refuses them.
+``GPU_OPS`` are the instructions with device code, the ones the kernel dispatches (every instruction; the MoE ones,
+ROUTER, EXPERT_IN and EXPERT_DOWN, for one token or a decode batch of up to eight: plan.MAX_MOE_BATCH).
 
 ``SOLVERS[op](ctx, ins)`` runs one decoded instruction on the CPU (or any torch device) against the buffers of
 ``ctx``; the VM (``megakernel/vm.py``) calls it, and the GPU kernel is diffed against it.

@@ -15,14 +15,26 @@ the finisher every slot's moe_part rows and x[:, rows].
 Words: ``n_slots`` (Word.B) is the ticket's count; the rows are the span's: nrows = NR * tile_rows.
 Tiles: an expert span (isa.EXPERT_SPAN): the block's rows of expert 0 in the edown matrix, every column tile,
 moved by e times the expert stride once the router has run.
-Device: none yet (the GPU kernel does not run MoE layers; plan.plan refuses them).
+Device: after the dependency wait (its slot's EXPERT_IN blocks) the routing entry names the expert, as it named it
+to the loader (device/ring.py). A slot in use stages moe_act[slot] (bf16, as DOWN_PROJ stages act; a multi-token
+step its bf16 copy moe_act16[slot]), dots the expert's row tiles, scales them by slot_w[slot] (each token's own
+weight) and stores moe_part[slot, :, rows]; an unused slot consumes no tiles and stores nothing. Every slot then
+draws the row block's ticket; the last adds the slots in use, in slot order, to x[:, rows] (and, in a multi-token
+step, its bf16 copy x16) and alone signals.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
 from ...models.spec import ModelSpec
+from ..device import layouts, matvec as mv, matvec_mt as mt
+from ..device.context import NO_EXPERT as NO_EXPERT_K
+from ..device.context import W_A, W_B, W_C, W_D, W_K0, W_K1, W_LAYER, W_NR
+from ..device.sync import routed_read, ticket_is_last
 from ..isa import NO_COUNTER, NO_EXPERT, Instruction, Op, TileSpan, Word
 from ..tiles import WeightTiles
 from .common import OpContext, activation_in, matvec, routed_expert
@@ -81,3 +93,86 @@ def finish(ctx: OpContext, ins: ExpertDown) -> None:
     for j in active_slots(ctx, ins.layer, ins.n_slots):
         total = parts[j] if total is None else total + parts[j]
     ctx.scratch.x[:, rows] = ctx.scratch.x[:, rows] + total
+
+
+@gluon.jit
+def compute(ins, C: gl.constexpr, s, b, sm, it, restage, sig):
+    """One EXPERT_DOWN block of a routing slot on the GPU; returns (it, the counter it signals: ``sig`` for the
+    finisher, -1 otherwise, whether hbuf holds this slot's staged input afterwards)."""
+    layer = ins.field(W_LAYER)
+    slot = ins.field(W_C)
+    e = routed_read(b.routed, layer * C.S + slot)
+    used = e != NO_EXPERT_K
+    if C.M > 1:
+        it, sig = _compute_mt(ins, C, s, b, sm, it, restage, sig, layer, slot, used)
+    else:
+        it, sig = _compute_one(ins, C, s, b, sm, it, restage, sig, layer, slot, used)
+    return it, sig, used | (~restage)
+
+
+@gluon.jit
+def _compute_one(ins, C: gl.constexpr, s, b, sm, it, restage, sig, layer, slot, used):
+    """One token: moe_part[slot, rows] = slot_w[slot] * (W . moe_act[slot]); the finisher adds the slots to x."""
+    row0 = ins.field(W_A)
+    n_tiles = ins.field(W_NR)
+    RL: gl.constexpr = gl.SliceLayout(1, layouts.tile(C))
+    TR: gl.constexpr = C.TR
+    offs = gl.arange(0, C.TR, RL)
+    if used:
+        KT_F: gl.constexpr = C.KT_F
+        if restage:
+            mv.stage_plain(sm.hbuf, b.moe_act + slot * C.F, C.F, KT_F, C)
+        k0 = ins.field(W_K0)
+        k1 = ins.field(W_K1)
+        w = gl.load(b.slot_w + slot, cache_modifier=".cg")
+        for r in range(n_tiles):
+            acc, it = mv.dot_tile(sm, it, k0, k1, C)
+            gl.store(b.moe_part + slot * C.D + row0 + r * C.TR + offs, w * acc)
+    n_slots = ins.field(W_B)
+    if ticket_is_last(s.cnt, ins.field(W_D), n_slots, s.epoch):
+        for r in range(n_tiles):
+            rows = row0 + r * C.TR + offs
+            tot = gl.full([TR], 0.0, gl.float32, RL)
+            for j in range(n_slots):
+                if routed_read(b.routed, layer * C.S + j) != NO_EXPERT_K:
+                    tot += gl.load(b.moe_part + j * C.D + rows, cache_modifier=".cg")
+            gl.store(b.x + rows, gl.load(b.x + rows, cache_modifier=".cg") + tot)
+    else:
+        sig = -1
+    return it, sig
+
+
+@gluon.jit
+def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, sig, layer, slot, used):
+    """Every token of a multi-token step (device/matvec_mt.py): moe_act16[slot] staged, each token's sums scaled by
+    its weight for the slot (0 where it did not choose the slot's expert); the finisher adds the slots in use to x
+    and its bf16 copy x16."""
+    row0 = ins.field(W_A)
+    n_tiles = ins.field(W_NR)
+    if used:
+        k0 = ins.field(W_K0)
+        k1 = ins.field(W_K1)
+        if restage:
+            mt.stage_span(sm.hbuf, b.moe_act16 + slot * (C.M * C.F), C.F, k0, k1, C)
+        for r in range(n_tiles):
+            rows, t = mt.tile_index(row0 + r * C.TR, C)
+            ok = (t < C.M) & (rows >= 0)
+            w = gl.load(b.slot_w + slot * C.M + t, mask=t < C.M, other=0.0, cache_modifier=".cg")
+            acc, it = mt.dot_tile(sm, it, k0, k1, k0, C)
+            gl.store(b.moe_part + (slot * C.M + t) * C.D + rows, w * acc, mask=ok)
+    n_slots = ins.field(W_B)
+    if ticket_is_last(s.cnt, ins.field(W_D), n_slots, s.epoch):
+        for r in range(n_tiles):
+            rows, t = mt.tile_index(row0 + r * C.TR, C)
+            ok = (t < C.M) & (rows >= 0)
+            o = t * C.D + rows
+            res = gl.load(b.x + o, mask=ok, other=0.0, cache_modifier=".cg")
+            tot = res * 0.0
+            for j in range(n_slots):
+                if routed_read(b.routed, layer * C.S + j) != NO_EXPERT_K:
+                    tot += gl.load(b.moe_part + j * (C.M * C.D) + o, mask=ok, other=0.0, cache_modifier=".cg")
+            gl.store(b.x + o, res + tot, mask=ok)
+            gl.store(b.x16 + o, (res + tot).to(gl.bfloat16), mask=ok)
+    else:
+        sig = -1
+    return it, sig

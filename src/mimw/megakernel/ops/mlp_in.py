@@ -53,18 +53,7 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, restage):
     else:
         if restage:
             mv.stage_normed(sm.hbuf, b.x, s.emb_row, False, b.mnorm + layer * C.D, C.D, b.eps, KT_D, C)
-        row0 = ins.field(W_A)
-        k0 = ins.field(W_K0)
-        k1 = ins.field(W_K1)
-        TH: gl.constexpr = C.TR // 2
-        for t in range(ins.field(W_NR)):
-            acc, it = mv.dot_tile(sm, it, k0, k1, C)
-            a2 = gl.reshape(acc, [2, TH])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
-            h = gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, a2.type.layout)), 1)
-            g = gl.sum(gl.where(h == 0, a2, 0.0), axis=0)
-            u = gl.sum(gl.where(h == 1, a2, 0.0), axis=0)
-            offs = gl.arange(0, TH, g.type.layout)
-            gl.store(b.act + row0 + t * TH + offs, g / (1.0 + gl.exp(-g)) * u)
+        it = mv.swiglu_rows(sm, it, ins.field(W_K0), ins.field(W_K1), ins.field(W_NR), b.act + ins.field(W_A), C)
     return it
 
 
@@ -75,21 +64,5 @@ def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, layer):
     KT_D: gl.constexpr = C.KT_D
     if restage:
         mt.stage_normed(sm.hbuf, sm.wbuf, b.x16, b.emb, s.toks, False, b.mnorm + layer * C.D, C.D, b.eps, KT_D, C)
-    row0 = ins.field(W_A)
-    k0 = ins.field(W_K0)
-    k1 = ins.field(W_K1)
-    TH: gl.constexpr = C.TR // 2
-    MB: gl.constexpr = C.MB
-    GL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [C.NW, 1], [1, 0])  # [TH, MB]
-    j = gl.expand_dims(gl.arange(0, TH, gl.SliceLayout(1, GL)), 1)
-    t = gl.expand_dims(gl.arange(0, C.MB, gl.SliceLayout(0, GL)), 0)
-    for r in range(ins.field(W_NR)):
-        acc, it = mt.dot_tile(sm, it, k0, k1, 0, C)
-        a3 = gl.reshape(acc, [2, TH, MB])  # row h * TR/2 + j -> [h, j]: h = 0 gate, 1 up
-        L3: gl.constexpr = a3.type.layout
-        h = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
-        g = gl.convert_layout(gl.sum(gl.where(h == 0, a3, 0.0), axis=0), GL)
-        u = gl.convert_layout(gl.sum(gl.where(h == 1, a3, 0.0), axis=0), GL)
-        gl.store(b.act16 + t * C.I + row0 + r * TH + j, (g / (1.0 + gl.exp(-g)) * u).to(gl.bfloat16),
-                 mask=(t < C.M) & (j >= 0))
-    return it
+    return mt.swiglu_rows(sm, it, ins.field(W_K0), ins.field(W_K1), ins.field(W_NR), b.act16 + ins.field(W_A), C.I,
+                          C)

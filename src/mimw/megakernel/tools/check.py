@@ -17,6 +17,21 @@ logits are compared with the oracle's for it, and after the run the K/V rows the
 new positions) with the oracle's. ``check_segments`` generalises it to verify blocks (one-token segments); both
 take ``kv_dtype`` fp8 as check_decode does (the rows then compared step by step, ``kv_row_check``).
 
+An MoE model (``check_decode``, ``check_batch``) is also checked for its routing, twice after every step (a batch:
+the union of its tokens' experts, what its routing table names). Exactly: the last MoE
+layer's router logits and slot weights are still in the scratch, and its routing table row must name the top k of
+those very logits (``models.moe.top_k``) with their weights (within one bf16 rounding): the router finisher checked
+on its own input, whatever the numerics before it (``route_self_ok``). Against the oracle: each MoE layer's row
+must carry the step's tag (isa.route_tag) and name the oracle's k experts, or a near-tie of them. A near-tie: every expert the kernel chose and the oracle did not has an oracle probability at least the oracle's
+k-th minus ``route_tie``, and every expert the oracle chose and the kernel did not at most its (k+1)-th plus
+``route_tie``, where ``route_tie`` is twice the bf16 reference's largest probability error against the oracle over
+the run (what bf16 arithmetic itself does to the router, as ``tie`` below is for the logits). On random weights
+the k-th and (k+1)-th of many experts are often close (their gap shrinks as the router's spread and the bf16 error
+grow alike), so near-ties are expected. A step whose routing took such a near-tie elsewhere than the oracle is
+left out of the logits' error and argmax (its MoE output legitimately differs by a swapped expert's share) and
+counted in ``route_tie_steps`` (``ok``: at most half the steps); any other difference is a ``route_mismatches``
+and fails the check.
+
 Argmax agreement is reported twice: exact, and exact-or-near-tie. The near-tie bound is not a constant and not
 the kernel's own error (a bound taken from the step's own error would excuse every flip: a flip always implies
 max|error| >= gap / 2). It comes from a third decoder run alongside: the same reference in bf16 with Hugging Face
@@ -57,9 +72,20 @@ class CheckResult:
     tie: float = 0.0  # near-tie bound: 2 x bf16_rel_err
     flips: list = None  # [(step, oracle gap / max|logit|, step error / max|logit|)] for every argmax mismatch
     kv_rows: dict = None  # fp8: the K/V rows the kernel wrote this run against the oracle's (``kv_row_check``)
+    # MoE (zero for a dense model): (step, layer) routings that equal the oracle's, that are near-ties of it, that
+    # are neither; steps left out of the logits' checks for a near-tie; whether every entry carried its step's tag
+    route_exact: int = 0
+    route_ties: int = 0
+    route_mismatches: int = 0
+    route_tie_steps: int = 0
+    route_tags_ok: bool = True
+    route_self_ok: bool = True  # every step's last MoE layer routed the top k of its own logits (module doc)
+    route_tie: float = 0.0  # 2 x the bf16 reference's largest router probability error
 
-    def ok(self, tol: float = 2e-2, agree: float = 0.99) -> bool:
-        return self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree_or_tie >= agree
+    def ok(self, tol: float = 2e-2, agree: float = 0.99, max_tie_steps: float = 0.5) -> bool:
+        return (self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree_or_tie >= agree
+                and self.route_tags_ok and self.route_self_ok and self.route_mismatches == 0
+                and self.route_tie_steps <= max_tie_steps * self.steps)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -183,6 +209,8 @@ def oracles(w, cache: PagedKVCache):
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
                  kv_dtype: torch.dtype = torch.bfloat16, min_pages: int = 0) -> CheckResult:
+    """``steps`` decode steps of one sequence (module doc); an MoE model's routing checked too, an fp8 cache's rows
+    (``kv_dtype``) step by step."""
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     cache, table = random_cache(spec, context, steps, page_size, seed + 1, kv_dtype=kv_dtype, min_pages=min_pages)
     ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
@@ -190,10 +218,14 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
                             context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
     same, finite, kernel_steps, bf16_steps, rows = True, True, [], [], None
+    routes, tags_ok, self_ok, prob_err = [], True, True, 0.0  # routes: (step, oracle routing, the kernel's
+    # experts) an MoE layer
     for i in range(steps):
         seg = [Segment(tuple(table), context + i, 1)]
-        expect = ref.forward(torch.tensor([tok]), seg, ref_cache)[0]
-        bf16_steps.append(step_error(bf16_ref.forward(torch.tensor([tok]), seg, bf16_cache)[0], expect))
+        r_ref, r_bf16 = ([], []) if spec.is_moe else (None, None)
+        expect = ref.forward(torch.tensor([tok]), seg, ref_cache, routings=r_ref)[0]
+        bf16_steps.append(step_error(bf16_ref.forward(torch.tensor([tok]), seg, bf16_cache, routings=r_bf16)[0],
+                                     expect))
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V row: results must not move
             dec.scratch.poison()
@@ -202,17 +234,83 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
         kernel_steps.append(step_error(got[0], expect))
+        if spec.is_moe:
+            tags_ok &= _collect_routes(dec, spec, i, r_ref, routes)
+            self_ok &= own_routing_ok(dec, spec)
+            prob_err = max([prob_err] + [float((b.probs - r.probs).abs().max()) for r, b in zip(r_ref, r_bf16)])
         tok = int(expect.argmax())
         if cache.layout.quantized:  # the step's rows: the kernel's against the oracle's, then the kernel's for both
             rows = merge_row_checks(rows, kv_row_check(cache, ref_cache, table, [context + i]))
             copy_rows(ref_cache, cache, table, [context + i])
             copy_rows(bf16_cache, cache, table, [context + i])
+    route_tie = 2 * prob_err
+    verdicts = [_route_verdict(r, experts, spec.num_experts_per_tok, route_tie) for _, r, experts in routes]
+    tie_steps = {step for (step, _, _), v in zip(routes, verdicts) if v == "tie"}
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
-    agree, near_ties, flips = argmax_verdicts(kernel_steps, tie)
-    worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
-    return CheckResult(spec.name, context, steps, worst, agree / steps, (agree + near_ties) / steps, same, finite,
-                       bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips, rows)
+    numbers = [i for i in range(steps) if i not in tie_steps]
+    kept = [kernel_steps[i] for i in numbers]
+    agree, near_ties, flips = argmax_verdicts(kept, tie)
+    flips = [(numbers[i], gap, err) for i, gap, err in flips]  # by step number
+    worst = max([e if e == e else float("inf") for _, _, e in kept] + [0.0])
+    n = max(1, len(kept))
+    return CheckResult(spec.name, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
+                       bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips, kv_rows=rows,
+                       route_exact=verdicts.count("exact"), route_ties=verdicts.count("tie"),
+                       route_mismatches=verdicts.count("mismatch"), route_tie_steps=len(tie_steps),
+                       route_tags_ok=tags_ok, route_self_ok=self_ok, route_tie=route_tie)
+
+
+def _collect_routes(dec: MegakernelDecoder, spec: ModelSpec, step: int, oracle: list, out: list) -> bool:
+    """Append (step, the oracle's routing, the experts the kernel's routing table names) for every MoE layer of the
+    step just run; True when every entry carries the tag of that launch's epoch (the last one)."""
+    from .. import isa
+
+    epoch = dec.state.epoch - 1  # the launch that wrote the table moved the epoch on as it finished
+    table = dec.scratch.routed.cpu().tolist()
+    ok = True
+    for li, r in zip(spec.moe_layers, oracle):
+        entries = table[li]
+        ok &= all(isa.routed_expert(e, epoch) is not None for e in entries)
+        out.append((step, r, {e & isa.NO_EXPERT for e in entries} - {isa.NO_EXPERT}))
+    return ok
+
+
+def own_routing_ok(dec: MegakernelDecoder, spec: ModelSpec) -> bool:
+    """The step just run (its M tokens): the last MoE layer's routing table row and slot weights are what the
+    router's reference finisher (``ops.router``: ``models.moe.top_k`` and ``slots``) makes of the router logits the
+    kernel left in the scratch: the same experts in the same slots, the weights within one bf16 step (the kernel sums
+    the softmax in another order)."""
+    from ...models.moe import top_k
+    from .. import isa
+    from ..ops.router import slots
+
+    li = spec.moe_layers[-1]
+    w, ids = top_k(dec.scratch.router_logits[:, : spec.num_experts].float(), spec)
+    want_ids, want_w = slots(ids, w.to(torch.bfloat16).float(), dec.scratch.routed.shape[1])
+    got_ids = [int(e) & isa.NO_EXPERT for e in dec.scratch.routed[li].tolist()]
+    used = [j for j, e in enumerate(want_ids) if e != isa.NO_EXPERT]
+    return got_ids == want_ids and bool(torch.allclose(dec.scratch.slot_w[used].float(), want_w[used], rtol=2 ** -7,
+                                                       atol=0.0))
+
+
+def _route_verdict(r, got: set[int], k: int, route_tie: float) -> str:
+    """"exact", "tie" or "mismatch" for one step's routing of one MoE layer: the experts the kernel's table names
+    ``got`` (the step's M tokens' distinct experts) against the oracle's routing ``r`` (ids [M, k], probs [M, E]).
+    A near-tie (module doc): every expert only the kernel chose is within ``route_tie`` of some token's k-th oracle
+    probability, and every expert only the oracle chose is, for every token that chose it, within ``route_tie`` of
+    that token's (k+1)-th."""
+    ids, p = r.ids.cpu(), r.probs.float().cpu()
+    want = set(ids.flatten().tolist())
+    if got == want:
+        return "exact"
+    order = torch.sort(p, dim=-1, descending=True).values  # [M, E]
+    kth = order[:, k - 1]
+    next_ = order[:, k] if k < p.shape[1] else torch.full_like(kth, float("-inf"))
+    extra = all(bool((p[:, e] >= kth - route_tie).any()) for e in got - want)
+    missing = all(bool((p[m, e] <= next_[m] + route_tie)) for e in want - got for m in range(ids.shape[0])
+                  if e in ids[m].tolist())
+    return "tie" if k <= len(got) <= ids.numel() and extra and missing else "mismatch"
 
 
 @dataclass
@@ -232,17 +330,27 @@ class BatchResult:
     tie: float = 0.0  # near-tie bound: 2 x bf16_rel_err
     others_intact: bool = True  # every cache row the step does not append (nor the padding's page) unchanged
     kv_rows: dict = None  # fp8: the appended rows against the oracle's, step by step (``kv_row_check``)
+    route_self_ok: bool = True  # MoE: every step's last MoE layer routed its own logits as the reference does
+    # MoE (zero for a dense model), as CheckResult's: (step, layer) routings equal to the oracle's, near-ties of it,
+    # neither; steps left out of the logits' and appended rows' checks for a near-tie; every entry tagged
+    route_exact: int = 0
+    route_ties: int = 0
+    route_mismatches: int = 0
+    route_tie_steps: int = 0
+    route_tags_ok: bool = True
 
     def ok(self, tol: float = 2e-2, agree: float = 0.99, kv_tol: float = 1e-2, fp8_kv_tol: float = 0.2) -> bool:
         """Within ``tol`` / ``kv_tol`` of the oracle, or within twice the bf16 reference's own error where bf16
-        arithmetic alone is further off, and the argmax the oracle's up to near-ties; no other row touched. An fp8
-        cache's rows instead: kv/fp8.py rows (``requant_exact``) within ``fp8_kv_tol`` of the row's amax of the
-        oracle's (about one e4m3 step: the kernel quantises bf16-rounded activations, the oracle fp32 ones)."""
+        arithmetic alone is further off, and the argmax the oracle's up to near-ties; no other row touched; an MoE
+        model's routing as CheckResult.ok judges it. An fp8 cache's rows instead: kv/fp8.py rows (``requant_exact``)
+        within ``fp8_kv_tol`` of the row's amax of the oracle's (about one e4m3 step: the kernel quantises
+        bf16-rounded activations, the oracle fp32 ones)."""
         rows_ok = (self.kv_rows["requant_exact"] and self.kv_rel_err <= fp8_kv_tol if self.kv_rows is not None
                    else self.kv_rel_err <= max(kv_tol, 2 * self.bf16_kv_rel_err))
-        return (self.others_intact and self.finite and self.bit_identical
+        return (self.others_intact and self.route_self_ok and self.finite and self.bit_identical
                 and self.max_rel_err <= max(tol, 2 * self.bf16_rel_err) and self.argmax_agree_or_tie >= agree
-                and rows_ok)
+                and rows_ok and self.route_tags_ok and self.route_mismatches == 0
+                and self.route_tie_steps <= self.steps // 2)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -270,7 +378,9 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
     (``as_kv_dtype``), both references over copies of that fp8 cache (``oracles``); after every step the rows it
     appended are checked against the oracle's (``kv_row_check``: ``kv_rows``, its ``max_err`` as ``kv_rel_err``;
     the bf16 reference's rows likewise give ``bf16_kv_rel_err``) and then copied into both references' caches, so
-    that every step reads the kernel's past, as check_decode does."""
+    that every step reads the kernel's past, as check_decode does. An MoE model's routing: the last MoE layer's
+    routing of its own logits after every step (``own_routing_ok``), the rest through the logits (plan.py refuses
+    an MoE model over an fp8 cache, so the two never meet here)."""
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     contexts = [context + 3 * b for b in range(len(lens))]
     m = sum(lens)
@@ -292,17 +402,24 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=max(per_seq), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
     toks = torch.randint(spec.vocab_size, (m,), generator=torch.Generator().manual_seed(seed)).tolist()
-    same, finite, kernel_steps, bf16_steps, rows, bf16_rows = True, True, [], [], None, None
+    same, finite, kernel_steps, bf16_steps, rows, bf16_rows, self_ok = True, True, [], [], None, None, True
+    moe = spec.is_moe and not padded  # (a padded step routes its padding tokens too, in a bigger decoder)
+    routes, tags_ok, prob_err = [], True, 0.0  # as check_decode's
     starts = list(contexts)
-    for _ in range(steps):
+    for i in range(steps):
         segs = [Segment(t, p, n, n) for t, p, n in zip(tables, starts, lens)]
-        expect = ref.forward(torch.tensor(toks), segs, ref_cache)  # [M, V]: every token's logits
-        bf16 = bf16_ref.forward(torch.tensor(toks), segs, bf16_cache)
+        r_ref, r_bf16 = ([], []) if moe else (None, None)
+        expect = ref.forward(torch.tensor(toks), segs, ref_cache, routings=r_ref)  # [M, V]: every token's logits
+        bf16 = bf16_ref.forward(torch.tensor(toks), segs, bf16_cache, routings=r_bf16)
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V rows: results must not move
             dec.batch_decoder(m).scratch.poison()
             got.append(dec.step_segments(toks, segs, pad_page)[:m].clone())
         torch.cuda.synchronize()
+        if moe:
+            self_ok &= own_routing_ok(dec.batch_decoder(m), spec)
+            tags_ok &= _collect_routes(dec.batch_decoder(m), spec, i, r_ref, routes)
+            prob_err = max([prob_err] + [float((b.probs - r.probs).abs().max()) for r, b in zip(r_ref, r_bf16)])
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
         for b in range(m):
@@ -318,10 +435,16 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
                 copy_rows(ref_cache, cache, t, new)
                 copy_rows(bf16_cache, cache, t, new)
         starts = [p + n for p, n in zip(starts, lens)]
+    route_tie = 2 * prob_err
+    verdicts = [_route_verdict(r, experts, spec.num_experts_per_tok, route_tie) for _, r, experts in routes]
+    # a step routed to a near-tie elsewhere than the oracle is left out: its logits and the rows it appended
+    # follow other experts (later steps read those rows among a thousand: their logits stay comparable)
+    tie_steps = {step for (step, _, _), v in zip(routes, verdicts) if v == "tie"}
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
-    agree, near_ties, _ = argmax_verdicts(kernel_steps, tie)
-    worst = max(e if e == e else float("inf") for _, _, e in kernel_steps)
+    kept = [e for j, e in enumerate(kernel_steps) if j // m not in tie_steps]
+    agree, near_ties, _ = argmax_verdicts(kept, tie)
+    worst = max([e if e == e else float("inf") for _, _, e in kept] + [0.0])
     # the rows this run appended: every sequence's positions context .. context + steps * n - 1, every layer and head
     kv_err, bf16_kv_err = 0.0, 0.0
     pools = [] if cache.layout.quantized else [(cache.k, bf16_cache.k, ref_cache.k, ref_cache.k.abs().max()),
@@ -333,6 +456,8 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
         for p in range(c, c + steps * n):
             page, row = t[p // page_size], p % page_size
             written[page, row] = True
+            if (p - c) // n in tie_steps:
+                continue
             for pool, bf16_pool, ref_pool, scale in pools:
                 e = ref_pool[:, page, :, row]
                 kv_err = max(kv_err, float((pool[:, page, :, row].float() - e).abs().max() / scale))
@@ -343,6 +468,9 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
     keep = ~written.to(cache.k.device)
     intact = all(bool(torch.equal(a.movedim((1, 3), (0, 1))[keep], b.movedim((1, 3), (0, 1))[keep]))
                  for a, b in zip(cache.page_tensors(), before))
-    n = steps * m
+    n = max(1, len(kept))
     return BatchResult(spec.name, m, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
-                       kv_err, bf16_err, bf16_kv_err, tie, intact, rows)
+                       kv_err, bf16_err, bf16_kv_err, tie, intact, kv_rows=rows, route_self_ok=self_ok,
+                       route_exact=verdicts.count("exact"), route_ties=verdicts.count("tie"),
+                       route_mismatches=verdicts.count("mismatch"), route_tie_steps=len(tie_steps),
+                       route_tags_ok=tags_ok)

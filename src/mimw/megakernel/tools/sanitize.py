@@ -4,8 +4,11 @@
 Named cases (``cases``), two decode steps each, no CUDA graph: the default kernel on a 2-layer SmolLM2 on 72 SMs
 (DOWN_PROJ's cluster pairs beside ATTN_IN's), a 2-layer Llama-1B shape on 72 SMs (its staging buffer holds the
 attention warps' states: the shared-memory merge), ATTN_IN's pairs alone on 8 SMs, the tickets (no clusters) with
-two column parts a head, a tiny Qwen3 (16-row tiles, one part a head, q/k norms), and a decode batch of three
-sequences on the 2-layer SmolLM2 (swap-AB wgmma, device/matvec_mt.py). Exits non-zero if logits are wrong.
+two column parts a head, a tiny Qwen3 (16-row tiles, one part a head, q/k norms), a decode batch of three
+sequences on the 2-layer SmolLM2 (swap-AB wgmma, device/matvec_mt.py), a verify block, and the MoE layers: the tiny
+Qwen3-MoE and two 30B-A3B-shaped layers with 32 experts (router tickets, the loader's wait on the routing table,
+the experts' tickets), one token and a decode batch of three. Exits non-zero if logits (or an MoE step's routing)
+are wrong.
 
 First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
 shape (each partition stores its own slice of a vector; the default partition uses partition-local barriers and
@@ -65,6 +68,8 @@ def cases() -> dict[str, tuple]:
     token, more a multi-token step)."""
     tiny, small = get_preset("tiny-qwen3"), get_preset("smollm2-135m").with_(num_layers=2)
     one_b = get_preset("llama-3.2-1b").with_(num_layers=2, vocab_size=4096)
+    moe = get_preset("tiny-qwen3-moe")
+    a3b = get_preset("qwen3-30b-a3b").with_(num_layers=2, vocab_size=4096, num_experts=32)
     return {
         "cluster_down": (small, 40, 72, Tuning(), (1,)),  # DOWN_PROJ's 36 row blocks pair over cluster mates
         "attn_smem_merge": (one_b, 40, 72, Tuning(), (1,)),  # SmolLM2's staging buffer is too small for the merge
@@ -73,6 +78,9 @@ def cases() -> dict[str, tuple]:
         "tiny_qwen3": (tiny, 40, 8, Tuning(), (1,)),
         "decode_batch": (small, 40, 8, Tuning(), (1, 1, 1)),  # three sequences a launch: the multi-token code
         "verify_block": (small, 40, 8, Tuning(), (3, 1)),  # a verify block of three beside a decode token
+        "moe": (moe, 40, 8, Tuning(), (1,)),  # ROUTER, EXPERT_IN, EXPERT_DOWN; the loader's routing poll
+        "moe_a3b": (a3b, 40, 16, Tuning(), (1,)),  # the 30B-A3B's layer (eight heads a KV group), 32 experts
+        "moe_batch": (a3b, 40, 16, Tuning(), (1, 1, 1)),  # three tokens: 24 slots, the union of their experts
     }
 
 

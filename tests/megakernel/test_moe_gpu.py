@@ -1,0 +1,58 @@
+"""The megakernel's mixture-of-experts layers on a Hopper GPU against the fp32 reference decoder (marker `gpu`;
+skipped without CUDA).
+
+Each check (tools/check.check_decode) runs consecutive decode steps of one sequence on random weights over a random
+paged cache, poisons the scratch (NaN, the routing table back to never written) before every launch, relaunches
+every step and compares bit for bit, diffs the logits against the fp32 oracle, and reads the routing after every
+step: the last MoE layer's table row must be exactly the top k of the router logits the kernel computed (with
+their weights), and every MoE layer's entries must carry the step's tag and name the oracle's experts, or a
+near-tie within the bf16 reference's own router error (a near-tie step is left out of the logits' comparison; at
+most half the steps may be one: random routers put the k-th and (k+1)-th of many experts close).
+A decode batch of the 30B-A3B's shape (``check_batch``: several sequences a launch, each distinct routed expert
+streamed once) is checked through its logits and appended K/V.
+The 30B-A3B runs at its real layer shape (2048 wide, 32 query heads on 4 KV heads, 128 experts of 768, 8 a token)
+with 2 of its 48 layers (the fp32 oracle of all 48 would need ~122 GB; fewer layers also mean fewer routing
+near-ties a step)."""
+import pytest
+import torch
+
+from mimw.models.spec import get_preset
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the megakernel needs a Hopper (sm_90) GPU")]
+
+
+def _check(spec, context, steps):
+    from mimw.megakernel.tools.check import check_decode
+
+    r = check_decode(spec, context, steps=steps)
+    assert r.finite, r
+    assert r.bit_identical, f"repeated launches differ (race): {r}"
+    assert r.route_tags_ok, f"a routing entry without its step's tag: {r}"
+    assert r.route_self_ok, f"the router finisher did not route its own logits as models.moe.top_k does: {r}"
+    assert r.route_mismatches == 0 and r.route_exact > 0, r
+    assert r.route_tie_steps <= steps // 2, r
+    assert r.max_rel_err <= 2e-2, r
+    assert r.argmax_agree_or_tie >= 0.99, r
+    return r
+
+
+@pytest.mark.parametrize("context", [1, 17, 1000, 8191])
+def test_tiny_moe_matches_reference(context):
+    """16 experts, 4 a token, layer 1 dense beside the MoE layers 0 and 2 (16-row tiles, one column tile)."""
+    _check(get_preset("tiny-qwen3-moe"), context, 32)
+
+
+@pytest.mark.parametrize("context", [17, 8191])
+def test_30b_a3b_shape_matches_reference(context):
+    _check(get_preset("qwen3-30b-a3b").with_(num_layers=2), context, 16)
+
+
+@pytest.mark.parametrize("batch", [3, 8])
+def test_30b_a3b_shape_decode_batch_matches_reference(batch):
+    """3 tokens: 24 slots, some unused whenever the tokens share experts; 8: the most an MoE step plans."""
+    from mimw.megakernel.tools.check import check_batch
+
+    r = check_batch(get_preset("qwen3-30b-a3b").with_(num_layers=2), batch, 1000, steps=6)
+    assert r.ok(), r
