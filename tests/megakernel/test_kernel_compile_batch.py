@@ -1,6 +1,6 @@
-"""CI (CPU only): the decode-batch megakernel (plan.plan with M = 2..32 tokens: swap-AB wgmma, device/matvec_mt.py)
-compiles for sm_90a without spills and fits shared memory, over a bf16 and an fp8 KV cache; the one-token kernel
-keeps none of its code."""
+"""CI (CPU only): the multi-token megakernel (plan.plan with M = 2..32 tokens: swap-AB wgmma, device/matvec_mt.py)
+compiles for sm_90a without spills and fits shared memory, for every bucket a shipping preset pads its steps to and
+over a bf16 and an fp8 KV cache; the one-token kernel keeps none of its code."""
 import functools
 
 import pytest
@@ -57,6 +57,26 @@ def test_a_smaller_batch_compiles_too():
     p, k, rep = _build("smollm2-135m", 3)
     assert rep["spill_stores"] == 0 and k.metadata.shared <= SHARED_BYTES
     assert p.constants.M == 3 and p.constants.MB == 8
+
+
+def _buckets():
+    """(preset, M) for every bucket a multi-token step of a shipping preset pads to (launch/one_token.bucket_of of
+    2 .. plan.max_tokens)."""
+    from mimw.megakernel.launch.one_token import bucket_of
+    from mimw.megakernel.plan import max_tokens
+
+    out = []
+    for name in ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"):
+        top = max_tokens(get_preset(name))
+        out += [(name, m) for m in sorted({bucket_of(n) for n in range(2, top + 1)})]
+    return out
+
+
+@pytest.mark.parametrize("model,batch", _buckets(), ids=[f"{n}-{m}" for n, m in _buckets()])
+def test_every_buckets_kernel_compiles_spill_free(model, batch):
+    p, k, rep = _build(model, batch)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.constants.M == batch
 
 
 def test_the_one_token_kernel_has_no_multi_token_code():

@@ -50,3 +50,19 @@ def test_tile_counts_are_the_spans_and_cover_every_weight_tile_once():
     counts = tile_counts(p.program)
     assert [len(c) for c in counts] == [len(q) for q in p.program.queues]
     assert sum(map(sum, counts)) == p.program.tiles.num_tiles
+
+
+def test_the_critical_path_of_an_moe_model_follows_its_router_and_experts():
+    """MoE layers end with EXPERT_DOWN (no DOWN_PROJ); a dense layer among them keeps MLP_IN / DOWN_PROJ."""
+    from mimw.megakernel.tools.trace import MOE_STAGES
+
+    windows, t = [], 0.0
+    kinds = ["moe", "dense", "moe", "moe"]
+    for layer, kind in enumerate(kinds):
+        for k, op in enumerate(MOE_STAGES if kind == "moe" else LAYER_STAGES):
+            t += k + 1
+            windows.append(dict(op=op, layer=layer, first_ready_us=t - 0.5, last_done_us=t))
+    cp = critical_path(windows)
+    assert [cp[op] for op in MOE_STAGES] == pytest.approx([1, 2, 3, 4, 5, 6])
+    assert cp["MLP_IN"] == pytest.approx(4) and cp["DOWN_PROJ"] == pytest.approx(5)
+    assert cp["layer"] == pytest.approx((15 + 21 + 21) / 3)  # layers 1 (dense), 2 and 3 (MoE)

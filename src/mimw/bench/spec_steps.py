@@ -11,8 +11,9 @@ logits rows for k = 1 .. K, at one context length, and combines them:
 
 Not included: the drafter's own time (host-side n-gram/suffix lookups; a draft model's steps), prefill, and any
 change in acceptance between the CPU model and the GPU model (labelled: random weights, CPU-measured acceptance).
-The megakernel backend runs verify segments on its prefill path (PrefillRunner) until its verify segment lands,
-and this script measures whatever the backend does.
+The megakernel backend runs a verify block of up to ``plan.max_tokens`` tokens on the megakernel's multi-token step
+or its prefill path's (graphed) pass, whichever its router measured faster; this script measures whatever the
+backend does.
 
     PYTHONPATH=src python3 -m mimw.bench.spec_steps --results bench/results/<date>-cpu-spec-<model>.json \\
         --model llama-3.2-1b,llama-3.1-8b --backend megakernel,reference --context 1024 --out $OUT

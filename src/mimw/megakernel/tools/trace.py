@@ -18,7 +18,8 @@ import torch
 from .. import isa
 from ..program import Program
 
-LAYER_STAGES = ("ATTN_IN", "ATTN_PARTIAL", "O_PROJ", "MLP_IN", "DOWN_PROJ")
+LAYER_STAGES = ("ATTN_IN", "ATTN_PARTIAL", "O_PROJ", "MLP_IN", "DOWN_PROJ")  # a dense layer's, in order
+MOE_STAGES = ("ATTN_IN", "ATTN_PARTIAL", "O_PROJ", "ROUTER", "EXPERT_IN", "EXPERT_DOWN")  # an MoE layer's
 
 
 def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -> dict:
@@ -51,19 +52,26 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -
 
 def critical_path(windows: list[dict]) -> dict[str, float]:
     """Mean over layers 1..L-1 of each stage's share of the layer: its last finish minus the previous stage's last
-    finish (the previous layer's DOWN_PROJ for ATTN_IN). Keys: the stages, and "layer" (their sum)."""
+    finish (for ATTN_IN, the previous layer's last stage: DOWN_PROJ, or an MoE layer's EXPERT_DOWN). A stage's mean
+    is over the layers that have it (an MoE model's dense layers have MLP_IN, its MoE layers ROUTER and the expert
+    stages). Keys: the stages, and "layer" (the mean of each layer's sum)."""
     done = {(w["op"], w["layer"]): w["last_done_us"] for w in windows}
-    layers = sorted({w["layer"] for w in windows if w["op"] == "DOWN_PROJ"})
-    shares: dict[str, list[float]] = {op: [] for op in LAYER_STAGES}
+    layers = sorted({w["layer"] for w in windows if w["op"] == "ATTN_IN"})
+    shares: dict[str, list[float]] = {op: [] for op in dict.fromkeys(LAYER_STAGES + MOE_STAGES)}
+    totals = []
     for layer in layers[1:]:
-        prev = done[("DOWN_PROJ", layer - 1)]
-        for op in LAYER_STAGES:
+        before = [done[(op, layer - 1)] for op in LAYER_STAGES[3:] + MOE_STAGES[3:] if (op, layer - 1) in done]
+        if not before:
+            continue
+        prev = start = max(before)
+        for op in shares:
             if (op, layer) in done:
                 shares[op].append(done[(op, layer)] - prev)
                 prev = done[(op, layer)]
+        totals.append(prev - start)
     out = {op: sum(v) / len(v) for op, v in shares.items() if v}
     if out:
-        out["layer"] = sum(out.values())
+        out["layer"] = sum(totals) / len(totals)
     return out
 
 
