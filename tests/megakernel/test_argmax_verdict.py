@@ -119,3 +119,12 @@ def test_a_routing_table_is_checked_against_the_reference_finisher_on_the_kernel
     scratch.slot_w.copy_(sw)
     routed[2, 0] = isa.route_entry(experts[1], 9)  # a slot holding another expert
     assert not own_routing_ok(dec, spec)
+
+
+def test_a_route_log_names_the_steps_routed_to_a_near_tie():
+    from mimw.megakernel.tools.check import RouteLog
+
+    r = _routing([0.40, 0.30, 0.151, 0.149, 0.0], 3)
+    log = RouteLog(3, routes=[(0, r, {0, 1, 2}), (1, r, {0, 1, 3}), (2, r, {0, 2, 3})], prob_err=0.002)
+    assert log.route_tie == 0.004
+    assert log.judge() == (["exact", "tie", "mismatch"], {1})

@@ -82,7 +82,8 @@ class StepState:
         return int(self.counters[self.epoch_index])
 
     def fill(self, tokens: Sequence[int] | torch.Tensor, seg_starts_pos: Sequence[int],
-             block_tables: Sequence[Sequence[int]], seg_lens: Sequence[int], seg_new: Sequence[int] | None = None) -> None:
+             block_tables: Sequence[Sequence[int]], seg_lens: Sequence[int],
+             seg_new: Sequence[int] | None = None) -> None:
         """Set the step's inputs: ``tokens`` [M] (host ints, or a tensor: a device tensor, e.g. the previous step's
         samples not yet on the host, is copied on the device); for each segment its first position and block table,
         and (default: that first position) the first position the step writes in its sequence (at most the

@@ -134,12 +134,9 @@ class MegakernelBackend(Backend):
         """Segments of 2..plan.max_tokens tokens in all (decode tokens, verify blocks, short chunks) as one launch
         of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py), padded to the
         bucket of its tokens where the cache is this backend's (one kernel and graph a bucket, not a token count)."""
-        from ...megakernel.launch.one_token import split_segments
-
         pad_page = self._pad_pages.get(cache)  # a cache this backend made: padded to the bucket of its tokens
         # the ids stay on the device (the previous step's samples may not have reached the host)
-        out = self._decoder(cache).step_segments(tokens, segments, pad_page)
-        rows = split_segments(segments).logit_rows
+        out, rows = self._decoder(cache).step_segments(tokens, segments, pad_page)
         if rows == tuple(range(out.shape[0])):
             return out.to(torch.float32, copy=True)  # the decoder's logits buffer: the next launch overwrites it
         return out[list(rows)].to(torch.float32)

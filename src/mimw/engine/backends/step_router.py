@@ -1,10 +1,11 @@
 """Which path runs a step of several tokens on the megakernel backend, decided by what each path measured.
 
-A step of B single-token segments (decode) can run as B replays of the M = 1 megakernel (each near the batch-1 floor, so B
-times it), as one launch of the megakernel's decode-batch step (B <= 8: the weights streamed once on wgmma), or as
-one pass of the prefill path (weights read once, but a fixed cost of many kernel launches). Which is fastest depends
-on the model, the GPU and B (on an H100, Llama-3.2-1B: 2.1 ms of replays, 5.3 ms for one pass and 1.2 ms for the
-decode-batch kernel at B = 2; 8.5, 5.2 and 1.4 ms at B = 8; bench/NOTES.md, "Multi-token step, measured"), so the
+A step of B single-token segments (decode) can run as B replays of the M = 1 megakernel (each near the batch-1
+floor, so B times it), as one launch of the megakernel's multi-token step (B <= plan.max_tokens: the weights
+streamed once on wgmma), or as one pass of the prefill path (weights read once, but a fixed cost of many kernel
+launches, graphed where the segments are short). Which is fastest depends on the model, the GPU and B (on an H100,
+Llama-3.2-1B at B = 8: 7.8 ms of replays, 5.0 ms for one eager pass, 1.49 ms for the multi-token kernel; a verify
+block of 16: 1.96 ms on the kernel, 1.78 ms for the graphed pass; bench/NOTES.md, "Branch `mtnext` measured"), so the
 router measures instead of assuming: it keeps the time of one replay (per token) and of each whole-batch path per
 bucket of B (powers of two), and picks the cheapest estimate. A path with no estimate yet for a bucket is tried
 first (in the order the backend lists them, then replays); the first time of each path and size is dropped as

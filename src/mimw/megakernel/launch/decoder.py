@@ -5,12 +5,12 @@ step per launch of the persistent megakernel, optionally captured in a CUDA grap
                                                           # bf16 or fp8 (e4m3 + a bf16 scale per row, kv/pages.py)
     logits = dec.step(token, position, block_table)       # [1, V] fp32, a view into the scratch buffer
     logits = dec.step_batch(tokens, positions, tables)    # [B, V]: B sequences' next tokens in one launch
-    logits = dec.step_segments(tokens, segments)          # [M, V]: decode tokens and verify blocks, M tokens in all
+    logits, rows = dec.step_segments(tokens, segments)    # [M, V]: decode tokens and verify blocks, M tokens in all
 With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling the state) and later steps replay it.
-``step_batch`` (B = 2..plan.max_tokens: 32, the 8B shapes 16) runs a decode batch: one token of each of B sequences, the weights
-streamed once (swap-AB wgmma, device/matvec_mt.py). ``step_segments`` runs any segments of M tokens in all (verify
-blocks included) as M one-token segments (one_token.py). Each M has its own plan, compiled kernel, step state and
-scratch (one program per M, built on first use); all share the packed weights.
+``step_batch`` (B = 2..plan.max_tokens: 32, the 8B shapes 16) runs a decode batch: one token of each of B sequences,
+the weights streamed once (swap-AB wgmma, device/matvec_mt.py). ``step_segments`` runs any segments of M tokens in
+all (verify blocks included) as M one-token segments (one_token.py). Each M has its own plan, compiled kernel, step
+state and scratch (one program per M, built on first use); all share the packed weights.
 """
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ class MegakernelDecoder:
         s, x, w, c, p = self.state, self.scratch, self.w, self.cache, self.plan
         return args.values(dict(
             words=self.words, lens=self.lens, max_len=self.words.shape[1], tokens=s.tokens, positions=s.positions,
-            seg_ctx=s.seg_ctx, seg_new=s.seg_new, block_tables=s.block_tables, max_pages=s.block_tables.shape[1], counters=s.counters,
+            seg_ctx=s.seg_ctx, seg_new=s.seg_new, block_tables=s.block_tables, max_pages=s.block_tables.shape[1],
+            counters=s.counters,
             num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, embed=w.embed,
             attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, final_norm=w.final_norm, bias=w.bias, q_norm=w.q_norm,
             k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, k_scale=self.scales[0], v_scale=self.scales[1],
@@ -209,19 +210,18 @@ class MegakernelDecoder:
         return self._run_batch(tokens, positions, block_tables, None)
 
     def step_segments(self, tokens: Sequence[int] | torch.Tensor, segments: Sequence[Segment],
-                      pad_page: int | None = None) -> torch.Tensor:
+                      pad_page: int | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
         """Any segments (decode tokens, verify blocks; M = 2..plan.max_tokens tokens in all, concatenated in segment
         order; one segment a sequence) in one launch, as one-token segments (one_token.py); with ``pad_page`` (a page
         of the cache no sequence owns) padded to the bucket of M tokens, so that a bucket's plan, kernel and graph
-        serve all its M. Returns the logits of every token the step ran [N, V] fp32, the segments' first (a view into
-        that decoder's scratch; ``split_segments(...).logit_rows`` are the rows the segments' ``num_logits`` ask
-        for)."""
+        serve all its M. Returns (the logits of every token the step ran [N, V] fp32, the segments' first: a view
+        into that decoder's scratch; the rows of it the segments' ``num_logits`` ask for, in segment order)."""
         one = split_segments(segments, pad_page, self.cache.layout.page_size)
         if isinstance(tokens, torch.Tensor):  # on the device: padded there (any id: the padding's logits are unread)
             tokens = torch.cat([tokens.reshape(-1), tokens.new_zeros(one.padding)])
         else:
             tokens = list(tokens) + [0] * one.padding
-        return self._run_batch(tokens, one.positions, one.block_tables, one.firsts)
+        return self._run_batch(tokens, one.positions, one.block_tables, one.firsts), one.logit_rows
 
     def _run_batch(self, tokens, positions, block_tables, firsts) -> torch.Tensor:
         dec = self.batch_decoder(len(tokens))

@@ -22,10 +22,11 @@ the union of its tokens' experts, what its routing table names). Exactly: the la
 layer's router logits and slot weights are still in the scratch, and its routing table row must name the top k of
 those very logits (``models.moe.top_k``) with their weights (within one bf16 rounding): the router finisher checked
 on its own input, whatever the numerics before it (``route_self_ok``). Against the oracle: each MoE layer's row
-must carry the step's tag (isa.route_tag) and name the oracle's k experts, or a near-tie of them. A near-tie: every expert the kernel chose and the oracle did not has an oracle probability at least the oracle's
-k-th minus ``route_tie``, and every expert the oracle chose and the kernel did not at most its (k+1)-th plus
-``route_tie``, where ``route_tie`` is twice the bf16 reference's largest probability error against the oracle over
-the run (what bf16 arithmetic itself does to the router, as ``tie`` below is for the logits). On random weights
+must carry the step's tag (isa.route_tag) and name the oracle's k experts, or a near-tie of them. A near-tie:
+every expert the kernel chose and the oracle did not has an oracle probability at least the oracle's k-th minus
+``route_tie``, and every expert the oracle chose and the kernel did not at most its (k+1)-th plus ``route_tie``,
+where ``route_tie`` is twice the bf16 reference's largest probability error against the oracle over the run (what
+bf16 arithmetic itself does to the router, as ``tie`` below is for the logits). On random weights
 the k-th and (k+1)-th of many experts are often close (their gap shrinks as the router's spread and the bf16 error
 grow alike), so near-ties are expected. A step whose routing took such a near-tie elsewhere than the oracle is
 left out of the logits' error and argmax (its MoE output legitimately differs by a swapped expert's share) and
@@ -44,7 +45,7 @@ max|logit|. Every mismatch is listed in ``flips`` with its gap and the step's er
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -218,8 +219,7 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
                             context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
     same, finite, kernel_steps, bf16_steps, rows = True, True, [], [], None
-    routes, tags_ok, self_ok, prob_err = [], True, True, 0.0  # routes: (step, oracle routing, the kernel's
-    # experts) an MoE layer
+    log = RouteLog(spec.num_experts_per_tok)
     for i in range(steps):
         seg = [Segment(tuple(table), context + i, 1)]
         r_ref, r_bf16 = ([], []) if spec.is_moe else (None, None)
@@ -235,17 +235,13 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
         finite &= bool(torch.isfinite(got[0]).all())
         kernel_steps.append(step_error(got[0], expect))
         if spec.is_moe:
-            tags_ok &= _collect_routes(dec, spec, i, r_ref, routes)
-            self_ok &= own_routing_ok(dec, spec)
-            prob_err = max([prob_err] + [float((b.probs - r.probs).abs().max()) for r, b in zip(r_ref, r_bf16)])
+            log.record(dec, spec, i, r_ref, r_bf16)
         tok = int(expect.argmax())
         if cache.layout.quantized:  # the step's rows: the kernel's against the oracle's, then the kernel's for both
             rows = merge_row_checks(rows, kv_row_check(cache, ref_cache, table, [context + i]))
             copy_rows(ref_cache, cache, table, [context + i])
             copy_rows(bf16_cache, cache, table, [context + i])
-    route_tie = 2 * prob_err
-    verdicts = [_route_verdict(r, experts, spec.num_experts_per_tok, route_tie) for _, r, experts in routes]
-    tie_steps = {step for (step, _, _), v in zip(routes, verdicts) if v == "tie"}
+    verdicts, tie_steps = log.judge()
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
     numbers = [i for i in range(steps) if i not in tie_steps]
@@ -258,7 +254,35 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
                        bf16_err, sum(s for s, _, _ in bf16_steps) / steps, tie, flips, kv_rows=rows,
                        route_exact=verdicts.count("exact"), route_ties=verdicts.count("tie"),
                        route_mismatches=verdicts.count("mismatch"), route_tie_steps=len(tie_steps),
-                       route_tags_ok=tags_ok, route_self_ok=self_ok, route_tie=route_tie)
+                       route_tags_ok=log.tags_ok, route_self_ok=log.self_ok, route_tie=log.route_tie)
+
+
+@dataclass
+class RouteLog:
+    """An MoE run's routing, step by step (module doc): every MoE layer's oracle routing beside the experts the
+    kernel's routing table names, whether every entry carried its step's tag, whether each step's last MoE layer
+    routed its own logits as the reference does, and the bf16 reference's largest router-probability error."""
+
+    k: int  # experts a token
+    routes: list = field(default_factory=list)  # (step, oracle routing, the kernel's experts) an MoE layer
+    tags_ok: bool = True
+    self_ok: bool = True
+    prob_err: float = 0.0
+
+    def record(self, dec: MegakernelDecoder, spec: ModelSpec, step: int, oracle: list, bf16: list) -> None:
+        """The step just run by ``dec``, whose oracle and bf16 reference routings are ``oracle`` and ``bf16``."""
+        self.tags_ok &= _collect_routes(dec, spec, step, oracle, self.routes)
+        self.self_ok &= own_routing_ok(dec, spec)
+        self.prob_err = max([self.prob_err] + [float((b.probs - r.probs).abs().max()) for r, b in zip(oracle, bf16)])
+
+    @property
+    def route_tie(self) -> float:
+        return 2 * self.prob_err
+
+    def judge(self) -> tuple[list[str], set[int]]:
+        """(each recorded routing's verdict, the steps routed to a near-tie elsewhere than the oracle)."""
+        verdicts = [_route_verdict(r, experts, self.k, self.route_tie) for _, r, experts in self.routes]
+        return verdicts, {step for (step, _, _), v in zip(self.routes, verdicts) if v == "tie"}
 
 
 def _collect_routes(dec: MegakernelDecoder, spec: ModelSpec, step: int, oracle: list, out: list) -> bool:
@@ -402,9 +426,9 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=max(per_seq), tuning=tuning, num_sms=num_sms,
                             context_hint=max(context, 1), use_graph=graph)
     toks = torch.randint(spec.vocab_size, (m,), generator=torch.Generator().manual_seed(seed)).tolist()
-    same, finite, kernel_steps, bf16_steps, rows, bf16_rows, self_ok = True, True, [], [], None, None, True
+    same, finite, kernel_steps, bf16_steps, rows, bf16_rows = True, True, [], [], None, None
     moe = spec.is_moe and not padded  # (a padded step routes its padding tokens too, in a bigger decoder)
-    routes, tags_ok, prob_err = [], True, 0.0  # as check_decode's
+    log = RouteLog(spec.num_experts_per_tok)
     starts = list(contexts)
     for i in range(steps):
         segs = [Segment(t, p, n, n) for t, p, n in zip(tables, starts, lens)]
@@ -414,12 +438,10 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V rows: results must not move
             dec.batch_decoder(m).scratch.poison()
-            got.append(dec.step_segments(toks, segs, pad_page)[:m].clone())
+            got.append(dec.step_segments(toks, segs, pad_page)[0][:m].clone())
         torch.cuda.synchronize()
         if moe:
-            self_ok &= own_routing_ok(dec.batch_decoder(m), spec)
-            tags_ok &= _collect_routes(dec.batch_decoder(m), spec, i, r_ref, routes)
-            prob_err = max([prob_err] + [float((b.probs - r.probs).abs().max()) for r, b in zip(r_ref, r_bf16)])
+            log.record(dec.batch_decoder(m), spec, i, r_ref, r_bf16)
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
         for b in range(m):
@@ -435,11 +457,9 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
                 copy_rows(ref_cache, cache, t, new)
                 copy_rows(bf16_cache, cache, t, new)
         starts = [p + n for p, n in zip(starts, lens)]
-    route_tie = 2 * prob_err
-    verdicts = [_route_verdict(r, experts, spec.num_experts_per_tok, route_tie) for _, r, experts in routes]
     # a step routed to a near-tie elsewhere than the oracle is left out: its logits and the rows it appended
     # follow other experts (later steps read those rows among a thousand: their logits stay comparable)
-    tie_steps = {step for (step, _, _), v in zip(routes, verdicts) if v == "tie"}
+    verdicts, tie_steps = log.judge()
     bf16_err = max(e for _, _, e in bf16_steps)
     tie = 2 * bf16_err
     kept = [e for j, e in enumerate(kernel_steps) if j // m not in tie_steps]
@@ -470,7 +490,7 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
                  for a, b in zip(cache.page_tensors(), before))
     n = max(1, len(kept))
     return BatchResult(spec.name, m, context, steps, worst, agree / n, (agree + near_ties) / n, same, finite,
-                       kv_err, bf16_err, bf16_kv_err, tie, intact, kv_rows=rows, route_self_ok=self_ok,
+                       kv_err, bf16_err, bf16_kv_err, tie, intact, kv_rows=rows, route_self_ok=log.self_ok,
                        route_exact=verdicts.count("exact"), route_ties=verdicts.count("tie"),
                        route_mismatches=verdicts.count("mismatch"), route_tie_steps=len(tie_steps),
-                       route_tags_ok=tags_ok)
+                       route_tags_ok=log.tags_ok)
