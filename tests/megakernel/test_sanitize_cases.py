@@ -10,18 +10,23 @@ from mimw.megakernel.tools.sanitize import cases
 
 def test_cases_cover_both_pairs_the_shared_memory_merge_the_tickets_a_decode_batch_and_a_verify_block():
     todo = cases()
-    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 10
+    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 11
     shapes = {}
     for name, (spec, context, num_sms, tuning, lens) in todo.items():
         # every case is a valid kernel: M one-token segments (a verify block's tokens each one: launch/one_token.py)
         p = plan(spec, num_sms, StepShape((1,) * sum(lens), context), 16, tuning)
         shapes[name] = (p.program.attn_pairs, p.program.down_pairs, p.constants.SMEM_MERGE)
+        if name == "kv_pipeline":  # one split a sequence over five K/V blocks, the two stages in the staging buffer
+            c = p.constants
+            assert p.program.max_splits == 1 and -(-context // c.BT) >= 5
+            assert c.M == 8 and c.KT_ROWS * c.TK * c.MB >= 4 * c.BT * c.HD
     assert todo["decode_batch"][4] == (1, 1, 1) and shapes["decode_batch"][:2] == (False, False)
     assert todo["verify_block"][4] == (3, 1) and shapes["verify_block"][:2] == (False, False)
     assert shapes["cluster_down"] == (True, True, False)  # SmolLM2: its staging buffer is too small to merge
     assert shapes["attn_smem_merge"][2] and shapes["cluster_qkv"][:2] == (True, False)
     assert shapes["tickets"][:2] == (False, False) and todo["tickets"][3] == Tuning(clusters=False, qkv_parts=2)
-    assert all(c[4] == (1,) for n, c in todo.items() if n not in ("decode_batch", "verify_block", "moe_batch"))
+    assert all(c[4] == (1,) for n, c in todo.items() if n not in ("decode_batch", "verify_block", "moe_batch",
+                                                                             "kv_pipeline"))
     assert todo["moe"][0].is_moe and todo["moe_a3b"][0].is_moe and shapes["moe_a3b"][2]  # eight heads: the merge
 
 

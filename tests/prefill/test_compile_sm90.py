@@ -41,12 +41,32 @@ def test_paged_attention_compiles_to_pipelined_wgmma(preset, scaled):
             "SEQ_START": "*i32", "SEQ_CTX": "*i32", "WORK": "*i32", "stride_qt": "i32", "stride_qh": "i32",
             "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "qk_scale": "fp32"}
     ce = {"GROUP": spec.group_size, "HKV": spec.num_kv_heads, "HD": spec.head_dim, "PS": 16,
-          "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "SCALED": scaled}
+          "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "SCALED": scaled, "HP": 1}
     k = compile_sm90(paged_attention._paged_prefill_kernel, args, ce, tiles.num_warps, tiles.num_stages)
     ptx = k.asm["ptx"]
     assert count(ptx, r"wgmma\.mma_async") > 0
     assert count(ptx, r"cp\.async\.c[ag]") > 0  # the gathers run ahead of the dots
     assert count(ptx, r"(ld|st)\.local") == 0
+    assert k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("preset,max_len", [("llama-3.2-1b", 1), ("llama-3.1-8b", 1), ("llama-3.1-8b", 16),
+                                            ("qwen3-8b", 4)])
+def test_paged_attention_compiles_grouped_for_short_pieces(preset, max_len):
+    """Decode tokens and verify blocks: a KV head's query heads in one program (``query_rows``), no spills."""
+    spec = get_preset(preset)
+    tiles = paged_attention.AttentionTiles.for_head_dim(spec.head_dim)
+    hp, block_m = paged_attention.query_rows(spec.group_size, max_len, tiles.block_m)
+    assert hp > 1
+    args = {"Q": "*bf16", "O": "*bf16", "K": "*bf16", "V": "*bf16", "KS": "*bf16", "VS": "*bf16", "BT": "*i32",
+            "Q_START": "*i32", "SEQ_START": "*i32", "SEQ_CTX": "*i32", "WORK": "*i32", "stride_qt": "i32",
+            "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "qk_scale": "fp32"}
+    ce = {"GROUP": spec.group_size, "HKV": spec.num_kv_heads, "HD": spec.head_dim, "PS": 16, "BLOCK_M": block_m,
+          "BLOCK_N": tiles.block_n, "SCALED": False, "HP": hp}
+    k = compile_sm90(paged_attention._paged_prefill_kernel, args, ce, 4, tiles.num_stages)
+    ptx = k.asm["ptx"]
+    assert count(ptx, r"(ld|st)\.local") == 0
+    assert count(ptx, r"mma") > 0  # the dots on the tensor cores
     assert k.metadata.shared <= 227 * 1024
 
 

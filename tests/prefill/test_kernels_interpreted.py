@@ -110,3 +110,46 @@ def test_paged_attention_dequantises_an_fp8_cache():
                                                   ks, vs)
     want = torch_attention(q.float(), k8.float() * ks[..., None, None], v8.float() * vs[..., None, None], batch)
     close(got, want, 3e-2)
+
+
+def _short_pieces(page_size: int, num_pages: int, lengths, seed: int):
+    """Sequences of contexts 37, 18, 5, ... advanced by ``lengths`` tokens (decode tokens, verify blocks), shuffled
+    pages."""
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    pieces, i = [], 0
+    for j, n in enumerate(lengths):
+        start = (37, 18, 5, 60)[j % 4]
+        need = -(-(start + n) // page_size)
+        pieces.append(Piece(tuple(perm[i:i + need]), start, n, n))
+        i += need
+    return pieces
+
+
+@pytest.mark.parametrize("hq,hkv,lengths", [
+    (8, 2, (1, 1, 1, 1)),     # decode tokens: 4 heads x 4 padded tokens = 16 rows a KV head
+    (8, 2, (3, 4, 1)),        # verify blocks of up to 4
+    (6, 2, (2, 1, 2)),        # a group of 3 heads padded to 4
+    (4, 1, (16, 5)),          # 4 heads x 16 tokens = 64 rows
+])
+def test_paged_attention_groups_a_kv_heads_queries_for_short_pieces(hq, hkv, lengths):
+    hd, ps = 16, 8
+    group = hq // hkv
+    hp, block_m = paged_attention.query_rows(group, max(lengths), 128)
+    assert hp > 1 and hp >= group and block_m <= 128  # the grouped mode runs here
+    pages = sum(-(-(60 + n) // ps) for n in lengths) + 4
+    batch = PrefillBatch.build(_short_pieces(ps, pages, lengths, 7), ps, "cpu")
+    g = torch.Generator().manual_seed(8)
+    k = torch.randn(pages, hkv, ps, hd, generator=g).bfloat16()
+    v = torch.randn(pages, hkv, ps, hd, generator=g).bfloat16()
+    q = torch.randn(batch.num_tokens, hq, hd, generator=g).bfloat16()
+    got = paged_attention.paged_prefill_attention(q, k, v, batch, paged_attention.AttentionTiles(128, 16, 4, 1))
+    want = torch_attention(q.float(), k.float(), v.float(), batch)
+    close(got, want, 3e-2)
+
+
+def test_query_rows_groups_only_what_a_block_fits():
+    assert paged_attention.query_rows(4, 1, 128) == (4, 16)
+    assert paged_attention.query_rows(4, 16, 128) == (4, 64)
+    assert paged_attention.query_rows(3, 5, 128) == (4, 32)
+    assert paged_attention.query_rows(4, 64, 128) == (1, 128)  # a prefill chunk: one head a program
+    assert paged_attention.query_rows(1, 1, 128) == (1, 128)   # no GQA: nothing to group

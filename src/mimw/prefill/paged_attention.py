@@ -7,6 +7,10 @@ parts: keys [0, start+m0) that every row sees (tiles with no mask at all), then 
 min(ctx, start+m0+block_m) with the causal mask. Grid axis 0 is the query head: the programs launched together are
 one query block's heads, so a KV head's tiles are read from HBM once and served to its GQA group from L2. The work
 list (``PrefillBatch.work``) puts the blocks with the most keys first, so the longest programs never form the tail.
+A pass of short pieces (decode tokens, verify blocks: ``query_rows``) would leave most of such a block's rows empty
+and run one program per query head over the whole context; there a program takes a KV head's whole GQA group
+instead (rows = the group's heads x the pieces' tokens), so the tile's rows are real queries and the group's K/V
+tiles are loaded once.
 
 A key tile of ``block_n`` positions spans block_n / page_size pages: each key's page comes from the block table, its
 row is position % page_size, and (page, head) is a contiguous [page_size, hd] tile of the [P, Hkv, PS, hd] layer,
@@ -96,22 +100,36 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, n0, ctx, K, V, KS, VS, bt, kvh, d, qk_
 def _paged_prefill_kernel(Q, O, K, V, KS, VS, BT, Q_START, SEQ_START, SEQ_CTX, WORK,
                           stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, qk_scale,
                           GROUP: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, PS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
-    h = tl.program_id(0)
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr,
+                          HP: tl.constexpr):
+    """HP = 1: a program is one query head's BLOCK_M rows. HP > 1 (a power of two >= GROUP): a program is one KV
+    head's GROUP query heads x BLOCK_M / HP rows (row r: head r // (BLOCK_M / HP) of the group, token
+    r % (BLOCK_M / HP); heads past GROUP masked), so short pieces fill the tile and K/V are read once a group."""
+    BLOCK_T: tl.constexpr = BLOCK_M // HP
+    hx = tl.program_id(0)
     w = tl.program_id(1)
     seg = tl.load(WORK + 2 * w)
     m0 = tl.load(WORK + 2 * w + 1)
     row0 = tl.load(Q_START + seg)
     start = tl.load(SEQ_START + seg)
     ctx = tl.load(SEQ_CTX + seg)
-    kvh = h // GROUP
     bt = BT + seg.to(tl.int64) * stride_bt
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    valid = offs_m < ctx - start
+    r = tl.arange(0, BLOCK_M)
+    offs_m = m0 + r % BLOCK_T
+    if HP == 1:
+        kvh = hx // GROUP
+        heads = hx + r * 0
+        valid = offs_m < ctx - start
+    else:
+        kvh = hx
+        g = r // BLOCK_T
+        heads = hx * GROUP + g
+        valid = (offs_m < ctx - start) & (g < GROUP)
     rows = (row0 + offs_m).to(tl.int64)
     d = tl.arange(0, HD)
-    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=valid[:, None], other=0.0)
+    q = tl.load(Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=valid[:, None],
+                other=0.0)
     q_pos = start + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -121,12 +139,12 @@ def _paged_prefill_kernel(Q, O, K, V, KS, VS, BT, Q_START, SEQ_START, SEQ_CTX, W
     for n0 in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, n0, ctx, K, V, KS, VS, bt, kvh, d, qk_scale,
                                      HKV, PS, HD, BLOCK_N, False, SCALED)
-    hi = tl.minimum(ctx, start + m0 + BLOCK_M)
+    hi = tl.minimum(ctx, start + m0 + BLOCK_T)
     for n0 in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, n0, ctx, K, V, KS, VS, bt, kvh, d, qk_scale,
                                      HKV, PS, HD, BLOCK_N, True, SCALED)
     o = acc / l_i[:, None]
-    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(O.dtype.element_ty),
+    tl.store(O + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(O.dtype.element_ty),
              mask=valid[:, None])
 
 
@@ -148,16 +166,33 @@ def paged_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: tor
     if not scaled and k_layer.dtype != q.dtype:
         raise ValueError(f"an unscaled cache must hold q's dtype ({q.dtype}), not {k_layer.dtype}")
     o = torch.empty_like(q)
-    work = batch.work(tiles.block_m)
+    hp, block_m = query_rows(hq // hkv, max(p.length for p in batch.pieces), tiles.block_m)
+    work = batch.work(block_m // hp)
     ks = k_scale if scaled else k_layer  # unread without SCALED
     vs = v_scale if scaled else v_layer
-    _paged_prefill_kernel[(hq, work.shape[0])](
+    _paged_prefill_kernel[(hkv if hp > 1 else hq, work.shape[0])](
         q, o, k_layer, v_layer, ks, vs, batch.block_tables, batch.q_start, batch.seq_start, batch.seq_ctx, work,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), batch.block_tables.stride(0),
         math.log2(math.e) / math.sqrt(hd),
-        GROUP=hq // hkv, HKV=hkv, HD=hd, PS=ps, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, SCALED=scaled,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        GROUP=hq // hkv, HKV=hkv, HD=hd, PS=ps, BLOCK_M=block_m, BLOCK_N=tiles.block_n, SCALED=scaled, HP=hp,
+        num_warps=tiles.num_warps if block_m == tiles.block_m else 4, num_stages=tiles.num_stages)
     return o
+
+
+MIN_ROWS = 16  # the smallest M of a tensor-core dot
+
+
+def query_rows(group: int, max_len: int, block_m: int) -> tuple[int, int]:
+    """(HP, BLOCK_M) for a pass whose longest piece has ``max_len`` query tokens: pieces that fill a query block
+    keep one head a program (HP = 1, ``block_m`` rows); shorter ones (decode tokens, verify blocks) put a KV head's
+    GQA group in one program (HP = the group rounded up to a power of two; rows = HP x the pieces' tokens rounded up
+    to a power of two, at least MIN_ROWS), so the tile's rows are real queries and each K/V tile is read once for the
+    group instead of once per query head."""
+    hp = 1 << (group - 1).bit_length()
+    t = 1 << (max_len - 1).bit_length()
+    if group == 1 or hp * t > block_m:
+        return 1, block_m
+    return hp, max(MIN_ROWS, hp * t)
 
 
 class PagedAttention:

@@ -22,7 +22,9 @@ qkv_part scratch (a ticket: the last part finishes the head from the parts in gl
 into both CTAs' exchange slots (device/cluster.py): part 0 waits for part 1's sums and finishes the head, reading
 the step-independent finish inputs (inverse frequencies, q/k norm weights, bias) before the exchange's wait. A K/V
 row is stored in the cache's format (``store_row``): bf16, or (an fp8 cache) quantised in registers to e4m3 with
-its bf16 scale, bit for bit as the host's ``PagedKVCache.store``.
+its bf16 scale, bit for bit as the host's ``PagedKVCache.store``. A multi-token step's finisher does every token at
+once (``_finish_mt``: [tokens, half head] tiles, one round of loads for all the tokens' positions, pages and part
+sums; ``store_rows`` quantises each token's row on its own).
 """
 from __future__ import annotations
 
@@ -184,15 +186,79 @@ def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, xn, restage, sig, layer, hea
         acc, it = mt.dot_tile(sm, it, ins.field(W_K0), ins.field(W_K1), 0, C)
         gl.store(out + t * (C.NQKV * HD) + rows, acc, mask=(t < C.M) & (rows >= 0))
     if ticket_is_last(s.cnt, ins.field(W_D), n_parts, s.epoch):  # the last part finishes the head, every token
-        pre = _finish_inputs(layer, head, b, C)
-        for tok in range(C.M):
-            pos = gl.load(s.poss + tok)
-            page = gl.load(s.bt + tok * s.maxp + pos // C.PS)
-            _finish(layer, head, n_parts, pos, page, b.qkvp + (tok * C.NQKV + head) * HD, C.M * C.NQKV * HD,
-                    b.q + tok * (C.HQ * HD), b, C, xn, pre)
+        _finish_mt(layer, head, n_parts, s, b, C)
     else:
         sig = -1
     return it, xn, sig
+
+
+@gluon.jit
+def _finish_mt(layer, head, n_parts, s, b, C: gl.constexpr):
+    """The head's finisher for every token of a multi-token step, as ``_finish`` does for one, a group of TG tokens
+    at a time: the tokens' halves a = y[:, :HD/2] and b = y[:, HD/2:] as [TG, HD/2] tiles (tokens over the warps,
+    the half head over the lanes), so a group's positions, block-table pages and part sums are each one round of
+    loads, not one round trip after another per token (TG = 8 rows keeps the 8B's tiles within the registers)."""
+    TG: gl.constexpr = min(C.MB, 8)
+    for t0 in range(0, C.M, TG):
+        _finish_group(layer, head, n_parts, t0, s, b, TG, C)
+
+
+@gluon.jit
+def _finish_group(layer, head, n_parts, t0, s, b, TG: gl.constexpr, C: gl.constexpr):
+    """``_finish_mt`` for tokens t0 .. t0 + TG - 1 (those below M)."""
+    HD: gl.constexpr = C.HD
+    HH: gl.constexpr = HD // 2
+    L2: gl.constexpr = gl.BlockedLayout([1, max(1, HH // 32)], [1, 32], [C.NW, 1], [1, 0])
+    t = t0 + gl.expand_dims(gl.arange(0, TG, gl.SliceLayout(1, L2)), 1)  # [TG, 1] token
+    j = gl.expand_dims(gl.arange(0, HH, gl.SliceLayout(0, L2)), 0)  # [1, HH] element of a half head
+    ok = (t < C.M) & (j >= 0)  # [TG, HH]
+    tok = t < C.M
+    pos = gl.load(s.poss + t, mask=tok, other=0)  # [TG, 1]
+    inv_f = gl.load(b.invf + j)  # step-independent loads in the same round as the positions
+    # a k or v head's cache pages, requested now: in flight with the parts' sums below
+    page = gl.load(s.bt + t * s.maxp + pos // C.PS, mask=tok & (head >= C.HQ), other=0)
+    src = b.qkvp + (t * C.NQKV + head) * HD
+    PSTRIDE: gl.constexpr = C.M * C.NQKV * HD
+    a = gl.load(src + j, mask=ok, other=0.0, cache_modifier=".cg")
+    bh = gl.load(src + HH + j, mask=ok, other=0.0, cache_modifier=".cg")
+    for p in range(1, n_parts):  # one round of loads a part, all the tokens in it (unrolled as _finish does, the
+        # parts. [TG, HD/2] tiles would spill the 8B's registers)
+        a += gl.load(src + p * PSTRIDE + j, mask=ok, other=0.0, cache_modifier=".cg")
+        bh += gl.load(src + p * PSTRIDE + HH + j, mask=ok, other=0.0, cache_modifier=".cg")
+    if C.HAS_BIAS:
+        bb = b.bias + (layer * C.NQKV + head) * HD
+        a += gl.load(bb + j).to(gl.float32)
+        bh += gl.load(bb + HH + j).to(gl.float32)
+    if head < C.HQ + C.HKV:  # q and k heads: optional per-head RMSNorm, then RoPE at each token's position
+        if C.QK_NORM:
+            if head < C.HQ:
+                nw = b.qn + layer * HD
+            else:
+                nw = b.kn + layer * HD
+            rs = gl.expand_dims(gl.rsqrt((gl.sum(a * a, axis=1) + gl.sum(bh * bh, axis=1)) / HD + b.eps), 1)
+            a = (a * rs).to(gl.bfloat16).to(gl.float32) * gl.load(nw + j).to(gl.float32)
+            bh = (bh * rs).to(gl.bfloat16).to(gl.float32) * gl.load(nw + HH + j).to(gl.float32)
+        ang = pos.to(gl.float32) * inv_f
+        c = gl.cos(ang)
+        sn = gl.sin(ang)
+        a2 = a * c - bh * sn
+        bh = bh * c + a * sn
+        a = a2
+    if head < C.HQ:
+        qb = b.q + t * (C.HQ * HD) + head * HD
+        gl.store(qb + j, a, mask=ok)
+        gl.store(qb + HH + j, bh, mask=ok)
+    else:
+        kvh = (head - C.HQ) % C.HKV
+        row = ((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS  # [TG, 1]
+        if head < C.HQ + C.HKV:
+            cache = b.kc
+            scales = b.ksc
+        else:
+            cache = b.vc
+            scales = b.vsc
+        # the element offset in int64: a pool passes 2^31 elements at long contexts (the 8B's 32 layers at 128k)
+        store_rows(cache + row.to(gl.int64) * HD, scales + row, a, bh, j, ok, C)
 
 
 @gluon.jit
@@ -325,3 +391,24 @@ def store_row(dst, scale_dst, a, bh, i, C: gl.constexpr):
     else:
         gl.store(dst + i, a.to(gl.bfloat16))
         gl.store(dst + HD // 2 + i, bh.to(gl.bfloat16))
+
+
+@gluon.jit
+def store_rows(dst, scale_dst, a, bh, j, ok, C: gl.constexpr):
+    """``store_row`` for a group of a multi-token step's tokens: halves a, bh [TG, HD/2] (a token a row, ``j``
+    [1, HD/2] the element index), each token's row at ``dst`` [TG, 1] and (C.FP8) its scale at ``scale_dst``
+    [TG, 1], the tokens where ``ok`` [TG, HD/2] holds; an fp8 row's scale from its own amax, the same bytes as
+    ``store_row`` and the host's ``PagedKVCache.store``."""
+    HH: gl.constexpr = C.HD // 2
+    if C.FP8:
+        amax = gl.maximum(gl.max(gl.abs(a), axis=1), gl.max(gl.abs(bh), axis=1))  # [TG]
+        sc = gl.where(amax > 0.0, gl.maximum(gl.div_rn(amax, E4M3_MAX), MIN_SCALE), 1.0)
+        sc = gl.expand_dims(sc.to(gl.bfloat16).to(gl.float32), 1) + a * 0.0  # [TG, HD/2], each row its scale
+        qa = gl.minimum(gl.maximum(gl.div_rn(a, sc), -E4M3_MAX), E4M3_MAX)
+        qb = gl.minimum(gl.maximum(gl.div_rn(bh, sc), -E4M3_MAX), E4M3_MAX)
+        gl.store(dst + j, qa.to(gl.float8e4nv), mask=ok)
+        gl.store(dst + HH + j, qb.to(gl.float8e4nv), mask=ok)
+        gl.store(scale_dst + j * 0, sc.to(gl.bfloat16), mask=ok & (j == 0))  # one lane a token
+    else:
+        gl.store(dst + j, a.to(gl.bfloat16), mask=ok)
+        gl.store(dst + HH + j, bh.to(gl.bfloat16), mask=ok)

@@ -25,7 +25,8 @@ them (``_merge_smem``), else through Triton's reductions over the warp axis. The
 BEFORE the instruction's dependency wait (``prefetch``): it does not depend on this step; only the newest row
 (position ``pos``, written by ATTN_IN) does, and the split holding it (the last) reads it after the wait, with q, and
 adds it to warp 0's state as a block one position wide. Later blocks cost one round trip each (K and V requested
-together). Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax
+together); in a multi-token step, whose few splits a segment walk many blocks each, they come through two cp.async
+stages in the staging buffer instead, two blocks ahead of the math. Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax
 uses exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). K/V rows are read
 with 16-byte vector loads through L2 (.cg): the newest row was written by another CTA in this step. The last split
 to draw the ticket combines every split's partial in one round of independent loads.
@@ -48,6 +49,7 @@ from typing import ClassVar
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ...models.spec import ModelSpec
 from ..device import layouts
@@ -213,6 +215,20 @@ def _deq(x, scale, C: gl.constexpr):
 
 
 @gluon.jit
+def _copy_block(kvbuf, stage, kc_ptr, vc_ptr, row, m, d3, HD: gl.constexpr):
+    """A multi-token step's later blocks: cp.async of one block's K and V rows ``row`` [NW, BTW] (mask ``m``;
+    masked elements zero-filled) into stage ``stage`` of ``kvbuf`` ([4, NW, BTW, HD]: K at 2 stage, V at 2 stage +
+    1), one commit group. Each thread copies, and later reads back in the same layout, only its own elements: no
+    barrier."""
+    addr = gl.expand_dims(row, 2).to(gl.int64) * HD + d3
+    m3 = gl.expand_dims(m, 2)
+    async_copy.async_copy_global_to_shared(kvbuf.index(2 * stage), kc_ptr + addr, mask=m3, cache_modifier=".cg")
+    async_copy.async_copy_global_to_shared(kvbuf.index(2 * stage + 1), vc_ptr + addr, mask=m3,
+                                           cache_modifier=".cg")
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _positions(BT: gl.constexpr, NW: gl.constexpr, L2: gl.constexpr):
     """[NW, BTW] offsets w * BTW + j of a block's positions: warp w owns BTW consecutive positions."""
     BTW: gl.constexpr = BT // NW
@@ -322,13 +338,43 @@ def _partial(layer, kvh, seg, split, n_splits, first, k, v, ks, vs, s, b, sm, q_
             if C.FP8:
                 ks = gl.where(late, ks2, ks)
                 vs = gl.where(late, vs2, vs)
-    # block 0 (prefetched), then the rest of the split's past: one round trip per block
+    # a multi-token step's split walks many blocks (few splits a segment: program.attention_splits): over a bf16
+    # cache its later blocks come through two cp.async stages in the staging buffer where it holds them (free during
+    # attention; the warps' merge below reuses it after the last copy has landed): blocks 1 and 2 requested before
+    # block 0's math, block b + 2 once block b is read, the block-table gather one block further ahead. An fp8
+    # cache's blocks (e4m3 rows and their scales) load one round trip a block.
+    KVP: gl.constexpr = C.M > 1 and (not C.FP8) and C.KT_ROWS * C.TK * C.MB >= 4 * BT * HD
+    if KVP:
+        KVB: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        kvbuf = sm.hbuf._reinterpret(gl.bfloat16, [4, NW, BT // NW, HD], KVB)
+        t1 = lo + BT + tk
+        _copy_block(kvbuf, 1, b.kc, b.vc, _rows(s.bt, seg, s.maxp, t1, hp, layer, b.num_pages, kvh, C), t1 < hp,
+                    d3, HD)
+        t2 = lo + 2 * BT + tk
+        _copy_block(kvbuf, 0, b.kc, b.vc, _rows(s.bt, seg, s.maxp, t2, hp, layer, b.num_pages, kvh, C), t2 < hp,
+                    d3, HD)
+        rnext = _rows(s.bt, seg, s.maxp, lo + 3 * BT + tk, hp, layer, b.num_pages, kvh, C)
+    # block 0 (prefetched), then the rest of the split's past: one round trip per block, or (KVP) pipelined
     m_i, l_i, o = _block(q4, _deq(k, ks, C), _deq(v, vs, C), lo + ts < hp, m_i, l_i, o, Q3)
     for t0 in range(lo + BT, hp, BT):
         t = t0 + tk
-        row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
-        k, v, ks, vs = _kv(b, row, t < hp, d3, C)
+        if KVP:
+            st = ((t0 - lo) // BT) % 2
+            async_copy.wait_group(1)  # this block's group has landed (the next one may still fly)
+            k = kvbuf.index(2 * st).load(KV3)
+            v = kvbuf.index(2 * st + 1).load(KV3)
+            t2 = t + 2 * BT
+            _copy_block(kvbuf, st, b.kc, b.vc, rnext, t2 < hp, d3, HD)
+            rnext = _rows(s.bt, seg, s.maxp, t + 3 * BT, hp, layer, b.num_pages, kvh, C)
+        else:
+            row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
+            k, v, ks, vs = _kv(b, row, t < hp, d3, C)
         m_i, l_i, o = _block(q4, _deq(k, ks, C), _deq(v, vs, C), t0 + ts < hp, m_i, l_i, o, Q3)
+    if KVP:
+        # the last copies (past the split: fully masked, but they zero-fill) land before any warp writes its state
+        # for the merge into the same buffer: each thread's own, then every thread's
+        async_copy.wait_group(0)
+        gl.thread_barrier()
     if C.SMEM_MERGE:
         mbuf = sm.hbuf
         if C.M > 1:  # the tokens' chunk buffer (device/matvec_mt.py), read as the one-token [KT_ROWS, TK] rows

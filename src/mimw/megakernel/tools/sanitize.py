@@ -5,7 +5,8 @@ Named cases (``cases``), two decode steps each, no CUDA graph: the default kerne
 (DOWN_PROJ's cluster pairs beside ATTN_IN's), a 2-layer Llama-1B shape on 72 SMs (its staging buffer holds the
 attention warps' states: the shared-memory merge), ATTN_IN's pairs alone on 8 SMs, the tickets (no clusters) with
 two column parts a head, a tiny Qwen3 (16-row tiles, one part a head, q/k norms), a decode batch of three
-sequences on the 2-layer SmolLM2 (swap-AB wgmma, device/matvec_mt.py), a verify block, and the MoE layers: the tiny
+sequences on the 2-layer SmolLM2 (swap-AB wgmma, device/matvec_mt.py), a verify block, a decode batch of eight
+1B-shaped sequences whose one split each walks five K/V blocks through the cp.async stages, and the MoE layers: the tiny
 Qwen3-MoE and two 30B-A3B-shaped layers with 32 experts (router tickets, the loader's wait on the routing table,
 the experts' tickets), one token and a decode batch of three. Exits non-zero if logits (or an MoE step's routing)
 are wrong.
@@ -78,6 +79,9 @@ def cases() -> dict[str, tuple]:
         "tiny_qwen3": (tiny, 40, 8, Tuning(), (1,)),
         "decode_batch": (small, 40, 8, Tuning(), (1, 1, 1)),  # three sequences a launch: the multi-token code
         "verify_block": (small, 40, 8, Tuning(), (3, 1)),  # a verify block of three beside a decode token
+        # eight sequences of 1B-shaped layers at context 300 on 16 SMs: one split a sequence walks five K/V blocks
+        # through the cp.async stages in the staging buffer, then the warps' merge reuses it
+        "kv_pipeline": (one_b, 300, 16, Tuning(), (1,) * 8),
         "moe": (moe, 40, 8, Tuning(), (1,)),  # ROUTER, EXPERT_IN, EXPERT_DOWN; the loader's routing poll
         "moe_a3b": (a3b, 40, 16, Tuning(), (1,)),  # the 30B-A3B's layer (eight heads a KV group), 32 experts
         "moe_batch": (a3b, 40, 16, Tuning(), (1, 1, 1)),  # three tokens: 24 slots, the union of their experts
