@@ -68,3 +68,31 @@ def test_a_batch_result_over_fp8_rows_needs_kv_fp8_rows_within_an_e4m3_step():
     # a bf16 cache's rows (no kv_rows): within 1e-2 or twice the bf16 reference's own rows' error
     bf16 = dict(fields, bf16_kv_rel_err=4e-3)
     assert BatchResult(kv_rel_err=9e-3, **bf16).ok() and not BatchResult(kv_rel_err=0.07, **bf16).ok()
+
+
+def test_a_bf16_rows_error_counts_only_its_positions_and_the_fp32_oracle_takes_the_kernels_rows():
+    """The bf16 path of the step-by-step row check: ``row_error`` is relative to the oracle cache's max|value| and
+    sees only the positions asked for; ``copy_rows`` widens the kernel's bf16 rows into the oracle's fp32 cache; a
+    check result judges a bf16 cache's rows against twice the bf16 reference's own error, or 1e-2."""
+    from mimw.megakernel.tools.check import CheckResult, row_error, row_scales
+
+    spec = get_preset("tiny-qwen3")
+    cache, table = random_cache(spec, 40, 8, 16, 0, device="cpu")
+    w = random_weights(spec, 0, dtype=torch.bfloat16)
+    _, ref_cache, _, bf16_cache = oracles(w, cache)
+    scales = row_scales(ref_cache)
+    assert ref_cache.k.dtype == torch.float32 and row_error(cache, ref_cache, table, range(48), scales) == 0
+    page, row = table[41 // 16], 41 % 16
+    cache.v[1, page, 0, row, 3] += scales[1] / 8
+    assert row_error(cache, ref_cache, table, [40, 42], scales) == 0
+    assert abs(row_error(cache, ref_cache, table, [41], scales) - 1 / 8) < 1e-2
+    copy_rows(ref_cache, cache, table, [41])
+    copy_rows(bf16_cache, cache, table, [41])
+    assert row_error(cache, ref_cache, table, range(48), scales) == 0
+    assert torch.equal(bf16_cache.v, cache.v) and torch.equal(ref_cache.v, cache.v.float())
+    fields = dict(model="m", context=40, steps=8, max_rel_err=1e-3, argmax_agree=1.0, argmax_agree_or_tie=1.0,
+                  bit_identical=True, finite=True)
+    assert CheckResult(kv_rel_err=8e-3, bf16_kv_rel_err=1e-3, **fields).ok()
+    assert CheckResult(kv_rel_err=1.5e-2, bf16_kv_rel_err=1e-2, **fields).ok()
+    assert not CheckResult(kv_rel_err=3e-2, bf16_kv_rel_err=1e-2, **fields).ok()
+    assert not CheckResult(**fields).ok()  # rows never measured: nan fails
