@@ -238,27 +238,14 @@ def _finish_group(layer, head, n_parts, t0, s, b, TG: gl.constexpr, C: gl.conste
             rs = gl.expand_dims(gl.rsqrt((gl.sum(a * a, axis=1) + gl.sum(bh * bh, axis=1)) / HD + b.eps), 1)
             a = (a * rs).to(gl.bfloat16).to(gl.float32) * gl.load(nw + j).to(gl.float32)
             bh = (bh * rs).to(gl.bfloat16).to(gl.float32) * gl.load(nw + HH + j).to(gl.float32)
-        ang = pos.to(gl.float32) * inv_f
-        c = gl.cos(ang)
-        sn = gl.sin(ang)
-        a2 = a * c - bh * sn
-        bh = bh * c + a * sn
-        a = a2
+        a, bh = _rope(a, bh, pos, inv_f)
     if head < C.HQ:
         qb = b.q + t * (C.HQ * HD) + head * HD
         gl.store(qb + j, a, mask=ok)
         gl.store(qb + HH + j, bh, mask=ok)
     else:
-        kvh = (head - C.HQ) % C.HKV
-        row = ((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS  # [TG, 1]
-        if head < C.HQ + C.HKV:
-            cache = b.kc
-            scales = b.ksc
-        else:
-            cache = b.vc
-            scales = b.vsc
-        # the element offset in int64: a pool passes 2^31 elements at long contexts (the 8B's 32 layers at 128k)
-        store_rows(cache + row.to(gl.int64) * HD, scales + row, a, bh, j, ok, C)
+        dst, scale_dst = _kv_row(layer, head, page, pos, b, C)  # [TG, 1] each
+        store_rows(dst, scale_dst, a, bh, j, ok, C)
 
 
 @gluon.jit
@@ -344,27 +331,40 @@ def _finish(layer, head, n_parts, pos, page, src, PSTRIDE: gl.constexpr, q_ptr, 
                           + b.eps)
             a = (a * rs).to(gl.bfloat16).to(gl.float32) * nw_a
             bh = (bh * rs).to(gl.bfloat16).to(gl.float32) * nw_b
-        ang = pos.to(gl.float32) * inv_f
-        c = gl.cos(ang)
-        sn = gl.sin(ang)
-        a2 = a * c - bh * sn
-        bh = bh * c + a * sn
-        a = a2
+        a, bh = _rope(a, bh, pos, inv_f)
     if head < C.HQ:
         qb = q_ptr + head * HD
         gl.store(qb + i, a)
         gl.store(qb + HD // 2 + i, bh)
     else:
-        kvh = (head - C.HQ) % C.HKV
-        row = ((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS
-        if head < C.HQ + C.HKV:
-            cache = b.kc
-            scales = b.ksc
-        else:
-            cache = b.vc
-            scales = b.vsc
-        # the element offset in int64: a pool passes 2^31 elements at long contexts (the 8B's 32 layers at 128k)
-        store_row(cache + row.to(gl.int64) * HD, scales + row, a, bh, i, C)
+        dst, scale_dst = _kv_row(layer, head, page, pos, b, C)
+        store_row(dst, scale_dst, a, bh, i, C)
+
+
+@gluon.jit
+def _rope(a, bh, pos, inv_f):
+    """RoPE at position(s) ``pos`` of the halves a = y[:HD/2], bh = y[HD/2:] (HF's rotate-half pairing: element i
+    with i + HD/2; ``inv_f`` the inverse frequencies in the halves' layout), in fp32."""
+    ang = pos.to(gl.float32) * inv_f
+    c = gl.cos(ang)
+    sn = gl.sin(ang)
+    return a * c - bh * sn, bh * c + a * sn
+
+
+@gluon.jit
+def _kv_row(layer, head, page, pos, b, C: gl.constexpr):
+    """(the row's first element, its scale) in the cache for k or v head ``head`` at position(s) ``pos`` on cache
+    page(s) ``page``: the K pool for k heads, the V pool for v heads. The element offset is int64: a pool passes
+    2^31 elements at long contexts (the 8B's 32 layers at 128k)."""
+    kvh = (head - C.HQ) % C.HKV
+    row = ((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS
+    if head < C.HQ + C.HKV:
+        cache = b.kc
+        scales = b.ksc
+    else:
+        cache = b.vc
+        scales = b.vsc
+    return cache + row.to(gl.int64) * C.HD, scales + row
 
 
 E4M3_MAX: gl.constexpr = gl.constexpr(fp8.E4M3_MAX)
