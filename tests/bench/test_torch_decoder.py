@@ -8,7 +8,7 @@ from mimw.bench.peers.torch_decoder import FusedDecoder
 from mimw.models.spec import get_preset
 from mimw.models.weights import random_weights
 
-TINY = ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3"]
+TINY = ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -62,9 +62,11 @@ def test_load_prefix_rejects_short_cache():
         FusedDecoder(bw, cache_len=8).load_prefix(decode_inputs(spec, 8, dtype=torch.float32, device="cpu"))
 
 
-def test_fused_decoder_traces_as_one_graph():
-    """fullgraph=True as the compile peers use it (aot_eager: tracing + functionalization, no code generation)."""
-    spec = get_preset("tiny-llama")
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe"])
+def test_fused_decoder_traces_as_one_graph(name):
+    """fullgraph=True as the compile peers use it (aot_eager: tracing + functionalization, no code generation); an
+    MoE layer's routing stays on the device (no graph break, no host sync)."""
+    spec = get_preset(name)
     bw = random_bench_weights(spec, seed=0, dtype=torch.float32, device="cpu")
     inputs = decode_inputs(spec, 9, dtype=torch.float32, device="cpu")
     m = FusedDecoder(bw, cache_len=16)

@@ -26,6 +26,7 @@ class DecodeBenchConfig:
     in_process: bool = False          # run backends in this process (no crash isolation; for debugging and tests)
     megakernel: str = ""              # tuning overrides for mimw-megakernel, "NAME=VALUE,..." (megakernel/plan.py)
     kv_dtype: str = "bf16"            # mimw's KV cache: "bf16" (the run's dtype) or "fp8" (e4m3 + scales, mimw.kv)
+    layers: int = 0                   # 0: each preset whole; N: its first N layers (real layer shapes, fewer layers)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -73,7 +74,21 @@ def check_model(model: str) -> None:
         raise SpecError(f"--model {model!r}: not a preset ({', '.join(sorted(PRESETS))}) nor an existing path")
 
 
-def model_label(model: str) -> str:
-    """A file-name-safe name for a --model value."""
+def model_label(model: str, layers: int = 0) -> str:
+    """A file-name-safe name for a --model value (``layers``: cut to its first N layers, ``preset_spec``)."""
     name = model if model in PRESETS else (Path(model).expanduser().name or "model")
+    if layers:
+        name = f"{name}-first{layers}"
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def preset_spec(model: str, layers: int = 0):
+    """A preset's spec, or (``layers`` > 0) its first ``layers`` layers under the name ``<preset>-first<N>``: every
+    layer at the real shape, the floor and the peers over the same layers (how a model whose weights and the
+    megakernel's tile-major copy exceed one GPU's memory is measured, e.g. the 30B-A3B on an 80 GB H100)."""
+    spec = PRESETS[model]
+    if not layers:
+        return spec
+    if not 1 <= layers <= spec.num_layers:
+        raise SpecError(f"--layers {layers}: {model} has {spec.num_layers} layers")
+    return spec.with_(name=f"{spec.name}-first{layers}", num_layers=layers)

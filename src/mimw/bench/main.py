@@ -17,8 +17,8 @@ import traceback
 from pathlib import Path
 from typing import Sequence
 
-from ..models.spec import SpecError
-from .config import DecodeBenchConfig, check_model, model_label, parse_contexts
+from ..models.spec import PRESETS, SpecError
+from .config import DecodeBenchConfig, check_model, model_label, parse_contexts, preset_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the defaults); recorded with the results")
     p.add_argument("--in-process", action="store_true",
                    help="run backends in this process (no crash/hang isolation; for debugging)")
+    p.add_argument("--layers", type=int, default=0, metavar="N",
+                   help="presets cut to their first N layers (real layer shapes; floor and peers over the same "
+                        "layers): a model too large for the GPU, e.g. --model qwen3-30b-a3b --layers 12 on 80 GB")
     p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
                    help="KV cache element type of mimw's backends (default bf16); with fp8 the floor counts fp8 KV "
                         "bytes and the peers hold the same values in their own bf16 caches")
@@ -85,13 +88,19 @@ def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
         check_model(m)
     if args.iters < 1:
         raise ValueError("--iters must be >= 1")
+    if args.layers:
+        for m in models:
+            if m not in PRESETS:
+                raise ValueError(f"--layers cuts presets (random weights); {m!r} is a checkpoint path")
+            preset_spec(m, args.layers)  # out of range: an error now
     from ..megakernel.plan import Tuning
 
     Tuning.parse(args.megakernel)  # a bad option is an error now, not a failed row later
     return DecodeBenchConfig(models=models, contexts=parse_contexts(args.context),
                              backends=tuple(parse_backends(args.backends)), out_dir=args.out, iters=args.iters,
                              budget_s=args.budget_s, seed=args.seed, backend_timeout_s=args.backend_timeout,
-                             in_process=args.in_process, megakernel=args.megakernel, kv_dtype=args.kv_dtype)
+                             in_process=args.in_process, megakernel=args.megakernel, kv_dtype=args.kv_dtype,
+                             layers=args.layers)
 
 
 def git_commit(root: Path = REPO_ROOT) -> str:
@@ -204,7 +213,7 @@ def run_decode(cfg: DecodeBenchConfig, gpu: str, measure_bandwidth=None, commit:
     stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
     written = []
     for model in cfg.models:
-        base = f"{stamp}-{slug(gpu)}-{model_label(model)}"  # a model label may hold dots: no with_suffix
+        base = f"{stamp}-{slug(gpu)}-{model_label(model, cfg.layers)}"  # a model label may hold dots: no with_suffix
         base += f"-kv-{cfg.kv_dtype}" if cfg.kv_dtype != "bf16" else ""
         raw: list[dict] = []
         model_meta = {**meta, "model": model}

@@ -29,7 +29,7 @@ import torch
 
 from ..models.spec import PRESETS
 from .check import compare_logits, noise_tolerance, rel_err
-from .config import DecodeBenchConfig
+from .config import DecodeBenchConfig, preset_spec
 from .floor import routed_experts, step_bytes
 from .fused import BenchWeights, fuse, random_bench_weights
 from .inputs import decode_inputs, fp32_reference_logits, reference_logits
@@ -43,7 +43,7 @@ POISONED_EXIT = 3
 def load_weights(model: str, cfg: DecodeBenchConfig) -> BenchWeights:
     """Random weights for a preset (generated on the device), else a checkpoint through mimw.models.checkpoint."""
     if model in PRESETS:
-        return random_bench_weights(PRESETS[model], cfg.seed, cfg.torch_dtype, cfg.device)
+        return random_bench_weights(preset_spec(model, cfg.layers), cfg.seed, cfg.torch_dtype, cfg.device)
     try:
         from ..models.checkpoint import load_model
     except ImportError as e:

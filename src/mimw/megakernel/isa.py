@@ -53,6 +53,7 @@ class Op(IntEnum):
     ROUTER = 7
     EXPERT_IN = 8
     EXPERT_DOWN = 9
+    REDUCE = 10  # tensor parallelism: the ranks' partials summed (or the logits gathered) from this rank's inbox
 
 
 class Word(IntEnum):
@@ -63,9 +64,9 @@ class Word(IntEnum):
     A = 2  # ATTN_IN: head (q heads, then k heads, then v heads); ATTN_PARTIAL: kv head; matvecs: first row
     B = 3  # ATTN_IN: column part; ATTN_PARTIAL: segment; matvecs: number of rows; EXPERT_DOWN: routing slots
     C = 4  # ATTN_IN: number of column parts; ATTN_PARTIAL: split; DOWN_PROJ: column half (cluster pair);
-    #        ROUTER: number of parts; EXPERT_IN, EXPERT_DOWN: routing slot (SLOT_WORD)
+    #        ROUTER: number of parts; EXPERT_IN, EXPERT_DOWN: routing slot (SLOT_WORD); REDUCE: inbox
     D = 5  # ATTN_IN: ticket counter (-1: none); ATTN_PARTIAL: number of splits; DOWN_PROJ: halves (0 or 2);
-    #        ROUTER, EXPERT_DOWN: ticket counter (-1: none)
+    #        ROUTER, EXPERT_DOWN: ticket counter (-1: none); REDUCE: number of ranks
     E = 6  # ATTN_PARTIAL: ticket counter of the combining splits (-1: a lone split); EXPERT_SPAN: expert stride
     WAIT = 7  # counter to wait on, -1 for none
     WAIT_COUNT = 8  # signals that counter receives per step
@@ -95,6 +96,11 @@ HOLD_WAIT = 4
 EXPERT_SPAN = 8
 XS_WORD = Word.E  # an expert span's stride: tiles per expert (ops with an expert span keep Word.E for it)
 SLOT_WORD = Word.C  # an expert span's routing slot: routed[layer, slot]
+# Word.FLAGS, tensor parallelism (docs/megakernel.md, "Tensor parallelism"): the instruction's result is this rank's
+# partial (O_PROJ, DOWN_PROJ: no residual; LM_HEAD: its vocabulary rows), stored into every rank's inbox (peer
+# memory, megakernel/peers.py), and its signal goes to counter ``Word.SIGNAL`` of every rank (a peer counter:
+# program.Counter.peer), the same index in every rank's table, each add a system-scope release
+PEER = 16
 
 # routing table entries (module doc): expert id in the low ROUTE_BITS bits, the step's tag above
 ROUTE_BITS = 16
@@ -161,7 +167,7 @@ class Instruction:
     wait: int = NO_COUNTER
     wait_count: int = 0
     signal: int = NO_COUNTER
-    flags: int = 0  # CLUSTER_PAIR, EXPERT_SPAN (the hold marks are or'ed into the encoded words only)
+    flags: int = 0  # CLUSTER_PAIR, EXPERT_SPAN, PEER (the hold marks are or'ed into the encoded words only)
     tiles: TileSpan = TileSpan()
     ticket: int = NO_COUNTER  # the ticket counter of a result in parts (ops that have one encode it)
 
@@ -223,7 +229,7 @@ def decode(words, table: dict[Op, type[Instruction]]) -> Instruction:
         raise ValueError(f"unknown opcode {w[Word.OP]}") from None
     expert = w[Word.FLAGS] & EXPERT_SPAN
     common = dict(wait=w[Word.WAIT], wait_count=w[Word.WAIT_COUNT], signal=w[Word.SIGNAL],
-                  flags=w[Word.FLAGS] & (CLUSTER_PAIR | EXPERT_SPAN),
+                  flags=w[Word.FLAGS] & (CLUSTER_PAIR | EXPERT_SPAN | PEER),
                   tiles=TileSpan(w[Word.T0], w[Word.NR], w[Word.K0], w[Word.K1], w[Word.KT],
                                  w[XS_WORD] if expert else 0))
     return cls(**{name: w[word] for name, word in cls.FIELDS.items()}, **common)
@@ -234,6 +240,6 @@ def kernel_constants() -> dict[str, int]:
     out = {f"OP_{o.name}": int(o) for o in Op}
     out.update({f"W_{w.name}": int(w) for w in Word})
     out.update(NWORDS=NWORDS, CLUSTER_PAIR=CLUSTER_PAIR, HOLD_ARRIVE=HOLD_ARRIVE, HOLD_WAIT=HOLD_WAIT,
-               EXPERT_SPAN=EXPERT_SPAN, XS_WORD=int(XS_WORD), SLOT_WORD=int(SLOT_WORD), ROUTE_BITS=ROUTE_BITS,
-               NO_EXPERT=NO_EXPERT, ROUTE_TAG_MASK=_TAG_MASK, ROUTE_TAG_SET=_TAG_SET)
+               EXPERT_SPAN=EXPERT_SPAN, PEER=PEER, XS_WORD=int(XS_WORD), SLOT_WORD=int(SLOT_WORD),
+               ROUTE_BITS=ROUTE_BITS, NO_EXPERT=NO_EXPERT, ROUTE_TAG_MASK=_TAG_MASK, ROUTE_TAG_SET=_TAG_SET)
     return out

@@ -5,7 +5,8 @@ tables, context lengths) and launches. Context length is read at run time, so on
 each attention split covers its share of the segment's context, empty splits included.
 
 Queues are filled stage by stage (ATTN_IN, ATTN_PARTIAL, O_PROJ, MLP_IN, DOWN_PROJ per layer, or ROUTER, EXPERT_IN,
-EXPERT_DOWN in place of the MLP stages on an MoE layer, then LM_HEAD), so
+EXPERT_DOWN in place of the MLP stages on an MoE layer, then LM_HEAD; with tensor parallelism a REDUCE stage
+after each of O_PROJ, DOWN_PROJ and LM_HEAD), so
 every instruction appears after all instructions of earlier stages in its own queue. Instructions only wait on
 counters signalled by earlier stages, hence no cycle of waits can form: with every CTA resident (one persistent CTA
 per SM), the program always completes. Within a stage, instructions go to SMs by longest-processing-time-first on a
@@ -21,6 +22,12 @@ routing slots per layer (``moe_slots``: k for one token) and runs every slot's r
 puts the step's distinct experts in the first slots, ascending, and the others idle (isa.NO_EXPERT). A slot's
 EXPERT_DOWN needs only its own slot's EXPERT_IN (one counter per slot), and the slots of a row block join behind a
 ticket whose last drawer adds them to the residual in slot order.
+
+Tensor parallelism (``ProgramConfig.tp`` = (rank, size), size > 1; docs/megakernel.md): the program is built for the
+rank's shard (tensor_parallel.shard_spec), whose O_PROJ, DOWN_PROJ and LM_HEAD row blocks are flagged isa.PEER and
+signal peer counters (``Counter.peer``: one per row block, N signals a step, one from each rank); a REDUCE stage
+of the same row blocks follows each, waiting on those counters; the O_PROJ and DOWN_PROJ reductions signal a local
+counter that the next stage waits on, as the projections themselves do on one GPU. Every rank's words are the same.
 """
 from __future__ import annotations
 
@@ -48,8 +55,11 @@ from .ops.mlp_in import MlpIn
 from .ops.mlp_in import span as mlp_span
 from .ops.o_proj import OProj
 from .ops.o_proj import span as o_span
+from .ops.reduce import Reduce
 from .ops.router import Router
 from .ops.router import span as router_span
+from .peers import DOWN_SUM, LM_GATHER, O_SUM
+from .tensor_parallel import TensorParallel, shard_spec
 from .tiles import WeightTiles, router_rows
 
 
@@ -94,12 +104,14 @@ class ProgramConfig:
     # where a multi-token step's staged activations do not fit in shared memory beside the ring
     max_splits: int = 0  # cap on a segment's attention splits (0: none); plan.py derives it from the GPU combine's
     # registers
+    tp: tuple[int, int] = (0, 1)  # tensor parallelism: (this rank, ranks); (0, 1) is one GPU
 
 
 @dataclass(frozen=True)
 class Counter:
     name: str
     count: int  # signals per step
+    peer: bool = False  # signalled by every rank's instruction (isa.PEER), the same index in every rank's table
 
 
 @dataclass
@@ -115,6 +127,16 @@ class Program:
     tiles: WeightTiles
     costs: list[float] = field(default_factory=list)  # per-SM cost-model load, in bytes
     moe_slots: int = 0  # routing slots of every MoE layer (0: a dense model)
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks of tensor parallelism (1: one GPU); ``spec`` is then the rank's shard."""
+        return self.config.tp[1]
+
+    @property
+    def logits_width(self) -> int:
+        """Columns of the step's logits: the whole vocabulary (every rank gathers every shard)."""
+        return self.spec.vocab_size * self.tp_size
 
     @property
     def max_splits(self) -> int:
@@ -160,6 +182,8 @@ class Program:
                 ticketed.setdefault(ins.ticket, set()).add(ins.signal)
             elif ins.signal != isa.NO_COUNTER:
                 sig[ins.signal] += 1
+            if ins.signal != isa.NO_COUNTER and bool(ins.flags & isa.PEER) != self.counters[ins.signal].peer:
+                raise AssertionError(f"{ins} signals {self.counters[ins.signal]}: a peer counter goes with isa.PEER")
             if ins.wait != isa.NO_COUNTER and ins.wait_count != self.counters[ins.wait].count:
                 raise AssertionError(f"{ins} waits for {ins.wait_count}, counter has {self.counters[ins.wait]}")
         for ticket, signals in ticketed.items():
@@ -168,6 +192,7 @@ class Program:
             if (c := signals.pop()) != isa.NO_COUNTER:
                 sig[c] += 1
         for c, n in zip(self.counters, sig):
+            n *= self.tp_size if c.peer else 1  # every rank's copy of the instruction signals it
             if n != c.count:
                 raise AssertionError(f"counter {c.name} is signalled {n} times per step, expected {c.count}")
         if errors := cluster_mate_errors(self.queues):
@@ -273,17 +298,31 @@ def cost(spec: ModelSpec, shape: StepShape, ins: Instruction, cfg: ProgramConfig
         b += kv_bytes(spec, ins, shape.context_hint, shape.seg_lens[ins.seg], cfg.kv_row_bytes)
         if ins.ticket != isa.NO_COUNTER:
             b += cfg.ticket_cost_bytes
+    elif isinstance(ins, Reduce):  # every rank's fp32 partial of its rows
+        b += ins.n_ranks * ins.nrows * shape.num_tokens * 4
     return b + cfg.fixed_cost_bytes
 
 
 def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramConfig = ProgramConfig()) -> Program:
     if num_sms <= 0:
         raise ValueError(f"num_sms must be positive, got {num_sms}")
+    ranks = TensorParallel(spec, *cfg.tp, cfg.tile_rows).size  # refuses a split that is not whole
+    spec = shard_spec(spec, ranks, cfg.tile_rows)  # the rank's shard (the model itself on one GPU)
+    peer = isa.PEER if ranks > 1 else 0
     counters: list[Counter] = []
 
-    def counter(name: str, count: int) -> int:
-        counters.append(Counter(name, count))
+    def counter(name: str, count: int, peer: bool = False) -> int:
+        counters.append(Counter(name, count, peer))
         return len(counters) - 1
+
+    def peer_counters(name: str, blocks: list[tuple[int, int]]) -> dict[int, int]:
+        """One peer counter a row block: each rank's partial of the rows signals it on every rank."""
+        return {r: counter(f"{name}.r{r}", ranks, True) for r, _ in blocks}
+
+    def reductions(layer: int, kind: int, blocks: list[tuple[int, int]], waits: dict[int, int],
+                   signal: int) -> list[Instruction]:
+        return [Reduce(layer=layer, row0=r, nrows=n, kind=kind, n_ranks=ranks, wait=waits[r], wait_count=ranks,
+                       signal=signal) for r, n in blocks]
 
     L, hq, hkv, g = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.group_size
     wt = WeightTiles.for_spec(spec, cfg.tile_rows, cfg.tile_k)
@@ -334,9 +373,16 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], ticket=tick[k, s],
                                    wait=qkv[k], wait_count=g + 2, signal=attn)
                        for k in range(hkv) for s in segs for i in range(n_splits[s])])
-        o = counter(f"L{l}.o_proj", len(o_blocks))
-        stages.append([OProj(layer=l, row0=r, nrows=n, wait=attn, wait_count=hkv * len(segs), signal=o,
-                             tiles=o_span(spec, wt, l, r, n)) for r, n in o_blocks])
+        if ranks > 1:  # the rank's partial to every rank's inbox, then the rows' sums on each rank
+            po = peer_counters(f"L{l}.o_peer", o_blocks)
+            stages.append([OProj(layer=l, row0=r, nrows=n, wait=attn, wait_count=hkv * len(segs), signal=po[r],
+                                 flags=peer, tiles=o_span(spec, wt, l, r, n)) for r, n in o_blocks])
+            o = counter(f"L{l}.o_reduce", len(o_blocks))
+            stages.append(reductions(l, O_SUM, o_blocks, po, o))
+        else:
+            o = counter(f"L{l}.o_proj", len(o_blocks))
+            stages.append([OProj(layer=l, row0=r, nrows=n, wait=attn, wait_count=hkv * len(segs), signal=o,
+                                 tiles=o_span(spec, wt, l, r, n)) for r, n in o_blocks])
         if spec.is_moe_layer(l):
             moe, prev, prev_n = moe_stages(spec, wt, l, slots, num_sms, cfg, counter, o, len(o_blocks))
             stages += moe
@@ -344,25 +390,34 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
         mlp = counter(f"L{l}.mlp_in", len(mlp_blocks))
         stages.append([MlpIn(layer=l, row0=r, nrows=n, wait=o, wait_count=len(o_blocks), signal=mlp,
                              tiles=mlp_span(spec, wt, l, r, n)) for r, n in mlp_blocks])
-        down = counter(f"L{l}.down_proj", len(down_blocks))
+        # the rows' counter (tensor parallelism: one peer counter a row block, the partials' sums after)
+        pd = peer_counters(f"L{l}.down_peer", down_blocks) if ranks > 1 else {}
+        down = isa.NO_COUNTER if ranks > 1 else counter(f"L{l}.down_proj", len(down_blocks))
+        sig = pd or {r: down for r, _ in down_blocks}
         if pair_down:  # column halves on cluster mates: part 0 finishes the rows and alone signals
             stages.append([DownProj(layer=l, row0=r, nrows=n, part=p, n_parts=2, wait=mlp,
-                                    wait_count=len(mlp_blocks), signal=isa.NO_COUNTER if p else down,
-                                    flags=isa.CLUSTER_PAIR, tiles=down_span(spec, wt, l, r, n, p, 2))
+                                    wait_count=len(mlp_blocks), signal=isa.NO_COUNTER if p else sig[r],
+                                    flags=isa.CLUSTER_PAIR | peer, tiles=down_span(spec, wt, l, r, n, p, 2))
                            for r, n in down_blocks for p in range(2)])
         elif cfg.down_parts > 1:  # column parts behind a ticket a row block: the last to draw it finishes, signals
             nd = cfg.down_parts
             dt = {r: counter(f"L{l}.down_ticket.r{r}", nd) for r, _ in down_blocks}
             stages.append([DownProj(layer=l, row0=r, nrows=n, part=p, n_parts=nd, ticket=dt[r], wait=mlp,
-                                    wait_count=len(mlp_blocks), signal=down,
+                                    wait_count=len(mlp_blocks), signal=sig[r], flags=peer,
                                     tiles=down_span(spec, wt, l, r, n, p, nd))
                            for r, n in down_blocks for p in range(nd)])
         else:
-            stages.append([DownProj(layer=l, row0=r, nrows=n, wait=mlp, wait_count=len(mlp_blocks), signal=down,
-                                    tiles=down_span(spec, wt, l, r, n)) for r, n in down_blocks])
+            stages.append([DownProj(layer=l, row0=r, nrows=n, wait=mlp, wait_count=len(mlp_blocks), signal=sig[r],
+                                    flags=peer, tiles=down_span(spec, wt, l, r, n)) for r, n in down_blocks])
+        if ranks > 1:
+            down = counter(f"L{l}.down_reduce", len(down_blocks))
+            stages.append(reductions(l, DOWN_SUM, down_blocks, pd, down))
         prev, prev_n = down, len(down_blocks)
-    stages.append([LmHead(layer=0, row0=r, nrows=n, wait=prev, wait_count=prev_n, tiles=lm_span(spec, wt, r, n))
-                   for r, n in lm_blocks])
+    pl = peer_counters("lm_peer", lm_blocks) if ranks > 1 else {}
+    stages.append([LmHead(layer=0, row0=r, nrows=n, wait=prev, wait_count=prev_n, signal=pl.get(r, isa.NO_COUNTER),
+                          flags=peer, tiles=lm_span(spec, wt, r, n)) for r, n in lm_blocks])
+    if ranks > 1:  # every rank gathers every shard's logits; nobody waits for them inside the step
+        stages.append(reductions(0, LM_GATHER, lm_blocks, pl, isa.NO_COUNTER))
 
     queues: list[list[Instruction]] = [[] for _ in range(num_sms)]
     total = [0.0] * num_sms

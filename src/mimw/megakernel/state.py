@@ -28,7 +28,7 @@ Scratch (fp32, written and read within one step; the host never needs to clear i
                                each part's sums (a cluster pair's halves meet in the GPU's shared memory instead,
                                device/cluster.py; ticketed parts store here)
   act [M, I]                   SiLU(gate) * up (input of DOWN_PROJ)
-  logits [M, V]
+  logits [M, V]                (tensor parallelism: every rank's, gathered by REDUCE; peers.py holds the inboxes)
 bf16, the multi-token GPU kernel's staging sources (device/matvec_mt.py; the one-token kernel and the VM leave them
 unwritten): each CTA copies an instruction's input rows from them into shared memory in one round of async copies
   x16 [M, D]                   x rounded to bf16, written beside x by every writer of x
@@ -187,7 +187,7 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         part_ml=f(m, sp.num_heads, prog.max_splits, 2),
         attn=f(m, sp.q_size),
         act=f(m, sp.intermediate_size),
-        logits=f(m, sp.vocab_size),
+        logits=f(m, prog.logits_width),  # the whole vocabulary, tensor parallelism included
         down_part=f(prog.down_parts, m, sp.hidden_size),
         router_logits=f(m, router_rows(sp, prog.config.tile_rows) if sp.is_moe else 0),
         routed=torch.zeros(sp.num_layers, s, dtype=torch.int32, device=device),  # 0: never written

@@ -14,6 +14,8 @@ Execution model, exactly the GPU's (isa.py, docs/megakernel.md):
     row block, on SMs 2c and 2c + 1) is a rendezvous: it runs once both SMs have it at their heads with their
     waits met, both parts together; then part 0 finishes (the head; the rows' sum and residual) and signals.
     Mates that reach different pairs raise ``DependencyError``.
+  * Tensor parallelism (tp_vm.py runs N ranks' StepRuns together): an instruction flagged ``isa.PEER`` adds its 1 to
+    counter ``signal`` of every rank (``StepRun.peer_runs``), as the GPU's remote atomics would.
   * A queue that has run out adds 1 to ``counters[DONE]``; the queue that brings DONE to ``(epoch + 1) * num_sms``
     adds 1 to ``counters[EPOCH]``. Counters are never reset: the next step waits for the next multiple.
   * Counters are int32 and wrap (atomic adds wrap in two's complement; so does ``(epoch + 1) * wait_count`` in
@@ -40,8 +42,9 @@ from ..models.weights import ModelWeights
 from . import isa
 from .isa import Instruction
 from .ops import CLASSES, FINISHERS, SOLVERS, OpContext
+from .peers import PeerView
 from .program import Program, ProgramConfig, StepShape, build_program
-from .readiness import DependencyError, Readiness
+from .readiness import DependencyError, InboxVersions, Readiness
 from .state import Scratch, StepState, alloc_scratch, alloc_state
 
 __all__ = ["VM", "StepRun", "VMDecoder", "DependencyError", "DeadlockError", "i32"]
@@ -91,11 +94,16 @@ class VM:
 class StepRun:
     """One step in progress: per-SM program counters, the counters (a host mirror of state.counters), readiness."""
 
-    def __init__(self, vm: VM, state: StepState, scratch: Scratch):
+    def __init__(self, vm: VM, state: StepState, scratch: Scratch, peers: PeerView | None = None,
+                 inbox: InboxVersions | None = None):
+        """``peers``, ``inbox``: this rank's view of peer memory and the ranks' shared inbox versions (a
+        tensor-parallel step, tp_vm.py)."""
         prog = vm.program
         self.program, self.state = prog, state
-        self.ctx = OpContext(prog, vm.weights, vm.cache, state, scratch)
-        self.readiness = Readiness(prog, state, scratch.routed)
+        self.ctx = OpContext(prog, vm.weights, vm.cache, state, scratch, peers)
+        self.readiness = Readiness(prog, state, scratch.routed, inbox, peers.rank if peers else 0)
+        self.peer_runs: list[StepRun] = [self]  # every rank's current step, in rank order (tp_vm.py sets it)
+        self.peers_ahead = False  # whether peers may already signal this rank's peer counters for the next step
         self.queues = vm.queues
         self.counters: list[int] = state.counters.tolist()  # int32 values
         self.done_i, self.epoch_i = state.done_index, state.epoch_index
@@ -171,13 +179,17 @@ class StepRun:
         self.ready.remove(sm)
         self.pc[sm] += 1
         if signal != isa.NO_COUNTER:
-            c = signal
-            self.counters[c] = i32(self.counters[c] + 1)
-            self.signals[c] += 1
-            waiting = self.blocked.get(c, [])
-            while waiting and waiting[0][0] <= self.signals[c]:
-                self._place(heapq.heappop(waiting)[1])
+            for run in self.peer_runs if ins.flags & isa.PEER else (self,):
+                run.receive(signal)
         self._place(sm)
+
+    def receive(self, c: int) -> None:
+        """A signal of counter ``c`` (from this rank, or a peer's isa.PEER instruction): add 1, wake its waiters."""
+        self.counters[c] = i32(self.counters[c] + 1)
+        self.signals[c] += 1
+        waiting = self.blocked.get(c, [])
+        while waiting and waiting[0][0] <= self.signals[c]:
+            self._place(heapq.heappop(waiting)[1])
 
     def _last_part(self, ins) -> bool:
         """Draw ins's ticket (if it has one): is it the last of its ticket_count parts in this step?"""
@@ -217,8 +229,13 @@ class StepRun:
         """After the last queue: every counter was signalled exactly its per-step count, EPOCH moved by one, and
         every logit was written."""
         e = self.epoch + 1
+
+        def off(i: int, c) -> bool:  # a peer counter may hold a peer's signals of the next step already
+            lead = i32(self.counters[i] - e * c.count)
+            return not 0 <= lead <= (c.count if c.peer and self.peers_ahead else 0)
+
         bad = [f"{c.name}={self.counters[i]} (expected {i32(e * c.count)})"
-               for i, c in enumerate(self.program.counters) if self.counters[i] != i32(e * c.count)]
+               for i, c in enumerate(self.program.counters) if off(i, c)]
         if self.counters[self.epoch_i] != i32(e) or self.counters[self.done_i] != i32(e * self.program.num_sms):
             bad.append(f"EPOCH={self.counters[self.epoch_i]}, DONE={self.counters[self.done_i]}")
         if bad:
@@ -249,6 +266,9 @@ class VMDecoder:
         from .plan import Tuning  # the shipping program config for this shape unless one is given
 
         config = config or Tuning().resolve(spec).program_config()
+        if config.tp[1] > 1:
+            raise ValueError(f"a tensor-parallel config (rank, size = {config.tp}) runs on N ranks: "
+                             "tp_vm.TPDecoder")
         self.program = build_program(spec, shape, num_sms, config)
         self.vm = VM(self.program, weights, cache)
         self.state = alloc_state(self.program, max_pages=cache.layout.num_pages)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Peer, PeerContext, Unavailable, cache_len_for, require_cuda
+from .base import Peer, PeerContext, cache_len_for, require_cuda
 from .graph import capture, inductor_cudagraph_skips
 from .torch_decoder import FusedDecoder
 
@@ -28,8 +28,6 @@ _INDUCTOR_MAX = {**_INDUCTOR, "coordinate_descent_tuning": True}
 
 
 def _module(ctx: PeerContext) -> tuple[FusedDecoder, torch.Tensor, torch.Tensor]:
-    if ctx.bw.spec.is_moe:
-        raise Unavailable("the fused PyTorch decoder has no mixture-of-experts block")
     m = FusedDecoder(ctx.bw, cache_len_for(ctx.inputs.context))
     m.load_prefix(ctx.inputs)
     tok = torch.tensor([ctx.inputs.token], device=ctx.device)

@@ -2,7 +2,8 @@
 
 A solver is ``solve(ctx, ins)`` (and, for an instruction with a finisher, ``finish(ctx, ins)``): it reads and
 writes exactly the buffers its GPU instruction touches (the contract in ``megakernel/state.py``), in place, and
-returns nothing. Scratch, step state and the KV cache all live in ``ctx``.
+returns nothing. Scratch, step state and the KV cache all live in ``ctx``; in a tensor-parallel step so does the
+rank's view of peer memory (``ctx.peers``: stores into every rank's inbox, reads of its own; megakernel/peers.py).
 
 Numerics (so that a bf16 GPU kernel can match bit for bit where it matters): everything is computed in fp32 with
 weights upcast, except
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from ...kv.pages import PagedKVCache
     from ...models.spec import ModelSpec
     from ...models.weights import ModelWeights
+    from ..peers import PeerView
     from ..program import Program
     from ..state import Scratch, StepState
 
@@ -36,6 +38,7 @@ class OpContext:
     cache: PagedKVCache
     state: StepState
     scratch: Scratch
+    peers: PeerView | None = None  # tensor parallelism: this rank's view of the inboxes (None: one GPU)
 
     @property
     def spec(self) -> ModelSpec:

@@ -8,6 +8,9 @@ of act and W_down into down_part[p, :, rows] (on the GPU: registers, and the exc
 Ticketed column parts (a multi-token step whose staged act does not fit beside the ring: plan.py): part p of n stores
 its sums into down_part[p, :, rows] and draws the row block's ticket; the last to draw adds the residual to the
 parts' sum, in part order, and alone signals.
+Tensor parallelism (isa.PEER): the rank's partial act_r . W_down[rows, cols_r]^T over its intermediate columns (whole,
+or the parts' sum in part order in the finisher), no residual, goes to every rank's DOWN_SUM inbox (peers.py), whose
+REDUCE adds the residual.
 Tiles: the block's rows of the down matrix, the half's column tiles.
 Device: act staged (bf16) once for a run of DOWN_PROJ instructions; a half stages only its own column tiles, from
 the staging buffer's first row (so the buffer needs half of I's rows). A pair's row tile: both halves' sums go to
@@ -26,7 +29,8 @@ from ...models.spec import ModelSpec
 from ..device import cluster, layouts, matvec as mv, matvec_mt as mt
 from ..device.context import W_A, W_C, W_D, W_E, W_K0, W_K1, W_NR
 from ..device.sync import counter_wait, ticket_is_last
-from ..isa import CLUSTER_PAIR, NO_COUNTER, Op, RowBlock, TileSpan, Word
+from ..isa import CLUSTER_PAIR, NO_COUNTER, PEER, Op, RowBlock, TileSpan, Word
+from ..peers import DOWN_SUM
 from ..tiles import WeightTiles, column_part, column_tiles
 from .common import OpContext, activation_in, matvec
 
@@ -67,7 +71,7 @@ def solve(ctx: OpContext, ins: DownProj) -> None:
         c0, c1 = column_part(w_down.shape[1], ctx.program.config.tile_k, ins.part, ins.n_parts)
         ctx.scratch.down_part[ins.part, :, rows] = matvec(h[:, c0:c1], w_down[:, c0:c1])
         return
-    ctx.scratch.x[:, rows] = ctx.scratch.x[:, rows] + matvec(h, w_down)
+    _store(ctx, ins, rows, matvec(h, w_down))
 
 
 def finish(ctx: OpContext, ins: DownProj) -> None:
@@ -78,7 +82,15 @@ def finish(ctx: OpContext, ins: DownProj) -> None:
     total = parts[0]
     for p in range(1, ins.n_parts):
         total = total + parts[p]
-    ctx.scratch.x[:, rows] = ctx.scratch.x[:, rows] + total
+    _store(ctx, ins, rows, total)
+
+
+def _store(ctx: OpContext, ins: DownProj, rows: slice, total):
+    """The rows' sum [M, n] joins the residual, or (tensor parallelism) goes to every rank's DOWN_SUM inbox."""
+    if ins.flags & PEER:
+        ctx.peers.send(DOWN_SUM, rows, total)
+    else:
+        ctx.scratch.x[:, rows] = ctx.scratch.x[:, rows] + total
 
 
 @gluon.jit

@@ -3,6 +3,9 @@
     logits[:, r] = (RMSNorm(x) * final_norm) . W_lm[r]^T    r = the block's vocabulary rows, W_lm [V, D]
 Writes: logits[:, rows]. Reads: all of x (after the last layer's DOWN_PROJ). ``layer`` is unused (0). It signals
 no counter: nobody waits for the logits inside the step (the launch's end publishes them).
+Tensor parallelism (isa.PEER): the rows are of the rank's V/N vocabulary rows; their logits go to every rank's
+LM_GATHER inbox (peers.py) instead, and signal the rows' peer counter there; each rank's gathering REDUCE copies them
+to this rank's columns of its logits.
 Tiles: the block's rows of the lm matrix, every column tile.
 Device: RMSNorm(x) staged once for a run of LM_HEAD instructions, then a row tile's logits per tile row.
 """
@@ -17,7 +20,8 @@ from triton.experimental.gluon import language as gl
 from ...models.spec import ModelSpec
 from ..device import layouts, matvec as mv, matvec_mt as mt
 from ..device.context import W_A, W_K0, W_K1, W_NR
-from ..isa import Op, RowBlock, TileSpan
+from ..isa import PEER, Op, RowBlock, TileSpan
+from ..peers import LM_GATHER
 from ..tiles import WeightTiles
 from .common import OpContext, matvec, rms_norm
 
@@ -36,7 +40,11 @@ def span(spec: ModelSpec, wt: WeightTiles, row0: int, nrows: int) -> TileSpan:
 def solve(ctx: OpContext, ins: LmHead) -> None:
     w, rows = ctx.weights, slice(ins.row0, ins.row0 + ins.nrows)
     h = rms_norm(ctx.scratch.x, w.final_norm, ctx.spec.rms_norm_eps)  # [M, D]
-    ctx.scratch.logits[:, rows] = matvec(h, w.lm_head[rows])
+    out = matvec(h, w.lm_head[rows])
+    if ins.flags & PEER:
+        ctx.peers.send(LM_GATHER, rows, out)
+        return
+    ctx.scratch.logits[:, rows] = out
 
 
 @gluon.jit

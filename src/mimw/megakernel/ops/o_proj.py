@@ -3,6 +3,8 @@
     x[:, rows] = x_in[:, rows] + attn . W_o[rows]^T         attn [M, Hq*hd], W_o [D, Hq*hd]
 x_in is scratch.x as the previous layer's DOWN_PROJ left it, or, in layer 0, the embedding rows of the step's tokens.
 Writes: x[:, rows]. Reads: all of attn; x[:, rows] (layer > 0) or weights.embed[tokens, rows] (layer 0).
+Tensor parallelism (isa.PEER): the rank's partial attn_r . W_o[rows, cols_r]^T over its heads' columns, no residual,
+goes to every rank's O_SUM inbox (peers.py), whose REDUCE adds the residual; x is not written here.
 Tiles: the block's rows of the o matrix, every column tile.
 Device: the attention output staged (bf16) once for a run of O_PROJ instructions, then row tile by row tile the
 residual (requested first) plus the tile's dot product.
@@ -18,7 +20,8 @@ from triton.experimental.gluon import language as gl
 from ...models.spec import ModelSpec
 from ..device import matvec as mv, matvec_mt as mt
 from ..device.context import W_A, W_K0, W_K1, W_LAYER, W_NR
-from ..isa import Op, RowBlock, TileSpan
+from ..isa import PEER, Op, RowBlock, TileSpan
+from ..peers import O_SUM
 from ..tiles import WeightTiles
 from .common import OpContext, activation_in, matvec, residual
 
@@ -37,7 +40,11 @@ def span(spec: ModelSpec, wt: WeightTiles, layer: int, row0: int, nrows: int) ->
 def solve(ctx: OpContext, ins: OProj) -> None:
     rows = slice(ins.row0, ins.row0 + ins.nrows)
     w_o = ctx.weights.layers[ins.layer].wo[rows]  # [n, Hq*hd]
-    ctx.scratch.x[:, rows] = residual(ctx, ins.layer, rows) + matvec(activation_in(ctx.scratch.attn, w_o), w_o)
+    out = matvec(activation_in(ctx.scratch.attn, w_o), w_o)
+    if ins.flags & PEER:
+        ctx.peers.send(O_SUM, rows, out)
+        return
+    ctx.scratch.x[:, rows] = residual(ctx, ins.layer, rows) + out
 
 
 @gluon.jit
