@@ -49,7 +49,9 @@ def test_an_moe_run_floors_each_step_at_its_routed_experts(tmp_path):
     [j] = tmp_path.glob("*-fake-gpu-tiny-qwen3-moe.json")
     rows = {r["backend"]: r for r in json.loads(j.read_text())["results"]}
     assert rows["mimw-reference"]["status"] == "ok"
-    assert {rows[b]["status"] for b in ("mimw-megakernel", "torch-eager", "hf-transformers")} == {"unavailable"}
+    # the fused PyTorch peer's MoE block (gpt-fast's recipe) against the reference's logits
+    assert rows["torch-eager"]["status"] == "ok" and rows["torch-eager"]["check"]["rel_err"] < 2e-2
+    assert {rows[b]["status"] for b in ("mimw-megakernel", "hf-transformers")} == {"unavailable"}
     # the floor's bytes: the experts the reference routed the benchmark's step to, not all of them
     spec = get_preset("tiny-qwen3-moe")
     bw = random_bench_weights(spec, seed=0, dtype=torch.float32, device="cpu")

@@ -36,6 +36,8 @@ from mimw.models.reference import ReferenceDecoder, Segment
 from mimw.models.spec import get_preset
 from mimw.models.weights import random_weights
 
+from vm_helpers import prefill, rel_err
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/megakernel/conftest.py
 
 STEPS, INTERLEAVINGS = 3, 5
@@ -57,29 +59,8 @@ def config(spec, **overrides):
 
 
 def prefilled(name: str, page_size: int, contexts: tuple[int, ...], new_tokens: int, seed: int):
-    """Reference decoder and its cache holding each sequence's first ``contexts[s]`` tokens, a copy of that cache
-    (every KV head) for the ranks to shard, each sequence's block table (shuffled pages) and the token generator."""
-    spec, w = model(name)
-    per_seq = [-(-(c + new_tokens) // page_size) for c in contexts]
-    layout = KVLayout.for_spec(spec, page_size, sum(per_seq) + 3, torch.float32)
-    pages = list(range(layout.num_pages))
-    random.Random(seed).shuffle(pages)
-    tables, i = [], 0
-    for n in per_seq:
-        tables.append(tuple(pages[i: i + n]))
-        i += n
-    ref, ref_cache = ReferenceDecoder(w), PagedKVCache(layout)
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, spec.vocab_size, (sum(contexts),), generator=g)
-    ref.forward(prompt, [Segment(t, 0, c) for t, c in zip(tables, contexts)], ref_cache)
-    cache = PagedKVCache(layout)
-    cache.k.copy_(ref_cache.k)
-    cache.v.copy_(ref_cache.v)
-    return spec, w, ref, ref_cache, cache, tables, g
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
+    """``vm_helpers.prefill`` for the preset ``name`` (this file's ``model``)."""
+    return prefill(*model(name), page_size, contexts, new_tokens, seed)
 
 
 CASES = [  # (model, ranks, SMs a rank, page size, seg_lens, contexts, config overrides, what the case exercises)

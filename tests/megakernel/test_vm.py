@@ -38,6 +38,8 @@ from mimw.models.reference import ReferenceDecoder, Segment
 from mimw.models.spec import get_preset
 from mimw.models.weights import random_weights
 
+from vm_helpers import prefill, rel_err
+
 STEPS, INTERLEAVINGS_PER_STEP = 4, 5  # 20 random interleavings per case, over 4 consecutive steps
 
 
@@ -64,30 +66,8 @@ def model(name: str):
 
 def prefilled(name: str, page_size: int, contexts: tuple[int, ...], new_tokens: int, seed: int,
               kv_dtype: torch.dtype = torch.float32):
-    """Reference decoder + its cache holding each sequence's first ``contexts[s]`` tokens, a copy of that cache
-    for the VM, and each sequence's block table (shuffled pages, enough for ``new_tokens`` more); ``kv_dtype``: the
-    caches' element type (fp8: scales included)."""
-    spec, w = model(name)
-    per_seq = [-(-(c + new_tokens) // page_size) for c in contexts]
-    layout = KVLayout.for_spec(spec, page_size, sum(per_seq) + 3, kv_dtype)
-    pages = list(range(layout.num_pages))
-    random.Random(seed).shuffle(pages)
-    tables, i = [], 0
-    for n in per_seq:
-        tables.append(tuple(pages[i: i + n]))
-        i += n
-    ref, ref_cache = ReferenceDecoder(w), PagedKVCache(layout)
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, spec.vocab_size, (sum(contexts),), generator=g)
-    ref.forward(prompt, [Segment(t, 0, c) for t, c in zip(tables, contexts)], ref_cache)
-    vm_cache = PagedKVCache(layout)
-    for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()):
-        b.copy_(a)
-    return spec, w, ref, ref_cache, vm_cache, tables, g
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
+    """``vm_helpers.prefill`` for the preset ``name`` (this file's ``model``)."""
+    return prefill(*model(name), page_size, contexts, new_tokens, seed, kv_dtype)
 
 
 CASES = [  # (preset, num_sms, page_size, seg_lens, contexts before the first step)
