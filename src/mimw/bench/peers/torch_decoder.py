@@ -7,11 +7,10 @@ What makes it the gpt-fast recipe (pytorch-labs/gpt-fast, ``model.py``/``generat
   - attention over the whole static cache with a mask ``arange(S) <= pos`` instead of a data-dependent slice.
 Unlike gpt-fast it never materialises ``repeat_interleave``d K/V for GQA: queries are grouped per KV head,
 [Hkv, G, hd] @ [Hkv, hd, S], so each cache byte is read once per step (a stronger peer, not a weaker one).
-An MoE layer (Qwen3-MoE) follows gpt-fast's Mixtral recipe: the router's top k on the device, the chosen experts'
-weights indexed by those ids (``e_gate[ids]``) and multiplied as a batch of k, the k outputs weighted and summed;
-no host sync, so CUDA graphs capture it. In eager mode the indexing copies the k experts' weights before the
-products read them (about three times the routed bytes); whether Inductor fuses the gather into the products'
-loads shows in the torch.compile rows' time against the floor.
+An MoE layer (Qwen3-MoE) runs its experts as grouped GEMMs (``torch._grouped_mm``, as torchtitan's MoE does): the
+router's top k on the device, the token's row repeated once per chosen expert in ascending expert order, and group
+boundaries that give every other expert zero rows, so each chosen expert's weights are read once, in place, and no
+host sync is needed (CUDA graphs capture it); the k outputs are weighted and summed.
 
 Numerics follow ``mimw.models.reference``: RMSNorm in fp32 cast back before the weight multiply, RoPE in fp32 from
 ``mimw.models.rope`` tables, softmax in fp32, matmuls in the weight dtype.
@@ -94,12 +93,15 @@ class FusedLayer(nn.Module):
     def _moe(self, h: torch.Tensor) -> torch.Tensor:
         """h [1, D] -> the routed experts' weighted sum [1, D] (models.moe's routing and SwiGLU)."""
         w, ids = top_k(F.linear(h, self.router), self.spec)  # [1, k] fp32, [1, k]
-        ids = ids[0]
-        hk = h.expand(ids.shape[0], -1).unsqueeze(-1)  # [k, D, 1]
-        gate = torch.bmm(self.e_gate[ids], hk)  # [k, F, 1]
-        up = torch.bmm(self.e_up[ids], hk)
-        y = torch.bmm(self.e_down[ids], F.silu(gate) * up).squeeze(-1)  # [k, D]
-        return (y * w[0].to(h.dtype).unsqueeze(-1)).sum(0, keepdim=True)
+        experts, order = ids[0].sort()  # the k distinct experts ascending: row j is expert experts[j]'s
+        k = experts.shape[0]
+        rows = torch.zeros(self.e_gate.shape[0], dtype=torch.int32, device=h.device)
+        ends = rows.index_add_(0, experts, torch.ones(k, dtype=torch.int32, device=h.device)).cumsum(0, dtype=torch.int32)
+        hk = h.expand(k, -1).contiguous()  # [k, D]
+        gate = torch._grouped_mm(hk, self.e_gate.transpose(1, 2), offs=ends)  # [k, F]: expert e's rows times W_e^T
+        up = torch._grouped_mm(hk, self.e_up.transpose(1, 2), offs=ends)
+        y = torch._grouped_mm(F.silu(gate) * up, self.e_down.transpose(1, 2), offs=ends)  # [k, D]
+        return (y * w[0, order].to(h.dtype).unsqueeze(-1)).sum(0, keepdim=True)
 
 
 class FusedDecoder(nn.Module):
