@@ -1,5 +1,5 @@
 """Tensor-parallel programs, structurally: the shards partition the model, each rank's program covers its shard
-exactly once and reduces every row, the words are the same on every rank, one rank is today's program, and a split
+exactly once and reduces every row, the words are the same on every rank, one rank is the one-GPU program, and a split
 that is not whole is refused. The VM proofs are in test_tp_vm.py."""
 from __future__ import annotations
 

@@ -156,15 +156,14 @@ def main() -> None:
     for r in rows:
         if "error" in r:
             print(f"{r['model']:14s} {r['variant']:18s} ERROR {r['error'][:80]}")
-        elif "check" not in r:
-            print(f"{r['model']:14s} {r['variant']:18s} {r['ms']:7.3f} {r['floor_ms']:7.3f} {r['ratio']:6.2f} "
-                  f"{r['TBps']:6.2f}  (not checked)")
-        else:
-            c = r["check"]
-            print(f"{r['model']:14s} {r['variant']:18s} {r['ms']:7.3f} {r['floor_ms']:7.3f} {r['ratio']:6.2f} "
-                  f"{r['TBps']:6.2f}  err={c['max_rel_err']:.1e} (bf16 {c['bf16_rel_err']:.1e}) "
-                  f"agree={c['argmax_agree']:.2f} (bf16 {c['bf16_argmax_agree']:.2f}) "
-                  f"or-tie={c['argmax_agree_or_tie']:.2f} bit={c['bit_identical']}")
+            continue
+        c = r.get("check")
+        verdict = "(not checked)" if c is None else (
+            f"err={c['max_rel_err']:.1e} (bf16 {c['bf16_rel_err']:.1e}) "
+            f"agree={c['argmax_agree']:.2f} (bf16 {c['bf16_argmax_agree']:.2f}) "
+            f"or-tie={c['argmax_agree_or_tie']:.2f} bit={c['bit_identical']}")
+        print(f"{r['model']:14s} {r['variant']:18s} {r['ms']:7.3f} {r['floor_ms']:7.3f} {r['ratio']:6.2f} "
+              f"{r['TBps']:6.2f}  {verdict}")
 
 
 if __name__ == "__main__":
