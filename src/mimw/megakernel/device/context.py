@@ -3,7 +3,9 @@
 ``Smem``  the shared-memory ring (slots, ``empty``/``ready`` barriers), the release hold's barrier ``rel`` and the
           staging buffer ``hbuf`` [KT_ROWS, TK] bf16 (an instruction's input vector, one [TK] row per column tile;
           with C.M > 1 [KT_ROWS * TK / 32, MB, 32], the tokens' chunks: device/matvec_mt.py), and ``wbuf``, a norm's
-          weights as [*, 32] chunks (C.M > 1; hbuf itself where M = 1, which never uses it).
+          weights as [*, 32] chunks (C.M > 1; hbuf itself where M = 1, which never uses it), and ``sbuf``
+          [NB, 2 * KVS / KVBOX, KVBOX] bf16, the scales of the K/V rows a ring slot holds (C.M == 1 over an fp8
+          cache: device/kv_stream.py; hbuf itself otherwise, never read).
 ``Step``  this launch's step: counter and ready-word pointers, the epoch, and the one token's id, position,
           context, cache page and embedding row (M = 1), and the step arrays a multi-token step reads per token.
 ``Bufs``  everything else in global memory the instructions read or write: norm/bias/rope vectors, the paged KV
@@ -74,15 +76,17 @@ class Smem:
     rel: gl.shared_memory_descriptor
     hbuf: gl.shared_memory_descriptor
     wbuf: gl.shared_memory_descriptor
+    sbuf: gl.shared_memory_descriptor
 
     @constexpr_function
-    def __init__(self, bufs, empty, ready, rel, hbuf, wbuf):
+    def __init__(self, bufs, empty, ready, rel, hbuf, wbuf, sbuf):
         self.bufs = bufs
         self.empty = empty
         self.ready = ready
         self.rel = rel
         self.hbuf = hbuf
         self.wbuf = wbuf
+        self.sbuf = sbuf
 
 
 @aggregate

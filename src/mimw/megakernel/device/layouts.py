@@ -56,3 +56,13 @@ def experts(C):
 def token_experts(C):
     """[8, EP2]: eight tokens' router logits, one token a row (rows over the warps), experts over lanes."""
     return gl.BlockedLayout([1, max(1, C.EP2 // 32)], [1, 32], [C.NW, 1], [1, 0])
+
+
+@constexpr_function
+def kv_scales(C):
+    """[KVS / KVBOX boxes, KVBOX rows]: one slot's K (or V) scales as the loader copies them (device/ring.py), V
+    bf16 a copy (4 to 16 bytes: cp.async's sizes), the warp's 32 lanes over as many copies as there are, no lane
+    repeating another's while there are 32 copies or more (plan.kv_ring keeps KVS >= 64 at fp8)."""
+    v = min(8, C.KVBOX, max(2, C.KVS // 32))
+    tc = C.KVBOX // v
+    return gl.BlockedLayout([1, v], [32 // tc, tc], [1, 1], [1, 0])

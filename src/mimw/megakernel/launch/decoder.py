@@ -80,10 +80,21 @@ class MegakernelDecoder:
                                  dataclasses.replace(tuning, clusters=False), cache.layout.dtype)
                 self._allocate()
 
+    def _kv_descs(self) -> tuple:
+        """TMA descriptors of the K and V pools as [rows, head_dim] (one row a position of one KV head of one page of
+        one layer), box [KVBOX, head_dim]: the loader's K/V stream (device/kv_stream.py)."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        c, fp8 = self.plan.constants, self.cache.layout.quantized
+        box, lay = [c.KVBOX, c.HD], args.kv_layout(fp8)
+        return tuple(TensorDescriptor.from_tensor(pool.view(-1, c.HD), box, lay)
+                     for pool in (self.cache.k, self.cache.v))
+
     def _allocate(self) -> None:
-        """The plan's words, step state, scratch and trace buffer."""
+        """The plan's words, K/V descriptors, step state, scratch and trace buffer."""
         p, dev = self.plan, self.cache.device
         self.words, self.lens = p.words.to(dev), p.lens.to(dev)
+        self.kv_descs = self._kv_descs()
         self.state = alloc_state(p.program, self.max_pages, dev)
         self.scratch = alloc_scratch(p.program, dev)
         self._stand_ins: dict[torch.dtype, torch.Tensor] = {}  # one-element stand-ins for empty scratch (_nonempty)
@@ -104,7 +115,8 @@ class MegakernelDecoder:
             num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, embed=w.embed,
             attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, final_norm=w.final_norm, bias=w.bias, q_norm=w.q_norm,
             k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, k_scale=self.scales[0], v_scale=self.scales[1],
-            num_pages=c.layout.num_pages, x=x.x, qkv_part=x.qkv_part, q=x.q, part_o=x.part_o, part_ml=x.part_ml,
+            num_pages=c.layout.num_pages, k_desc=self.kv_descs[0], v_desc=self.kv_descs[1], x=x.x,
+            qkv_part=x.qkv_part, q=x.q, part_o=x.part_o, part_ml=x.part_ml,
             attn=x.attn, act=x.act, logits=x.logits, splits=p.program.max_splits, x16=x.x16, attn16=x.attn16,
             act16=x.act16, router_logits=self._nonempty(x.router_logits), routed=self._nonempty(x.routed),
             slot_w=self._nonempty(x.slot_w), moe_act=self._nonempty(x.moe_act), moe_part=self._nonempty(x.moe_part),

@@ -52,8 +52,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ...models.spec import ModelSpec
-from ..device import layouts
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from ..device import kv_stream, layouts
 from ..device.context import W_A, W_B, W_C, W_D, W_E, W_LAYER, Step
+from ..device.kv_stream import split_range as _split_range
+from ..device.ring import consumer_release
 from ..device.sync import counter_wait, globaltimer, ticket_is_last
 from ..isa import NO_COUNTER, Instruction, Op, Word
 from ..state import EMPTY_M, split_range
@@ -143,10 +147,11 @@ EMPTY_M_D: gl.constexpr = gl.constexpr(EMPTY_M)
 
 
 @gluon.jit
-def compute(ins, C: gl.constexpr, s, b, sm, wait, target, sig):
-    """One split on the GPU: the first block's K/V requested, the dependency wait (``wait`` < 0: none), the
-    partial, and the ticket's combine. Returns (the counter it signals: ``sig`` for the combining split, else -1;
-    the time its wait was met, 0 untraced)."""
+def compute(ins, C: gl.constexpr, s, b, sm, it, wait, target, sig):
+    """One split on the GPU: the dependency wait (``wait`` < 0: none; a multi-token step requests its first block's
+    K/V before it), the partial (a one-token step's past K/V from the ring, slots from tile ``it`` on), and the
+    ticket's combine. Returns (the counter it signals: ``sig`` for the combining split, else -1; the time its wait
+    was met, 0 untraced; the ring's running tile counter past the split's slots)."""
     layer = ins.field(W_LAYER)
     kvh = ins.field(W_A)
     seg = ins.field(W_B)
@@ -167,18 +172,21 @@ def compute(ins, C: gl.constexpr, s, b, sm, wait, target, sig):
         po_ptr = b.po + seg * (C.HQ * C.HD) * b.splits
         pml_ptr = b.pml + seg * (C.HQ * 2) * b.splits
         attn_ptr = b.attn16 + seg * (C.HQ * C.HD)  # bf16: as O_PROJ stages it (device/matvec_mt.py)
-    k0, v0, ks0, vs0 = _prefetch(layer, kvh, seg, split, n_splits, first, s, b, C)
+        k0, v0, ks0, vs0 = _prefetch(layer, kvh, seg, split, n_splits, first, s, b, C)
     if wait >= 0:
         counter_wait(s.cnt, wait, target)
     t_ready = 0
     if C.TRACE:
         t_ready = globaltimer()
-    _partial(layer, kvh, seg, split, n_splits, first, k0, v0, ks0, vs0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
+    if C.M > 1:
+        _partial(layer, kvh, seg, split, n_splits, first, k0, v0, ks0, vs0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
+    else:
+        it = _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
     if ticket_is_last(s.cnt, ins.field(W_E), n_splits, s.epoch):  # the last split combines and signals
         _reduce(kvh, n_splits, b, po_ptr, pml_ptr, attn_ptr, C)
     else:
         sig = -1
-    return sig, t_ready
+    return sig, t_ready, it
 
 
 @gluon.jit
@@ -238,17 +246,6 @@ def _positions(BT: gl.constexpr, NW: gl.constexpr, L2: gl.constexpr):
 
 
 @gluon.jit
-def _split_range(split, n_splits, ctx):
-    """state.split_range with one new position: the ctx - 1 past positions in chunks, the last split also
-    holding position ctx - 1. Returns (lo, hi, the end of the past positions in [lo, hi))."""
-    past = ctx - 1
-    chunk = (past + n_splits - 1) // n_splits
-    lo = gl.minimum(split * chunk, past)
-    hp = gl.minimum(lo + chunk, past)
-    return lo, gl.where(split == n_splits - 1, ctx, hp), hp
-
-
-@gluon.jit
 def _prefetch(layer, kvh, seg, split, n_splits, first, s, b, C: gl.constexpr):
     """Before the dependency wait: the first block's K/V (past positions only; ``pos``, which ATTN_IN writes in
     this step, is never in a block) does not depend on the step, so its round trip overlaps the wait. A multi-token
@@ -281,34 +278,27 @@ def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
 
 
 @gluon.jit
-def _partial(layer, kvh, seg, split, n_splits, first, k, v, ks, vs, s, b, sm, q_ptr, po_ptr, pml_ptr,
-             C: gl.constexpr):
-    """The split's partial after its wait, given ``_prefetch``'s first block (k, v and their scales ks, vs where
-    C.FP8): the newest row first (the split holding ``pos``: a one-position block, warp 0's), then block 0 (its
-    rows from ``first`` on, which this step wrote, loaded now with their scales) and the split's later past blocks,
-    each dequantised in registers (``_deq``); the warps' states merged; (o, m, l) stored to the partials' scratch."""
+def _start(layer, kvh, lo, hi, s, b, q_ptr, C: gl.constexpr):
+    """A split's queries and its online-softmax state before its past blocks: q [NW, GP, 1, HD] (pre-scaled: every
+    warp holds the G heads of the group; padding heads load 0 and are never stored), and (m_i, l_i [NW, GP], o
+    [NW, GP, HD]) empty, or where the split holds position ``pos`` (the last split, [lo, hi)) holding that newest
+    row, read from the cache, where ATTN_IN stored it before it signalled, in q's round trip: a block one position
+    wide (K and V [1, 1, HD], scores [NW, GP, 1]), warp 0's."""
     G: gl.constexpr = C.G
     GP: gl.constexpr = C.GP
     HD: gl.constexpr = C.HD
     NW: gl.constexpr = C.NW
-    BT: gl.constexpr = C.BT
     L4: gl.constexpr = layouts.attention(C)
-    KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
-    Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
-    S3: gl.constexpr = gl.SliceLayout(3, L4)  # [NW, GP, BTW] scores
+    KV3: gl.constexpr = gl.SliceLayout(1, L4)
+    Q3: gl.constexpr = gl.SliceLayout(2, L4)
+    S3: gl.constexpr = gl.SliceLayout(3, L4)
     pos = s.pos
-    lo, hi, hp = _split_range(split, n_splits, s.ctx)
-    tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
-    ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
     d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
-    # q [NW, GP, HD]: every warp holds the G heads of the group (padding heads load 0 and are never stored)
     g1 = gl.arange(0, GP, gl.SliceLayout(0, gl.SliceLayout(2, Q3)))
     dq = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, Q3))), 0), 1)
     g3 = gl.expand_dims(gl.expand_dims(g1, 0), 2) + dq * 0  # [1, GP, HD] head index
     q = gl.load(q_ptr + (kvh * G + g3) * HD + dq, mask=g3 < G, other=0.0, cache_modifier=".cg") * b.qscale
     q4 = gl.expand_dims(q, 2)
-    # the newest row (position pos) [1, 1, HD], in flight with q's loads: only the split holding pos reads it, from
-    # the cache, where ATTN_IN stored it before it signalled
     holds = (lo <= pos) & (pos < hi)
     here = (d3 * 0 + holds.to(gl.int32)) != 0
     at_row = ((layer * b.num_pages + s.tok_page) * C.HKV + kvh) * C.PS + pos % C.PS
@@ -322,10 +312,75 @@ def _partial(layer, kvh, seg, split, n_splits, first, k, v, ks, vs, s, b, sm, q_
     m_i = gl.full([NW, GP], EMPTY_M_D, gl.float32, gl.SliceLayout(2, S3))
     l_i = gl.zeros([NW, GP], gl.float32, gl.SliceLayout(2, S3))
     o = gl.zeros([NW, GP, HD], gl.float32, Q3)
-    if holds:  # the newest row first, its loads in q's round trip: a block one position wide (K and V
-        # [1, 1, HD], scores [NW, GP, 1]), warp 0's
+    if holds:
         w0 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, gl.SliceLayout(1, gl.SliceLayout(2, S3))), 1), 2)
         m_i, l_i, o = _block(q4, k_new, v_new, w0 == 0, m_i, l_i, o, Q3)
+    return q4, m_i, l_i, o
+
+
+@gluon.jit
+def _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
+    """A one-token step's split after its wait: the newest row (``_start``), then the split's past K/V from the
+    ring, slot by slot as the loader streamed them (device/kv_stream.py: slot j holds positions [a0 + j KVS, +KVS)
+    as KVS / BT blocks), each slot read into registers ([NW, BTW, HD] a block, K and V; an fp8 cache's rows
+    dequantised with the scales beside the slot) and handed back to the loader before its last block's math;
+    positions outside [lo, hp) masked, their V rows zeroed (stale bytes may be NaN). The warps' states merged and
+    stored as ``_partial`` does. Returns the running tile counter past the split's slots."""
+    NB: gl.constexpr = C.NB
+    NW: gl.constexpr = C.NW
+    BT: gl.constexpr = C.BT
+    NSUB: gl.constexpr = C.KVS // BT
+    L4: gl.constexpr = layouts.attention(C)
+    KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
+    S3: gl.constexpr = gl.SliceLayout(3, L4)  # [NW, GP, BTW] scores
+    Q3: gl.constexpr = gl.SliceLayout(2, L4)
+    lo, hi, hp, a0, n = kv_stream.split_slots(split, n_splits, s.ctx, C.KVS, C.KVBOX)
+    tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
+    ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
+    q4, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
+    for j in range(n):
+        idx = it % NB
+        mbarrier.wait(sm.ready.index(idx), (it // NB) & 1)
+        rows = kv_stream.slot_rows(sm.bufs, idx, C)
+        for u in gl.static_range(NSUB):
+            k = rows.slice(u * NW, NW).load(KV3)
+            v = rows.slice((NSUB + u) * NW, NW).load(KV3)
+            ks = k
+            vs = v
+            if C.FP8:
+                scl = kv_stream.slot_scales(sm.sbuf, idx, C)
+                ks = scl.slice(u * NW, NW).load(gl.SliceLayout(2, KV3))
+                vs = scl.slice((NSUB + u) * NW, NW).load(gl.SliceLayout(2, KV3))
+            if u == NSUB - 1:  # every warp has read the slot (the barrier Gluon places before the arrive)
+                consumer_release(sm.empty, idx)
+            t0 = a0 + j * C.KVS + u * BT
+            ok = gl.expand_dims((t0 + tk >= lo) & (t0 + tk < hp), 2)
+            m_i, l_i, o = _block(q4, _deq(k, ks, C), gl.where(ok, _deq(v, vs, C), 0.0),
+                                 (t0 + ts >= lo) & (t0 + ts < hp), m_i, l_i, o, Q3)
+        it += 1
+    _store_split(m_i, l_i, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
+    return it
+
+
+@gluon.jit
+def _partial(layer, kvh, seg, split, n_splits, first, k, v, ks, vs, s, b, sm, q_ptr, po_ptr, pml_ptr,
+             C: gl.constexpr):
+    """A multi-token step's split after its wait, given ``_prefetch``'s first block (k, v and their scales ks, vs where
+    C.FP8): the newest row first (the split holding ``pos``: a one-position block, warp 0's), then block 0 (its
+    rows from ``first`` on, which this step wrote, loaded now with their scales) and the split's later past blocks,
+    each dequantised in registers (``_deq``); the warps' states merged; (o, m, l) stored to the partials' scratch."""
+    NW: gl.constexpr = C.NW
+    BT: gl.constexpr = C.BT
+    HD: gl.constexpr = C.HD
+    L4: gl.constexpr = layouts.attention(C)
+    KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
+    Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
+    S3: gl.constexpr = gl.SliceLayout(3, L4)  # [NW, GP, BTW] scores
+    lo, hi, hp = _split_range(split, n_splits, s.ctx)
+    tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
+    ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
+    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
+    q4, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
     if C.M > 1:  # block 0's rows this step wrote (a verify block's earlier tokens), read after the wait, with
         # their scales (C.FP8) where the prefetch left them 0
         if (first < hp) & (first < lo + BT):
@@ -375,6 +430,18 @@ def _partial(layer, kvh, seg, split, n_splits, first, k, v, ks, vs, s, b, sm, q_
         # for the merge into the same buffer: each thread's own, then every thread's
         async_copy.wait_group(0)
         gl.thread_barrier()
+    _store_split(m_i, l_i, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
+
+
+@gluon.jit
+def _store_split(m_i, l_i, o, kvh, split, b, sm, po_ptr, pml_ptr, C: gl.constexpr):
+    """The warps' online-softmax states merged (through the staging buffer where it holds them, else Triton's
+    reductions over the warp axis) and the split's (o, m, l) stored to the partials' scratch."""
+    G: gl.constexpr = C.G
+    GP: gl.constexpr = C.GP
+    HD: gl.constexpr = C.HD
+    NW: gl.constexpr = C.NW
+    Q3: gl.constexpr = gl.SliceLayout(2, layouts.attention(C))
     if C.SMEM_MERGE:
         mbuf = sm.hbuf
         if C.M > 1:  # the tokens' chunk buffer (device/matvec_mt.py), read as the one-token [KT_ROWS, TK] rows
