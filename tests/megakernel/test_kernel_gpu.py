@@ -44,6 +44,20 @@ def test_megakernel_matches_reference_over_64_steps(model, context):
     _matches_reference_over_64_steps(model, context)
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_long_context_kv_ring_matches_reference_over_64_steps(model, kv):
+    """Context 40000 (not a multiple of any block or page): each of a KV head's 16 splits streams ~2500 past
+    positions through the ring (device/kv_stream.py: ~40 slots of the 1B's 64 bf16 positions, ~20 of its 128 fp8
+    ones, 79 / 40 of the 8B's), its first slot starting before the split at a box boundary and its last running past
+    it: the masks at both ends, the boxes past the split repeating the last, the block-table gather one slot ahead
+    and the slots' phases over many laps of the ring."""
+    if kv == "fp8":
+        _fp8_matches_reference(model, 40000)
+    else:
+        _matches_reference_over_64_steps(model, 40000)
+
+
 @pytest.mark.parametrize("model,context", [("smollm2-135m", 17), ("llama-3.2-1b", 1000), ("llama-3.1-8b", 8191),
                                            ("qwen3-8b", 1)])
 def test_tickets_match_reference_over_64_steps(model, context):

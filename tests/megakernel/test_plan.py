@@ -1,5 +1,6 @@
 """The launch plan (plan.py): host logic on the CPU."""
 import pytest
+import torch
 
 from mimw.megakernel.plan import (SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, max_tokens, norm_buffer_bytes,
                                   plan)
@@ -144,8 +145,6 @@ def test_the_plan_refuses_multi_token_steps_the_gpu_kernel_cannot_run():
 def test_an_fp8_cache_sets_the_kernels_fp8_constants_and_halves_the_cost_models_kv_bytes():
     """The KV element type is the cache's (never a tuning knob): Constants.FP8, an attention block of 8 KB of K
     (twice the positions at fp8), and K/V bytes in the scheduler's cost model at e4m3 + a bf16 scale a row."""
-    import torch
-
     from mimw.kv import fp8
     from mimw.megakernel.ops.attn_partial import AttnPartial, kv_bytes
 
@@ -208,3 +207,52 @@ def test_an_fp8_multi_token_plan_differs_from_the_bf16_one_only_in_its_kv_settin
     assert (f8.ring, f8.hbuf_rows, f8.program.down_parts, f8.program.max_splits) == \
         (b16.ring, b16.hbuf_rows, b16.program.down_parts, b16.program.max_splits)
     assert f8.program.config.kv_row_bytes == spec.head_dim + 2
+
+
+def test_a_one_token_steps_past_kv_fills_whole_ring_slots_in_boxes_of_one_page():
+    """plan.kv_ring: a slot holds KVS positions of K then V, exactly its 16 KB at every shipping shape (the
+    attention block, or two of the 30B-A3B's 16-position blocks), in TMA boxes of gcd(page size, KVS) rows of one
+    page and head; an fp8 cache's scales beside each slot cost the 1B one slot of its ring (13 -> 12: 12 * 512 bytes
+    of scales do not fit in the 2 KB the 13 slots leave); a multi-token step streams no K/V."""
+    from math import gcd
+
+    from mimw.kv import fp8
+    from mimw.megakernel.plan import kv_ring, kv_scale_bytes
+
+    shapes = {"smollm2-135m": (64, 128), "llama-3.2-1b": (64, 128), "llama-3.1-8b": (32, 64),
+              "qwen3-8b": (32, 64), "tiny-qwen3": (128, 256), "qwen3-30b-a3b": (32, None)}
+    for model, (kvs16, kvs8) in shapes.items():
+        spec = get_preset(model)
+        for kvs, dtype in ((kvs16, None), (kvs8, fp8.FP8)):
+            if kvs is None:  # an MoE model over an fp8 cache is refused
+                continue
+            p = plan(spec, 132, kv_dtype=dtype) if dtype else plan(spec, 132)
+            c = p.constants
+            assert (c.KVS, c.KVBOX) == (kvs, 16) and c.KVS % c.BT == 0
+            assert 2 * c.KVS * c.HD * (1 if c.FP8 else 2) == p.tuning.tile_rows * p.tuning.tile_k * 2
+            assert c.BT == (16 if model == "qwen3-30b-a3b" else c.KVS)
+            for ps in (16, 24, 64, 256):
+                assert kv_ring(spec, p.tuning, ps, dtype or torch.bfloat16)[1] == gcd(ps, kvs)
+    one_b = get_preset("llama-3.2-1b")
+    b16, f8 = plan(one_b, 132), plan(one_b, 132, kv_dtype=fp8.FP8)
+    assert (b16.ring, f8.ring, kv_scale_bytes(128, fp8.FP8), kv_scale_bytes(64, torch.bfloat16)) == (13, 12, 512, 0)
+    room = SHARED_BYTES - SCRATCH_BYTES - f8.hbuf_rows * f8.tuning.tile_k * 2 - f8.exchange_bytes
+    assert f8.ring == room // (16384 + 512)
+    assert plan(get_preset("llama-3.1-8b"), 132, kv_dtype=fp8.FP8).ring == 11  # 11 * 256 bytes fit beside
+    assert plan(one_b, 132, StepShape((1,) * 8, 1024)).constants.KVS == 0
+
+
+def test_a_page_size_whose_kv_boxes_tma_cannot_place_is_refused_by_name():
+    from mimw.kv import fp8
+    from mimw.megakernel.plan import kv_ring
+
+    one_b = get_preset("llama-3.2-1b")
+    assert plan(one_b, 132, page_size=1).constants.KVBOX == 1  # a bf16 row of head_dim 64 is 128 bytes: a box
+    for ps in (1, 3, 5):  # e4m3 rows of 64 bytes: a box of gcd(ps, 128) = 1 row is half TMA's 128-byte alignment
+        with pytest.raises(ValueError, match=f"page_size={ps}: the loader streams K/V in boxes"):
+            plan(one_b, 132, page_size=ps, kv_dtype=fp8.FP8)
+    assert plan(one_b, 132, page_size=6, kv_dtype=fp8.FP8).constants.KVBOX == 2  # two rows: 128 bytes
+    t = Tuning().resolve(one_b)
+    assert kv_ring(one_b, t, 8, fp8.FP8) == (128, 8)
+    small = Tuning(tile_rows=16, tile_k=256).resolve(one_b)  # an 8 KB slot: the block shrinks to the slot
+    assert kv_ring(one_b, small, 16) == (32, 16) and plan(one_b, 132, tuning=small).constants.BT == 32
