@@ -14,30 +14,35 @@ layer ``layer``, kv head ``kv_head`` at positions [lo, hi) through the segment's
 step were stored by ATTN_IN).
 finish (the combining split) writes attn[t, h*hd:(h+1)*hd] for the group's heads: over splits i < n_splits,
     M = max_i m_i;  w_i = exp(m_i - M)  (an empty split has w_i = 0);  out = sum_i w_i o_i / sum_i w_i l_i
-Tiles: none (K/V come through L2, not the ring).
+Tiles: none in the words; a one-token step's past K/V comes through the ring all the same (device/kv_stream.py).
 
-Device (``compute``, M = 1): split-KV decode attention over the paged cache, all query heads of a KV group in one
-pass. Each [BT, HD] block of K and V is loaded once and used for the scores of all GP heads (GP = G rounded up to a
-power of two; padding heads have q = 0 and are never stored). Each warp owns BT / NW consecutive positions of every
-block and keeps its own online-softmax state, so every reduction inside the loop stays within a warp; the warps'
-states merge once at the end, through the staging buffer (free during attention) with one barrier where it holds
-them (``_merge_smem``), else through Triton's reductions over the warp axis. The first block's past K/V is requested
-BEFORE the instruction's dependency wait (``prefetch``): it does not depend on this step; only the newest row
-(position ``pos``, written by ATTN_IN) does, and the split holding it (the last) reads it after the wait, with q, and
-adds it to warp 0's state as a block one position wide. Later blocks cost one round trip each (K and V requested
-together); in a multi-token step, whose few splits a segment walk many blocks each, they come through two cp.async
-stages in the staging buffer instead, two blocks ahead of the math. Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax
-uses exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). K/V rows are read
-with 16-byte vector loads through L2 (.cg): the newest row was written by another CTA in this step. The last split
-to draw the ticket combines every split's partial in one round of independent loads.
+Device (``compute``): split-KV decode attention over the paged cache, all query heads of a KV group in one pass.
+Each [BT, HD] block of K and V is read once and used for the scores of all GP heads (GP = G rounded up to a power
+of two; padding heads have q = 0 and are never stored). Each warp owns BT / NW consecutive positions of every block
+and keeps its own online-softmax state, so every reduction inside the loop stays within a warp; the warps' states
+merge once at the end, through the staging buffer (free during attention) with one barrier where it holds them
+(``_merge_smem``), else through Triton's reductions over the warp axis. Only the newest row (position ``pos``,
+written by ATTN_IN in this step) depends on the step; the split holding it (the last) reads it after the wait, with
+q, and adds it to warp 0's state as a block one position wide (``_start``).
+One token (``_partial_ring``): the loader has streamed the split's past positions into ring slots (device/ring.py,
+device/kv_stream.py), KVS positions a slot, before and while the instruction waits; compute consumes them in order
+with the ring's running tile counter, block by block, masking the positions outside the split in its first and
+last blocks. A multi-token step (``_prefetch``, ``_partial``): the first block's past K/V is requested BEFORE the
+dependency wait; later blocks cost one round trip each (K and V requested together), or over a bf16 cache come
+through two cp.async stages in the staging buffer, two blocks ahead of the math. Scores are kept in the base-2
+domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax uses exp2; partials are stored in the
+natural-log domain of the state.py contract (m * ln 2). Rows read from global memory go through L2 (.cg): the
+newest row was written by another CTA in this step. The last split to draw the ticket combines every split's
+partial in one round of independent loads.
 
-An fp8 cache (``C.FP8``: e4m3 rows, a bf16 scale per (token, KV head) row, kv/pages.py) changes the loads only: each
-block's e4m3 K/V rows (8-byte vectors) and their scales ([BT] per block, at the rows' own index) are requested
-together and dequantised in registers as kv/fp8.py's ``dequantize`` computes them (``float(q) * float(scale)``, exact
-in fp32), so the rest is the same math over the same values the reference reads. Its blocks hold twice the positions
-(``plan.attn_block``: 8 KB of K, 16 KB of K and V, a round trip), so a split makes half the round trips of bf16;
-a multi-token step's blocks keep bf16's positions (its kernel would spill registers with twice as many). There,
-block 0's rows that this step writes (from ``first`` on) are reloaded after the wait with their scales.
+An fp8 cache (``C.FP8``: e4m3 rows, a bf16 scale per (token, KV head) row, kv/pages.py): a one-token step's scales
+arrive beside each ring slot and scale each position's score and V weight (``_ring_block``: the same values as
+dequantising first, up to fp32 rounding); a multi-token step requests each block's e4m3 rows (8-byte vectors) and
+their scales together and dequantises them in registers as kv/fp8.py's ``dequantize`` computes them
+(``float(q) * float(scale)``, exact in fp32). A one-token step's blocks hold twice bf16's positions
+(``plan.attn_block``: 8 KB of K, 16 KB of K and V, one ring slot); a multi-token step's keep bf16's (its kernel would
+spill registers with twice as many), and block 0's rows that this step writes (from ``first`` on) are reloaded
+after the wait with their scales.
 Element offsets into the pools are int64: the 8B's pools pass 2^31 elements at 128k.
 """
 from __future__ import annotations
@@ -319,13 +324,42 @@ def _start(layer, kvh, lo, hi, s, b, q_ptr, C: gl.constexpr):
 
 
 @gluon.jit
+def _ring_block(q4, k, v, ks, vs, valid, ok, m_i, l_i, o, MASKED: gl.constexpr, C: gl.constexpr):
+    """``_block`` over a block read from a ring slot (K and V [NW, BTW, HD] in the cache's element type): an fp8
+    cache's scales ([NW, 1, BTW], one a position) applied to the scores and to the probabilities that weight V rather
+    than to every element (a position's dot product scaled once: the same values up to fp32 rounding, with half the
+    per-element work of dequantising first). ``MASKED``: positions outside ``valid`` [NW, 1, BTW] get no weight
+    and their V rows (``ok`` [NW, BTW, 1]) are zeroed, for stale bytes may be NaN; a block wholly inside the split
+    skips the selects."""
+    Q3: gl.constexpr = gl.SliceLayout(2, layouts.attention(C))
+    sc = gl.sum(q4 * gl.expand_dims(k.to(gl.float32), 1), axis=3)
+    if C.FP8:
+        sc = sc * ks.to(gl.float32)
+    if MASKED:
+        sc = gl.where(valid, sc, EMPTY_M_D)
+    m_new = gl.maximum(m_i, gl.max(sc, axis=2))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - gl.expand_dims(m_new, 2))
+    vf = v.to(gl.float32)
+    if MASKED:
+        p = gl.where(valid, p, 0.0)
+        vf = gl.where(ok, vf, 0.0)
+    l_i = l_i * alpha + gl.sum(p, axis=2)
+    if C.FP8:
+        p = p * vs.to(gl.float32)
+    pv = gl.sum(gl.expand_dims(p, 3) * gl.expand_dims(vf, 1), axis=2)
+    o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(2, Q3)), 2) + pv
+    return m_new, l_i, o
+
+
+@gluon.jit
 def _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
     """A one-token step's split after its wait: the newest row (``_start``), then the split's past K/V from the
     ring, slot by slot as the loader streamed them (device/kv_stream.py: slot j holds positions [a0 + j KVS, +KVS)
-    as KVS / BT blocks), each slot read into registers ([NW, BTW, HD] a block, K and V; an fp8 cache's rows
-    dequantised with the scales beside the slot) and handed back to the loader before its last block's math;
-    positions outside [lo, hp) masked, their V rows zeroed (stale bytes may be NaN). The warps' states merged and
-    stored as ``_partial`` does. Returns the running tile counter past the split's slots."""
+    as KVS / BT blocks), each slot read into registers ([NW, BTW, HD] a block, K and V; an fp8 cache's scales from
+    beside the slot: ``_ring_block``) and handed back to the loader before its last block's math; positions outside
+    [lo, hp) masked in the split's first and last blocks. The warps' states merged and stored as ``_partial`` does.
+    Returns the running tile counter past the split's slots."""
     NB: gl.constexpr = C.NB
     NW: gl.constexpr = C.NW
     BT: gl.constexpr = C.BT
@@ -347,16 +381,19 @@ def _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_
             v = rows.slice((NSUB + u) * NW, NW).load(KV3)
             ks = k
             vs = v
-            if C.FP8:
+            if C.FP8:  # [NW, 1, BTW]: a scale a position, as the scores hold them
                 scl = kv_stream.slot_scales(sm.sbuf, idx, C)
-                ks = scl.slice(u * NW, NW).load(gl.SliceLayout(2, KV3))
-                vs = scl.slice((NSUB + u) * NW, NW).load(gl.SliceLayout(2, KV3))
+                ks = gl.expand_dims(scl.slice(u * NW, NW).load(gl.SliceLayout(1, S3)), 1)
+                vs = gl.expand_dims(scl.slice((NSUB + u) * NW, NW).load(gl.SliceLayout(1, S3)), 1)
             if u == NSUB - 1:  # every warp has read the slot (the barrier Gluon places before the arrive)
                 consumer_release(sm.empty, idx)
             t0 = a0 + j * C.KVS + u * BT
-            ok = gl.expand_dims((t0 + tk >= lo) & (t0 + tk < hp), 2)
-            m_i, l_i, o = _block(q4, _deq(k, ks, C), gl.where(ok, _deq(v, vs, C), 0.0),
-                                 (t0 + ts >= lo) & (t0 + ts < hp), m_i, l_i, o, Q3)
+            if (t0 >= lo) & (t0 + BT <= hp):  # a whole block of the split's past: no masks
+                m_i, l_i, o = _ring_block(q4, k, v, ks, vs, ts, ts, m_i, l_i, o, False, C)
+            else:  # the split's first or last block: positions outside [lo, hp) masked, their V rows zeroed
+                ok = gl.expand_dims((t0 + tk >= lo) & (t0 + tk < hp), 2)
+                m_i, l_i, o = _ring_block(q4, k, v, ks, vs, (t0 + ts >= lo) & (t0 + ts < hp), ok, m_i, l_i, o,
+                                          True, C)
         it += 1
     _store_split(m_i, l_i, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
     return it
