@@ -57,13 +57,15 @@ def flat(rank):
 
 
 @gluon.jit
-def slot_rows(bufs, idx, C: gl.constexpr):
-    """Ring slot ``idx`` as [2 (K, V) * KVS / BT blocks * NW, BT / NW, HD]: K's block u is rows [u NW, +NW), V's
-    [(KVS / BT + u) NW, +NW), each [NW, BT / NW, HD] with block position w * BT / NW + i at [w, i]."""
-    return bufs.index(idx)._reinterpret(element(C), [2 * C.KVS // C.BT * C.NW, C.BT // C.NW, C.HD], flat(3))
+def slot_rows(bufs, idx, PL: gl.constexpr, C: gl.constexpr):
+    """Ring slot ``idx`` as [2 (K, V) * KVS / BT blocks * NW, BT / NW / PL, PL, HD]: K's block u is rows
+    [u NW, +NW), V's [(KVS / BT + u) NW, +NW), each [NW, BT / NW / PL, PL, HD] with block position
+    w * BT / NW + i * PL + j at [w, i, j]."""
+    return bufs.index(idx)._reinterpret(element(C), [2 * C.KVS // C.BT * C.NW, C.BT // C.NW // PL, PL, C.HD],
+                                        flat(4))
 
 
 @gluon.jit
-def slot_scales(sbuf, idx, C: gl.constexpr):
-    """The scales of slot ``idx`` (C.FP8) as [2 * KVS / BT * NW, BT / NW], rows as ``slot_rows``."""
-    return sbuf.index(idx)._reinterpret(gl.bfloat16, [2 * C.KVS // C.BT * C.NW, C.BT // C.NW], flat(2))
+def slot_scales(sbuf, idx, PL: gl.constexpr, C: gl.constexpr):
+    """The scales of slot ``idx`` (C.FP8) as [2 * KVS / BT * NW, BT / NW / PL, PL], rows as ``slot_rows``."""
+    return sbuf.index(idx)._reinterpret(gl.bfloat16, [2 * C.KVS // C.BT * C.NW, C.BT // C.NW // PL, PL], flat(3))

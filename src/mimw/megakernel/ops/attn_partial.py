@@ -26,8 +26,9 @@ written by ATTN_IN in this step) depends on the step; the split holding it (the 
 q, and adds it to warp 0's state as a block one position wide (``_start``).
 One token (``_partial_ring``): the loader has streamed the split's past positions into ring slots (device/ring.py,
 device/kv_stream.py), KVS positions a slot, before and while the instruction waits; compute consumes them in order
-with the ring's running tile counter, block by block, masking the positions outside the split in its first and
-last blocks. A multi-token step (``_prefetch``, ``_partial``): the first block's past K/V is requested BEFORE the
+with the ring's running tile counter, block by block, each lane of a warp keeping its own online-softmax state
+over its positions (``layouts.attention_lanes``; merged once a split), masking the positions outside the split in
+its first and last blocks. A multi-token step (``_prefetch``, ``_partial``): the first block's past K/V is requested BEFORE the
 dependency wait; later blocks cost one round trip each (K and V requested together), or over a bf16 cache come
 through two cp.async stages in the staging buffer, two blocks ahead of the math. Scores are kept in the base-2
 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax uses exp2; partials are stored in the
@@ -284,7 +285,7 @@ def _block(q4, k, v, valid, m_i, l_i, o, Q3: gl.constexpr):
 
 @gluon.jit
 def _start(layer, kvh, lo, hi, s, b, q_ptr, C: gl.constexpr):
-    """A split's queries and its online-softmax state before its past blocks: q [NW, GP, 1, HD] (pre-scaled: every
+    """A split's queries and its online-softmax state before its past blocks: q [NW, GP, HD] (pre-scaled: every
     warp holds the G heads of the group; padding heads load 0 and are never stored), and (m_i, l_i [NW, GP], o
     [NW, GP, HD]) empty, or where the split holds position ``pos`` (the last split, [lo, hi)) holding that newest
     row, read from the cache, where ATTN_IN stored it before it signalled, in q's round trip: a block one position
@@ -320,82 +321,113 @@ def _start(layer, kvh, lo, hi, s, b, q_ptr, C: gl.constexpr):
     if holds:
         w0 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, gl.SliceLayout(1, gl.SliceLayout(2, S3))), 1), 2)
         m_i, l_i, o = _block(q4, k_new, v_new, w0 == 0, m_i, l_i, o, Q3)
-    return q4, m_i, l_i, o
+    return q, m_i, l_i, o
 
 
 @gluon.jit
-def _ring_block(q4, k, v, ks, vs, valid, ok, m_i, l_i, o, MASKED: gl.constexpr, C: gl.constexpr):
-    """``_block`` over a block read from a ring slot (K and V [NW, BTW, HD] in the cache's element type): an fp8
-    cache's scales ([NW, 1, BTW], one a position) applied to the scores and to the probabilities that weight V rather
-    than to every element (a position's dot product scaled once: the same values up to fp32 rounding, with half the
-    per-element work of dequantising first). ``MASKED``: positions outside ``valid`` [NW, 1, BTW] get no weight
-    and their V rows (``ok`` [NW, BTW, 1]) are zeroed, for stale bytes may be NaN; a block wholly inside the split
-    skips the selects."""
-    Q3: gl.constexpr = gl.SliceLayout(2, layouts.attention(C))
-    sc = gl.sum(q4 * gl.expand_dims(k.to(gl.float32), 1), axis=3)
+def _ring_block(q5, k, v, ks, vs, valid, ok, m, l, o, MASKED: gl.constexpr, C: gl.constexpr):
+    """One block read from a ring slot, in the lanes' layout (``layouts.attention_lanes``): K and V [NW, PT, PL,
+    HD] in the cache's element type against q5 [NW, GP, 1, 1, HD]; each lane keeps its own online-softmax state over
+    its positions (m, l [NW, GP, PL], o [NW, GP, PL, HD]: the registers ``_block``'s replicated state takes), so
+    the block's only cross-lane step is the dot products' sum over head_dim. An fp8 cache's scales ([NW, 1, PT, PL],
+    one a position) scale the scores and the probabilities that weight V rather than every element (the same values
+    as dequantising first up to fp32 rounding, half the per-element work). ``MASKED``: positions outside ``valid``
+    [NW, 1, PT, PL] get no weight and their V rows (``ok`` [NW, PT, PL, 1]) are zeroed, for stale bytes may be NaN;
+    a block wholly inside the split skips the selects."""
+    O4: gl.constexpr = gl.SliceLayout(2, layouts.attention_lanes(C))
+    sc = gl.sum(q5 * gl.expand_dims(k.to(gl.float32), 1), axis=4)  # [NW, GP, PT, PL]
     if C.FP8:
         sc = sc * ks.to(gl.float32)
     if MASKED:
         sc = gl.where(valid, sc, EMPTY_M_D)
-    m_new = gl.maximum(m_i, gl.max(sc, axis=2))
-    alpha = gl.exp2(m_i - m_new)
+    m_new = gl.maximum(m, gl.max(sc, axis=2))  # within each thread: its positions of its lane
+    alpha = gl.exp2(m - m_new)
     p = gl.exp2(sc - gl.expand_dims(m_new, 2))
     vf = v.to(gl.float32)
     if MASKED:
         p = gl.where(valid, p, 0.0)
         vf = gl.where(ok, vf, 0.0)
-    l_i = l_i * alpha + gl.sum(p, axis=2)
+    l = l * alpha + gl.sum(p, axis=2)
     if C.FP8:
         p = p * vs.to(gl.float32)
-    pv = gl.sum(gl.expand_dims(p, 3) * gl.expand_dims(vf, 1), axis=2)
-    o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(2, Q3)), 2) + pv
-    return m_new, l_i, o
+    pv = gl.sum(gl.expand_dims(p, 4) * gl.expand_dims(vf, 1), axis=2)  # [NW, GP, PL, HD]
+    o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(3, O4)), 3) + pv
+    return m_new, l, o
+
+
+@gluon.jit
+def _lane_positions(NW: gl.constexpr, PT: gl.constexpr, PL: gl.constexpr, L3: gl.constexpr):
+    """[NW, PT, PL] offsets of a block's positions in the lanes' layout: w * PT * PL + i * PL + j."""
+    w = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
+    i = gl.expand_dims(gl.expand_dims(gl.arange(0, PT, gl.SliceLayout(0, gl.SliceLayout(2, L3))), 0), 2)
+    j = gl.expand_dims(gl.expand_dims(gl.arange(0, PL, gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
+    return (w * PT + i) * PL + j
 
 
 @gluon.jit
 def _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
-    """A one-token step's split after its wait: the newest row (``_start``), then the split's past K/V from the
-    ring, slot by slot as the loader streamed them (device/kv_stream.py: slot j holds positions [a0 + j KVS, +KVS)
-    as KVS / BT blocks), each slot read into registers ([NW, BTW, HD] a block, K and V; an fp8 cache's scales from
-    beside the slot: ``_ring_block``) and handed back to the loader before its last block's math; positions outside
-    [lo, hp) masked in the split's first and last blocks. The warps' states merged and stored as ``_partial`` does.
-    Returns the running tile counter past the split's slots."""
+    """A one-token step's split after its wait: the split's past K/V from the ring, slot by slot as the loader
+    streamed them (device/kv_stream.py: slot j holds positions [a0 + j KVS, +KVS) as KVS / BT blocks), each block
+    read into registers in the lanes' layout and each slot handed back to the loader before its last block's math
+    (``_ring_block``: every lane its own online-softmax state, lane 0's starting from the newest row's, ``_start``;
+    positions outside [lo, hp) masked in the split's first and last blocks); then the lanes' states merged within
+    each warp, and the warps' states merged and stored as ``_partial`` does. Returns the running tile counter past the
+    split's slots."""
     NB: gl.constexpr = C.NB
     NW: gl.constexpr = C.NW
     BT: gl.constexpr = C.BT
     NSUB: gl.constexpr = C.KVS // BT
-    L4: gl.constexpr = layouts.attention(C)
-    KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
-    S3: gl.constexpr = gl.SliceLayout(3, L4)  # [NW, GP, BTW] scores
-    Q3: gl.constexpr = gl.SliceLayout(2, L4)
+    L5: gl.constexpr = layouts.attention_lanes(C)
+    PL: gl.constexpr = layouts.position_lanes(C)
+    PT: gl.constexpr = BT // NW // PL
+    gl.static_assert(PT * PL * NW == BT, "a block's positions must fill the lanes' layout")
+    KV4: gl.constexpr = gl.SliceLayout(1, L5)  # [NW, PT, PL, HD] K/V block
+    SC4: gl.constexpr = gl.SliceLayout(4, L5)  # [NW, GP, PT, PL] scores
+    ST3: gl.constexpr = gl.SliceLayout(2, SC4)  # [NW, GP, PL] a lane's m, l
+    O4: gl.constexpr = gl.SliceLayout(2, L5)  # [NW, GP, PL, HD] a lane's o
     lo, hi, hp, a0, n = kv_stream.split_slots(split, n_splits, s.ctx, C.KVS, C.KVBOX)
-    tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
-    ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
-    q4, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
+    tk = gl.expand_dims(_lane_positions(NW, PT, PL, gl.SliceLayout(3, KV4)), 3)  # [NW, PT, PL, 1]
+    ts = gl.expand_dims(_lane_positions(NW, PT, PL, gl.SliceLayout(1, SC4)), 1)  # [NW, 1, PT, PL]
+    q, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
+    q5 = gl.expand_dims(gl.expand_dims(gl.convert_layout(q, gl.SliceLayout(2, O4)), 2), 2)  # [NW, GP, 1, 1, HD]
+    # the lanes' states: lane 0's starts from the newest row's state (warp 0 holds it), the others' empty
+    lane3 = gl.expand_dims(gl.expand_dims(gl.arange(0, PL, gl.SliceLayout(0, gl.SliceLayout(1, ST3))), 0), 1)
+    lane4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, PL, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, O4)))), 0), 1), 3)  # [1, 1, PL, 1]
+    m_l = gl.where(lane3 == 0, gl.expand_dims(gl.convert_layout(m_i, gl.SliceLayout(2, ST3)), 2), EMPTY_M_D)
+    l_l = gl.where(lane3 == 0, gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(2, ST3)), 2), 0.0)
+    o_l = gl.where(lane4 == 0, gl.expand_dims(gl.convert_layout(o, gl.SliceLayout(2, O4)), 2), 0.0)
     for j in range(n):
         idx = it % NB
         mbarrier.wait(sm.ready.index(idx), (it // NB) & 1)
-        rows = kv_stream.slot_rows(sm.bufs, idx, C)
+        rows = kv_stream.slot_rows(sm.bufs, idx, PL, C)
         for u in gl.static_range(NSUB):
-            k = rows.slice(u * NW, NW).load(KV3)
-            v = rows.slice((NSUB + u) * NW, NW).load(KV3)
+            k = rows.slice(u * NW, NW).load(KV4)
+            v = rows.slice((NSUB + u) * NW, NW).load(KV4)
             ks = k
             vs = v
-            if C.FP8:  # [NW, 1, BTW]: a scale a position, as the scores hold them
-                scl = kv_stream.slot_scales(sm.sbuf, idx, C)
-                ks = gl.expand_dims(scl.slice(u * NW, NW).load(gl.SliceLayout(1, S3)), 1)
-                vs = gl.expand_dims(scl.slice((NSUB + u) * NW, NW).load(gl.SliceLayout(1, S3)), 1)
+            if C.FP8:  # [NW, 1, PT, PL]: a scale a position, as the scores hold them
+                scl = kv_stream.slot_scales(sm.sbuf, idx, PL, C)
+                ks = gl.expand_dims(scl.slice(u * NW, NW).load(gl.SliceLayout(1, SC4)), 1)
+                vs = gl.expand_dims(scl.slice((NSUB + u) * NW, NW).load(gl.SliceLayout(1, SC4)), 1)
             if u == NSUB - 1:  # every warp has read the slot (the barrier Gluon places before the arrive)
                 consumer_release(sm.empty, idx)
             t0 = a0 + j * C.KVS + u * BT
             if (t0 >= lo) & (t0 + BT <= hp):  # a whole block of the split's past: no masks
-                m_i, l_i, o = _ring_block(q4, k, v, ks, vs, ts, ts, m_i, l_i, o, False, C)
+                m_l, l_l, o_l = _ring_block(q5, k, v, ks, vs, ts, tk, m_l, l_l, o_l, False, C)
             else:  # the split's first or last block: positions outside [lo, hp) masked, their V rows zeroed
-                ok = gl.expand_dims((t0 + tk >= lo) & (t0 + tk < hp), 2)
-                m_i, l_i, o = _ring_block(q4, k, v, ks, vs, (t0 + ts >= lo) & (t0 + ts < hp), ok, m_i, l_i, o,
-                                          True, C)
+                m_l, l_l, o_l = _ring_block(q5, k, v, ks, vs, (t0 + ts >= lo) & (t0 + ts < hp),
+                                            (t0 + tk >= lo) & (t0 + tk < hp), m_l, l_l, o_l, True, C)
         it += 1
-    _store_split(m_i, l_i, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
+    # the lanes' states merged within each warp, once a split
+    m_w = gl.max(m_l, axis=2)  # [NW, GP]
+    w_l = gl.exp2(m_l - gl.expand_dims(m_w, 2))
+    l_w = gl.sum(l_l * w_l, axis=2)
+    o_w = gl.sum(o_l * gl.expand_dims(gl.convert_layout(w_l, gl.SliceLayout(3, O4)), 3), axis=2)  # [NW, GP, HD]
+    m = gl.convert_layout(m_w, m_i.type.layout)
+    l = gl.convert_layout(l_w, l_i.type.layout)
+    o = gl.convert_layout(o_w, o.type.layout)
+    _store_split(m, l, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
     return it
 
 
@@ -417,7 +449,8 @@ def _partial(layer, kvh, seg, split, n_splits, first, k, v, ks, vs, s, b, sm, q_
     tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
     ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
     d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
-    q4, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
+    q, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
+    q4 = gl.expand_dims(q, 2)
     if C.M > 1:  # block 0's rows this step wrote (a verify block's earlier tokens), read after the wait, with
         # their scales (C.FP8) where the prefetch left them 0
         if (first < hp) & (first < lo + BT):
