@@ -114,6 +114,7 @@ class EngineStats:
     kv_bytes_to_host: int = 0
     kv_bytes_to_device: int = 0
     sessions_live: int = 0
+    step_tokens: int = 0  # tokens the steps ran (prompt chunks, decode tokens, drafts), summed over steps
 
 
 class Engine:
@@ -149,6 +150,7 @@ class Engine:
         self._detok: dict[str, TextStream] = {}
         self._preemptions = 0
         self._steps = 0
+        self._step_tokens = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._overlap = config.overlap and speculator is None  # drafts are proposed from the tokens the host holds
@@ -264,7 +266,8 @@ class Engine:
                            restoring=len(self.scheduler.loading), prefix_host_hit_tokens=p.host_hit_tokens if p else 0,
                            host_pages_total=h.pages_total if h else 0, host_pages_used=h.pages_used if h else 0,
                            kv_bytes_to_host=h.bytes_to_host if h else 0,
-                           kv_bytes_to_device=h.bytes_to_device if h else 0, sessions_live=self.sessions.num_live)
+                           kv_bytes_to_device=h.bytes_to_device if h else 0, sessions_live=self.sessions.num_live,
+                           step_tokens=self._step_tokens)
 
     # --- one step -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -290,6 +293,7 @@ class Engine:
         drafts = self.speculator.propose(plan, self.scheduler, self.max_model_len) if self.speculator else {}
         segments = [Segment(tuple(c.request.block_table), c.start, c.length + len(d), _num_logits(c) + len(d))
                     for c in plan.chunks for d in (drafts.get(c.request, NO_DRAFT).tokens,)]
+        self._step_tokens += sum(s.length for s in segments)
         # a drafted chunk runs its draft too, with a logits row after each drafted token
         if self.host is not None:
             self.host.fence()  # this step may overwrite reallocated pages that copies still touch

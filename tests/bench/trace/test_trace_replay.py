@@ -11,7 +11,7 @@ from mimw.bench.trace.format import Trace, TraceRequest
 from mimw.bench.trace.readers import read_trace
 from mimw.bench.trace.remote import check_loopback, replay_http
 from mimw.bench.trace.replay import Clock, replay_engine
-from mimw.bench.trace.report import summarize
+from mimw.bench.trace.report import step_summary, summarize
 from mimw.bench.trace.tokens import TokenSynth
 from mimw.engine.backends.reference import ReferenceBackend
 from mimw.engine.engine import Engine, EngineConfig
@@ -37,6 +37,16 @@ def engine(weights, **cfg):
     return Engine(ReferenceBackend(weights), ByteTokenizer(), EngineConfig(**base))
 
 
+def test_step_summary_buckets_steps_by_tokens():
+    st = step_summary([(0.001, 1), (0.003, 1), (0.010, 300), (0.002, 2)])
+    assert st["steps"] == 4 and st["tokens_p50"] == 1.5
+    assert st["wall_total_s"] == pytest.approx(0.016)
+    assert {b: v["steps"] for b, v in st["by_tokens"].items()} == {"1": 2, "2": 1, "512": 1}
+    assert st["by_tokens"]["1"]["mean_ms"] == pytest.approx(2.0)
+    assert st["by_tokens"]["512"]["share"] == pytest.approx(0.625)
+    assert step_summary([]) == {"steps": 0}
+
+
 def test_clock_releases_requests_as_their_dependencies_finish():
     rs = (TraceRequest(0, "a", 4, 1, (1,), 4, "", (), 0.5), TraceRequest(1, "a", 4, 1, (1,), 4, "", (0,), 2.0),
           TraceRequest(2, "b", 4, 1, (2,), 4, "", (), 0.0), TraceRequest(3, "a", 4, 1, (1,), 4, "", (1, 2), 1.0))
@@ -57,8 +67,12 @@ def test_clock_releases_requests_as_their_dependencies_finish():
 def test_in_process_replay_serves_every_request_and_never_beats_the_ideal(weights):
     trace = read_trace(TRACES / "agent-tiny.jsonl")
     eng = engine(weights, host_kv_bytes=4 << 20)
-    outs = replay_engine(eng, trace, TokenSynth(SPEC.vocab_size), max_duration_s=120)
+    steps: list = []
+    outs = replay_engine(eng, trace, TokenSynth(SPEC.vocab_size), max_duration_s=120, steps=steps)
     assert [o.status for o in outs] == ["ok"] * len(trace.requests)
+    # the step log: one entry per step the engine ran, its tokens summing to what the engine counted
+    assert len(steps) == eng.stats().steps and all(w > 0 and n >= 1 for w, n in steps)
+    assert sum(n for _, n in steps) == eng.stats().step_tokens >= sum(o.output_tokens for o in outs)
     assert [o.output_tokens for o in outs] == [r.output_length for r in trace.requests]
     assert all(o.cached_tokens <= o.ideal_tokens for o in outs)
     assert all(o.ttft is not None and o.ttft >= 0 and o.e2e >= o.ttft for o in outs)
@@ -122,6 +136,10 @@ def test_command_line_in_process_writes_json_markdown_and_chart(tmp_path, capsys
     assert doc["trace"]["requests"] == 12 and doc["working_set_ratio"] > 1
     for s in doc["setups"]:
         assert s["summary"]["ok"] == 12 and len(s["requests"]) == 12 and s["sessions"]
+        st = s["steps"]
+        # the engine's count also has the warm-up request's steps
+        assert 0 < st["steps"] < s["engine"]["steps"] and st["wall_p50_ms"] > 0 and st["backend_step_ms"]
+        assert sum(b["steps"] for b in st["by_tokens"].values()) == st["steps"]
     assert doc["setups"][1]["summary"]["ttft_p50_vs_first"] is not None
     out = capsys.readouterr().out
     assert "session+host" in out and "TTFT p50" in out

@@ -199,9 +199,10 @@ def _in_process(args: argparse.Namespace, trace, setups: list[str]) -> int:
         if engine.host is not None:
             doc["host_pool_tokens"] = engine.host.num_pages * ps
         _warm_up(engine, synth, spec.vocab_size)
+        steps: list[tuple[float, int]] = []
         outcomes = replay_engine(engine, trace, synth, sessions=True, max_duration_s=args.max_duration,
-                                 progress=_progress(name, len(trace.requests)))
-        _add_setup(doc, name, outcomes, engine.stats().__dict__)
+                                 progress=_progress(name, len(trace.requests)), steps=steps)
+        _add_setup(doc, name, outcomes, engine.stats().__dict__, _step_detail(steps, backend))
         _save(doc, out_dir, base, chart=False)
         del engine
         gc.collect()
@@ -249,11 +250,31 @@ def _over_http(args: argparse.Namespace, trace) -> int:
     return _finish(doc, out_dir, _base_name("server", model, trace.name))
 
 
-def _add_setup(doc: dict, name: str, outcomes, engine_stats: dict | None) -> None:
+def _step_detail(steps: list[tuple[float, int]], backend) -> dict:
+    """The replay's step log summarised (``report.step_summary``), with the backend's own step times by token bucket
+    (``Backend.step_costs``: device time where the GPU is timed) and, on the megakernel backend, its router's
+    estimates per path; the steps' summary also goes to stderr."""
+    from .report import step_summary
+
+    out = step_summary(steps)
+    out["backend_step_ms"] = {str(b): ms for b, ms in sorted(backend.step_costs.ms.items())}
+    router = getattr(backend, "router", None)
+    if router is not None:
+        out["router"] = {"replay_ms": router.replay_ms,
+                         "step_ms": {p: {str(b): ms for b, ms in sorted(e.items())} for p, e in router.step_ms.items()}}
+    if out["steps"]:
+        print(f"[trace] {out['steps']} steps: wall p50 {out['wall_p50_ms']:.2f} / p90 {out['wall_p90_ms']:.2f} ms, "
+              f"{out['tokens_p50']:.0f} tokens p50; by tokens: " + ", ".join(
+                  f"{b}: {v['steps']} x {v['mean_ms']:.2f} ms ({v['share']:.0%})" for b, v in out["by_tokens"].items()),
+              file=sys.stderr, flush=True)
+    return out
+
+
+def _add_setup(doc: dict, name: str, outcomes, engine_stats: dict | None, steps: dict | None = None) -> None:
     from .report import compare, per_session, summarize
 
     doc["setups"].append({"name": name, "summary": summarize(outcomes), "sessions": per_session(outcomes),
-                          "engine": engine_stats, "requests": [o.to_json() for o in outcomes]})
+                          "engine": engine_stats, "steps": steps, "requests": [o.to_json() for o in outcomes]})
     compare(doc["setups"])
 
 

@@ -96,8 +96,12 @@ class Clock:
 
 
 def replay_engine(engine: Engine, trace: Trace, synth: TokenSynth, sessions: bool = True,
-                  max_duration_s: float = 600.0, progress=None) -> list[Outcome]:
-    """Replay ``trace`` on ``engine`` in this thread (the engine must be idle); returns one outcome per request."""
+                  max_duration_s: float = 600.0, progress=None,
+                  steps: list[tuple[float, int]] | None = None) -> list[Outcome]:
+    """Replay ``trace`` on ``engine`` in this thread (the engine must be idle); returns one outcome per request.
+    ``steps``, where given, receives one (wall seconds of the ``Engine.step`` call, tokens it ran) per step that ran
+    (with the overlap scheduler a call's wall time includes the wait for the previous step's tokens, so in steady
+    state it is the device's step time)."""
     clock = Clock(trace)
     ideal = trace.ideal_hit_tokens()
     closers = trace.last_of_session()
@@ -144,10 +148,14 @@ def replay_engine(engine: Engine, trace: Trace, synth: TokenSynth, sessions: boo
                                                session_id=r.session if sessions else None,
                                                close_session=sessions and r.session is not None and i in closers))
         if engine.has_work():
-            steps = engine.stats().steps
+            before = engine.stats()
+            t_step = time.perf_counter()
             engine.step()
-            if engine.stats().steps == steps:
+            after = engine.stats()
+            if after.steps == before.steps:
                 time.sleep(0.001)  # only restores in flight: let the copies run
+            elif steps is not None:
+                steps.append((time.perf_counter() - t_step, after.step_tokens - before.step_tokens))
         else:
             nxt = clock.next_due()
             if nxt is None:

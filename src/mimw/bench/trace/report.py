@@ -26,6 +26,26 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1e3
 
 
+def step_summary(steps: Sequence[tuple[float, int]]) -> dict:
+    """The engine's steps during a replay (``replay_engine``'s step log of (wall seconds, tokens)): their count,
+    wall time p50/p90/p99 and total, tokens a step p50/p90, and by token bucket (powers of two) the steps, their
+    mean wall time and their share of all step time: where a slow inter-token latency comes from."""
+    if not steps:
+        return {"steps": 0}
+    wall = [w for w, _ in steps]
+    toks = [n for _, n in steps]
+    total = sum(wall)
+    by: dict[int, list[float]] = {}
+    for w, n in steps:
+        by.setdefault(1 << max(n - 1, 0).bit_length(), []).append(w)
+    return {"steps": len(steps), "wall_p50_ms": _ms(_pct(wall, 50)), "wall_p90_ms": _ms(_pct(wall, 90)),
+            "wall_p99_ms": _ms(_pct(wall, 99)), "wall_total_s": total,
+            "tokens_p50": _pct(toks, 50), "tokens_p90": _pct(toks, 90),
+            "by_tokens": {str(b): {"steps": len(ws), "mean_ms": sum(ws) / len(ws) * 1e3,
+                                   "share": sum(ws) / total if total > 0 else None}
+                          for b, ws in sorted(by.items())}}
+
+
 def summarize(outcomes: Sequence[Outcome]) -> dict:
     ok = [o for o in outcomes if o.status == "ok"]
     sent = [o for o in outcomes if o.status not in ("skipped",)]
