@@ -1,10 +1,11 @@
 """tools/hang.py's reading of a hung launch (pure host logic): a program's words, a fabricated trace and counters."""
+import pytest
 import torch
 
 from mimw.megakernel import isa
 from mimw.megakernel.plan import plan
 from mimw.models.spec import get_preset
-from mimw.megakernel.tools.hang import locate, report, signallers
+from mimw.megakernel.tools.hang import _launches, locate, main, report, signallers
 
 
 def _program():
@@ -59,3 +60,36 @@ def test_a_met_wait_is_stuck_inside_its_work():
     st = locate(words, lens, _done_before(lens, {0: i}), counters, n)[0]
     assert not st.waiting
     assert "inside its work" in report(words, lens, _done_before(lens, {0: i}), counters, n)
+
+
+class _FakeDecoder:
+    """Counts launches and records whether the trace was cleared before each (the launch stamps it)."""
+
+    def __init__(self):
+        self.trace = torch.ones(2, 3, 4, dtype=torch.int64)
+        self.cleared = []
+
+    def launch(self):
+        self.cleared.append(bool((self.trace == 0).all()))
+        self.trace.fill_(5)
+
+
+def test_repeated_launches_clear_the_trace_before_each():
+    dec = _FakeDecoder()
+    launches = _launches(dec, 3, graph=False)
+    assert len(launches) == 3
+    for launch in launches:
+        launch()
+    assert dec.cleared == [True, True, True]  # stamps of the launch before never read as this launch's
+
+
+def test_the_options_parse_before_the_gpu_is_needed(capsys):
+    if not torch.cuda.is_available():  # parsed, then refused for want of a GPU (exit 2, one line)
+        assert main(["--kv-dtype", "fp8", "--steps", "3", "--graph"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--kv-dtype", "fp16"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["--steps", "0"])
+    assert e.value.code == 2
