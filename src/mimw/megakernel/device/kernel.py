@@ -145,7 +145,6 @@ def megakernel(prog, step, weights, vecs, kv, scratch, scalars, trace, C: gl.con
     empty = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     rel = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    ep_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     if C.M > 1:  # hbuf: the tokens' staged inputs, [MB, 32] chunks; wbuf: a norm's weights (device/matvec_mt.py)
         hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS * (C.TK // 32), C.MB, 32], matvec_mt.xs_layout(C))
         wbuf = gl.allocate_shared_memory(gl.bfloat16, [matvec_mt.wbuf_rows(C), 32], matvec_mt.wbuf_layout(C))
@@ -154,7 +153,13 @@ def megakernel(prog, step, weights, vecs, kv, scratch, scalars, trace, C: gl.con
         wbuf = hbuf
     ring.ring_init(empty, ready, C.NB)
     mbarrier.init(rel.index(0), count=1)  # the release hold: one arrival a phase, compute's after a marked release
-    mbarrier.init(ep_bar.index(0), count=1)  # MoE: the loader has read the step's epoch
+    if C.S > 0:  # MoE: the loader has read the step's epoch (device/ring.py)
+        ep_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(ep_bar.index(0), count=1)
+    else:  # a dense kernel never arrives at or waits on it: the release hold's barrier stands in. A barrier of its
+        # own, initialised and then dead, had its bytes reused by Triton's allocator for live data (smollm2: the
+        # staging buffer), whose stores then overwrote a valid mbarrier without mbarrier.inval (undefined in PTX)
+        ep_bar = rel
     sm = Smem(bufs, empty, ready, rel, hbuf, wbuf)
     LOADER_REGS: gl.constexpr = C.LOADER_REGS
     gl.warp_specialize([
