@@ -94,6 +94,18 @@ def test_the_fp8_kernel_compiles_with_its_int_arguments_specialized_to_one():
     assert ptxas_report(compile_sm90a(p, ones=True).asm["ptx"])["spill_stores"] == 0
 
 
+@pytest.mark.parametrize("model,kv", [("smollm2-135m", "bf16"), ("smollm2-135m", "fp8"), ("tiny-qwen3-moe", "bf16")])
+def test_every_mbarrier_the_kernel_initialises_is_one_it_uses(model, kv):
+    """The ring's empty/ready pairs, the release hold, the cluster pairs' two exchange barriers (XB) and, in an MoE
+    kernel only, the loader's epoch barrier: nothing else. A barrier initialised and then dead has its bytes reused
+    by Triton's allocator for live data (a dense kernel's epoch barrier sat on smollm2's staging buffer, overwritten
+    by its stores without mbarrier.inval)."""
+    p, k, _ = _build(model, kv=kv)
+    c = p.constants
+    expect = 2 * c.NB + 1 + (2 if c.XB else 0) + (1 if c.S > 0 else 0)
+    assert k.asm["ptx"].count("mbarrier.init") == expect, (k.asm["ptx"].count("mbarrier.init"), expect)
+
+
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
 def test_the_moe_kernels_compile_spill_free_and_fit_shared_memory(model):
     """One token a step through ROUTER, EXPERT_IN and EXPERT_DOWN: the loader's poll of the routing table

@@ -146,7 +146,6 @@ def megakernel(prog, step, weights, vecs, kv, k_desc, v_desc, scratch, scalars, 
     empty = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     rel = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    ep_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     if C.M > 1:  # hbuf: the tokens' staged inputs, [MB, 32] chunks; wbuf: a norm's weights (device/matvec_mt.py)
         hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS * (C.TK // 32), C.MB, 32], matvec_mt.xs_layout(C))
         wbuf = gl.allocate_shared_memory(gl.bfloat16, [matvec_mt.wbuf_rows(C), 32], matvec_mt.wbuf_layout(C))
@@ -159,7 +158,13 @@ def megakernel(prog, step, weights, vecs, kv, k_desc, v_desc, scratch, scalars, 
             sbuf = gl.allocate_shared_memory(gl.bfloat16, [C.NB, 2 * C.KVS // C.KVBOX, C.KVBOX], kv_stream.flat(2))
     ring.ring_init(empty, ready, C.NB)
     mbarrier.init(rel.index(0), count=1)  # the release hold: one arrival a phase, compute's after a marked release
-    mbarrier.init(ep_bar.index(0), count=1)  # MoE: the loader has read the step's epoch
+    if C.S > 0:  # MoE: the loader has read the step's epoch (device/ring.py)
+        ep_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(ep_bar.index(0), count=1)
+    else:  # a dense kernel never arrives at or waits on it: the release hold's barrier stands in. A barrier of its
+        # own, initialised and then dead, had its bytes reused by Triton's allocator for live data (smollm2: the
+        # staging buffer), whose stores then overwrote a valid mbarrier without mbarrier.inval (undefined in PTX)
+        ep_bar = rel
     sm = Smem(bufs, empty, ready, rel, hbuf, wbuf, sbuf)
     # the loader's K/V stream: the pools' descriptors, their scales, block tables and width, the context pointer,
     # the page count
