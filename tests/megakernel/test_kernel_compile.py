@@ -5,7 +5,7 @@ import functools
 import pytest
 
 from mimw.kv.pages import parse_kv_dtype
-from mimw.megakernel.launch.compile import compile_sm90a, ptxas_report
+from mimw.megakernel.launch.compile import compile_sm90a, partition_barrier_errors, ptxas_report
 from mimw.megakernel.plan import SHARED_BYTES, Tuning, plan
 from mimw.models.spec import get_preset
 
@@ -38,6 +38,7 @@ def _assert_sound(p, k, rep):
     c = p.constants
     assert ptx.count("cp.async.bulk.tensor.2d") == 1 + 2 * c.KVS // c.KVBOX
     assert ("cp.async.mbarrier.arrive.shared.b64" in ptx) == c.FP8
+    assert not partition_barrier_errors(ptx, p.constants.NW)  # no CTA-wide barrier 0 (the loader never arrives)
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "tiny-qwen3"])
