@@ -1,4 +1,5 @@
-"""tools/hang.py's reading of a hung launch (pure host logic): a program's words, a fabricated trace and counters."""
+"""A hung launch: tools/hang.py's reading of one (a program's words, a fabricated trace and counters), and the PTX check
+for the CTA-wide barrier that causes one (launch/compile.partition_barrier_errors)."""
 import pytest
 import torch
 
@@ -93,3 +94,14 @@ def test_the_options_parse_before_the_gpu_is_needed(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--steps", "0"])
     assert e.value.code == 2
+
+
+def test_a_cta_wide_barrier_zero_is_found_in_ptx():
+    from mimw.megakernel.launch.compile import partition_barrier_errors
+
+    ok = "bar.sync 0, 128;\n\tbarrier.sync 1, 160;\n\tbar.sync 0, 128;"
+    assert partition_barrier_errors(ok, 4) == []
+    assert partition_barrier_errors(ok + "\n\tbar.sync 0;", 4) == [("0", "")]  # a noinline function's
+    assert partition_barrier_errors("bar.sync 0, 256;", 4) == [("0", "256")]
+    with pytest.raises(ValueError, match="no barrier"):
+        partition_barrier_errors("mov.u32 %r1, 0;", 4)

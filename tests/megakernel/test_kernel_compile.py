@@ -5,7 +5,7 @@ import functools
 import pytest
 
 from mimw.kv.pages import parse_kv_dtype
-from mimw.megakernel.launch.compile import compile_sm90a, ptxas_report
+from mimw.megakernel.launch.compile import compile_sm90a, partition_barrier_errors, ptxas_report
 from mimw.megakernel.plan import SHARED_BYTES, Tuning, plan
 from mimw.models.spec import get_preset
 
@@ -33,6 +33,7 @@ def _assert_sound(p, k, rep):
     assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release.add" in ptx  # dependency counters
     assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx  # the tiles on the tensor cores
     assert ("st.async.shared::cluster" in ptx) == (p.exchange_bytes > 0)  # the cluster pairs' exchange
+    assert not partition_barrier_errors(ptx, p.constants.NW)  # no CTA-wide barrier 0 (the loader never arrives)
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "tiny-qwen3"])

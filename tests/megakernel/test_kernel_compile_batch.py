@@ -6,7 +6,7 @@ import functools
 import pytest
 
 from mimw.kv.pages import parse_kv_dtype
-from mimw.megakernel.launch.compile import compile_sm90a, ptxas_report
+from mimw.megakernel.launch.compile import compile_sm90a, partition_barrier_errors, ptxas_report
 from mimw.megakernel.plan import SHARED_BYTES, plan
 from mimw.megakernel.program import StepShape
 from mimw.models.spec import get_preset
@@ -31,6 +31,7 @@ def test_the_decode_batch_kernel_compiles_spill_free_on_wgmma(model):
     assert "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16" in ptx
     assert "mma.sync.aligned" not in ptx and "st.async.shared::cluster" not in ptx
     assert "cp.async.bulk.tensor" in ptx and "atom.global.gpu.release.add" in ptx
+    assert not partition_barrier_errors(ptx, p.constants.NW)  # no CTA-wide barrier 0 (the loader never arrives)
     # DOWN_PROJ runs in two ticketed column parts (whole rows alone are fewer blocks than SMs; the 8B's input fits
     # no other way); every input staged by 16-byte async copies
     assert p.program.down_parts == 2

@@ -1,5 +1,6 @@
 """Compile a launch plan's megakernel for sm_90a on any machine (no GPU needed), and read its ptxas report: how CI
-catches compile errors and spills, and how the PTX of two builds is compared."""
+catches compile errors and spills, and how the PTX of two builds is compared. ``partition_barrier_errors`` finds the
+CTA-wide barrier that deadlocks a warp-specialized kernel (device/sync.py)."""
 from __future__ import annotations
 
 from ..plan import LaunchPlan
@@ -49,3 +50,18 @@ def ptxas_report(ptx: str) -> dict:
     num = lambda pat: int(re.search(pat, out).group(1))  # noqa: E731
     return dict(registers=num(r"Used (\d+) registers"), stack=num(r"(\d+) bytes stack frame"),
                 spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"))
+
+
+def partition_barrier_errors(ptx: str, num_warps: int) -> list[tuple[str, str]]:
+    """Barrier 0 is the compute partition's: Triton's warp-specialize lowering rewrites the kernel's own barriers to
+    name its ``num_warps`` warps' threads (``bar.sync 0, 32 * num_warps``); a bare ``bar.sync 0`` (left in a noinline
+    function, which the lowering does not rewrite) waits for the whole CTA, the loader's warps included, which never
+    arrive: the kernel deadlocks at its first use. Returns the (barrier, thread count) uses of barrier 0 that do not
+    name the partition's threads (empty: none). Raises ValueError on PTX with no barrier at all (the pattern would no
+    longer match what Triton emits)."""
+    import re
+
+    bars = re.findall(r"\b(?:bar|barrier)\.sync(?:\.aligned)?\s+(\d+)\s*(?:,\s*(\d+))?\s*;", ptx)
+    if not bars:
+        raise ValueError("no barrier in the PTX: the pattern no longer matches what Triton emits")
+    return [(i, n) for i, n in bars if i == "0" and n != str(32 * num_warps)]
