@@ -88,6 +88,7 @@ class CheckResult:
     route_tags_ok: bool = True
     route_self_ok: bool = True  # every step's last MoE layer routed the top k of its own logits (module doc)
     route_tie: float = 0.0  # 2 x the bf16 reference's largest router probability error
+    route_gap: float = 0.0  # the largest near-tie bound a mismatch would have needed (``route_gap``; 0: none)
 
     def ok(self, tol: float = 2e-2, agree: float = 0.99, max_tie_steps: float = 0.5, kv_tol: float = 1e-2) -> bool:
         """Logits and routing as the module doc says; a bf16 cache's appended rows within ``kv_tol`` of the
@@ -289,7 +290,8 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
                        kv_rel_err=kv_err, bf16_kv_rel_err=bf16_kv_err,
                        route_exact=verdicts.count("exact"), route_ties=verdicts.count("tie"),
                        route_mismatches=verdicts.count("mismatch"), route_tie_steps=len(tie_steps),
-                       route_tags_ok=log.tags_ok, route_self_ok=log.self_ok, route_tie=log.route_tie)
+                       route_tags_ok=log.tags_ok, route_self_ok=log.self_ok, route_tie=log.route_tie,
+                       route_gap=log.worst_gap(verdicts))
 
 
 @dataclass
@@ -313,6 +315,12 @@ class RouteLog:
     @property
     def route_tie(self) -> float:
         return 2 * self.prob_err
+
+    def worst_gap(self, verdicts: list[str]) -> float:
+        """The largest near-tie bound (``route_gap``) any routing judged a mismatch would have needed (0: none):
+        against ``route_tie``, whether a mismatch is a near-tie just past the bound or a wrong expert."""
+        return max([route_gap(r, experts, self.k) for (_, r, experts), v in zip(self.routes, verdicts)
+                    if v == "mismatch"] + [0.0])
 
     def judge(self) -> tuple[list[str], set[int]]:
         """(each recorded routing's verdict, the steps routed to a near-tie elsewhere than the oracle)."""
@@ -351,6 +359,21 @@ def own_routing_ok(dec: MegakernelDecoder, spec: ModelSpec) -> bool:
     used = [j for j, e in enumerate(want_ids) if e != isa.NO_EXPERT]
     return got_ids == want_ids and bool(torch.allclose(dec.scratch.slot_w[used].float(), want_w[used], rtol=2 ** -7,
                                                        atol=0.0))
+
+
+def route_gap(r, got: set[int], k: int) -> float:
+    """The smallest ``route_tie`` for which ``_route_verdict`` calls the kernel's experts ``got`` a near-tie of the
+    oracle's routing ``r`` (inf where no bound does: a count of experts outside [k, M x k])."""
+    ids, p = r.ids.cpu(), r.probs.float().cpu()
+    want = set(ids.flatten().tolist())
+    if not k <= len(got) <= ids.numel():
+        return float("inf")
+    order = torch.sort(p, dim=-1, descending=True).values
+    kth = order[:, k - 1]
+    next_ = order[:, k] if k < p.shape[1] else torch.full_like(kth, float("-inf"))
+    need = [float((kth - p[:, e]).min()) for e in got - want]  # some token's k-th within reach
+    need += [float(p[m, e] - next_[m]) for e in want - got for m in range(ids.shape[0]) if e in ids[m].tolist()]
+    return max(need + [0.0])
 
 
 def _route_verdict(r, got: set[int], k: int, route_tie: float) -> str:
@@ -397,6 +420,8 @@ class BatchResult:
     route_mismatches: int = 0
     route_tie_steps: int = 0
     route_tags_ok: bool = True
+    route_tie: float = 0.0  # the near-tie bound (CheckResult's)
+    route_gap: float = 0.0  # the largest bound a mismatch would have needed (CheckResult's)
 
     def ok(self, tol: float = 2e-2, agree: float = 0.99, kv_tol: float = 1e-2, fp8_kv_tol: float = 0.2) -> bool:
         """Within ``tol`` / ``kv_tol`` of the oracle, or within twice the bf16 reference's own error where bf16
@@ -527,4 +552,4 @@ def check_segments(spec: ModelSpec, lens: tuple[int, ...], context: int, steps: 
                        kv_err, bf16_err, bf16_kv_err, tie, intact, kv_rows=rows, route_self_ok=log.self_ok,
                        route_exact=verdicts.count("exact"), route_ties=verdicts.count("tie"),
                        route_mismatches=verdicts.count("mismatch"), route_tie_steps=len(tie_steps),
-                       route_tags_ok=log.tags_ok)
+                       route_tags_ok=log.tags_ok, route_tie=log.route_tie, route_gap=log.worst_gap(verdicts))
