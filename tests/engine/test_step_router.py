@@ -114,3 +114,10 @@ def test_a_verify_step_never_replays_and_takes_the_cheaper_whole_step_path():
     for _ in range(2):
         only.observe(BATCHED, 32, 3.0)
     assert [only.choose(32, (BATCHED,), replays=False) for _ in range(3)] == [BATCHED] * 3
+
+
+def test_the_estimates_read_as_json_by_bucket():
+    r = StepRouter()
+    assert r.estimates() == {"replay_ms": None, "step_ms": {}}
+    _warm(r, 1.0, {8: 5.2, 2: 5.0})
+    assert r.estimates() == {"replay_ms": 1.0, "step_ms": {BATCHED: {"2": 5.0, "8": 5.2}}}

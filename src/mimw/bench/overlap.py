@@ -219,8 +219,7 @@ def run(args: argparse.Namespace) -> int:
             engine_itl_ms(eng, b, args.prompt, 8, seed=1000 + b)  # warm-up: compilation, graph capture, pools
             row["overlap" if mode else "sync"] = engine_itl_ms(eng, b, args.prompt, args.tokens, seed=b)
         if router is not None:
-            row["router"] = {"replay_ms": router.replay_ms,
-                             "step_ms": {path: dict(ms) for path, ms in router.step_ms.items()}}
+            row["router"] = router.estimates()
         step = row["backend_step_ms"]
         for k in ("sync", "overlap"):
             itl = row[k]["itl_ms"]

@@ -95,8 +95,9 @@ class FusedLayer(nn.Module):
         w, ids = top_k(F.linear(h, self.router), self.spec)  # [1, k] fp32, [1, k]
         experts, order = ids[0].sort()  # the k distinct experts ascending: row j is expert experts[j]'s
         k = experts.shape[0]
-        rows = torch.zeros(self.e_gate.shape[0], dtype=torch.int32, device=h.device)
-        ends = rows.index_add_(0, experts, torch.ones(k, dtype=torch.int32, device=h.device)).cumsum(0, dtype=torch.int32)
+        rows = torch.zeros(self.e_gate.shape[0], dtype=torch.int32, device=h.device)  # rows an expert, then ends
+        ones = torch.ones(k, dtype=torch.int32, device=h.device)
+        ends = rows.index_add_(0, experts, ones).cumsum(0, dtype=torch.int32)
         hk = h.expand(k, -1).contiguous()  # [k, D]
         gate = torch._grouped_mm(hk, self.e_gate.transpose(1, 2), offs=ends)  # [k, F]: expert e's rows times W_e^T
         up = torch._grouped_mm(hk, self.e_up.transpose(1, 2), offs=ends)

@@ -260,8 +260,7 @@ def _step_detail(steps: list[tuple[float, int]], backend) -> dict:
     out["backend_step_ms"] = {str(b): ms for b, ms in sorted(backend.step_costs.ms.items())}
     router = getattr(backend, "router", None)
     if router is not None:
-        out["router"] = {"replay_ms": router.replay_ms,
-                         "step_ms": {p: {str(b): ms for b, ms in sorted(e.items())} for p, e in router.step_ms.items()}}
+        out["router"] = router.estimates()
     if out["steps"]:
         print(f"[trace] {out['steps']} steps: wall p50 {out['wall_p50_ms']:.2f} / p90 {out['wall_p90_ms']:.2f} ms, "
               f"{out['tokens_p50']:.0f} tokens p50; by tokens: " + ", ".join(

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ...engine.step_costs import bucket
 from .replay import Outcome
 
 
@@ -37,7 +38,7 @@ def step_summary(steps: Sequence[tuple[float, int]]) -> dict:
     total = sum(wall)
     by: dict[int, list[float]] = {}
     for w, n in steps:
-        by.setdefault(1 << max(n - 1, 0).bit_length(), []).append(w)
+        by.setdefault(bucket(n), []).append(w)
     return {"steps": len(steps), "wall_p50_ms": _ms(_pct(wall, 50)), "wall_p90_ms": _ms(_pct(wall, 90)),
             "wall_p99_ms": _ms(_pct(wall, 99)), "wall_total_s": total,
             "tokens_p50": _pct(toks, 50), "tokens_p90": _pct(toks, 90),

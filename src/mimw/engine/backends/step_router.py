@@ -59,6 +59,11 @@ class StepRouter:
         ranked = sorted(cost, key=cost.__getitem__)
         return ranked[1] if n % self.refresh == 0 and len(ranked) > 1 else ranked[0]
 
+    def estimates(self) -> dict:
+        """What the router has measured, as JSON: one replay's ms and each whole-batch path's ms by bucket."""
+        return {"replay_ms": self.replay_ms,
+                "step_ms": {p: {str(b): ms for b, ms in sorted(e.items())} for p, e in self.step_ms.items()}}
+
     def observe(self, path: str, batch: int, ms: float) -> None:
         """A step of ``batch`` decode tokens took ``ms`` on ``path``."""
         if ms <= 0:

@@ -1,6 +1,6 @@
 """Compile a launch plan's megakernel for sm_90a on any machine (no GPU needed), and read its ptxas report: how CI
 catches compile errors and spills, and how the PTX of two builds is compared. ``partition_barrier_errors`` finds the
-CTA-wide barrier that deadlocks a warp-specialized kernel (device/sync.py)."""
+CTA-wide barrier that deadlocks a warp-specialized kernel (docs/megakernel.md, "Roles")."""
 from __future__ import annotations
 
 from ..plan import LaunchPlan
