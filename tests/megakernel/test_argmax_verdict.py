@@ -1,4 +1,5 @@
 """The GPU check's argmax verdicts (pure torch, runs on the CPU)."""
+import pytest
 import torch
 
 from mimw.megakernel.tools.check import argmax_verdicts, step_error
@@ -49,6 +50,19 @@ def test_a_routing_is_exact_a_near_tie_within_the_bound_or_a_mismatch():
     assert _route_verdict(r, {0, 1, 3}, 3, 0.001) == "mismatch"  # ... not within a tighter one
     assert _route_verdict(r, {0, 2, 3}, 3, 0.004) == "mismatch"  # dropping expert 1 (0.30) is no tie
     assert _route_verdict(r, {0, 1}, 3, 1.0) == "mismatch"  # too few experts
+
+
+def test_route_gap_is_the_bound_at_which_a_routing_turns_into_a_near_tie():
+    from mimw.megakernel.tools.check import _route_verdict, route_gap
+
+    r = _routing([0.40, 0.30, 0.151, 0.149, 0.0], 3)
+    assert route_gap(r, {0, 1, 2}, 3) == 0.0
+    for got in ({0, 1, 3}, {0, 2, 3}):
+        g = route_gap(r, got, 3)
+        assert _route_verdict(r, got, 3, g + 1e-6) == "tie" and _route_verdict(r, got, 3, g - 1e-3) == "mismatch"
+    assert route_gap(r, {0, 1, 3}, 3) == pytest.approx(0.002, abs=1e-6)
+    assert route_gap(r, {0, 2, 3}, 3) == pytest.approx(0.30 - 0.149, abs=1e-6)  # expert 1 down to the 4th
+    assert route_gap(r, {0, 1}, 3) == float("inf")
 
 
 def test_a_batch_routing_is_judged_on_the_union_of_its_tokens_experts():

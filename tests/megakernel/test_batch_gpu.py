@@ -3,7 +3,9 @@ Hopper GPU against the fp32 reference decoder (marker `gpu`; skipped without CUD
 steps, poisoned scratch, repeated launches compared bit for bit, the appended K/V rows checked. 40 cases (B = 2..8 on
 wgmma N = 8, 13 and 16 on N = 16), ~8-9 minutes on an H100 (the 24 of B <= 8 took 5): `scripts/gpu_check.sh` runs
 them as their own part (PARTS=batches). Verify mixes (step_segments) likewise, their blocks as attention's query
-blocks."""
+blocks. Then the same over an fp8 KV cache (``-k fp8``: a decode batch on the 1B and the 8B, verify blocks at a short
+context, their tokens one-token segments), and verify blocks at context 17 over both caches, where a block's rows of
+the same launch lie in attention's first blocks (``-k short_context``)."""
 import pytest
 import torch
 
@@ -72,3 +74,49 @@ def test_verify_blocks_match_reference_over_8_steps(model, lens, padded, context
     assert r.max_rel_err <= max(2e-2, 2 * r.bf16_rel_err), r
     assert r.argmax_agree_or_tie >= 0.99, r
     assert r.kv_rel_err <= max(1e-2, 2 * r.bf16_kv_rel_err), r
+
+
+# --- an fp8 KV cache (e4m3 + a bf16 scale per (token, KV head), kv/fp8.py) -------------------------------------
+
+def _assert_fp8_ok(r):
+    """As above, and the appended rows kv/fp8.py rows (re-quantising their dequantised values gives back their
+    bytes and scales) within about one e4m3 step of the oracle's, step by step (tools/check.kv_row_check; the bound
+    of test_kernel_gpu.py's fp8 decode checks)."""
+    assert r.others_intact, r
+    assert r.finite, r
+    assert r.bit_identical, f"repeated launches differ (race): {r}"
+    assert r.max_rel_err <= max(2e-2, 2 * r.bf16_rel_err), r
+    assert r.argmax_agree_or_tie >= 0.99, r
+    assert r.kv_rows["requant_exact"], r.kv_rows
+    assert r.kv_rel_err <= 0.2, r.kv_rows
+    assert r.ok(), r
+
+
+@pytest.mark.parametrize("model,batch", [("llama-3.2-1b", 8), ("llama-3.1-8b", 16)])
+def test_fp8_decode_batches_match_reference_over_the_same_fp8_cache(model, batch):
+    """A decode batch over an fp8 cache (wgmma N = 8 on the 1B, head_dim 64: 128-position blocks; N = 16 on the
+    8B, head_dim 128: 64-position blocks): the kernel against the fp32 oracle over a copy of that very fp8 cache."""
+    from mimw.kv import fp8
+    from mimw.megakernel.tools.check import check_batch
+
+    _assert_fp8_ok(check_batch(get_preset(model), batch, 1000, steps=16, kv_dtype=fp8.FP8))
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("model,lens,padded", [("llama-3.2-1b", (4, 3, 1), False), ("llama-3.2-1b", (9, 3), True),
+                                               ("llama-3.1-8b", (9, 6, 1), False)],
+                         ids=["llama-3.2-1b-4x3x1", "llama-3.2-1b-9x3-padded", "llama-3.1-8b-9x6x1"])
+def test_verify_blocks_at_a_short_context_reload_block_zero_after_the_wait(model, lens, padded, kv):
+    """Verify blocks at context 17 (one split): a block's later tokens find its earlier tokens' rows, which this
+    launch stores, inside their split's first block, which attention prefetches before its dependency wait; the
+    prefetch masks them (positions from state.seg_new on) and ``_partial`` reloads them after the wait, with their
+    scales over an fp8 cache (ops/attn_partial.py). At context 1000 above they lie past block 0 and take the later
+    blocks' loads instead."""
+    from mimw.kv.pages import parse_kv_dtype
+    from mimw.megakernel.tools.check import check_segments
+
+    r = check_segments(get_preset(model), lens, 17, steps=8, padded=padded, kv_dtype=parse_kv_dtype(kv))
+    if kv == "fp8":
+        _assert_fp8_ok(r)
+    else:
+        assert r.ok(), r

@@ -1,11 +1,12 @@
 """CI (CPU only): the multi-token megakernel (plan.plan with M = 2..32 tokens: swap-AB wgmma, device/matvec_mt.py)
-compiles for sm_90a without spills and fits shared memory, for every bucket a shipping preset pads its steps to,
-and with attention's query blocks (verify blocks: ops/attn_query_block.py); the one-token kernel keeps none of its
-code."""
+compiles for sm_90a without spills and fits shared memory, for every bucket a shipping preset pads its steps to and
+over a bf16 and an fp8 KV cache, and with attention's query blocks (verify blocks over a bf16 cache:
+ops/attn_query_block.py); the one-token kernel keeps none of its code."""
 import functools
 
 import pytest
 
+from mimw.kv.pages import parse_kv_dtype
 from mimw.megakernel.launch.compile import compile_sm90a, partition_barrier_errors, ptxas_report
 from mimw.megakernel.launch.one_token import bucket_of
 from mimw.megakernel.plan import SHARED_BYTES, plan
@@ -16,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 
 @functools.lru_cache(maxsize=None)
-def _build(model: str, batch: int, blocks: tuple[int, ...] = ()):
-    p = plan(get_preset(model), 132, StepShape((1,) * batch, 1024, blocks))
+def _build(model: str, batch: int, blocks: tuple[int, ...] = (), kv: str = "bf16"):
+    p = plan(get_preset(model), 132, StepShape((1,) * batch, 1024, blocks), kv_dtype=parse_kv_dtype(kv))
     k = compile_sm90a(p)
     return p, k, ptxas_report(k.asm["ptx"])
 
@@ -134,3 +135,21 @@ def test_a_decode_batch_kernel_has_no_query_block_code():
     p, k, rep = _build("llama-3.2-1b", 16)
     assert p.constants.QT == 1 and not [f for f in rep["functions"] if "compute_block" in f]
     assert "mma.sync" not in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("model,batch", [("llama-3.2-1b", 8), ("llama-3.1-8b", 16)])
+def test_the_fp8_decode_batch_kernels_compile_spill_free_on_wgmma(model, batch):
+    """The multi-token kernel over an fp8 cache (the GPU-tested shapes of test_batch_gpu.py): e4m3 K/V widened in
+    registers (attention's blocks and its late reload of block 0 with their scales), the finisher's rows quantised
+    with round-to-nearest divisions and saturating e4m3 conversions; the same plan as the bf16 kernel's (attention
+    blocks of bf16's positions: fp8's twice as many spill here) but for the rows' bytes."""
+    p, k, rep = _build(model, batch, kv="fp8")
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.exchange_bytes == 0, k.metadata.shared
+    c, ptx = p.constants, k.asm["ptx"]
+    assert c.FP8 and c.M == batch and c.MB == batch
+    assert f"wgmma.mma_async.sync.aligned.m64n{batch}k16.f32.bf16.bf16" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+    b16 = plan(get_preset(model), 132, StepShape((1,) * batch, 1024))
+    assert (p.ring, p.hbuf_rows, p.program.down_parts) == (b16.ring, b16.hbuf_rows, b16.program.down_parts)
+    assert c.BT == b16.constants.BT

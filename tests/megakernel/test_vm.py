@@ -23,6 +23,7 @@ import random
 import pytest
 import torch
 
+from mimw.kv import fp8
 from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.megakernel import isa
 from mimw.megakernel.ops import CLASSES
@@ -63,9 +64,10 @@ def model(name: str):
     return spec, random_weights(spec, seed=1)
 
 
-def prefilled(name: str, page_size: int, contexts: tuple[int, ...], new_tokens: int, seed: int):
+def prefilled(name: str, page_size: int, contexts: tuple[int, ...], new_tokens: int, seed: int,
+              kv_dtype: torch.dtype = torch.float32):
     """``vm_helpers.prefill`` for the preset ``name`` (this file's ``model``)."""
-    return prefill(*model(name), page_size, contexts, new_tokens, seed)
+    return prefill(*model(name), page_size, contexts, new_tokens, seed, kv_dtype)
 
 
 CASES = [  # (preset, num_sms, page_size, seg_lens, contexts before the first step)
@@ -636,6 +638,29 @@ def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_t
     assert rel_err(vm_cache.k, ref_cache.k) <= 1e-5 and rel_err(vm_cache.v, ref_cache.v) <= 1e-5
 
 
+def test_the_fp8_verify_program_matches_the_reference_over_the_same_fp8_cache():
+    """Verify blocks and a decode token (8 one-token segments) with the program plan.plan builds for an fp8 cache:
+    every token's logits and the rows appended (e4m3 bytes and scales) are the reference's over its own fp8 cache,
+    whose past the VM's copy shares."""
+    lens = (4, 3, 1)
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, (37, 15, 60), 2 * max(lens), 5,
+                                                            fp8.FP8)
+    p = plan(spec, 132, StepShape((1,) * sum(lens)), kv_dtype=fp8.FP8)
+    assert p.constants.FP8 and p.constants.M == 8
+    dec = VMDecoder(spec, w, vm_cache, 132, StepShape((1,) * sum(lens)), p.program.config)
+    starts = [37, 15, 60]
+    for step in range(2):
+        segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]
+        tokens = torch.randint(0, spec.vocab_size, (sum(lens),), generator=g)
+        want = ref.forward(tokens, segs, ref_cache)
+        one = split_segments(segs)
+        dec.state.fill(tokens.tolist(), one.positions, one.block_tables, dec.program.shape.seg_lens, one.firsts)
+        dec.vm.run_step(dec.state, dec.scratch, random.Random(step))
+        assert rel_err(dec.scratch.logits[list(one.logit_rows)], want) <= 1e-5
+        starts = [s + n for s, n in zip(starts, lens)]
+    assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))
+
+
 @pytest.mark.parametrize("parts,num_sms", [(2, 7), (3, 132), (4, 1)])
 def test_vm_with_ticketed_down_proj_parts_matches_reference(parts, num_sms):
     spec, _ = model("tiny-llama")
@@ -660,3 +685,36 @@ def test_a_down_proj_part_that_skips_its_ticket_is_caught():
             return
         assert "counters off" in e  # it finished last: its missing ticket leaves the ticket short
     pytest.fail("a DOWN_PROJ part finishing without its ticket went unnoticed in 20 interleavings")
+
+
+def test_the_fp8_program_planned_for_128k_matches_the_reference_at_a_long_context():
+    """The program the GPU runs for an fp8 cache at context 131072 (plan.plan with the cache's dtype: 66 splits a KV
+    head for tiny-qwen3's 2 KV heads on 132 SMs) over a 40000-position fp8 cache of random rows, two steps in the
+    VM against the reference decoder over a copy of the same cache: the splits cover the whole context, and the
+    appended rows are the reference's bytes."""
+    from mimw.kv import fp8
+    from mimw.megakernel.plan import plan
+
+    spec, w = model("tiny-qwen3")
+    ctx, ps = 40000, 16
+    p = plan(spec, 132, StepShape((1,), 131072), ps, kv_dtype=fp8.FP8)
+    assert p.constants.FP8 and p.program.max_splits == 66
+    layout = KVLayout.for_spec(spec, ps, ctx // ps + 4, fp8.FP8)
+    ref_cache, vm_cache = PagedKVCache(layout), PagedKVCache(layout)
+    table = tuple(random.Random(0).sample(range(layout.num_pages), layout.num_pages))
+    g = torch.Generator().manual_seed(3)
+    pos = torch.arange(ctx)
+    for layer in range(spec.num_layers):
+        k, v = (torch.randn(ctx, spec.num_kv_heads, spec.head_dim, generator=g) for _ in range(2))
+        ref_cache.write(layer, table, pos, k, v)
+    for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()):
+        b.copy_(a)
+    ref, vm = ReferenceDecoder(w), VM(p.program, w, vm_cache)
+    state, scratch = alloc_state(p.program, max_pages=layout.num_pages), alloc_scratch(p.program)
+    for step in range(2):
+        tok = torch.randint(0, spec.vocab_size, (1,), generator=g)
+        want = ref.forward(tok, [Segment(table, ctx + step, 1)], ref_cache)
+        state.fill(tok.tolist(), [ctx + step], [table], (1,))
+        vm.run_step(state, scratch, random.Random(step))
+        assert rel_err(scratch.logits, want) <= 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))

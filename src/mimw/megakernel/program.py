@@ -124,6 +124,7 @@ class ProgramConfig:
     min_split_tokens: int = 32  # attention splits get at least this many positions (at context_hint)
     fixed_cost_bytes: int = 96 * 1024  # per-instruction overhead in the cost model (staging + tail, ~2-5 us)
     ticket_cost_bytes: int = 64 * 1024  # extra per ticketed part: acq_rel ticket + the finisher's reads (~2 us)
+    kv_row_bytes: int = 0  # bytes of one cached K (or V) row, scale included (0: bf16, 2 * head_dim)
     clusters: bool = True  # cluster pairs where the shape can form them (see the module doc)
     down_parts: int = 0  # DOWN_PROJ column parts behind a ticket a row block (0 or 1: whole rows); plan.py derives it
     # where a multi-token step's staged activations do not fit in shared memory beside the ring
@@ -326,7 +327,7 @@ def cost(spec: ModelSpec, shape: StepShape, ins: Instruction, cfg: ProgramConfig
     b = ins.tiles.n_tiles * cfg.tile_rows * cfg.tile_k * 2
     if isinstance(ins, AttnPartial):  # its K/V, and (for one split in n) the ticket and the combine
         q = shape.query_tokens(ins.seg, ins.tokens)
-        b += kv_bytes(spec, ins, shape.context_hint, q.stop - q.start)
+        b += kv_bytes(spec, ins, shape.context_hint, q.stop - q.start, cfg.kv_row_bytes)
         if ins.ticket != isa.NO_COUNTER:
             b += cfg.ticket_cost_bytes
     elif isinstance(ins, Reduce):  # every rank's fp32 partial of its rows

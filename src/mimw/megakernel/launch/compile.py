@@ -17,7 +17,8 @@ def compile_sm90a(p: LaunchPlan, ones: bool = False):
 
     from ..device.kernel import megakernel
 
-    sig = args.signature(p.tuning.tile_rows, p.tuning.tile_k)
+    c = p.constants
+    sig = args.signature(p.tuning.tile_rows, p.tuning.tile_k, c.FP8, (c.KVBOX, c.HD))
     constants = {"C": p.constants}
     if ones:
         for path in args.int_paths():
