@@ -84,6 +84,22 @@ def test_a_batch_routing_is_judged_on_the_union_of_its_tokens_experts():
     assert _route_verdict(r, {0, 1, 3, 4, 5, 6}, 3, 0.004) == "mismatch"
 
 
+def test_a_later_layer_of_a_near_tie_step_is_judged_after_the_tie_not_as_a_mismatch():
+    """A step's first MoE layer takes a near-tie elsewhere than the oracle; its second layer's input then holds
+    another expert's share, so any routing there is "after_tie". A step without an earlier tie still fails."""
+    from mimw.megakernel.tools.check import RouteLog
+
+    r = _routing([0.40, 0.30, 0.151, 0.149, 0.0], 3)
+    far = {0, 3, 4}  # far from the oracle's 0, 1, 2: a mismatch on its own
+    log = RouteLog(3, routes=[(0, r, {0, 1, 2}), (0, r, {0, 1, 2}),  # step 0: both layers exact
+                              (1, r, {0, 1, 3}), (1, r, far),  # step 1: a tie, then anything
+                              (2, r, far), (2, r, {0, 1, 3})], prob_err=0.002)  # step 2: a mismatch first
+    verdicts, tied = log.judge()
+    assert verdicts == ["exact", "exact", "tie", "after_tie", "mismatch", "tie"]
+    assert tied == {1, 2}
+    assert log.worst_gap(verdicts) == pytest.approx(0.30 - 0.149, abs=1e-6)  # step 2's first layer
+
+
 def test_the_kernels_routing_table_is_read_with_its_steps_tag():
     from types import SimpleNamespace
 

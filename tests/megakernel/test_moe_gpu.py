@@ -58,5 +58,6 @@ def test_30b_a3b_shape_decode_batch_matches_reference(batch):
 
     r = check_batch(get_preset("qwen3-30b-a3b").with_(num_layers=2), batch, 1000, steps=6)
     # the routing's verdicts first (pytest cuts a long repr): a mismatch's needed bound against the bound
-    assert r.ok(), (f"routings exact/tie/mismatch {r.route_exact}/{r.route_ties}/{r.route_mismatches}, bound "
+    assert r.ok(), (f"routings exact/tie/after-tie/mismatch {r.route_exact}/{r.route_ties}/{r.route_after_ties}/"
+                    f"{r.route_mismatches}, bound "
                     f"{r.route_tie:.3g}, a mismatch needed {r.route_gap:.3g}; max rel err {r.max_rel_err:.3g}; {r}")
