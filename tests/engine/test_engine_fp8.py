@@ -62,7 +62,7 @@ def test_fp8_prefix_reuse_reads_shared_pages_with_their_scales(tiny_weights):
 def test_the_megakernel_backend_refuses_fp8_kv_before_looking_for_a_gpu(tiny_weights):
     from mimw.engine.backends.megakernel import MegakernelBackend
 
-    with pytest.raises(ValueError, match="does not read FP8 KV pages yet"):
+    with pytest.raises(ValueError, match="does not write FP8 KV pages yet"):
         MegakernelBackend(tiny_weights, kv_dtype=FP8)
 
 

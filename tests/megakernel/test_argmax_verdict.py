@@ -1,4 +1,5 @@
 """The GPU check's argmax verdicts (pure torch, runs on the CPU)."""
+import pytest
 import torch
 
 from mimw.megakernel.tools.check import argmax_verdicts, step_error
@@ -51,6 +52,19 @@ def test_a_routing_is_exact_a_near_tie_within_the_bound_or_a_mismatch():
     assert _route_verdict(r, {0, 1}, 3, 1.0) == "mismatch"  # too few experts
 
 
+def test_route_gap_is_the_bound_at_which_a_routing_turns_into_a_near_tie():
+    from mimw.megakernel.tools.check import _route_verdict, route_gap
+
+    r = _routing([0.40, 0.30, 0.151, 0.149, 0.0], 3)
+    assert route_gap(r, {0, 1, 2}, 3) == 0.0
+    for got in ({0, 1, 3}, {0, 2, 3}):
+        g = route_gap(r, got, 3)
+        assert _route_verdict(r, got, 3, g + 1e-6) == "tie" and _route_verdict(r, got, 3, g - 1e-3) == "mismatch"
+    assert route_gap(r, {0, 1, 3}, 3) == pytest.approx(0.002, abs=1e-6)
+    assert route_gap(r, {0, 2, 3}, 3) == pytest.approx(0.30 - 0.149, abs=1e-6)  # expert 1 down to the 4th
+    assert route_gap(r, {0, 1}, 3) == float("inf")
+
+
 def test_a_batch_routing_is_judged_on_the_union_of_its_tokens_experts():
     """A decode batch's routing table names the step's distinct experts (the union over its tokens)."""
     from mimw.megakernel.tools.check import _route_verdict
@@ -68,6 +82,22 @@ def test_a_batch_routing_is_judged_on_the_union_of_its_tokens_experts():
     assert _route_verdict(r, {0, 1, 2, 3, 5}, 3, 0.004) == "mismatch"
     # an expert no token comes near (6: probability 0 for both) in place of 2 is no tie
     assert _route_verdict(r, {0, 1, 3, 4, 5, 6}, 3, 0.004) == "mismatch"
+
+
+def test_a_later_layer_of_a_near_tie_step_is_judged_after_the_tie_not_as_a_mismatch():
+    """A step's first MoE layer takes a near-tie elsewhere than the oracle; its second layer's input then holds
+    another expert's share, so any routing there is "after_tie". A step without an earlier tie still fails."""
+    from mimw.megakernel.tools.check import RouteLog
+
+    r = _routing([0.40, 0.30, 0.151, 0.149, 0.0], 3)
+    far = {0, 3, 4}  # far from the oracle's 0, 1, 2: a mismatch on its own
+    log = RouteLog(3, routes=[(0, r, {0, 1, 2}), (0, r, {0, 1, 2}),  # step 0: both layers exact
+                              (1, r, {0, 1, 3}), (1, r, far),  # step 1: a tie, then anything
+                              (2, r, far), (2, r, {0, 1, 3})], prob_err=0.002)  # step 2: a mismatch first
+    verdicts, tied = log.judge()
+    assert verdicts == ["exact", "exact", "tie", "after_tie", "mismatch", "tie"]
+    assert tied == {1, 2}
+    assert log.worst_gap(verdicts) == pytest.approx(0.30 - 0.149, abs=1e-6)  # step 2's first layer
 
 
 def test_the_kernels_routing_table_is_read_with_its_steps_tag():

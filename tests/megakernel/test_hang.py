@@ -6,7 +6,7 @@ import torch
 from mimw.megakernel import isa
 from mimw.megakernel.plan import plan
 from mimw.models.spec import get_preset
-from mimw.megakernel.tools.hang import locate, report, signallers
+from mimw.megakernel.tools.hang import _launches, locate, main, report, signallers, verify_step
 
 
 def _program():
@@ -61,6 +61,47 @@ def test_a_met_wait_is_stuck_inside_its_work():
     st = locate(words, lens, _done_before(lens, {0: i}), counters, n)[0]
     assert not st.waiting
     assert "inside its work" in report(words, lens, _done_before(lens, {0: i}), counters, n)
+
+
+def test_verify_steps_run_their_blocks_as_query_blocks_unless_per_token():
+    one = verify_step([tuple(range(3))], 37, 16)
+    assert one.blocks == (16,) and one.positions == tuple(range(37, 53)) and set(one.firsts) == {37}
+    tables = [tuple(range(j * 2, j * 2 + 2)) for j in range(3)]
+    assert verify_step(tables, 20, 4).blocks == (4, 4, 4)
+    assert verify_step(tables, 20, 4, query_blocks=False).blocks == ()
+
+
+class _FakeDecoder:
+    """Counts launches and records whether the trace was cleared before each (the launch stamps it)."""
+
+    def __init__(self):
+        self.trace = torch.ones(2, 3, 4, dtype=torch.int64)
+        self.cleared = []
+
+    def launch(self):
+        self.cleared.append(bool((self.trace == 0).all()))
+        self.trace.fill_(5)
+
+
+def test_repeated_launches_clear_the_trace_before_each():
+    dec = _FakeDecoder()
+    launches = _launches(dec, 3, graph=False)
+    assert len(launches) == 3
+    for launch in launches:
+        launch()
+    assert dec.cleared == [True, True, True]  # stamps of the launch before never read as this launch's
+
+
+def test_the_options_parse_before_the_gpu_is_needed(capsys):
+    if not torch.cuda.is_available():  # parsed, then refused for want of a GPU (exit 2, one line)
+        assert main(["--kv-dtype", "fp8", "--steps", "3", "--graph"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--kv-dtype", "fp16"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["--steps", "0"])
+    assert e.value.code == 2
 
 
 def test_a_cta_wide_barrier_zero_is_found_in_ptx():

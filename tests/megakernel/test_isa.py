@@ -17,6 +17,7 @@ from mimw.megakernel.ops.router import Router
     AttnIn(layer=3, head=5, part=1, n_parts=2, ticket=7, wait=2, wait_count=4, signal=9,
            tiles=isa.TileSpan(100, 2, 4, 8, 8)),
     AttnPartial(layer=2, kv_head=1, seg=3, split=7, n_splits=16, ticket=4, wait=0, wait_count=6, signal=1),
+    AttnPartial(layer=2, kv_head=1, seg=5, tokens=16, split=7, n_splits=16, ticket=4, wait=0, wait_count=6),
     OProj(layer=1, row0=32, nrows=16, wait=1, wait_count=8, signal=2, tiles=isa.TileSpan(5, 1, 0, 8, 8)),
     MlpIn(layer=0, row0=0, nrows=64), DownProj(layer=9, row0=2032, nrows=16, part=1, n_parts=2,
                                               flags=isa.CLUSTER_PAIR),
@@ -97,3 +98,14 @@ def test_routing_entries_carry_their_step_and_a_stale_one_reads_as_none(epoch):
         assert isa.routed_expert(entry, epoch) == e
         assert isa.routed_expert(entry, epoch + 1) is None  # the next step sees its own router has not run
     assert isa.routed_expert(0, epoch) is None  # a never-written (zero) entry belongs to no step
+
+
+def test_a_query_blocks_tokens_pack_above_its_segment():
+    one = AttnPartial(layer=2, kv_head=1, seg=3, split=7, n_splits=16).encode()
+    block = AttnPartial(layer=2, kv_head=1, seg=3, tokens=16, split=7, n_splits=16).encode()
+    assert one[isa.Word.B] == 3  # a segment alone: the word as it always was
+    assert block[isa.Word.B] == 3 + (15 << isa.PACK_SHIFT) and block[:3] == one[:3] and block[4:] == one[4:]
+    with pytest.raises(ValueError, match="does not pack"):
+        AttnPartial(seg=1 << isa.PACK_SHIFT, tokens=2).encode()
+    with pytest.raises(ValueError, match="does not pack"):
+        AttnPartial(seg=1, tokens=0).encode()

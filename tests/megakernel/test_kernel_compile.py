@@ -4,6 +4,7 @@ import functools
 
 import pytest
 
+from mimw.kv.pages import parse_kv_dtype
 from mimw.megakernel.launch.compile import compile_sm90a, partition_barrier_errors, ptxas_report
 from mimw.megakernel.plan import SHARED_BYTES, Tuning, plan
 from mimw.models.spec import get_preset
@@ -12,9 +13,10 @@ pytestmark = pytest.mark.slow
 
 
 @functools.lru_cache(maxsize=None)
-def _build(model: str, tuning: Tuning = Tuning()):
-    """(plan on 132 SMs, compiled kernel, ptxas report) of the kernel a decoder on an H100 or H200 launches."""
-    p = plan(get_preset(model), 132, tuning=tuning)
+def _build(model: str, tuning: Tuning = Tuning(), kv: str = "bf16"):
+    """(plan on 132 SMs, compiled kernel, ptxas report) of the kernel a decoder on an H100 or H200 launches over a
+    ``kv`` ("bf16" or "fp8") cache."""
+    p = plan(get_preset(model), 132, tuning=tuning, kv_dtype=parse_kv_dtype(kv))
     k = compile_sm90a(p)
     return p, k, ptxas_report(k.asm["ptx"])
 
@@ -31,6 +33,11 @@ def _assert_sound(p, k, rep):
     assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release.add" in ptx  # dependency counters
     assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx  # the tiles on the tensor cores
     assert ("st.async.shared::cluster" in ptx) == (p.exchange_bytes > 0)  # the cluster pairs' exchange
+    # the loader's K/V stream (device/kv_stream.py): a slot's K and V boxes, one TMA each, beside the weight tile's;
+    # over an fp8 cache the scales by cp.async, arriving on the slot's barrier
+    c = p.constants
+    assert ptx.count("cp.async.bulk.tensor.2d") == 1 + 2 * c.KVS // c.KVBOX
+    assert ("cp.async.mbarrier.arrive.shared.b64" in ptx) == c.FP8
     assert not partition_barrier_errors(ptx, p.constants.NW)  # no CTA-wide barrier 0 (the loader never arrives)
 
 
@@ -66,6 +73,38 @@ def test_the_kernel_compiles_with_its_int_arguments_specialized_to_one():
     p = plan(get_preset("smollm2-135m"), 132)
     k = compile_sm90a(p, ones=True)
     assert ptxas_report(k.asm["ptx"])["spill_stores"] == 0
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "tiny-qwen3"])
+def test_the_fp8_kv_kernels_compile_spill_free_and_fit_shared_memory(model):
+    """The kernel over an fp8 cache: e4m3 K/V loads widened in registers (cvt from e4m3x2), the finisher's rows
+    quantised with round-to-nearest divisions and a saturating round-to-nearest-even e4m3 conversion (what torch's
+    quantiser computes); the same ring as the bf16 kernel."""
+    p, k, rep = _build(model, kv="fp8")
+    _assert_sound(p, k, rep)
+    ptx = k.asm["ptx"]
+    assert p.constants.FP8 and "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "div.rn.f32" in ptx
+    # the ring as bf16's but for the K/V scales beside each slot: one slot fewer where they do not fit in what the
+    # slots leave (the 1B: 12 x 512 bytes against 2 KB)
+    assert p.ring == _build(model)[0].ring - (model in ("llama-3.2-1b", "tiny-qwen3"))
+
+
+def test_the_fp8_kernel_compiles_with_its_int_arguments_specialized_to_one():
+    p = plan(get_preset("smollm2-135m"), 132, kv_dtype=parse_kv_dtype("fp8"))
+    assert ptxas_report(compile_sm90a(p, ones=True).asm["ptx"])["spill_stores"] == 0
+
+
+@pytest.mark.parametrize("model,kv", [("smollm2-135m", "bf16"), ("smollm2-135m", "fp8"), ("tiny-qwen3-moe", "bf16")])
+def test_every_mbarrier_the_kernel_initialises_is_one_it_uses(model, kv):
+    """The ring's empty/ready pairs, the release hold, the cluster pairs' two exchange barriers (XB) and, in an MoE
+    kernel only, the loader's epoch barrier: nothing else. A barrier initialised and then dead has its bytes reused
+    by Triton's allocator for live data (a dense kernel's epoch barrier sat on smollm2's staging buffer, overwritten
+    by its stores without mbarrier.inval)."""
+    p, k, _ = _build(model, kv=kv)
+    c = p.constants
+    expect = 2 * c.NB + 1 + (2 if c.XB else 0) + (1 if c.S > 0 else 0)
+    assert k.asm["ptx"].count("mbarrier.init") == expect, (k.asm["ptx"].count("mbarrier.init"), expect)
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "qwen3-30b-a3b"])

@@ -1,11 +1,14 @@
 """CI (CPU only): the multi-token megakernel (plan.plan with M = 2..32 tokens: swap-AB wgmma, device/matvec_mt.py)
-compiles for sm_90a without spills and fits shared memory, for every bucket a shipping preset pads its steps to;
-the one-token kernel keeps none of its code."""
+compiles for sm_90a without spills and fits shared memory, for every bucket a shipping preset pads its steps to and
+over a bf16 and an fp8 KV cache, and with attention's query blocks (verify blocks over a bf16 cache:
+ops/attn_query_block.py); the one-token kernel keeps none of its code."""
 import functools
 
 import pytest
 
+from mimw.kv.pages import parse_kv_dtype
 from mimw.megakernel.launch.compile import compile_sm90a, partition_barrier_errors, ptxas_report
+from mimw.megakernel.launch.one_token import bucket_of
 from mimw.megakernel.plan import SHARED_BYTES, plan
 from mimw.megakernel.program import StepShape
 from mimw.models.spec import get_preset
@@ -14,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 
 @functools.lru_cache(maxsize=None)
-def _build(model: str, batch: int):
-    p = plan(get_preset(model), 132, StepShape((1,) * batch, 1024))
+def _build(model: str, batch: int, blocks: tuple[int, ...] = (), kv: str = "bf16"):
+    p = plan(get_preset(model), 132, StepShape((1,) * batch, 1024, blocks), kv_dtype=parse_kv_dtype(kv))
     k = compile_sm90a(p)
     return p, k, ptxas_report(k.asm["ptx"])
 
@@ -83,3 +86,70 @@ def test_the_one_token_kernel_has_no_multi_token_code():
     p, k, _ = _build("llama-3.2-1b", 1)
     ptx = k.asm["ptx"]
     assert p.constants.M == 1 and "wgmma" not in ptx and "mma.sync.aligned.m16n8k16" in ptx
+
+
+CALL_SPILL_BYTES = 16  # a kernel with a noinline call (the query-block path), at 255 registers, may keep a few of
+# its long-lived values in local memory (measured: 4-12 bytes on the 8B shapes, Llama's and Qwen3's; 0 on the 1B
+# and SmolLM2)
+
+
+def _block_cases():
+    """(preset, bucket, query blocks): a verify block of 16 at bucket 16 and two at 32 (where plan.max_tokens
+    allows), and the mixes the engine pads to: decode tokens, verify blocks and the padding's block."""
+    from mimw.megakernel.plan import max_tokens
+
+    out = []
+    for name in ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"):
+        out.append((name, 16, (16,)))
+        if max_tokens(get_preset(name)) >= 32:
+            out.append((name, 32, (16, 16)))
+    out += [("llama-3.2-1b", 16, (1, 5, 1, 6, 3)), ("llama-3.1-8b", 8, (4, 4)), ("smollm2-135m", 8, (1, 6, 1))]
+    return out
+
+
+@pytest.mark.parametrize("model,batch,blocks", _block_cases(),
+                         ids=[f"{n}-{m}-{'.'.join(map(str, b))}" for n, m, b in _block_cases()])
+def test_the_query_block_kernels_compile_spill_free_on_mma_sync(model, batch, blocks):
+    p, k, rep = _build(model, batch, blocks)
+    block_fns = [f for f in rep["functions"] if "attn_query_block" in f]
+    # the query-block path, allocated apart (noinline): the requests before the wait, the partial, the combine
+    assert len(block_fns) == 3, sorted(rep["functions"])
+    for f in block_fns:
+        assert rep["functions"][f]["spill_stores"] == 0 and rep["functions"][f]["spill_loads"] == 0, (f, rep)
+    assert rep["spill_stores"] <= CALL_SPILL_BYTES and rep["spill_loads"] <= CALL_SPILL_BYTES, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.constants.QT == min(16, bucket_of(batch))
+    ptx = k.asm["ptx"]
+    assert not partition_barrier_errors(ptx, p.constants.NW)  # noinline parts hold the partition's barriers
+    # S = Q K^T and P V on mma.sync beside the matvecs' wgmma; K/V and the partials staged by 16-byte cp.async
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and "wgmma.mma_async" in ptx
+    assert "cp.async.cg.shared.global" in ptx
+    # one attention instruction per (query block, KV head, split), the splits M = 1 would use where it is alone
+    attn = [i for i in p.program.instructions() if i.OP.name == "ATTN_PARTIAL" and i.layer == 0]
+    assert sorted({(i.seg, i.tokens) for i in attn}) == list(p.program.shape.attn_groups)
+    if len(blocks) == 1:  # M = 1's splits, or as many as the combine stages (SmolLM2's small staging buffer)
+        m1 = plan(get_preset(model), 132, StepShape((1,), 1024)).program.n_splits[0]
+        assert p.program.n_splits == (min(m1, p.program.config.max_splits),)
+
+
+def test_a_decode_batch_kernel_has_no_query_block_code():
+    p, k, rep = _build("llama-3.2-1b", 16)
+    assert p.constants.QT == 1 and not [f for f in rep["functions"] if "compute_block" in f]
+    assert "mma.sync" not in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("model,batch", [("llama-3.2-1b", 8), ("llama-3.1-8b", 16)])
+def test_the_fp8_decode_batch_kernels_compile_spill_free_on_wgmma(model, batch):
+    """The multi-token kernel over an fp8 cache (the GPU-tested shapes of test_batch_gpu.py): e4m3 K/V widened in
+    registers (attention's blocks and its late reload of block 0 with their scales), the finisher's rows quantised
+    with round-to-nearest divisions and saturating e4m3 conversions; the same plan as the bf16 kernel's (attention
+    blocks of bf16's positions: fp8's twice as many spill here) but for the rows' bytes."""
+    p, k, rep = _build(model, batch, kv="fp8")
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.exchange_bytes == 0, k.metadata.shared
+    c, ptx = p.constants, k.asm["ptx"]
+    assert c.FP8 and c.M == batch and c.MB == batch
+    assert f"wgmma.mma_async.sync.aligned.m64n{batch}k16.f32.bf16.bf16" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+    b16 = plan(get_preset(model), 132, StepShape((1,) * batch, 1024))
+    assert (p.ring, p.hbuf_rows, p.program.down_parts) == (b16.ring, b16.hbuf_rows, b16.program.down_parts)
+    assert c.BT == b16.constants.BT

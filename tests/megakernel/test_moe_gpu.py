@@ -7,7 +7,8 @@ every step and compares bit for bit, diffs the logits against the fp32 oracle, a
 step: the last MoE layer's table row must be exactly the top k of the router logits the kernel computed (with
 their weights), and every MoE layer's entries must carry the step's tag and name the oracle's experts, or a
 near-tie within the bf16 reference's own router error (a near-tie step is left out of the logits' comparison; at
-most half the steps may be one: random routers put the k-th and (k+1)-th of many experts close).
+most half the steps may be one: random routers put the k-th and (k+1)-th of many experts close); after every step
+the references take the kernel's appended rows, checked first, so that a near-tie's rows do not move later steps.
 A decode batch of the 30B-A3B's shape (``check_batch``: several sequences a launch, each distinct routed expert
 streamed once) is checked through its logits and appended K/V.
 The 30B-A3B runs at its real layer shape (2048 wide, 32 query heads on 4 KV heads, 128 experts of 768, 8 a token)
@@ -34,6 +35,7 @@ def _check(spec, context, steps):
     assert r.route_mismatches == 0 and r.route_exact > 0, r
     assert r.route_tie_steps <= steps // 2, r
     assert r.max_rel_err <= 2e-2, r
+    assert r.kv_rel_err <= max(1e-2, 2 * r.bf16_kv_rel_err), r
     assert r.argmax_agree_or_tie >= 0.99, r
     return r
 
@@ -55,4 +57,7 @@ def test_30b_a3b_shape_decode_batch_matches_reference(batch):
     from mimw.megakernel.tools.check import check_batch
 
     r = check_batch(get_preset("qwen3-30b-a3b").with_(num_layers=2), batch, 1000, steps=6)
-    assert r.ok(), r
+    # the routing's verdicts first (pytest cuts a long repr): a mismatch's needed bound against the bound
+    assert r.ok(), (f"routings exact/tie/after-tie/mismatch {r.route_exact}/{r.route_ties}/{r.route_after_ties}/"
+                    f"{r.route_mismatches}, bound "
+                    f"{r.route_tie:.3g}, a mismatch needed {r.route_gap:.3g}; max rel err {r.max_rel_err:.3g}; {r}")

@@ -2,7 +2,7 @@
 the host mapping. The VM running the GPU plan's program on that mapping: tests/megakernel/test_vm.py."""
 import pytest
 
-from mimw.megakernel.launch.one_token import bucket_of, split_segments
+from mimw.megakernel.launch.one_token import MAX_QUERY_BLOCK, bucket_of, query_blocks, split_segments
 from mimw.models.reference import Segment
 
 
@@ -39,3 +39,18 @@ def test_a_step_pads_to_its_bucket_with_a_block_on_the_padding_page():
         split_segments([Segment((9,), 4, 3, 3)], pad_page=9)
     with pytest.raises(ValueError, match="more than one page"):
         split_segments([Segment(a, 0, 9, 1)], pad_page=9, page_size=4)
+
+
+def test_segments_become_attention_query_blocks_of_at_most_sixteen_tokens():
+    a, b, c = (1, 2), (3, 4, 5), (6,)
+    one = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 1, 1), Segment(c, 5, 4, 2)])
+    assert one.blocks == (3, 1, 4)  # one block a segment, a decode token alone
+    padded = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 2, 1)], pad_page=9)
+    assert padded.blocks == (3, 2, 3)  # the padding's three rows, consecutive on its page: one block
+    # a segment past one block: blocks of sixteen and the rest, the second continuing the first's rows
+    long = split_segments([Segment(a, 40, 20, 20), Segment(b, 17, 1, 1)], pad_page=9)
+    assert MAX_QUERY_BLOCK == 16 and long.blocks == (16, 4, 1, 11) and long.num_tokens == 32
+    assert long.firsts[16:20] == (40,) * 4  # what attention's prefetch must not read: the first block's rows too
+    # a decode batch: every block one token, the decode batch's program (no query blocks)
+    assert split_segments([Segment(a, 4, 1, 1), Segment(b, 9, 1, 1)]).blocks == ()
+    assert query_blocks([1, 1, 1]) == () and query_blocks([33]) == (16, 16, 1) and query_blocks([2], 1) == ()

@@ -1,8 +1,9 @@
 """The launch plan (plan.py): host logic on the CPU."""
 import pytest
+import torch
 
 from mimw.megakernel.plan import (SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, max_tokens, norm_buffer_bytes,
-                                  plan)
+                                  plan, query_block)
 from mimw.megakernel.program import StepShape
 from mimw.models.spec import get_preset
 
@@ -139,3 +140,154 @@ def test_the_plan_refuses_multi_token_steps_the_gpu_kernel_cannot_run():
         plan(get_preset("llama-3.1-8b"), 132, StepShape((1,) * 32))
     with pytest.raises(ValueError, match="chunk pair"):  # 32-dim heads: 16-row tiles
         plan(get_preset("tiny-qwen3"), 8, StepShape((1, 1)))
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
+def test_query_blocks_fit_the_staging_buffer(model):
+    """A query block's q, two stages of K/V blocks, and its combine's partials all live in the staging buffer
+    (ops/attn_query_block.py): QBT and the splits' cap are what fits it."""
+    spec = get_preset(model)
+    for m, blocks in ((16, (16,)), (8, (4, 4)), (16, (1, 5, 1, 6, 3))):
+        p = plan(spec, 132, StepShape((1,) * m, 1024, blocks))
+        c = p.constants
+        gp, hd, rows = c.GP, c.HD, max(16 * c.NW, c.QT * c.GP)
+        assert c.QT == m and c.QBT in (16, 32)  # the bucket's longest block: one kernel for all its layouts
+        # ... and the splits of a block alone, whatever this layout's
+        assert c.SP2 == plan(spec, 132, StepShape((1,) * m, 1024, (m,))).constants.SP2 >= p.program.max_splits
+        assert (-(-rows // c.QBT) + 4) * c.QBT * hd * 2 <= p.staging_bytes  # q and two stages
+        assert gp * c.SP2 * hd * 4 + c.QT * gp * c.SP2 * 8 <= p.staging_bytes  # a token's partials, the (m, l)
+        assert p.program.max_splits <= p.program.config.max_splits <= 32
+        assert plan(spec, 132, StepShape((1,) * m, 1024)).constants.QT == 1  # a decode batch: none of it
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        plan(spec, 132, StepShape((1,) * 17, 1024, (17,)))
+    with pytest.raises(ValueError, match="does not fit"):
+        query_block(spec, Tuning().resolve(spec), 16, 4096)
+
+
+def test_query_blocks_over_an_fp8_cache_are_refused_and_its_verify_tokens_plan_one_by_one():
+    """Attention's query blocks read bf16 rows (ops/attn_query_block.py): over an fp8 cache plan refuses them by
+    name, and the same verify tokens as one-token segments (what MegakernelDecoder.batch_decoder derives there) plan
+    with QT = 1."""
+    from mimw.kv import fp8
+
+    spec = get_preset("llama-3.2-1b")
+    with pytest.raises(ValueError, match="query blocks .* read a bf16 KV cache"):
+        plan(spec, 132, StepShape((1,) * 16, 1024, (16,)), kv_dtype=fp8.FP8)
+    c = plan(spec, 132, StepShape((1,) * 16, 1024), kv_dtype=fp8.FP8).constants
+    assert (c.QT, c.QBT, c.FP8, c.M) == (1, 0, True, 16)
+
+
+def test_an_fp8_cache_sets_the_kernels_fp8_constants_and_halves_the_cost_models_kv_bytes():
+    """The KV element type is the cache's (never a tuning knob): Constants.FP8, an attention block of 8 KB of K
+    (twice the positions at fp8), and K/V bytes in the scheduler's cost model at e4m3 + a bf16 scale a row."""
+    from mimw.kv import fp8
+    from mimw.megakernel.ops.attn_partial import AttnPartial, kv_bytes
+
+    for model, bt in (("llama-3.2-1b", 64), ("llama-3.1-8b", 32)):
+        spec = get_preset(model)
+        b16, f8 = plan(spec, 132), plan(spec, 132, kv_dtype=fp8.FP8)
+        assert (b16.constants.FP8, b16.constants.BT) == (False, bt)
+        assert (f8.constants.FP8, f8.constants.BT) == (True, 2 * bt)
+        assert f8.program.config.kv_row_bytes == spec.head_dim + 2
+        assert b16.program.config.kv_row_bytes == 2 * spec.head_dim
+        ins = AttnPartial(n_splits=16)
+        assert kv_bytes(spec, ins, 131071, 1, f8.program.config.kv_row_bytes) == 8192 * (spec.head_dim + 2) * 2
+        assert kv_bytes(spec, ins, 131071, 1) == 8192 * spec.head_dim * 2 * 2
+    with pytest.raises(ValueError, match="bf16 or an fp8"):
+        plan(get_preset("llama-3.2-1b"), 132, kv_dtype=torch.float16)
+
+
+def test_an_moe_model_over_an_fp8_cache_is_refused_and_eight_head_groups_keep_bf16_blocks():
+    """MoE layers and an fp8 cache have not been checked together: plan refuses the pair by name (bf16 plans). A KV
+    group of more than four query heads takes bf16's shrunk block at fp8 too (the 30B-A3B's eight: 16 positions)."""
+    from mimw.kv import fp8
+    from mimw.megakernel.plan import attn_block
+
+    for model in ("tiny-qwen3-moe", "qwen3-30b-a3b"):
+        spec = get_preset(model)
+        assert plan(spec, 132).constants.FP8 is False
+        with pytest.raises(ValueError, match="mixture-of-experts model over a bf16 KV cache only"):
+            plan(spec, 132, kv_dtype=fp8.FP8)
+    a3b = get_preset("qwen3-30b-a3b")
+    assert attn_block(a3b) == attn_block(a3b, fp8.FP8) == 16
+    assert attn_block(get_preset("llama-3.2-1b"), fp8.FP8) == 128 and attn_block(get_preset("llama-3.2-1b")) == 64
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_long_contexts_split_attention_over_the_sms(model):
+    """At 32k and 128k every KV head's context is cut into as many splits as the SMs allow (132 // Hkv = 16 for 8
+    KV heads): 8192 positions a split at 128k."""
+    spec = get_preset(model)
+    for ctx in (32768, 131072):
+        p = plan(spec, 132, StepShape((1,), ctx))
+        assert p.program.max_splits == 132 // spec.num_kv_heads == 16
+        assert p.constants.SP2 == 16
+
+
+@pytest.mark.parametrize("model,batch", [("llama-3.2-1b", 8), ("llama-3.2-1b", 32), ("llama-3.1-8b", 16)])
+def test_an_fp8_multi_token_plan_differs_from_the_bf16_one_only_in_its_kv_settings(model, batch):
+    """Decode batches and verify blocks over an fp8 cache: the same multi-token plan (tokens padded to wgmma's N,
+    ring, staging buffer, DOWN_PROJ parts, splits, and attention blocks of bf16's positions: twice as many spill
+    registers there) with Constants.FP8 and the cost model's K/V rows at e4m3 + a bf16 scale."""
+    import dataclasses
+
+    from mimw.kv import fp8
+
+    spec = get_preset(model)
+    shape = StepShape((1,) * batch, 1024)
+    b16, f8 = plan(spec, 132, shape), plan(spec, 132, shape, kv_dtype=fp8.FP8)
+    assert (f8.constants.FP8, f8.constants.M, f8.constants.BT) == (True, batch, b16.constants.BT)
+    assert dataclasses.replace(f8.constants, FP8=False) == b16.constants
+    assert plan(spec, 132, kv_dtype=fp8.FP8).constants.BT == 2 * b16.constants.BT  # one token: 8 KB of K
+    assert (f8.ring, f8.hbuf_rows, f8.program.down_parts, f8.program.max_splits) == \
+        (b16.ring, b16.hbuf_rows, b16.program.down_parts, b16.program.max_splits)
+    assert f8.program.config.kv_row_bytes == spec.head_dim + 2
+
+
+def test_a_one_token_steps_past_kv_fills_whole_ring_slots_in_boxes_of_one_page():
+    """plan.kv_ring: a slot holds KVS positions of K then V, exactly its 16 KB at every shipping shape (the
+    attention block, or two of the 30B-A3B's 16-position blocks), in TMA boxes of gcd(page size, KVS) rows of one
+    page and head; an fp8 cache's scales beside each slot cost the 1B one slot of its ring (13 -> 12: 12 * 512 bytes
+    of scales do not fit in the 2 KB the 13 slots leave); a multi-token step streams no K/V."""
+    from math import gcd
+
+    from mimw.kv import fp8
+    from mimw.megakernel.plan import kv_ring, kv_scale_bytes
+
+    shapes = {"smollm2-135m": (64, 128), "llama-3.2-1b": (64, 128), "llama-3.1-8b": (32, 64),
+              "qwen3-8b": (32, 64), "tiny-qwen3": (128, 256), "qwen3-30b-a3b": (32, None)}
+    for model, (kvs16, kvs8) in shapes.items():
+        spec = get_preset(model)
+        for kvs, dtype in ((kvs16, None), (kvs8, fp8.FP8)):
+            if kvs is None:  # an MoE model over an fp8 cache is refused
+                continue
+            p = plan(spec, 132, kv_dtype=dtype) if dtype else plan(spec, 132)
+            c = p.constants
+            assert (c.KVS, c.KVBOX) == (kvs, 16) and c.KVS % c.BT == 0
+            assert 2 * c.KVS * c.HD * (1 if c.FP8 else 2) == p.tuning.tile_rows * p.tuning.tile_k * 2
+            assert c.BT == (16 if model == "qwen3-30b-a3b" else c.KVS)
+            for ps in (16, 24, 64, 256):
+                assert kv_ring(spec, p.tuning, ps, dtype or torch.bfloat16)[1] == gcd(ps, kvs)
+    one_b = get_preset("llama-3.2-1b")
+    b16, f8 = plan(one_b, 132), plan(one_b, 132, kv_dtype=fp8.FP8)
+    assert (b16.ring, f8.ring, kv_scale_bytes(128, fp8.FP8), kv_scale_bytes(64, torch.bfloat16)) == (13, 12, 512, 0)
+    room = SHARED_BYTES - SCRATCH_BYTES - f8.hbuf_rows * f8.tuning.tile_k * 2 - f8.exchange_bytes
+    assert f8.ring == room // (16384 + 512)
+    assert plan(get_preset("llama-3.1-8b"), 132, kv_dtype=fp8.FP8).ring == 11  # 11 * 256 bytes fit beside
+    assert plan(one_b, 132, StepShape((1,) * 8, 1024)).constants.KVS == 0
+
+
+def test_a_page_size_whose_kv_boxes_tma_cannot_place_is_refused_by_name():
+    from mimw.kv import fp8
+    from mimw.megakernel.plan import kv_ring
+
+    one_b = get_preset("llama-3.2-1b")
+    assert plan(one_b, 132, page_size=1).constants.KVBOX == 1  # a bf16 row of head_dim 64 is 128 bytes: a box
+    for ps in (1, 3, 5):  # e4m3 rows of 64 bytes: a box of gcd(ps, 128) = 1 row is half TMA's 128-byte alignment
+        with pytest.raises(ValueError, match=f"page_size={ps}: the loader streams K/V in boxes"):
+            plan(one_b, 132, page_size=ps, kv_dtype=fp8.FP8)
+    assert plan(one_b, 132, page_size=6, kv_dtype=fp8.FP8).constants.KVBOX == 2  # two rows: 128 bytes
+    t = Tuning().resolve(one_b)
+    assert kv_ring(one_b, t, 8, fp8.FP8) == (128, 8)
+    small = Tuning(tile_rows=16, tile_k=256).resolve(one_b)  # an 8 KB slot: the block shrinks to the slot
+    assert kv_ring(one_b, small, 16) == (32, 16) and plan(one_b, 132, tuning=small).constants.BT == 32

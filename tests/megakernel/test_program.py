@@ -268,3 +268,24 @@ def test_no_loader_can_wait_on_a_router_that_waits_for_it(name, num_sms, seg_len
     x = next(k for k, i in enumerate(q) if i.flags & isa.EXPERT_SPAN and i.layer == q[r].layer)
     q[r], q[x] = q[x], q[r]
     assert loader_wait_errors(prog.queues, prog.spec.num_layers)
+
+
+def test_query_blocks_are_one_attention_instruction_per_block_kv_head_and_split():
+    spec = get_preset("llama-3.2-1b")
+    shape = StepShape((1,) * 16, 1024, (1, 5, 1, 6, 3))
+    prog = build_program(spec, shape, 132, Tuning().resolve(spec).program_config())
+    attn = [i for i in prog.instructions() if isinstance(i, AttnPartial) and i.layer == 0]
+    assert shape.attn_groups == ((0, 1), (1, 5), (6, 1), (7, 6), (13, 3))
+    assert shape.query_tokens(7, 6) == slice(7, 13) and shape.query_tokens(2) == slice(2, 3)
+    assert sorted({(i.seg, i.tokens) for i in attn}) == list(shape.attn_groups)
+    assert len(prog.n_splits) == 5 and len(attn) == spec.num_kv_heads * sum(prog.n_splits)
+    o_proj = next(i for i in prog.instructions() if isinstance(i, OProj) and i.layer == 0)
+    assert o_proj.wait_count == spec.num_kv_heads * 5  # one combine a (block, KV head) signals
+    # one block alone: M = 1's splits, not a sixteenth each
+    one = build_program(spec, StepShape((1,) * 16, 1024, (16,)), 132, Tuning().resolve(spec).program_config())
+    assert one.n_splits == build_program(spec, StepShape((1,), 1024), 132).n_splits == (16,)
+    for bad in ((4, 4), (16, 1), (0, 16)):
+        with pytest.raises(ValueError, match="attn_blocks"):
+            StepShape((1,) * 16, 1024, bad)
+    with pytest.raises(ValueError, match="attn_blocks"):
+        StepShape((2, 1), 1024, (2,))

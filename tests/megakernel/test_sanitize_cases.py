@@ -3,6 +3,9 @@ cases needs no GPU; running them does."""
 import subprocess
 import sys
 
+import torch
+
+from mimw.megakernel.launch.one_token import query_blocks
 from mimw.megakernel.plan import Tuning, plan
 from mimw.megakernel.program import StepShape
 from mimw.megakernel.tools.sanitize import cases
@@ -10,23 +13,36 @@ from mimw.megakernel.tools.sanitize import cases
 
 def test_cases_cover_both_pairs_the_shared_memory_merge_the_tickets_a_decode_batch_and_a_verify_block():
     todo = cases()
-    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 11
+    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 14
     shapes = {}
-    for name, (spec, context, num_sms, tuning, lens) in todo.items():
-        # every case is a valid kernel: M one-token segments (a verify block's tokens each one: launch/one_token.py)
-        p = plan(spec, num_sms, StepShape((1,) * sum(lens), context), 16, tuning)
+    for name, (spec, context, num_sms, tuning, lens, kv_dtype) in todo.items():
+        # every case is a valid kernel: M one-token segments (a verify block's tokens each one: launch/one_token.py),
+        # verify blocks as attention's query blocks as step_segments runs them
+        p = plan(spec, num_sms, StepShape((1,) * sum(lens), context, query_blocks(lens)), 16, tuning, kv_dtype)
         shapes[name] = (p.program.attn_pairs, p.program.down_pairs, p.constants.SMEM_MERGE)
         if name == "kv_pipeline":  # one split a sequence over five K/V blocks, the two stages in the staging buffer
             c = p.constants
             assert p.program.max_splits == 1 and -(-context // c.BT) >= 5
             assert c.M == 8 and c.KT_ROWS * c.TK * c.MB >= 4 * c.BT * c.HD
+        if name == "query_block":  # one block of sixteen, four splits, each over three K/V blocks
+            c = p.constants
+            assert c.QT == 16 and p.program.n_splits == (4,) and -(-(context // 4) // c.QBT) + 1 >= 3
+        if name.startswith("kv_ring"):  # a KV head's splits walk several ring slots, one starting inside a box
+            from mimw.megakernel.state import split_range
+
+            c, n = p.constants, p.program.max_splits
+            los = [split_range(context, i, n)[0] for i in range(n)]
+            assert c.M == 1 and n >= 2 and any(lo % c.KVBOX for lo in los)
+            assert all(-(-(split_range(context, i, n)[1] - lo) // c.KVS) >= 4 for i, lo in enumerate(los))
+            assert c.FP8 == (name == "kv_ring_fp8")
     assert todo["decode_batch"][4] == (1, 1, 1) and shapes["decode_batch"][:2] == (False, False)
     assert todo["verify_block"][4] == (3, 1) and shapes["verify_block"][:2] == (False, False)
     assert shapes["cluster_down"] == (True, True, False)  # SmolLM2: its staging buffer is too small to merge
     assert shapes["attn_smem_merge"][2] and shapes["cluster_qkv"][:2] == (True, False)
     assert shapes["tickets"][:2] == (False, False) and todo["tickets"][3] == Tuning(clusters=False, qkv_parts=2)
     assert all(c[4] == (1,) for n, c in todo.items() if n not in ("decode_batch", "verify_block", "moe_batch",
-                                                                             "kv_pipeline"))
+                                                                             "kv_pipeline", "query_block"))
+    assert all(c[5] == torch.bfloat16 for n, c in todo.items() if n != "kv_ring_fp8")
     assert todo["moe"][0].is_moe and todo["moe_a3b"][0].is_moe and shapes["moe_a3b"][2]  # eight heads: the merge
 
 

@@ -23,6 +23,7 @@ import random
 import pytest
 import torch
 
+from mimw.kv import fp8
 from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.megakernel import isa
 from mimw.megakernel.ops import CLASSES
@@ -63,9 +64,10 @@ def model(name: str):
     return spec, random_weights(spec, seed=1)
 
 
-def prefilled(name: str, page_size: int, contexts: tuple[int, ...], new_tokens: int, seed: int):
+def prefilled(name: str, page_size: int, contexts: tuple[int, ...], new_tokens: int, seed: int,
+              kv_dtype: torch.dtype = torch.float32):
     """``vm_helpers.prefill`` for the preset ``name`` (this file's ``model``)."""
-    return prefill(*model(name), page_size, contexts, new_tokens, seed)
+    return prefill(*model(name), page_size, contexts, new_tokens, seed, kv_dtype)
 
 
 CASES = [  # (preset, num_sms, page_size, seg_lens, contexts before the first step)
@@ -226,6 +228,34 @@ def _dependency_errors(vm, prog, cache, fill, seeds):
             vm.run_step(state, scratch, random.Random(seed))
         except DependencyError as e:
             yield str(e)
+
+
+def _query_block_setup(num_sms=7):
+    """A query block of three one-token segments of one sequence (context 40) beside a decode token (context 21)."""
+    spec, w, _, _, cache, tables, g = prefilled("tiny-qwen3", 16, (40, 21), 4, 5)
+    prog = build_program(spec, StepShape((1,) * 4, 64, (3, 1)), num_sms, shipping(spec))
+    tokens = torch.randint(0, spec.vocab_size, (4,), generator=g).tolist()
+    fill = (tokens, [40, 41, 42, 21], [tables[0]] * 3 + [tables[1]], (1,) * 4, [40, 40, 40, 21])
+    return prog, w, cache, fill
+
+
+def test_a_query_block_split_without_its_wait_is_caught_reading_the_blocks_own_rows():
+    prog, w, cache, fill = _query_block_setup()
+    words, lengths = prog.encode()
+    s, i = _find(prog, words, lengths, isa.Op.ATTN_PARTIAL,
+                 lambda ins: ins.layer == 1 and ins.tokens == 3 and ins.split == ins.n_splits - 1)
+    words[s, i, isa.Word.WAIT] = isa.NO_COUNTER
+    errors = list(_dependency_errors(VM(prog, w, cache, (words, lengths)), prog, cache, fill, 20))
+    assert errors and all("reads" in e for e in errors)
+
+
+def test_a_query_block_whose_segments_are_not_one_sequence_is_refused():
+    prog, w, cache, (tokens, positions, tables, lens, firsts) = _query_block_setup()
+    vm = VM(prog, w, cache)
+    state, scratch = alloc_state(prog, cache.layout.num_pages), alloc_scratch(prog)
+    state.fill(tokens, [40, 41, 43, 21], tables, lens, [40, 40, 40, 21])  # a gap in the block's positions
+    with pytest.raises(ValueError, match="not one sequence"):
+        vm.run_step(state, scratch, random.Random(0))
 
 
 def test_a_part_that_skips_its_ticket_is_caught_finishing_before_the_other_parts():
@@ -547,19 +577,48 @@ def test_vm_proves_the_decode_batch_programs_the_plan_builds(name, num_sms, page
     assert prog.down_parts == p.program.down_parts == 2
 
 
-@pytest.mark.parametrize("num_sms,padded", [(132, False), (7, False), (132, True)])
-def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_the_blocks(num_sms, padded):
-    """A verify block of 4, one of 3 and a decode token (8 one-token segments: the plan of a decode batch of 8),
-    two steps in a row, each in several random interleavings: every token's logits and the cache equal the
-    reference's over the real segments."""
-    lens = (4, 2, 1) if padded else (4, 3, 1)  # padded: 7 tokens run as the bucket of 8, a padding row last
-    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, (37, 15, 60), 2 * max(lens), 11)
+VERIFY_CASES = [  # (num_sms, segment lengths, padded, query blocks)
+    (132, (4, 3, 1), False, False),
+    (7, (4, 3, 1), False, False),
+    (132, (4, 2, 1), True, False),  # 7 tokens run as the bucket of 8, a padding row last
+    (132, (4, 3, 1), False, True),
+    (7, (4, 3, 1), False, True),
+    (132, (4, 2, 1), True, True),  # the padding row a block of one
+    (132, (16,), False, True),  # T = 16 at contexts not a multiple of the GPU's blocks
+    (132, (1, 5, 1, 6), True, True),  # two verify blocks and decode tokens, 13 padded by a block of 3
+    (1, (5, 4, 1), False, True),  # every split on one SM
+    (132, (1, 20), True, True),  # a segment past one query block: blocks of 16 and 4 (the second continues the
+    # first: its rows of this step are the first block's), the padding a block of 11
+]
+
+
+@pytest.mark.parametrize("num_sms,lens,padded,blocks", VERIFY_CASES,
+                         ids=[f"sm{c[0]}-{'x'.join(map(str, c[1]))}{'-pad' if c[2] else ''}{'-qb' if c[3] else ''}"
+                              for c in VERIFY_CASES])
+def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_the_blocks(num_sms, lens, padded,
+                                                                                            blocks):
+    """Verify blocks and decode tokens as one-token segments (the plan of a decode batch of their bucket), their
+    attention per token or (``blocks``) in query blocks (StepShape.attn_blocks: one instruction per block, KV head
+    and split), two steps in a row, each in several random interleavings: every token's logits and the cache equal
+    the reference's over the real segments."""
+    contexts = (37, 15, 60, 23)[: len(lens)]
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, contexts, 2 * max(lens), 11)
     pad_page = min(set(range(vm_cache.layout.num_pages)) - {p for t in tables for p in t}) if padded else None
-    n = 8 if padded else sum(lens)
-    p = plan(spec, num_sms, StepShape((1,) * n))
-    dec = VMDecoder(spec, w, vm_cache, num_sms, StepShape((1,) * n), p.program.config)
+    one0 = split_segments([Segment(t, s, n, n) for t, s, n in zip(tables, contexts, lens)], pad_page)
+    n = one0.num_tokens
+    shape = StepShape((1,) * n, 1024, one0.blocks if blocks else ())
+    assert not blocks or shape.attn_blocks  # every case with query blocks has a block past one token
+    p = plan(spec, num_sms, shape)
+    dec = VMDecoder(spec, w, vm_cache, num_sms, shape, p.program.config)
+    if blocks:  # one instruction per (query block, KV head, split); where one block is alone, M = 1's splits or as
+        # many as its combine stages (plan.query_block: SmolLM2's staging buffer holds 16)
+        attn = [i for i in dec.program.instructions() if i.OP == isa.Op.ATTN_PARTIAL and i.layer == 0]
+        assert sorted({(i.seg, i.tokens) for i in attn}) == list(shape.attn_groups)
+        if len(shape.attn_groups) == 1:
+            m1 = plan(spec, num_sms, StepShape((1,), 1024)).program.n_splits[0]
+            assert dec.program.n_splits == (min(m1, p.program.config.max_splits),)
     pad_rows = (vm_cache.k[:, pad_page].clone(), vm_cache.v[:, pad_page].clone()) if padded else None
-    starts = [37, 15, 60]
+    starts = list(contexts)
     for step in range(2):
         segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]
         tokens = torch.randint(0, spec.vocab_size, (sum(lens),), generator=g)
@@ -577,6 +636,29 @@ def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_t
         assert not torch.equal(vm_cache.k[:, pad_page], pad_rows[0])
         vm_cache.k[:, pad_page], vm_cache.v[:, pad_page] = ref_cache.k[:, pad_page], ref_cache.v[:, pad_page]
     assert rel_err(vm_cache.k, ref_cache.k) <= 1e-5 and rel_err(vm_cache.v, ref_cache.v) <= 1e-5
+
+
+def test_the_fp8_verify_program_matches_the_reference_over_the_same_fp8_cache():
+    """Verify blocks and a decode token (8 one-token segments) with the program plan.plan builds for an fp8 cache:
+    every token's logits and the rows appended (e4m3 bytes and scales) are the reference's over its own fp8 cache,
+    whose past the VM's copy shares."""
+    lens = (4, 3, 1)
+    spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, (37, 15, 60), 2 * max(lens), 5,
+                                                            fp8.FP8)
+    p = plan(spec, 132, StepShape((1,) * sum(lens)), kv_dtype=fp8.FP8)
+    assert p.constants.FP8 and p.constants.M == 8
+    dec = VMDecoder(spec, w, vm_cache, 132, StepShape((1,) * sum(lens)), p.program.config)
+    starts = [37, 15, 60]
+    for step in range(2):
+        segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]
+        tokens = torch.randint(0, spec.vocab_size, (sum(lens),), generator=g)
+        want = ref.forward(tokens, segs, ref_cache)
+        one = split_segments(segs)
+        dec.state.fill(tokens.tolist(), one.positions, one.block_tables, dec.program.shape.seg_lens, one.firsts)
+        dec.vm.run_step(dec.state, dec.scratch, random.Random(step))
+        assert rel_err(dec.scratch.logits[list(one.logit_rows)], want) <= 1e-5
+        starts = [s + n for s, n in zip(starts, lens)]
+    assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))
 
 
 @pytest.mark.parametrize("parts,num_sms", [(2, 7), (3, 132), (4, 1)])
@@ -603,3 +685,36 @@ def test_a_down_proj_part_that_skips_its_ticket_is_caught():
             return
         assert "counters off" in e  # it finished last: its missing ticket leaves the ticket short
     pytest.fail("a DOWN_PROJ part finishing without its ticket went unnoticed in 20 interleavings")
+
+
+def test_the_fp8_program_planned_for_128k_matches_the_reference_at_a_long_context():
+    """The program the GPU runs for an fp8 cache at context 131072 (plan.plan with the cache's dtype: 66 splits a KV
+    head for tiny-qwen3's 2 KV heads on 132 SMs) over a 40000-position fp8 cache of random rows, two steps in the
+    VM against the reference decoder over a copy of the same cache: the splits cover the whole context, and the
+    appended rows are the reference's bytes."""
+    from mimw.kv import fp8
+    from mimw.megakernel.plan import plan
+
+    spec, w = model("tiny-qwen3")
+    ctx, ps = 40000, 16
+    p = plan(spec, 132, StepShape((1,), 131072), ps, kv_dtype=fp8.FP8)
+    assert p.constants.FP8 and p.program.max_splits == 66
+    layout = KVLayout.for_spec(spec, ps, ctx // ps + 4, fp8.FP8)
+    ref_cache, vm_cache = PagedKVCache(layout), PagedKVCache(layout)
+    table = tuple(random.Random(0).sample(range(layout.num_pages), layout.num_pages))
+    g = torch.Generator().manual_seed(3)
+    pos = torch.arange(ctx)
+    for layer in range(spec.num_layers):
+        k, v = (torch.randn(ctx, spec.num_kv_heads, spec.head_dim, generator=g) for _ in range(2))
+        ref_cache.write(layer, table, pos, k, v)
+    for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()):
+        b.copy_(a)
+    ref, vm = ReferenceDecoder(w), VM(p.program, w, vm_cache)
+    state, scratch = alloc_state(p.program, max_pages=layout.num_pages), alloc_scratch(p.program)
+    for step in range(2):
+        tok = torch.randint(0, spec.vocab_size, (1,), generator=g)
+        want = ref.forward(tok, [Segment(table, ctx + step, 1)], ref_cache)
+        state.fill(tok.tolist(), [ctx + step], [table], (1,))
+        vm.run_step(state, scratch, random.Random(step))
+        assert rel_err(scratch.logits, want) <= 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(ref_cache.page_tensors(), vm_cache.page_tensors()))

@@ -72,7 +72,7 @@ def test_fp8_kv_start_up_report():
 def test_fp8_kv_on_the_megakernel_backend_is_a_clear_start_up_error(capsys):
     assert main(["--model", "tiny-llama", "--backend", "megakernel", "--kv-dtype", "fp8", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "does not read FP8 KV" in err and "--kv-dtype bf16" in err and "Traceback" not in err
+    assert "does not write FP8 KV" in err and "--kv-dtype bf16" in err and "Traceback" not in err
 
 
 def test_no_overlap_flag_and_the_same_stream_either_way():

@@ -62,7 +62,8 @@ class Word(IntEnum):
     OP = 0
     LAYER = 1
     A = 2  # ATTN_IN: head (q heads, then k heads, then v heads); ATTN_PARTIAL: kv head; matvecs: first row
-    B = 3  # ATTN_IN: column part; ATTN_PARTIAL: segment; matvecs: number of rows; EXPERT_DOWN: routing slots
+    B = 3  # ATTN_IN: column part; ATTN_PARTIAL: segment in the low PACK_SHIFT bits, its query block's segments
+    #        less 1 above (PACKED); matvecs: number of rows; EXPERT_DOWN: routing slots
     C = 4  # ATTN_IN: number of column parts; ATTN_PARTIAL: split; DOWN_PROJ: column half (cluster pair);
     #        ROUTER: number of parts; EXPERT_IN, EXPERT_DOWN: routing slot (SLOT_WORD); REDUCE: inbox
     D = 5  # ATTN_IN: ticket counter (-1: none); ATTN_PARTIAL: number of splits; DOWN_PROJ: halves (0 or 2);
@@ -80,6 +81,9 @@ class Word(IntEnum):
 
 
 NO_COUNTER = -1
+# Instruction.PACKED: a field kept above bit PACK_SHIFT of a word whose low bits hold another field, stored less its
+# bias (a field at its usual value, the bias, leaves the word as the low field alone)
+PACK_SHIFT = 16
 
 # Word.FLAGS: the two parts of a result run on the two CTAs of one thread-block cluster (SMs 2c and 2c + 1, the same
 # ordinal among the paired instructions of both queues): ATTN_IN's two column parts of a head, DOWN_PROJ's two column
@@ -164,6 +168,7 @@ class Instruction:
 
     OP: ClassVar[Op] = Op.NOP
     FIELDS: ClassVar[dict[str, Word]] = {}  # argument field -> the word that holds it
+    PACKED: ClassVar[dict[str, tuple[Word, int]]] = {}  # field -> (the word whose high bits hold it, its bias)
     wait: int = NO_COUNTER
     wait_count: int = 0
     signal: int = NO_COUNTER
@@ -195,6 +200,11 @@ class Instruction:
         w[Word.T0], w[Word.NR], w[Word.K0], w[Word.K1], w[Word.KT] = t.t0, t.nr, t.k0, t.k1, t.kt
         for name, word in self.FIELDS.items():
             w[word] = int(getattr(self, name))
+        for name, (word, bias) in self.PACKED.items():
+            v = int(getattr(self, name)) - bias
+            if not 0 <= v < 1 << (31 - PACK_SHIFT) or not 0 <= w[word] < 1 << PACK_SHIFT:
+                raise ValueError(f"{self}: {name} does not pack above bit {PACK_SHIFT} of word {word.name}")
+            w[word] |= v << PACK_SHIFT
         if bool(t.xs) != bool(self.flags & EXPERT_SPAN) or (t.xs and XS_WORD in self.FIELDS.values()):
             raise ValueError(f"{self}: an expert span (xs > 0) goes with EXPERT_SPAN and a free Word.E")
         if t.xs:
@@ -232,7 +242,10 @@ def decode(words, table: dict[Op, type[Instruction]]) -> Instruction:
                   flags=w[Word.FLAGS] & (CLUSTER_PAIR | EXPERT_SPAN | PEER),
                   tiles=TileSpan(w[Word.T0], w[Word.NR], w[Word.K0], w[Word.K1], w[Word.KT],
                                  w[XS_WORD] if expert else 0))
-    return cls(**{name: w[word] for name, word in cls.FIELDS.items()}, **common)
+    packed = {name: (w[word] >> PACK_SHIFT) + bias for name, (word, bias) in cls.PACKED.items()}
+    for word, _ in cls.PACKED.values():
+        w[word] &= (1 << PACK_SHIFT) - 1
+    return cls(**{name: w[word] for name, word in cls.FIELDS.items()}, **packed, **common)
 
 
 def kernel_constants() -> dict[str, int]:
@@ -241,5 +254,6 @@ def kernel_constants() -> dict[str, int]:
     out.update({f"W_{w.name}": int(w) for w in Word})
     out.update(NWORDS=NWORDS, CLUSTER_PAIR=CLUSTER_PAIR, HOLD_ARRIVE=HOLD_ARRIVE, HOLD_WAIT=HOLD_WAIT,
                EXPERT_SPAN=EXPERT_SPAN, PEER=PEER, XS_WORD=int(XS_WORD), SLOT_WORD=int(SLOT_WORD),
-               ROUTE_BITS=ROUTE_BITS, NO_EXPERT=NO_EXPERT, ROUTE_TAG_MASK=_TAG_MASK, ROUTE_TAG_SET=_TAG_SET)
+               ROUTE_BITS=ROUTE_BITS, PACK_SHIFT=PACK_SHIFT, NO_EXPERT=NO_EXPERT, ROUTE_TAG_MASK=_TAG_MASK,
+               ROUTE_TAG_SET=_TAG_SET)
     return out

@@ -13,14 +13,20 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
   * ATTN_PARTIAL's warps merge their softmax states through the staging buffer where it holds them (else through
     Triton's reductions over the warp axis); its block (``attn_block``) and a group's splits (``combine_splits``)
     shrink where a KV group has more than four query heads, so its registers hold;
+  * the KV cache's element type (``kv_dtype``: bf16, or fp8 e4m3 with a bf16 scale per (token, head), kv/pages.py):
+    ``Constants.FP8``, the attention block (``attn_block``: as many positions as 8 KB of K; a multi-token step's as
+    many as bf16's) and the cost model's K/V bytes follow it; it is the cache's, never a tuning knob;
+  * a one-token step's past K/V through the ring (``kv_ring``: the loader streams each split's positions into ring
+    slots, ``KVS`` positions of K and V a slot, in TMA boxes of ``KVBOX`` rows of one page and head; an fp8 cache's
+    scales beside the ring, ``kv_scale_bytes`` a slot); a page size whose boxes TMA cannot address is refused;
   * the release hold's marks on the words (hold.py);
   * a multi-token step (M = 2..``max_tokens`` one-token segments: decode tokens, a verify block's tokens): the
-    tokens padded to MB = 8, 16 or 32 (wgmma's N: ``token_rows``), the staging buffer MB bf16 rows a 32-column chunk
-    and a norm's weights beside it, no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts
+    tokens padded to MB = 8, 16 or 32 (wgmma's N: ``token_rows``), the staging buffer MB bf16 rows a 32-column
+    chunk and a norm's weights beside it, no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts
     combine through tickets), and DOWN_PROJ in ticketed column parts: at least two, and as few as let its staged
     input fit beside a ring of ``MIN_RING_MT`` slots.
   * mixture-of-experts layers (ROUTER, EXPERT_IN, EXPERT_DOWN): the staging buffer also holds an expert's
-    activation (EXPERT_DOWN's input).
+    activation (EXPERT_DOWN's input); over a bf16 KV cache only (an fp8 one is refused: not checked together).
 A program with an instruction that has no device code (ops.GPU_OPS) is refused.
 Pure host logic (CPU-tested): ``LaunchPlan.constants`` are the kernel's compile-time constants and ``words`` its
 program; launch/decoder.py allocates and launches, launch/compile.py compiles the same plan for sm_90a on the CPU.
@@ -32,11 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv import fp8
 from ..models.spec import ModelSpec
 from .hold import check_marks, hold_marks, mark_words
 from .isa import Op
 from .ops import GPU_OPS
-from .program import Program, ProgramConfig, StepShape, build_program
+from .program import Program, ProgramConfig, StepShape, attention_splits, build_program
 from .tiles import router_rows
 
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
@@ -47,6 +54,8 @@ MAX_BATCH = 32  # the most tokens a multi-token step plans (swap-AB: the tokens 
 # where the staged input of that many does not fit (``max_tokens``: the 8B shapes' 4096 columns, 16)
 MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its staging buffer
 MAX_MOE_BATCH = 8  # the most tokens a multi-token step of an MoE model plans (wgmma's N = 8)
+MAX_QUERY_BLOCK = 16  # the most tokens of one attention query block (StepShape.attn_blocks): its query rows are
+# tokens x the group's heads on mma.sync (16 x 4 = 64 rows, 16 a warp), its partials' combine a token at a time
 
 
 @dataclass(frozen=True)
@@ -136,10 +145,16 @@ class Constants:
     XB: int  # cluster exchange bytes past Triton's shared memory (0: no cluster pairs)
     DOWN_PAIRS: bool  # DOWN_PROJ in cluster pairs, each half staging its columns from the staging buffer's row 0
     SMEM_MERGE: bool  # ATTN_PARTIAL merges its warps' states through the staging buffer
+    FP8: bool  # the KV cache holds e4m3 rows with a bf16 scale each (kv/fp8.py), else bf16 rows
     TRACE: bool  # per-instruction timestamps (tools/trace.py)
     NW: int  # compute warps
+    KVS: int = 0  # positions of K and V one ring slot holds (M = 1: the loader streams past K/V; kv_ring)
+    KVBOX: int = 1  # rows of one TMA box of K or V: a run of one page of one KV head (kv_ring)
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
-    MB: int = 1  # tokens padded to the B operand's N (8 or 16 where M > 1): staged rows a 32-column chunk
+    QT: int = 1  # tokens of an attention query block at most, a power of two (1: every token alone; more:
+    # ATTN_PARTIAL's query-block path, ops/attn_query_block.py): the bucket's, up to MAX_QUERY_BLOCK
+    QBT: int = 0  # a query block's K/V block positions (plan.query_block; 0: no query blocks)
+    MB: int = 1  # tokens padded to the B operand's N (8, 16 or 32 where M > 1): staged rows a 32-column chunk
     V: int = 0  # vocabulary (the logits' row stride where M > 1)
     E: int = 0  # MoE: experts (0: a dense model)
     EP2: int = 1  # experts rounded up to a power of two (the router finisher's vector)
@@ -214,12 +229,49 @@ def _pow2(n: int) -> int:
     return p
 
 
-def attn_block(spec: ModelSpec) -> int:
-    """BT: positions in one attention block: 8 KB of K at bf16 (64 for head_dim 64, 32 for 128), fewer where a
-    KV group has more than four query heads (the 30B-A3B's eight: 16), so that a thread's share of the block's
-    [heads, positions, head_dim] products stays at the four-head count and the attention does not spill."""
+KV_DTYPES = (torch.bfloat16, fp8.FP8)  # the cache element types the kernel reads and writes
+
+
+def attn_block(spec: ModelSpec, kv_dtype: torch.dtype = torch.bfloat16, num_tokens: int = 1) -> int:
+    """BT: positions in one attention block, 8 KB of K (one round trip's worth): at bf16 64 for head_dim 64, 32 for
+    128; at fp8 twice as many, so a round trip moves as many bytes and a split half as many round trips. A
+    multi-token step (``num_tokens`` > 1) keeps bf16's positions at fp8 (4 KB of K): its kernel holds more beside
+    the block (the token's step fields, block 0's late reload), and the fp8 block of twice the positions spills
+    there (ptxas at 255 registers: 16 spill stores on the 1B at M = 8, 68 with the late reload). Where a KV group
+    has more than four query heads (the 30B-A3B's eight) the block is bf16's shrunk by as much (16 at head_dim 128),
+    at either element type, so that a thread's share of the block's [heads, positions, head_dim] products stays at
+    the four-head count and the attention does not spill."""
     gp = _pow2(spec.group_size)
-    return max(8, min(4096 // spec.head_dim, 16384 // (spec.head_dim * gp)))
+    if num_tokens > 1 or gp > 4:
+        kv_dtype = torch.bfloat16
+    return max(8, 8192 // (spec.head_dim * kv_dtype.itemsize) * 4 // max(4, gp))
+
+
+def kv_ring(spec: ModelSpec, t: Tuning, page_size: int, kv_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """(KVS, KVBOX) of a one-token step, whose loader streams each attention split's past K/V into the ring
+    (device/ring.py): a slot holds KVS positions, K's rows then V's (the most positions, a power of two, whose
+    2 * KVS rows fit the slot: 64 at bf16 and head_dim 64, 32 at 128, twice as many at fp8), which is
+    ``attn_block`` for every shipping shape of four heads a group or fewer; a larger group's block (the 30B-A3B's
+    16) is a part of the slot, which compute walks in blocks, and a slot smaller than the block (a smaller tile
+    tuning) shrinks the block to the slot. The loader fills a slot with TMA boxes of KVBOX = gcd(page size, KVS)
+    rows, each a run of one page of one KV head (kv/pages.py), so a box never crosses a page. Raises ValueError
+    where TMA cannot place the boxes in a slot (a box's bytes a multiple of 128: its shared-memory address
+    alignment) or, over an fp8 cache, the loader's copies of 4 bytes or more cannot carry a box's scales."""
+    import math
+
+    row = spec.head_dim * kv_dtype.itemsize
+    kvs = _pow2(t.tile_rows * t.tile_k * 2 // (2 * row) + 1) // 2
+    box = math.gcd(page_size, kvs)
+    if (box * row) % 128 or (kv_dtype == fp8.FP8 and (box < 2 or kvs < 64)):
+        raise ValueError(f"page_size={page_size}: the loader streams K/V in boxes of gcd(page_size, {kvs}) = {box} "
+                         f"rows of {row} bytes, which TMA cannot place in a ring slot (a box must be a multiple of "
+                         "128 bytes, and an fp8 box at least 2 rows); use a power-of-two page size of 16 or more")
+    return kvs, box
+
+
+def kv_scale_bytes(kvs: int, kv_dtype: torch.dtype) -> int:
+    """Shared memory a ring slot needs beside it for its K/V rows' scales (fp8: KVS bf16 scales of K, then V's)."""
+    return 2 * kvs * fp8.SCALE_DTYPE.itemsize if kv_dtype == fp8.FP8 else 0
 
 
 def combine_splits(spec: ModelSpec, t: Tuning) -> int:
@@ -280,6 +332,31 @@ def max_tokens(spec: ModelSpec, tuning: Tuning = Tuning()) -> int:
     return 1
 
 
+def staged_tiles(spec: ModelSpec, t: Tuning, down_parts: int) -> int:
+    """Column tiles of the widest input an instruction stages (DOWN_PROJ's a part's where it runs in parts)."""
+    kt = lambda k: -(-k // t.tile_k)  # noqa: E731
+    return max(kt(spec.hidden_size), kt(spec.q_size),  # ATTN_IN, ROUTER, MLP_IN, EXPERT_IN; O_PROJ
+               -(-kt(spec.intermediate_size) // down_parts) if spec.mlp_layers else 1,  # DOWN_PROJ
+               kt(spec.moe_intermediate_size) if spec.is_moe else 1)  # EXPERT_DOWN
+
+
+def query_block(spec: ModelSpec, t: Tuning, qt: int, staging_bytes: int) -> tuple[int, int]:
+    """An attention query block's use of the staging buffer (``staging_bytes``; ops/attn_query_block.py): (QBT, the
+    K/V block's positions: 32, or 16 where q [QT x GP rows, head_dim] and two stages of 32-position K and V blocks do
+    not fit; the most splits a block's combine stages, at most 32: a token's partials [GP, splits, head_dim] fp32
+    beside every token's (m, l)). Raises ValueError where neither fits."""
+    gp, hd = _pow2(spec.group_size), spec.head_dim
+    rows = max(16 * t.num_warps, qt * gp)  # at least one m16 row block a warp
+    fits = [b for b in (32, 16) if (-(-rows // b) + 4) * b * hd * 2 <= staging_bytes]
+    splits = 1  # at most 32: the combine's lanes go over the splits
+    while splits < 32 and gp * 2 * splits * hd * 4 + qt * gp * 2 * splits * 8 <= staging_bytes:
+        splits *= 2
+    if not fits or gp * splits * hd * 4 + qt * gp * splits * 8 > staging_bytes:
+        raise ValueError(f"{spec.name}: a query block of {qt} tokens does not fit the {staging_bytes}-byte staging "
+                         "buffer")
+    return fits[0], splits
+
+
 def norm_buffer_bytes(spec: ModelSpec, t: Tuning) -> int:
     """A multi-token step's buffer for a norm's weights (device/matvec_mt.wbuf_rows): the hidden size's 32-column
     chunks, a power of two of them, bf16."""
@@ -296,6 +373,9 @@ def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, i
     if any(n != 1 for n in shape.seg_lens) or m > MAX_BATCH:
         raise ValueError(f"seg_lens={shape.seg_lens}: the megakernel's GPU kernel runs one token, or 2..{MAX_BATCH} "
                          "one-token segments (a verify block runs as one-token segments: launch/one_token.py)")
+    if max(shape.attn_blocks, default=1) > MAX_QUERY_BLOCK:
+        raise ValueError(f"attn_blocks={shape.attn_blocks}: an attention query block holds at most "
+                         f"{MAX_QUERY_BLOCK} tokens")
     if t.tile_rows != 32 or t.tile_k % 64:
         raise ValueError(f"a multi-token step needs [32, 256]-style tiles (a chunk pair is wgmma's 64-row A), got "
                          f"[{t.tile_rows}, {t.tile_k}] (head_dim {spec.head_dim})")
@@ -316,26 +396,45 @@ def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, i
 
 
 def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_size: int = 16,
-         tuning: Tuning = Tuning()) -> LaunchPlan:
+         tuning: Tuning = Tuning(), kv_dtype: torch.dtype = torch.bfloat16) -> LaunchPlan:
+    """``kv_dtype``: the paged cache's element type (``PagedKVCache.layout.dtype``), one of ``KV_DTYPES``."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"the megakernel reads a bf16 or an fp8 (e4m3) KV cache, not {kv_dtype}")
+    if spec.is_moe and kv_dtype == fp8.FP8:  # neither compiled nor GPU-checked together (tools/check.py's routing
+        # checks and fp8 row checks have not run on one model); refused rather than run unchecked
+        raise ValueError(f"{spec.name}: the megakernel runs a mixture-of-experts model over a bf16 KV cache only, "
+                         "not fp8 yet; use --kv-dtype bf16, or the reference backend for an fp8 KV cache")
+    if shape.attn_blocks and kv_dtype == fp8.FP8:
+        raise ValueError(f"attn_blocks={shape.attn_blocks}: attention's query blocks (ops/attn_query_block.py) read a "
+                         "bf16 KV cache; over fp8 a verify block's tokens run as one-token segments (attn_blocks=())")
     t = tuning.resolve(spec)
     check(spec, t)
     m, down_parts, mb = shape.num_tokens, 1, 1
     if m > 1:
         t, down_parts = multi_token(spec, shape, t)
         mb = token_rows(m)
-    cfg = dataclasses.replace(t.program_config(), max_splits=combine_splits(spec, t))
+    # one cached K (or V) row: head_dim elements, and for fp8 its bf16 scale (kv/pages.py)
+    row_bytes = spec.head_dim * kv_dtype.itemsize + (fp8.SCALE_DTYPE.itemsize if kv_dtype == fp8.FP8 else 0)
+    cfg = dataclasses.replace(t.program_config(), kv_row_bytes=row_bytes, max_splits=combine_splits(spec, t))
     if down_parts > 1:
         cfg = dataclasses.replace(cfg, down_parts=down_parts)
+    qbt, qt = 0, 1
+    if shape.attn_blocks:  # attention's query blocks (ops/attn_query_block.py) stage through the staging buffer.
+        # Every layout of blocks in a bucket compiles one kernel: QT the bucket's longest possible block, and (below)
+        # SP2 the splits of a block alone, the most any layout of the bucket gives one
+        qt = _pow2(min(m, MAX_QUERY_BLOCK))
+        qbt, splits = query_block(spec, t, qt, _pow2(staged_tiles(spec, t, down_parts)) * t.tile_k * 2 * mb)
+        cfg = dataclasses.replace(cfg, max_splits=min(cfg.max_splits, splits))
     program = build_program(spec, shape, num_sms, cfg)
+    sp2 = _pow2(program.max_splits)
+    if shape.attn_blocks:
+        sp2 = max(sp2, _pow2(attention_splits(spec, StepShape((1,), shape.context_hint), num_sms, cfg)[0]))
     host_only = sorted({ins.OP for ins in program.instructions()} - set(GPU_OPS) - {Op.NOP})
     if host_only:
         raise ValueError(f"{spec.name}: {', '.join(op.name for op in host_only)} have no device code; the VM runs "
                          "them; use the reference backend")
-    kt = lambda k: -(-k // t.tile_k)  # noqa: E731
     down_pairs = program.down_pairs
-    widest = max(kt(spec.hidden_size), kt(spec.q_size),  # ATTN_IN, ROUTER, MLP_IN, EXPERT_IN; O_PROJ
-                 -(-kt(spec.intermediate_size) // program.down_parts) if spec.mlp_layers else 1,  # DOWN_PROJ
-                 kt(spec.moe_intermediate_size) if spec.is_moe else 1)  # EXPERT_DOWN
+    widest = staged_tiles(spec, t, program.down_parts)
     gp = _pow2(spec.group_size)
     merge_bytes = t.num_warps * gp * (spec.head_dim + 2) * 4  # ATTN_PARTIAL's warps' states (SMEM_MERGE)
     if m == 1 and gp > 4:  # the warps' states of more than four heads merge through the staging buffer: Triton's
@@ -346,14 +445,16 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     wbuf_bytes = norm_buffer_bytes(spec, t) if m > 1 else 0
     xb = exchange_bytes(spec.head_dim) if program.attn_pairs else 0
     slot = t.tile_rows * t.tile_k * 2
+    kvs, kvbox = kv_ring(spec, t, page_size, kv_dtype) if m == 1 else (0, 1)
+    slot_bytes = slot + kv_scale_bytes(kvs, kv_dtype)  # an fp8 cache's scales travel beside their slot
     # a multi-token MoE step's router finisher reduces [8, E] over the warps, and its scan and layout conversions,
     # through the compiler's scratch: 12 KB more than the dense kernel's 8 (the 30B-A3B's 128 experts: 16.5 KB)
     moe_bytes = 24 * _pow2(spec.num_experts) * 4 if spec.is_moe and m > 1 else 0
-    fit = (SHARED_BYTES - hbuf_bytes - wbuf_bytes - SCRATCH_BYTES - xb - moe_bytes) // slot
+    fit = (SHARED_BYTES - hbuf_bytes - wbuf_bytes - SCRATCH_BYTES - xb - moe_bytes) // slot_bytes
     if t.ring > fit:
-        raise ValueError(f"ring={t.ring} slots of {slot} bytes do not fit in shared memory ({fit} do)")
+        raise ValueError(f"ring={t.ring} slots of {slot_bytes} bytes do not fit in shared memory ({fit} do)")
     if fit < 2:
-        raise ValueError(f"shared memory holds {fit} ring slots of {slot} bytes; the ring needs 2")
+        raise ValueError(f"shared memory holds {fit} ring slots of {slot_bytes} bytes; the ring needs 2")
     ring = t.ring or fit
     smem_merge = merge_bytes <= hbuf_bytes
     words, lens = program.encode()
@@ -365,10 +466,12 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         D=spec.hidden_size, HQ=spec.num_heads, HKV=spec.num_kv_heads, HD=spec.head_dim,
         I=spec.intermediate_size, NL=spec.num_layers, PS=page_size, HAS_BIAS=spec.attention_bias,
         QK_NORM=spec.qk_norm, TR=t.tile_rows, TK=t.tile_k, NB=ring, KT_ROWS=hbuf_rows,
-        SG=min(hbuf_rows, 4096 // t.tile_k), BT=attn_block(spec), SP2=_pow2(program.max_splits), GP=gp,
+        SG=min(hbuf_rows, 4096 // t.tile_k), BT=min(attn_block(spec, kv_dtype, m), kvs or 1 << 30),
+        SP2=sp2, GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
-        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, TRACE=t.trace, NW=t.num_warps, M=m, MB=mb, V=spec.vocab_size,
-        E=spec.num_experts, EP2=_pow2(spec.num_experts), EP=router_rows(spec, t.tile_rows), S=program.moe_slots,
-        S2=_pow2(program.moe_slots), K=spec.num_experts_per_tok,
-        F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob)
+        DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, FP8=kv_dtype == fp8.FP8, TRACE=t.trace, NW=t.num_warps,
+        KVS=kvs, KVBOX=kvbox, M=m, QT=qt, QBT=qbt,
+        MB=mb, V=spec.vocab_size, E=spec.num_experts, EP2=_pow2(spec.num_experts),
+        EP=router_rows(spec, t.tile_rows), S=program.moe_slots, S2=_pow2(program.moe_slots),
+        K=spec.num_experts_per_tok, F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob)
     return LaunchPlan(spec, t, num_sms, page_size, program, words, lens, ring, hbuf_rows, xb, c)

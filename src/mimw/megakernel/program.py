@@ -65,14 +65,40 @@ from .tiles import WeightTiles, router_rows
 
 @dataclass(frozen=True)
 class StepShape:
-    """Tokens per segment in one step: (1,)*M for a decode batch of M sequences, (M,) for one verify block."""
+    """Tokens per segment in one step: (1,)*M for a decode batch of M sequences, (M,) for one verify block.
+
+    ``attn_blocks``: where every segment is one token (the GPU kernel's multi-token steps, launch/one_token.py),
+    the lengths of the runs of consecutive segments that attention runs as one query block, in segment order: a
+    verify block's tokens (one sequence, consecutive positions; the host fills them so) whose attention reads each
+    K/V block once for all of them (ops/attn_partial.py). () : every segment its own query block."""
 
     seg_lens: tuple[int, ...] = (1,)
     context_hint: int = 1024  # typical context, only used to size attention splits
+    attn_blocks: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not self.seg_lens or any(n <= 0 for n in self.seg_lens):
             raise ValueError(f"seg_lens must be non-empty positive lengths, got {self.seg_lens}")
+        if self.attn_blocks and (any(n != 1 for n in self.seg_lens) or any(n <= 0 for n in self.attn_blocks)
+                                 or sum(self.attn_blocks) != len(self.seg_lens)):
+            raise ValueError(f"attn_blocks {self.attn_blocks} must be positive runs covering the "
+                             f"{len(self.seg_lens)} segments, every one a single token")
+
+    @property
+    def attn_groups(self) -> tuple[tuple[int, int], ...]:
+        """(first segment, segments) of every attention query block, in segment order."""
+        if not self.attn_blocks:
+            return tuple((s, 1) for s in range(len(self.seg_lens)))
+        out, s = [], 0
+        for n in self.attn_blocks:
+            out.append((s, n))
+            s += n
+        return tuple(out)
+
+    def query_tokens(self, seg: int, segs: int = 1) -> slice:
+        """The step's tokens of segments seg .. seg + segs - 1 (an attention instruction's query rows)."""
+        last = seg + segs - 1
+        return slice(self.seg_starts[seg], self.seg_starts[last] + self.seg_lens[last])
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +124,7 @@ class ProgramConfig:
     min_split_tokens: int = 32  # attention splits get at least this many positions (at context_hint)
     fixed_cost_bytes: int = 96 * 1024  # per-instruction overhead in the cost model (staging + tail, ~2-5 us)
     ticket_cost_bytes: int = 64 * 1024  # extra per ticketed part: acq_rel ticket + the finisher's reads (~2 us)
+    kv_row_bytes: int = 0  # bytes of one cached K (or V) row, scale included (0: bf16, 2 * head_dim)
     clusters: bool = True  # cluster pairs where the shape can form them (see the module doc)
     down_parts: int = 0  # DOWN_PROJ column parts behind a ticket a row block (0 or 1: whole rows); plan.py derives it
     # where a multi-token step's staged activations do not fit in shared memory beside the ring
@@ -121,7 +148,7 @@ class Program:
     config: ProgramConfig
     queues: list[list[Instruction]]
     counters: list[Counter]
-    n_splits: tuple[int, ...]  # attention splits per segment
+    n_splits: tuple[int, ...]  # attention splits per attention query block (StepShape.attn_groups)
     qkv_parts: int  # column parts of every ATTN_IN head
     tiles: WeightTiles
     costs: list[float] = field(default_factory=list)  # per-SM cost-model load, in bytes
@@ -252,10 +279,15 @@ def qkv_parts(spec: ModelSpec, num_sms: int, cfg: ProgramConfig) -> int:
 
 
 def attention_splits(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramConfig) -> tuple[int, ...]:
-    per_seg = max(1, num_sms // (spec.num_kv_heads * len(shape.seg_lens)))
+    """Splits of every attention query block (``StepShape.attn_groups``): the SMs shared out over the (block, KV
+    head) pairs, at least ``min_split_tokens`` positions a split at the context hint, at most ``max_splits``. A
+    verify block run as one query block gets the splits one decode token would (M = 1's count where it is the
+    step's only block), not its tokens' share each."""
+    groups = shape.attn_groups
+    per_seg = max(1, num_sms // (spec.num_kv_heads * len(groups)))
     by_len = max(1, math.ceil(shape.context_hint / cfg.min_split_tokens))
     cap = cfg.max_splits or per_seg
-    return tuple(min(per_seg, by_len, cap) for _ in shape.seg_lens)
+    return tuple(min(per_seg, by_len, cap) for _ in groups)
 
 
 def moe_slots(spec: ModelSpec, shape: StepShape) -> int:
@@ -294,7 +326,8 @@ def cost(spec: ModelSpec, shape: StepShape, ins: Instruction, cfg: ProgramConfig
     ticket, and a fixed overhead."""
     b = ins.tiles.n_tiles * cfg.tile_rows * cfg.tile_k * 2
     if isinstance(ins, AttnPartial):  # its K/V, and (for one split in n) the ticket and the combine
-        b += kv_bytes(spec, ins, shape.context_hint, shape.seg_lens[ins.seg])
+        q = shape.query_tokens(ins.seg, ins.tokens)
+        b += kv_bytes(spec, ins, shape.context_hint, q.stop - q.start, cfg.kv_row_bytes)
         if ins.ticket != isa.NO_COUNTER:
             b += cfg.ticket_cost_bytes
     elif isinstance(ins, Reduce):  # every rank's fp32 partial of its rows
@@ -334,7 +367,7 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
     if not 0 <= cfg.down_parts <= -(-spec.intermediate_size // cfg.tile_k):
         raise ValueError(f"down_parts={cfg.down_parts} must be between 0 and the {spec.intermediate_size}-column "
                          "row's tile count")
-    segs = range(len(shape.seg_lens))
+    groups = shape.attn_groups  # attention's query blocks: (first segment, segments)
     o_blocks = row_blocks(spec.hidden_size, spec.q_size * 2, num_sms, cfg)
     # MLP_IN: a weight tile holds tile_rows/2 gate and tile_rows/2 up rows (host/pack.py), so blocks of outputs
     # come in tile_rows/2 steps (896 blocks instead of 448 for the 8B's 132 SMs: a 3% makespan excess, not 18%)
@@ -365,22 +398,22 @@ def build_program(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramC
                               wait_count=prev_n, signal=isa.NO_COUNTER if pair and p else qkv[group(h)],
                               flags=pair, tiles=attn_in_span(spec, wt, l, h, p, n_parts))
                        for h in range(hq + 2 * hkv) for p in range(n_parts)])
-        attn = counter(f"L{l}.attn_out", hkv * len(segs))
-        # the last split of each (kv head, segment) to draw its ticket combines the splits
-        tick = {(k, s): counter(f"L{l}.attn_ticket.kv{k}.seg{s}", n_splits[s]) if n_splits[s] > 1
-                else isa.NO_COUNTER for k in range(hkv) for s in segs}
-        stages.append([AttnPartial(layer=l, kv_head=k, seg=s, split=i, n_splits=n_splits[s], ticket=tick[k, s],
-                                   wait=qkv[k], wait_count=g + 2, signal=attn)
-                       for k in range(hkv) for s in segs for i in range(n_splits[s])])
+        attn = counter(f"L{l}.attn_out", hkv * len(groups))
+        # the last split of each (kv head, query block) to draw its ticket combines the splits, every token's
+        tick = {(k, b): counter(f"L{l}.attn_ticket.kv{k}.seg{groups[b][0]}", n_splits[b]) if n_splits[b] > 1
+                else isa.NO_COUNTER for k in range(hkv) for b in range(len(groups))}
+        stages.append([AttnPartial(layer=l, kv_head=k, seg=s, tokens=n, split=i, n_splits=n_splits[b],
+                                   ticket=tick[k, b], wait=qkv[k], wait_count=g + 2, signal=attn)
+                       for k in range(hkv) for b, (s, n) in enumerate(groups) for i in range(n_splits[b])])
         if ranks > 1:  # the rank's partial to every rank's inbox, then the rows' sums on each rank
             po = peer_counters(f"L{l}.o_peer", o_blocks)
-            stages.append([OProj(layer=l, row0=r, nrows=n, wait=attn, wait_count=hkv * len(segs), signal=po[r],
+            stages.append([OProj(layer=l, row0=r, nrows=n, wait=attn, wait_count=hkv * len(groups), signal=po[r],
                                  flags=peer, tiles=o_span(spec, wt, l, r, n)) for r, n in o_blocks])
             o = counter(f"L{l}.o_reduce", len(o_blocks))
             stages.append(reductions(l, O_SUM, o_blocks, po, o))
         else:
             o = counter(f"L{l}.o_proj", len(o_blocks))
-            stages.append([OProj(layer=l, row0=r, nrows=n, wait=attn, wait_count=hkv * len(segs), signal=o,
+            stages.append([OProj(layer=l, row0=r, nrows=n, wait=attn, wait_count=hkv * len(groups), signal=o,
                                  tiles=o_span(spec, wt, l, r, n)) for r, n in o_blocks])
         if spec.is_moe_layer(l):
             moe, prev, prev_n = moe_stages(spec, wt, l, slots, num_sms, cfg, counter, o, len(o_blocks))

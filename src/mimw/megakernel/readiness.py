@@ -92,13 +92,16 @@ class Readiness:
         g = self.program.spec.group_size
         return slice(kv_head * g, (kv_head + 1) * g)
 
-    def _seg(self, seg: int) -> slice:
-        t0 = self.program.shape.seg_starts[seg]
-        return slice(t0, t0 + self.program.shape.seg_lens[seg])
+    def _query(self, ins) -> slice:
+        """An attention instruction's query tokens (its segment's, or its query block's)."""
+        return self.program.shape.query_tokens(ins.seg, ins.tokens)
+
+    def _context(self, ins) -> int:
+        return int(self.state.seg_ctx[ins.seg + ins.tokens - 1])
 
     def _split(self, ins) -> tuple[int, int]:
-        return split_range(int(self.state.seg_ctx[ins.seg]), ins.split, ins.n_splits,
-                           self.program.shape.seg_lens[ins.seg])
+        q = self._query(ins)
+        return split_range(self._context(ins), ins.split, ins.n_splits, q.stop - q.start)
 
     def _require(self, ins: Instruction, what: str, ver: np.ndarray, want: int) -> None:
         if not bool((ver == want).all()):
@@ -133,7 +136,8 @@ class Readiness:
             if lo == hi:
                 return  # an empty split only writes its (EMPTY_M, 0, 0) partial
             self._require(ins, "q heads", self.q[self._group(ins.kv_head)], L)
-            new_lo = int(self.state.seg_ctx[ins.seg]) - self.program.shape.seg_lens[ins.seg]
+            q = self._query(ins)
+            new_lo = self._context(ins) - (q.stop - q.start)
             if hi > new_lo and not self.kv[L, :, ins.kv_head].all():
                 raise DependencyError(f"{ins} reads this step's K/V positions [{max(lo, new_lo)}, {hi}) of "
                                       f"kv head {ins.kv_head} before ATTN_IN stored them")
@@ -174,7 +178,7 @@ class Readiness:
         if op == Op.ATTN_IN:
             self.qkv_part[ins.head, ins.part] = ins.layer
         elif op == Op.ATTN_PARTIAL:
-            self.part[self._seg(ins.seg), self._group(ins.kv_head), ins.split] = ins.layer
+            self.part[self._query(ins), self._group(ins.kv_head), ins.split] = ins.layer
         elif op == Op.DOWN_PROJ and ins.n_parts:  # a pair's half: x is written by part 0's finish
             self.down_part[ins.part, ins.row0: ins.row0 + ins.nrows] = ins.layer
         elif op in (Op.O_PROJ, Op.DOWN_PROJ, Op.LM_HEAD) and ins.flags & PEER:
@@ -207,7 +211,7 @@ class Readiness:
         partials of its segment and group; a DOWN_PROJ pair's part 0, both halves."""
         if ins.OP == Op.ATTN_PARTIAL:
             self._require(ins, "partials",
-                          self.part[self._seg(ins.seg), self._group(ins.kv_head), : ins.n_splits], ins.layer)
+                          self.part[self._query(ins), self._group(ins.kv_head), : ins.n_splits], ins.layer)
         elif ins.OP == Op.DOWN_PROJ:
             rows = slice(ins.row0, ins.row0 + ins.nrows)
             self._require(ins, "column parts", self.down_part[: ins.n_parts, rows], ins.layer)
@@ -227,7 +231,7 @@ class Readiness:
     def after_finish(self, ins: Instruction) -> None:
         hq, hkv = self.program.spec.num_heads, self.program.spec.num_kv_heads
         if ins.OP == Op.ATTN_PARTIAL:
-            self.attn[self._seg(ins.seg), self._group(ins.kv_head)] = ins.layer
+            self.attn[self._query(ins), self._group(ins.kv_head)] = ins.layer
         elif ins.OP == Op.DOWN_PROJ and ins.flags & PEER:
             self.inbox.stored(self.rank, DOWN_SUM, slice(ins.row0, ins.row0 + ins.nrows), self.epoch, ins.layer)
         elif ins.OP == Op.DOWN_PROJ:

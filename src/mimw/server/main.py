@@ -123,8 +123,9 @@ def check_args(args: argparse.Namespace) -> None:
                                  "device(s)")
     if args.backend == "megakernel":
         if args.kv_dtype == "fp8":  # MegakernelBackend says the same; here it comes before the model loads
-            raise ValueError("--kv-dtype fp8: the megakernel backend does not read FP8 KV pages yet (its attention "
-                             "loads bf16 tiles); use --kv-dtype bf16, or --backend reference for an fp8 KV cache")
+            raise ValueError("--kv-dtype fp8: the megakernel backend's prefill path does not write FP8 KV pages yet "
+                             "(its decode kernel reads them); use --kv-dtype bf16, or --backend reference for an fp8 "
+                             "KV cache")
         if args.device == "cpu":
             raise ValueError("--backend megakernel runs on a Hopper GPU, not with --device cpu")
         if not torch.cuda.is_available():

@@ -4,17 +4,18 @@ mimw-reference: ``ReferenceDecoder`` over a ``PagedKVCache`` (fp8 with ``--kv-dt
 CUDA-graph capturable: its slot arithmetic reads ``positions.max()`` on the host (a device sync) every layer. It is
 the oracle the other backends are checked against, timed for scale only.
 
-mimw-megakernel: ``mimw.megakernel.bench_backend.make_step(spec, weights, context, options)`` returns a zero-argument
-callable that runs one decode step (graph-captured/replayed inside); ``options`` are plan.Tuning overrides
-("NAME=VALUE,...", ``--megakernel``). Contract, beyond the call itself:
-  - the KV cache holds ``mimw.bench.inputs.decode_inputs(spec, context)`` (seed 0) at positions 0..C-1 and the step
+mimw-megakernel: ``mimw.megakernel.bench_backend.make_step(spec, weights, context, options, inputs)`` returns a
+zero-argument callable that runs one decode step (graph-captured/replayed inside); ``options`` are plan.Tuning
+overrides ("NAME=VALUE,...", ``--megakernel``). Contract, beyond the call itself:
+  - the KV cache holds ``inputs`` (the run's ``mimw.bench.inputs.decode_inputs``) at positions 0..C-1 and the step
     decodes ``inputs.token`` at position C, so that its logits can be checked against the reference;
   - the callable may carry ``logits``: a tensor ([V] or [1, V]) the step overwrites, or a zero-argument function
     returning it. Without it the row is reported "unchecked".
-ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>"; so does an fp8
-run (``inputs.kv_dtype``) until the kernel reads fp8 pages. An MoE model runs (one token a step, the megakernel's
-MoE layers); its logits are checked like a dense model's, so a routing near-tie on the benchmark's random router can
-flag a row.
+ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>". It gets the
+run's inputs (an fp8 run's included: ``inputs.kv_dtype``, the kernel then reads and writes e4m3 pages with scales).
+An MoE model runs (one token a step, the megakernel's MoE layers) over a bf16 cache (an fp8 run of one is
+unavailable: plan.py refuses the pair); its logits are checked like a dense model's, so a routing near-tie on the
+benchmark's random router can flag a row.
 """
 from __future__ import annotations
 
@@ -40,14 +41,14 @@ def mimw_reference(ctx: PeerContext) -> Peer:
 
 
 def mimw_megakernel(ctx: PeerContext) -> Peer:
-    if ctx.inputs.kv_dtype not in (None, torch.bfloat16):
-        raise Unavailable("the megakernel does not read fp8 KV pages yet")
+    if ctx.bw.spec.is_moe and ctx.inputs.kv_dtype not in (None, torch.bfloat16):
+        raise Unavailable("the megakernel runs a mixture-of-experts model over a bf16 KV cache only (plan.py)")
     try:
         from ...megakernel.bench_backend import make_step
     except ImportError as e:
         raise Unavailable(f"mimw.megakernel.bench_backend: {e}") from None
     try:
-        step = make_step(ctx.bw.spec, ctx.bw.weights, ctx.inputs.context, ctx.megakernel)
+        step = make_step(ctx.bw.spec, ctx.bw.weights, ctx.inputs.context, ctx.megakernel, ctx.inputs)
     except (ImportError, NotImplementedError) as e:
         raise Unavailable(f"{type(e).__name__}: {e}") from None
     logits = getattr(step, "logits", None)

@@ -48,9 +48,11 @@ class MegakernelBackend(Backend):
     def __init__(self, weights: ModelWeights, use_graph: bool = True, prefill: PrefillConfig = PrefillConfig(),
                  kv_dtype: torch.dtype | None = None):
         if kv_dtype not in (None, torch.bfloat16):  # checked first: a flag error, whatever the machine
-            raise ValueError(f"KV element type {str(kv_dtype).removeprefix('torch.')}: the megakernel backend does "
-                             "not read FP8 KV pages yet (its attention loads bf16 tiles); use --kv-dtype bf16, or "
-                             "--backend reference for an fp8 KV cache")
+            # the decode kernel reads and writes fp8 pages (megakernel/plan.py KV_DTYPES); the prefill path's K/V
+            # append (mimw.prefill) stores bf16 rows and no per-(token, head) scales
+            raise ValueError(f"KV element type {str(kv_dtype).removeprefix('torch.')}: the megakernel backend's "
+                             "prefill path does not write FP8 KV pages yet (its decode kernel reads them); use "
+                             "--kv-dtype bf16, or --backend reference for an fp8 KV cache")
         if weights.spec.is_moe:  # a plan for its one-token step must exist (ValueError naming why, before any GPU)
             from ...megakernel.plan import plan
 
@@ -130,8 +132,9 @@ class MegakernelBackend(Backend):
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Segments of 2..plan.max_tokens tokens in all (decode tokens, verify blocks, short chunks) as one launch
-        of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py), padded to the
-        bucket of its tokens where the cache is this backend's (one kernel and graph a bucket, not a token count)."""
+        of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py; a verify block's
+        attention as one query block), padded to the bucket of its tokens where the cache is this backend's (one
+        kernel a bucket, not a token count; a graph a layout of verify blocks)."""
         pad_page = self._pad_pages.get(cache)  # a cache this backend made: padded to the bucket of its tokens
         # the ids stay on the device (the previous step's samples may not have reached the host)
         out, rows = self._decoder(cache).step_segments(tokens, segments, pad_page)

@@ -3,12 +3,15 @@
 ``Smem``  the shared-memory ring (slots, ``empty``/``ready`` barriers), the release hold's barrier ``rel`` and the
           staging buffer ``hbuf`` [KT_ROWS, TK] bf16 (an instruction's input vector, one [TK] row per column tile;
           with C.M > 1 [KT_ROWS * TK / 32, MB, 32], the tokens' chunks: device/matvec_mt.py), and ``wbuf``, a norm's
-          weights as [*, 32] chunks (C.M > 1; hbuf itself where M = 1, which never uses it).
+          weights as [*, 32] chunks (C.M > 1; hbuf itself where M = 1, which never uses it), and ``sbuf``
+          [NB, 2 * KVS / KVBOX, KVBOX] bf16, the scales of the K/V rows a ring slot holds (C.M == 1 over an fp8
+          cache: device/kv_stream.py; hbuf itself otherwise, never read).
 ``Step``  this launch's step: counter and ready-word pointers, the epoch, and the one token's id, position,
           context, cache page and embedding row (M = 1), and the step arrays a multi-token step reads per token.
 ``Bufs``  everything else in global memory the instructions read or write: norm/bias/rope vectors, the paged KV
-          cache, the scratch buffers of state.py (the MoE ones included: the routing table, slot weights, experts'
-          activations and parts), and the scalars eps and qscale.
+          cache (K and V pools, and their per-row scales where ``C.FP8``), the scratch buffers of state.py (the MoE
+          ones included: the routing table, slot weights, experts' activations and parts), and the scalars eps and
+          qscale.
 ``Ins``   one instruction's words, decoded field by field on demand (isa.Word) with masked reductions.
 Compile-time constants travel as one frozen dataclass, ``plan.Constants`` (the kernel's ``C``). Integer arguments
 the launch may specialize (Triton compiles an int argument equal to 1 as a constant) are fields that hold either.
@@ -54,6 +57,7 @@ EXPERT_SPAN: gl.constexpr = gl.constexpr(_C["EXPERT_SPAN"])
 XS_WORD: gl.constexpr = gl.constexpr(_C["XS_WORD"])
 SLOT_WORD: gl.constexpr = gl.constexpr(_C["SLOT_WORD"])
 ROUTE_BITS: gl.constexpr = gl.constexpr(_C["ROUTE_BITS"])
+PACK_SHIFT: gl.constexpr = gl.constexpr(_C["PACK_SHIFT"])
 NO_EXPERT: gl.constexpr = gl.constexpr(_C["NO_EXPERT"])
 ROUTE_TAG_MASK: gl.constexpr = gl.constexpr(_C["ROUTE_TAG_MASK"])
 ROUTE_TAG_SET: gl.constexpr = gl.constexpr(_C["ROUTE_TAG_SET"])
@@ -73,15 +77,17 @@ class Smem:
     rel: gl.shared_memory_descriptor
     hbuf: gl.shared_memory_descriptor
     wbuf: gl.shared_memory_descriptor
+    sbuf: gl.shared_memory_descriptor
 
     @constexpr_function
-    def __init__(self, bufs, empty, ready, rel, hbuf, wbuf):
+    def __init__(self, bufs, empty, ready, rel, hbuf, wbuf, sbuf):
         self.bufs = bufs
         self.empty = empty
         self.ready = ready
         self.rel = rel
         self.hbuf = hbuf
         self.wbuf = wbuf
+        self.sbuf = sbuf
 
 
 @aggregate
@@ -129,8 +135,10 @@ class Bufs:
     qn: gl.tensor
     kn: gl.tensor
     invf: gl.tensor
-    kc: gl.tensor
+    kc: gl.tensor  # [L, pages, Hkv, PS, HD] bf16, or e4m3 where C.FP8
     vc: gl.tensor
+    ksc: gl.tensor  # [L, pages, Hkv, PS] bf16 scales of kc's rows where C.FP8 (else a dummy)
+    vsc: gl.tensor
     num_pages: gl.tensor | gl.constexpr
     x: gl.tensor
     qkvp: gl.tensor
@@ -156,7 +164,7 @@ class Bufs:
     @constexpr_function
     def __init__(self, vecs, kv, scratch, scalars):
         self.emb, self.anorm, self.mnorm, self.fnorm, self.bias, self.qn, self.kn, self.invf = vecs
-        self.kc, self.vc, num_pages = kv
+        self.kc, self.vc, self.ksc, self.vsc, num_pages = kv
         self.num_pages = _int_arg(num_pages)
         self.x, self.qkvp, self.q, self.po, self.pml, self.attn, self.act, self.logits, splits, self.x16, \
             self.attn16, self.act16, self.router_logits, self.routed, self.slot_w, self.moe_act, self.moe_part, \

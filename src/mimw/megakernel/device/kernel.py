@@ -5,9 +5,10 @@ Roles (``gl.warp_specialize``):
       instruction's device code (its ``ops`` module: stage its input vector in shared memory, consume its weight
       tiles from the ring, epilogue, store), and signal its counter (release).
   loader (1 warp, small register budget; device/ring.py): walks the SAME queue and streams every instruction's
-      weight tiles, as its words name them (isa.TileSpan), with TMA into the ring. It never waits on a counter, so
-      it prefetches the next instructions' weights (next layer included) while compute waits for dependencies; an
-      MoE expert span first waits for its routing entry (the one wait on step data: device/ring.py).
+      weight tiles, as its words name them (isa.TileSpan), with TMA into the ring, and in a one-token step every
+      attention split's past K/V (device/kv_stream.py). It never waits on a counter, so it prefetches the next
+      instructions' weights and K/V (next layer included) while compute waits for dependencies; an MoE expert span
+      first waits for its routing entry (the one wait on step data: device/ring.py).
 With cluster pairs (``C.XB``) the CTAs run in clusters of two, and the two parts of a paired instruction swap their
 sums through distributed shared memory (device/cluster.py). At the end each CTA adds 1 to the DONE counter; the CTA
 that completes it bumps EPOCH, which moves every counter's step-numbered target for the next launch (no reset kernel,
@@ -21,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ..ops import attn_in, attn_partial, down_proj, expert_down, expert_in, lm_head, mlp_in, o_proj, router
-from . import cluster, layouts, matvec_mt, ring
+from . import cluster, kv_stream, layouts, matvec_mt, ring
 from .context import (HOLD_ARRIVE, NWORDS, OP_ATTN_IN, OP_ATTN_PARTIAL, OP_DOWN_PROJ, OP_EXPERT_DOWN, OP_EXPERT_IN,
                       OP_LM_HEAD, OP_MLP_IN, OP_O_PROJ, OP_ROUTER, W_C, W_FLAGS, W_LAYER, W_OP, W_SIGNAL, W_WAIT,
                       W_WAIT_COUNT, Bufs, Ins, Smem, Step)
@@ -85,8 +86,8 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, ep_bar, C: g
                 met_wait = wait
                 met_target = target
         sig = ins.field(W_SIGNAL)
-        if op == OP_ATTN_PARTIAL:  # its first K/V block is requested before the wait: the wait is its own
-            sig, t_ready = attn_partial.compute(ins, C, s, b, sm, wait, target, sig)
+        if op == OP_ATTN_PARTIAL:  # the wait is its own (a multi-token step requests its first K/V block first)
+            sig, t_ready, it = attn_partial.compute(ins, C, s, b, sm, it, wait, target, sig)
         else:
             if wait >= 0:
                 counter_wait(cnt_ptr, wait, target)
@@ -137,7 +138,7 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, ep_bar, C: g
 
 
 @gluon.jit
-def megakernel(prog, step, weights, vecs, kv, scratch, scalars, trace, C: gl.constexpr):
+def megakernel(prog, step, weights, vecs, kv, k_desc, v_desc, scratch, scalars, trace, C: gl.constexpr):
     """One decode step. Arguments as launch/args.py describes them; ``C`` is plan.Constants."""
     # ring slots: the tile array's [TR * TK / 32, 32] rows of one tile (device/matvec.dot_tile reads them folded)
     bufs = gl.allocate_shared_memory(weights.dtype, [C.NB, weights.block_type.shape[0], weights.block_type.shape[1]],
@@ -145,19 +146,32 @@ def megakernel(prog, step, weights, vecs, kv, scratch, scalars, trace, C: gl.con
     empty = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [C.NB, 1], mbarrier.MBarrierLayout())
     rel = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    ep_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     if C.M > 1:  # hbuf: the tokens' staged inputs, [MB, 32] chunks; wbuf: a norm's weights (device/matvec_mt.py)
         hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS * (C.TK // 32), C.MB, 32], matvec_mt.xs_layout(C))
         wbuf = gl.allocate_shared_memory(gl.bfloat16, [matvec_mt.wbuf_rows(C), 32], matvec_mt.wbuf_layout(C))
     else:  # hbuf: staged input vector, one [TK] row per column tile (rank-1 layout: rows are indexed at run time)
         hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS, C.TK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         wbuf = hbuf
+    sbuf = hbuf
+    if C.M == 1:
+        if C.FP8:  # the scales of the K/V rows each slot holds (device/kv_stream.py), beside the ring
+            sbuf = gl.allocate_shared_memory(gl.bfloat16, [C.NB, 2 * C.KVS // C.KVBOX, C.KVBOX], kv_stream.flat(2))
     ring.ring_init(empty, ready, C.NB)
     mbarrier.init(rel.index(0), count=1)  # the release hold: one arrival a phase, compute's after a marked release
-    mbarrier.init(ep_bar.index(0), count=1)  # MoE: the loader has read the step's epoch
-    sm = Smem(bufs, empty, ready, rel, hbuf, wbuf)
+    if C.S > 0:  # MoE: the loader has read the step's epoch (device/ring.py)
+        ep_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(ep_bar.index(0), count=1)
+    else:  # a dense kernel never arrives at or waits on it: the release hold's barrier stands in. A barrier of its
+        # own, initialised and then dead, had its bytes reused by Triton's allocator for live data (smollm2: the
+        # staging buffer), whose stores then overwrote a valid mbarrier without mbarrier.inval (undefined in PTX)
+        ep_bar = rel
+    sm = Smem(bufs, empty, ready, rel, hbuf, wbuf, sbuf)
+    # the loader's K/V stream: the pools' descriptors, their scales, block tables and width, the context pointer,
+    # the page count
+    kvs = (k_desc, v_desc, kv[2], kv[3], step[4], step[5], step[2], kv[4])
     LOADER_REGS: gl.constexpr = C.LOADER_REGS
     gl.warp_specialize([
         (_compute, (prog, step, vecs, kv, scratch, scalars, trace, sm, ep_bar, C)),
-        (ring.loader, (prog, (step[6], step[7], scratch[13]), weights, bufs, empty, ready, rel, ep_bar, C)),
+        (ring.loader, (prog, (step[6], step[7], scratch[13]), kvs, weights, bufs, sbuf, empty, ready, rel, ep_bar,
+                       C)),
     ], [1], [LOADER_REGS])

@@ -56,3 +56,33 @@ def experts(C):
 def token_experts(C):
     """[8, EP2]: eight tokens' router logits, one token a row (rows over the warps), experts over lanes."""
     return gl.BlockedLayout([1, max(1, C.EP2 // 32)], [1, 32], [C.NW, 1], [1, 0])
+
+
+@constexpr_function
+def kv_scales(C):
+    """[KVS / KVBOX boxes, KVBOX rows]: one slot's K (or V) scales as the loader copies them (device/ring.py), V
+    bf16 a copy (4 to 16 bytes: cp.async's sizes), the warp's 32 lanes over as many copies as there are, no lane
+    repeating another's while there are 32 copies or more (plan.kv_ring keeps KVS >= 64 at fp8)."""
+    v = min(8, C.KVBOX, max(2, C.KVS // 32))
+    tc = C.KVBOX // v
+    return gl.BlockedLayout([1, v], [32 // tc, tc], [1, 1], [1, 0])
+
+
+@constexpr_function
+def position_lanes(C):
+    """PL: the lanes ``attention`` puts over a block's positions (those not on head_dim or heads)."""
+    tpd = min(32, C.HD // 8)
+    return 32 // tpd // max(1, min(32 // tpd, C.GP // 4))
+
+
+@constexpr_function
+def attention_lanes(C):
+    """L5 [warp, GP heads, BT / NW / PL positions, PL lanes, HD]: ``attention``'s layout with a warp's positions
+    split into the ones a thread holds (axis 2) and the PL lanes that hold them (axis 3), so that each lane can keep
+    its own online-softmax state over its positions (ops/attn_partial._ring_block): a thread's registers the same,
+    its positions the same (position w * BT / NW + i * PL + lane)."""
+    tpd = min(32, C.HD // 8)
+    hh = max(1, min(32 // tpd, C.GP // 4))
+    pl = 32 // tpd // hh
+    return gl.BlockedLayout([1, C.GP // hh, max(1, C.BT // C.NW // pl), 1, 8], [1, hh, 1, pl, tpd], [C.NW, 1, 1, 1, 1],
+                            [4, 3, 2, 1, 0])

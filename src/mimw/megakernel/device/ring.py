@@ -30,13 +30,30 @@ layer boundaries, bounded only by the ring, the in-flight cap, the release hold 
     phase of the SM's last announced release on the one-count mbarrier ``rel``, so that release's fence does not
     wait behind a ring full of requests. The phase is named by its parity: the loader counts the announced releases
     it walks past.
+
+Past K/V (one-token steps, C.M == 1; device/kv_stream.py): an ATTN_PARTIAL instruction has no weight tiles, but its
+split's past K/V does not depend on the step's activations either (the context and block table are step inputs,
+the rows were written by earlier launches), so the loader streams it like weights: slot by slot, each slot KVS
+positions of K then V, ``2 * KVS / KVBOX`` TMA boxes of one page of one KV head (descriptors over the pools viewed
+as [rows, HD], box [KVBOX, HD], no swizzle) arriving on the slot's ``ready`` barrier with the slot's byte count.
+The block-table gather (one vector load of the slot's boxes' pages) is issued one slot ahead, so its round trip
+overlaps the previous slot's waits. Over an fp8 cache the rows' bf16 scales come with them: the loader's lanes
+copy them with cp.async into the slot's entry of the scale buffer ``sbuf`` beside the ring and arrive on the same
+barrier once their copies land (``cp.async.mbarrier.arrive``, which raises the pending count as it is issued, so
+the phase completes only after the scales and the TMA bytes: the boxes' scales are runs of 32 bytes, too small and
+too scattered for TMA's 128-byte aligned destinations). K/V slots take the in-flight cap like tiles, never the
+release hold (the host's marks count weight tiles only: hold.py), and wait on nothing else: no new wait on step
+data, so the deadlock argument is unchanged.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .context import (EXPERT_SPAN, HOLD_ARRIVE, HOLD_WAIT, NO_EXPERT, NWORDS, SLOT_WORD, W_FLAGS, W_K0, W_K1, W_KT,
-                      W_LAYER, W_NR, W_T0, XS_WORD)
+from . import layouts
+from .context import (EXPERT_SPAN, HOLD_ARRIVE, HOLD_WAIT, NO_EXPERT, NWORDS, OP_ATTN_PARTIAL, SLOT_WORD, W_A, W_B,
+                      W_C, W_D, W_FLAGS, W_K0, W_K1, W_KT, W_LAYER, W_NR, W_OP, W_T0, XS_WORD)
+from .kv_stream import split_slots
 from .sync import route_tag, routed_wait
 
 
@@ -49,11 +66,9 @@ def ring_init(empty, ready, NB: gl.constexpr):
 
 
 @gluon.jit
-def _load(desc, tile, bufs, empty, ready, it, INFLIGHT: gl.constexpr, rel, hold_at, parity):
-    """Wait for slot it % NB to be free, then TMA tile number ``tile`` (rows [tile * BR, +BR) of ``desc``, the tile
-    array's [*, 32] view) into it; returns it + 1. Tile ``hold_at`` first waits for phase ``parity`` of ``rel``."""
-    NB: gl.constexpr = bufs.type.shape[0]
-    BR: gl.constexpr = desc.block_type.shape[0]
+def _claim(empty, ready, it, NB: gl.constexpr, INFLIGHT: gl.constexpr, rel, hold_at, parity):
+    """Slot it % NB once it may be filled: tile ``hold_at`` first waits for phase ``parity`` of ``rel``, then tile
+    it - INFLIGHT must have landed and the slot must be free."""
     idx = it % NB
     if it == hold_at:
         mbarrier.wait(rel.index(0), parity)
@@ -62,6 +77,16 @@ def _load(desc, tile, bufs, empty, ready, it, INFLIGHT: gl.constexpr, rel, hold_
             j = it - INFLIGHT
             mbarrier.wait(ready.index(j % NB), (j // NB) & 1)
     mbarrier.wait(empty.index(idx), ((it // NB) & 1) ^ 1)
+    return idx
+
+
+@gluon.jit
+def _load(desc, tile, bufs, empty, ready, it, INFLIGHT: gl.constexpr, rel, hold_at, parity):
+    """Wait for slot it % NB to be free, then TMA tile number ``tile`` (rows [tile * BR, +BR) of ``desc``, the tile
+    array's [*, 32] view) into it; returns it + 1. Tile ``hold_at`` first waits for phase ``parity`` of ``rel``."""
+    NB: gl.constexpr = bufs.type.shape[0]
+    BR: gl.constexpr = desc.block_type.shape[0]
+    idx = _claim(empty, ready, it, NB, INFLIGHT, rel, hold_at, parity)
     mbarrier.expect(ready.index(idx), desc.block_type.nbytes)
     tma.async_copy_global_to_shared(desc, [tile * BR, 0], ready.index(idx), bufs.index(idx))
     return it + 1
@@ -73,12 +98,59 @@ def _field(w, offs, k: gl.constexpr):
 
 
 @gluon.jit
-def loader(prog, moe, desc, bufs, empty, ready, rel, ep_bar, C: gl.constexpr):
+def _boxes(bt_row, layer, kvh, num_pages, p, last, C: gl.constexpr):
+    """The pool box numbers [KVS / KVBOX] of boxes starting at positions ``p`` (clamped to ``last``, the last box
+    holding a past position): box b's rows are [b * KVBOX, +KVBOX) of the pools viewed as [rows, HD]. One vector
+    gather from the block table row ``bt_row``."""
+    p = gl.maximum(gl.minimum(p, last), 0)  # an empty split (no past) reads position 0's page, never used
+    page = gl.load(bt_row + p // C.PS)
+    return ((layer * num_pages + page) * C.HKV + kvh) * (C.PS // C.KVBOX) + (p % C.PS) // C.KVBOX
+
+
+@gluon.jit
+def _stream_split(w, offs, kv, bufs, sbuf, empty, ready, rel, it, C: gl.constexpr):
+    """An ATTN_PARTIAL instruction's past K/V (module doc, device/kv_stream.py): its split's slots, in order; returns
+    the running tile counter past them. ``kv`` = (K and V pool descriptors, their scales, the block tables, their
+    width, the context, the page count)."""
+    kdesc, vdesc, ksc, vsc, bt, maxp, ctx, num_pages = kv
+    NB: gl.constexpr = bufs.type.shape[0]
+    NBOX: gl.constexpr = C.KVS // C.KVBOX
+    SL: gl.constexpr = layouts.kv_scales(C)  # [NBOX, KVBOX]
+    layer = _field(w, offs, W_LAYER)
+    kvh = _field(w, offs, W_A)
+    lo, hi, hp, a0, n = split_slots(_field(w, offs, W_C), _field(w, offs, W_D), ctx, C.KVS, C.KVBOX)
+    bt_row = bt + _field(w, offs, W_B) * maxp
+    last = ((hp - 1) // C.KVBOX) * C.KVBOX
+    box = gl.arange(0, NBOX, gl.SliceLayout(1, SL))
+    col = gl.expand_dims(gl.arange(0, C.KVBOX, gl.SliceLayout(0, SL)), 0)
+    nxt = _boxes(bt_row, layer, kvh, num_pages, a0 + box * C.KVBOX, last, C)
+    for j in range(n):
+        rows = nxt  # this slot's boxes; the next slot's gather is in flight while this one waits and issues
+        nxt = _boxes(bt_row, layer, kvh, num_pages, a0 + (j + 1) * C.KVS + box * C.KVBOX, last, C)
+        idx = _claim(empty, ready, it, NB, C.INFLIGHT, rel, -1, 0)
+        if C.FP8:  # the scales: KVBOX contiguous bf16 a box, at the box's row index in the scale pools
+            at = gl.expand_dims(rows * C.KVBOX, 1) + col
+            async_copy.async_copy_global_to_shared(sbuf.index(idx).slice(0, NBOX), ksc + at)
+            async_copy.async_copy_global_to_shared(sbuf.index(idx).slice(NBOX, NBOX), vsc + at)
+            async_copy.mbarrier_arrive(ready.index(idx), increment_count=True)
+        mbarrier.expect(ready.index(idx), 2 * C.KVS * C.HD * kdesc.dtype.primitive_bitwidth // 8)
+        slot = bufs.index(idx)._reinterpret(kdesc.dtype, [2 * NBOX, C.KVBOX, C.HD], kdesc.layout)
+        for b in gl.static_range(NBOX):
+            r = _field(rows, box, b) * C.KVBOX
+            tma.async_copy_global_to_shared(kdesc, [r, 0], ready.index(idx), slot.index(b))
+            tma.async_copy_global_to_shared(vdesc, [r, 0], ready.index(idx), slot.index(NBOX + b))
+        it += 1
+    return it
+
+
+@gluon.jit
+def loader(prog, moe, kv, desc, bufs, sbuf, empty, ready, rel, ep_bar, C: gl.constexpr):
     """The loader role: walk this CTA's queue (``prog`` = (words, lengths, max_len)) and stream every instruction's
     weight tiles (isa.TileSpan in its words) into the ring, row tile by row tile, column tiles K0..K1 of each; an
-    expert span once its routing entry names the expert (``moe`` = (counters, their number, the routing table);
-    module doc). With MoE layers (C.S > 0) it reads the step's epoch first and then arrives on ``ep_bar``, which
-    compute waits for before the launch's last act moves the epoch on."""
+    expert span once its routing entry names the expert (``moe`` = (counters, their number, the routing table));
+    in a one-token step an attention split's past K/V (``kv``: ``_stream_split``; module doc). With MoE layers
+    (C.S > 0) it reads the step's epoch first and then arrives on ``ep_bar``, which compute waits for before the
+    launch's last act moves the epoch on."""
     INFLIGHT: gl.constexpr = C.INFLIGHT
     QUIET: gl.constexpr = C.QUIET
     words_ptr, lens_ptr, MAXLEN = prog
@@ -87,6 +159,9 @@ def loader(prog, moe, desc, bufs, empty, ready, rel, ep_bar, C: gl.constexpr):
     offs = gl.arange(0, WP2, gl.BlockedLayout([1], [32], [1], [0]))
     pid = gl.program_id(0)
     n = gl.load(lens_ptr + pid)
+    if C.M == 1:  # the step's context (a one-token step's one segment): where every split's past ends
+        kdesc, vdesc, ksc, vsc, bt, maxp, ctx_ptr, num_pages = kv
+        kv = (kdesc, vdesc, ksc, vsc, bt, maxp, gl.load(ctx_ptr), num_pages)
     tag = 0
     if C.S > 0:
         tag = route_tag(gl.load(cnt_ptr + NCNT + 1, cache_modifier=".cg"))
@@ -117,6 +192,9 @@ def loader(prog, moe, desc, bufs, empty, ready, rel, ep_bar, C: gl.constexpr):
             for r in range(nr):
                 for k in range(k0, k1):
                     it = _load(desc, t0 + r * kt + k, bufs, empty, ready, it, INFLIGHT, rel, hold_at, parity)
+        if C.M == 1:
+            if _field(w, offs, W_OP) == OP_ATTN_PARTIAL:
+                it = _stream_split(w, offs, kv, bufs, sbuf, empty, ready, rel, it, C)
         if QUIET >= 0:
             if (flags & HOLD_ARRIVE) != 0:
                 released += 1

@@ -9,6 +9,13 @@ layers and a stale L1 line from an earlier layer must never be read. Targets are
 counter that receives ``count`` signals per step is complete at ``(epoch + 1) * count``, so counters are never reset
 between steps (isa.py).
 
+Inside the compute partition, ``gl.thread_barrier`` (and the barrier Triton adds after ``cp.async.wait_group`` and
+around a scalar atomic) becomes the partition's own barrier (``bar.sync 0, 32 * NW``) only in code inlined into the
+kernel: Triton's warp-specialize lowering rewrites the kernel function's barriers, never a noinline function's, whose
+barriers stay CTA-wide (``bar.sync 0``: every thread of the CTA, the loader's warps included, which never arrive: a
+deadlock). A noinline function of the compute partition therefore syncs with ``partition_barrier`` and waits for
+its copies with ``copies_landed``, and leaves counter waits and tickets to its caller.
+
 Routing entries (isa.py, MoE): ``route_tag`` is isa.route_tag on the device; ``routed_wait`` is the loader's poll of
 one entry until it carries this step's tag (volatile loads: re-read from memory each time; the loader only turns
 the entry into tile numbers of weights no one writes, so it needs no acquire); ``routed_read`` is compute's read of
@@ -16,6 +23,7 @@ an entry its dependency wait already ordered after the router's store (L2, not t
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import constexpr_function
 
 from .context import NO_EXPERT, ROUTE_BITS, ROUTE_TAG_MASK, ROUTE_TAG_SET
 
@@ -48,6 +56,32 @@ def ticket_is_last(cnt_ptr, ticket, count, epoch):
         drawn = gl.atomic_add(cnt_ptr + ticket, 1, sem="acq_rel", scope="gpu")
         last = drawn - ((epoch + 1) * count - 1) == 0
     return last
+
+
+@constexpr_function
+def _barrier_asm(NW):
+    return f"bar.sync 0, {32 * NW};\n\tmov.u32 $0, $1;"
+
+
+@constexpr_function
+def _wait_asm(N):
+    return f"cp.async.wait_group {N};\n\tmov.u32 $0, $1;"
+
+
+@gluon.jit
+def partition_barrier(NW: gl.constexpr):
+    """The compute partition's barrier (barrier 0, its NW warps' threads: what Triton lowers the partition's
+    inlined barriers to), as inline PTX: the barrier of a noinline function the partition calls."""
+    tid = gl.arange(0, 32 * NW, gl.BlockedLayout([1], [32], [NW], [0]))  # one element a thread: one bar.sync
+    gl.inline_asm_elementwise(_barrier_asm(NW), "=r,r", [tid], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def copies_landed(N: gl.constexpr, NW: gl.constexpr):
+    """``cp.async.wait_group N``: this thread's copies but its N most recent groups landed, with no barrier (Gluon's
+    ``async_copy.wait_group`` adds one): a noinline function's wait for its own copies."""
+    tid = gl.arange(0, 32 * NW, gl.BlockedLayout([1], [32], [NW], [0]))
+    gl.inline_asm_elementwise(_wait_asm(N), "=r,r", [tid], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

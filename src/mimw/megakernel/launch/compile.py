@@ -17,7 +17,8 @@ def compile_sm90a(p: LaunchPlan, ones: bool = False):
 
     from ..device.kernel import megakernel
 
-    sig = args.signature(p.tuning.tile_rows, p.tuning.tile_k)
+    c = p.constants
+    sig = args.signature(p.tuning.tile_rows, p.tuning.tile_k, c.FP8, (c.KVBOX, c.HD))
     constants = {"C": p.constants}
     if ones:
         for path in args.int_paths():
@@ -32,7 +33,8 @@ def compile_sm90a(p: LaunchPlan, ones: bool = False):
 
 
 def ptxas_report(ptx: str) -> dict:
-    """Assemble ``ptx`` for sm_90a with the ptxas shipped in the triton wheel; registers, stack and spills."""
+    """Assemble ``ptx`` for sm_90a with the ptxas shipped in the triton wheel; the entry's registers, stack and
+    spills, and ``functions``: each function's stack and spills by name."""
     import os
     import re
     import subprocess
@@ -48,8 +50,14 @@ def ptxas_report(ptx: str) -> dict:
         out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True, check=True).stderr
     num = lambda pat: int(re.search(pat, out).group(1))  # noqa: E731
+    # every function's own line (the entry first; a noinline device function, e.g. attn_query_block's,
+    # is allocated apart and reported after it)
+    functions = {m.group(1): dict(stack=int(m.group(2)), spill_stores=int(m.group(3)), spill_loads=int(m.group(4)))
+                 for m in re.finditer(r"Function properties for (\S+)\s+(\d+) bytes stack frame, (\d+) bytes spill "
+                                      r"stores, (\d+) bytes spill loads", out)}
     return dict(registers=num(r"Used (\d+) registers"), stack=num(r"(\d+) bytes stack frame"),
-                spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"))
+                spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"),
+                functions=functions)
 
 
 def partition_barrier_errors(ptx: str, num_warps: int) -> list[tuple[str, str]]:

@@ -1,15 +1,17 @@
 """MegakernelDecoder: plans the step once, owns the packed weights, step state and scratch, and runs one decode
 step per launch of the persistent megakernel, optionally captured in a CUDA graph.
 
-    dec = MegakernelDecoder(weights, cache)                # weights: ModelWeights; cache: PagedKVCache (bf16, cuda)
+    dec = MegakernelDecoder(weights, cache)                # weights: ModelWeights; cache: PagedKVCache on cuda,
+                                                          # bf16 or fp8 (e4m3 + a bf16 scale per row, kv/pages.py)
     logits = dec.step(token, position, block_table)       # [1, V] fp32, a view into the scratch buffer
     logits = dec.step_batch(tokens, positions, tables)    # [B, V]: B sequences' next tokens in one launch
     logits, rows = dec.step_segments(tokens, segments)    # [M, V]: decode tokens and verify blocks, M tokens in all
 With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling the state) and later steps replay it.
 ``step_batch`` (B = 2..plan.max_tokens: 32, the 8B shapes 16) runs a decode batch: one token of each of B sequences,
 the weights streamed once (swap-AB wgmma, device/matvec_mt.py). ``step_segments`` runs any segments of M tokens in
-all (verify blocks included) as M one-token segments (one_token.py). Each M has its own plan, compiled kernel, step
-state and scratch (one program per M, built on first use); all share the packed weights.
+all (verify blocks included) as M one-token segments (one_token.py) whose attention runs each verify block as one
+query block. Each M and layout of query blocks has its own plan, step state, scratch and graph (one program each,
+built on first use; the compiled kernel is shared where the constants agree); all share the packed weights.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 from ...kv.pages import PagedKVCache
 from ...models.reference import Segment
 from ...models.weights import ModelWeights
-from ..plan import LaunchPlan, Tuning, plan
+from ..plan import KV_DTYPES, LaunchPlan, Tuning, plan
 from ..program import StepShape
 from ..state import alloc_scratch, alloc_state
 from . import args
@@ -34,23 +36,28 @@ from .pack import pack
 class MegakernelDecoder:
     def __init__(self, weights: ModelWeights, cache: PagedKVCache, max_pages_per_seq: int | None = None,
                  tuning: Tuning = Tuning(), num_sms: int | None = None, context_hint: int = 1024,
-                 use_graph: bool = False, batch: int = 1, packed=None):
-        """``batch``: tokens a step (one of each of ``batch`` sequences); ``packed``: another decoder's packed
-        weights and descriptor to share (``step_batch``'s decoders)."""
+                 use_graph: bool = False, batch: int = 1, packed=None, blocks: tuple[int, ...] = ()):
+        """``batch``: tokens a step (one of each of ``batch`` sequences); ``blocks``: attention's query blocks of
+        those one-token segments (program.StepShape.attn_blocks; () : every token its own); ``packed``: another
+        decoder's packed weights and descriptor to share (``step_batch``'s decoders)."""
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         spec = weights.spec
-        if cache.layout.dtype != torch.bfloat16 or cache.device.type != "cuda":
-            raise ValueError("the megakernel needs a bf16 KV cache on a CUDA device")
+        if cache.layout.dtype not in KV_DTYPES or cache.device.type != "cuda":
+            raise ValueError(f"the megakernel needs a bf16 or fp8 KV cache on a CUDA device, got "
+                             f"{cache.layout.describe()} on {cache.device}")
         dev = cache.device
         self.spec, self.cache, self.use_graph = spec, cache, use_graph
         self.num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
         self.max_pages = max_pages_per_seq or cache.layout.num_pages
-        self.shape = StepShape((1,) * batch, context_hint)
-        self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size, tuning)
+        self.shape = StepShape((1,) * batch, context_hint, blocks)
+        self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size, tuning, cache.layout.dtype)
+        # a bf16 cache has no scales: the kernel's scale arguments get a one-element dummy it never reads
+        none = torch.ones(1, dtype=torch.bfloat16, device=dev)
+        self.scales = (cache.k_scale, cache.v_scale) if cache.layout.quantized else (none, none)
         self._tuning = tuning
-        self._batches: dict[int, MegakernelDecoder] = {}
+        self._batches: dict[tuple[int, tuple[int, ...]], MegakernelDecoder] = {}
         if packed is not None:
             self.w, self.desc = packed
         else:
@@ -72,13 +79,24 @@ class MegakernelDecoder:
                               stacklevel=2)
                 self.cluster_fallback = why
                 self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size,
-                                 dataclasses.replace(tuning, clusters=False))
+                                 dataclasses.replace(tuning, clusters=False), cache.layout.dtype)
                 self._allocate()
 
+    def _kv_descs(self) -> tuple:
+        """TMA descriptors of the K and V pools as [rows, head_dim] (one row a position of one KV head of one page of
+        one layer), box [KVBOX, head_dim]: the loader's K/V stream (device/kv_stream.py)."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        c, fp8 = self.plan.constants, self.cache.layout.quantized
+        box, lay = [c.KVBOX, c.HD], args.kv_layout(fp8)
+        return tuple(TensorDescriptor.from_tensor(pool.view(-1, c.HD), box, lay)
+                     for pool in (self.cache.k, self.cache.v))
+
     def _allocate(self) -> None:
-        """The plan's words, step state, scratch and trace buffer."""
+        """The plan's words, K/V descriptors, step state, scratch and trace buffer."""
         p, dev = self.plan, self.cache.device
         self.words, self.lens = p.words.to(dev), p.lens.to(dev)
+        self.kv_descs = self._kv_descs()
         self.state = alloc_state(p.program, self.max_pages, dev)
         self.scratch = alloc_scratch(p.program, dev)
         self._stand_ins: dict[torch.dtype, torch.Tensor] = {}  # one-element stand-ins for empty scratch (_nonempty)
@@ -98,10 +116,11 @@ class MegakernelDecoder:
             counters=s.counters,
             num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, embed=w.embed,
             attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, final_norm=w.final_norm, bias=w.bias, q_norm=w.q_norm,
-            k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, num_pages=c.layout.num_pages, x=x.x,
-            qkv_part=x.qkv_part, q=x.q, part_o=x.part_o, part_ml=x.part_ml, attn=x.attn, act=x.act,
-            logits=x.logits, splits=p.program.max_splits, x16=x.x16, attn16=x.attn16, act16=x.act16,
-            router_logits=self._nonempty(x.router_logits), routed=self._nonempty(x.routed),
+            k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, k_scale=self.scales[0], v_scale=self.scales[1],
+            num_pages=c.layout.num_pages, k_desc=self.kv_descs[0], v_desc=self.kv_descs[1], x=x.x,
+            qkv_part=x.qkv_part, q=x.q, part_o=x.part_o, part_ml=x.part_ml,
+            attn=x.attn, act=x.act, logits=x.logits, splits=p.program.max_splits, x16=x.x16, attn16=x.attn16,
+            act16=x.act16, router_logits=self._nonempty(x.router_logits), routed=self._nonempty(x.routed),
             slot_w=self._nonempty(x.slot_w), moe_act=self._nonempty(x.moe_act), moe_part=self._nonempty(x.moe_part),
             moe_act16=self._nonempty(x.moe_act16),
             eps=self.spec.rms_norm_eps,
@@ -184,18 +203,21 @@ class MegakernelDecoder:
         self.run()
         return self.scratch.logits
 
-    def batch_decoder(self, batch: int) -> "MegakernelDecoder":
-        """The decoder of ``batch`` tokens a step (self for 1), sharing this one's packed weights and cache; built on
-        first use."""
-        if batch == self.shape.num_tokens:
+    def batch_decoder(self, batch: int, blocks: tuple[int, ...] = ()) -> "MegakernelDecoder":
+        """The decoder of ``batch`` tokens a step in attention query blocks ``blocks`` (self for this one's shape),
+        sharing this one's packed weights and cache; built on first use. Over an fp8 cache every token is its own
+        query block (attention's query-block path reads bf16 rows: plan.plan refuses it)."""
+        if self.cache.layout.quantized:
+            blocks = ()
+        if (batch, blocks) == (self.shape.num_tokens, self.shape.attn_blocks):
             return self
-        if batch not in self._batches:
+        if (batch, blocks) not in self._batches:
             # with the packed weights given, the constructor reads only the weights' spec: no reference to the
             # caller's weights is kept
-            self._batches[batch] = MegakernelDecoder(
+            self._batches[batch, blocks] = MegakernelDecoder(
                 SimpleNamespace(spec=self.spec), self.cache, self.max_pages, self._tuning, self.num_sms,
-                self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc))
-        return self._batches[batch]
+                self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc), blocks=blocks)
+        return self._batches[batch, blocks]
 
     def step_batch(self, tokens: Sequence[int], positions: Sequence[int],
                    block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -203,6 +225,11 @@ class MegakernelDecoder:
         (B = 1..plan.max_tokens sequences, each page that receives a new row private to its sequence). Returns
         logits [B, V] fp32, a view into that batch decoder's scratch."""
         return self._run_batch(tokens, positions, block_tables, None)
+
+    def segments_decoder(self, segments: Sequence[Segment], pad_page: int | None = None) -> "MegakernelDecoder":
+        """The decoder ``step_segments`` runs these segments on (their bucket's tokens in their query blocks)."""
+        one = split_segments(segments, pad_page, self.cache.layout.page_size)
+        return self.batch_decoder(one.num_tokens, one.blocks)
 
     def step_segments(self, tokens: Sequence[int] | torch.Tensor, segments: Sequence[Segment],
                       pad_page: int | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -216,10 +243,10 @@ class MegakernelDecoder:
             tokens = torch.cat([tokens.reshape(-1), tokens.new_zeros(one.padding)])
         else:
             tokens = list(tokens) + [0] * one.padding
-        return self._run_batch(tokens, one.positions, one.block_tables, one.firsts), one.logit_rows
+        return self._run_batch(tokens, one.positions, one.block_tables, one.firsts, one.blocks), one.logit_rows
 
-    def _run_batch(self, tokens, positions, block_tables, firsts) -> torch.Tensor:
-        dec = self.batch_decoder(len(tokens))
+    def _run_batch(self, tokens, positions, block_tables, firsts, blocks: tuple[int, ...] = ()) -> torch.Tensor:
+        dec = self.batch_decoder(len(tokens), blocks)
         dec.set_batch(tokens, positions, block_tables, firsts)
         if dec.use_graph and dec.graph is None:
             dec.capture()

@@ -13,6 +13,10 @@ compiled kernel and one CUDA graph serve every M of the bucket. The padding toke
 sequence owns (``pad_page``), at positions 0 .. N - M - 1: they store their rows there, read only there, and their
 logits are never asked for.
 
+Attention's query blocks (program.StepShape.attn_blocks): the tokens of a segment run as one attention instruction
+per (block, KV head, split) in blocks of at most ``MAX_QUERY_BLOCK`` consecutive tokens (the padding too), each K/V
+block read once for all of the block's tokens (ops/attn_partial.py); a decode token is a block of one.
+
 Pure host logic (CPU-tested): ``split_segments`` maps segments to the kernel's per-token inputs and says which
 logit rows the caller wants.
 """
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ...models.reference import Segment
+from ..plan import MAX_QUERY_BLOCK
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,18 @@ class OneTokenStep:
     firsts: tuple[int, ...]  # the first position the step writes in each token's sequence (state.seg_new)
     logit_rows: tuple[int, ...]  # the tokens whose logits the segments want, in segment order (Backend.forward)
     padding: int = 0  # tokens past the segments' (the last ones): their ids are the caller's to add (any id)
+    blocks: tuple[int, ...] = ()  # attention's query blocks (StepShape.attn_blocks); () where every one is a token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+def query_blocks(lengths: Sequence[int], most: int = MAX_QUERY_BLOCK) -> tuple[int, ...]:
+    """Runs of tokens ``lengths`` (segments', the padding's) cut into query blocks of at most ``most``; () where
+    every block is one token (the program of a decode batch)."""
+    out = tuple(min(most, n - i) for n in lengths for i in range(0, n, most))
+    return out if any(b > 1 for b in out) else ()
 
 
 def bucket_of(m: int) -> int:
@@ -65,7 +82,8 @@ def split_segments(segments: Sequence[Segment], pad_page: int | None = None, pag
     positions.extend(range(pad))
     tables.extend([(pad_page,)] * pad)
     firsts.extend([0] * pad)
-    return OneTokenStep(tuple(positions), tuple(tables), tuple(firsts), tuple(rows), pad)
+    blocks = query_blocks([s.length for s in segments] + ([pad] if pad else []))
+    return OneTokenStep(tuple(positions), tuple(tables), tuple(firsts), tuple(rows), pad, blocks)
 
 
-__all__ = ["OneTokenStep", "bucket_of", "split_segments"]
+__all__ = ["MAX_QUERY_BLOCK", "OneTokenStep", "bucket_of", "query_blocks", "split_segments"]

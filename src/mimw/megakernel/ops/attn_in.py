@@ -20,9 +20,11 @@ Tiles: the head's hd rows of the qkv matrix, the part's column tiles.
 Device (``compute``): RMSNorm(x) staged once for a run of ATTN_IN instructions; each row tile's sums go to the
 qkv_part scratch (a ticket: the last part finishes the head from the parts in global memory) or, in a cluster pair,
 into both CTAs' exchange slots (device/cluster.py): part 0 waits for part 1's sums and finishes the head, reading
-the step-independent finish inputs (inverse frequencies, q/k norm weights, bias) before the exchange's wait. A
-multi-token step's finisher does every token at once (``_finish_mt``: [tokens, half head] tiles, one round of
-loads for all the tokens' positions, pages and part sums).
+the step-independent finish inputs (inverse frequencies, q/k norm weights, bias) before the exchange's wait. A K/V
+row is stored in the cache's format (``store_row``): bf16, or (an fp8 cache) quantised in registers to e4m3 with
+its bf16 scale, bit for bit as the host's ``PagedKVCache.store``. A multi-token step's finisher does every token at
+once (``_finish_mt``: [tokens, half head] tiles, one round of loads for all the tokens' positions, pages and part
+sums; ``store_rows`` quantises each token's row on its own).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ...kv import fp8
 from ...models import rope
 from ...models.spec import ModelSpec
 from ..device import cluster, layouts, matvec as mv, matvec_mt as mt
@@ -235,26 +238,14 @@ def _finish_group(layer, head, n_parts, t0, s, b, TG: gl.constexpr, C: gl.conste
             rs = gl.expand_dims(gl.rsqrt((gl.sum(a * a, axis=1) + gl.sum(bh * bh, axis=1)) / HD + b.eps), 1)
             a = (a * rs).to(gl.bfloat16).to(gl.float32) * gl.load(nw + j).to(gl.float32)
             bh = (bh * rs).to(gl.bfloat16).to(gl.float32) * gl.load(nw + HH + j).to(gl.float32)
-        ang = pos.to(gl.float32) * inv_f
-        c = gl.cos(ang)
-        sn = gl.sin(ang)
-        a2 = a * c - bh * sn
-        bh = bh * c + a * sn
-        a = a2
+        a, bh = _rope(a, bh, pos, inv_f)
     if head < C.HQ:
         qb = b.q + t * (C.HQ * HD) + head * HD
         gl.store(qb + j, a, mask=ok)
         gl.store(qb + HH + j, bh, mask=ok)
     else:
-        kvh = (head - C.HQ) % C.HKV
-        # the element offset in int64: the pool passes 2^31 elements (the 8B's 32 layers x 4096 pages)
-        row = (((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS).to(gl.int64) * HD
-        if head < C.HQ + C.HKV:
-            cache = b.kc + row
-        else:
-            cache = b.vc + row
-        gl.store(cache + j, a.to(gl.bfloat16), mask=ok)
-        gl.store(cache + HH + j, bh.to(gl.bfloat16), mask=ok)
+        dst, scale_dst = _kv_row(layer, head, page, pos, b, C)  # [TG, 1] each
+        store_rows(dst, scale_dst, a, bh, j, ok, C)
 
 
 @gluon.jit
@@ -313,8 +304,9 @@ def _finish_inputs(layer, head, b, C: gl.constexpr):
 def _finish(layer, head, n_parts, pos, page, src, PSTRIDE: gl.constexpr, q_ptr, b, C: gl.constexpr, xn, pre):
     """The head's finisher for the token at position ``pos`` (its cache page ``page``): y = sum of the parts in part
     order (part p's sums at ``src + p * PSTRIDE``) (+bias) (+RMSNorm) (+RoPE), then store: q heads to the token's
-    q scratch ``q_ptr``, k/v heads into the token's paged cache row. The halves a = y[:HD/2] and b = y[HD/2:] are
-    held as [HD/2TR, TR] tiles. A cluster pair's sums come from exchange ``xn``'s slot."""
+    q scratch ``q_ptr``, k/v heads into the token's paged cache row (``store_row``: bf16, or e4m3 with its scale).
+    The halves a = y[:HD/2] and b = y[HD/2:] are held as [HD/2TR, TR] tiles. A cluster pair's sums come from
+    exchange ``xn``'s slot."""
     HD: gl.constexpr = C.HD
     i = _half_index(C)
     inv_f, nw_a, nw_b, bias_a, bias_b = pre
@@ -339,23 +331,84 @@ def _finish(layer, head, n_parts, pos, page, src, PSTRIDE: gl.constexpr, q_ptr, 
                           + b.eps)
             a = (a * rs).to(gl.bfloat16).to(gl.float32) * nw_a
             bh = (bh * rs).to(gl.bfloat16).to(gl.float32) * nw_b
-        ang = pos.to(gl.float32) * inv_f
-        c = gl.cos(ang)
-        sn = gl.sin(ang)
-        a2 = a * c - bh * sn
-        bh = bh * c + a * sn
-        a = a2
+        a, bh = _rope(a, bh, pos, inv_f)
     if head < C.HQ:
         qb = q_ptr + head * HD
         gl.store(qb + i, a)
         gl.store(qb + HD // 2 + i, bh)
     else:
-        kvh = (head - C.HQ) % C.HKV
-        # the element offset in int64: the pool passes 2^31 elements (the 8B's 32 layers x 4096 pages)
-        row = (((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS).to(gl.int64) * HD
-        if head < C.HQ + C.HKV:
-            cache = b.kc + row
-        else:
-            cache = b.vc + row
-        gl.store(cache + i, a.to(gl.bfloat16))
-        gl.store(cache + HD // 2 + i, bh.to(gl.bfloat16))
+        dst, scale_dst = _kv_row(layer, head, page, pos, b, C)
+        store_row(dst, scale_dst, a, bh, i, C)
+
+
+@gluon.jit
+def _rope(a, bh, pos, inv_f):
+    """RoPE at position(s) ``pos`` of the halves a = y[:HD/2], bh = y[HD/2:] (HF's rotate-half pairing: element i
+    with i + HD/2; ``inv_f`` the inverse frequencies in the halves' layout), in fp32."""
+    ang = pos.to(gl.float32) * inv_f
+    c = gl.cos(ang)
+    sn = gl.sin(ang)
+    return a * c - bh * sn, bh * c + a * sn
+
+
+@gluon.jit
+def _kv_row(layer, head, page, pos, b, C: gl.constexpr):
+    """(the row's first element, its scale) in the cache for k or v head ``head`` at position(s) ``pos`` on cache
+    page(s) ``page``: the K pool for k heads, the V pool for v heads. The element offset is int64: a pool passes
+    2^31 elements at long contexts (the 8B's 32 layers at 128k)."""
+    kvh = (head - C.HQ) % C.HKV
+    row = ((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + pos % C.PS
+    if head < C.HQ + C.HKV:
+        cache = b.kc
+        scales = b.ksc
+    else:
+        cache = b.vc
+        scales = b.vsc
+    return cache + row.to(gl.int64) * C.HD, scales + row
+
+
+E4M3_MAX: gl.constexpr = gl.constexpr(fp8.E4M3_MAX)
+MIN_SCALE: gl.constexpr = gl.constexpr(2.0 ** -126)  # kv/fp8.py's floor on a nonzero row's scale
+
+
+@gluon.jit
+def store_row(dst, scale_dst, a, bh, i, C: gl.constexpr):
+    """One K or V row into the cache: halves a = y[:HD/2], bh = y[HD/2:] ([HD/2TR, TR] fp32, ``i`` their indices)
+    to ``dst`` [HD] as bf16, or (C.FP8) quantised exactly as kv/fp8.py's ``quantize``: scale = bf16(amax / 448)
+    (1 where amax == 0, at least 2^-126), q = e4m3(clamp(y / scale, -448, 448)), its scale to ``scale_dst``. The
+    divisions round to nearest (div_rn, not the approximate division '/' compiles to) and the conversions round to
+    nearest even, as torch's do, so the bytes equal the host's ``PagedKVCache.store`` of the same row."""
+    HD: gl.constexpr = C.HD
+    if C.FP8:
+        amax = gl.maximum(gl.max(gl.max(gl.abs(a), axis=1), axis=0), gl.max(gl.max(gl.abs(bh), axis=1), axis=0))
+        sc = gl.where(amax > 0.0, gl.maximum(gl.div_rn(amax, E4M3_MAX), MIN_SCALE), 1.0)
+        sc = sc.to(gl.bfloat16).to(gl.float32)  # the stored bf16 scale, which the division uses
+        qa = gl.minimum(gl.maximum(gl.div_rn(a, sc), -E4M3_MAX), E4M3_MAX)
+        qb = gl.minimum(gl.maximum(gl.div_rn(bh, sc), -E4M3_MAX), E4M3_MAX)
+        gl.store(dst + i, qa.to(gl.float8e4nv))
+        gl.store(dst + HD // 2 + i, qb.to(gl.float8e4nv))
+        gl.store(scale_dst + i * 0, gl.where(i >= 0, sc, 0.0).to(gl.bfloat16), mask=i == 0)  # one thread
+    else:
+        gl.store(dst + i, a.to(gl.bfloat16))
+        gl.store(dst + HD // 2 + i, bh.to(gl.bfloat16))
+
+
+@gluon.jit
+def store_rows(dst, scale_dst, a, bh, j, ok, C: gl.constexpr):
+    """``store_row`` for a group of a multi-token step's tokens: halves a, bh [TG, HD/2] (a token a row, ``j``
+    [1, HD/2] the element index), each token's row at ``dst`` [TG, 1] and (C.FP8) its scale at ``scale_dst``
+    [TG, 1], the tokens where ``ok`` [TG, HD/2] holds; an fp8 row's scale from its own amax, the same bytes as
+    ``store_row`` and the host's ``PagedKVCache.store``."""
+    HH: gl.constexpr = C.HD // 2
+    if C.FP8:
+        amax = gl.maximum(gl.max(gl.abs(a), axis=1), gl.max(gl.abs(bh), axis=1))  # [TG]
+        sc = gl.where(amax > 0.0, gl.maximum(gl.div_rn(amax, E4M3_MAX), MIN_SCALE), 1.0)
+        sc = gl.expand_dims(sc.to(gl.bfloat16).to(gl.float32), 1) + a * 0.0  # [TG, HD/2], each row its scale
+        qa = gl.minimum(gl.maximum(gl.div_rn(a, sc), -E4M3_MAX), E4M3_MAX)
+        qb = gl.minimum(gl.maximum(gl.div_rn(bh, sc), -E4M3_MAX), E4M3_MAX)
+        gl.store(dst + j, qa.to(gl.float8e4nv), mask=ok)
+        gl.store(dst + HH + j, qb.to(gl.float8e4nv), mask=ok)
+        gl.store(scale_dst + j * 0, sc.to(gl.bfloat16), mask=ok & (j == 0))  # one lane a token
+    else:
+        gl.store(dst + j, a.to(gl.bfloat16), mask=ok)
+        gl.store(dst + HH + j, bh.to(gl.bfloat16), mask=ok)

@@ -44,11 +44,6 @@ class OpContext:
     def spec(self) -> ModelSpec:
         return self.program.spec
 
-    def seg_tokens(self, seg: int) -> slice:
-        """Rows [t0, t0 + seg_len) of the step's M tokens that belong to segment ``seg`` (static, from StepShape)."""
-        t0 = self.program.shape.seg_starts[seg]
-        return slice(t0, t0 + self.program.shape.seg_lens[seg])
-
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., n] fp32, w [n] in the weight dtype -> fp32 [..., n]; the normalised x is rounded to w's dtype."""

@@ -7,8 +7,14 @@ same run. ``--tunings`` times each batch under several ``Tuning`` overrides (``"
 also records one traced step per cell and prints its per-instruction summary (tools/trace.py), to say where a
 batch's time goes. Prints a table and writes JSON to ``$OUT/batch_step.json`` when $OUT is set.
 
+``--verify 1x16,4x4`` also times verify steps (S sequences, a block of K tokens each, at the same context) on the
+multi-token kernel twice: with each block as attention's query block (``blocks``: one instruction per block, KV
+head and split, ops/attn_query_block.py; what step_segments runs) and with every token its own attention
+(``per-token``: the decode batch's program), so one run gives both; with ``--trace`` each also prints where its
+time goes (ATTN_PARTIAL's us a layer among them).
+
     PYTHONPATH=src python3 -m mimw.megakernel.tools.batch_step [--models llama-3.2-1b,llama-3.1-8b]
-        [--batches 1,2,8,16,32] [--context 1024] [--tunings "default;ring=5"] [--trace]
+        [--batches 1,2,8,16,32] [--context 1024] [--tunings "default;ring=5"] [--verify 1x16,4x4] [--trace]
 """
 from __future__ import annotations
 
@@ -21,9 +27,11 @@ import torch
 
 from ...bench.floor import floor_ms, step_bytes
 from ...kv.pages import KVLayout, PagedKVCache
+from ...models.reference import Segment
 from ...models.spec import get_preset
 from ...models.weights import random_weights
 from ..launch.decoder import MegakernelDecoder
+from ..launch.one_token import split_segments
 from ..plan import Tuning, max_tokens
 from .trace import format_summary, summarize
 from .variants import read_bandwidth, time_step
@@ -67,6 +75,48 @@ def measure(model: str, batches: list[int], context: int, bw: float, page_size: 
     return rows
 
 
+def measure_verify(model: str, shapes: list[tuple[int, int]], context: int, bw: float, page_size: int = 16,
+                   tuning: Tuning = Tuning(), trace: bool = False) -> list[dict]:
+    """Verify steps of S sequences x K tokens at ``context``: per shape, the query-block program and the per-token
+    one, each timed as graph replays (and traced once with ``trace``)."""
+    spec = get_preset(model)
+    shapes = [(n, k) for n, k in shapes if 2 <= n * k <= max_tokens(spec, tuning)]
+    if not shapes:
+        return []
+    w = random_weights(spec, 0, dtype=torch.bfloat16, device="cuda")
+    n_max, k_max = max(n for n, _ in shapes), max(k for _, k in shapes)
+    per_seq = -(-(context + k_max) // page_size)
+    cache = PagedKVCache(KVLayout.for_spec(spec, page_size, n_max * per_seq + 3, torch.bfloat16), "cuda")
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    pages = torch.randperm(n_max * per_seq).tolist()
+    tables = [tuple(pages[i * per_seq: (i + 1) * per_seq]) for i in range(n_max)]
+    rows = []
+    for traced in (False, True) if trace else (False,):
+        dec = MegakernelDecoder(w, cache, max_pages_per_seq=per_seq, context_hint=context,
+                                tuning=dataclasses.replace(tuning, trace=traced), use_graph=not traced)
+        for n, k in shapes:
+            one = split_segments([Segment(tables[i], context, k, k) for i in range(n)])
+            for path, blocks in (("blocks", one.blocks), ("per-token", ())):
+                vdec = dec.batch_decoder(one.num_tokens, blocks)
+                vdec.set_batch(list(range(1, one.num_tokens + 1)), one.positions, one.block_tables, one.firsts)
+                name = f"verify {n}x{k} {path}"
+                if traced:
+                    vdec.run()
+                    vdec.run()  # the second, warm launch is the one recorded
+                    torch.cuda.synchronize()
+                    row = next(r for r in rows if r["shape"] == name)
+                    row["trace"] = summarize(vdec.trace, vdec.words, vdec.lens)
+                    print(f"--- {model} {name} traced\n{format_summary(row['trace'])}", flush=True)
+                    continue
+                ms = time_step(vdec)
+                floor = floor_ms(step_bytes(spec, context) + (n - 1) * context * spec.kv_bytes_per_token(2), bw)
+                rows.append(dict(model=model, shape=name, tokens=n * k, context=context, ms=ms, floor_ms=floor,
+                                 x_floor=ms / floor, splits=vdec.program.max_splits))
+        del dec
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
@@ -75,7 +125,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tunings", default="default", help="';'-separated Tuning overrides (tools/variants.py syntax)")
     ap.add_argument("--trace", action="store_true", help="also trace one step per cell and print its summary")
+    ap.add_argument("--verify", default="", metavar="SxK[,...]", help="verify steps: S sequences x K tokens each, "
+                    "as query blocks and per token (e.g. 1x16,4x4)")
     a = ap.parse_args()
+    try:
+        verify = [tuple(int(x) for x in v.split("x")) for v in a.verify.split(",") if v]
+        if any(len(v) != 2 or min(v) < 1 for v in verify):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--verify {a.verify!r}: expected SxK[,SxK...], e.g. 1x16,4x4")
     bw = read_bandwidth()
     print(f"read bandwidth {bw / 1e12:.2f} TB/s  ({torch.cuda.get_device_name()})")
     rows = []
@@ -89,9 +147,18 @@ def main() -> None:
         x1 = f"{r['x_m1']:7.2f}" if r["x_m1"] else "      -"
         print(f"{r['model']:14s} {r['tuning']:>12s} {r['batch']:3d} {r['ms']:8.3f} {r['floor_ms']:8.3f} "
               f"{r['x_floor']:8.2f} {x1} {r['ring']:4d} {r['down_parts']:5d}")
+    vrows = []
+    for m in a.models.split(",") if verify else []:
+        vrows += measure_verify(m, verify, a.context, bw, trace=a.trace)
+    if vrows:
+        print(f"{'model':14s} {'shape':>24s} {'ms':>8s} {'floor':>8s} {'x floor':>8s} splits")
+        for r in vrows:
+            print(f"{r['model']:14s} {r['shape']:>24s} {r['ms']:8.3f} {r['floor_ms']:8.3f} {r['x_floor']:8.2f} "
+                  f"{r['splits']:6d}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "batch_step.json"), "w") as f:
-            json.dump(dict(read_tbps=bw / 1e12, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+            json.dump(dict(read_tbps=bw / 1e12, device=torch.cuda.get_device_name(), rows=rows, verify=vrows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

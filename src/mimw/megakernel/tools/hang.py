@@ -1,5 +1,4 @@
-"""Where a hung megakernel launch stopped: per SM, the first instruction it did not finish, and the counter it
-waits on.
+"""Where a hung megakernel launch stopped: per SM, the first instruction it did not finish, and the counters it waits on.
 
 A persistent kernel that deadlocks (a dependency counter that never reaches its target, a ring slot the loader and
 compute count differently, a barrier one partition never reaches) only shows as a ``torch.cuda.synchronize`` that
@@ -12,8 +11,14 @@ for; an instruction whose counter is already met is stuck inside its own work (r
 each stuck wait needs are followed to the instructions that signal them and whether those ran. The process then
 exits at once (``os._exit``): the driver tears the hung context down.
 
+A hang that needs earlier launches (a counter or ticket left off its step-numbered target by the launch before, the
+epoch's move) shows only on a later launch: ``--steps N`` runs up to N launches of the same step one after the other,
+the trace cleared before each, and reports the first that does not finish; ``--graph`` runs them as the check
+harness does (tools/check.py: a warm-up launch, a CUDA graph captured, then replays). ``--kv-dtype fp8`` runs over an
+fp8 cache (e4m3 rows and their scales: check.random_cache).
+
     PYTHONPATH=src python3 -m mimw.megakernel.tools.hang --model smollm2-135m --context 17 [--batch 8]
-        [--verify 1x16] [--timeout 20]
+        [--verify 1x16 [--per-token]] [--kv-dtype fp8] [--steps 4] [--graph] [--timeout 20]
 
 Pure host logic (``locate``) is CPU-tested; the launch needs a Hopper GPU.
 """
@@ -28,8 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import isa
-
-PAGE_SIZE = 16  # the test cache's page size (the engine's default)
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,7 @@ def locate(words: torch.Tensor, lens: torch.Tensor, trace: torch.Tensor, counter
     return out
 
 
-def signallers(words: torch.Tensor, lens: torch.Tensor, trace: torch.Tensor,
-               counter: int) -> list[tuple[int, int, bool]]:
+def signallers(words: torch.Tensor, lens: torch.Tensor, trace: torch.Tensor, counter: int) -> list[tuple[int, int, bool]]:
     """(SM, index, finished) of every instruction that signals ``counter``."""
     return [(s, i, bool(trace[s, i, 3] != 0)) for s in range(words.shape[0]) for i in range(int(lens[s]))
             if int(words[s, i, isa.Word.SIGNAL]) == counter]
@@ -109,31 +111,65 @@ def report(words: torch.Tensor, lens: torch.Tensor, trace: torch.Tensor, counter
     return "\n".join(lines)
 
 
-def _decoder(args):
-    """A traced decoder with its inputs set for one step (M = 1, a decode batch, or verify blocks), no graph."""
+def verify_step(tables, context: int, k: int, query_blocks: bool = True):
+    """The one-token step of verify blocks of ``k`` tokens at ``context``, one a block table of ``tables``
+    (one_token.split_segments); its attention in query blocks (the GPU's verify path), or, with ``query_blocks``
+    False, every token its own (the per-token path, to tell the two apart)."""
+    from dataclasses import replace
+
     from ...models.reference import Segment
+    from ..launch.one_token import split_segments
+
+    one = split_segments([Segment(tuple(t), context, k, k) for t in tables], None, 16)
+    return one if query_blocks else replace(one, blocks=())
+
+
+def _decoder(args):
+    """A traced decoder with its inputs set for one step (M = 1, a decode batch, or verify blocks) over a cache of
+    ``args.kv_dtype``."""
+    from ...kv.pages import parse_kv_dtype
     from ...models.spec import get_preset
     from ...models.weights import random_weights
     from ..launch.decoder import MegakernelDecoder
-    from ..launch.one_token import split_segments
     from ..plan import Tuning
     from .check import random_cache
 
     spec = get_preset(args.model)
     w = random_weights(spec, 0, dtype=torch.bfloat16, device="cuda")
     n_seq, k = (int(x) for x in args.verify.split("x")) if args.verify else (args.batch, 1)
-    per = -(-(args.context + k) // PAGE_SIZE)  # pages a sequence holds, its step's rows included
-    cache, table = random_cache(spec, args.context, k + 1, PAGE_SIZE, 1, min_pages=n_seq * (per + 1))
+    cache, table = random_cache(spec, args.context, k + 1, 16, 1, min_pages=n_seq * (-(-(args.context + k) // 16) + 1),
+                                kv_dtype=parse_kv_dtype(args.kv_dtype))
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=Tuning(trace=True),
                             context_hint=max(args.context, 1), use_graph=False)
     if n_seq * k == 1:
         dec.set_inputs(1, args.context, table)
         return dec
-    segs = [Segment(tuple(table[j * per:(j + 1) * per]), args.context, k, k) for j in range(n_seq)]
-    one = split_segments(segs, None, PAGE_SIZE)
-    sub = dec.batch_decoder(len(one.positions))
+    per = -(-(args.context + k) // 16)
+    one = verify_step([table[j * per:(j + 1) * per] for j in range(n_seq)], args.context, k, not args.per_token)
+    sub = dec.batch_decoder(len(one.positions), one.blocks)
     sub.set_batch([1] * len(one.positions), one.positions, one.block_tables, one.firsts)
     return sub
+
+
+def _launches(dec, steps: int, graph: bool):
+    """The launches ``--steps`` / ``--graph`` make, as callables on the current stream: each clears the trace (a
+    finished instruction's stamps from the launch before would read as finished) and launches; with ``graph`` the
+    first is the direct warm-up launch, the next captures a CUDA graph of one launch and replays it, the rest replay
+    it (tools/check.py's order: ``MegakernelDecoder.capture``)."""
+    def direct():
+        dec.trace.zero_()
+        dec.launch()
+
+    def replay():
+        if dec.graph is None:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                dec.launch()
+            dec.graph = g
+        dec.trace.zero_()
+        dec.graph.replay()
+
+    return [direct] + [replay if graph else direct] * (steps - 1)
 
 
 def main(argv=None) -> int:
@@ -142,22 +178,33 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=17)
     p.add_argument("--batch", type=int, default=1, help="decode tokens a step (one-token segments)")
     p.add_argument("--verify", default="", help="SxK: S verify blocks of K tokens (replaces --batch)")
-    p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for the launch")
+    p.add_argument("--per-token", action="store_true",
+                   help="verify blocks' attention per token, not in query blocks (ops/attn_query_block.py)")
+    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"), help="the KV cache's element type")
+    p.add_argument("--steps", type=int, default=1, help="launches of the step, one after the other (at least 1)")
+    p.add_argument("--graph", action="store_true", help="after the first launch, replay a captured CUDA graph")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for each launch")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
     if not torch.cuda.is_available():
         print("hang: needs a CUDA GPU", file=sys.stderr)
         return 2
     dec = _decoder(args)
     torch.cuda.synchronize()
     run, read = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(run):
-        dec.launch()
-        done = torch.cuda.Event()
-        done.record(run)
-    t0 = time.monotonic()
-    while not done.query() and time.monotonic() - t0 < args.timeout:
-        time.sleep(0.05)
-    finished = done.query()
+    finished = True
+    for k, launch in enumerate(_launches(dec, args.steps, args.graph)):
+        with torch.cuda.stream(run):
+            launch()
+            done = torch.cuda.Event()
+            done.record(run)
+        t0 = time.monotonic()
+        while not done.query() and time.monotonic() - t0 < args.timeout:
+            time.sleep(0.05)
+        finished = done.query()
+        if not finished:
+            break
     trace = torch.empty(dec.trace.shape, dtype=dec.trace.dtype, pin_memory=True)
     counters = torch.empty(dec.state.counters.shape, dtype=dec.state.counters.dtype, pin_memory=True)
     with torch.cuda.stream(read):  # beside the launch: no wait on its stream
@@ -165,8 +212,10 @@ def main(argv=None) -> int:
         counters.copy_(dec.state.counters, non_blocking=True)
     read.synchronize()
     n = len(dec.program.counters)
-    print(f"launch {'finished' if finished else f'still running after {args.timeout:.0f} s'}: {args.model}, "
-          f"context {args.context}, {dec.shape.num_tokens} token(s)")
+    how = "graph replay" if args.graph and k > 0 else "launch"
+    print(f"{how} {k + 1} of {args.steps} {'finished' if finished else f'still running after {args.timeout:.0f} s'}: "
+          f"{args.model}, context {args.context}, {dec.shape.num_tokens} token(s), query blocks "
+          f"{dec.shape.attn_blocks or 'none'}, {args.kv_dtype} cache, epoch {int(counters[n + 1])}")
     print(report(dec.plan.words, dec.plan.lens, trace, counters, n))  # the host's copy of the program
     sys.stdout.flush()
     if not finished:

@@ -6,9 +6,13 @@ Named cases (``cases``), two decode steps each, no CUDA graph: the default kerne
 attention warps' states: the shared-memory merge), ATTN_IN's pairs alone on 8 SMs, the tickets (no clusters) with
 two column parts a head, a tiny Qwen3 (16-row tiles, one part a head, q/k norms), a decode batch of three
 sequences on the 2-layer SmolLM2 (swap-AB wgmma, device/matvec_mt.py), a verify block, a decode batch of eight
-1B-shaped sequences whose one split each walks five K/V blocks through the cp.async stages, and the MoE layers: the tiny
-Qwen3-MoE and two 30B-A3B-shaped layers with 32 experts (router tickets, the loader's wait on the routing table,
-the experts' tickets), one token and a decode batch of three. Exits non-zero if logits (or an MoE step's routing)
+1B-shaped sequences whose one split each walks five K/V blocks through the cp.async stages, a 1B-shaped verify block
+of sixteen as one query block (mma.sync, its K/V and partials through the cp.async stages), the loader's K/V
+stream of a one-token step (2-layer 1B shape on 16 SMs at context 1000: two splits a KV head of eight slots each,
+the second starting inside a box; over a bf16 and an fp8 cache, whose scales arrive by cp.async on the slots'
+barriers), and the MoE layers: the tiny Qwen3-MoE and two 30B-A3B-shaped layers with 32 experts (router tickets,
+the loader's wait on the routing table, the experts' tickets; two 16-position blocks a K/V slot), one token and a
+decode batch of three. Exits non-zero if logits (or an MoE step's routing)
 are wrong.
 
 First it runs ``ws_control``: the smallest ``gl.warp_specialize`` kernel with the megakernel's synchronisation
@@ -25,6 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from ...kv import fp8
 from ...models.spec import get_preset
 from ..plan import Tuning
 from .check import check_decode, check_segments
@@ -66,12 +71,13 @@ def run_control(num_warps: int = 4) -> bool:
 
 def cases() -> dict[str, tuple]:
     """The named cases, in order: name -> (spec, context, num_sms, tuning, the step's segment lengths: (1,) one
-    token, more a multi-token step)."""
+    token, more a multi-token step, the KV cache's element type)."""
     tiny, small = get_preset("tiny-qwen3"), get_preset("smollm2-135m").with_(num_layers=2)
     one_b = get_preset("llama-3.2-1b").with_(num_layers=2, vocab_size=4096)
     moe = get_preset("tiny-qwen3-moe")
     a3b = get_preset("qwen3-30b-a3b").with_(num_layers=2, vocab_size=4096, num_experts=32)
-    return {
+    bf16 = torch.bfloat16
+    named = {
         "cluster_down": (small, 40, 72, Tuning(), (1,)),  # DOWN_PROJ's 36 row blocks pair over cluster mates
         "attn_smem_merge": (one_b, 40, 72, Tuning(), (1,)),  # SmolLM2's staging buffer is too small for the merge
         "cluster_qkv": (small, 40, 8, Tuning(), (1,)),  # ATTN_IN's pairs alone, 4 clusters of two
@@ -82,10 +88,21 @@ def cases() -> dict[str, tuple]:
         # eight sequences of 1B-shaped layers at context 300 on 16 SMs: one split a sequence walks five K/V blocks
         # through the cp.async stages in the staging buffer, then the warps' merge reuses it
         "kv_pipeline": (one_b, 300, 16, Tuning(), (1,) * 8),
+        # a verify block of sixteen as one query block (ops/attn_query_block.py) on 32 SMs: four splits a KV head,
+        # each over three 32-position K/V blocks through the cp.async stages (the last one's also the block's own
+        # rows, read after the wait), q staged beside them, the combine's partials through the stages after
+        "query_block": (one_b, 300, 32, Tuning(), (16,)),
+        # one token at context 1000 on 16 SMs: a KV head's two splits stream ~500 past positions each through the
+        # ring (eight 64-position slots; the second split's first slot starts at position 496, inside a box)
+        "kv_ring": (one_b, 1000, 16, Tuning(), (1,)),
         "moe": (moe, 40, 8, Tuning(), (1,)),  # ROUTER, EXPERT_IN, EXPERT_DOWN; the loader's routing poll
         "moe_a3b": (a3b, 40, 16, Tuning(), (1,)),  # the 30B-A3B's layer (eight heads a KV group), 32 experts
         "moe_batch": (a3b, 40, 16, Tuning(), (1, 1, 1)),  # three tokens: 24 slots, the union of their experts
     }
+    out = {name: case + (bf16,) for name, case in named.items()}
+    # the same over an fp8 cache: four 128-position slots a split, their scales copied by the loader's lanes
+    out["kv_ring_fp8"] = (one_b, 1000, 16, Tuning(), (1,), fp8.FP8)
+    return out
 
 
 def main() -> int:
@@ -107,11 +124,12 @@ def main() -> int:
     print(f"ws_control: {'ok' if ok else 'WRONG'}", flush=True)
     if "--control" in argv:
         return 0 if ok else 1
-    for name, (spec, context, num_sms, tuning, lens) in todo.items():
+    for name, (spec, context, num_sms, tuning, lens, kv_dtype) in todo.items():
         if sum(lens) > 1:
-            r = check_segments(spec, lens, context, steps=2, graph=False, num_sms=num_sms, tuning=tuning)
+            r = check_segments(spec, lens, context, steps=2, graph=False, num_sms=num_sms, tuning=tuning,
+                               kv_dtype=kv_dtype)
         else:
-            r = check_decode(spec, context, steps=2, graph=False, num_sms=num_sms, tuning=tuning)
+            r = check_decode(spec, context, steps=2, graph=False, num_sms=num_sms, tuning=tuning, kv_dtype=kv_dtype)
         print(name, r, flush=True)
         ok &= r.ok()
     return 0 if ok else 1

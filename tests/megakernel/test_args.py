@@ -1,0 +1,29 @@
+"""The kernel's arguments (launch/args.py): host logic on the CPU."""
+import pytest
+
+from mimw.megakernel.launch import args
+
+
+def test_the_kv_pool_descriptors_follow_the_pools_and_carry_the_plans_box():
+    """The loader's K/V stream takes two TMA descriptors right after the pools (device/kernel.py reads them in that
+    order); their compile type is the plan's box [KVBOX, head_dim] of the cache's element type, unswizzled (the slot
+    holds the rows in plain row-major order, as device/kv_stream.py reads them)."""
+    names = [name for name, _ in args.GROUPS]
+    assert names[names.index("kv") + 1: names.index("kv") + 3] == ["k_desc", "v_desc"]
+    bf16 = args.signature(32, 256, False, (16, 64))
+    fp8 = args.signature(32, 256, True, (16, 128))
+    assert bf16["k_desc"] == bf16["v_desc"] and bf16["k_desc"].startswith("tensordesc<bf16[16, 64],")
+    assert fp8["k_desc"].startswith("tensordesc<fp8e4nv[16, 128],") and fp8["kv"][:2] == ("*fp8e4nv", "*fp8e4nv")
+    assert "swizzle_byte_width=0" in bf16["k_desc"] and "element_bitwidth=8" in fp8["k_desc"]
+    assert bf16["weights"] != bf16["k_desc"]
+    assert all(path[0] not in (names.index("k_desc"), names.index("v_desc")) for path in args.pointer_paths())
+
+
+def test_a_launch_without_the_kv_descriptors_is_a_clear_error():
+    sources = {k: 0 for _, fields in args.GROUPS if not isinstance(fields, str) for k, _ in fields}
+    sources.update(weights=0, trace=0)
+    with pytest.raises(KeyError, match="k_desc"):
+        args.values(sources)
+    sources.update(k_desc="K", v_desc="V")
+    out = args.values(sources)
+    assert out[[n for n, _ in args.GROUPS].index("k_desc")] == "K"
