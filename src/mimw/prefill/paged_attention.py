@@ -15,8 +15,9 @@ tiles are loaded once.
 A key tile of ``block_n`` positions spans block_n / page_size pages: each key's page comes from the block table, its
 row is position % page_size, and (page, head) is a contiguous [page_size, hd] tile of the [P, Hkv, PS, hd] layer,
 so every key row is one contiguous hd-element read. ``_load_kv`` is the one place that reads the cache: with
-``SCALED`` it dequantises (fp8 values times a per-(page, head) fp32 scale, the layout an fp8 cache adds beside the
-pages) before the dot, so an fp8 cache changes the loader, not the kernel.
+``SCALED`` (an fp8 cache, ``mimw.kv.pages``) it also reads each row's bf16 scale from the [P, Hkv, PS] scale tensor
+at the same (page, head, row) and dequantises before the dot as ``float(q) * float(scale)`` (exact in fp32, as
+``fp8.dequantize``), rounded to bf16 for the tensor cores; so an fp8 cache changes the loader, not the kernel.
 
 Scores are scaled by log2(e)/sqrt(hd) and exponentiated with exp2; the running max, sum and accumulator are fp32;
 the probabilities enter the second dot in bf16 (as FlashAttention does).
@@ -59,20 +60,24 @@ class AttentionTiles:
 def _load_kv(base, scale, bt, offs_n, in_ctx, kvh, d, HKV: tl.constexpr, PS: tl.constexpr, HD: tl.constexpr,
              MASKED: tl.constexpr, SCALED: tl.constexpr):
     """[BLOCK_N, HD] bf16 rows of KV head ``kvh`` at positions offs_n (with MASKED, rows outside ``in_ctx`` read
-    as 0; without, every row is inside the sequence and no load is predicated)."""
+    as 0; without, every row is inside the sequence and no load is predicated); with SCALED, fp8 rows times their
+    own scales (``scale``: the layer's [P, Hkv, PS] bf16 scales)."""
     if MASKED:
         page = tl.load(bt + offs_n // PS, mask=in_ctx, other=0).to(tl.int64)
     else:
         page = tl.load(bt + offs_n // PS).to(tl.int64)
-    ph = page * HKV + kvh
-    ptrs = base + ((ph * PS + offs_n % PS) * HD)[:, None] + d[None, :]
+    prow = (page * HKV + kvh) * PS + offs_n % PS  # the row's index in [P, Hkv, PS]
+    ptrs = base + (prow * HD)[:, None] + d[None, :]
     if MASKED:
         x = tl.load(ptrs, mask=in_ctx[:, None], other=0.0)
     else:
         x = tl.load(ptrs)
     if SCALED:
-        s = tl.load(scale + ph)  # page 0's scale for masked rows: finite, and their scores are masked anyway
-        x = (x.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+        if MASKED:  # rows outside the sequence get scale 1: finite, and their scores are masked anyway
+            s = tl.load(scale + prow, mask=in_ctx, other=1.0)
+        else:
+            s = tl.load(scale + prow)
+        x = (x.to(tl.float32) * s.to(tl.float32)[:, None]).to(tl.bfloat16)
     return x
 
 
@@ -151,8 +156,8 @@ def _paged_prefill_kernel(Q, O, K, V, KS, VS, BT, Q_START, SEQ_START, SEQ_CTX, W
 def paged_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
                             tiles: AttentionTiles | None = None, k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, Hq, hd] (rows of ``batch``); k_layer, v_layer [P, Hkv, PS, hd] (bf16, or fp8 with ``k_scale``,
-    ``v_scale`` [P, Hkv] fp32) -> o [T, Hq, hd] in q's dtype."""
+    """q [T, Hq, hd] bf16 (rows of ``batch``); k_layer, v_layer [P, Hkv, PS, hd] (bf16, or fp8 e4m3 with their
+    rows' scales ``k_scale``, ``v_scale`` [P, Hkv, PS] bf16: ``mimw.kv.pages``) -> o [T, Hq, hd] in q's dtype."""
     t, hq, hd = q.shape
     _, hkv, ps, _ = k_layer.shape
     tiles = tiles or AttentionTiles.for_head_dim(hd)
@@ -165,6 +170,9 @@ def paged_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: tor
         raise ValueError("k_scale and v_scale go together")
     if not scaled and k_layer.dtype != q.dtype:
         raise ValueError(f"an unscaled cache must hold q's dtype ({q.dtype}), not {k_layer.dtype}")
+    if scaled and any(x.shape != k_layer.shape[:-1] or not x.is_contiguous() for x in (k_scale, v_scale)):
+        raise ValueError(f"k_scale and v_scale must be contiguous, one per (page, head, row): "
+                         f"{tuple(k_layer.shape[:-1])}, got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
     o = torch.empty_like(q)
     hp, block_m = query_rows(hq // hkv, max(p.length for p in batch.pieces), tiles.block_m)
     work = batch.work(block_m // hp)
@@ -202,7 +210,8 @@ class PagedAttention:
         self.tiles = tiles
 
     def plan(self, batch: PrefillBatch):
-        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
-            return paged_prefill_attention(q, k_layer, v_layer, batch, self.tiles)
+        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            return paged_prefill_attention(q, k_layer, v_layer, batch, self.tiles, k_scale, v_scale)
 
         return run
