@@ -59,11 +59,25 @@ def test_fp8_prefix_reuse_reads_shared_pages_with_their_scales(tiny_weights):
 
 
 
-def test_the_megakernel_backend_refuses_fp8_kv_before_looking_for_a_gpu(tiny_weights):
-    from mimw.engine.backends.megakernel import MegakernelBackend
+def test_the_megakernel_backend_takes_fp8_kv_and_refuses_what_it_cannot_serve_before_looking_for_a_gpu(
+        tiny_weights):
+    """A dense model over an fp8 cache passes the flag checks (here it stops only for want of a Hopper GPU); an
+    element type the kernel has no path for and an MoE model over fp8 (megakernel/plan.py) are refused by name,
+    before any GPU work."""
+    import torch
 
-    with pytest.raises(ValueError, match="does not write FP8 KV pages yet"):
+    from mimw.engine.backends.megakernel import MegakernelBackend
+    from mimw.models.spec import get_preset
+    from mimw.models.weights import random_weights
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("on a Hopper GPU the backend is built: tests/prefill/test_prefill_gpu.py runs it over fp8")
+    with pytest.raises(RuntimeError, match="Hopper"):
         MegakernelBackend(tiny_weights, kv_dtype=FP8)
+    with pytest.raises(ValueError, match="bf16 or fp8"):
+        MegakernelBackend(tiny_weights, kv_dtype=torch.float16)
+    with pytest.raises(ValueError, match="mixture-of-experts model over a bf16 KV cache only"):
+        MegakernelBackend(random_weights(get_preset("tiny-qwen3-moe"), seed=0), kv_dtype=FP8)
 
 
 def test_fp8_pages_restored_from_the_host_tier_keep_bits_scales_and_output(tiny_weights):

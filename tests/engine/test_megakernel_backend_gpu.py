@@ -1,5 +1,6 @@
 """The megakernel engine backend (Hopper GPU): prefill on the reference path, decode on the megakernel, both over
-one bf16 paged cache; logits track the fp32 reference backend step by step (marker `gpu`)."""
+one paged cache (bf16, and fp8 in the first test); logits track the fp32 reference backend step by step (marker
+`gpu`)."""
 import pytest
 import torch
 
@@ -12,14 +13,20 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the megakernel needs a Hopper (sm_90) GPU")
-def test_megakernel_backend_decodes_like_the_reference():
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_megakernel_backend_decodes_like_the_reference(kv):
+    """fp8: both backends over an fp8 cache (the megakernel's prefill path and decode kernel write it)."""
     from mimw.engine.backends.megakernel import MegakernelBackend
     from mimw.engine.backends.reference import ReferenceBackend
+    from mimw.kv import fp8
 
     spec = get_preset("smollm2-135m").with_(num_layers=4)
     w = random_weights(spec, 3, dtype=torch.bfloat16, device="cuda")
-    mk, ref = MegakernelBackend(w), ReferenceBackend(w.to(dtype=torch.float32))
+    kv_dtype = fp8.FP8 if kv == "fp8" else None
+    mk, ref = MegakernelBackend(w, kv_dtype=kv_dtype), ReferenceBackend(w.to(dtype=torch.float32), kv_dtype=kv_dtype)
+    assert mk.kv_dtype == (kv_dtype or torch.bfloat16)
     mk_cache, ref_cache = mk.make_cache(16, 8), ref.make_cache(16, 8)
+    assert mk_cache.layout.dtype == mk.kv_dtype
     table = (5, 2, 7, 0, 1, 3)
     prompt = torch.randint(spec.vocab_size, (37,), generator=torch.Generator().manual_seed(0))
     a = mk.forward(prompt, [Segment(table, 0, 37)], mk_cache)

@@ -2,25 +2,44 @@
 set before triton is imported: the interpreter replaces ``@triton.jit`` at decoration time, triton's own library
 included, so it needs a process of its own: ``test_interpreter.py`` starts it).
 
-``interpreter_fixes`` works around two faults of triton 3.6's interpreter:
+``interpreter_fixes`` works around three faults of triton 3.6's interpreter:
   * it stores bf16 as raw uint16 and its ``tl.dot`` multiplies those integers: bf16 operands are widened to fp32
     first, which is what the tensor cores compute (exact products, fp32 accumulation);
   * it turns a scalar into a Python int with ``int()`` of a one-element 1-D array, an error since numpy 2.3 (a
-    loop bound loaded from memory needs it): the element is taken out first.
+    loop bound loaded from memory needs it): the element is taken out first;
+  * its float conversions truncate (``.to(tl.bfloat16)``) or round half up without carrying into the exponent
+    (fp8), where the GPU rounds to nearest even: conversions among fp32, bf16, fp16 and fp8 e4m3 go through torch's
+    (round to nearest even, as the GPU's ``cvt.rn``), so a kernel's stored bits can be compared exactly.
 """
 from __future__ import annotations
 
 import contextlib
 
 import numpy as np
+import torch
 import triton.language as tl
 from triton.runtime import interpreter
+
+_TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16,
+          tl.float8e4nv: torch.float8_e4m3fn}
+_BITS = {8: (np.uint8, torch.uint8), 16: (np.int16, torch.int16), 32: (np.int32, torch.int32)}
+
+
+def _torch_convert(real):
+    def convert(data, src, dst, rounding_mode):
+        if src not in _TORCH or dst not in _TORCH or rounding_mode not in (None, interpreter._ir.ROUNDING_MODE.RTNE):
+            return real(data, src, dst, rounding_mode)
+        np_in, t_in = _BITS[src.primitive_bitwidth]
+        bits = torch.from_numpy(np.ascontiguousarray(data).view(np_in).copy())
+        out = bits.view(_TORCH[src]).to(_TORCH[dst]).view(_BITS[dst.primitive_bitwidth][1]).numpy()
+        return out.view(getattr(np, f"uint{dst.primitive_bitwidth}")).reshape(np.shape(data))
+    return convert
 
 
 @contextlib.contextmanager
 def interpreter_fixes():
     builder = interpreter.InterpreterBuilder
-    real_dot, real_patch = builder.create_dot, interpreter._patch_lang_tensor
+    real_dot, real_patch, real_convert = builder.create_dot, interpreter._patch_lang_tensor, interpreter._convert_float
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         def widen(x):
@@ -36,8 +55,10 @@ def interpreter_fixes():
 
     builder.create_dot = create_dot
     interpreter._patch_lang_tensor = patch_lang_tensor
+    interpreter._convert_float = _torch_convert(real_convert)
     try:
         yield
     finally:
         builder.create_dot = real_dot
         interpreter._patch_lang_tensor = real_patch
+        interpreter._convert_float = real_convert

@@ -38,7 +38,7 @@ def test_paged_attention_compiles_to_pipelined_wgmma(preset, scaled, rows):
     spec = get_preset(preset)
     tiles = paged_attention.AttentionTiles.for_head_dim(spec.head_dim, rows)
     kv = "*fp8e4nv" if scaled else "*bf16"
-    sc = "*bf16"  # an fp8 cache's scales are bf16, one per row
+    sc = "*bf16"  # an fp8 cache's per-(page, head, row) scales; unread without SCALED
     args = {"Q": "*bf16", "O": "*bf16", "K": kv, "V": kv, "KS": sc, "VS": sc, "BT": "*i32", "Q_START": "*i32",
             "SEQ_START": "*i32", "SEQ_CTX": "*i32", "WORK": "*i32", "stride_qt": "i32", "stride_qh": "i32",
             "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "qk_scale": "fp32"}
@@ -52,19 +52,21 @@ def test_paged_attention_compiles_to_pipelined_wgmma(preset, scaled, rows):
     assert k.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("preset,max_len", [("llama-3.2-1b", 1), ("llama-3.1-8b", 1), ("llama-3.1-8b", 16),
-                                            ("qwen3-8b", 4)])
-def test_paged_attention_compiles_grouped_for_short_pieces(preset, max_len):
+@pytest.mark.parametrize("preset,max_len,scaled", [("llama-3.2-1b", 1, False), ("llama-3.1-8b", 1, False),
+                                                   ("llama-3.1-8b", 16, False), ("qwen3-8b", 4, False),
+                                                   ("llama-3.1-8b", 4, True)])
+def test_paged_attention_compiles_grouped_for_short_pieces(preset, max_len, scaled):
     """Decode tokens and verify blocks: a KV head's query heads in one program (``query_rows``), no spills."""
     spec = get_preset(preset)
     tiles = paged_attention.AttentionTiles.for_head_dim(spec.head_dim)
     hp, block_m = paged_attention.query_rows(spec.group_size, max_len, tiles.block_m)
     assert hp > 1
-    args = {"Q": "*bf16", "O": "*bf16", "K": "*bf16", "V": "*bf16", "KS": "*bf16", "VS": "*bf16", "BT": "*i32",
+    kv = "*fp8e4nv" if scaled else "*bf16"
+    args = {"Q": "*bf16", "O": "*bf16", "K": kv, "V": kv, "KS": "*bf16", "VS": "*bf16", "BT": "*i32",
             "Q_START": "*i32", "SEQ_START": "*i32", "SEQ_CTX": "*i32", "WORK": "*i32", "stride_qt": "i32",
             "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "qk_scale": "fp32"}
     ce = {"GROUP": spec.group_size, "HKV": spec.num_kv_heads, "HD": spec.head_dim, "PS": 16, "BLOCK_M": block_m,
-          "BLOCK_N": tiles.block_n, "SCALED": False, "HP": hp}
+          "BLOCK_N": tiles.block_n, "SCALED": scaled, "HP": hp}
     k = compile_sm90(paged_attention._paged_prefill_kernel, args, ce, 4, tiles.num_stages)
     ptx = k.asm["ptx"]
     assert count(ptx, r"(ld|st)\.local") == 0
@@ -72,8 +74,9 @@ def test_paged_attention_compiles_grouped_for_short_pieces(preset, max_len):
     assert k.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-0.6b"])
-def test_elementwise_kernels_compile(preset):
+@pytest.mark.parametrize("preset,kv", [("llama-3.1-8b", "bf16"), ("qwen3-0.6b", "bf16"), ("llama-3.1-8b", "fp8"),
+                                       ("qwen3-0.6b", "fp8")])
+def test_elementwise_kernels_compile(preset, kv):
     spec = get_preset(preset)
     d = spec.hidden_size
     compile_sm90(norm._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "stride_x": "i32",
@@ -81,10 +84,16 @@ def test_elementwise_kernels_compile(preset):
                  {"BLOCK_D": triton.next_power_of_2(d)}, 8)
     compile_sm90(activation._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16", "I": "i32", "stride_gu": "i32",
                                                "stride_out": "i32"}, {"BLOCK": activation.BLOCK}, 4)
-    args = {"QKV": "*bf16", "Q_OUT": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "SLOTS": "*i64",
-            "COS": "*fp32", "SIN": "*fp32", "QN": "*bf16", "KN": "*bf16", "T": "i32", "stride_qkv": "i32",
-            "stride_qt": "i32", "stride_qh": "i32", "eps": "fp32"}
+    cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
+    args = {"QKV": "*bf16", "Q_OUT": "*bf16", "K_CACHE": cache, "V_CACHE": cache, "K_SCALE": "*bf16",
+            "V_SCALE": "*bf16", "SLOTS": "*i64", "COS": "*fp32", "SIN": "*fp32", "QN": "*bf16", "KN": "*bf16",
+            "T": "i32", "stride_qkv": "i32", "stride_qt": "i32", "stride_qh": "i32", "eps": "fp32"}
     k = compile_sm90(rope_append._rope_append_kernel, args,
                      {"HQ": spec.num_heads, "HKV": spec.num_kv_heads, "HD": spec.head_dim, "PS": 16,
-                      "QK_NORM": spec.qk_norm, "BLOCK_T": rope_append.BLOCK_T}, 4)
-    assert count(k.asm["ptx"], r"(ld|st)\.local") == 0
+                      "QK_NORM": spec.qk_norm, "FP8": kv == "fp8", "BLOCK_T": rope_append.BLOCK_T}, 4)
+    ptx = k.asm["ptx"]
+    assert count(ptx, r"(ld|st)\.local") == 0
+    if kv == "fp8":  # the quantising divisions are IEEE (fp8.quantize's; Triton's "/" is div.full, used only by
+        # the head norm's mean, which the bf16 path computes alike), the fp8 conversion rounds to nearest even
+        assert count(ptx, r"div\.rn\.f32") > 0 and count(ptx, r"div\.(full|approx)") == int(spec.qk_norm)
+        assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") > 0

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from mimw.kv import fp8
 from mimw.models.spec import get_preset
 from mimw.models.weights import random_weights
 from mimw.prefill import PrefillConfig, PrefillRunner
@@ -28,6 +29,14 @@ def test_key_index_packs_each_pieces_keys_end_to_end():
         assert torch.equal(packed[idx.k_start[b]:idx.k_start[b + 1]], want)
     with pytest.raises(ValueError, match="must hold q's dtype"):  # e.g. fp8 rows without their scales
         idx.gather(layer.to(torch.float8_e4m3fn), torch.bfloat16)
+    # an fp8 layer with its rows' scales: each row dequantised (fp32, exact), then rounded to q's dtype, as sdpa's
+    # per-piece gather does
+    layer8, scale = fp8.quantize(layer * torch.rand(pages, 2, ps, 1) * 8)
+    packed8 = idx.gather(layer8, torch.bfloat16, scale)
+    assert packed8.dtype == torch.bfloat16 and packed8.shape == (24, 2, 8)
+    for b in range(3):
+        want = gather(layer8, batch, b, scale).transpose(0, 1).to(torch.bfloat16)
+        assert torch.equal(packed8[idx.k_start[b]:idx.k_start[b + 1]], want)
 
 
 def _attend(q, k, v):
@@ -78,10 +87,12 @@ def _fake_cudnn(q, k, v, causal, lse):
     return torch.softmax(s, -1) @ v, (torch.logsumexp(s, -1)[..., None] if lse else None)
 
 
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
 @pytest.mark.parametrize("impl", ["flash", "cudnn"])
-def test_library_attentions_around_their_kernels_match_the_reference(monkeypatch, impl):
+def test_library_attentions_around_their_kernels_match_the_reference(monkeypatch, impl, kv):
     """The wrappers (key index, packing, GQA, the prefix merge) around kernels with the libraries' documented
-    semantics give the reference's attention: pieces with and without a prefix, several in one pass."""
+    semantics give the reference's attention: pieces with and without a prefix, several in one pass; over an fp8
+    cache, attention to its rows dequantised with their own scales."""
     from mimw.prefill import gathered_attention as ga
 
     monkeypatch.setattr(ga, "_flash_op", _fake_flash)
@@ -92,5 +103,11 @@ def test_library_attentions_around_their_kernels_match_the_reference(monkeypatch
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(pages, hkv, ps, hd, generator=g), torch.randn(pages, hkv, ps, hd, generator=g)
     q = torch.randn(batch.num_tokens, hq, hd, generator=g)
+    scales = (None, None)
+    if kv == "fp8":  # rows of magnitudes 2^-4 .. 2^4: a row read with another row's scale is far off
+        mag = lambda: 2.0 ** (8 * torch.rand(pages, hkv, ps, 1, generator=g) - 4)
+        (k, ks), (v, vs) = fp8.quantize(k * mag()), fp8.quantize(v * mag())
+        scales = (ks, vs)
     attend = ga.LibraryAttention(ga.flash_attention if impl == "flash" else ga.cudnn_attention).plan(batch)
-    torch.testing.assert_close(attend(q, k, v), ga.torch_attention(q, k, v, batch), rtol=1e-4, atol=1e-4)
+    want = ga.torch_attention(q, k, v, batch, *scales)
+    torch.testing.assert_close(attend(q, k, v, *scales), want, rtol=1e-4, atol=1e-4)

@@ -3,6 +3,7 @@ a CPU) against the reference decoder: logits and the K/V it leaves in the cache.
 import pytest
 import torch
 
+from mimw.kv import fp8
 from mimw.kv.pages import KVLayout, PagedKVCache
 from mimw.models.reference import ReferenceDecoder, Segment
 from mimw.models.spec import get_preset
@@ -130,3 +131,39 @@ def test_long_attention_takes_the_passes_with_a_piece_longer_than_one_query_bloc
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="long_attention"):
         PrefillConfig(long_attention="fa3")
+
+
+def _dequantized(cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8.dequantize(cache.k, cache.k_scale), fp8.dequantize(cache.v, cache.v_scale)
+
+
+FP8_CASES = [(p, "torch", 7) for p in ("tiny-llama3", "tiny-qwen2", "tiny-qwen3")] + [
+    ("tiny-qwen3", "sdpa", 16), ("tiny-llama3", "flex", 100)]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("preset,attention,max_pass", FP8_CASES)
+def test_runner_over_an_fp8_cache_matches_the_reference_decoder_over_one(preset, attention, max_pass):
+    """The runner quantises each K/V row with its own scale (fp8.quantize) and attends to the rows dequantised, as
+    the reference decoder does over an fp8 cache: same bytes and scales in the cache, same logits."""
+    spec = get_preset(preset)
+    w = random_weights(spec, seed=1)
+    ref, run = ReferenceDecoder(w), PrefillRunner(w, PrefillConfig(attention, "torch", max_pass))
+    caches = [PagedKVCache(KVLayout.for_spec(spec, PAGE, PAGES, fp8.FP8)) for _ in range(2)]
+    prefix, ptoks, step, stoks = _case(spec)
+    ref.forward(ptoks, prefix, caches[0])
+    run.forward(ptoks, prefix, caches[1])  # the runner writes the prefix too: its rows are checked below
+    want = ref.forward(stoks, step, caches[0], last_only=True)
+    got = run.forward(stoks, step, caches[1])
+    assert got.shape == (5, spec.vocab_size)
+    # sdpa and flex attend to the dequantised rows rounded to q's dtype (fp32 here: no rounding)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(caches[1].page_tensors(), caches[0].page_tensors()):  # bytes and scales
+        # layer 0's rows do not depend on attention: the same bits; past it, sdpa's and flex's fp32 sums in another
+        # order may move a value across an e4m3 rounding boundary now and then
+        assert torch.equal(a[0], b[0])
+        if attention == "torch":
+            assert torch.equal(a, b)
+        else:
+            assert a.ne(b).float().mean() < 1e-2
+    assert caches[1].k_scale.ne(1).any()  # the scales were written, not left at their initial 1

@@ -266,7 +266,7 @@ class _NoAttention:
     """An attention that returns a copy of q: timing the rest of the runner's pass, not a prefill."""
 
     def plan(self, batch):
-        return lambda q, k_layer, v_layer: q.clone()
+        return lambda q, k_layer, v_layer, k_scale=None, v_scale=None: q.clone()
 
 
 def measure_gemm_tflops() -> float:

@@ -11,11 +11,11 @@ position p lives in page ``block_table[p // page_size]`` at row ``p % page_size`
 Element types: fp32 (the CPU oracle), bf16 / fp16, or fp8 e4m3 (``torch.float8_e4m3fn``). An fp8 pool carries one
 scale per (token, KV head) row, beside the pages in tensors of their own:
 
-    k_scale, v_scale: [num_layers, num_pages, num_kv_heads, page_size]          bf16, each a power of two
+    k_scale, v_scale: [num_layers, num_pages, num_kv_heads, page_size]          bf16, bf16(amax / 448) each
 
 so the (page, head) tile [page_size, head_dim] has its scales in the contiguous [page_size] vector at the same
 (layer, page, head) index. A reader dequantises row r of a tile as ``float(k[l, p, h, r, :]) * float(k_scale[l, p,
-h, r])`` (exact in fp32 and in bf16: ``mimw.kv.fp8``). Writing a row sets its own scale and touches no other row,
+h, r])`` (exact in fp32: ``mimw.kv.fp8``). Writing a row sets its own scale and touches no other row,
 so appending a token never rescales a page. Block tables and page arithmetic do not depend on the element type;
 the scales travel with their page wherever a page goes (``PagedKVCache.page_tensors``).
 """

@@ -9,7 +9,8 @@ prefix that the block's first row already sees; the others are *partial* and eva
 key position <= query position).
 
 The cache layout (pages of [Hkv, PS, hd]) has no zero-copy [1, Hkv, S, hd] view, which FlexAttention's paged mode
-would need, hence the gather. The kernel is compiled once by ``torch.compile`` with dynamic shapes.
+would need, hence the gather (which dequantises an fp8 cache's rows, ``gathered_attention.gather``, then rounds
+them to q's dtype). The kernel is compiled once by ``torch.compile`` with dynamic shapes.
 """
 from __future__ import annotations
 
@@ -86,9 +87,10 @@ class FlexPagedAttention:
         mask = self.block_mask(batch)
         n = len(batch.pieces)
 
-        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
-            k = torch.cat([gather(k_layer, batch, b) for b in range(n)], dim=1)[None].to(q.dtype)
-            v = torch.cat([gather(v_layer, batch, b) for b in range(n)], dim=1)[None].to(q.dtype)
+        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            k = torch.cat([gather(k_layer, batch, b, k_scale) for b in range(n)], dim=1)[None].to(q.dtype)
+            v = torch.cat([gather(v_layer, batch, b, v_scale) for b in range(n)], dim=1)[None].to(q.dtype)
             out = self._flex(q.transpose(0, 1)[None].contiguous(), k, v, block_mask=mask, enable_gqa=True)
             return out[0].transpose(0, 1)
 

@@ -17,9 +17,10 @@ maintained dense kernel. The alternatives that ``mimw bench prefill`` measures a
              log-sum-exps (``merge_partials``).
 
 The gather costs one read and one write of the piece's K/V per layer (small beside attention's FLOPs at long
-contexts) and memory for one pass's contiguous K/V. ``KeyIndex`` gathers by (page, row) index, which is where an fp8
-cache's rows would be dequantised (value times the row's scale) on their way to a bf16 kernel. FlexAttention lives
-in ``flex_attention.py``.
+contexts) and memory for one pass's contiguous K/V. Over an fp8 cache the gather dequantises each row with its own
+scale (``fp8.dequantize``: fp32, exact); ``torch`` attends to those fp32 values (as the reference decoder does over
+an fp8 cache), ``sdpa``, ``flash`` and ``cudnn`` to them rounded to q's dtype (``KeyIndex.gather`` for the last
+two). FlexAttention lives in ``flex_attention.py``.
 """
 from __future__ import annotations
 
@@ -29,16 +30,22 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ..kv import fp8
 from ..models import reference
 from .batch import PrefillBatch
 
 
-def gather(layer: torch.Tensor, batch: PrefillBatch, b: int) -> torch.Tensor:
-    """Piece b's K or V for positions 0..ctx-1 from a [P, Hkv, PS, hd] cache layer -> [Hkv, ctx, hd]."""
+def gather(layer: torch.Tensor, batch: PrefillBatch, b: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Piece b's K or V for positions 0..ctx-1 from a [P, Hkv, PS, hd] cache layer -> [Hkv, ctx, hd]: the layer's
+    dtype, or for an fp8 layer with its rows' ``scale`` [P, Hkv, PS] fp32 dequantised."""
     p = batch.pieces[b]
     n = -(-p.ctx // batch.page_size)
     pages = batch.block_tables[b, :n].long()
-    x = layer[pages].transpose(0, 1)  # [Hkv, n, PS, hd]
+    if scale is not None:  # index through a byte view: float8 indexing is not implemented on every device
+        x = fp8.dequantize(layer.view(torch.uint8)[pages].view(fp8.FP8), scale[pages])
+    else:
+        x = layer[pages]
+    x = x.transpose(0, 1)  # [Hkv, n, PS, hd]
     return x.reshape(x.shape[0], n * batch.page_size, x.shape[-1])[:, :p.ctx]
 
 
@@ -69,11 +76,16 @@ class KeyIndex:
         return cls(torch.cat(pages).to(dev), torch.cat(rows).to(dev), lq.cumsum(0).int().to(dev), cu_k.to(dev),
                    int(lq.max()), int(lk.max()), tuple(cu_k.tolist()))
 
-    def gather(self, layer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[P, Hkv, PS, hd] cache layer of element type ``dtype`` -> [sum ctx, Hkv, hd] (one indexing kernel). An
-        fp8 layer is refused: its rows mean nothing without their scales."""
+    def gather(self, layer: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """[P, Hkv, PS, hd] cache layer -> [sum ctx, Hkv, hd] in ``dtype`` (one indexing kernel): a layer of element
+        type ``dtype`` as it is, or an fp8 layer with its rows' ``scale`` [P, Hkv, PS] dequantised (fp32, exact)
+        and rounded to ``dtype``. A layer of another type without scales is refused (fp8 rows mean nothing
+        without theirs)."""
+        if scale is not None:  # index through a byte view: float8 indexing is not implemented on every device
+            rows = layer.view(torch.uint8)[self.page, :, self.row].view(fp8.FP8)
+            return fp8.dequantize(rows, scale[self.page, :, self.row], dtype)
         if layer.dtype != dtype:
-            raise ValueError(f"the cache must hold q's dtype ({dtype}), not {layer.dtype}")
+            raise ValueError(f"the cache must hold q's dtype ({dtype}), not {layer.dtype}, or come with its scales")
         return layer[self.page, :, self.row].contiguous()
 
 
@@ -93,24 +105,26 @@ def _rows(batch: PrefillBatch):
         r0 += p.length
 
 
-def torch_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
-                    batch: PrefillBatch) -> torch.Tensor:
-    """The reference decoder's attention over each piece's gathered K/V (cast to q's dtype, as the reference)."""
+def torch_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference decoder's attention over each piece's gathered K/V (as the reference reads them: the cache's
+    dtype cast to q's, or an fp8 cache's rows dequantised to fp32)."""
     o = torch.empty_like(q)
+    dt = torch.float32 if k_scale is not None else q.dtype
     for b, p, rows in _rows(batch):
-        k = gather(k_layer, batch, b).transpose(0, 1).to(q.dtype)  # [ctx, Hkv, hd]
-        v = gather(v_layer, batch, b).transpose(0, 1).to(q.dtype)
+        k = gather(k_layer, batch, b, k_scale).transpose(0, 1).to(dt)  # [ctx, Hkv, hd]
+        v = gather(v_layer, batch, b, v_scale).transpose(0, 1).to(dt)
         o[rows] = reference.attention(q[rows], k, v, batch.positions[rows])
     return o
 
 
-def sdpa_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
-                   batch: PrefillBatch) -> torch.Tensor:
-    """``scaled_dot_product_attention`` per piece over its gathered K/V."""
+def sdpa_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` per piece over its gathered K/V (an fp8 cache's dequantised)."""
     o = torch.empty_like(q)
     for b, p, rows in _rows(batch):
-        k = gather(k_layer, batch, b).to(q.dtype)[None]  # [1, Hkv, ctx, hd]
-        v = gather(v_layer, batch, b).to(q.dtype)[None]
+        k = gather(k_layer, batch, b, k_scale).to(q.dtype)[None]  # [1, Hkv, ctx, hd]
+        v = gather(v_layer, batch, b, v_scale).to(q.dtype)[None]
         qb = q[rows].transpose(0, 1)[None]  # [1, Hq, L, hd]
         if p.start == 0:
             out = F.scaled_dot_product_attention(qb, k, v, is_causal=True, enable_gqa=True)
@@ -136,9 +150,11 @@ def _cudnn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, l
 
 
 def flash_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
-                    index: KeyIndex) -> torch.Tensor:
-    """FlashAttention-2 (variable length, bottom-right causal, GQA) over every piece's gathered K/V at once."""
-    return _flash_op(q, index.gather(k_layer, q.dtype), index.gather(v_layer, q.dtype), index)
+                    index: KeyIndex, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """FlashAttention-2 (variable length, bottom-right causal, GQA) over every piece's gathered K/V at once (an
+    fp8 cache's dequantised)."""
+    return _flash_op(q, index.gather(k_layer, q.dtype, k_scale), index.gather(v_layer, q.dtype, v_scale), index)
 
 
 def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, lse: bool):
@@ -148,10 +164,12 @@ def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, lse:
 
 
 def cudnn_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
-                    index: KeyIndex) -> torch.Tensor:
-    """cuDNN's fused attention per piece: its own keys (causal), and its prefix's (no mask) merged in."""
+                    index: KeyIndex, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """cuDNN's fused attention per piece over its gathered K/V (an fp8 cache's dequantised): its own keys
+    (causal), and its prefix's (no mask) merged in."""
     g = q.shape[1] // k_layer.shape[1]
-    k, v = index.gather(k_layer, q.dtype), index.gather(v_layer, q.dtype)
+    k, v = index.gather(k_layer, q.dtype, k_scale), index.gather(v_layer, q.dtype, v_scale)
     o = torch.empty_like(q)
     for b, p, rows in _rows(batch):
         k0 = index.k_start[b]
@@ -176,8 +194,9 @@ class LibraryAttention:
     def plan(self, batch: PrefillBatch):
         index = KeyIndex.build(batch)
 
-        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
-            return self.fn(q, k_layer, v_layer, batch, index)
+        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            return self.fn(q, k_layer, v_layer, batch, index, k_scale, v_scale)
 
         return run
 
@@ -189,7 +208,8 @@ class GatheredAttention:
         self.fn = fn
 
     def plan(self, batch: PrefillBatch):
-        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
-            return self.fn(q, k_layer, v_layer, batch)
+        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            return self.fn(q, k_layer, v_layer, batch, k_scale, v_scale)
 
         return run

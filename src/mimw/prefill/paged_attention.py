@@ -14,10 +14,12 @@ tiles are loaded once.
 
 A key tile of ``block_n`` positions spans block_n / page_size pages: each key's page comes from the block table, its
 row is position % page_size, and (page, head) is a contiguous [page_size, hd] tile of the [P, Hkv, PS, hd] layer,
-so every key row is one contiguous hd-element read. ``_load_kv`` is the one place that reads the cache: with
-``SCALED`` it dequantises an fp8 cache (each row's e4m3 values times its own bf16 scale, ``mimw.kv.pages``: the
-scales [P, Hkv, PS] sit beside the pages at the same (page, head, row) index) before the dot, so an fp8 cache
-changes the loader, not the kernel.
+so every key row is one contiguous hd-element read. ``_kv_rows`` turns a tile's positions into cache rows (the
+block table read once a tile, shared by K, V and their scales) and ``_load_kv`` is the one place that reads the
+cache: with ``SCALED`` (an fp8 cache, ``mimw.kv.pages``) it also reads each row's bf16 scale from the [P, Hkv, PS]
+scale tensor at the same (page, head, row) and dequantises before the dot as ``float(q) * float(scale)`` (exact in
+fp32, as ``fp8.dequantize``), rounded to bf16 for the tensor cores; so an fp8 cache changes the loader, not the
+kernel.
 
 Tiles (``AttentionTiles.for_head_dim``): the fastest measured on the H200 (``mimw bench prefill``'s attention
 sweep, bench/NOTES.md): [128, 128, 4 warps] at hd 64 (379 TFLOP/s, against 280 for [128, 128, 8 warps]) and
@@ -71,7 +73,8 @@ class AttentionTiles:
 def _kv_rows(bt, offs_n, in_ctx, kvh, HKV: tl.constexpr, PS: tl.constexpr, MASKED: tl.constexpr):
     """[BLOCK_N] int64 rows, in the layer seen as [P * Hkv * PS, hd], of KV head ``kvh`` at positions offs_n: (page
     * Hkv + kvh) * PS + position % PS. K, V and (fp8) their scales [P, Hkv, PS] share them, so the block table is
-    read once a tile. With MASKED, positions outside ``in_ctx`` map into page 0 (read as 0 by ``_load_kv``)."""
+    read once a tile. With MASKED, positions outside ``in_ctx`` map into page 0 (never read: ``_load_kv`` masks
+    them)."""
     if MASKED:
         page = tl.load(bt + offs_n // PS, mask=in_ctx, other=0).to(tl.int64)
     else:
@@ -82,16 +85,19 @@ def _kv_rows(bt, offs_n, in_ctx, kvh, HKV: tl.constexpr, PS: tl.constexpr, MASKE
 @triton.jit
 def _load_kv(base, scale, rows, in_ctx, d, HD: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr):
     """[BLOCK_N, HD] bf16: the cache rows ``rows`` (with MASKED, rows outside ``in_ctx`` read as 0; without, every
-    row is inside the sequence and no load is predicated)."""
+    row is inside the sequence and no load is predicated); with SCALED, fp8 rows times their own scales (``scale``:
+    the layer's [P, Hkv, PS] bf16 scales, indexed by the same rows)."""
     ptrs = base + (rows * HD)[:, None] + d[None, :]
     if MASKED:
         x = tl.load(ptrs, mask=in_ctx[:, None], other=0.0)
     else:
         x = tl.load(ptrs)
     if SCALED:
-        # one bf16 scale per (page, head, row); masked rows read page 0's: finite, and their scores are masked
-        s = tl.load(scale + rows).to(tl.float32)
-        x = (x.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+        if MASKED:  # rows outside the sequence get scale 1: finite, and their scores are masked anyway
+            s = tl.load(scale + rows, mask=in_ctx, other=1.0)
+        else:
+            s = tl.load(scale + rows)
+        x = (x.to(tl.float32) * s.to(tl.float32)[:, None]).to(tl.bfloat16)
     return x
 
 
@@ -172,8 +178,8 @@ def _paged_prefill_kernel(Q, O, K, V, KS, VS, BT, Q_START, SEQ_START, SEQ_CTX, W
 def paged_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
                             tiles: AttentionTiles | None = None, k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, Hq, hd] (rows of ``batch``); k_layer, v_layer [P, Hkv, PS, hd] (bf16, or fp8 with ``k_scale``,
-    ``v_scale`` [P, Hkv, PS], one scale per row, as ``mimw.kv.pages`` stores them) -> o [T, Hq, hd] in q's dtype."""
+    """q [T, Hq, hd] bf16 (rows of ``batch``); k_layer, v_layer [P, Hkv, PS, hd] (bf16, or fp8 e4m3 with their
+    rows' scales ``k_scale``, ``v_scale`` [P, Hkv, PS] bf16: ``mimw.kv.pages``) -> o [T, Hq, hd] in q's dtype."""
     t, hq, hd = q.shape
     _, hkv, ps, _ = k_layer.shape
     tiles = tiles or AttentionTiles.for_head_dim(hd, max(p.length for p in batch.pieces))
@@ -186,9 +192,9 @@ def paged_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: tor
         raise ValueError("k_scale and v_scale go together")
     if not scaled and k_layer.dtype != q.dtype:
         raise ValueError(f"an unscaled cache must hold q's dtype ({q.dtype}), not {k_layer.dtype}")
-    if scaled and not (k_scale.shape == k_layer.shape[:3] == v_scale.shape and k_scale.is_contiguous()
-                       and v_scale.is_contiguous()):
-        raise ValueError(f"k_scale, v_scale must be contiguous [P, Hkv, PS] = {tuple(k_layer.shape[:3])}")
+    if scaled and any(x.shape != k_layer.shape[:-1] or not x.is_contiguous() for x in (k_scale, v_scale)):
+        raise ValueError(f"k_scale and v_scale must be contiguous, one per (page, head, row): "
+                         f"{tuple(k_layer.shape[:-1])}, got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
     o = torch.empty_like(q)
     hp, block_m = query_rows(hq // hkv, max(p.length for p in batch.pieces), tiles.block_m)
     work = batch.work(block_m // hp)
@@ -226,7 +232,8 @@ class PagedAttention:
         self.tiles = tiles
 
     def plan(self, batch: PrefillBatch):
-        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
-            return paged_prefill_attention(q, k_layer, v_layer, batch, self.tiles)
+        def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            return paged_prefill_attention(q, k_layer, v_layer, batch, self.tiles, k_scale, v_scale)
 
         return run

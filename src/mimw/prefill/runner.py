@@ -15,8 +15,9 @@ activations stay bounded however long the step) and each pass runs the layers ov
     logits of each piece's last num_logits rows: rms_norm, lm_head, fp32
 
 The cache is read and written in the ``mimw.kv.pages`` layout the megakernel reads, so decode continues on the
-megakernel from the same pages with no copy. Invariants are ``Backend.forward``'s: a pass writes only its own
-positions and reads earlier ones from the cache.
+megakernel from the same pages with no copy. Over an fp8 cache ``rope_append`` quantises each K/V row with its own
+bf16 scale (``mimw.kv.fp8.quantize``'s bits) and every attention dequantises rows with their scales. Invariants are
+``Backend.forward``'s: a pass writes only its own positions and reads earlier ones from the cache.
 """
 from __future__ import annotations
 
@@ -138,13 +139,16 @@ class PrefillRunner:
         long = self.long_attention is not None and max(p.length for p in batch.pieces) > self.short_rows
         attend = (self.long_attention if long else self.attention).plan(batch)
         x = F.embedding(tokens, w.embed)
+        quantized = cache.layout.quantized
         for li, lw in enumerate(w.layers):
             k_layer, v_layer = cache.k[li], cache.v[li]
+            # fp8: each row's bf16 scale, [P, Hkv, PS] beside the layer's pages (mimw.kv.pages)
+            ks, vs = (cache.k_scale[li], cache.v_scale[li]) if quantized else (None, None)
             h = ops.rms_norm(x, lw.attn_norm, eps)
             qkv = F.linear(h, lw.wqkv, lw.bqkv)
             q = ops.rope_append(qkv, cos, sin, k_layer, v_layer, batch.slots, spec.num_heads, lw.q_norm,
-                                lw.k_norm, eps)
-            o = attend(q, k_layer, v_layer)
+                                lw.k_norm, eps, ks, vs)
+            o = attend(q, k_layer, v_layer, ks, vs)
             x = torch.addmm(x, o.reshape(t, -1), lw.wo.t())
             h = ops.rms_norm(x, lw.mlp_norm, eps)
             x = torch.addmm(x, ops.silu_mul(F.linear(h, lw.w_gate_up)), lw.w_down.t())

@@ -107,7 +107,7 @@ def _port(s: str) -> int:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything about the flags that can be checked before the model loads (seconds to minutes): the device,
-    the backend on this machine and its KV element type, the API key. Raises ``ValueError`` with a one-line message."""
+    the backend on this machine, the API key. Raises ``ValueError`` with a one-line message."""
     if args.device != "auto":
         try:
             dev = torch.device(args.device)
@@ -122,10 +122,6 @@ def check_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA "
                                  "device(s)")
     if args.backend == "megakernel":
-        if args.kv_dtype == "fp8":  # MegakernelBackend says the same; here it comes before the model loads
-            raise ValueError("--kv-dtype fp8: the megakernel backend's prefill path does not write FP8 KV pages yet "
-                             "(its decode kernel reads them); use --kv-dtype bf16, or --backend reference for an fp8 "
-                             "KV cache")
         if args.device == "cpu":
             raise ValueError("--backend megakernel runs on a Hopper GPU, not with --device cpu")
         if not torch.cuda.is_available():

@@ -1,6 +1,7 @@
 """The megakernel backend: decode tokens and short multi-token steps run on the persistent Gluon megakernel
-(Hopper, bf16), prefill chunks on the prefill path (``mimw.prefill``) over the SAME bf16 paged cache (the only KV
-element type it accepts for now).
+(Hopper, bf16), prefill chunks on the prefill path (``mimw.prefill``) over the SAME paged cache: bf16, or fp8 e4m3
+with a bf16 scale per (token, KV head) row (``kv_dtype``, ``mimw.kv.fp8``), which the prefill path's K/V append
+quantises exactly as the kernel's own row store does (``fp8.quantize``) and every reader dequantises row by row.
 
 A step of one decode token is one megakernel launch (one CUDA graph replay). A step of several decode tokens runs
 as one launch per sequence, as one launch of the megakernel's multi-token step (2..plan.max_tokens tokens:
@@ -24,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from ...kv import fp8
 from ...kv.pages import PagedKVCache
 from ...models.reference import ReferenceDecoder, Segment
 from ...models.weights import ModelWeights
@@ -47,19 +49,19 @@ class ReferencePrefill:
 class MegakernelBackend(Backend):
     def __init__(self, weights: ModelWeights, use_graph: bool = True, prefill: PrefillConfig = PrefillConfig(),
                  kv_dtype: torch.dtype | None = None):
-        if kv_dtype not in (None, torch.bfloat16):  # checked first: a flag error, whatever the machine
-            # the decode kernel reads and writes fp8 pages (megakernel/plan.py KV_DTYPES); the prefill path's K/V
-            # append (mimw.prefill) stores bf16 rows and no per-(token, head) scales
-            raise ValueError(f"KV element type {str(kv_dtype).removeprefix('torch.')}: the megakernel backend's "
-                             "prefill path does not write FP8 KV pages yet (its decode kernel reads them); use "
-                             "--kv-dtype bf16, or --backend reference for an fp8 KV cache")
-        if weights.spec.is_moe:  # a plan for its one-token step must exist (ValueError naming why, before any GPU)
+        kv_dtype = kv_dtype or torch.bfloat16
+        if kv_dtype not in (torch.bfloat16, fp8.FP8):  # checked first: a flag error, whatever the machine
+            raise ValueError(f"KV element type {str(kv_dtype).removeprefix('torch.')}: the megakernel backend keeps "
+                             "its KV cache in bf16 or fp8 (--kv-dtype bf16 or fp8)")
+        if weights.spec.is_moe:  # a plan for its one-token step over this cache must exist (ValueError naming why,
+            # before any GPU: an MoE model over an fp8 cache is refused there)
             from ...megakernel.plan import plan
 
-            plan(weights.spec, 132)
+            plan(weights.spec, 132, kv_dtype=kv_dtype)
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             raise RuntimeError("the megakernel backend needs a Hopper (sm_90) GPU; use the reference backend")
         self.spec = weights.spec
+        self._kv_dtype = kv_dtype
         if weights.spec.is_moe:  # the prefill path (prefill/) has no MoE block: MoE prefill runs on the bf16
             # reference decoder over the same cache
             self.weights = weights.to(device="cuda", dtype=torch.bfloat16)
@@ -87,7 +89,7 @@ class MegakernelBackend(Backend):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return torch.bfloat16
+        return self._kv_dtype
 
     def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
         """``num_pages`` pages for the caller, and one more past them that no sequence owns: the multi-token step
