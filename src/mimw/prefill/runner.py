@@ -16,8 +16,8 @@ activations stay bounded however long the step) and each pass runs the layers ov
 
 The cache is read and written in the ``mimw.kv.pages`` layout the megakernel reads, so decode continues on the
 megakernel from the same pages with no copy. Over an fp8 cache ``rope_append`` quantises each K/V row with its own
-bf16 scale (``mimw.kv.fp8.quantize``'s bits) and every attention dequantises rows with their scales. Invariants are ``Backend.forward``'s: a pass writes only its own
-positions and reads earlier ones from the cache.
+bf16 scale (``mimw.kv.fp8.quantize``'s bits) and every attention dequantises rows with their scales. Invariants are
+``Backend.forward``'s: a pass writes only its own positions and reads earlier ones from the cache.
 """
 from __future__ import annotations
 
