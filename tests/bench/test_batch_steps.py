@@ -144,3 +144,37 @@ def test_run_model_spends_each_peers_budget_on_its_own(monkeypatch):
     assert "reference_ms" in rows[0] and "unavailable" in rows[0]["torch-graph_error"]
     assert rows[1]["reference_error"] == "skipped: --peer-budget-s 1e-09 spent on earlier shapes"
     assert rows[1]["torch-graph_error"].startswith("skipped:")
+
+
+def test_steps_take_a_kv_dtype_and_fill_an_fp8_cache_as_its_own_store_would():
+    """``--kv-dtype`` (bf16 by default, fp8, nothing else); ``fill_random`` over an fp8 cache stores fp8.quantize's
+    rows: re-quantising the dequantised rows gives back the same bytes and scales, and the values are a spread of
+    normal draws (not zeros, not one constant); over a bf16 cache the pools hold the draws themselves."""
+    import argparse
+
+    import pytest
+    import torch
+
+    from mimw.bench.batch_steps import add_options, fill_random
+    from mimw.kv import fp8
+    from mimw.kv.pages import KVLayout, PagedKVCache
+
+    p = argparse.ArgumentParser()
+    add_options(p)
+    assert p.parse_args([]).kv_dtype == "bf16" and p.parse_args(["--kv-dtype", "fp8"]).kv_dtype == "fp8"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kv-dtype", "fp16"])
+    spec = get_preset("smollm2-135m").with_(num_layers=2)
+    cache = PagedKVCache(KVLayout.for_spec(spec, 16, 3, fp8.FP8), "cpu")
+    cache.k.view(torch.uint8).fill_(0x7F)  # poisoned: every byte must be written
+    cache.v.view(torch.uint8).fill_(0x7F)
+    fill_random(cache, torch.Generator().manual_seed(0))
+    for pool, scales in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+        x = fp8.dequantize(pool, scales)
+        q, s = fp8.quantize(x)
+        assert torch.equal(q.view(torch.uint8), pool.view(torch.uint8)) and torch.equal(s, scales)
+        assert 0.8 < float(x.std()) < 1.2 and float(x.abs().max()) > 2.0
+    assert not torch.equal(cache.k.view(torch.uint8), cache.v.view(torch.uint8))
+    b16 = PagedKVCache(KVLayout.for_spec(spec, 16, 3, torch.bfloat16), "cpu")
+    fill_random(b16, torch.Generator().manual_seed(0))
+    assert 0.8 < float(b16.k.float().std()) < 1.2 and not torch.equal(b16.k, b16.v)

@@ -27,6 +27,15 @@ def _case(spec, seed=0):
     return prefix, toks(27), step, toks(40)
 
 
+def _pair(preset: str, attention: str, max_pass: int, kv_dtype: torch.dtype):
+    """(spec, the reference decoder, a runner of ``attention`` in passes of ``max_pass`` tokens, two empty caches
+    of ``kv_dtype``: the reference's and the runner's) over the same random weights."""
+    spec = get_preset(preset)
+    w = random_weights(spec, seed=1)
+    caches = [PagedKVCache(KVLayout.for_spec(spec, PAGE, PAGES, kv_dtype)) for _ in range(2)]
+    return spec, ReferenceDecoder(w), PrefillRunner(w, PrefillConfig(attention, "torch", max_pass)), caches
+
+
 CASES = [(p, "torch", 7) for p in ("tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3")] + [
     (p, a, n) for p in ("tiny-llama3", "tiny-qwen3") for a, n in (("torch", 16384), ("sdpa", 16), ("flex", 100))]
 
@@ -34,10 +43,7 @@ CASES = [(p, "torch", 7) for p in ("tiny-llama", "tiny-llama3", "tiny-qwen2", "t
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on purpose on the CPU
 @pytest.mark.parametrize("preset,attention,max_pass", CASES)
 def test_runner_matches_the_reference_decoder(preset, attention, max_pass):
-    spec = get_preset(preset)
-    w = random_weights(spec, seed=1)
-    ref, run = ReferenceDecoder(w), PrefillRunner(w, PrefillConfig(attention, "torch", max_pass))
-    caches = [PagedKVCache(KVLayout.for_spec(spec, PAGE, PAGES, torch.float32)) for _ in range(2)]
+    spec, ref, run, caches = _pair(preset, attention, max_pass, torch.float32)
     prefix, ptoks, step, stoks = _case(spec)
     ref.forward(ptoks, prefix, caches[0])
     ref.forward(ptoks, prefix, caches[1])
@@ -133,10 +139,6 @@ def test_long_attention_takes_the_passes_with_a_piece_longer_than_one_query_bloc
         PrefillConfig(long_attention="fa3")
 
 
-def _dequantized(cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8.dequantize(cache.k, cache.k_scale), fp8.dequantize(cache.v, cache.v_scale)
-
-
 FP8_CASES = [(p, "torch", 7) for p in ("tiny-llama3", "tiny-qwen2", "tiny-qwen3")] + [
     ("tiny-qwen3", "sdpa", 16), ("tiny-llama3", "flex", 100)]
 
@@ -146,10 +148,7 @@ FP8_CASES = [(p, "torch", 7) for p in ("tiny-llama3", "tiny-qwen2", "tiny-qwen3"
 def test_runner_over_an_fp8_cache_matches_the_reference_decoder_over_one(preset, attention, max_pass):
     """The runner quantises each K/V row with its own scale (fp8.quantize) and attends to the rows dequantised, as
     the reference decoder does over an fp8 cache: same bytes and scales in the cache, same logits."""
-    spec = get_preset(preset)
-    w = random_weights(spec, seed=1)
-    ref, run = ReferenceDecoder(w), PrefillRunner(w, PrefillConfig(attention, "torch", max_pass))
-    caches = [PagedKVCache(KVLayout.for_spec(spec, PAGE, PAGES, fp8.FP8)) for _ in range(2)]
+    spec, ref, run, caches = _pair(preset, attention, max_pass, fp8.FP8)
     prefix, ptoks, step, stoks = _case(spec)
     ref.forward(ptoks, prefix, caches[0])
     run.forward(ptoks, prefix, caches[1])  # the runner writes the prefix too: its rows are checked below

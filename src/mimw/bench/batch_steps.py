@@ -15,6 +15,10 @@ segments are short), as its ``StepRouter`` measured them) and each path alone (`
 The two paths' logits are checked against each other (argmax agreement and the largest relative error) before
 anything is timed.
 
+``--kv-dtype fp8`` runs the backend over an fp8 cache (e4m3, a bf16 scale per (token, KV head): its verify blocks
+then run per token, the query blocks reading bf16 only); the floor counts the fp8 bytes and the peers read the same
+values dequantised.
+
 ``--peers`` times the same step, same tokens, positions and cache contents, through peers (``peers/batched_peers.py``):
 ``reference`` (mimw's reference decoder, for scale), ``torch-graph`` (a gpt-fast-style batched PyTorch decoder in a
 CUDA graph) and ``torch-compile`` (the same module through Inductor max-autotune, in a CUDA graph), each built for
@@ -40,6 +44,8 @@ from typing import Sequence
 
 import torch
 
+from ..kv import fp8
+from ..kv.pages import PagedKVCache, parse_kv_dtype
 from ..models.reference import Segment
 from ..models.spec import get_preset
 from ..models.weights import random_weights
@@ -61,6 +67,18 @@ def step_segments(batch: int, block: int, context: int, pages_per_seq: int) -> l
 def step_floor_bytes(spec, segments: Sequence[Segment], kv_bytes_per_token: int) -> int:
     """Weights once, plus every segment's KV: its cached context and its own new rows."""
     return spec.decode_weight_bytes() + sum(s.start + s.length for s in segments) * kv_bytes_per_token
+
+
+def fill_random(cache: PagedKVCache, g: torch.Generator) -> None:
+    """Every page of ``cache`` filled with standard-normal K and V rows (an fp8 cache: those rows quantised as its
+    own store does, ``fp8.quantize``, scales included)."""
+    for pool, scales in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+        if not cache.layout.quantized:
+            pool.normal_(generator=g)
+            continue
+        for layer in range(pool.shape[0]):  # a layer at a time: the bf16 rows of a whole 8B pool are gigabytes
+            x = torch.empty(pool.shape[1:], dtype=torch.bfloat16, device=pool.device).normal_(generator=g)
+            pool[layer], scales[layer] = fp8.quantize(x)
 
 
 def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -140,6 +158,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-budget-s", type=float, default=0.0, metavar="S",
                    help="per model and peer: build that peer for no further shape once it has taken S seconds "
                         "(0: no limit); the shapes after that keep the other numbers and say why it is missing")
+    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
+                   help="the backend's KV cache element type (fp8: e4m3 with a bf16 scale per (token, KV head); the "
+                        "floor counts its bytes, the peers hold the same values dequantised in their own caches)")
     p.add_argument("--budget-s", type=float, default=0.5, help="timing seconds per step shape")
     p.add_argument("--out", default=".", help="directory for the JSON, markdown and chart")
 
@@ -175,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     base = out / f"{time.strftime('%Y%m%d-%H%M', time.gmtime())}-batch-steps"
     json_path, md_path = base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
     doc = {"gpu": torch.cuda.get_device_name(device), "read_TBps": bw.tbps, "torch": torch.__version__,
-           "context": args.context, "peers": list(peers), "command": " ".join(sys.argv), "rows": []}
+           "context": args.context, "kv_dtype": args.kv_dtype, "peers": list(peers), "command": " ".join(sys.argv),
+           "rows": []}
 
     def emit(row: dict) -> None:
         doc["rows"].append(row)
@@ -186,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
     for model in [m.strip() for m in args.model.split(",") if m.strip()]:
         spec = get_preset(model)
         weights = random_weights(spec, seed=0, dtype=torch.bfloat16, device=device)
-        mk = MegakernelBackend(weights)  # fuses its own copy (mk.prefill.w, what the torch peers read)
+        # fuses its own copy (mk.prefill.w, what the torch peers read)
+        mk = MegakernelBackend(weights, kv_dtype=parse_kv_dtype(args.kv_dtype))
         del weights  # the unfused originals: 16 GB on the 8B that nothing reads any more
         run_model(model, mk, args, peers, device, bw.bytes_per_s, emit)
         del mk
@@ -208,9 +231,7 @@ def run_model(model: str, mk, args: argparse.Namespace, peers: Sequence[str], de
     page = 16
     per_seq = -(-(args.context + max(blocks + [1]) + 1) // page)
     cache = mk.make_cache(page, per_seq * max(batches + [4]))
-    g = torch.Generator(device=device).manual_seed(0)
-    cache.k.normal_(generator=g)
-    cache.v.normal_(generator=g)
+    fill_random(cache, torch.Generator(device=device).manual_seed(0))
     kvb = cache.layout.bytes_per_token()
     gen = torch.Generator().manual_seed(1)
     shapes = [("decode", b, 1) for b in batches] + [("verify", s, k) for k in blocks for s in (1, 4)]

@@ -41,7 +41,7 @@ def _step(r: dict) -> str:
 def markdown(doc: dict) -> str:
     rows, peers = doc["rows"], doc.get("peers", [])
     lines = [f"{doc.get('gpu', '?')}, {doc.get('read_TBps', 0):.2f} TB/s read, context {doc.get('context', '?')}, "
-             "random weights, bf16", "",
+             f"random weights, bf16, {doc.get('kv_dtype', 'bf16')} KV", "",
              "| model | step | tokens | floor ms | mimw ms | x floor | tok/s | replays ms | kernel ms | one pass ms "
              "| argmax agree | best peer ms | x best peer |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -37,7 +37,7 @@ from .batch import PrefillBatch
 
 def gather(layer: torch.Tensor, batch: PrefillBatch, b: int, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Piece b's K or V for positions 0..ctx-1 from a [P, Hkv, PS, hd] cache layer -> [Hkv, ctx, hd]: the layer's
-    dtype, or for an fp8 layer with its rows' ``scale`` [P, Hkv, PS] fp32 dequantised."""
+    dtype, or for an fp8 layer with its rows' ``scale`` [P, Hkv, PS] bf16 dequantised to fp32."""
     p = batch.pieces[b]
     n = -(-p.ctx // batch.page_size)
     pages = batch.block_tables[b, :n].long()

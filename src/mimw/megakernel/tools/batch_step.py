@@ -57,12 +57,7 @@ def measure(model: str, batches: list[int], context: int, bw: float, page_size: 
             bdec = dec.batch_decoder(b)
             bdec.set_batch(list(range(1, b + 1)), [context] * b, tables[:b])
             if traced:
-                bdec.run()
-                bdec.run()  # the second, warm launch is the one recorded
-                torch.cuda.synchronize()
-                row = next(r for r in rows if r["batch"] == b)
-                row["trace"] = summarize(bdec.trace, bdec.words, bdec.lens)
-                print(f"--- {model} B={b} {name} traced\n{format_summary(row['trace'])}", flush=True)
+                _record_trace(bdec, next(r for r in rows if r["batch"] == b), f"{model} B={b} {name}")
                 continue
             ms = time_step(bdec)
             floor = floor_ms(step_bytes(spec, context) + (b - 1) * context * spec.kv_bytes_per_token(2), bw)
@@ -73,6 +68,15 @@ def measure(model: str, batches: list[int], context: int, bw: float, page_size: 
     for r in rows:
         r["x_m1"] = r["ms"] / one if one else None
     return rows
+
+
+def _record_trace(dec: MegakernelDecoder, row: dict, label: str) -> None:
+    """Two launches of ``dec``'s traced step (the second, warm one is recorded): its summary into ``row``, printed."""
+    dec.run()
+    dec.run()
+    torch.cuda.synchronize()
+    row["trace"] = summarize(dec.trace, dec.words, dec.lens)
+    print(f"--- {label} traced\n{format_summary(row['trace'])}", flush=True)
 
 
 def measure_verify(model: str, shapes: list[tuple[int, int]], context: int, bw: float, page_size: int = 16,
@@ -102,12 +106,7 @@ def measure_verify(model: str, shapes: list[tuple[int, int]], context: int, bw: 
                 vdec.set_batch(list(range(1, one.num_tokens + 1)), one.positions, one.block_tables, one.firsts)
                 name = f"verify {n}x{k} {path}"
                 if traced:
-                    vdec.run()
-                    vdec.run()  # the second, warm launch is the one recorded
-                    torch.cuda.synchronize()
-                    row = next(r for r in rows if r["shape"] == name)
-                    row["trace"] = summarize(vdec.trace, vdec.words, vdec.lens)
-                    print(f"--- {model} {name} traced\n{format_summary(row['trace'])}", flush=True)
+                    _record_trace(vdec, next(r for r in rows if r["shape"] == name), f"{model} {name}")
                     continue
                 ms = time_step(vdec)
                 floor = floor_ms(step_bytes(spec, context) + (n - 1) * context * spec.kv_bytes_per_token(2), bw)

@@ -137,14 +137,14 @@ def _decoder(args):
     spec = get_preset(args.model)
     w = random_weights(spec, 0, dtype=torch.bfloat16, device="cuda")
     n_seq, k = (int(x) for x in args.verify.split("x")) if args.verify else (args.batch, 1)
-    cache, table = random_cache(spec, args.context, k + 1, 16, 1, min_pages=n_seq * (-(-(args.context + k) // 16) + 1),
+    per = -(-(args.context + k) // 16)  # pages a sequence
+    cache, table = random_cache(spec, args.context, k + 1, 16, 1, min_pages=n_seq * (per + 1),
                                 kv_dtype=parse_kv_dtype(args.kv_dtype))
     dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=Tuning(trace=True),
                             context_hint=max(args.context, 1), use_graph=False)
     if n_seq * k == 1:
         dec.set_inputs(1, args.context, table)
         return dec
-    per = -(-(args.context + k) // 16)
     one = verify_step([table[j * per:(j + 1) * per] for j in range(n_seq)], args.context, k, not args.per_token)
     sub = dec.batch_decoder(len(one.positions), one.blocks)
     sub.set_batch([1] * len(one.positions), one.positions, one.block_tables, one.firsts)
