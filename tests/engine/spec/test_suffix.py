@@ -34,7 +34,7 @@ def test_frequency_and_min_prob_decide_how_far_to_trust_a_context():
 
 
 def test_session_history_drafts_for_a_later_request_of_the_same_session():
-    d = SuffixDrafter(SuffixConfig(depth=10, max_match=6, spec_factor=4.0))
+    d = SuffixDrafter(SuffixConfig(depth=10, max_match=6, spec_factor=4.0, global_tokens=0))
     answer = list(range(200, 230))
     first = x([1, 2, 3] + answer, "a", session="s", prompt=3)
     d.propose_one(first, 4)
@@ -42,7 +42,26 @@ def test_session_history_drafts_for_a_later_request_of_the_same_session():
     later = [9, 9] + answer[:5]
     assert d.propose_one(x(later, "b", session="s"), 8) == answer[5:13]
     assert d.propose_one(x(later, "c", session="other"), 8) == []
-    assert d.propose_one(x(later, "d"), 8) == []  # no session: nothing shared
+    assert d.propose_one(x(later, "d"), 8) == []  # no global trie: only the session shares
+
+
+def test_the_global_trie_drafts_from_any_earlier_request_and_is_bounded():
+    d = SuffixDrafter(SuffixConfig(depth=10, max_match=6, spec_factor=4.0, global_tokens=64, lead_in=0))
+    answer = list(range(200, 230))
+    d.finish(x([1, 2, 3] + answer, "a", prompt=3))  # no session
+    later = [9, 9] + answer[:5]
+    assert d.propose_one(x(later, "b"), 8) == answer[5:13]
+    assert d.propose_one(x(later, "c", session="other"), 8) == answer[5:13]
+    # the continuation seen most often wins (three times in the session and the global trie, against once)
+    mine = answer[:5] + [7] * 20
+    for i in range(3):
+        d.finish(x([0] + mine, f"m{i}", session="s", prompt=1))
+    assert d.propose_one(x(later, "e", session="s"), 4) == [7, 7, 7, 7]
+    for i in range(20):  # 600 more tokens of unrelated history: the first answer falls out of the bound
+        d.finish(x([0] + list(range(1000 + 30 * i, 1030 + 30 * i)), f"f{i}", prompt=1))
+    assert d.propose_one(x(later, "g"), 8) == []
+    with pytest.raises(ValueError):
+        SuffixConfig(global_tokens=-1)
 
 
 def test_sessions_are_bounded_in_tokens_and_count():

@@ -39,14 +39,15 @@ class SuffixConfig:
     session_tokens: int = 8192  # tokens of history kept per session
     max_sessions: int = 64
     lead_in: int = 16  # prompt tokens kept before each finished request's output in its session trie
+    global_tokens: int = 16384  # tokens of every finished request's history kept in one trie shared by all requests
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_match < self.depth:
             raise ValueError(f"need 1 <= max_match < depth, got {self.max_match}, {self.depth}")
         if not 0.0 <= self.min_prob <= 1.0:
             raise ValueError(f"min_prob must be in [0, 1], got {self.min_prob}")
-        if self.session_tokens < 1 or self.max_sessions < 0 or self.lead_in < 0:
-            raise ValueError("session_tokens must be >= 1, max_sessions and lead_in >= 0")
+        if self.session_tokens < 1 or self.max_sessions < 0 or self.lead_in < 0 or self.global_tokens < 0:
+            raise ValueError("session_tokens must be >= 1, max_sessions, lead_in and global_tokens >= 0")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ Per step and request:
      that occurred earlier with a continuation;
   2. *session*: the trie of the session's finished requests (when the request has a ``session_id``): the deepest
      suffix of its tokens found there;
+  2b. *global*: one trie of every finished request's output, whatever its session (SuffixDecoding's global tree:
+     answers share idioms, code and boilerplate across users), matched the same way;
   3. from each match, walk the most frequent continuation while its empirical probability stays >= ``min_prob``,
      for at most min(k, ``spec_factor`` x match length + ``spec_offset``) tokens: a match seen once over a short
      context drafts little, a long or often-seen one drafts more;
@@ -17,8 +19,9 @@ Per step and request:
 
 Bounded state: a request's trie lives until it finishes. A session keeps its finished requests' outputs (with
 ``lead_in`` prompt tokens before each) up to ``session_tokens`` tokens, dropping the oldest and rebuilding when
-it holds twice that; at most ``max_sessions`` sessions are kept, least recently used evicted. Requests without a
-session share nothing with other requests.
+it holds twice that; at most ``max_sessions`` sessions are kept, least recently used evicted. The global trie keeps
+the latest ``global_tokens`` tokens of history the same way. Drafts are only proposals, verified by the target, so
+sharing history across requests changes how many tokens a step accepts, never what a request outputs.
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ class SuffixDrafter(TokenDrafter):
         self.cfg = config
         self._own: dict[str, _Own] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._global = _Session(config.depth) if config.global_tokens else None
 
     def propose_one(self, x: DraftInput, k: int) -> list[int]:
         cfg = self.cfg
@@ -77,11 +81,14 @@ class SuffixDrafter(TokenDrafter):
         session = self._sessions.get(x.session_id) if x.session_id is not None else None
         if session is not None:
             self._sessions.move_to_end(x.session_id)
-            node, m = session.trie.match(own.tokens, cfg.max_match)
+        for shared in (session, self._global):
+            if shared is None:
+                continue
+            node, m = shared.trie.match(own.tokens, cfg.max_match)
             if m:
-                cand, probs = session.trie.walk(node, self._limit(k, m), cfg.min_prob)
+                cand, probs = shared.trie.walk(node, self._limit(k, m), cfg.min_prob)
                 if sum(probs) > best_score:
-                    best = cand
+                    best, best_score = cand, sum(probs)
         return best
 
     def _limit(self, k: int, match_len: int) -> int:
@@ -109,6 +116,9 @@ class SuffixDrafter(TokenDrafter):
 
     def finish(self, x: DraftInput) -> None:
         self._own.pop(x.request_id, None)
+        history = list(x.token_ids[max(0, x.num_prompt_tokens - self.cfg.lead_in):])
+        if self._global is not None:
+            self._global.add(history, self.cfg.global_tokens)
         if x.session_id is None or self.cfg.max_sessions == 0:
             return
         session = self._sessions.get(x.session_id)
@@ -117,8 +127,7 @@ class SuffixDrafter(TokenDrafter):
             while len(self._sessions) > self.cfg.max_sessions:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(x.session_id)
-        start = max(0, x.num_prompt_tokens - self.cfg.lead_in)
-        session.add(list(x.token_ids[start:]), self.cfg.session_tokens)
+        session.add(history, self.cfg.session_tokens)
 
     @property
     def num_sessions(self) -> int:
