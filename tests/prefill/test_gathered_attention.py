@@ -1,6 +1,6 @@
-"""The host side of the gathered-pages attentions (``flash``, ``cudnn``): the key index that packs every piece's K/V
-end to end, the log-sum-exp merge of two partial attentions, and the wrappers around stand-ins with the libraries'
-documented semantics (CPU; the kernels themselves run in the GPU tests)."""
+"""The host side of the ``cudnn`` attention over gathered pages: the key index that packs every piece's K/V end to
+end, the log-sum-exp merge of two partial attentions, and the wrapper around a stand-in with cuDNN's documented
+semantics (CPU; the kernel itself runs in the GPU tests)."""
 import math
 
 import pytest
@@ -20,8 +20,7 @@ def test_key_index_packs_each_pieces_keys_end_to_end():
     batch = PrefillBatch.build(pieces, ps, "cpu")
     layer = torch.randn(pages, 2, ps, 8)
     idx = KeyIndex.build(batch)
-    assert idx.cu_q.tolist() == [0, 4, 17, 19] and idx.cu_k.tolist() == [0, 9, 22, 24]
-    assert idx.k_start == (0, 9, 22, 24) and (idx.max_q, idx.max_k) == (13, 13)
+    assert idx.k_start == (0, 9, 22, 24)
     packed = idx.gather(layer, torch.float32)
     assert packed.shape == (24, 2, 8) and packed.is_contiguous()
     for b in range(3):
@@ -56,27 +55,10 @@ def test_merge_partials_is_attention_over_both_key_sets():
     torch.testing.assert_close(merge_partials(o2, l2, o1, l1), whole, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["flash", "cudnn"])
-def test_cuda_only_attentions_are_refused_on_the_cpu(attention):
+def test_cudnn_is_refused_on_the_cpu():
     w = random_weights(get_preset("smollm2-135m").with_(num_layers=1), seed=0)
     with pytest.raises(ValueError, match="runs on CUDA only"):
-        PrefillRunner(w, PrefillConfig(attention))
-
-
-def _fake_flash(q, k, v, index):
-    """FlashAttention-2's documented semantics in fp32 math: variable length, causal at the bottom right, GQA."""
-    o = torch.empty_like(q)
-    g = q.shape[1] // k.shape[1]
-    for b in range(len(index.k_start) - 1):
-        q0, q1 = int(index.cu_q[b]), int(index.cu_q[b + 1])
-        k0, k1 = index.k_start[b], index.k_start[b + 1]
-        qb = q[q0:q1].transpose(0, 1)
-        kb, vb = (x[k0:k1].repeat_interleave(g, 1).transpose(0, 1) for x in (k, v))
-        s = qb @ kb.transpose(1, 2) / math.sqrt(q.shape[-1])
-        lq, lk = q1 - q0, k1 - k0
-        s = s.masked_fill(torch.arange(lk)[None, :] > torch.arange(lq)[:, None] + (lk - lq), float("-inf"))
-        o[q0:q1] = (torch.softmax(s, -1) @ vb).transpose(0, 1)
-    return o
+        PrefillRunner(w, PrefillConfig("cudnn"))
 
 
 def _fake_cudnn(q, k, v, causal, lse):
@@ -88,14 +70,12 @@ def _fake_cudnn(q, k, v, causal, lse):
 
 
 @pytest.mark.parametrize("kv", ["fp32", "fp8"])
-@pytest.mark.parametrize("impl", ["flash", "cudnn"])
-def test_library_attentions_around_their_kernels_match_the_reference(monkeypatch, impl, kv):
-    """The wrappers (key index, packing, GQA, the prefix merge) around kernels with the libraries' documented
-    semantics give the reference's attention: pieces with and without a prefix, several in one pass; over an fp8
-    cache, attention to its rows dequantised with their own scales."""
+def test_cudnn_attention_around_its_kernel_matches_the_reference(monkeypatch, kv):
+    """The wrapper (key index, packing, GQA, the prefix merge) around a kernel with cuDNN's documented semantics
+    gives the reference's attention: pieces with and without a prefix, several in one pass; over an fp8 cache,
+    attention to its rows dequantised with their own scales."""
     from mimw.prefill import gathered_attention as ga
 
-    monkeypatch.setattr(ga, "_flash_op", _fake_flash)
     monkeypatch.setattr(ga, "_cudnn_op", _fake_cudnn)
     ps, pages, hq, hkv, hd = 4, 40, 6, 2, 8
     pieces = [Piece(tuple(range(0, 12)), 30, 9), Piece(tuple(range(12, 20)), 0, 17), Piece((20, 21, 22), 5, 1)]
@@ -108,6 +88,6 @@ def test_library_attentions_around_their_kernels_match_the_reference(monkeypatch
         mag = lambda: 2.0 ** (8 * torch.rand(pages, hkv, ps, 1, generator=g) - 4)
         (k, ks), (v, vs) = fp8.quantize(k * mag()), fp8.quantize(v * mag())
         scales = (ks, vs)
-    attend = ga.LibraryAttention(ga.flash_attention if impl == "flash" else ga.cudnn_attention).plan(batch)
+    attend = ga.LibraryAttention(ga.cudnn_attention).plan(batch)
     want = ga.torch_attention(q, k, v, batch, *scales)
     torch.testing.assert_close(attend(q, k, v, *scales), want, rtol=1e-4, atol=1e-4)

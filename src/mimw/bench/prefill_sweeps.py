@@ -18,7 +18,7 @@ from dataclasses import asdict
 # compile or fit is a row with its error. Other head dims: the default only.
 TILES = {64: ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (256, 128, 8, 3)),
          128: ((256, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (256, 64, 8, 4))}
-LIBRARY = ("flash", "cudnn", "sdpa", "flex")
+LIBRARY = ("cudnn", "sdpa", "flex")
 
 
 class _Ids:

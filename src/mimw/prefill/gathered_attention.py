@@ -7,23 +7,20 @@ maintained dense kernel. The alternatives that ``mimw bench prefill`` measures a
              from position 0 is plain causal attention (GQA without repeating K/V: ``enable_gqa``); a piece after
              a prefix needs the diagonal at the bottom right (``causal_lower_right``: it sees the whole prefix),
              whose dispatch does not take ``enable_gqa`` in every torch release, so its K/V heads are repeated.
-  ``flash``  torch's FlashAttention-2 (``aten._flash_attention_forward``) in its variable-length form: one call
-             for all the pass's pieces, K/V of every piece packed end to end, GQA without repeating K/V heads and the
-             causal diagonal at the bottom right (a piece after a prefix sees all of it): the kernel the plain SDPA
-             prefill runs, on the same problem, with no per-piece launches.
-  ``cudnn``  cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``; on Hopper a FlashAttention-3-
-             class kernel) per piece, K/V heads repeated for GQA. Its causal mask is square (top left), so a piece
-             after a prefix is two calls, its own keys (causal) and the prefix's (no mask), merged by their
+  ``cudnn``  cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``) per piece over the pass's
+             K/V gathered once (``KeyIndex``), K/V heads repeated for GQA. Its causal mask is square (top left), so
+             a piece after a prefix is two calls, its own keys (causal) and the prefix's (no mask), merged by their
              log-sum-exps (``merge_partials``).
 
 The gather costs one read and one write of the piece's K/V per layer (small beside attention's FLOPs at long
 contexts) and memory for one pass's contiguous K/V. Over an fp8 cache the gather dequantises each row with its own
 scale (``fp8.dequantize``: fp32, exact); ``torch`` attends to those fp32 values (as the reference decoder does over
-an fp8 cache), ``sdpa``, ``flash`` and ``cudnn`` to them rounded to q's dtype (``KeyIndex.gather`` for the last
-two). FlexAttention lives in ``flex_attention.py``.
+an fp8 cache), ``sdpa`` and ``cudnn`` to them rounded to q's dtype (``KeyIndex.gather`` for ``cudnn``).
+FlexAttention lives in ``flex_attention.py``.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -52,15 +49,11 @@ def gather(layer: torch.Tensor, batch: PrefillBatch, b: int, scale: torch.Tensor
 @dataclass(frozen=True)
 class KeyIndex:
     """Where every key of a pass's pieces lives, the pieces' keys end to end: piece b's key j (position j) is row
-    cu_k[b] + j of a gathered tensor, read from ``layer[page[i], :, row[i]]``."""
+    k_start[b] + j of a gathered tensor, read from ``layer[page[i], :, row[i]]``."""
 
     page: torch.Tensor  # [sum ctx] int64
     row: torch.Tensor  # [sum ctx] int64
-    cu_q: torch.Tensor  # [B + 1] int32: piece b's rows of q are cu_q[b] .. cu_q[b+1]
-    cu_k: torch.Tensor  # [B + 1] int32
-    max_q: int
-    max_k: int
-    k_start: tuple[int, ...]  # cu_k on the host
+    k_start: tuple[int, ...]  # [B + 1]: piece b's keys are rows k_start[b] .. k_start[b+1]
 
     @classmethod
     def build(cls, batch: PrefillBatch) -> "KeyIndex":
@@ -69,12 +62,8 @@ class KeyIndex:
             pos = torch.arange(p.ctx)
             pages.append(torch.tensor(p.block_table[:-(-p.ctx // ps)], dtype=torch.long)[pos // ps])
             rows.append(pos % ps)
-        lq = torch.tensor([0] + [p.length for p in batch.pieces])
-        lk = torch.tensor([0] + [p.ctx for p in batch.pieces])
-        dev = batch.device
-        cu_k = lk.cumsum(0).int()
-        return cls(torch.cat(pages).to(dev), torch.cat(rows).to(dev), lq.cumsum(0).int().to(dev), cu_k.to(dev),
-                   int(lq.max()), int(lk.max()), tuple(cu_k.tolist()))
+        k_start = tuple(itertools.accumulate((p.ctx for p in batch.pieces), initial=0))
+        return cls(torch.cat(pages).to(batch.device), torch.cat(rows).to(batch.device), k_start)
 
     def gather(self, layer: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
         """[P, Hkv, PS, hd] cache layer -> [sum ctx, Hkv, hd] in ``dtype`` (one indexing kernel): a layer of element
@@ -136,25 +125,11 @@ def sdpa_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor
     return o
 
 
-def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: KeyIndex) -> torch.Tensor:
-    """torch's FlashAttention-2, variable length: q [T, Hq, hd], k/v [sum ctx, Hkv, hd] -> o [T, Hq, hd]."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, index.cu_q, index.cu_k, index.max_q, index.max_k, 0.0,
-                                                   True, False)[0]
-
-
 def _cudnn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, lse: bool):
     """cuDNN's fused attention: q [1, H, L, hd], k/v [1, H, S, hd] -> (o [1, H, L, hd], log-sum-exp [1, H, L, 1] or
     None); ``causal`` is the top-left (square) mask."""
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse, 0.0, causal, False)
     return out[0], out[1]
-
-
-def flash_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch,
-                    index: KeyIndex, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """FlashAttention-2 (variable length, bottom-right causal, GQA) over every piece's gathered K/V at once (an
-    fp8 cache's dequantised)."""
-    return _flash_op(q, index.gather(k_layer, q.dtype, k_scale), index.gather(v_layer, q.dtype, v_scale), index)
 
 
 def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, lse: bool):
@@ -185,8 +160,8 @@ def cudnn_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
 
 
 class LibraryAttention:
-    """``flash_attention`` or ``cudnn_attention`` behind the runner's per-pass ``plan`` (the key index is built
-    once per pass, every layer gathers through it)."""
+    """``cudnn_attention`` (a function of the pass's key index) behind the runner's per-pass ``plan``: the key index
+    is built once per pass, every layer gathers through it."""
 
     def __init__(self, fn):
         self.fn = fn

@@ -34,19 +34,18 @@ from ..models.weights import ModelWeights
 from . import activation, norm, rope_append
 from .batch import Piece, PrefillBatch, split_passes
 from .flex_attention import FlexPagedAttention
-from .gathered_attention import (GatheredAttention, LibraryAttention, cudnn_attention, flash_attention,
-                                 sdpa_attention, torch_attention)
+from .gathered_attention import (GatheredAttention, LibraryAttention, cudnn_attention, sdpa_attention,
+                                 torch_attention)
 from .paged_attention import AttentionTiles, PagedAttention
 from .weights import FusedWeights
 
-ATTENTIONS = ("triton", "flash", "cudnn", "sdpa", "flex", "torch")
-CUDA_ONLY = ("flash", "cudnn")  # torch's fused kernels, CUDA-only ops
+ATTENTIONS = ("triton", "cudnn", "sdpa", "flex", "torch")
 KERNELS = ("triton", "torch")
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """attention: "triton" (mimw's paged kernel), "flash" / "cudnn" / "sdpa" / "flex" (torch's, over gathered pages:
+    """attention: "triton" (mimw's paged kernel), "cudnn" / "sdpa" / "flex" (torch's, over gathered pages:
     ``gathered_attention``, ``flex_attention``) or "torch" (the reference's fp32 attention); kernels: "triton" (norm,
     RoPE + append, SwiGLU) or "torch" (the reference's functions); tiles: the paged kernel's (None:
     ``AttentionTiles.for_head_dim``); long_attention: the attention of passes with a piece longer than one query
@@ -93,10 +92,10 @@ def make_attention(name: str, tiles: AttentionTiles | None, device: torch.device
         return PagedAttention(tiles)
     if name == "flex":
         return FlexPagedAttention(compile=device.type == "cuda")
-    if name in CUDA_ONLY:
+    if name == "cudnn":  # cuDNN's fused kernel: a CUDA-only op
         if device.type != "cuda":
             raise ValueError(f"attention {name!r} runs on CUDA only (weights on {device})")
-        return LibraryAttention(flash_attention if name == "flash" else cudnn_attention)
+        return LibraryAttention(cudnn_attention)
     return GatheredAttention(sdpa_attention if name == "sdpa" else torch_attention)
 
 
