@@ -108,37 +108,6 @@ def test_flex_block_mask_covers_every_visible_key_and_full_blocks_are_full(piece
     assert not (dense & ~covered).any()
 
 
-def test_long_attention_takes_the_passes_with_a_piece_longer_than_one_query_block():
-    """Short passes (every piece within one block of the paged kernel: decode batches, verify blocks) keep
-    ``attention``; a pass with a longer piece goes to ``long_attention``, and the logits stay the reference's."""
-    from mimw.prefill import AttentionTiles
-
-    spec = get_preset("tiny-llama3")
-    w = random_weights(spec, seed=1)
-    ref = ReferenceDecoder(w)
-    run = PrefillRunner(w, PrefillConfig("torch", "torch", tiles=AttentionTiles(16, 16, 4, 1), long_attention="sdpa"))
-    assert run.short_rows == 16
-    used = []
-    for name in ("attention", "long_attention"):
-        inner = getattr(run, name)
-        spy = type("Spy", (), {"plan": lambda self, batch, inner=inner, name=name: used.append(name)
-                               or inner.plan(batch)})()
-        setattr(run, name, spy)
-    caches = [PagedKVCache(KVLayout.for_spec(spec, PAGE, PAGES, torch.float32)) for _ in range(2)]
-    prefix, ptoks, step, stoks = _case(spec)  # prefix pieces of 21 and 6 rows; step pieces of 30, 9 and 1
-    for c in caches:
-        ref.forward(ptoks, prefix, c)
-    assert used == []  # the reference filled the caches
-    run.forward(ptoks[21:], [prefix[1]], caches[1])  # C's 6 tokens again, one short piece
-    assert used == ["attention"]
-    want = ref.forward(stoks, step, caches[0], last_only=True)
-    got = run.forward(stoks, step, caches[1])
-    assert used == ["attention", "long_attention"]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="long_attention"):
-        PrefillConfig(long_attention="fa3")
-
-
 FP8_CASES = [(p, "torch", 7) for p in ("tiny-llama3", "tiny-qwen2", "tiny-qwen3")] + [
     ("tiny-qwen3", "sdpa", 16), ("tiny-llama3", "flex", 100)]
 

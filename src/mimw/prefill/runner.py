@@ -45,26 +45,19 @@ KERNELS = ("triton", "torch")
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """attention: "triton" (mimw's paged kernel), "cudnn" / "sdpa" / "flex" (torch's, over gathered pages:
-    ``gathered_attention``, ``flex_attention``) or "torch" (the reference's fp32 attention); kernels: "triton" (norm,
-    RoPE + append, SwiGLU) or "torch" (the reference's functions); tiles: the paged kernel's (None:
-    ``AttentionTiles.for_head_dim``); long_attention: the attention of passes with a piece longer than one query
-    block of the paged kernel (prompt chunks), where ``attention`` keeps the short passes (decode batches, verify
-    blocks: the steps the megakernel backend captures in CUDA graphs, which need the paged kernel's fixed grid);
-    None: ``attention`` for every pass."""
+    """attention: "triton" (mimw's paged kernel: the serving path's), "cudnn" / "sdpa" / "flex" (torch's over
+    gathered pages, ``gathered_attention`` and ``flex_attention``: what ``mimw bench prefill`` measures the paged
+    kernel against) or "torch" (the reference's fp32 attention); kernels: "triton" (norm, RoPE + append, SwiGLU)
+    or "torch" (the reference's functions); tiles: the paged kernel's (None: ``AttentionTiles.for_head_dim``)."""
 
     attention: str = "triton"
     kernels: str = "triton"
     max_pass_tokens: int = 16384
     tiles: AttentionTiles | None = None
-    long_attention: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
-        if self.long_attention is not None and self.long_attention not in ATTENTIONS:
-            raise ValueError(f"long_attention must be one of {', '.join(ATTENTIONS)} or None, "
-                             f"got {self.long_attention!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.max_pass_tokens <= 0:
@@ -106,10 +99,6 @@ class PrefillRunner:
         self.config = config
         self.ops = OPS[config.kernels]
         self.attention = make_attention(config.attention, config.tiles, self.w.device)
-        self.long_attention = (None if config.long_attention is None
-                               else make_attention(config.long_attention, config.tiles, self.w.device))
-        # a pass goes to long_attention when a piece has more rows than one query block of the paged kernel
-        self.short_rows = (config.tiles or AttentionTiles.for_head_dim(self.spec.head_dim)).block_m
         self._inv_freq = rope.inv_freq(self.spec).to(self.w.device)
 
     @torch.no_grad()
@@ -135,8 +124,7 @@ class PrefillRunner:
         # device (no host-to-device copy inside a pass, so a pass can be captured in a CUDA graph)
         ang = batch.positions.float()[:, None] * self._inv_freq[None, :]
         cos, sin = ang.cos(), ang.sin()
-        long = self.long_attention is not None and max(p.length for p in batch.pieces) > self.short_rows
-        attend = (self.long_attention if long else self.attention).plan(batch)
+        attend = self.attention.plan(batch)
         x = F.embedding(tokens, w.embed)
         quantized = cache.layout.quantized
         for li, lw in enumerate(w.layers):
