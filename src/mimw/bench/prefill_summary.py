@@ -3,8 +3,10 @@ needs: attention alone (TFLOP/s per implementation), which attention wins (the r
 
 The rule that picks the default attention (``PrefillConfig.attention``) and deletes the others: over the long-prompt
 cells (every model at every length >= 32k that has a plain SDPA row), each attention's TTFT relative to the plain
-SDPA prefill of the same run. The winner has the best geometric mean of those ratios, and only attentions that ran
-every cell compete; an attention that is neither the winner nor within 2% of the fastest in some cell loses.
+SDPA prefill of the same run. Only attentions that ran every cell compete; the best geometric mean of those ratios
+wins, except that triton stays the default while its geomean is within 2% of the best (a tie goes to the project's
+own paged kernel, which also serves the short steps the megakernel backend captures in CUDA graphs: they need
+its fixed grid). An attention that is neither the default nor within 2% of the fastest in some cell loses.
 
     python -m mimw.bench.prefill_summary DIR
 """
@@ -17,8 +19,9 @@ from pathlib import Path
 
 from .prefill_report import summary
 
-ATTENTIONS = ("triton", "flash", "cudnn", "sdpa", "flex")
+ATTENTIONS = ("triton", "cudnn", "sdpa", "flex")
 LONG = 32768
+TIE = 1.02  # geomeans or cell times within 2% of each other are a tie
 
 
 def verdict(doc: dict) -> str:
@@ -45,11 +48,14 @@ def verdict(doc: dict) -> str:
             lines.append(f"  {i:<7} {cell_text}   geomean {g:.3f}{'' if i in complete else ' (incomplete)'}")
     if not gm:
         return "\n".join(lines + ["  no attention ran every cell"])
-    win = min(gm, key=gm.get)
-    best = {c: min(ratio[j, c] for j in ATTENTIONS if (j, c) in ratio) for c in cells}
-    keep = {win} | {i for c in cells for i in ATTENTIONS if (i, c) in ratio and ratio[i, c] <= 1.02 * best[c]}
-    lines.append(f"  default: {win} (geomean {gm[win]:.3f}; {'beats' if gm[win] < 1 else 'loses to'} plain SDPA)"
-                 + ("" if win == "triton" else f": PrefillConfig(long_attention={win!r})"))
+    best = min(gm, key=gm.get)
+    win = "triton" if "triton" in gm and gm["triton"] <= TIE * gm[best] else best
+    if win != best:
+        lines.append(f"  best geomean: {best} ({gm[best]:.3f}); triton's ({gm['triton']:.3f}) is within 2% of it: "
+                     "the tie goes to triton")
+    fastest = {c: min(ratio[j, c] for j in ATTENTIONS if (j, c) in ratio) for c in cells}
+    keep = {win} | {i for c in cells for i in ATTENTIONS if (i, c) in ratio and ratio[i, c] <= TIE * fastest[c]}
+    lines.append(f"  default: {win} (geomean {gm[win]:.3f}; {'beats' if gm[win] < 1 else 'loses to'} plain SDPA)")
     lines.append(f"  keep: {', '.join(sorted(keep))}; delete: "
                  + (", ".join(i for i in ATTENTIONS if any(k[0] == i for k in ratio) and i not in keep) or "none"))
     return "\n".join(lines)
