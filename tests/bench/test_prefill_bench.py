@@ -29,6 +29,8 @@ def test_prefill_bench_runs_every_implementation_and_writes_its_reports(tmp_path
     assert next(tmp_path.glob("*-prefill.png")).stat().st_size > 0
     md = next(tmp_path.glob("*-prefill.md")).read_text()
     assert "| tiny-llama3 | 100 | sdpa | 32 |" in md
+    # no-attention's time lacks the attention its FLOPs count: no MFU shown
+    assert next(line for line in md.splitlines() if "| 100 | no-attention |" in line).split("|")[7].strip() == ""
     assert "TTFT s / MFU" in capsys.readouterr().out
 
 

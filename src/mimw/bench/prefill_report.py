@@ -32,6 +32,11 @@ def finish_row(row: dict, spec: ModelSpec, gemm_tflops: float) -> dict:
     return row
 
 
+def _mfu(r: dict) -> str:
+    """A row's MFU as a percentage; blank for no-attention, whose time lacks the attention its FLOPs count."""
+    return "" if r["impl"] == "no-attention" else f"{100 * r['mfu']:.1f}%"
+
+
 def markdown(doc: dict) -> str:
     head = (f"# mimw bench prefill — {doc['gpu']} — {doc['date']}\n\ncommit {doc['commit']}, torch {doc['torch']}, "
             f"triton {doc['triton']}; bf16 GEMM {doc['gemm_tflops']:.0f} TFLOP/s (8192^3, this run)\n")
@@ -48,7 +53,7 @@ def markdown(doc: dict) -> str:
         speed = f"{base / r['ttft_s']:.2f}x" if base and r["impl"] != "plain-sdpa" else ""
         check = "" if r.get("rel_err") is None else f"{r['rel_err']:.1e}"
         lines.append(f"| {r['model']} | {r['tokens']} | {r['impl']} | {r.get('chunk', '')} | {r['ttft_s']:.4f} | "
-                     f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {speed} | {r.get('peak_gb', 0):.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {_mfu(r)} | {speed} | {r.get('peak_gb', 0):.1f} | "
                      f"{check} |")
     if doc.get("attention"):
         lines += ["", "Attention alone (one layer, the last pass of a prompt of `tokens`, TFLOP/s):", "",
@@ -106,6 +111,6 @@ def summary(doc: dict) -> str:
                 if r is None or not r.get("ttft_s"):
                     cells.append(f"{'-' if r is None else r.get('error', '?')[:18]:>18}")
                 else:
-                    cells.append(f"{r['ttft_s']:>9.4f} {100 * r.get('mfu', 0):>6.1f}% ")
+                    cells.append(f"{r['ttft_s']:>9.4f} {_mfu(r):>7} ")
             out.append(f"{model[:13]:13s} {n:>6}  " + "  ".join(cells))
     return "\n".join(out)
