@@ -18,11 +18,11 @@ Per step and request:
      probabilities along it).
 
 Bounded state: a request's trie lives until it finishes. A session keeps its finished requests' outputs (with
-``lead_in`` prompt tokens before each) in two generations of ``session_tokens`` tokens each (``_Session``: the
-older generation dropped whole when the newer fills, never a rebuild on the engine's thread); at most
-``max_sessions`` sessions are kept, least recently used evicted. The global trie keeps ``global_tokens`` a
-generation the same way. Drafts are only proposals, verified by the target, so
-sharing history across requests changes how many tokens a step accepts, never what a request outputs.
+``lead_in`` prompt tokens before each) in two generations of ``session_tokens`` tokens each (``_Session``: the older
+generation dropped whole when the newer fills, never a rebuild on the engine's thread); at most ``max_sessions``
+sessions are kept, least recently used evicted. The global trie keeps ``global_tokens`` a generation the same way.
+Drafts are only proposals, verified by the target, so sharing history across requests changes how many tokens a step
+accepts, never what a request outputs.
 """
 from __future__ import annotations
 
