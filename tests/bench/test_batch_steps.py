@@ -79,6 +79,11 @@ class StandIn:
         self.max_tokens = 8
         self.calls = 0
         self._torch = torch
+        from mimw.engine.backends.step_router import REPLAY, StepRouter
+
+        self.router = StepRouter()
+        for _ in range(2):  # the first time is dropped as warm-up
+            self.router.observe(REPLAY, 1, 1.0)
 
     def decode_replays(self, tokens, segments, cache):
         self.calls += 1
@@ -122,6 +127,7 @@ def test_run_model_measures_every_shape_and_each_peer_on_the_cpu(monkeypatch):
         # the same tokens, positions and cache contents: the reference peer reproduces the backend's logits
         assert r["reference_ms"] > 0 and r["reference_max_rel_err"] < 1e-5 and r["reference_argmax_agree"] == 1.0
         assert r["torch-graph_error"].startswith("unavailable:")  # no CUDA here, refused by name
+        assert r["router"] == {"replay_ms": 1.0, "step_ms": {}}  # what the backend's router knew when it chose
 
 
 def test_run_model_spends_each_peers_budget_on_its_own(monkeypatch):

@@ -108,6 +108,8 @@ def measure_mimw(row: dict, mk, inp: StepInputs, device: torch.device, budget_s:
                                           budget_s=budget_s).median_ms
         ref = mk.forward(toks, segs, cache).float().clone()
         row["mimw_ms"] = time_steps(lambda: mk.forward(toks, segs, cache), device, 50, budget_s=budget_s).median_ms
+        if hasattr(mk, "router"):  # what the backend's router had measured when it chose: why mimw_ms is that path's
+            row["router"] = mk.router.estimates()
         return ref
     except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {e}"

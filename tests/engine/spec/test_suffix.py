@@ -80,3 +80,17 @@ def test_config_is_validated():
         SuffixConfig(depth=4, max_match=4)
     with pytest.raises(ValueError):
         SuffixConfig(min_prob=1.5)
+
+
+def test_shared_history_rotates_generations_instead_of_rebuilding():
+    from mimw.engine.spec.suffix import _Session
+
+    s = _Session(depth=4)
+    s.add([1, 2, 3], cap=5)
+    first = s.new
+    s.add([4, 5], cap=5)
+    assert s.new is first and s.old is None and s.tokens == 5
+    s.add([6], cap=5)  # the newer generation is full: it becomes the older one, as it is
+    assert s.old is first and s.new is not first and (s.old_tokens, s.new_tokens) == (5, 1)
+    s.add([7, 8, 9, 10, 11], cap=5)  # full again: the first generation is dropped whole
+    assert s.old is not first and s.tokens == 6 and all(t.num_tokens == n for t, n in zip(s.tries, (5, 1)))

@@ -36,10 +36,10 @@ class SuffixConfig:
     min_prob: float = 0.3
     spec_factor: float = 2.0  # draft at most spec_factor x match length + spec_offset tokens
     spec_offset: float = 1.0
-    session_tokens: int = 8192  # tokens of history kept per session
+    session_tokens: int = 8192  # tokens of history a generation per session (two generations kept: suffix._Session)
     max_sessions: int = 64
     lead_in: int = 16  # prompt tokens kept before each finished request's output in its session trie
-    global_tokens: int = 16384  # tokens of every finished request's history kept in one trie shared by all requests
+    global_tokens: int = 16384  # the same for the one history every request shares (0: none)
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_match < self.depth:

@@ -18,14 +18,15 @@ Per step and request:
      probabilities along it).
 
 Bounded state: a request's trie lives until it finishes. A session keeps its finished requests' outputs (with
-``lead_in`` prompt tokens before each) up to ``session_tokens`` tokens, dropping the oldest and rebuilding when
-it holds twice that; at most ``max_sessions`` sessions are kept, least recently used evicted. The global trie keeps
-the latest ``global_tokens`` tokens of history the same way. Drafts are only proposals, verified by the target, so
-sharing history across requests changes how many tokens a step accepts, never what a request outputs.
+``lead_in`` prompt tokens before each) in two generations of ``session_tokens`` tokens each (``_Session``: the older
+generation dropped whole when the newer fills, never a rebuild on the engine's thread); at most ``max_sessions``
+sessions are kept, least recently used evicted. The global trie keeps ``global_tokens`` a generation the same way.
+Drafts are only proposals, verified by the target, so sharing history across requests changes how many tokens a step
+accepts, never what a request outputs.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from .config import SuffixConfig
 from .drafter import DraftInput, TokenDrafter
@@ -33,22 +34,30 @@ from .suffix_trie import SuffixTrie
 
 
 class _Session:
+    """Bounded shared history in two generations of tries: sequences go into the newer one until it holds ``cap``
+    tokens, then it becomes the older one and the previous older one is dropped whole. No trie is ever rebuilt, so
+    a request's finish costs O(depth) a token however much history is kept (between ``cap`` and 2 x ``cap`` tokens
+    once full); a lookup consults both generations."""
+
     def __init__(self, depth: int):
         self.depth = depth
-        self.history: deque[list[int]] = deque()
-        self.tokens = 0
-        self.trie = SuffixTrie(depth)
+        self.new, self.old = SuffixTrie(depth), None
+        self.new_tokens = self.old_tokens = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.new_tokens + self.old_tokens
+
+    @property
+    def tries(self) -> tuple[SuffixTrie, ...]:
+        return (self.new,) if self.old is None else (self.new, self.old)
 
     def add(self, seq: list[int], cap: int) -> None:
-        self.history.append(seq)
-        self.tokens += len(seq)
-        self.trie.add_sequence(seq)
-        if self.tokens > 2 * cap:  # drop the oldest down to the cap, rebuild (amortised O(1) per token)
-            while self.tokens > cap and len(self.history) > 1:
-                self.tokens -= len(self.history.popleft())
-            self.trie = SuffixTrie(self.depth)
-            for s in self.history:
-                self.trie.add_sequence(s)
+        if self.new_tokens and self.new_tokens + len(seq) > cap:
+            self.old, self.old_tokens = self.new, self.new_tokens
+            self.new, self.new_tokens = SuffixTrie(self.depth), 0
+        self.new.add_sequence(seq)
+        self.new_tokens += len(seq)
 
 
 class _Own:
@@ -82,13 +91,12 @@ class SuffixDrafter(TokenDrafter):
         if session is not None:
             self._sessions.move_to_end(x.session_id)
         for shared in (session, self._global):
-            if shared is None:
-                continue
-            node, m = shared.trie.match(own.tokens, cfg.max_match)
-            if m:
-                cand, probs = shared.trie.walk(node, self._limit(k, m), cfg.min_prob)
-                if sum(probs) > best_score:
-                    best, best_score = cand, sum(probs)
+            for trie in shared.tries if shared is not None else ():
+                node, m = trie.match(own.tokens, cfg.max_match)
+                if m:
+                    cand, probs = trie.walk(node, self._limit(k, m), cfg.min_prob)
+                    if sum(probs) > best_score:
+                        best, best_score = cand, sum(probs)
         return best
 
     def _limit(self, k: int, match_len: int) -> int:
