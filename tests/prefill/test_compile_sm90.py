@@ -30,11 +30,13 @@ def count(ptx: str, pattern: str) -> int:
     return len(re.findall(pattern, ptx))
 
 
-@pytest.mark.parametrize("preset,scaled", [("llama-3.2-1b", False), ("llama-3.1-8b", False),
-                                           ("llama-3.1-8b", True)])
-def test_paged_attention_compiles_to_pipelined_wgmma(preset, scaled):
+@pytest.mark.parametrize("preset,scaled,rows", [("llama-3.2-1b", False, None), ("llama-3.1-8b", False, None),
+                                                ("llama-3.1-8b", True, None), ("llama-3.2-1b", False, 1),
+                                                ("llama-3.1-8b", False, 1)])
+def test_paged_attention_compiles_to_pipelined_wgmma(preset, scaled, rows):
+    """The tiles of prompt chunks (rows None) and of decode batches (one row a piece)."""
     spec = get_preset(preset)
-    tiles = paged_attention.AttentionTiles.for_head_dim(spec.head_dim)
+    tiles = paged_attention.AttentionTiles.for_head_dim(spec.head_dim, rows)
     kv = "*fp8e4nv" if scaled else "*bf16"
     sc = "*bf16"  # an fp8 cache's per-(page, head, row) scales; unread without SCALED
     args = {"Q": "*bf16", "O": "*bf16", "K": kv, "V": kv, "KS": sc, "VS": sc, "BT": "*i32", "Q_START": "*i32",

@@ -1,6 +1,7 @@
 """The GPU prefill path (bf16, Triton kernels) against the fp32 reference decoder (marker `gpu`): prompts of 1, 17,
 1000 and 4096+13 tokens chunked at several sizes over shuffled block tables, a prefix already in the cache with
-several segments in one call, four model shapes (two layers each), each attention; the same over an fp8 KV cache
+several segments in one call, four model shapes (two layers each), each attention (mimw's paged Triton kernel;
+torch's cuDNN, SDPA and FlexAttention over gathered pages); the same over an fp8 KV cache
 (against the reference over an fp8 cache; the append's bytes and scales are fp8.quantize's bit for bit); and decode
 after prefill through the engine on the megakernel, bf16 and fp8 KV, gives the reference's greedy tokens."""
 import pytest
@@ -80,8 +81,8 @@ def shuffled_table(pages: int, n: int, seed: int) -> tuple[int, ...]:
 
 
 # one shape after the other (its weights are built once); mimw's kernel first
-@pytest.mark.parametrize("preset,attention,n", [(p, a, n) for p in SHAPES for a in ("triton", "sdpa")
-                                                for n in sorted(CHUNKS)])
+@pytest.mark.parametrize("preset,attention,n", [(p, a, n) for p in SHAPES
+                                                for a in ("triton", "cudnn", "sdpa") for n in sorted(CHUNKS)])
 def test_chunked_prefill_matches_the_reference(preset, n, attention):
     m = model(preset)
     run = m.runner(attention)
@@ -103,7 +104,8 @@ def test_chunked_prefill_matches_the_reference(preset, n, attention):
                 assert ((x - y).abs().max() / y.abs().max()) < 2e-2
 
 
-@pytest.mark.parametrize("preset,attention", [(p, a) for p in SHAPES for a in ("triton", "sdpa", "flex")])
+@pytest.mark.parametrize("preset,attention", [(p, a) for p in SHAPES
+                                                for a in ("triton", "cudnn", "sdpa", "flex")])
 def test_prefix_in_cache_and_several_segments_in_one_call(preset, attention):
     """A holds 700 tokens; one call then continues A by a 5-token verify block (5 logit rows), prefills B whose
     first 32 pages are A's (prefix reuse: B computes only its 300 new tokens) and a fresh 40-token C."""
@@ -139,7 +141,8 @@ def _rows(cache: PagedKVCache, name: str, li: int, pages_of, rows_of) -> torch.T
 
 
 @pytest.mark.parametrize("preset,attention,n", [(p, a, n) for p in ("llama-3.2-1b", "qwen3-0.6b")
-                                                for a in ("triton", "sdpa") for n in (17, 1000, 4109)])
+                                                for a in ("triton", "cudnn", "sdpa")
+                                                for n in (17, 1000, 4109)])
 def test_chunked_prefill_over_an_fp8_cache_matches_the_reference_over_one(preset, attention, n):
     """The bf16 path over an fp8 KV cache against the fp32 reference over an fp8 cache: logits as close as bf16's,
     and the rows the megakernel will read within an e4m3 step of the reference's."""

@@ -66,9 +66,19 @@ def test_unfused_weights_are_views_of_the_fused_ones():
     assert (mw.lm_head is mw.embed) == spec.tie_word_embeddings
 
 
+def test_attention_tiles_by_head_dim_and_pass_length():
+    from mimw.prefill import AttentionTiles
+
+    assert AttentionTiles.for_head_dim(64) == AttentionTiles(128, 128, 4, 3)
+    assert AttentionTiles.for_head_dim(128, 16384) == AttentionTiles(256, 64, 8, 3)
+    # decode batches and verify blocks: block_m 128, not 256 rows computed for one
+    assert AttentionTiles.for_head_dim(128, 1) == AttentionTiles(128, 64, 8, 3)
+    assert AttentionTiles.for_head_dim(64, 128) == AttentionTiles(128, 128, 8, 3)
+
+
 def test_config_refuses_unknown_names():
     with pytest.raises(ValueError, match="attention"):
-        PrefillConfig(attention="flash")
+        PrefillConfig(attention="fa3")
     with pytest.raises(ValueError, match="kernels"):
         PrefillConfig(kernels="cuda")
 

@@ -3,13 +3,16 @@ implementation, against a plain PyTorch SDPA prefill of the same weights and the
 
 For every model (presets with random bf16 weights) and prompt length: a fresh random prompt on a shuffled block
 table is prefilled from an empty cache in passes of ``--chunk`` tokens (what the engine does with
-``max_prefill_step_tokens`` = chunk and nothing decoding) by the ``PrefillRunner`` with each attention
-(``triton``: mimw's paged kernel; ``sdpa``, ``flex``: torch's over gathered pages), then the first token is taken
-(argmax, synchronised): TTFT is that wall time. ``plain-sdpa`` (``plain_prefill.py``) runs the whole prompt in one
-eager call. Each row checks its logits against plain-sdpa's (relative max error). sdpa and flex stop at
-``gathered_max_tokens`` (32k). Once every model's rows are done, time permitting (``prefill_sweeps``): the
-attention alone (one layer, TFLOP/s; the paged kernel at several tiles), the chunk size swept on the first model,
-and TTFT through the engine (megakernel backend, one request).
+``max_prefill_step_tokens`` = chunk and nothing decoding) by the ``PrefillRunner`` with each attention (``triton``:
+mimw's paged kernel; ``cudnn``, ``sdpa``, ``flex``: torch's over gathered pages), then the first token is
+taken (argmax, synchronised): TTFT is that wall time (``times_s``: each run's). ``plain-sdpa``
+(``plain_prefill.py``) runs the whole prompt in one eager call. ``no-attention`` is the runner with its attention
+replaced by a copy of q (wrong logits, no check): the time of its GEMMs and elementwise kernels alone, so a row's
+attention time is its TTFT minus that one's. Each other row checks its logits against plain-sdpa's (relative max
+error). sdpa and flex stop at ``gathered_max_tokens`` (32k). Once every model's rows are done, time permitting
+(``prefill_sweeps``): the attention alone (one layer's last pass at each of ``attention_lengths``, TFLOP/s; the
+paged kernel at several tiles at the first length, at its default tiles after), the chunk size swept on the first
+model, and TTFT through the engine (megakernel backend, one request).
 
 Rows past ``--deadline-s`` are recorded as skipped, so a run fits its time box; the JSON and markdown are rewritten
 after every row. FLOPs, roofline and MFU: ``prefill_report``.
@@ -26,7 +29,8 @@ from pathlib import Path
 
 from .prefill_sweeps import attention_sweep, engine_ttft
 
-IMPLS = ("plain-sdpa", "triton", "sdpa", "flex")
+IMPLS = ("plain-sdpa", "triton", "cudnn", "sdpa", "flex", "no-attention")
+NO_ATTENTION = "no-attention"  # the runner with attention replaced by a copy of q: its GEMMs and elementwise alone
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class PrefillBenchConfig:
     gathered_max_tokens: int = 32768  # sdpa/flex rows up to this length (128k: mimw's kernel and plain SDPA)
     chunk_sweep: tuple[int, ...] = (4096, 8192, 32768)
     sweep_tokens: int = 32768
+    attention_lengths: tuple[int, ...] = (32768,)
     attention_sweep: bool = True
     engine: bool = True
     deadline_s: float = 0.0  # 0: no deadline
@@ -58,6 +63,8 @@ def add_arguments(sub) -> None:
     p.add_argument("--chunk", type=int, default=16384, help="tokens per prefill pass (default 16384)")
     p.add_argument("--chunk-sweep", default="4096,8192,32768", metavar="N[,N...]",
                    help="extra chunk sizes timed with the triton attention on the first model ('' for none)")
+    p.add_argument("--attention-lengths", default="32768", metavar="N[,N...]",
+                   help="prompt lengths whose last pass the attention sweep times alone (default 32768)")
     p.add_argument("--no-attention-sweep", action="store_true")
     p.add_argument("--no-engine", action="store_true")
     p.add_argument("--deadline-s", type=float, default=0.0, help="skip rows started after this many seconds")
@@ -92,7 +99,11 @@ def config_from_args(args: argparse.Namespace) -> PrefillBenchConfig:
         raise ValueError("--lengths: give at least one length")
     if args.chunk <= 0:
         raise ValueError("--chunk must be positive")
+    attention_lengths = _ints(args.attention_lengths, "--attention-lengths")
+    if any(n <= args.chunk for n in attention_lengths):
+        raise ValueError("--attention-lengths: each length must be longer than --chunk (its last pass has a prefix)")
     return PrefillBenchConfig(models, lengths, impls, args.chunk, chunk_sweep=_ints(args.chunk_sweep, "--chunk-sweep"),
+                              attention_lengths=attention_lengths,
                               attention_sweep=not args.no_attention_sweep, engine=not args.no_engine,
                               deadline_s=args.deadline_s, out_dir=args.out, seed=args.seed,
                               commit=args.commit)
@@ -133,8 +144,8 @@ class PrefillBench:
             first = int(logits.argmax())
             times.append(time.perf_counter() - t)
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if self.cuda else 0.0
-        return {"ttft_s": statistics.median(times), "ttft_min_s": min(times), "runs": reps, "first_token": first,
-                "peak_gb": peak}, logits
+        return {"ttft_s": statistics.median(times), "ttft_min_s": min(times), "runs": reps, "times_s": times,
+                "first_token": first, "peak_gb": peak}, logits
 
     def empty_cache(self) -> None:
         import torch
@@ -170,7 +181,9 @@ class PrefillBench:
                 try:
                     res, logits = self.timed(m.fn_for(impl, toks, table), n)
                     row.update(res)
-                    if ref is None:
+                    if impl == NO_ATTENTION:
+                        pass
+                    elif ref is None:
                         ref = logits
                     else:
                         row["rel_err"] = float((logits - ref).abs().max() / ref.abs().max())
@@ -220,11 +233,15 @@ class _Model:
         self.cfg, self.name, self.spec = cfg, name, get_preset(name)
         self.fused = FusedWeights.from_weights(random_weights(self.spec, cfg.seed, torch.bfloat16, cfg.device))
         self.weights = self.fused.unfused()
-        self.pages = -(-max(cfg.lengths + (cfg.sweep_tokens,)) // cfg.page_size) + 1
+        longest = max(cfg.lengths + (cfg.sweep_tokens,) + (cfg.attention_lengths if cfg.attention_sweep else ()))
+        self.pages = -(-longest // cfg.page_size) + 1
         self.cache = PagedKVCache(KVLayout.for_spec(self.spec, cfg.page_size, self.pages, torch.bfloat16),
                                   cfg.device)
         self.runners = {i: PrefillRunner(self.fused, PrefillConfig(i, cfg.kernels, cfg.chunk))
-                        for i in cfg.impls if i != "plain-sdpa"}
+                        for i in cfg.impls if i not in ("plain-sdpa", NO_ATTENTION)}
+        if NO_ATTENTION in cfg.impls:
+            self.runners[NO_ATTENTION] = PrefillRunner(self.fused, PrefillConfig("torch", cfg.kernels, cfg.chunk))
+            self.runners[NO_ATTENTION].attention = _NoAttention()
         self.gen = torch.Generator().manual_seed(cfg.seed)
 
     def prompt(self, n: int):
@@ -243,6 +260,13 @@ class _Model:
             return lambda: plain_sdpa_prefill(self.weights, toks)
         run = runner or self.runners[impl]
         return lambda: run.forward(toks, [Segment(table, 0, toks.numel())], self.cache)[0]
+
+
+class _NoAttention:
+    """An attention that returns a copy of q: timing the rest of the runner's pass, not a prefill."""
+
+    def plan(self, batch):
+        return lambda q, k_layer, v_layer, k_scale=None, v_scale=None: q.clone()
 
 
 def measure_gemm_tflops() -> float:

@@ -32,6 +32,11 @@ def finish_row(row: dict, spec: ModelSpec, gemm_tflops: float) -> dict:
     return row
 
 
+def _mfu(r: dict) -> str:
+    """A row's MFU as a percentage; blank for no-attention, whose time lacks the attention its FLOPs count."""
+    return "" if r["impl"] == "no-attention" else f"{100 * r['mfu']:.1f}%"
+
+
 def markdown(doc: dict) -> str:
     head = (f"# mimw bench prefill — {doc['gpu']} — {doc['date']}\n\ncommit {doc['commit']}, torch {doc['torch']}, "
             f"triton {doc['triton']}; bf16 GEMM {doc['gemm_tflops']:.0f} TFLOP/s (8192^3, this run)\n")
@@ -48,10 +53,10 @@ def markdown(doc: dict) -> str:
         speed = f"{base / r['ttft_s']:.2f}x" if base and r["impl"] != "plain-sdpa" else ""
         check = "" if r.get("rel_err") is None else f"{r['rel_err']:.1e}"
         lines.append(f"| {r['model']} | {r['tokens']} | {r['impl']} | {r.get('chunk', '')} | {r['ttft_s']:.4f} | "
-                     f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {speed} | {r.get('peak_gb', 0):.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {_mfu(r)} | {speed} | {r.get('peak_gb', 0):.1f} | "
                      f"{check} |")
     if doc.get("attention"):
-        lines += ["", "Attention alone (one layer, causal prompt in passes, TFLOP/s):", "",
+        lines += ["", "Attention alone (one layer, the last pass of a prompt of `tokens`, TFLOP/s):", "",
                   "| model | tokens | impl | tiles | ms | TFLOP/s |", "| --- | ---: | --- | --- | ---: | ---: |"]
         for a in doc["attention"]:
             lines.append(f"| {a['model']} | {a['tokens']} | {a['impl']} | {a.get('tiles', '')} | "
@@ -95,7 +100,8 @@ def write_chart(doc: dict, path: Path) -> None:
 def summary(doc: dict) -> str:
     """The short table: per model and length, each implementation's TTFT and MFU beside plain SDPA's."""
     rows = [r for r in doc["rows"] if "@" not in r["impl"]]
-    impls = [i for i in ("triton", "sdpa", "flex", "engine-triton", "plain-sdpa") if any(r["impl"] == i for r in rows)]
+    order = ("triton", "cudnn", "sdpa", "flex", "engine-triton", "no-attention", "plain-sdpa")
+    impls = [i for i in order if any(r["impl"] == i for r in rows)]
     out = ["model         tokens  " + "  ".join(f"{i:>18}" for i in impls) + "   (TTFT s / MFU)"]
     for model in sorted({r["model"] for r in rows}):
         for n in sorted({r["tokens"] for r in rows if r["model"] == model and r["tokens"]}):
@@ -105,6 +111,6 @@ def summary(doc: dict) -> str:
                 if r is None or not r.get("ttft_s"):
                     cells.append(f"{'-' if r is None else r.get('error', '?')[:18]:>18}")
                 else:
-                    cells.append(f"{r['ttft_s']:>9.4f} {100 * r.get('mfu', 0):>6.1f}% ")
+                    cells.append(f"{r['ttft_s']:>9.4f} {_mfu(r):>7} ")
             out.append(f"{model[:13]:13s} {n:>6}  " + "  ".join(cells))
     return "\n".join(out)

@@ -1,7 +1,8 @@
 """``mimw bench prefill``'s secondary measurements, run after a model's main rows while time is left:
 
-``attention_sweep``: one layer's attention alone for the second pass of a causal prompt of ``sweep_tokens`` (its
-first half already in the cache): each implementation, the paged kernel at several tiles, TFLOP/s (do_bench
+``attention_sweep``: one layer's attention alone for the last pass of a causal prompt of each of
+``attention_lengths`` (its last ``chunk`` tokens, everything before them already in the cache): each
+implementation at its defaults, then the paged kernel at other tiles at the first length, TFLOP/s (do_bench
 median). ``engine_ttft``: TTFT through the engine with the megakernel backend (its multi-token steps on the
 ``PrefillRunner``), one request at a time, prefix cache off.
 """
@@ -12,9 +13,12 @@ import sys
 import time
 from dataclasses import asdict
 
-# (block_m, block_n, num_warps, num_stages): all compile for sm_90a at hd 64 and 128 without spills
-TILES = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (256, 64, 8, 3),
-         (64, 64, 4, 4), (128, 32, 4, 3))
+# (block_m, block_n, num_warps, num_stages) swept at the first attention length, by head dim: the default
+# (``AttentionTiles.for_head_dim``) first, then the earlier default and its measured neighbours; one that does not
+# compile or fit is a row with its error. Other head dims: the default only.
+TILES = {64: ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (256, 128, 8, 3)),
+         128: ((256, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (256, 64, 8, 4))}
+LIBRARY = ("cudnn", "sdpa", "flex")
 
 
 class _Ids:
@@ -25,8 +29,28 @@ class _Ids:
 
 
 def attention_sweep(bench, model, spec, cache, pages) -> None:
-    """One layer's attention for the second pass of a causal prompt of ``sweep_tokens`` (its first half
-    already in the cache), each implementation, the paged kernel at several tiles."""
+    """One layer's attention for the last pass of a causal prompt of each of ``attention_lengths``: every
+    implementation at its defaults, each length in turn; then the paged kernel's other tiles at the first length
+    (last, so that a deadline cuts the sweep before the comparison)."""
+    import torch
+
+    from ..prefill.paged_attention import AttentionTiles
+
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    lengths = bench.cfg.attention_lengths
+    for n in lengths:
+        cases = [("triton", None)] + [(impl, None) for impl in LIBRARY if impl in bench.cfg.impls
+                                      and (impl not in ("sdpa", "flex") or n <= bench.cfg.gathered_max_tokens)]
+        _time_attention(bench, model, spec, cache, pages, n, cases)
+        torch.cuda.empty_cache()
+    default = AttentionTiles.for_head_dim(spec.head_dim)
+    others = [AttentionTiles(*t) for t in TILES.get(spec.head_dim, ()) if AttentionTiles(*t) != default]
+    if lengths and others:
+        _time_attention(bench, model, spec, cache, pages, lengths[0], [("triton", t) for t in others])
+
+
+def _time_attention(bench, model, spec, cache, pages, n, cases) -> None:
     import torch
     from triton.testing import do_bench
 
@@ -34,20 +58,17 @@ def attention_sweep(bench, model, spec, cache, pages) -> None:
     from ..prefill.paged_attention import AttentionTiles
     from ..prefill.runner import make_attention
 
-    n = bench.cfg.sweep_tokens
-    half = n // 2
-    cache.k[0].normal_()
-    cache.v[0].normal_()
+    length = min(bench.cfg.chunk, n)
+    start = n - length
     table = tuple(torch.randperm(pages)[:-(-n // bench.cfg.page_size)].tolist())
-    batch = PrefillBatch.build([Piece(table, half, n - half)], bench.cfg.page_size, "cuda")
-    q = torch.randn(n - half, spec.num_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
-    pairs = (n - half) * half + (n - half) * (n - half + 1) / 2
+    batch = PrefillBatch.build([Piece(table, start, length)], bench.cfg.page_size, "cuda")
+    q = torch.randn(length, spec.num_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
+    pairs = length * start + length * (length + 1) / 2
     flops = 4.0 * spec.num_heads * spec.head_dim * pairs
-    cases = [("triton", AttentionTiles(*t)) for t in TILES] + [(i, None) for i in ("sdpa", "flex")
-                                                                 if i in bench.cfg.impls]
     for impl, tiles in cases:
+        shown = tiles or (AttentionTiles.for_head_dim(spec.head_dim) if impl == "triton" else None)
         row = {"model": model, "tokens": n, "impl": impl,
-               "tiles": None if tiles is None else list(asdict(tiles).values())}
+               "tiles": None if shown is None else list(asdict(shown).values())}
         if not bench.time_left():
             row["error"] = "skipped (deadline)"
         else:
@@ -58,9 +79,10 @@ def attention_sweep(bench, model, spec, cache, pages) -> None:
             except Exception as e:  # noqa: BLE001 - a tile that does not fit shared memory is a row
                 row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
         bench.doc["attention"].append(row)
-        print(f"[prefill] attention {model} {impl} {row.get('tiles')} {row.get('tflops') or row.get('error')}",
+        print(f"[prefill] attention {model} {n} {impl} {row.get('tiles')} {row.get('tflops') or row.get('error')}",
               file=sys.stderr, flush=True)
         bench.save()
+
 
 def engine_ttft(bench, model, spec, mw, pages) -> None:
     """TTFT through the engine (megakernel backend: prefill on the PrefillRunner), one request at a time."""

@@ -14,12 +14,21 @@ tiles are loaded once.
 
 A key tile of ``block_n`` positions spans block_n / page_size pages: each key's page comes from the block table, its
 row is position % page_size, and (page, head) is a contiguous [page_size, hd] tile of the [P, Hkv, PS, hd] layer,
-so every key row is one contiguous hd-element read. ``_load_kv`` is the one place that reads the cache: with
-``SCALED`` (an fp8 cache, ``mimw.kv.pages``) it also reads each row's bf16 scale from the [P, Hkv, PS] scale tensor
-at the same (page, head, row) and dequantises before the dot as ``float(q) * float(scale)`` (exact in fp32, as
-``fp8.dequantize``), rounded to bf16 for the tensor cores; so an fp8 cache changes the loader, not the kernel.
+so every key row is one contiguous hd-element read. ``_kv_rows`` turns a tile's positions into cache rows (the
+block table read once a tile, shared by K, V and their scales) and ``_load_kv`` is the one place that reads the
+cache: with ``SCALED`` (an fp8 cache, ``mimw.kv.pages``) it also reads each row's bf16 scale from the [P, Hkv, PS]
+scale tensor at the same (page, head, row) and dequantises before the dot as ``float(q) * float(scale)`` (exact in
+fp32, as ``fp8.dequantize``), rounded to bf16 for the tensor cores; so an fp8 cache changes the loader, not the
+kernel.
 
-Scores are scaled by log2(e)/sqrt(hd) and exponentiated with exp2; the running max, sum and accumulator are fp32;
+Tiles (``AttentionTiles.for_head_dim``): the fastest measured on the H200 (``mimw bench prefill``'s attention
+sweep, bench/NOTES.md): [128, 128, 4 warps] at hd 64 (379 TFLOP/s, against 280 for [128, 128, 8 warps]) and
+[256, 64, 8 warps] at hd 128 (456, against 346 for [128, 64, 8 warps]), for passes with a piece longer than 128
+rows; shorter passes (decode batches, verify blocks) keep block_m 128. Both hold their fp32 accumulator and score
+tile in block_m * (hd + block_n) / (32 * num_warps) = 192 registers a thread, the tiles they replace in 96.
+
+Scores are scaled by log2(e)/sqrt(hd) and exponentiated with exp2, the max taken on the unscaled scores so that
+scale and shift are one FMA a score (not a multiply and a subtract); the running max, sum and accumulator are fp32;
 the probabilities enter the second dot in bf16 (as FlashAttention does).
 """
 from __future__ import annotations
@@ -44,10 +53,14 @@ class AttentionTiles:
     num_stages: int = 3
 
     @classmethod
-    def for_head_dim(cls, head_dim: int) -> "AttentionTiles":
+    def for_head_dim(cls, head_dim: int, rows: int | None = None) -> "AttentionTiles":
+        """The measured-best tiles for prompt chunks (module docstring); for a pass whose longest piece has at most
+        128 query rows (decode batches, verify blocks: ``rows``), block_m 128, the tiles the megakernel backend's
+        decode-batch routing was measured with (a 256-row block would compute 256 rows for one)."""
+        short = rows is not None and rows <= 128
         if head_dim <= 64:
-            return cls(128, 128, 8, 3)
-        return cls(128, 64, 8, 3)
+            return cls(128, 128, 8, 3) if short else cls(128, 128, 4, 3)
+        return cls(128, 64, 8, 3) if short else cls(256, 64, 8, 3)
 
     def __post_init__(self) -> None:
         for f in ("block_m", "block_n"):
@@ -57,26 +70,33 @@ class AttentionTiles:
 
 
 @triton.jit
-def _load_kv(base, scale, bt, offs_n, in_ctx, kvh, d, HKV: tl.constexpr, PS: tl.constexpr, HD: tl.constexpr,
-             MASKED: tl.constexpr, SCALED: tl.constexpr):
-    """[BLOCK_N, HD] bf16 rows of KV head ``kvh`` at positions offs_n (with MASKED, rows outside ``in_ctx`` read
-    as 0; without, every row is inside the sequence and no load is predicated); with SCALED, fp8 rows times their
-    own scales (``scale``: the layer's [P, Hkv, PS] bf16 scales)."""
+def _kv_rows(bt, offs_n, in_ctx, kvh, HKV: tl.constexpr, PS: tl.constexpr, MASKED: tl.constexpr):
+    """[BLOCK_N] int64 rows, in the layer seen as [P * Hkv * PS, hd], of KV head ``kvh`` at positions offs_n: (page
+    * Hkv + kvh) * PS + position % PS. K, V and (fp8) their scales [P, Hkv, PS] share them, so the block table is
+    read once a tile. With MASKED, positions outside ``in_ctx`` map into page 0 (never read: ``_load_kv`` masks
+    them)."""
     if MASKED:
         page = tl.load(bt + offs_n // PS, mask=in_ctx, other=0).to(tl.int64)
     else:
         page = tl.load(bt + offs_n // PS).to(tl.int64)
-    prow = (page * HKV + kvh) * PS + offs_n % PS  # the row's index in [P, Hkv, PS]
-    ptrs = base + (prow * HD)[:, None] + d[None, :]
+    return (page * HKV + kvh) * PS + offs_n % PS
+
+
+@triton.jit
+def _load_kv(base, scale, rows, in_ctx, d, HD: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr):
+    """[BLOCK_N, HD] bf16: the cache rows ``rows`` (with MASKED, rows outside ``in_ctx`` read as 0; without, every
+    row is inside the sequence and no load is predicated); with SCALED, fp8 rows times their own scales (``scale``:
+    the layer's [P, Hkv, PS] bf16 scales, indexed by the same rows)."""
+    ptrs = base + (rows * HD)[:, None] + d[None, :]
     if MASKED:
         x = tl.load(ptrs, mask=in_ctx[:, None], other=0.0)
     else:
         x = tl.load(ptrs)
     if SCALED:
         if MASKED:  # rows outside the sequence get scale 1: finite, and their scores are masked anyway
-            s = tl.load(scale + prow, mask=in_ctx, other=1.0)
+            s = tl.load(scale + rows, mask=in_ctx, other=1.0)
         else:
-            s = tl.load(scale + prow)
+            s = tl.load(scale + rows)
         x = (x.to(tl.float32) * s.to(tl.float32)[:, None]).to(tl.bfloat16)
     return x
 
@@ -87,16 +107,18 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, n0, ctx, K, V, KS, VS, bt, kvh, d, qk_
                  MASKED: tl.constexpr, SCALED: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_ctx = offs_n < ctx
-    k = _load_kv(K, KS, bt, offs_n, in_ctx, kvh, d, HKV, PS, HD, MASKED, SCALED)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
+    rows = _kv_rows(bt, offs_n, in_ctx, kvh, HKV, PS, MASKED)
+    k = _load_kv(K, KS, rows, in_ctx, d, HD, MASKED, SCALED)
+    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32, unscaled
     if MASKED:
         # the first tile a row meets always holds key 0, which it sees: its running max is finite from then on
         qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & in_ctx[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    p = tl.math.exp2(qk - m_new[:, None])
+    # the scale (> 0) commutes with the max, so each score costs one FMA (scale and shift) before its exp2
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = _load_kv(V, VS, bt, offs_n, in_ctx, kvh, d, HKV, PS, HD, MASKED, SCALED)
+    v = _load_kv(V, VS, rows, in_ctx, d, HD, MASKED, SCALED)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
@@ -160,7 +182,7 @@ def paged_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: tor
     rows' scales ``k_scale``, ``v_scale`` [P, Hkv, PS] bf16: ``mimw.kv.pages``) -> o [T, Hq, hd] in q's dtype."""
     t, hq, hd = q.shape
     _, hkv, ps, _ = k_layer.shape
-    tiles = tiles or AttentionTiles.for_head_dim(hd)
+    tiles = tiles or AttentionTiles.for_head_dim(hd, max(p.length for p in batch.pieces))
     if q.stride(2) != 1 or not (k_layer.is_contiguous() and v_layer.is_contiguous()):
         raise ValueError("paged_prefill_attention needs q with contiguous heads and contiguous cache layers")
     if hd & (hd - 1):

@@ -34,19 +34,21 @@ from ..models.weights import ModelWeights
 from . import activation, norm, rope_append
 from .batch import Piece, PrefillBatch, split_passes
 from .flex_attention import FlexPagedAttention
-from .gathered_attention import GatheredAttention, sdpa_attention, torch_attention
+from .gathered_attention import (GatheredAttention, LibraryAttention, cudnn_attention, sdpa_attention,
+                                 torch_attention)
 from .paged_attention import AttentionTiles, PagedAttention
 from .weights import FusedWeights
 
-ATTENTIONS = ("triton", "sdpa", "flex", "torch")
+ATTENTIONS = ("triton", "cudnn", "sdpa", "flex", "torch")
 KERNELS = ("triton", "torch")
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """attention: "triton" (mimw's paged kernel), "sdpa" / "flex" (torch's, over gathered pages) or "torch" (the
-    reference's fp32 attention); kernels: "triton" (norm, RoPE + append, SwiGLU) or "torch" (the reference's
-    functions); tiles: the paged kernel's (None: ``AttentionTiles.for_head_dim``)."""
+    """attention: "triton" (mimw's paged kernel: the serving path's), "cudnn" / "sdpa" / "flex" (torch's over
+    gathered pages, ``gathered_attention`` and ``flex_attention``: what ``mimw bench prefill`` measures the paged
+    kernel against) or "torch" (the reference's fp32 attention); kernels: "triton" (norm, RoPE + append, SwiGLU)
+    or "torch" (the reference's functions); tiles: the paged kernel's (None: ``AttentionTiles.for_head_dim``)."""
 
     attention: str = "triton"
     kernels: str = "triton"
@@ -83,6 +85,10 @@ def make_attention(name: str, tiles: AttentionTiles | None, device: torch.device
         return PagedAttention(tiles)
     if name == "flex":
         return FlexPagedAttention(compile=device.type == "cuda")
+    if name == "cudnn":  # cuDNN's fused kernel: a CUDA-only op
+        if device.type != "cuda":
+            raise ValueError(f"attention {name!r} runs on CUDA only (weights on {device})")
+        return LibraryAttention(cudnn_attention)
     return GatheredAttention(sdpa_attention if name == "sdpa" else torch_attention)
 
 
