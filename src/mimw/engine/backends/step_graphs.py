@@ -7,7 +7,7 @@ pass replays with no launch gaps. A step qualifies when each of its segments fit
 attention kernel (``length <= block_m``): the kernel's grid (query heads x segments) and work list (one block per
 segment) then do not depend on the contexts, so one graph serves any contexts. Its pattern, the segments'
 (length, logit rows) in order, names its graph. What changes between steps is data, copied into the graph's
-static inputs before each replay: the tokens, each row's position and cache slot, each segment's start and context,
+static inputs before each replay (from pinned host memory, without waiting for the GPU: ``copy_in``): the tokens, each row's position and cache slot, each segment's start and context,
 and its block table (zero-padded to the graphs' common width; entries past a segment's context are never read). A
 block table wider than that width recaptures the graphs wider.
 
@@ -31,6 +31,17 @@ from ...prefill.batch import Piece, PrefillBatch
 from ...prefill.paged_attention import AttentionTiles
 
 _STEP_FIELDS = ("positions", "slots", "q_start", "seq_start", "seq_ctx", "logit_rows")
+
+
+def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` that does not wait for the GPU: a host source goes through pinned memory by a non-blocking
+    copy, queued in stream order (a copy from pageable memory first waits for every kernel queued before it). The
+    caching host allocator reuses the pinned block only once the copy has completed, so the source may be a
+    temporary."""
+    if dst.device.type == "cuda" and src.device.type == "cpu":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
 
 
 @dataclass
@@ -90,11 +101,13 @@ class StepGraphs:
         return g.logits.clone()
 
     def _load(self, g: _Graph, tokens: torch.Tensor, host: PrefillBatch) -> None:
-        g.tokens.copy_(tokens)
+        """The step's inputs into the graph's static tensors, queued before the replay without waiting for the
+        GPU (``copy_in``), so the host can prepare the next step while this one runs."""
+        copy_in(g.tokens, tokens)
         for name in _STEP_FIELDS:
-            getattr(g.batch, name).copy_(getattr(host, name))
+            copy_in(getattr(g.batch, name), getattr(host, name))
         g.batch.block_tables.zero_()
-        g.batch.block_tables[:, :host.block_tables.shape[1]].copy_(host.block_tables)
+        copy_in(g.batch.block_tables[:, :host.block_tables.shape[1]], host.block_tables)
 
     def _capture(self, tokens: torch.Tensor, host: PrefillBatch) -> _Graph:
         dev = self.runner.w.device
