@@ -327,10 +327,11 @@ def _dequantize(kvbuf, kb, b, bt_row, layer, kvh, t0, hi, C: gl.constexpr):
     t = t0 + gl.arange(0, C.QBT, gl.SliceLayout(1, CP))
     page = gl.load(bt_row + t // C.PS, mask=t < hi, other=0)
     row = ((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + t % C.PS
-    ks = gl.expand_dims(gl.load(b.ksc + row.to(gl.int64), mask=t < hi, other=0.0).to(gl.float32), 1)
-    vs = gl.expand_dims(gl.load(b.vsc + row.to(gl.int64), mask=t < hi, other=0.0).to(gl.float32), 1)
-    k = (k8.to(gl.float32) * ks).to(gl.bfloat16)
-    v = (v8.to(gl.float32) * vs).to(gl.bfloat16)
+    # .cg: past L1 (not coherent across SMs), as the rows' copies: rows this step wrote came after the wait
+    ks = gl.expand_dims(gl.load(b.ksc + row.to(gl.int64), mask=t < hi, other=0.0, cache_modifier=".cg"), 1)
+    vs = gl.expand_dims(gl.load(b.vsc + row.to(gl.int64), mask=t < hi, other=0.0, cache_modifier=".cg"), 1)
+    k = (k8.to(gl.float32) * ks.to(gl.float32)).to(gl.bfloat16)
+    v = (v8.to(gl.float32) * vs.to(gl.float32)).to(gl.bfloat16)
     partition_barrier(C.NW)  # every thread holds its rows: the bf16 rows may overwrite the e4m3 bytes
     kvbuf.index(kb).store(k)
     kvbuf.index(kb + 1).store(v)
