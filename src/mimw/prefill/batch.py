@@ -13,7 +13,8 @@ Device tensors (int32 unless noted):
   q_start, seq_start, seq_ctx [B]
   block_tables [B, max_pages]   padded with page 0 (never read: positions >= ctx are masked)
   logit_rows [R] int64    rows that get logits: each piece's last ``num_logits`` tokens, in piece order
-``work(block_m)`` lists the attention kernel's query blocks, longest key range first.
+``work(block_m)`` lists the attention kernel's query blocks, longest key range first. On a GPU the host tensors go
+through pinned memory by non-blocking copies (``to_device``): a pass never waits for the kernels queued before it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``, copied in stream order without waiting for the GPU where that is a CUDA device
+    (a copy from pageable memory first waits for every kernel queued before it); the caching host allocator reuses
+    the pinned block only once the copy has completed."""
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,7 @@ class PrefillBatch:
         host = {"positions": torch.cat(pos), "slots": torch.cat(slots), "q_start": q_start.int(),
                 "seq_start": starts.int(), "seq_ctx": (starts + lengths).int(), "block_tables": bts,
                 "logit_rows": torch.cat(rows)}
-        return cls(tuple(pieces), page_size, **{k: v.to(device) for k, v in host.items()})
+        return cls(tuple(pieces), page_size, **{k: to_device(v, device) for k, v in host.items()})
 
     def work(self, block_m: int) -> torch.Tensor:
         """[NW, 2] int32 (piece, first row within the piece) of every block of ``block_m`` query rows, the blocks
@@ -122,5 +132,5 @@ class PrefillBatch:
                     cost.append(p.start + min(p.length, m0 + block_m))
             order = sorted(range(len(items)), key=lambda i: -cost[i])
             w = torch.tensor([items[i] for i in order], dtype=torch.int32)
-            self._work[block_m] = w.to(self.device)
+            self._work[block_m] = to_device(w, self.device)
         return self._work[block_m]
