@@ -107,8 +107,7 @@ def measure_mimw(row: dict, mk, inp: StepInputs, device: torch.device, budget_s:
                                           budget_s=budget_s).median_ms
         ref = mk.forward(toks, segs, cache).float().clone()
         row["mimw_ms"] = time_steps(lambda: mk.forward(toks, segs, cache), device, 50, budget_s=budget_s).median_ms
-        if hasattr(mk, "router"):  # what the backend's router had measured when it chose: why mimw_ms is that path's
-            row["router"] = mk.router.estimates()
+        row["router"] = mk.router.estimates()  # what the backend's router had measured when it chose mimw_ms's path
         return ref
     except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {e}"
@@ -225,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
 def run_model(model: str, mk, args: argparse.Namespace, peers: Sequence[str], device: torch.device,
               read_bytes_per_s: float, emit) -> None:
     """Every step shape of one model through backend ``mk`` (``forward``, ``decode_pass``, ``decode_replays``,
-    ``make_cache``, ``prefill.w``: the megakernel backend's interface) and the peers; ``emit(row)`` per shape."""
+    ``make_cache``, ``prefill.w``, ``router``: the megakernel backend's interface) and the peers; ``emit(row)`` per
+    shape."""
     spec = get_preset(model)
     batches = [int(b) for b in args.batch.split(",") if b.strip()]
     blocks = [int(k) for k in args.verify.split(",") if k.strip()]

@@ -40,6 +40,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..pinned import to_device
+
 MAX_LOGPROBS = 20  # alternatives per position that a request may ask for (OpenAI's chat limit)
 
 
@@ -350,12 +352,9 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def on_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on ``device``; on a GPU through pinned memory with a non-blocking copy, so
-    that the host never waits for the work already queued (a pageable copy would synchronise the stream)."""
-    t = torch.tensor(list(values), dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    """A small host list as a tensor on ``device`` (on a GPU without waiting for the work already queued:
+    ``pinned.to_device``)."""
+    return to_device(torch.tensor(list(values), dtype=dtype), device)
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

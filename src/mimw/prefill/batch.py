@@ -14,7 +14,8 @@ Device tensors (int32 unless noted):
   block_tables [B, max_pages]   padded with page 0 (never read: positions >= ctx are masked)
   logit_rows [R] int64    rows that get logits: each piece's last ``num_logits`` tokens, in piece order
 ``work(block_m)`` lists the attention kernel's query blocks, longest key range first. On a GPU the host tensors go
-through pinned memory by non-blocking copies (``to_device``): a pass never waits for the kernels queued before it.
+through pinned memory by non-blocking copies (``pinned.to_device``): a pass never waits for the kernels queued
+before it.
 """
 from __future__ import annotations
 
@@ -23,14 +24,7 @@ from typing import Sequence
 
 import torch
 
-
-def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on ``device``, copied in stream order without waiting for the GPU where that is a CUDA device
-    (a copy from pageable memory first waits for every kernel queued before it); the caching host allocator reuses
-    the pinned block only once the copy has completed."""
-    if torch.device(device).type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+from ..pinned import to_device
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,12 @@ Eager, the prefill path's pass launches ~10 kernels a layer from Python, so a sh
 launches whatever its size (the 1B shape: ~5 ms on an H100 for 0.8-1.5 ms of HBM traffic). Captured once, the same
 pass replays with no launch gaps. A step qualifies when each of its segments fits one query block of the paged
 attention kernel (``length <= block_m``): the kernel's grid (query heads x segments) and work list (one block per
-segment) then do not depend on the contexts, so one graph serves any contexts. Its pattern, the segments'
-(length, logit rows) in order, names its graph. What changes between steps is data, copied into the graph's
-static inputs before each replay (from pinned host memory, without waiting for the GPU: ``copy_in``): the tokens, each row's position and cache slot, each segment's start and context,
-and its block table (zero-padded to the graphs' common width; entries past a segment's context are never read). A
-block table wider than that width recaptures the graphs wider.
+segment) then do not depend on the contexts, so one graph serves any contexts. Its pattern, the segments' (length,
+logit rows) in order, names its graph. What changes between steps is data, copied into the graph's static inputs
+before each replay (from pinned host memory, without waiting for the GPU: ``pinned.copy_in``): the tokens, each
+row's position and cache slot, each segment's start and context, and its block table (zero-padded to the graphs'
+common width; entries past a segment's context are never read). A block table wider than that width recaptures the
+graphs wider.
 
 Capture: one eager pass on the step's real inputs first (compilation, autotuning; it writes the same K/V rows the
 replay rewrites), then the capture, then the replay. Every graph draws on one memory pool (graphs replay one at a
@@ -25,23 +26,13 @@ from typing import Sequence
 import torch
 
 from ...kv.pages import PagedKVCache
+from ...pinned import copy_in
 from ...models.reference import Segment
 from ...prefill import PrefillRunner
 from ...prefill.batch import Piece, PrefillBatch
 from ...prefill.paged_attention import AttentionTiles
 
 _STEP_FIELDS = ("positions", "slots", "q_start", "seq_start", "seq_ctx", "logit_rows")
-
-
-def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` that does not wait for the GPU: a host source goes through pinned memory by a non-blocking
-    copy, queued in stream order (a copy from pageable memory first waits for every kernel queued before it). The
-    caching host allocator reuses the pinned block only once the copy has completed, so the source may be a
-    temporary."""
-    if dst.device.type == "cuda" and src.device.type == "cpu":
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(src)
 
 
 @dataclass
@@ -102,7 +93,7 @@ class StepGraphs:
 
     def _load(self, g: _Graph, tokens: torch.Tensor, host: PrefillBatch) -> None:
         """The step's inputs into the graph's static tensors, queued before the replay without waiting for the
-        GPU (``copy_in``), so the host can prepare the next step while this one runs."""
+        GPU (``pinned.copy_in``), so the host can prepare the next step while this one runs."""
         copy_in(g.tokens, tokens)
         for name in _STEP_FIELDS:
             copy_in(getattr(g.batch, name), getattr(host, name))

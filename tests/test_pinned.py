@@ -1,7 +1,8 @@
-"""StepGraphs' host side on the CPU (the graphs themselves: test_step_graphs_gpu.py)."""
+"""Host-to-device copies through pinned memory (mimw.pinned) on the CPU: values and views as ``copy_`` and ``to``
+give them (the GPU's non-blocking path: the prefill, step-graph and sampling GPU tests)."""
 import torch
 
-from mimw.engine.backends.step_graphs import copy_in
+from mimw.pinned import copy_in, to_device
 
 
 def test_copy_in_writes_the_source_into_a_destination_view():
@@ -12,3 +13,9 @@ def test_copy_in_writes_the_source_into_a_destination_view():
     tokens = torch.empty(4, dtype=torch.long)
     copy_in(tokens, torch.tensor([7, 8, 9, 10], dtype=torch.int32))  # converts the dtype as copy_ does
     assert tokens.tolist() == [7, 8, 9, 10]
+
+
+def test_to_device_gives_the_values_on_the_device():
+    t = torch.arange(5, dtype=torch.int32)
+    out = to_device(t, "cpu")
+    assert out.device.type == "cpu" and out.dtype == torch.int32 and out.tolist() == [0, 1, 2, 3, 4]
