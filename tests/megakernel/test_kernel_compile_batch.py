@@ -1,6 +1,6 @@
 """CI (CPU only): the multi-token megakernel (plan.plan with M = 2..32 tokens: swap-AB wgmma, device/matvec_mt.py)
 compiles for sm_90a without spills and fits shared memory, for every bucket a shipping preset pads its steps to and
-over a bf16 and an fp8 KV cache, and with attention's query blocks (verify blocks over a bf16 cache:
+over a bf16 and an fp8 KV cache, and with attention's query blocks (verify blocks over either cache:
 ops/attn_query_block.py); the one-token kernel keeps none of its code."""
 import functools
 
@@ -129,6 +129,24 @@ def test_the_query_block_kernels_compile_spill_free_on_mma_sync(model, batch, bl
     if len(blocks) == 1:  # M = 1's splits, or as many as the combine stages (SmolLM2's small staging buffer)
         m1 = plan(get_preset(model), 132, StepShape((1,), 1024)).program.n_splits[0]
         assert p.program.n_splits == (min(m1, p.program.config.max_splits),)
+
+
+@pytest.mark.parametrize("model,batch,blocks", [("llama-3.2-1b", 16, (16,)), ("llama-3.1-8b", 16, (16,)),
+                                                ("smollm2-135m", 8, (1, 6, 1))])
+def test_the_query_block_kernels_compile_spill_free_over_an_fp8_cache(model, batch, blocks):
+    """Over an fp8 cache the query blocks copy e4m3 rows (16-byte vectors) and widen them to bf16 in shared memory
+    before the same mma.sync math."""
+    p, k, rep = _build(model, batch, blocks, "fp8")
+    assert p.constants.FP8 and p.constants.QT == min(16, bucket_of(batch))
+    block_fns = [f for f in rep["functions"] if "attn_query_block" in f]
+    assert len(block_fns) == 3, sorted(rep["functions"])
+    for f in block_fns:
+        assert rep["functions"][f]["spill_stores"] == 0 and rep["functions"][f]["spill_loads"] == 0, (f, rep)
+    assert rep["spill_stores"] <= CALL_SPILL_BYTES and rep["spill_loads"] <= CALL_SPILL_BYTES, rep
+    assert k.metadata.shared <= SHARED_BYTES
+    ptx = k.asm["ptx"]
+    assert not partition_barrier_errors(ptx, p.constants.NW)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and "e4m3x2" in ptx
 
 
 def test_a_decode_batch_kernel_has_no_query_block_code():

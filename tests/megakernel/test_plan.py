@@ -164,17 +164,16 @@ def test_query_blocks_fit_the_staging_buffer(model):
         query_block(spec, Tuning().resolve(spec), 16, 4096)
 
 
-def test_query_blocks_over_an_fp8_cache_are_refused_and_its_verify_tokens_plan_one_by_one():
-    """Attention's query blocks read bf16 rows (ops/attn_query_block.py): over an fp8 cache plan refuses them by
-    name, and the same verify tokens as one-token segments (what MegakernelDecoder.batch_decoder derives there) plan
-    with QT = 1."""
+def test_query_blocks_plan_over_an_fp8_cache_as_over_bf16():
+    """Attention's query blocks stage an fp8 cache's e4m3 rows in the upper half of their bf16 blocks' bytes and
+    widen them in place (ops/attn_query_block.py): the same QT, QBT and splits as over bf16."""
     from mimw.kv import fp8
 
     spec = get_preset("llama-3.2-1b")
-    with pytest.raises(ValueError, match="query blocks .* read a bf16 KV cache"):
-        plan(spec, 132, StepShape((1,) * 16, 1024, (16,)), kv_dtype=fp8.FP8)
-    c = plan(spec, 132, StepShape((1,) * 16, 1024), kv_dtype=fp8.FP8).constants
-    assert (c.QT, c.QBT, c.FP8, c.M) == (1, 0, True, 16)
+    shape = StepShape((1,) * 16, 1024, (16,))
+    c8, c16 = plan(spec, 132, shape, kv_dtype=fp8.FP8), plan(spec, 132, shape)
+    assert (c8.constants.QT, c8.constants.QBT, c8.constants.FP8) == (c16.constants.QT, c16.constants.QBT, True)
+    assert c8.program.n_splits == c16.program.n_splits and c8.constants.QT == 16
 
 
 def test_an_fp8_cache_sets_the_kernels_fp8_constants_and_halves_the_cost_models_kv_bytes():

@@ -639,15 +639,17 @@ def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_t
 
 
 def test_the_fp8_verify_program_matches_the_reference_over_the_same_fp8_cache():
-    """Verify blocks and a decode token (8 one-token segments) with the program plan.plan builds for an fp8 cache:
-    every token's logits and the rows appended (e4m3 bytes and scales) are the reference's over its own fp8 cache,
-    whose past the VM's copy shares."""
+    """Verify blocks and a decode token (8 one-token segments, the blocks as attention query blocks) with the
+    program plan.plan builds for an fp8 cache: every token's logits and the rows appended (e4m3 bytes and scales)
+    are the reference's over its own fp8 cache, whose past the VM's copy shares."""
     lens = (4, 3, 1)
     spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, (37, 15, 60), 2 * max(lens), 5,
                                                             fp8.FP8)
-    p = plan(spec, 132, StepShape((1,) * sum(lens)), kv_dtype=fp8.FP8)
-    assert p.constants.FP8 and p.constants.M == 8
-    dec = VMDecoder(spec, w, vm_cache, 132, StepShape((1,) * sum(lens)), p.program.config)
+    blocks = split_segments([Segment(t, s, n, n) for t, s, n in zip(tables, (37, 15, 60), lens)]).blocks
+    shape = StepShape((1,) * sum(lens), 64, blocks)
+    p = plan(spec, 132, shape, kv_dtype=fp8.FP8)
+    assert p.constants.FP8 and p.constants.M == 8 and p.constants.QT > 1 and blocks == lens
+    dec = VMDecoder(spec, w, vm_cache, 132, shape, p.program.config)
     starts = [37, 15, 60]
     for step in range(2):
         segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]

@@ -15,9 +15,8 @@ segments are short), as its ``StepRouter`` measured them) and each path alone (`
 The two paths' logits are checked against each other (argmax agreement and the largest relative error) before
 anything is timed.
 
-``--kv-dtype fp8`` runs the backend over an fp8 cache (e4m3, a bf16 scale per (token, KV head): its verify blocks
-then run per token, the query blocks reading bf16 only); the floor counts the fp8 bytes and the peers read the same
-values dequantised.
+``--kv-dtype fp8`` runs the backend over an fp8 cache (e4m3, a bf16 scale per (token, KV head)); the floor counts
+the fp8 bytes and the peers read the same values dequantised.
 
 ``--peers`` times the same step, same tokens, positions and cache contents, through peers (``peers/batched_peers.py``):
 ``reference`` (mimw's reference decoder, for scale), ``torch-graph`` (a gpt-fast-style batched PyTorch decoder in a

@@ -404,9 +404,6 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         # checks and fp8 row checks have not run on one model); refused rather than run unchecked
         raise ValueError(f"{spec.name}: the megakernel runs a mixture-of-experts model over a bf16 KV cache only, "
                          "not fp8 yet; use --kv-dtype bf16, or the reference backend for an fp8 KV cache")
-    if shape.attn_blocks and kv_dtype == fp8.FP8:
-        raise ValueError(f"attn_blocks={shape.attn_blocks}: attention's query blocks (ops/attn_query_block.py) read a "
-                         "bf16 KV cache; over fp8 a verify block's tokens run as one-token segments (attn_blocks=())")
     t = tuning.resolve(spec)
     check(spec, t)
     m, down_parts, mb = shape.num_tokens, 1, 1

@@ -205,10 +205,7 @@ class MegakernelDecoder:
 
     def batch_decoder(self, batch: int, blocks: tuple[int, ...] = ()) -> "MegakernelDecoder":
         """The decoder of ``batch`` tokens a step in attention query blocks ``blocks`` (self for this one's shape),
-        sharing this one's packed weights and cache; built on first use. Over an fp8 cache every token is its own
-        query block (attention's query-block path reads bf16 rows: plan.plan refuses it)."""
-        if self.cache.layout.quantized:
-            blocks = ()
+        sharing this one's packed weights and cache; built on first use."""
         if (batch, blocks) == (self.shape.num_tokens, self.shape.attn_blocks):
             return self
         if (batch, blocks) not in self._batches:

@@ -68,10 +68,11 @@ def mma_layout(C):
 
 @constexpr_function
 def copy_layout(C):
-    """[BT, HD] copies: 16-byte vectors (8 bf16), a row's vectors over HD / 8 lanes, rows over the rest and the
-    warps."""
-    tpr = min(32, C.HD // 8)
-    return gl.BlockedLayout([1, 8], [32 // tpr, tpr], [C.NW, 1], [1, 0])
+    """[BT, HD] copies: 16-byte vectors (8 bf16, or 16 e4m3 where C.FP8), a row's vectors over HD / VEC lanes, rows
+    over the rest and the warps."""
+    vec = 16 if C.FP8 else 8
+    tpr = min(32, C.HD // vec)
+    return gl.BlockedLayout([1, vec], [32 // tpr, tpr], [C.NW, 1], [1, 0])
 
 
 @constexpr_function
@@ -104,6 +105,8 @@ class Block:
     pml: gl.tensor
     kc: gl.tensor
     vc: gl.tensor
+    ksc: gl.tensor
+    vsc: gl.tensor
     attn16: gl.tensor
     splits: gl.tensor | gl.constexpr
     num_pages: gl.tensor | gl.constexpr
@@ -123,6 +126,8 @@ class Block:
         self.pml = b.pml
         self.kc = b.kc
         self.vc = b.vc
+        self.ksc = b.ksc
+        self.vsc = b.vsc
         self.attn16 = b.attn16
         self.splits = b.splits
         self.num_pages = b.num_pages
@@ -284,14 +289,53 @@ def _copy_partials(obuf, stage, b, tok, kvh, n_splits, here, C: gl.constexpr):
 @gluon.jit
 def _copy(kvbuf, at, b, bt_row, layer, kvh, t, end, dk, C: gl.constexpr):
     """cp.async of the K and V rows of positions ``t`` [BT, 1] below ``end`` (the others zero-filled) into blocks
-    ``at`` and ``at + 1`` of ``kvbuf`` (a stage): one commit group."""
+    ``at`` and ``at + 1`` of ``kvbuf`` (a stage): one commit group. Where C.FP8 the e4m3 rows land in the upper half
+    of each block's bytes (``_raw``), which ``_dequantize`` widens into the block before its math."""
     page = gl.load(bt_row + t // C.PS, mask=t < end, other=0)
     row = ((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + t % C.PS
     addr = row.to(gl.int64) * C.HD + dk  # past 2^31 elements (the 8B's 32 layers x 4096 pages)
     m = t < end  # [BT, 1]: broadcast over a row, whose 16-byte vectors stay whole
-    async_copy.async_copy_global_to_shared(kvbuf.index(at), b.kc + addr, mask=m, cache_modifier=".cg")
-    async_copy.async_copy_global_to_shared(kvbuf.index(at + 1), b.vc + addr, mask=m, cache_modifier=".cg")
+    if C.FP8:
+        raw = _raw(kvbuf, C)
+        async_copy.async_copy_global_to_shared(raw.index(2 * at + 1), b.kc + addr, mask=m, cache_modifier=".cg")
+        async_copy.async_copy_global_to_shared(raw.index(2 * at + 3), b.vc + addr, mask=m, cache_modifier=".cg")
+    else:
+        async_copy.async_copy_global_to_shared(kvbuf.index(at), b.kc + addr, mask=m, cache_modifier=".cg")
+        async_copy.async_copy_global_to_shared(kvbuf.index(at + 1), b.vc + addr, mask=m, cache_modifier=".cg")
     async_copy.commit_group()
+
+
+@gluon.jit
+def _raw(kvbuf, C: gl.constexpr):
+    """The staging blocks' bytes as e4m3 [2 x blocks, BT, HD], unswizzled: block i's lower half is index 2 i, its
+    upper half 2 i + 1 (an fp8 block's rows take half a bf16 block's bytes)."""
+    n: gl.constexpr = kvbuf.type.shape[0]
+    return kvbuf._reinterpret(gl.float8e4nv, [2 * n, C.QBT, C.HD],
+                              gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+
+
+@gluon.jit
+def _dequantize(kvbuf, kb, b, bt_row, layer, kvh, t0, hi, C: gl.constexpr):
+    """Where C.FP8: stage ``kb``'s e4m3 K and V rows (landed, and visible to every thread) widened into the stage's
+    bf16 blocks, each row times its bf16 scale (kv/fp8.py's dequantize, rounded to bf16 for the tensor cores); rows
+    at or past ``hi`` were zero-filled and get scale 0. Every thread reads its share into registers, the partition
+    waits, then writes the bf16 rows over the same bytes; a second barrier makes them visible."""
+    CP: gl.constexpr = copy_layout(C)
+    raw = _raw(kvbuf, C)
+    k8 = raw.index(2 * kb + 1).load(CP)
+    v8 = raw.index(2 * kb + 3).load(CP)
+    t = t0 + gl.arange(0, C.QBT, gl.SliceLayout(1, CP))
+    page = gl.load(bt_row + t // C.PS, mask=t < hi, other=0)
+    row = ((layer * b.num_pages + page) * C.HKV + kvh) * C.PS + t % C.PS
+    # .cg: past L1 (not coherent across SMs), as the rows' copies: rows this step wrote came after the wait
+    ks = gl.expand_dims(gl.load(b.ksc + row.to(gl.int64), mask=t < hi, other=0.0, cache_modifier=".cg"), 1)
+    vs = gl.expand_dims(gl.load(b.vsc + row.to(gl.int64), mask=t < hi, other=0.0, cache_modifier=".cg"), 1)
+    k = (k8.to(gl.float32) * ks.to(gl.float32)).to(gl.bfloat16)
+    v = (v8.to(gl.float32) * vs.to(gl.float32)).to(gl.bfloat16)
+    partition_barrier(C.NW)  # every thread holds its rows: the bf16 rows may overwrite the e4m3 bytes
+    kvbuf.index(kb).store(k)
+    kvbuf.index(kb + 1).store(v)
+    partition_barrier(C.NW)
 
 
 @gluon.jit
@@ -336,6 +380,8 @@ def _partial(layer, kvh, seg, nt, split, p0, lo, hi, kvbuf, bt_row, tk, dk, b, C
         kb = QU + 2 * (((t0 - lo) // BT) % 2)  # the stage's K block; V at kb + 1
         copies_landed(1, C.NW)  # this block's copies (this thread's) landed; the next block's may fly
         partition_barrier(C.NW)  # ... and every thread's (and q's stores, before the first block)
+        if C.FP8:
+            _dequantize(kvbuf, kb, b, bt_row, layer, kvh, t0, hi, C)
         # the block in sub-blocks of KS keys, S over HD in chunks of 32: every operand at 16 registers a thread or
         # fewer but V's [KS, HD] (the 8B's: 32), so the kernel's other paths keep theirs
         for k0 in gl.static_range(0, BT, KS):
