@@ -82,7 +82,7 @@ class StandIn:
         from mimw.engine.backends.step_router import REPLAY, StepRouter
 
         self.router = StepRouter()
-        for _ in range(2):  # the first time is dropped as warm-up
+        for _ in range(3):  # the first time is dropped as warm-up; two more make an estimate
             self.router.observe(REPLAY, 1, 1.0)
 
     def decode_replays(self, tokens, segments, cache):

@@ -8,9 +8,13 @@ Llama-3.2-1B at B = 8: 7.8 ms of replays, 5.0 ms for one eager pass, 1.49 ms for
 block of 16: 1.96 ms on the kernel, 1.78 ms for the graphed pass; bench/NOTES.md, "Branch `mtnext` measured"), so the
 router measures instead of assuming: it keeps the time of one replay (per token) and of each whole-batch path per
 bucket of B (powers of two), and picks the cheapest estimate. A path with no estimate yet for a bucket is tried
-first (in the order the backend lists them, then replays); the first time of each path and size is dropped as
-warm-up (compilation, graph capture); every ``refresh`` steps of a bucket the second-best path runs once so that its
-estimate follows the GPU. A step with verify blocks has no replay path (``replays=False``): the megakernel's
+first (in the order the backend lists them, then replays) until it has ``min_samples`` times; the first time of each
+path and size is dropped as warm-up (compilation, graph capture). A path's estimate is the least of its last
+``window`` times: a step's time on the GPU's events only ever inflates (the host stalling the queue, a capture or an
+allocator's growth the warm-up rule missed), so one slow sample must not stick to the path that is not taken (a
+running mean held the 1B's decode 32 on the kernel at 2.51 ms while the pass ran it in 1.86 on an H100), while a
+GPU that got slower shows once ``window`` new times replace the old. Every ``refresh`` steps of a bucket the
+second-best path runs once so that its estimate follows the GPU. A step with verify blocks has no replay path (``replays=False``): the megakernel's
 multi-token step or the pass, estimated per bucket of its token count as decode steps are (the multi-token step
 runs the same program for M tokens whatever its segments).
 
@@ -18,6 +22,7 @@ Pure Python: the backend times each step with CUDA events and hands the times in
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..step_costs import bucket  # the power of two at or above a size
@@ -30,11 +35,30 @@ KERNEL = "kernel"
 @dataclass
 class StepRouter:
     refresh: int = 256  # decisions of one bucket between two runs of the second-best path
-    weight: float = 0.2  # of a new time in its running estimate
-    replay_ms: float | None = None  # one M = 1 megakernel step
-    step_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # whole-batch path -> bucket -> ms a step
+    window: int = 8  # a path's last times its estimate is the least of
+    min_samples: int = 2  # times a path needs before it has an estimate
+    _times: dict[tuple[str, int], deque] = field(default_factory=dict)  # (path, bucket) -> last ms (replay: a token)
     _seen: set = field(default_factory=set)  # (path, size) whose warm-up time was dropped
     _count: dict[int, int] = field(default_factory=dict)  # decisions per bucket
+
+    def _estimate(self, path: str, b: int) -> float | None:
+        t = self._times.get((path, b))
+        return min(t) if t is not None and len(t) >= self.min_samples else None
+
+    @property
+    def replay_ms(self) -> float | None:
+        """One M = 1 megakernel step's estimate (None until measured)."""
+        return self._estimate(REPLAY, 1)
+
+    @property
+    def step_ms(self) -> dict[str, dict[int, float]]:
+        """Each whole-batch path's estimates: path -> bucket -> ms a step."""
+        out: dict[str, dict[int, float]] = {}
+        for (p, b) in sorted(self._times):
+            ms = self._estimate(p, b)
+            if p != REPLAY and ms is not None:
+                out.setdefault(p, {})[b] = ms
+        return out
 
     @property
     def batched_ms(self) -> dict[int, float]:
@@ -48,21 +72,22 @@ class StepRouter:
         b = bucket(batch)
         n = self._count.get(b, 0) + 1
         self._count[b] = n
+        cost = {p: self._estimate(p, b) for p in paths}
         for p in paths:
-            if b not in self.step_ms.get(p, {}):
+            if cost[p] is None:
                 return p
-        if replays and self.replay_ms is None:
-            return REPLAY
-        cost = {p: self.step_ms[p][b] for p in paths}
         if replays:
-            cost[REPLAY] = batch * self.replay_ms
+            per = self.replay_ms
+            if per is None:
+                return REPLAY
+            cost[REPLAY] = batch * per
         ranked = sorted(cost, key=cost.__getitem__)
         return ranked[1] if n % self.refresh == 0 and len(ranked) > 1 else ranked[0]
 
     def estimates(self) -> dict:
         """What the router has measured, as JSON: one replay's ms and each whole-batch path's ms by bucket."""
         return {"replay_ms": self.replay_ms,
-                "step_ms": {p: {str(b): ms for b, ms in sorted(e.items())} for p, e in self.step_ms.items()}}
+                "step_ms": {p: {str(b): ms for b, ms in e.items()} for p, e in self.step_ms.items()}}
 
     def observe(self, path: str, batch: int, ms: float) -> None:
         """A step of ``batch`` decode tokens took ``ms`` on ``path``."""
@@ -75,10 +100,5 @@ class StepRouter:
         if key not in self._seen:
             self._seen.add(key)
             return
-        if path == REPLAY:
-            per = ms / batch
-            self.replay_ms = per if self.replay_ms is None else (1 - self.weight) * self.replay_ms + self.weight * per
-        else:
-            est, b = self.step_ms.setdefault(path, {}), bucket(batch)
-            old = est.get(b)
-            est[b] = ms if old is None else (1 - self.weight) * old + self.weight * ms
+        b = 1 if path == REPLAY else bucket(batch)
+        self._times.setdefault((path, b), deque(maxlen=self.window)).append(ms / batch if path == REPLAY else ms)
