@@ -3,7 +3,7 @@
 For each model shape (random bf16 weights) and batch B: B sequences of ``context`` past positions each in one paged
 cache (shuffled pages), the step captured in a CUDA graph and replayed; median ms per replay beside the floor (every
 weight once plus every sequence's KV, at the streaming read measured in the same run) and the M = 1 step of the
-same run. ``--tunings`` times each batch under several ``Tuning`` overrides (``"default;ring=5"``), ``--trace``
+same run. ``--tunings`` times each batch (and verify step) under several ``Tuning`` overrides (``"default;ring=5"``), ``--trace``
 also records one traced step per cell and prints its per-instruction summary (tools/trace.py), to say where a
 batch's time goes. Prints a table and writes JSON to ``$OUT/batch_step.json`` when $OUT is set.
 
@@ -80,7 +80,7 @@ def _record_trace(dec: MegakernelDecoder, row: dict, label: str) -> None:
 
 
 def measure_verify(model: str, shapes: list[tuple[int, int]], context: int, bw: float, page_size: int = 16,
-                   tuning: Tuning = Tuning(), trace: bool = False) -> list[dict]:
+                   tuning: Tuning = Tuning(), name: str = "default", trace: bool = False) -> list[dict]:
     """Verify steps of S sequences x K tokens at ``context``: per shape, the query-block program and the per-token
     one, each timed as graph replays (and traced once with ``trace``)."""
     spec = get_preset(model)
@@ -104,14 +104,14 @@ def measure_verify(model: str, shapes: list[tuple[int, int]], context: int, bw: 
             for path, blocks in (("blocks", one.blocks), ("per-token", ())):
                 vdec = dec.batch_decoder(one.num_tokens, blocks)
                 vdec.set_batch(list(range(1, one.num_tokens + 1)), one.positions, one.block_tables, one.firsts)
-                name = f"verify {n}x{k} {path}"
+                shape = f"verify {n}x{k} {path}"
                 if traced:
-                    _record_trace(vdec, next(r for r in rows if r["shape"] == name), f"{model} {name}")
+                    _record_trace(vdec, next(r for r in rows if r["shape"] == shape), f"{model} {shape} {name}")
                     continue
                 ms = time_step(vdec)
                 floor = floor_ms(step_bytes(spec, context) + (n - 1) * context * spec.kv_bytes_per_token(2), bw)
-                rows.append(dict(model=model, shape=name, tokens=n * k, context=context, ms=ms, floor_ms=floor,
-                                 x_floor=ms / floor, splits=vdec.program.max_splits))
+                rows.append(dict(model=model, tuning=name, shape=shape, tokens=n * k, context=context, ms=ms,
+                                 floor_ms=floor, x_floor=ms / floor, splits=vdec.program.max_splits))
         del dec
     return rows
 
@@ -148,12 +148,14 @@ def main() -> None:
               f"{r['x_floor']:8.2f} {x1} {r['ring']:4d} {r['down_parts']:5d}")
     vrows = []
     for m in a.models.split(",") if verify else []:
-        vrows += measure_verify(m, verify, a.context, bw, trace=a.trace)
+        for name in a.tunings.split(";"):
+            tuning = Tuning() if name == "default" else Tuning.parse(name)
+            vrows += measure_verify(m, verify, a.context, bw, tuning=tuning, name=name, trace=a.trace)
     if vrows:
-        print(f"{'model':14s} {'shape':>24s} {'ms':>8s} {'floor':>8s} {'x floor':>8s} splits")
+        print(f"{'model':14s} {'tuning':>12s} {'shape':>24s} {'ms':>8s} {'floor':>8s} {'x floor':>8s} splits")
         for r in vrows:
-            print(f"{r['model']:14s} {r['shape']:>24s} {r['ms']:8.3f} {r['floor_ms']:8.3f} {r['x_floor']:8.2f} "
-                  f"{r['splits']:6d}")
+            print(f"{r['model']:14s} {r['tuning']:>12s} {r['shape']:>24s} {r['ms']:8.3f} {r['floor_ms']:8.3f} "
+                  f"{r['x_floor']:8.2f} {r['splits']:6d}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "batch_step.json"), "w") as f:
             json.dump(dict(read_tbps=bw / 1e12, device=torch.cuda.get_device_name(), rows=rows, verify=vrows), f,
