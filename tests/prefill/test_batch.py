@@ -1,5 +1,6 @@
 """PrefillBatch and split_passes: the host-side description of a prefill pass."""
 import pytest
+import torch
 
 from mimw.prefill.batch import Piece, PrefillBatch, split_passes
 
@@ -39,3 +40,33 @@ def test_split_passes_keeps_every_token_and_logit_row_in_order(max_tokens):
         # logit rows are the last tokens of the piece
         rows = [p.start + p.length - 1 - i for p in parts for i in range(p.num_logits)]
         assert sorted(rows) == list(range(want.ctx - want.num_logits, want.ctx))
+
+
+def test_build_matches_a_row_by_row_reading_of_random_pieces():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(20):
+        ps = rng.choice([4, 16])
+        pieces = []
+        for _ in range(rng.randint(1, 9)):
+            start, length = rng.randint(0, 70), rng.randint(1, 40)
+            table = tuple(rng.sample(range(500), -(-(start + length) // ps) + rng.randint(0, 2)))
+            pieces.append(Piece(table, start, length, rng.randint(0, length)))
+        b = PrefillBatch.build(pieces, ps, "cpu")
+        pos, slots, rows, t0 = [], [], [], 0
+        for p in pieces:
+            for i in range(p.length):
+                q = p.start + i
+                pos.append(q)
+                slots.append(p.block_table[q // ps] * ps + q % ps)
+            rows += range(t0 + p.length - p.num_logits, t0 + p.length)
+            t0 += p.length
+        assert b.positions.tolist() == pos and b.slots.tolist() == slots and b.logit_rows.tolist() == rows
+        assert b.positions.dtype == b.slots.dtype == b.logit_rows.dtype == torch.int64
+        assert b.q_start.dtype == b.seq_ctx.dtype == b.block_tables.dtype == torch.int32
+        width = max(-(-p.ctx // ps) for p in pieces)
+        assert b.block_tables.shape == (len(pieces), width)
+        for i, p in enumerate(pieces):
+            k = -(-p.ctx // ps)
+            assert b.block_tables[i].tolist() == list(p.block_table[:k]) + [0] * (width - k)
