@@ -41,6 +41,8 @@ def measure(model: str, batches: list[int], context: int, bw: float, page_size: 
             tuning: Tuning = Tuning(), name: str = "default", trace: bool = False) -> list[dict]:
     spec = get_preset(model)
     batches = [b for b in batches if b <= max_tokens(spec, tuning)]  # the 8B shapes plan at most 16
+    if not batches:
+        return []
     w = random_weights(spec, 0, dtype=torch.bfloat16, device="cuda")
     b_max = max(batches)
     per_seq = -(-(context + 1) // page_size)
@@ -120,7 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
     ap.add_argument("--batches", default="1,2,8,16,32", help="batch sizes; those above the model's max_tokens are "
-                    "left out")
+                    "left out ('': none, with --verify)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tunings", default="default", help="';'-separated Tuning overrides (tools/variants.py syntax)")
     ap.add_argument("--trace", action="store_true", help="also trace one step per cell and print its summary")
@@ -139,7 +141,7 @@ def main() -> None:
     for m in a.models.split(","):
         for name in a.tunings.split(";"):
             tuning = Tuning() if name == "default" else Tuning.parse(name)
-            rows += measure(m, [int(b) for b in a.batches.split(",")], a.context, bw, tuning=tuning, name=name,
+            rows += measure(m, [int(b) for b in a.batches.split(",") if b], a.context, bw, tuning=tuning, name=name,
                             trace=a.trace)
     print(f"{'model':14s} {'tuning':>12s} {'B':>3s} {'ms':>8s} {'floor':>8s} {'x floor':>8s} {'x M=1':>7s} ring parts")
     for r in rows:
