@@ -17,6 +17,7 @@ read from memory, ``mimw.bench.floor``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -72,11 +73,15 @@ def experts_once(h: torch.Tensor, lw: LayerWeights, r: Routing) -> torch.Tensor:
     return out
 
 
-def moe_mlp(h: torch.Tensor, lw: LayerWeights, spec: ModelSpec,
-            routings: list[Routing] | None = None) -> torch.Tensor:
+def moe_mlp(h: torch.Tensor, lw: LayerWeights, spec: ModelSpec, routings: list[Routing] | None = None,
+            choose: Callable[[Routing], Routing] | None = None) -> torch.Tensor:
     """The MoE block's output for h [T, D] (to be added to the residual); appends the routing to ``routings``
-    when given (what a caller wants to know of the step, e.g. the bytes it must read)."""
+    when given (what a caller wants to know of the step, e.g. the bytes it must read). ``choose``: given the
+    router's own routing, the routing the block runs instead (a check following another implementation's choice
+    at a near-tie, ``mimw.bench.routes``); what it returns is what ``routings`` receives."""
     r = route(h, lw.router, spec)
+    if choose is not None:
+        r = choose(r)
     if routings is not None:
         routings.append(r)
     return experts_once(h, lw, r)

@@ -98,11 +98,13 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache,
-                last_only: bool = False, routings: list[Routing] | None = None) -> torch.Tensor:
+                last_only: bool = False, routings: list[Routing] | None = None,
+                route: Callable[[int, Routing], Routing] | None = None) -> torch.Tensor:
         """tokens [T] (segments' tokens concatenated) -> logits [T, vocab] (fp32), or [sum(num_logits), vocab] for
         each segment's last ``num_logits`` tokens, in segment order, when ``last_only`` (the LM head then runs on
         those rows only). Writes K/V into ``cache``. ``routings``: a list that receives each MoE layer's routing of
-        the T tokens, in layer order."""
+        the T tokens, in layer order. ``route(layer, own routing) -> routing``: the routing an MoE layer runs
+        instead of its router's own top k (``moe.moe_mlp``'s ``choose``)."""
         spec, w, linear = self.spec, self.w, self.linear
         if sum(s.length for s in segments) != tokens.numel():
             raise ValueError("segments' lengths must add up to the number of tokens")
@@ -132,7 +134,8 @@ class ReferenceDecoder:
             x = x + linear(o, lw.wo)
             h = rms_norm(x, lw.mlp_norm, spec.rms_norm_eps)
             if spec.is_moe_layer(li):
-                x = x + moe_mlp(h, lw, spec, routings)
+                choose = None if route is None else (lambda r, li=li: route(li, r))
+                x = x + moe_mlp(h, lw, spec, routings, choose)
             else:
                 x = x + linear(F.silu(linear(h, lw.w_gate)) * linear(h, lw.w_up), lw.w_down)
         if last_only:
