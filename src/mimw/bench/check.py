@@ -9,10 +9,15 @@ far more.
 A differing argmax still passes when the reference's top two logits are closer than the observed error can resolve:
 ``r[argmax a] >= max r - max(tie_tol * std r, 3 * rms(a - r))``. With random weights two vocabulary entries can be
 near-tied and bf16 rounding then decides between them legitimately; such a pass is labelled ``near-tie``.
+
+An MoE step has one reference per routing it may legitimately take (``mimw.bench.routes``: near-ties of a router's
+top k, where rounding decides which expert runs): ``compare_routes`` passes the logits when they pass against one of
+them, and otherwise fails them against the closest.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import torch
 
@@ -63,3 +68,15 @@ def compare_logits(logits: torch.Tensor, ref: torch.Tensor, rel_tol: float = REL
     if float(r[am]) >= float(r.max()) - max(tie_tol * float(r.std()), 3.0 * rms):
         return CheckResult(True, rel, am, rm, "ok (near-tie)", rel_tol)
     return CheckResult(False, rel, am, rm, f"argmax {am} != reference {rm}", rel_tol)
+
+
+def compare_routes(logits: torch.Tensor, refs: Sequence[torch.Tensor],
+                   rel_tol: float = REL_TOL) -> tuple[CheckResult, int]:
+    """``compare_logits`` against each of ``refs`` (an MoE step's references, one per legitimate routing, the
+    reference's own first): the passing result of least error, or, when none passes, the result against the closest
+    reference (least error, then the first); and that reference's index."""
+    results = [compare_logits(logits, r, rel_tol) for r in refs]
+    err = [c.rel_err if c.rel_err == c.rel_err else float("inf") for c in results]
+    passing = [i for i, c in enumerate(results) if c.ok]
+    best = min(passing or range(len(results)), key=lambda i: (err[i], i))
+    return results[best], best

@@ -18,6 +18,7 @@ tolerance).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -76,18 +77,23 @@ def paged_cache(spec: ModelSpec, inputs: DecodeInputs, page_size: int = 16) -> t
 
 
 @torch.no_grad()
-def reference_logits(weights: ModelWeights, inputs: DecodeInputs, routings: list | None = None) -> torch.Tensor:
+def reference_logits(weights: ModelWeights, inputs: DecodeInputs, routings: list | None = None,
+                     route: Callable | None = None) -> torch.Tensor:
     """[vocab] fp32 logits of the reference decoder for the step (on the weights' device and dtype); ``routings``
-    receives an MoE model's routing of the step, one per MoE layer (what its floor counts)."""
+    receives an MoE model's routing of the step, one per MoE layer (what its floor counts); ``route(layer, own
+    routing)``: the routing an MoE layer runs instead of its own (``ReferenceDecoder.forward``)."""
     cache, table = paged_cache(weights.spec, inputs)
     tok = torch.tensor([inputs.token], device=weights.device)
-    return ReferenceDecoder(weights).forward(tok, [Segment(table, inputs.context, 1)], cache, routings=routings)[0]
+    return ReferenceDecoder(weights).forward(tok, [Segment(table, inputs.context, 1)], cache, routings=routings,
+                                             route=route)[0]
 
 
 @torch.no_grad()
-def fp32_reference_logits(weights: ModelWeights, inputs: DecodeInputs) -> torch.Tensor:
+def fp32_reference_logits(weights: ModelWeights, inputs: DecodeInputs, routings: list | None = None,
+                          route: Callable | None = None) -> torch.Tensor:
     """The same step with weights, cache and activations upcast to fp32 (a temporary 2x copy of the weights):
-    the yardstick for how far bf16 rounding alone moves the logits."""
+    the yardstick for how far bf16 rounding alone moves the logits (an MoE model's: over the bf16 step's routing,
+    passed as ``route``, so that a near-tie routed elsewhere is not counted as rounding)."""
     w32 = weights.to(dtype=torch.float32)
     up = DecodeInputs(inputs.token, inputs.context, inputs.k.float(), inputs.v.float())  # fp8: the exact values
-    return reference_logits(w32, up)
+    return reference_logits(w32, up, routings, route)

@@ -66,7 +66,9 @@ def check_cell(row: dict) -> str:
     if c is None:
         return ""
     if c["ok"]:
-        return f"✓ {c['rel_err']:.1e}" + (" (near-tie)" if "near-tie" in c["detail"] else "")
+        tie = " (routing near-tie)" if "routing near-tie" in c["detail"] else (
+            " (near-tie)" if "near-tie" in c["detail"] else "")
+        return f"✓ {c['rel_err']:.1e}" + tie
     return f"✗ FAILED: {c['detail']}"
 
 
@@ -88,7 +90,9 @@ def markdown(doc: dict) -> str:
         nb = next((r["bytes_per_step"] for r in group if r.get("bytes_per_step")), None)
         chk = next((r["check"] for r in group if r.get("check")), None)
         tol = "" if chk is None else f"check: rel_err ≤ {chk.get('rel_tol', 2e-2):.1e}" + (
-            "" if chk.get("bf16_noise") is None else f" (bf16 vs fp32 reference: {chk['bf16_noise']:.1e})")
+            "" if chk.get("bf16_noise") is None else f" (bf16 vs fp32 reference: {chk['bf16_noise']:.1e})") + (
+            "" if not chk.get("routings") else f"; against {chk['routings']} routing(s) within the near-tie bound "
+            f"{chk['route_tie']:.1e}" + (" (capped)" if chk.get("routes_capped") else ""))
         if fl is not None:
             lines.append(f"| {ctx} | **floor** | {fl:.3f} | {1e3 / fl:.0f} | {_f(doc.get('read_TBps'), '.2f')} | 1.00 "
                          f"| | {tol} | {nb / 1e6:.1f} MB read per step |")

@@ -12,6 +12,7 @@ is known, so a crash or a kill loses at most the backend being measured:
 
 Per context the inputs (``decode_inputs``) and the reference logits are made once, plus, for bf16 runs, the fp32
 reference that measures bf16's own rounding noise (``mimw.bench.check``: the tolerance is max(2e-2, 2 x noise));
+an MoE model's references are one per routing the step may legitimately take (``mimw.bench.routes``);
 every backend shares the one weight set (``BenchWeights``). After each backend its objects are dropped and the allocator cache emptied; a CUDA
 error that poisons the context ends the process with code 3 so that the supervisor restarts a fresh one.
 """
@@ -28,12 +29,13 @@ from typing import Callable, Sequence
 import torch
 
 from ..models.spec import PRESETS
-from .check import compare_logits, noise_tolerance, rel_err
+from .check import compare_logits, compare_routes, noise_tolerance, rel_err
 from .config import DecodeBenchConfig, preset_spec
 from .floor import routed_experts, step_bytes
 from .fused import BenchWeights, fuse, random_bench_weights
 from .inputs import decode_inputs, fp32_reference_logits, reference_logits
 from .peers import BACKENDS, PeerContext, Unavailable, is_mimw
+from .routes import MAX_ROUTES, along, fallback_tie, route_tie, step_routes
 from .timing import time_steps
 
 Emit = Callable[[dict], None]
@@ -81,25 +83,51 @@ def _cleanup(device: torch.device) -> bool:
 
 class Reference:
     """The oracle for one context: bf16 reference logits, and the fp32 ones when they could be computed; the step's
-    compulsory bytes (an MoE model's: the experts this step routes to)."""
+    compulsory bytes (an MoE model's: the experts this step routes to).
 
-    def __init__(self, bw: BenchWeights, inputs, dtype: torch.dtype, kv_bytes_per_token: int | None = None):
+    An MoE model's fp32 run follows the bf16 run's routing (``routes.along``), so that the noise it measures is
+    rounding, not a near-tie routed elsewhere; its router probabilities against the bf16 run's give the near-tie
+    bound (``routes.route_tie``), and the step's references are the bf16 reference over every routing within it
+    (``routes.step_routes``; a backend passes against one of them, ``check.compare_routes``)."""
+
+    def __init__(self, bw: BenchWeights, inputs, dtype: torch.dtype, kv_bytes_per_token: int | None = None,
+                 max_routes: int = MAX_ROUTES):
+        spec = bw.spec
         routings: list = []
         self.logits = reference_logits(bw.weights, inputs, routings)
-        self.bytes = step_bytes(bw.spec, inputs.context, kv_bytes_per_token=kv_bytes_per_token,
-                                routed_experts=routed_experts(routings) if bw.spec.is_moe else None)
-        self.logits32, self.noise = None, None
+        self.bytes = step_bytes(spec, inputs.context, kv_bytes_per_token=kv_bytes_per_token,
+                                routed_experts=routed_experts(routings) if spec.is_moe else None)
+        self.logits32, self.noise, self.route_tie = None, None, None
         if dtype != torch.float32:
+            routings32: list = []
             try:
-                self.logits32 = fp32_reference_logits(bw.weights, inputs)
+                self.logits32 = fp32_reference_logits(bw.weights, inputs, routings32,
+                                                      along(routings, spec) if spec.is_moe else None)
                 self.noise = rel_err(self.logits, self.logits32)
+                self.route_tie = route_tie(routings, routings32) if spec.is_moe else None
             except Exception:  # noqa: BLE001 - e.g. out of memory for the fp32 copy: keep the fixed tolerance
                 traceback.print_exc()
             gc.collect()
         self.rel_tol = noise_tolerance(self.noise)
+        self.routes, self.routes_capped = [], False
+        if spec.is_moe:
+            if self.route_tie is None:
+                self.route_tie = fallback_tie(routings, dtype)
+            self.routes, self.routes_capped = step_routes(bw.weights, inputs, self.route_tie, max_routes)
 
     def check(self, logits: torch.Tensor) -> dict:
-        c = compare_logits(logits, self.logits, self.rel_tol).to_json()
+        if not self.routes:
+            c = compare_logits(logits, self.logits, self.rel_tol).to_json()
+        else:
+            res, i = compare_routes(logits, [r.logits for r in self.routes], self.rel_tol)
+            c = res.to_json()
+            route = self.routes[i]
+            if res.ok and route.deviations:
+                c["detail"] = "ok (routing near-tie" + ("; argmax near-tie)" if "near-tie" in res.detail else ")")
+            elif not res.ok and len(self.routes) > 1:
+                c["detail"] += f" (the closest of {len(self.routes)} near-tie routings)"
+            c.update(routing=route.describe(), routings=len(self.routes), routes_capped=self.routes_capped,
+                     route_tie=self.route_tie)
         c["bf16_noise"] = self.noise
         c["rel_err_fp32"] = None if self.logits32 is None else rel_err(logits, self.logits32)
         return c

@@ -14,8 +14,8 @@ overrides ("NAME=VALUE,...", ``--megakernel``). Contract, beyond the call itself
 ImportError / NotImplementedError from the import or from ``make_step`` mean "unavailable: <reason>". It gets the
 run's inputs (an fp8 run's included: ``inputs.kv_dtype``, the kernel then reads and writes e4m3 pages with scales).
 An MoE model runs (one token a step, the megakernel's MoE layers) over a bf16 cache (an fp8 run of one is
-unavailable: plan.py refuses the pair); its logits are checked like a dense model's, so a routing near-tie on the
-benchmark's random router can flag a row.
+unavailable: plan.py refuses the pair); its logits are checked against the reference over each routing the step
+may legitimately take (``mimw.bench.routes``), as every backend's are.
 """
 from __future__ import annotations
 
