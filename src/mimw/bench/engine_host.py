@@ -47,8 +47,12 @@ class FreeBackend(FixedLogits):
         super().__init__(spec, device)
         self.logits = self.logits[:, :LOGIT_COLUMNS].contiguous()
 
+    @staticmethod
+    def layout(page_size: int, num_pages: int) -> KVLayout:
+        return KVLayout(1, 1, 1, page_size, num_pages, torch.float32)
+
     def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
-        return PagedKVCache(KVLayout(1, 1, 1, page_size, num_pages, torch.float32), torch.device("cpu"))
+        return PagedKVCache(self.layout(page_size, num_pages), torch.device("cpu"))
 
 
 def add_arguments(sub) -> None:
@@ -92,7 +96,7 @@ def make_engine(spec, setup: str, num_pages: int, page_size: int, max_batch: int
 
     policy, host = SETUPS[setup]
     backend = FreeBackend(spec, torch.device("cpu"))
-    page_bytes = KVLayout(1, 1, 1, page_size, 1, torch.float32).bytes_per_page()
+    page_bytes = FreeBackend.layout(page_size, 1).bytes_per_page()
     cfg = EngineConfig(num_pages=num_pages, page_size=page_size, max_batch=max_batch,
                        max_step_tokens=max_step_tokens, kv_eviction=policy,
                        host_kv_bytes=num_pages * page_bytes if host else 0)
