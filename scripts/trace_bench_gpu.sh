@@ -7,12 +7,18 @@
 #   MODELS=llama-3.2-1b OUT=/some/dir COMMIT=<sha> bash scripts/trace_bench_gpu.sh   # one shape per call: each
 #   MODELS=llama-3.1-8b OUT=/some/dir COMMIT=<sha> bash scripts/trace_bench_gpu.sh   # fits a 10-minute limit
 #   OUT=/some/dir bash scripts/trace_bench_gpu.sh                                     # both shapes in one call
+#   BACKEND=reference MODELS=llama-3.2-1b OUT=/some/dir bash scripts/trace_bench_gpu.sh   # the PyTorch oracle instead
+#
+# The backend is the megakernel's unless BACKEND says otherwise (the bench's own default, auto, picks it on a Hopper
+# GPU too; naming it here makes a run on another GPU fail instead of quietly measuring the reference decoder: on an
+# H100 its steps took ~20 ms for one decode token and ~10 ms more per sequence, bench/NOTES.md "Agent sessions").
 #
 # Runs from the working tree (PYTHONPATH=src); needs torch, numpy, matplotlib; no server, no network.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/trace}
 MODELS=${MODELS:-"llama-3.2-1b llama-3.1-8b"}
+BACKEND=${BACKEND:-megakernel}
 MAX_DURATION=${MAX_DURATION:-240}  # seconds per setup at most; requests still open then are reported as cut
 PY=${PYTHON:-python3}
 export PYTHONPATH=src
@@ -28,7 +34,7 @@ for model in $MODELS; do
     --system-tokens 256 --tool-tokens 768 --first-user-tokens 1024 --tool-output-tokens 128 --output-tokens 32 \
     --max-context 6144 --subagent-prob 0.05 --subagent-turns 2 --think-s 2 --max-think-s 15 --ramp-s 5 \
     --block-size 64 --seed 0
-  "$PY" -m mimw.bench.main trace --trace "$trace" --model "$model" --device cuda --dtype bfloat16 \
+  "$PY" -m mimw.bench.main trace --trace "$trace" --model "$model" --backend "$BACKEND" --device cuda --dtype bfloat16 \
     --setups lru,session+host --working-set-ratio 4 --page-size 16 --max-batch 32 --max-step-tokens 2048 \
     --max-duration "$MAX_DURATION" --out "$OUT" "${commit[@]}"
 done

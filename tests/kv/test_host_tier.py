@@ -106,6 +106,30 @@ def test_backup_copies_the_next_evictions_ahead_and_eviction_then_costs_no_copy(
     assert [host.lookup(h) is not None for h in hs] == [True, True, False, False]
 
 
+def test_backup_looks_at_the_device_order_again_only_when_something_moved():
+    # the engine calls backup after every step: a decode step that parks, evicts and offloads nothing must not walk
+    # the next evictions again
+    cache, ret, host, prefix, alloc = stack(host_pages=3)
+    looks = []
+    ahead = prefix.next_evicted
+    prefix.next_evicted = lambda n: looks.append(n) or ahead(n)
+    hs, pages = park_new(alloc, prefix, cache, [1, 2])
+    assert host.backup(prefix, 3) == 2 and len(looks) == 1
+    assert host.backup(prefix, 3) == 0 and len(looks) == 2  # it copied: what the host holds moved, look again
+    assert host.backup(prefix, 3) == 0 and host.backup(prefix, 2) == 0 and len(looks) == 2  # all there, no move
+    assert host.backup(prefix, 4) == 0 and len(looks) == 3  # a wider window is a new question
+    (p,) = alloc.allocate(1)  # a free page: the order does not move
+    assert host.backup(prefix, 3) == 0 and len(looks) == 3
+    assert prefix.insert(page_hash(ROOT, [3]), p)
+    alloc.release([p])  # parked: the order moved
+    assert host.backup(prefix, 3) == 1 and len(looks) == 4 and host.lookup(page_hash(ROOT, [3])) is not None
+    assert host.backup(prefix, 3) == 0 and host.backup(prefix, 3) == 0 and len(looks) == 5
+    alloc.share([pages[0]])  # a prefix hit takes a parked page back: the order moved
+    assert host.backup(prefix, 3) == 0 and host.backup(prefix, 3) == 0 and len(looks) == 6
+    ret.pin([hs[1]])  # a session pins a parked page: it changes class
+    assert host.backup(prefix, 3) == 0 and host.backup(prefix, 3) == 0 and len(looks) == 7
+
+
 def test_async_offload_of_a_reused_page_is_fenced_before_the_new_owner_writes():
     copier = DeferredCopier()
     cache, _, host, prefix, alloc = stack(copier=copier)

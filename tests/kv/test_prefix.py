@@ -16,6 +16,15 @@ def test_chain_hashes_extends_a_known_prefix_in_place():
     assert out is known and out == chain_hashes([1, 2, 3, 4], 2)
 
 
+def test_chain_hashes_stops_at_num_pages_and_hashes_each_page_once():
+    toks = list(range(10))
+    assert chain_hashes(toks, 2, num_pages=3) == chain_hashes(toks[:6], 2)
+    assert chain_hashes(toks, 2, num_pages=9) == chain_hashes(toks, 2)  # at most the full pages there are
+    known = chain_hashes(toks, 2, num_pages=2)
+    marker = known[1] = b"already known"  # a known page is never recomputed
+    assert chain_hashes(toks, 2, known, num_pages=4)[1] is marker and len(known) == 4
+
+
 def test_match_returns_longest_cached_prefix():
     c = PrefixCache(page_size=2)
     hs = chain_hashes([1, 2, 3, 4, 5, 6], 2)

@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .overlap import add_arguments as add_overlap_arguments
 
     add_overlap_arguments(sub)
+    from .engine_host import add_arguments as add_engine_host_arguments
+
+    add_engine_host_arguments(sub)
     add_kv_accuracy(sub)
     from .batch_steps import add_parser as add_steps
 
@@ -167,13 +170,17 @@ def run(args: argparse.Namespace) -> int:
         from .overlap import run_checked
 
         return run_checked(args)
+    if getattr(args, "bench_command", None) == "engine-host":
+        from .engine_host import run_checked as run_engine_host
+
+        return run_engine_host(args)
     if getattr(args, "bench_command", None) == "kv-accuracy":
         from .kv_accuracy import run_args
 
         return run_args(args)
     if getattr(args, "bench_command", None) != "decode":
         print("mimw bench: choose a benchmark: decode, prefill, serve, spec, steps, trace, trace-gen, kv-accuracy, "
-              "overlap",
+              "overlap, engine-host",
               file=sys.stderr)
         return 2
     try:

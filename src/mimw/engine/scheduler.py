@@ -283,7 +283,7 @@ class Scheduler:
         full = min(r.num_computed, len(r.token_ids)) // ps
         if self.prefix is None or full <= r.num_registered:
             return
-        hashes = chain_hashes(r.token_ids[:full * ps], ps, r.page_hashes)
+        hashes = chain_hashes(r.token_ids, ps, r.page_hashes, full)
         for i in range(r.num_registered, full):
             self.prefix.insert(hashes[i], r.block_table[i])
         r.num_registered = full

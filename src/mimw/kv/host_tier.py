@@ -66,6 +66,8 @@ class HostKVTier:
         self._device_last: dict[int, Transfer] = {}  # device page -> the last unfinished copy touching it
         self._host_last: dict[int, Transfer] = {}  # host page -> the last unfinished copy touching it
         self._fence: list[Transfer] = []  # copies the next step's compute must wait for
+        # (device cache, its order_version, pages_offloaded, n) of the last backup that found all n pages here
+        self._all_backed: tuple | None = None
         self.bytes_to_host = self.bytes_to_device = self.pages_offloaded = self.pages_restored = 0
 
     @classmethod
@@ -110,12 +112,22 @@ class HostKVTier:
 
     def backup(self, device_prefix: PrefixCache, n: int) -> int:
         """Copy to the host the next ``n`` device pages the device cache would evict, where the host lacks them
-        (a write-behind: their eviction then costs no copy). Returns how many pages were copied."""
+        (a write-behind: their eviction then costs no copy). Returns how many pages were copied.
+
+        Called after every step, it looks at those pages only when something moved since a look that found them
+        all on the host: the device order (``order_version``), what the host holds (only ``_offload`` changes
+        that, counting ``pages_offloaded``) or a larger ``n``. In a decode step that allocates no page, nothing
+        did."""
+        seen = (device_prefix, device_prefix.order_version, self.pages_offloaded)
+        if self._all_backed is not None and self._all_backed[:3] == seen and n <= self._all_backed[3]:
+            return 0
         items = []
         for p in device_prefix.next_evicted(n):
             h = device_prefix.hash_of(p)
             if h is not None and self.index.lookup(h) is None and p not in self._loading:
                 items.append((h, p))
+        # (with restores in flight a page may leave ``_loading`` unseen: look again next time)
+        self._all_backed = (*seen, n) if not items and not self._loading else None
         self._offload(items)
         return len(items)
 

@@ -37,10 +37,13 @@ def page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def chain_hashes(tokens: Sequence[int], page_size: int, known: list[bytes] | None = None) -> list[bytes]:
-    """Hashes of every full page of ``tokens``; extends ``known`` (a valid prefix of the answer) in place."""
+def chain_hashes(tokens: Sequence[int], page_size: int, known: list[bytes] | None = None,
+                 num_pages: int | None = None) -> list[bytes]:
+    """Hashes of every full page of ``tokens`` (of its first ``num_pages`` pages at most); extends ``known`` (a
+    valid prefix of the answer) in place, so that each page is hashed once however often it is asked for."""
     out = known if known is not None else []
-    for i in range(len(out), len(tokens) // page_size):
+    full = len(tokens) // page_size if num_pages is None else min(num_pages, len(tokens) // page_size)
+    for i in range(len(out), full):
         parent = out[i - 1] if i else ROOT
         out.append(page_hash(parent, tokens[i * page_size:(i + 1) * page_size]))
     return out
@@ -135,6 +138,11 @@ class PrefixCache:
     def next_evicted(self, n: int) -> list[int]:
         """The parked pages the next ``n`` evictions would take, in that order (nothing changes)."""
         return self._order.first(n)
+
+    @property
+    def order_version(self) -> int:
+        """Changes whenever the evictable set or its order does (``EvictionOrder.version``)."""
+        return self._order.version
 
     def _refile(self, h: bytes) -> None:
         page = self._page_of.get(h)

@@ -16,7 +16,7 @@ Invariants:
 """
 from __future__ import annotations
 
-import heapq
+import bisect
 from typing import Callable, Hashable, Iterable
 
 POLICIES = ("session", "lru")
@@ -70,17 +70,26 @@ class Retention:
 
 
 class EvictionOrder:
-    """The evictable entries of one tier, popped by (class, recency): two lazy min-heaps of (tick, key).
+    """The evictable entries of one tier in eviction order: by class, then least recently parked first.
 
-    A key is a page id of the tier; ``rank`` gives its class from its hash (``Retention.rank``). Stale heap entries
-    (removed or re-filed keys) are skipped when they surface and dropped when the heaps grow past twice the live
-    size."""
+    A key is a page id of the tier; ``rank`` gives its class from its hash (``Retention.rank``). Each class keeps
+    (tick, key) pairs in a list sorted by tick. Parking appends (a new tick is the largest); only a re-file (a key
+    changing class, keeping its tick) inserts inside a list, by bisection. Removing or re-parking a key leaves its
+    old pair in place, stale (``_live`` no longer agrees with it): a walk skips it, ``pop`` drops it, ``first``
+    drops those it met, and all are dropped once they outnumber the live pairs. Popped pairs stay in front of a
+    list's head until they are half of it. So ``pop`` costs O(1) amortised and ``first(n)`` reads about n pairs
+    and changes no order: the host tier asks for the next pages to back up after every step
+    (``HostKVTier.backup``), which must not cost a walk of the pool. ``version`` changes whenever the order does
+    (a key parked, removed, re-filed to another class or popped), so that a reader of ``first`` can tell that
+    nothing moved since its last look."""
 
     def __init__(self, rank: Callable[[bytes | None], int] | None = None):
         self._rank = rank or (lambda h: 0)
         self._live: dict[Hashable, tuple[int, int, bytes | None]] = {}  # key -> (class, tick, hash)
-        self._heaps: tuple[list, list] = ([], [])
+        self._lists: tuple[list, list] = ([], [])  # per class: (tick, key), ascending ticks, stale pairs included
+        self._heads = [0, 0]  # per class: the pairs before it were popped
         self._tick = 0
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._live)
@@ -91,57 +100,85 @@ class EvictionOrder:
     def add(self, key: Hashable, h: bytes | None) -> None:
         """Park ``key`` (named ``h``) as the most recent entry of its class (re-parking refreshes it)."""
         self._tick += 1
-        self._file(key, self._rank(h), self._tick, h)
+        self.version += 1
+        cls = self._rank(h)
+        self._live[key] = (cls, self._tick, h)
+        self._lists[cls].append((self._tick, key))
+        self._compact_if_stale()
 
     def remove(self, key: Hashable) -> None:
-        self._live.pop(key, None)
+        if self._live.pop(key, None) is not None:
+            self.version += 1
 
     def refile(self, key: Hashable) -> None:
         """Move ``key`` to its hash's current class, keeping its recency (after a pin count crossed zero)."""
         entry = self._live.get(key)
-        if entry is not None and entry[0] != self._rank(entry[2]):
-            self._file(key, self._rank(entry[2]), entry[1], entry[2])
+        if entry is None:
+            return
+        old, tick, h = entry
+        cls = self._rank(h)
+        if cls == old:
+            return
+        self.version += 1
+        self._live[key] = (cls, tick, h)
+        lst, pair = self._lists[cls], (tick, key)
+        i = bisect.bisect_left(lst, pair, self._heads[cls])  # ticks are unique but to the same key: no key compare
+        if i == len(lst) or lst[i] != pair:  # (its stale pair, if it was filed here before, is live again)
+            lst.insert(i, pair)
+        self._compact_if_stale()
 
     def pop(self) -> Hashable | None:
         """Remove and return the entry to evict first, or None when empty."""
-        key = self._peek_pop()
-        if key is not None:
-            del self._live[key]
-        return key
+        for cls, lst in enumerate(self._lists):
+            i = self._heads[cls]
+            while i < len(lst):
+                tick, key = lst[i]
+                i += 1
+                if self._is_live(cls, tick, key):
+                    del self._live[key]
+                    self.version += 1
+                    self._advance(cls, i)
+                    return key
+            self._advance(cls, i)
+        return None
 
     def first(self, n: int) -> list[Hashable]:
         """The next ``n`` keys ``pop`` would return, in that order, without removing them."""
-        taken = []
-        while len(taken) < n:
-            key = self._peek_pop()
-            if key is None:
+        out: list[Hashable] = []
+        for cls, lst in enumerate(self._lists):
+            head = i = self._heads[cls]
+            kept = []
+            while i < len(lst) and len(out) < n:
+                tick, key = lst[i]
+                i += 1
+                if self._is_live(cls, tick, key):
+                    out.append(key)
+                    kept.append((tick, key))
+            if len(kept) < i - head:  # drop the stale pairs met, so that the next walk reads only live ones
+                lst[head:i] = kept
+            if len(out) == n:
                 break
-            taken.append((key, self._live.pop(key)))  # hidden from the next _peek_pop, put back below
-        for key, (cls, tick, h) in taken:
-            self._file(key, cls, tick, h)
-        return [key for key, _ in taken]
+        return out
 
     # --- internals ---------------------------------------------------------------------------------------------
-    def _file(self, key: Hashable, cls: int, tick: int, h: bytes | None) -> None:
-        self._live[key] = (cls, tick, h)
-        heapq.heappush(self._heaps[cls], (tick, key))
-        if len(self._heaps[0]) + len(self._heaps[1]) > 2 * len(self._live) + 64:
-            self._compact()
+    def _is_live(self, cls: int, tick: int, key: Hashable) -> bool:
+        entry = self._live.get(key)
+        return entry is not None and entry[0] == cls and entry[1] == tick
 
-    def _peek_pop(self) -> Hashable | None:
-        """The live key with the smallest (class, tick), popping stale heap entries on the way (not the key)."""
-        for cls, heap in enumerate(self._heaps):
-            while heap:
-                tick, key = heap[0]
-                if self._live.get(key, (None, None))[:2] == (cls, tick):
-                    return key
-                heapq.heappop(heap)
-        return None
+    def _advance(self, cls: int, head: int) -> None:
+        """Pairs before ``head`` are consumed; the list sheds them once they are half of it."""
+        lst = self._lists[cls]
+        if head > 32 and 2 * head > len(lst):
+            del lst[:head]
+            head = 0
+        self._heads[cls] = head
 
-    def _compact(self) -> None:
-        heaps: tuple[list, list] = ([], [])
-        for key, (cls, tick, _) in self._live.items():
-            heaps[cls].append((tick, key))
-        for hp in heaps:
-            heapq.heapify(hp)
-        self._heaps = heaps
+    def _compact_if_stale(self) -> None:
+        pairs = len(self._lists[0]) - self._heads[0] + len(self._lists[1]) - self._heads[1]
+        if pairs > 2 * len(self._live) + 64:
+            lists: tuple[list, list] = ([], [])
+            for key, (cls, tick, _) in self._live.items():
+                lists[cls].append((tick, key))
+            for lst in lists:
+                lst.sort()
+            self._lists, self._heads = lists, [0, 0]

@@ -134,6 +134,7 @@ def test_command_line_in_process_writes_json_markdown_and_chart(tmp_path, capsys
     doc = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert [s["name"] for s in doc["setups"]] == ["lru", "session+host"]
     assert doc["trace"]["requests"] == 12 and doc["working_set_ratio"] > 1
+    assert doc["backend"] == "reference"  # auto, without a Hopper GPU
     for s in doc["setups"]:
         assert s["summary"]["ok"] == 12 and len(s["requests"]) == 12 and s["sessions"]
         st = s["steps"]
@@ -146,7 +147,22 @@ def test_command_line_in_process_writes_json_markdown_and_chart(tmp_path, capsys
     assert "| session+host |" in next(tmp_path.glob("*.md")).read_text()
 
 
-@pytest.mark.parametrize("argv", [["--setups", "lru,mru"], ["--page-size", "0"], ["--working-set-ratio", "0"]])
+def test_the_free_backend_replays_the_engine_alone(tmp_path, capsys):
+    # a backend that costs nothing: the steps' times are the engine's host work; a preset gives the shape only
+    rc = bench_main(["trace", "--trace", str(TRACES / "agent-tiny.jsonl"), "--model", "llama-3.2-1b", "--backend",
+                     "free", "--setups", "lru,session+host", "--page-size", "8", "--max-batch", "4",
+                     "--out", str(tmp_path), "--max-requests", "12"])
+    assert rc == 0
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert doc["backend"] == "free" and doc["device"].startswith("cpu")
+    for s in doc["setups"]:
+        assert s["summary"]["ok"] == 12 and s["steps"]["steps"] > 0
+    assert doc["setups"][1]["engine"]["host_pages_total"] > 0
+    assert "free backend" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--setups", "lru,mru"], ["--page-size", "0"], ["--working-set-ratio", "0"],
+                                  ["--backend", "free", "--model", "no/such/dir"]])
 def test_command_line_bad_arguments_exit_2(argv, tmp_path):
     base = ["trace", "--trace", str(TRACES / "agent-tiny.jsonl"), "--model", "tiny-llama", "--out", str(tmp_path)]
     assert bench_main(base + argv) == 2

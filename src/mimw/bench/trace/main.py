@@ -36,7 +36,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--model", default=None, metavar="PATH|PRESET", help="default: the embedded SmolLM2-135M")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--backend", default="reference", choices=["reference", "megakernel"])
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "megakernel", "free"],
+                   help="auto (default): megakernel on a Hopper GPU, else reference; free: a backend that costs "
+                        "nothing (mimw.bench.engine_host.FreeBackend; a preset's shape, on the CPU): the steps' "
+                        "times are the engine's own host work")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp8"],
                    help="KV cache element type, as `mimw serve --kv-dtype` (auto: the weights' dtype)")
     p.add_argument("--setups", default="lru,session+host", help=f"comma list of {', '.join(SETUPS)}")
@@ -162,14 +165,28 @@ def _in_process(args: argparse.Namespace, trace, setups: list[str]) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
-    loaded = load_model(args.model, dtype=dtype, device=device, progress=False)
-    spec = loaded.spec
-    tok = loaded.tokenizer or ByteTokenizer()
-    from ...kv.pages import parse_kv_dtype
+    name = args.backend
+    if name == "auto":
+        name = "megakernel" if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) \
+            else "reference"
+    if name == "free":
+        from ...models.spec import PRESETS
+        from ..engine_host import FreeBackend
 
-    backend = _backend(args.backend, loaded.weights, parse_kv_dtype(args.kv_dtype))
+        if args.model not in PRESETS:
+            raise ValueError(f"--backend free needs a preset --model (its shape), got {args.model!r}")
+        device = torch.device("cpu")
+        spec, tok = PRESETS[args.model], ByteTokenizer()
+        backend = FreeBackend(spec, device)
+    else:
+        from ...kv.pages import parse_kv_dtype
+
+        loaded = load_model(args.model, dtype=dtype, device=device, progress=False)
+        spec, tok = loaded.spec, loaded.tokenizer or ByteTokenizer()
+        backend = _backend(name, loaded.weights, parse_kv_dtype(args.kv_dtype))
     ps = args.page_size
-    page_bytes = KVLayout.for_spec(spec, ps, 1, backend.kv_dtype).bytes_per_page()
+    one_page = backend.layout(ps, 1) if name == "free" else KVLayout.for_spec(spec, ps, 1, backend.kv_dtype)
+    page_bytes = one_page.bytes_per_page()
     st = trace.stats()
     ws_pages = -(-st["working_set_tokens"] // ps)
     need = max(-(-(r.input_length + r.output_length) // ps) for r in trace.requests) + args.max_batch
@@ -179,11 +196,12 @@ def _in_process(args: argparse.Namespace, trace, setups: list[str]) -> int:
     model = args.model or "SmolLM2-135M-Instruct"
     dev_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"cpu ({torch.get_num_threads()} threads)")
-    doc = {**_meta(args, trace, model, dev_name), "device_pool_tokens": pages * ps,
+    doc = {**_meta(args, trace, model, dev_name), "backend": name, "device_pool_tokens": pages * ps,
            "working_set_ratio": st["working_set_tokens"] / (pages * ps), "host_pool_tokens": 0,
            "page_bytes": page_bytes, "max_model_len": max_len, "setups": []}
     print(f"[trace] {trace.name}: {st['requests']} requests, {st['sessions']} sessions, working set "
-          f"{st['working_set_tokens']} tokens, ideal hit rate {st['ideal_hit_rate']:.1%}; {model} on {dev_name}; "
+          f"{st['working_set_tokens']} tokens, ideal hit rate {st['ideal_hit_rate']:.1%}; {model} on {dev_name}, "
+          f"{name} backend; "
           f"device pool {pages} pages ({doc['working_set_ratio']:.1f}x smaller than the working set)",
           file=sys.stderr, flush=True)
     synth = TokenSynth(spec.vocab_size, args.seed)
