@@ -230,16 +230,23 @@ def _in_process(args: argparse.Namespace, trace, setups: list[str]) -> int:
 
 
 def _warm_up(engine, synth, vocab: int) -> None:
-    """One request through every code path before timing (first-call allocations, kernel selection)."""
+    """Requests through every code path before timing (first-call allocations, kernel selection, and on the
+    megakernel backend each decode batch bucket's kernel and graphs for this engine's cache): rounds of 1, 2, 4 ...
+    up to the engine's batch (at most 32) concurrent requests of distinct 32-token prompts, 4 tokens each."""
     from ...engine.sampling import SamplingParams
 
     import numpy as np
 
-    lo, hi = synth.lo, synth.hi
-    prompt = [int(t) for t in np.random.default_rng(12345).integers(lo, hi, 64)]
-    engine.add_request("warm-up", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    while engine.has_work():
-        engine.step()
+    rng = np.random.default_rng(12345)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    n = 1
+    while n <= min(32, engine.config.max_batch):
+        for i in range(n):
+            prompt = [int(t) for t in rng.integers(synth.lo, synth.hi, 32)]
+            engine.add_request(f"warm-up-{n}-{i}", prompt, params)
+        while engine.has_work():
+            engine.step()
+        n *= 2
 
 
 def _over_http(args: argparse.Namespace, trace) -> int:
