@@ -65,6 +65,8 @@ def measure(model: str, batches: list[int], context: int, bw: float, page_size: 
             floor = floor_ms(step_bytes(spec, context) + (b - 1) * context * spec.kv_bytes_per_token(2), bw)
             rows.append(dict(model=model, tuning=name, batch=b, context=context, ms=ms, floor_ms=floor,
                              x_floor=ms / floor, ring=bdec.plan.ring, down_parts=bdec.program.down_parts))
+            print(f"[batch_step] {model} {name} B={b}: {ms:.3f} ms (floor {floor:.3f})", flush=True)  # kept if a
+            # later cell fails
         del dec
     one = next((r["ms"] for r in rows if r["batch"] == 1), None)
     for r in rows:
@@ -114,6 +116,7 @@ def measure_verify(model: str, shapes: list[tuple[int, int]], context: int, bw: 
                 floor = floor_ms(step_bytes(spec, context) + (n - 1) * context * spec.kv_bytes_per_token(2), bw)
                 rows.append(dict(model=model, tuning=name, shape=shape, tokens=n * k, context=context, ms=ms,
                                  floor_ms=floor, x_floor=ms / floor, splits=vdec.program.max_splits))
+                print(f"[batch_step] {model} {name} {shape}: {ms:.3f} ms (floor {floor:.3f})", flush=True)
         del dec
     return rows
 
