@@ -8,8 +8,8 @@ requests submitted to an ``EngineLoop`` (the server's engine thread), every toke
 callback, the mean gap between a request's consecutive tokens once all B decode. ``host share`` = 1 - step / ITL:
 the part of each token's time the device idles for the host; ``engine host ms`` = the engine's own work per step
 with a backend that costs nothing (``FixedLogits``): what overlap has to hide. A backend that picks its path by
-measuring (the megakernel's ``StepRouter``) shares one router between the two engines, so both run a batch the
-same way. In-process (no HTTP), random weights at the preset's shape, a byte-level tokenizer. Prints a table and
+measuring (the megakernel's ``StepRouter``) serves both engines (one backend, a cache each), so both run a batch
+the same way. In-process (no HTTP), random weights at the preset's shape, a byte-level tokenizer. Prints a table and
 writes ``overlap-<device>-<model>.json`` to ``--out``. On a shared CPU, ``--threads 1`` gives steadier numbers.
 """
 from __future__ import annotations
@@ -204,11 +204,12 @@ def run(args: argparse.Namespace) -> int:
         f"cpu ({torch.get_num_threads()} threads)"
     ps = 16
     pages = max(batches) * (-(-(args.prompt + args.tokens + 1) // ps) + 1) + 8
-    # a backend each: the megakernel backend keeps one decoder (packed weights, CUDA graph) for one cache
-    engines = {mode: _engine(_backend(name, loaded.weights, None), mode, max(batches), pages) for mode in (False, True)}
-    router = getattr(engines[False].backend, "router", None)
-    if router is not None:  # one set of path estimates, so that both engines run a batch the same way
-        engines[True].backend.router = router
+    # one backend for both engines (each its own cache): the same compiled kernels and one router's estimates, so
+    # both run a batch the same way; the megakernel backend's decoder and graphs follow the cache they are given
+    # (rebuilt at a switch, which the warm-up of each measure absorbs)
+    backend = _backend(name, loaded.weights, None)
+    engines = {mode: _engine(backend, mode, max(batches), pages) for mode in (False, True)}
+    router = getattr(backend, "router", None)
     print(f"[overlap] {args.model} on {dev_name}, {name} backend; {args.tokens} tokens a request after a "
           f"{args.prompt}-token prompt", file=sys.stderr, flush=True)
     rows = []
