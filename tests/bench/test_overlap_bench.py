@@ -22,3 +22,13 @@ def test_bad_options_are_one_line_errors(capsys):
     assert main(["--model", "no-such-preset", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("mimw bench overlap: error:") == 2 and "Traceback" not in err
+
+
+def test_profile_writes_a_trace_per_mode_and_prints_the_host_calls(tmp_path, capsys):
+    assert main(["--model", "tiny-llama", "--batches", "2", "--tokens", "8", "--prompt", "4", "--step-iters", "2",
+                 "--threads", "1", "--profile", "--out", str(tmp_path)]) == 0
+    traces = sorted(p.name for p in tmp_path.glob("profile-*.json"))
+    assert traces == ["profile-overlap-b2.json", "profile-sync-b2.json"]
+    assert all(json.loads((tmp_path / t).read_text())["traceEvents"] for t in traces)
+    err = capsys.readouterr().err
+    assert "profile sync, batch 2" in err and "profile overlap, batch 2" in err and "Self CPU" in err

@@ -43,6 +43,9 @@ def add_arguments(sub) -> None:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request (default 32)")
     p.add_argument("--step-iters", type=int, default=50, help="back-to-back backend steps timed (default 50)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--profile", action="store_true", help="also profile each engine's timed requests at the last "
+                   "batch (torch.profiler): the host calls that wait for the device, by CPU time, and a Chrome trace "
+                   "per mode in --out")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results/overlap", metavar="DIR")
 
 
@@ -130,6 +133,21 @@ def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> di
     skip = 4
     gaps = [(ts[-1] - ts[skip]) / (len(ts) - 1 - skip) for ts in times.values() if len(ts) > skip + 1]
     return {"itl_ms": 1e3 * statistics.fmean(gaps), "wall_s": wall, "tokens": sum(len(t) for t in times.values())}
+
+
+def profile_itl(engine, batch: int, prompt: int, tokens: int, out: Path, name: str) -> None:
+    """``engine_itl_ms`` under torch.profiler (after the measured runs: compiled, captured): prints the operators
+    and runtime calls by self CPU time (a host that waits for the device shows as cudaStreamSynchronize,
+    cudaEventSynchronize or a blocking copy here) and writes ``profile-<name>-b<batch>.json`` (Chrome trace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        r = engine_itl_ms(engine, batch, prompt, tokens, seed=2000 + batch)
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / f"profile-{name}-b{batch}.json"))
+    print(f"[overlap] profile {name}, batch {batch}: ITL {r['itl_ms']:.3f} ms; by self CPU time:", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr, flush=True)
 
 
 class FixedLogits(Backend):
@@ -230,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
             row[k]["host_share"] = max(0.0, 1 - step / itl)
         rows.append(row)
         print(_line(row), file=sys.stderr, flush=True)
+    if args.profile:
+        for mode, eng in engines.items():
+            profile_itl(eng, batches[-1], args.prompt, args.tokens, Path(args.out), "overlap" if mode else "sync")
     doc = {"bench": "overlap", "model": args.model, "backend": name, "device": dev_name,
            "torch": torch.__version__, "tokens": args.tokens, "prompt": args.prompt, "rows": rows,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
