@@ -203,10 +203,12 @@ def run(args: argparse.Namespace) -> int:
            "page_size": ps, "max_batch": args.max_batch, "max_step_tokens": args.max_step_tokens,
            "parked_pages": parked, "steps": args.steps, "rows": rows,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    from .report import write_json
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"engine-host-cpu-{args.model}.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(path, doc)
     print(table(rows))
     print(f"wrote {path}")
     return 0

@@ -254,10 +254,12 @@ def run(args: argparse.Namespace) -> int:
     doc = {"bench": "overlap", "model": args.model, "backend": name, "device": dev_name,
            "torch": torch.__version__, "tokens": args.tokens, "prompt": args.prompt, "rows": rows,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    from .report import write_json
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"overlap-{_slug(dev_name)}-{args.model}.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(path, doc)
     print(table(rows))
     print(f"wrote {path}")
     return 0

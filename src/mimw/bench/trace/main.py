@@ -309,7 +309,8 @@ def _base_name(device: str, model: str, trace: str) -> str:
 
 
 def _save(doc: dict, out_dir: Path, base: str, chart: bool) -> list[Path]:
-    from .report import markdown, write_chart, write_json
+    from ..report import write_json
+    from .report import markdown, write_chart
 
     paths = [out_dir / f"{base}.json", out_dir / f"{base}.md"]
     write_json(paths[0], doc)

@@ -8,8 +8,6 @@ with the first setup's (the baseline): baseline / setup, so > 1 is faster.
 """
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -97,12 +95,6 @@ def compare(setups: list[dict]) -> None:
     for s in setups:
         mine = s["summary"]["ttft_p50_ms"]
         s["summary"]["ttft_p50_vs_first"] = base / mine if base and mine else None
-
-
-def write_json(path: Path, doc: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def _f(x, fmt: str) -> str:
