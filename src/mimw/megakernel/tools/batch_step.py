@@ -37,9 +37,22 @@ from .trace import format_summary, summarize
 from .variants import read_bandwidth, time_step
 
 
-def measure(model: str, batches: list[int], context: int, bw: float, page_size: int = 16,
-            tuning: Tuning = Tuning(), name: str = "default", trace: bool = False) -> list[dict]:
+def _spec(model: str, layers: int):
+    """The preset, cut to its first ``layers`` layers where that is > 0 (a shape too large for the GPU's memory)."""
     spec = get_preset(model)
+    return spec.with_(num_layers=layers) if layers else spec
+
+
+def _floor_bytes(spec, context: int, tokens: int, sequences: int) -> int:
+    """Weights plus each sequence's KV; an MoE shape's routed experts taken at their most, min(E, tokens x k) a layer
+    (random routing of a few tokens picks nearly that many distinct experts), so its x floor is a lower bound."""
+    routed = len(spec.moe_layers) * min(spec.num_experts, tokens * spec.num_experts_per_tok) if spec.is_moe else None
+    return step_bytes(spec, context, routed_experts=routed) + (sequences - 1) * context * spec.kv_bytes_per_token(2)
+
+
+def measure(model: str, batches: list[int], context: int, bw: float, page_size: int = 16,
+            tuning: Tuning = Tuning(), name: str = "default", trace: bool = False, layers: int = 0) -> list[dict]:
+    spec = _spec(model, layers)
     batches = [b for b in batches if b <= max_tokens(spec, tuning)]  # the 8B shapes plan at most 16
     if not batches:
         return []
@@ -62,7 +75,7 @@ def measure(model: str, batches: list[int], context: int, bw: float, page_size: 
                 _record_trace(bdec, next(r for r in rows if r["batch"] == b), f"{model} B={b} {name}")
                 continue
             ms = time_step(bdec)
-            floor = floor_ms(step_bytes(spec, context) + (b - 1) * context * spec.kv_bytes_per_token(2), bw)
+            floor = floor_ms(_floor_bytes(spec, context, b, b), bw)
             rows.append(dict(model=model, tuning=name, batch=b, context=context, ms=ms, floor_ms=floor,
                              x_floor=ms / floor, ring=bdec.plan.ring, down_parts=bdec.program.down_parts))
             print(f"[batch_step] {model} {name} B={b}: {ms:.3f} ms (floor {floor:.3f})", flush=True)  # kept if a
@@ -84,10 +97,11 @@ def _record_trace(dec: MegakernelDecoder, row: dict, label: str) -> None:
 
 
 def measure_verify(model: str, shapes: list[tuple[int, int]], context: int, bw: float, page_size: int = 16,
-                   tuning: Tuning = Tuning(), name: str = "default", trace: bool = False) -> list[dict]:
+                   tuning: Tuning = Tuning(), name: str = "default", trace: bool = False,
+                   layers: int = 0) -> list[dict]:
     """Verify steps of S sequences x K tokens at ``context``: per shape, the query-block program and the per-token
     one, each timed as graph replays (and traced once with ``trace``)."""
-    spec = get_preset(model)
+    spec = _spec(model, layers)
     shapes = [(n, k) for n, k in shapes if 2 <= n * k <= max_tokens(spec, tuning)]
     if not shapes:
         return []
@@ -113,7 +127,7 @@ def measure_verify(model: str, shapes: list[tuple[int, int]], context: int, bw: 
                     _record_trace(vdec, next(r for r in rows if r["shape"] == shape), f"{model} {shape} {name}")
                     continue
                 ms = time_step(vdec)
-                floor = floor_ms(step_bytes(spec, context) + (n - 1) * context * spec.kv_bytes_per_token(2), bw)
+                floor = floor_ms(_floor_bytes(spec, context, n * k, n), bw)
                 rows.append(dict(model=model, tuning=name, shape=shape, tokens=n * k, context=context, ms=ms,
                                  floor_ms=floor, x_floor=ms / floor, splits=vdec.program.max_splits))
                 print(f"[batch_step] {model} {name} {shape}: {ms:.3f} ms (floor {floor:.3f})", flush=True)
@@ -129,6 +143,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tunings", default="default", help="';'-separated Tuning overrides (tools/variants.py syntax)")
     ap.add_argument("--trace", action="store_true", help="also trace one step per cell and print its summary")
+    ap.add_argument("--layers", type=int, default=0, help="each model's first N layers only (0: all), e.g. an MoE "
+                    "shape larger than the GPU's memory")
     ap.add_argument("--verify", default="", metavar="SxK[,...]", help="verify steps: S sequences x K tokens each, "
                     "as query blocks and per token (e.g. 1x16,4x4)")
     a = ap.parse_args()
@@ -145,7 +161,7 @@ def main() -> None:
         for name in a.tunings.split(";"):
             tuning = Tuning() if name == "default" else Tuning.parse(name)
             rows += measure(m, [int(b) for b in a.batches.split(",") if b], a.context, bw, tuning=tuning, name=name,
-                            trace=a.trace)
+                            trace=a.trace, layers=a.layers)
     print(f"{'model':14s} {'tuning':>12s} {'B':>3s} {'ms':>8s} {'floor':>8s} {'x floor':>8s} {'x M=1':>7s} ring parts")
     for r in rows:
         x1 = f"{r['x_m1']:7.2f}" if r["x_m1"] else "      -"
@@ -155,7 +171,8 @@ def main() -> None:
     for m in a.models.split(",") if verify else []:
         for name in a.tunings.split(";"):
             tuning = Tuning() if name == "default" else Tuning.parse(name)
-            vrows += measure_verify(m, verify, a.context, bw, tuning=tuning, name=name, trace=a.trace)
+            vrows += measure_verify(m, verify, a.context, bw, tuning=tuning, name=name, trace=a.trace,
+                                    layers=a.layers)
     if vrows:
         print(f"{'model':14s} {'tuning':>12s} {'shape':>24s} {'ms':>8s} {'floor':>8s} {'x floor':>8s} splits")
         for r in vrows:
