@@ -11,12 +11,12 @@ bucket of B (powers of two), and picks the cheapest estimate. A path with no est
 first (in the order the backend lists them, then replays) until it has ``min_samples`` times; the first time of each
 path and size is dropped as warm-up (compilation, graph capture). A path's estimate is the least of its last
 ``window`` times: a step's time on the GPU's events only ever inflates (the host stalling the queue, a capture or an
-allocator's growth the warm-up rule missed), so one slow sample must not stick to the path that is not taken (a
-running mean held the 1B's decode 32 on the kernel at 2.51 ms while the pass ran it in 1.86 on an H100), while a
-GPU that got slower shows once ``window`` new times replace the old. Every ``refresh`` steps of a bucket the
-second-best path runs once so that its estimate follows the GPU. A step with verify blocks has no replay path (``replays=False``): the megakernel's
-multi-token step or the pass, estimated per bucket of its token count as decode steps are (the multi-token step
-runs the same program for M tokens whatever its segments).
+allocator's growth the warm-up rule missed), so one slow time must not stick to a path that is then never taken
+(bench/NOTES.md, "The router on the 1B's decode 32"), while a GPU that got slower shows once ``window`` new times
+replace the old. Every ``refresh`` steps of a bucket the second-best path runs once so that its estimate follows
+the GPU. A step with verify blocks has no replay path (``replays=False``): the megakernel's multi-token step or the
+pass, estimated per bucket of its token count as decode steps are (the multi-token step runs the same program for
+M tokens whatever its segments).
 
 Pure Python: the backend times each step with CUDA events and hands the times in (``observe``).
 """

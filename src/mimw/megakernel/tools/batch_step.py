@@ -3,9 +3,10 @@
 For each model shape (random bf16 weights) and batch B: B sequences of ``context`` past positions each in one paged
 cache (shuffled pages), the step captured in a CUDA graph and replayed; median ms per replay beside the floor (every
 weight once plus every sequence's KV, at the streaming read measured in the same run) and the M = 1 step of the
-same run. ``--tunings`` times each batch (and verify step) under several ``Tuning`` overrides (``"default;ring=5"``), ``--trace``
-also records one traced step per cell and prints its per-instruction summary (tools/trace.py), to say where a
-batch's time goes. Prints a table and writes JSON to ``$OUT/batch_step.json`` when $OUT is set.
+same run. ``--tunings`` times each batch (and verify step) under several ``Tuning`` overrides (``"default;ring=5"``),
+``--trace`` also records one traced step per cell and prints its per-instruction summary (tools/trace.py), to say
+where a batch's time goes, ``--layers N`` keeps a preset's first N layers. Each cell is printed as it is measured;
+a table at the end, and JSON to ``$OUT/batch_step.json`` when $OUT is set.
 
 ``--verify 1x16,4x4`` also times verify steps (S sequences, a block of K tokens each, at the same context) on the
 multi-token kernel twice: with each block as attention's query block (``blocks``: one instruction per block, KV
