@@ -202,14 +202,9 @@ def run(args: argparse.Namespace) -> int:
            "page_size": ps, "max_batch": args.max_batch, "max_step_tokens": args.max_step_tokens,
            "parked_pages": parked, "steps": args.steps, "rows": rows,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    from .report import write_json
+    from .report import publish
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"engine-host-cpu-{args.model}.json"
-    write_json(path, doc)
-    print(table(rows))
-    print(f"wrote {path}")
+    publish(args.out, f"engine-host-cpu-{args.model}.json", doc, table(rows))
     return 0
 
 

@@ -255,14 +255,9 @@ def run(args: argparse.Namespace) -> int:
     doc = {"bench": "overlap", "model": args.model, "backend": name, "device": dev_name,
            "torch": torch.__version__, "tokens": args.tokens, "prompt": args.prompt, "rows": rows,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    from .report import write_json
+    from .report import publish
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"overlap-{_slug(dev_name)}-{args.model}.json"
-    write_json(path, doc)
-    print(table(rows))
-    print(f"wrote {path}")
+    publish(args.out, f"overlap-{_slug(dev_name)}-{args.model}.json", doc, table(rows))
     return 0
 
 

@@ -55,6 +55,17 @@ def write_json(path: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
+def publish(out_dir: str | Path, filename: str, doc: dict, table: str) -> Path:
+    """A bench's JSON document into ``out_dir``/``filename`` (atomic), its table and the path on stdout."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / filename
+    write_json(path, doc)
+    print(table)
+    print(f"wrote {path}")
+    return path
+
+
 def _f(x: float | None, fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
