@@ -119,9 +119,10 @@ def decode_steps(eng, context: int, batch: int, steps: int, profile: int = 0) ->
     parked_pages = eng.allocator.num_pages - batch * -(-context // ps)
     run = decode_tokens(steps, context, batch)
     filler = 0
+    one = SamplingParams(temperature=0.0, max_tokens=1)
     while parked_pages > 0:  # finished requests' pages, parked for reuse (distinct prompts: no sharing)
         n = min(parked_pages, eng.max_model_len // ps - 1)
-        eng.add_request(f"fill{filler}", [filler % 200 + 3] + [7] * (n * ps), SamplingParams(temperature=0.0, max_tokens=1))
+        eng.add_request(f"fill{filler}", [filler % 200 + 3] + [7] * (n * ps), one)
         while eng.has_work():
             eng.step()
         parked_pages -= n
