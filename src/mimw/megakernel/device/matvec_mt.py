@@ -1,6 +1,6 @@
 """The multi-token matvec (C.M > 1, a decode batch): staging M tokens' inputs, and swap-AB wgmma over weight tiles.
 
-The design of tools/skinny_gemm.py's probe ``skinny_gemm_swap``, inside the megakernel's ring:
+The design of tools/skinny_gemm.py's probe ``skinny_gemm_swap`` inside the megakernel's ring, a chunk pair a wgmma:
   * the staging buffer ``xs`` holds the instruction's input for the MB = 8 padded tokens as bf16 chunks
     [MB, 32] (one chunk a 32-column slice; column tile k is chunks 8k .. 8k + 7; rows past M and columns past K
     zero), staged once per run of same-stage instructions by ONE round of async copies (cp.async) from the bf16
