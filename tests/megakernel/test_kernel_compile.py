@@ -123,8 +123,8 @@ def test_the_moe_kernels_compile_spill_free_and_fit_shared_memory(model):
 
 
 def test_the_moe_decode_batch_kernel_compiles_spill_free():
-    """Eight tokens of the 30B-A3B a step (64 routing slots; wgmma's N = 8): the router finisher routes eight tokens
-    at once and scans the union of their experts into slots."""
+    """Eight tokens of the 30B-A3B a step (64 routing slots; MB = 8, a chunk pair wgmma's N = 16): the router
+    finisher routes eight tokens at once and scans the union of their experts into slots."""
     from mimw.megakernel.program import StepShape
 
     p = plan(get_preset("qwen3-30b-a3b"), 132, StepShape((1,) * 8, 1024))

@@ -23,14 +23,22 @@ def _build(model: str, batch: int, blocks: tuple[int, ...] = (), kv: str = "bf16
     return p, k, ptxas_report(k.asm["ptx"])
 
 
+def _assert_pair_wgmma(ptx: str, mb: int):
+    """The matvecs' wgmmas take a chunk pair of the MB staged tokens as B (N = 2 MB: device/matvec_mt.dot_tile),
+    none a single chunk (N = MB)."""
+    assert f"wgmma.mma_async.sync.aligned.m64n{2 * mb}k16.f32.bf16.bf16" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{mb}k16." not in ptx
+
+
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
 def test_the_decode_batch_kernel_compiles_spill_free_on_wgmma(model):
     p, k, rep = _build(model, 8)
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
     assert k.metadata.shared <= SHARED_BYTES and p.exchange_bytes == 0, k.metadata.shared
     ptx = k.asm["ptx"]
-    # every matvec on wgmma (swap-AB: m64 n8 k16, the tokens as B), none on mma.sync; no cluster exchange
-    assert "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16" in ptx
+    # every matvec on wgmma (swap-AB: m64 n16 k16, a chunk pair of the tokens as B), none on mma.sync; no cluster
+    # exchange
+    _assert_pair_wgmma(ptx, p.constants.MB)
     assert "mma.sync.aligned" not in ptx and "st.async.shared::cluster" not in ptx
     assert "cp.async.bulk.tensor" in ptx and "atom.global.gpu.release.add" in ptx
     assert not partition_barrier_errors(ptx, p.constants.NW)  # no CTA-wide barrier 0 (the loader never arrives)
@@ -41,19 +49,19 @@ def test_the_decode_batch_kernel_compiles_spill_free_on_wgmma(model):
 
 
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
-def test_sixteen_tokens_compile_spill_free_on_wgmma_n16(model):
+def test_sixteen_tokens_compile_spill_free_on_wgmma_n32(model):
     p, k, rep = _build(model, 16)
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
     assert k.metadata.shared <= SHARED_BYTES and p.constants.MB == 16
-    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in k.asm["ptx"]
+    _assert_pair_wgmma(k.asm["ptx"], 16)
     assert p.program.down_parts == (4 if model == "llama-3.1-8b" else 2)
 
 
-def test_thirty_two_tokens_compile_spill_free_on_wgmma_n32_where_they_fit():
+def test_thirty_two_tokens_compile_spill_free_on_wgmma_n64_where_they_fit():
     p, k, rep = _build("llama-3.2-1b", 32)
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
     assert k.metadata.shared <= SHARED_BYTES and p.constants.MB == 32 and p.program.down_parts == 4
-    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in k.asm["ptx"]
+    _assert_pair_wgmma(k.asm["ptx"], 32)
 
 
 def test_a_smaller_batch_compiles_too():
@@ -166,7 +174,7 @@ def test_the_fp8_decode_batch_kernels_compile_spill_free_on_wgmma(model, batch):
     assert k.metadata.shared <= SHARED_BYTES and p.exchange_bytes == 0, k.metadata.shared
     c, ptx = p.constants, k.asm["ptx"]
     assert c.FP8 and c.M == batch and c.MB == batch
-    assert f"wgmma.mma_async.sync.aligned.m64n{batch}k16.f32.bf16.bf16" in ptx
+    _assert_pair_wgmma(ptx, batch)
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
     b16 = plan(get_preset(model), 132, StepShape((1,) * batch, 1024))
     assert (p.ring, p.hbuf_rows, p.program.down_parts) == (b16.ring, b16.hbuf_rows, b16.program.down_parts)

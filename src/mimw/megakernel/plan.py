@@ -21,10 +21,10 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
     scales beside the ring, ``kv_scale_bytes`` a slot); a page size whose boxes TMA cannot address is refused;
   * the release hold's marks on the words (hold.py);
   * a multi-token step (M = 2..``max_tokens`` one-token segments: decode tokens, a verify block's tokens): the
-    tokens padded to MB = 8, 16 or 32 (wgmma's N: ``token_rows``), the staging buffer MB bf16 rows a 32-column
-    chunk and a norm's weights beside it, no cluster pairs (their exchange holds one token's sums: ATTN_IN's parts
-    combine through tickets), and DOWN_PROJ in ticketed column parts: at least two, and as few as let its staged
-    input fit beside a ring of ``MIN_RING_MT`` slots.
+    tokens padded to MB = 8, 16 or 32 (``token_rows``; wgmma's N is a chunk pair's 2 MB), the staging buffer MB
+    bf16 rows a 32-column chunk and a norm's weights beside it, no cluster pairs (their exchange holds one token's
+    sums: ATTN_IN's parts combine through tickets), and DOWN_PROJ in ticketed column parts: at least two, and as
+    few as let its staged input fit beside a ring of ``MIN_RING_MT`` slots.
   * mixture-of-experts layers (ROUTER, EXPERT_IN, EXPERT_DOWN): the staging buffer also holds an expert's
     activation (EXPERT_DOWN's input); over a bf16 KV cache only (an fp8 one is refused: not checked together).
 A program with an instruction that has no device code (ops.GPU_OPS) is refused.
@@ -50,10 +50,10 @@ SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90
 SCRATCH_BYTES = 8 * 1024  # kept for the compiler's own shared scratch (layout conversions, reductions, barriers:
 # ~4.3 KB in the default kernels); every kernel the compile tests build is checked to fit
 MMA_K = 32  # columns of a folded tile row (device/matvec.dot_tile): two k16 steps of mma.sync
-MAX_BATCH = 32  # the most tokens a multi-token step plans (swap-AB: the tokens are wgmma's N, 8, 16 or 32); fewer
+MAX_BATCH = 32  # the most tokens a multi-token step plans (swap-AB: a chunk pair of the tokens is wgmma's N); fewer
 # where the staged input of that many does not fit (``max_tokens``: the 8B shapes' 4096 columns, 16)
 MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its staging buffer
-MAX_MOE_BATCH = 8  # the most tokens a multi-token step of an MoE model plans (wgmma's N = 8)
+MAX_MOE_BATCH = 8  # the most tokens a multi-token step of an MoE model plans (MB = 8)
 MAX_QUERY_BLOCK = 16  # the most tokens of one attention query block (StepShape.attn_blocks): its query rows are
 # tokens x the group's heads on mma.sync (16 x 4 = 64 rows, 16 a warp), its partials' combine a token at a time
 
@@ -314,13 +314,13 @@ def check(spec: ModelSpec, t: Tuning) -> None:
 
 
 def token_rows(m: int) -> int:
-    """MB, the rows a multi-token step pads its M tokens to: wgmma's N, 8 up to eight tokens, 16 up to sixteen,
-    else 32."""
+    """MB, the rows a multi-token step pads its M tokens to (a staged chunk's rows; wgmma's N is a chunk pair's
+    2 MB): 8 up to eight tokens, 16 up to sixteen, else 32."""
     return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
 def max_tokens(spec: ModelSpec, tuning: Tuning = Tuning()) -> int:
-    """The most tokens a multi-token step of ``spec`` plans: MAX_BATCH, or the largest wgmma N (16, 8) whose staged
+    """The most tokens a multi-token step of ``spec`` plans: MAX_BATCH, or the largest MB (16, 8) whose staged
     input fits in shared memory; 1 where the GPU kernel runs no multi-token step (16-row tiles)."""
     t = tuning.resolve(spec)
     for m in (MAX_BATCH, 16, 8):

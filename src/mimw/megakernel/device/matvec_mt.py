@@ -1,6 +1,6 @@
 """The multi-token matvec (C.M > 1, a decode batch): staging M tokens' inputs, and swap-AB wgmma over weight tiles.
 
-The design of tools/skinny_gemm.py's probe ``skinny_gemm_swap``, inside the megakernel's ring:
+The design of tools/skinny_gemm.py's probe ``skinny_gemm_swap`` inside the megakernel's ring, a chunk pair a wgmma:
   * the staging buffer ``xs`` holds the instruction's input for the MB = 8 padded tokens as bf16 chunks
     [MB, 32] (one chunk a 32-column slice; column tile k is chunks 8k .. 8k + 7; rows past M and columns past K
     zero), staged once per run of same-stage instructions by ONE round of async copies (cp.async) from the bf16
@@ -10,13 +10,17 @@ The design of tools/skinny_gemm.py's probe ``skinny_gemm_swap``, inside the mega
     per round of register loads;
   * a ring slot holds a [32, 256] tile chunk-major ([256, 32]: row 32j + r = W[r, 32j .. 32j + 32), launch/pack.py),
     so rows [64q, 64q + 64) are chunks 2q and 2q + 1 of all 32 tile rows: wgmma's 64-row A operand, read in place;
-  * chunk c of the tokens (``xs.index(c).permute((1, 0))``, [32, MB]) is the narrow B operand: an A pair against
-    its even chunk accumulates into rows 0..31 of ``acc_e``, against its odd chunk into rows 32..63 of ``acc_o``
-    (the other half of each product is unused); a row tile's sum is acc_e[r] + acc_o[32 + r];
-  * one tile's wgmmas stay in flight while the next tile's issue (``warpgroup_mma_wait(num_outstanding=NF)``); a
+  * the tokens' chunks 2q and 2q + 1 side by side (``pairs(xs)``: two consecutive [MB, 32] chunks are one
+    [2 MB, 32] tile, the same bytes) are the narrow B operand [32, 2 MB], so each A pair is read by ONE wgmma
+    (m64 n2MB k16 x 2) into ``acc`` [64, 2 MB]: rows 0..31 x columns 0..MB-1 hold the even chunk's products, rows
+    32..63 x columns MB..2MB-1 the odd chunk's (the other two quarters are unused); a row tile's sum for token t is
+    acc[r, t] + acc[32 + r, MB + t] (``fold``: the column halves in registers, then the row halves across warps);
+  * one tile's wgmmas stay in flight while the next tile's issue (``warpgroup_mma_wait(num_outstanding=NF/2)``); a
     slot goes back to the loader once its wgmmas completed.
-PyTorch references: each instruction's ``ops`` module (the same solvers as M = 1, over M rows).
+PyTorch references: each instruction's ``ops`` module (the same solvers as M = 1, over M rows); ``dot_tile_torch``
+does ``dot_tile``'s operand arithmetic (pairs, products, fold) in PyTorch.
 """
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import constexpr_function
@@ -183,41 +187,59 @@ def stage_span(xs, src_ptr, K, k0, k1, C: gl.constexpr):
 
 
 @gluon.jit
+def pairs(xs, C: gl.constexpr):
+    """The staging buffer as [chunks / 2, 2 MB, 32]: pair p is chunks 2p (rows 0..MB-1) and 2p + 1 (rows MB..2MB-1),
+    the same bytes (a chunk of MB >= 8 rows of 64 bytes is whole 64-byte swizzle patterns, and the layout of a
+    [2 MB, 32] tile is a [MB, 32] chunk's: xs_layout)."""
+    return xs._reinterpret(gl.bfloat16, [C.KT_ROWS * (C.TK // 64), 2 * C.MB, 32], xs_layout(C))
+
+
+@gluon.jit
+def fold(acc, C: gl.constexpr):
+    """[64, 2 MB] pair products -> [TR, MB] row sums in ``out_layout``: y[r, t] = acc[r, t] + acc[32 + r, MB + t].
+    The column halves first: in wgmma's accumulator layout column MB is a register bit (MB >= 8), so picking each
+    row's half is a select in registers and halves what the row fold moves; the row halves are warps 0-1 against
+    2-3, summed through shared memory as a [64, MB] accumulator's were."""
+    MB: gl.constexpr = C.MB
+    lo, hi = gl.split(gl.permute(gl.reshape(acc, [64, 2, MB]), (0, 2, 1)))  # [64, MB] each: columns t, MB + t
+    r = gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(1, lo.type.layout)), 1)
+    y = gl.where(r < 32, lo, hi)  # [64, MB]: the even chunks' sums over the odd chunks'
+    return gl.convert_layout(gl.sum(gl.reshape(y, [2, 32, MB]), axis=0), out_layout(C))
+
+
+@gluon.jit
 def dot_tile(sm, it, k0, k1, base, C: gl.constexpr):
     """One row tile for every token: sum over column tiles [k0, k1) of W_tile . x_chunk -> ([TR, MB] fp32 in
-    ``out_layout``, it'), column tile k's chunks staged at xs chunks 8 (k - base) ... Swap-AB wgmma (module doc)."""
+    ``out_layout``, it'), column tile k's chunks staged at xs chunks 8 (k - base) ... Swap-AB wgmma, one a chunk
+    pair (module doc)."""
     bufs = sm.bufs
-    xs = sm.hbuf
+    xs = pairs(sm.hbuf, C)
     NB: gl.constexpr = C.NB
-    NF: gl.constexpr = C.TK // 32
+    NP: gl.constexpr = C.TK // 64  # chunk pairs a tile: its wgmmas
     MB: gl.constexpr = C.MB
+    gl.static_assert((C.TR == 32) & (C.TK % 64 == 0), "a tile's chunk pairs are wgmma's 64-row A operands")
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[C.NW, 1],
-                                                  instr_shape=[16, MB, 16])
-    acc_e = gl.zeros([64, MB], gl.float32, ACC)  # rows 0..31: the even chunks' sums
-    acc_o = gl.zeros([64, MB], gl.float32, ACC)  # rows 32..63: the odd chunks' sums
+                                                  instr_shape=[16, 2 * MB, 16])
+    acc = gl.zeros([64, 2 * MB], gl.float32, ACC)  # [even chunks' rows | odd chunks' rows] x [even | odd tokens]
     prev = 0
     for k in range(k0, k1):
         idx = it % NB
         mbarrier.wait(sm.ready.index(idx), (it // NB) & 1)
         slot = bufs.index(idx)
-        c0 = (k - base) * NF
-        for q in gl.static_range(NF // 2):
+        p0 = (k - base) * NP
+        for q in gl.static_range(NP):
             a = slot.slice(q * 64, 64)  # chunks 2q (rows 0..31) and 2q + 1 (rows 32..63) of the tile's rows
-            acc_e = warpgroup_mma(a, xs.index(c0 + 2 * q).permute((1, 0)), acc_e, is_async=True)
-            acc_o = warpgroup_mma(a, xs.index(c0 + 2 * q + 1).permute((1, 0)), acc_o, is_async=True)
+            acc = warpgroup_mma(a, xs.index(p0 + q).permute((1, 0)), acc, is_async=True)
         # this tile's wgmmas stay in flight; the previous tile's completed: its slot goes back
-        acc_e, acc_o = warpgroup_mma_wait(num_outstanding=NF, deps=(acc_e, acc_o))
+        acc = warpgroup_mma_wait(num_outstanding=NP, deps=(acc,))
         if k > k0:
             mbarrier.arrive(sm.empty.index(prev), count=1)
         prev = idx
         it += 1
-    acc_e, acc_o = warpgroup_mma_wait(num_outstanding=0, deps=(acc_e, acc_o))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     if k1 > k0:
         mbarrier.arrive(sm.empty.index(prev), count=1)
-    r = gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(1, ACC)), 1)
-    y = gl.where(r < 32, acc_e, acc_o)  # [64, MB]: the even chunks' sums over the odd chunks'
-    y3 = gl.reshape(y, [2, 32, MB])
-    return gl.convert_layout(gl.sum(y3, axis=0), out_layout(C)), it
+    return fold(acc, C), it
 
 
 @gluon.jit
@@ -280,3 +302,33 @@ def swiglu_rows(sm, it, k0, k1, n_tiles, out_ptr, N, C: gl.constexpr):
         gl.store(out_ptr + t * N + r * TH + j, (g / (1.0 + gl.exp(-g)) * u).to(gl.bfloat16),
                  mask=(t < C.M) & (j >= 0))
     return it
+
+
+def staged_torch(x: torch.Tensor, MB: int, n_chunks: int) -> torch.Tensor:
+    """The staging buffer as ``stage_span`` leaves it, flat [n_chunks * MB, 32]: row c * MB + t is token t's columns
+    [32c, 32c + 32) (tokens past M = x.shape[0] and columns past K = x.shape[1] zero)."""
+    m, k = x.shape
+    xp = torch.zeros(MB, n_chunks * 32, dtype=x.dtype)
+    xp[:m, :k] = x
+    return xp.view(MB, n_chunks, 32).transpose(0, 1).reshape(n_chunks * MB, 32)
+
+
+def fold_torch(acc: torch.Tensor, MB: int) -> torch.Tensor:
+    """``fold``: [64, 2 MB] -> [32, MB], y[r, t] = acc[r, t] + acc[32 + r, MB + t], the column halves first."""
+    y = torch.where(torch.arange(64)[:, None] < 32, acc[:, :MB], acc[:, MB:])
+    return y[:32] + y[32:]
+
+
+def dot_tile_torch(slots: torch.Tensor, xs: torch.Tensor, MB: int) -> torch.Tensor:
+    """``dot_tile``'s operands and products in PyTorch (fp32), for column tiles staged from chunk 0 (base = k0):
+    slots [KT, TR * TK / 32, 32] one row tile's column tiles as the ring holds them (launch/pack.tile_major), xs
+    the staged chunks flat (``staged_torch``) -> [TR, MB]. One product a chunk pair: A = the slot's rows
+    [64q, 64q + 64), B = pair p's [2 MB, 32] transposed."""
+    kt, rows, _ = slots.shape
+    n_pairs = rows // 64
+    xp = xs.view(-1, 2 * MB, 32)  # ``pairs``
+    acc = torch.zeros(64, 2 * MB)
+    for k in range(kt):
+        for q in range(n_pairs):
+            acc += slots[k, 64 * q: 64 * q + 64].float() @ xp[k * n_pairs + q].float().T
+    return fold_torch(acc, MB)
