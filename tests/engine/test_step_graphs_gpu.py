@@ -31,6 +31,8 @@ def test_graph_replays_match_the_eager_pass_across_contexts_patterns_and_a_wider
         c.k.normal_(generator=torch.Generator(device="cuda").manual_seed(0))
         c.v.normal_(generator=torch.Generator(device="cuda").manual_seed(1))
     graphs = StepGraphs(runner, cache)
+    assert graphs.width == 64  # MIN_TABLE_TOKENS' pages, at most the pool's
+    graphs.width = 4  # a narrow start, so that the wider tables below recapture
     tables = [tuple(range(16 * i, 16 * i + 16)) for i in range(3)]
     gen = torch.Generator().manual_seed(2)
     # decode steps (one token a segment), then verify-like steps (4 tokens, every row's logits), then a mix
@@ -47,11 +49,12 @@ def test_graph_replays_match_the_eager_pass_across_contexts_patterns_and_a_wider
         for layer in range(spec.num_layers):  # the same K/V rows written
             assert torch.allclose(cache.k[layer].float(), twin.k[layer].float(), rtol=2e-2, atol=2e-2)
             assert torch.allclose(cache.v[layer].float(), twin.v[layer].float(), rtol=2e-2, atol=2e-2)
-    # block tables are trimmed to each step's pages: widths 3, 13 (recapture), 16 (recapture at the mix); steps 2
-    # and 5 replayed a graph, the others captured one, and the last recapture dropped the narrower graphs
-    assert graphs.width >= 16
-    assert graphs.captures == 4
-    assert set(graphs.graphs) == {((1, 1), (4, 4), (2, 1))}
+    # a pattern runs eager when first seen (steps 0, 3, 5) and is captured when seen again (1, 4); step 2's wider
+    # tables recaptured the decode pattern at once (known to repeat) and dropped the narrower graph
+    assert graphs.width == 16
+    assert (graphs.captures, graphs.eager) == (3, 3)
+    assert set(graphs.graphs) == {((1, 1),) * 3, ((4, 4),) * 3}
+    assert set(graphs.seen) == {((1, 1), (4, 4), (2, 1))}
     long = [Segment(tables[0], 0, graphs.block_m + 1)]
     assert not graphs.fits(long)
     with pytest.raises(ValueError):

@@ -239,7 +239,11 @@ def run(args: argparse.Namespace) -> int:
             # graphs recapture as the block tables widen; the backend rebuilds its decoder and graphs for this
             # engine's cache)
             engine_itl_ms(eng, b, args.prompt, args.tokens, seed=1000 + b)
-            row["overlap" if mode else "sync"] = engine_itl_ms(eng, b, args.prompt, args.tokens, seed=b)
+            before = graph_work(backend)
+            r = engine_itl_ms(eng, b, args.prompt, args.tokens, seed=b)
+            # graph captures and eager first sightings inside the measure (each capture drains the GPU's queue)
+            r["graph_work"] = {k: v - before.get(k, 0) for k, v in graph_work(backend).items()}
+            row["overlap" if mode else "sync"] = r
         if router is not None:
             row["router"] = router.estimates()
         step = row["backend_step_ms"]
@@ -265,12 +269,25 @@ def _slug(text: str) -> str:
     return "-".join("".join(c.lower() if c.isalnum() else " " for c in text).split()) or "device"
 
 
+def graph_work(backend) -> dict:
+    """The megakernel backend's short-step graphs so far: captures and steps run eager as a first sighting
+    (``StepGraphs``); empty for a backend without them."""
+    graphs = getattr(backend, "_graphs", None)
+    return {"captures": graphs.captures, "eager": graphs.eager} if graphs is not None else {}
+
+
 def _line(row: dict) -> str:
     k = f", kernel {row['kernel_ms']:.3f} ms" if "kernel_ms" in row else ""
     h = row["engine_host_ms"]
     return (f"[overlap] batch {row['batch']}: step {row['backend_step_ms']:.3f} ms{k}; ITL sync "
             f"{row['sync']['itl_ms']:.3f} ms, overlap {row['overlap']['itl_ms']:.3f} ms; engine host work "
-            f"{h['sync']:.3f} / {h['overlap']:.3f} ms a step")
+            f"{h['sync']:.3f} / {h['overlap']:.3f} ms a step; graph captures / eager steps in the measure: sync "
+            f"{_work(row['sync'])}, overlap {_work(row['overlap'])}")
+
+
+def _work(r: dict) -> str:
+    w = r.get("graph_work") or {}
+    return f"{w['captures']} / {w['eager']}" if w else "-"
 
 
 def table(rows: Sequence[dict]) -> str:

@@ -6,11 +6,15 @@ launches whatever its size (the 1B shape: ~5 ms on an H100 for 0.8-1.5 ms of HBM
 pass replays with no launch gaps. A step qualifies when each of its segments fits one query block of the paged
 attention kernel (``length <= block_m``): the kernel's grid (query heads x segments) and work list (one block per
 segment) then do not depend on the contexts, so one graph serves any contexts. Its pattern, the segments' (length,
-logit rows) in order, names its graph. What changes between steps is data, copied into the graph's static inputs
+logit rows) in order, names its graph. A pattern is captured the second time it is seen: the first runs eager, so a
+one-off pattern (a prefill chunk's mix of lengths) never pays a capture, which costs ~10 ms and drains the GPU's
+queue (``torch.cuda.graph`` synchronises the device and empties the allocator's cache before it records), while a
+decode batch or verify layout that repeats is captured on its second step. What changes between steps is data, copied into the graph's static inputs
 before each replay (from pinned host memory, without waiting for the GPU: ``pinned.copy_in``): the tokens, each
 row's position and cache slot, each segment's start and context, and its block table (zero-padded to the graphs'
-common width; entries past a segment's context are never read). A block table wider than that width recaptures the
-graphs wider.
+common width; entries past a segment's context are never read). That width starts at ``MIN_TABLE_TOKENS`` of
+context (at most the pool's pages), so short and mid-length contexts never recapture; a block table wider than it
+doubles it and recaptures the graphs wider.
 
 Capture: one eager pass on the step's real inputs first (compilation, autotuning; it writes the same K/V rows the
 replay rewrites), then the capture, then the replay. Every graph draws on one memory pool (graphs replay one at a
@@ -33,6 +37,7 @@ from ...prefill.batch import Piece, PrefillBatch
 from ...prefill.paged_attention import AttentionTiles
 
 _STEP_FIELDS = ("positions", "slots", "q_start", "seq_start", "seq_ctx", "logit_rows")
+MIN_TABLE_TOKENS = 8192  # context the graphs' block tables hold from the start (a 32-row table: 64 KB at page 16)
 
 
 @dataclass
@@ -57,10 +62,19 @@ class StepGraphs:
         self.cache = cache
         self.block_m = block_m(runner)
         self.max_graphs = max_graphs
-        self.width = 0  # block-table columns every graph's static batch holds
-        self.captures = 0  # graphs captured so far (a step that captured is no measure of a replay)
+        layout = cache.layout
+        # block-table columns every graph's static batch holds
+        self.width = min(layout.num_pages, -(-MIN_TABLE_TOKENS // layout.page_size))
+        self.captures = 0  # graphs captured so far
+        self.eager = 0  # steps run eager: a pattern's first sighting
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.seen: OrderedDict[tuple, None] = OrderedDict()  # patterns seen once, not captured (at most 4 x max_graphs)
         self.pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def unmeasured(self) -> int:
+        """Steps so far that were no measure of a replay: captures and first sightings (eager)."""
+        return self.captures + self.eager
 
     def fits(self, segments: Sequence[Segment]) -> bool:
         return self.block_m is not None and all(s.length <= self.block_m for s in segments)
@@ -74,13 +88,21 @@ class StepGraphs:
         host = PrefillBatch.build(pieces, self.cache.layout.page_size, "cpu")
         if host.block_tables.shape[1] > self.width:
             self.width = max(host.block_tables.shape[1], 2 * self.width)
+            self.seen.update(dict.fromkeys(self.graphs))  # known to repeat: recaptured at their next step
             self.graphs.clear()  # their static block tables are too narrow
             # with its last graph gone the caching allocator frees the private pool, and a capture into a freed
             # pool's handle fails: the wider graphs draw on a new one
             self.pool = torch.cuda.graph_pool_handle()
         key = tuple((p.length, p.num_logits) for p in pieces)
         g = self.graphs.get(key)
+        if g is None and key not in self.seen:  # a first sighting: eager, remembered
+            self.seen[key] = None
+            if len(self.seen) > 4 * self.max_graphs:
+                self.seen.popitem(last=False)
+            self.eager += 1
+            return self.runner.forward(tokens, segments, self.cache)
         if g is None:
+            self.seen.pop(key)
             g = self._capture(tokens, host)
             self.graphs[key] = g
             if len(self.graphs) > self.max_graphs:
