@@ -113,8 +113,8 @@ class StepState:
             raise ValueError(f"{len(tokens)} tokens for segments totalling {m}")
         new = starts if seg_new is None else np.asarray(seg_new, dtype=np.int64)
         if len(new) != ns or ((new < 0) | (new > starts)).any():
-            raise ValueError(f"seg_new {list(new)}: one first written position per segment, between 0 and its own "
-                             f"first position {list(starts)}")
+            raise ValueError(f"seg_new {new.tolist()}: one first written position per segment, between 0 and its "
+                             f"own first position {starts.tolist()}")
         # only the tables' used width is written: entries past a table's end are never read (every read is of a
         # position below the segment's context), so a step costs O(pages in use), not O(table width)
         width = max(len(t) for t in block_tables)
@@ -137,6 +137,7 @@ class StepState:
         self.block_tables[:ns, :width].copy_(self.inputs["table_rows"][:ns * width].view(ns, width))
         if not on_host:
             self.tokens.copy_(tokens)
+
 
 @dataclass
 class Scratch:
