@@ -237,6 +237,42 @@ def test_megakernel_decode_and_device_sampling_never_synchronise():
 
 @pytest.mark.gpu
 @hopper
+def test_megakernel_multi_token_steps_and_graphed_pass_never_synchronise():
+    """The megakernel's multi-token step (a decode batch padded to its bucket, a verify block's logit rows) and the
+    graphed prefill-path pass load their inputs in one copy from pinned memory (``StepInputs``) and hand back their
+    logits without waiting for the GPU: the overlapped engine's path at batch 8 and 32."""
+    from mimw.engine.backends.megakernel import MegakernelBackend
+    from mimw.engine.sampling import sample_ids
+    from mimw.models.reference import Segment
+    from mimw.models.spec import get_preset
+    from mimw.models.weights import random_weights
+
+    spec = get_preset("smollm2-135m").with_(num_layers=4)
+    mk = MegakernelBackend(random_weights(spec, 3, dtype=torch.bfloat16, device="cuda"))
+    cache = mk.make_cache(16, 32)
+    decode = [Segment((1, 2), 20, 1), Segment((3, 4, 5), 40, 1), Segment((6,), 7, 1)]  # 3 tokens: padded to 4
+    verify = [Segment((7, 8), 21, 3, 2), Segment((9, 10, 11), 41, 1)]  # rows 1, 2 and 3: by an index, not a slice
+    params = [SamplingParams(temperature=0)] * 4
+    steps = [(mk.decode_kernel, decode), (mk.decode_kernel, verify), (mk.decode_pass, decode),
+             (mk.decode_pass, verify)]
+    ids = torch.tensor([5, 9, 11, 13], device="cuda")
+    for step, segs in steps:  # compiles, captures each graph
+        step(ids[:sum(s.length for s in segs)], segs, cache)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # the next step's tokens are the previous samples, on the device
+            for step, segs in steps:
+                n = sum(s.length for s in segs)
+                out = step(ids[:n], segs, cache)
+                ids = torch.cat([sample_ids(out, params[:out.shape[0]], [0.0] * out.shape[0]), ids])[:4]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(0 <= t < spec.vocab_size for t in ids.tolist())
+
+
+@pytest.mark.gpu
+@hopper
 def test_megakernel_engine_with_overlap_matches_the_synchronous_engine():
     from mimw.engine.backends.megakernel import MegakernelBackend
     from mimw.models.spec import get_preset

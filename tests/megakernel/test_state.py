@@ -2,12 +2,14 @@
 import pytest
 import torch
 
-from mimw.megakernel.state import StepState
+from mimw.megakernel.state import StepState, state_fields
+from mimw.step_inputs import StepInputs
 
 
 def _state(m: int, s: int, width: int) -> StepState:
-    z = lambda *shape: torch.full(shape, -1, dtype=torch.int32)  # noqa: E731  (poison: written entries only)
-    return StepState(z(m), z(m), z(s), z(s, width), z(4), z(s))
+    inputs = StepInputs(state_fields(m, s, width), "cpu")
+    inputs.buffer.fill_(-1)  # poison: written entries only
+    return StepState(inputs, torch.zeros(4, dtype=torch.int32))
 
 
 def test_fill_writes_tokens_positions_contexts_and_only_the_tables_used_width():
@@ -41,3 +43,17 @@ def test_fill_writes_each_segments_first_written_position():
     assert st.seg_new.tolist() == [38, 41]
     with pytest.raises(ValueError, match="seg_new"):
         st.fill([1, 2, 3, 4], [40, 41], [[0], [1]], (1, 3), seg_new=[41, 41])  # past the segment's first
+
+
+def test_fill_state_views_alias_one_buffer_and_the_tokens_tensor_lands_after_the_copy():
+    st = _state(3, 3, 6)
+    base = st.inputs.buffer.data_ptr()
+    end = base + st.inputs.buffer.numel() * 8
+    for t in (st.tokens, st.positions, st.seg_ctx, st.seg_new, st.block_tables):
+        assert base <= t.data_ptr() and t.data_ptr() + t.numel() * 4 <= end and t.dtype == torch.int32
+    st.fill([1, 2, 3], [9, 4, 0], [[3, 1], [5], [2]], (1, 1, 1))
+    st.fill(torch.tensor([70, 80, 90]), [10, 5, 1], [[3], [5, 6, 7], [2]], (1, 1, 1))
+    # the host copy writes the tokens field too (stale values): the device tensor's copy comes after it
+    assert st.tokens.tolist() == [70, 80, 90]
+    assert st.positions.tolist() == [10, 5, 1] and st.seg_ctx.tolist() == [11, 6, 2]
+    assert st.block_tables[:, :3].tolist() == [[3, 0, 0], [5, 6, 7], [2, 0, 0]]

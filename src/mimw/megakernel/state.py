@@ -1,6 +1,7 @@
 """Step state and scratch buffers of one megakernel program: the memory contract between host, VM and kernel.
 
-Step state (int32, refilled by the host before every step; everything else is written by the kernel):
+Step state (int32, refilled by the host before every step in one copy: ``StepState.fill``; everything else is
+written by the kernel):
   tokens [M]              token id of each token in the step
   positions [M]           absolute position of each token in its sequence
   seg_ctx [S]             context length of each segment after this step (= last position + 1)
@@ -50,8 +51,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
+from ..step_inputs import Field, StepInputs
 from .tiles import router_rows
 
 if TYPE_CHECKING:
@@ -60,14 +63,26 @@ if TYPE_CHECKING:
 EMPTY_M = -1.0e30  # finite "minus infinity": exp(EMPTY_M - m) == 0 without inf - inf = nan
 
 
-@dataclass
+def state_fields(num_tokens: int, num_segments: int, max_pages: int) -> tuple[Field, ...]:
+    """The step state's inputs in their ``StepInputs`` buffer: the per-token and per-segment arrays, then
+    ``table_rows`` (the segments' block tables packed at the step's width: [S * width], copied only as far as the
+    step uses it) and, on the device only, ``block_tables`` [S, P] (the kernel's, at its fixed row stride P, written
+    from table_rows on the device)."""
+    m, s = num_tokens, num_segments
+    return (Field("tokens", torch.int32, (m,)), Field("positions", torch.int32, (m,)),
+            Field("seg_ctx", torch.int32, (s,)), Field("seg_new", torch.int32, (s,)),
+            Field("table_rows", torch.int32, (s * max_pages,)),
+            Field("block_tables", torch.int32, (s, max_pages), host=False))
+
+
 class StepState:
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    seg_ctx: torch.Tensor
-    block_tables: torch.Tensor
-    counters: torch.Tensor
-    seg_new: torch.Tensor
+    """The step's inputs (views into one ``StepInputs`` buffer: tokens, positions, seg_ctx, seg_new, block_tables)
+    and the counters (the kernel's; the host never writes them after allocation)."""
+
+    def __init__(self, inputs: StepInputs, counters: torch.Tensor):
+        self.inputs, self.counters = inputs, counters
+        self.tokens, self.positions = inputs["tokens"], inputs["positions"]
+        self.seg_ctx, self.seg_new, self.block_tables = inputs["seg_ctx"], inputs["seg_new"], inputs["block_tables"]
 
     @property
     def done_index(self) -> int:
@@ -87,47 +102,42 @@ class StepState:
         """Set the step's inputs: ``tokens`` [M] (host ints, or a tensor: a device tensor, e.g. the previous step's
         samples not yet on the host, is copied on the device); for each segment its first position and block table,
         and (default: that first position) the first position the step writes in its sequence (at most the
-        segment's first). On a GPU the host values go through pinned memory by copies that do not wait for the
-        stream (a pageable copy first waits for every kernel queued before it), in queue order before the launch."""
-        pos, ctx = [], []
-        for p0, n in zip(seg_starts_pos, seg_lens):
-            pos.extend(range(p0, p0 + n))
-            ctx.append(p0 + n)
-        if len(tokens) != len(pos):
-            raise ValueError(f"{len(tokens)} tokens for segments totalling {len(pos)}")
-        new = list(seg_starts_pos) if seg_new is None else list(seg_new)
-        if len(new) != len(seg_lens) or any(not 0 <= f <= p0 for f, p0 in zip(new, seg_starts_pos)):
-            raise ValueError(f"seg_new {new}: one first written position per segment, between 0 and its own first "
-                             f"position {list(seg_starts_pos)}")
-        # only the tables' used width is written, in one copy (one host-to-device copy a step, not one a segment):
-        # entries past a table's end are never read (every read is of a position below the segment's context), so
-        # a step costs O(pages in use), not O(table width)
+        segment's first). The host values are packed with numpy into the next pinned host buffer and go in one
+        non-blocking copy (``StepInputs.load``), then the tables' used width is spread into the kernel's rows and
+        a device tensor of tokens is copied, all queued in stream order before the launch: nothing waits for the
+        GPU."""
+        lens = np.asarray(seg_lens, dtype=np.int64)
+        starts = np.asarray(seg_starts_pos, dtype=np.int64)
+        m, ns = int(lens.sum()), len(lens)
+        if len(tokens) != m:
+            raise ValueError(f"{len(tokens)} tokens for segments totalling {m}")
+        new = starts if seg_new is None else np.asarray(seg_new, dtype=np.int64)
+        if len(new) != ns or ((new < 0) | (new > starts)).any():
+            raise ValueError(f"seg_new {new.tolist()}: one first written position per segment, between 0 and its "
+                             f"own first position {starts.tolist()}")
+        # only the tables' used width is written: entries past a table's end are never read (every read is of a
+        # position below the segment's context), so a step costs O(pages in use), not O(table width)
         width = max(len(t) for t in block_tables)
         if width > self.block_tables.shape[1]:
             s = max(range(len(block_tables)), key=lambda i: len(block_tables[i]))
             raise ValueError(f"segment {s}: block table of {width} pages exceeds {self.block_tables.shape[1]}")
+        host = self.inputs.stage(self.inputs.end("table_rows", ns * width))
         on_host = not isinstance(tokens, torch.Tensor)
-        m, ns = len(pos), len(ctx)
-        nt = m if on_host else 0  # the tokens ride in the host buffer when they are host ints
-        host = torch.zeros(nt + m + 2 * ns + ns * width, dtype=torch.int32)
         if on_host:
-            host[:m] = torch.tensor(list(tokens), dtype=torch.int32)
-        host[nt:nt + m] = torch.tensor(pos, dtype=torch.int32)
-        host[nt + m:nt + m + ns] = torch.tensor(ctx, dtype=torch.int32)
-        host[nt + m + ns:nt + m + 2 * ns] = torch.tensor(new, dtype=torch.int32)
-        t0 = nt + m + 2 * ns
-        tables = host[t0:].view(ns, width)
-        for s, table in enumerate(block_tables):
-            tables[s, :len(table)] = torch.tensor(list(table), dtype=torch.int32)
-        gpu = self.tokens.device.type == "cuda"
-        if gpu:
-            host = host.pin_memory()  # the caching host allocator reuses it only once these copies completed
-        self.tokens.copy_(host[:m] if on_host else tokens, non_blocking=gpu)
-        self.positions.copy_(host[nt:nt + m], non_blocking=gpu)
-        self.seg_ctx.copy_(host[nt + m:nt + m + ns], non_blocking=gpu)
-        if ns > 1 or seg_new is not None:  # one segment: nothing reads it (a copy saved a step)
-            self.seg_new.copy_(host[nt + m + ns:t0], non_blocking=gpu)
-        self.block_tables[:ns, :width].copy_(host[t0:].view(ns, width), non_blocking=gpu)
+            host.array("tokens")[:] = tokens
+        first = np.repeat(np.cumsum(lens) - lens, lens)  # each token's segment's first token
+        host.array("positions")[:] = np.repeat(starts, lens) + np.arange(m) - first
+        host.array("seg_ctx")[:] = starts + lens
+        host.array("seg_new")[:] = new
+        rows = host.array("table_rows", ns * width).reshape(ns, width)
+        rows[:] = 0
+        for i, t in enumerate(block_tables):
+            rows[i, :len(t)] = t
+        self.inputs.load(host)
+        self.block_tables[:ns, :width].copy_(self.inputs["table_rows"][:ns * width].view(ns, width))
+        if not on_host:
+            self.tokens.copy_(tokens)
+
 
 @dataclass
 class Scratch:
@@ -160,9 +170,8 @@ class Scratch:
 
 
 def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu") -> StepState:
-    m, s = prog.shape.num_tokens, len(prog.shape.seg_lens)
-    z = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
-    return StepState(z(m), z(m), z(s), z(s, max_pages), z(len(prog.counters) + 2), z(s))
+    inputs = StepInputs(state_fields(prog.shape.num_tokens, len(prog.shape.seg_lens), max_pages), device)
+    return StepState(inputs, torch.zeros(len(prog.counters) + 2, dtype=torch.int32, device=device))
 
 
 def qkv_part_slots(prog: Program) -> int:

@@ -87,9 +87,16 @@ class PrefillBatch:
 
     @classmethod
     def build(cls, pieces: Sequence[Piece], page_size: int, device: torch.device | str) -> "PrefillBatch":
-        """The pass's tensors, computed for all pieces at once (numpy over the rows, one Python step a piece for
-        its checks and its block-table row): a decode step of 32 one-token pieces builds in a fraction of its
-        GPU time, so the host keeps ahead of the graphed pass."""
+        """The pass's tensors (``arrays``) on ``device``."""
+        host = cls.arrays(pieces, page_size)
+        return cls(tuple(pieces), page_size, **{k: to_device(torch.from_numpy(v), device) for k, v in host.items()})
+
+    @staticmethod
+    def arrays(pieces: Sequence[Piece], page_size: int) -> dict[str, np.ndarray]:
+        """The pass's tensors as host arrays, by field name (the dtypes of the module doc; block_tables at the
+        pieces' widest table), computed for all pieces at once (numpy over the rows, one Python step a piece for
+        its checks and its block-table row): a decode step of 32 one-token pieces builds in a fraction of its GPU
+        time, so the host keeps ahead of the graphed pass."""
         if not pieces:
             raise ValueError("a prefill pass needs at least one piece")
         n = len(pieces)
@@ -114,10 +121,9 @@ class PrefillBatch:
         # each piece's last num_logits rows, in piece order
         first = np.repeat(ends - n_logits, n_logits)
         logit_rows = first + np.arange(int(n_logits.sum())) - np.repeat(np.cumsum(n_logits) - n_logits, n_logits)
-        host = {"positions": positions, "slots": slots, "q_start": q_start.astype(np.int32),
+        return {"positions": positions, "slots": slots, "q_start": q_start.astype(np.int32),
                 "seq_start": starts.astype(np.int32), "seq_ctx": (starts + lengths).astype(np.int32),
                 "block_tables": bts, "logit_rows": logit_rows}
-        return cls(tuple(pieces), page_size, **{k: to_device(torch.from_numpy(v), device) for k, v in host.items()})
 
     def work(self, block_m: int) -> torch.Tensor:
         """[NW, 2] int32 (piece, first row within the piece) of every block of ``block_m`` query rows, the blocks

@@ -29,10 +29,22 @@ from ...kv import fp8
 from ...kv.pages import PagedKVCache
 from ...models.reference import ReferenceDecoder, Segment
 from ...models.weights import ModelWeights
+from ...pinned import to_device
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend, EventTimer
 from .step_graphs import StepGraphs
 from .step_router import BATCHED, KERNEL, REPLAY, StepRouter
+
+
+def logit_rows(out: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """Rows ``rows`` of the decoder's logits buffer ``out`` [N, V] (fp32), copied out (the next launch overwrites
+    the buffer) without waiting for the GPU: a leading run (a decode batch, padded or not) as a slice, any other
+    rows (verify blocks' logit rows) by an index that goes to the device through pinned memory. Indexing a CUDA
+    tensor with a Python list would copy that list from pageable memory, which waits for the stream."""
+    n = len(rows)
+    if tuple(rows) == tuple(range(n)):
+        return out[:n].to(torch.float32, copy=True)
+    return out.index_select(0, to_device(torch.tensor(rows, dtype=torch.long), out.device))
 
 
 class ReferencePrefill:
@@ -141,9 +153,7 @@ class MegakernelBackend(Backend):
         pad_page = self._pad_pages.get(cache)  # a cache this backend made: padded to the bucket of its tokens
         # the ids stay on the device (the previous step's samples may not have reached the host)
         out, rows = self._decoder(cache).step_segments(tokens, segments, pad_page)
-        if rows == tuple(range(out.shape[0])):
-            return out.to(torch.float32, copy=True)  # the decoder's logits buffer: the next launch overwrites it
-        return out[list(rows)].to(torch.float32)
+        return logit_rows(out, rows)
 
     def decode_pass(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Any segments as one pass of the prefill path: replayed as a CUDA graph when every segment fits one query

@@ -9,12 +9,14 @@ segment) then do not depend on the contexts, so one graph serves any contexts. I
 logit rows) in order, names its graph. A pattern is captured the second time it is seen: the first runs eager, so a
 one-off pattern (a prefill chunk's mix of lengths) never pays a capture, which costs ~10 ms and drains the GPU's
 queue (``torch.cuda.graph`` synchronises the device and empties the allocator's cache before it records), while a
-decode batch or verify layout that repeats is captured on its second step. What changes between steps is data, copied into the graph's static inputs
-before each replay (from pinned host memory, without waiting for the GPU: ``pinned.copy_in``): the tokens, each
-row's position and cache slot, each segment's start and context, and its block table (zero-padded to the graphs'
-common width; entries past a segment's context are never read). That width starts at ``MIN_TABLE_TOKENS`` of
-context (at most the pool's pages), so short and mid-length contexts never recapture; a block table wider than it
-doubles it and recaptures the graphs wider.
+decode batch or verify layout that repeats is captured on its second step. What changes between steps is data,
+written into the graph's static inputs before each replay: the tokens, each row's position and cache slot, each
+segment's start and context, its logit rows and its block table (zero-padded to the graphs' common width; entries
+past a segment's context are never read). The static inputs of a graph are views into one buffer (``StepInputs``),
+packed on the host with numpy and written by one non-blocking copy from pinned memory a step (tokens already on the
+device, the previous step's samples, by one more copy on the device), so queueing a step never waits for the GPU.
+The common width starts at ``MIN_TABLE_TOKENS`` of context (at most the pool's pages), so short and mid-length
+contexts never recapture; a block table wider than it doubles it and recaptures the graphs wider.
 
 Capture: one eager pass on the step's real inputs first (compilation, autotuning; it writes the same K/V rows the
 replay rewrites), then the capture, then the replay. Every graph draws on one memory pool (graphs replay one at a
@@ -24,27 +26,57 @@ time, and each step's logits are copied out before the next replay; a recapture 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ...kv.pages import PagedKVCache
-from ...pinned import copy_in
 from ...models.reference import Segment
 from ...prefill import PrefillRunner
 from ...prefill.batch import Piece, PrefillBatch
 from ...prefill.paged_attention import AttentionTiles
+from ...step_inputs import Field, StepInputs
 
-_STEP_FIELDS = ("positions", "slots", "q_start", "seq_start", "seq_ctx", "logit_rows")
 MIN_TABLE_TOKENS = 8192  # context the graphs' block tables hold from the start (a 32-row table: 64 KB at page 16)
+
+
+def input_fields(tokens: int, segments: int, logit_rows: int, width: int) -> tuple[Field, ...]:
+    """A graph's static inputs: the tokens [T] and ``PrefillBatch``'s tensors (its dtypes; block tables
+    [B, width])."""
+    t, b = tokens, segments
+    return (Field("tokens", torch.int64, (t,)), Field("positions", torch.int64, (t,)),
+            Field("slots", torch.int64, (t,)), Field("logit_rows", torch.int64, (logit_rows,)),
+            Field("q_start", torch.int32, (b,)), Field("seq_start", torch.int32, (b,)),
+            Field("seq_ctx", torch.int32, (b,)), Field("block_tables", torch.int32, (b, width)))
+
+
+def load(inputs: StepInputs, tokens: torch.Tensor, host: dict[str, np.ndarray]) -> None:
+    """One step into a graph's inputs: ``host`` (``PrefillBatch.arrays``; block tables up to the graph's width)
+    and the tokens packed into the next pinned buffer and copied at once; tokens on the device copied there, after
+    that copy (which rewrites the tokens field too)."""
+    staged = inputs.stage()
+    for name, a in host.items():
+        dst = staged.array(name)
+        if name == "block_tables":
+            dst[:, :a.shape[1]] = a
+            dst[:, a.shape[1]:] = 0
+        else:
+            dst[:] = a
+    on_host = tokens.device.type == "cpu"
+    if on_host:
+        staged.array("tokens")[:] = tokens.numpy()
+    inputs.load(staged)
+    if not on_host:
+        inputs["tokens"].copy_(tokens)
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    tokens: torch.Tensor  # [T] int64, static input
-    batch: PrefillBatch  # static inputs (device tensors) the captured kernels read
+    inputs: StepInputs  # the static inputs: tokens [T] int64 and the batch's tensors, views into one buffer
+    batch: PrefillBatch  # the static inputs (views of ``inputs``) the captured kernels read
     logits: torch.Tensor  # [sum(num_logits), V] fp32, static output
 
 
@@ -85,9 +117,9 @@ class StepGraphs:
         if not self.fits(segments):
             raise ValueError(f"StepGraphs runs segments of at most {self.block_m} tokens on the paged kernel")
         pieces = [Piece(tuple(s.block_table), s.start, s.length, s.num_logits) for s in segments]
-        host = PrefillBatch.build(pieces, self.cache.layout.page_size, "cpu")
-        if host.block_tables.shape[1] > self.width:
-            self.width = max(host.block_tables.shape[1], 2 * self.width)
+        host = PrefillBatch.arrays(pieces, self.cache.layout.page_size)
+        if host["block_tables"].shape[1] > self.width:
+            self.width = max(host["block_tables"].shape[1], 2 * self.width)
             self.seen.update(dict.fromkeys(self.graphs))  # known to repeat: recaptured at their next step
             self.graphs.clear()  # their static block tables are too narrow
             # with its last graph gone the caching allocator frees the private pool, and a capture into a freed
@@ -103,33 +135,22 @@ class StepGraphs:
             return self.runner.forward(tokens, segments, self.cache)
         if g is None:
             self.seen.pop(key)
-            g = self._capture(tokens, host)
+            g = self._capture(tokens, pieces, host)
             self.graphs[key] = g
             if len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
         else:
             self.graphs.move_to_end(key)
-            self._load(g, tokens, host)
+            load(g.inputs, tokens, host)
         g.graph.replay()
         return g.logits.clone()
 
-    def _load(self, g: _Graph, tokens: torch.Tensor, host: PrefillBatch) -> None:
-        """The step's inputs into the graph's static tensors, queued before the replay without waiting for the
-        GPU (``pinned.copy_in``), so the host can prepare the next step while this one runs."""
-        copy_in(g.tokens, tokens)
-        for name in _STEP_FIELDS:
-            copy_in(getattr(g.batch, name), getattr(host, name))
-        g.batch.block_tables.zero_()
-        copy_in(g.batch.block_tables[:, :host.block_tables.shape[1]], host.block_tables)
-
-    def _capture(self, tokens: torch.Tensor, host: PrefillBatch) -> _Graph:
-        dev = self.runner.w.device
-        tables = torch.zeros(host.block_tables.shape[0], self.width, dtype=host.block_tables.dtype)
-        tables[:, :host.block_tables.shape[1]] = host.block_tables
-        values = {f.name: getattr(host, f.name) for f in fields(PrefillBatch) if f.name != "_work"}
-        values["block_tables"] = tables
-        batch = PrefillBatch(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in values.items()})
-        static_tokens = tokens.to(device=dev, dtype=torch.long).clone()
+    def _capture(self, tokens: torch.Tensor, pieces: list[Piece], host: dict[str, np.ndarray]) -> _Graph:
+        t, b, r = tokens.numel(), len(pieces), host["logit_rows"].shape[0]
+        inputs = StepInputs(input_fields(t, b, r, self.width), self.runner.w.device)
+        load(inputs, tokens, host)
+        batch = PrefillBatch(tuple(pieces), self.cache.layout.page_size, **{k: inputs[k] for k in host})
+        static_tokens = inputs["tokens"]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
@@ -139,4 +160,4 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
             logits = self.runner._pass(static_tokens, batch, self.cache)
         self.captures += 1
-        return _Graph(graph, static_tokens, batch, logits)
+        return _Graph(graph, inputs, batch, logits)

@@ -1,0 +1,55 @@
+"""The graphed pass's static inputs (step_graphs.input_fields / load, CPU): a random step packed into the one
+buffer reads back as ``PrefillBatch.build`` gives it, block tables zero-padded to the graphs' width, and a later
+step of the same pattern overwrites every input."""
+import numpy as np
+import torch
+
+from mimw.engine.backends.step_graphs import input_fields, load
+from mimw.prefill.batch import Piece, PrefillBatch
+from mimw.step_inputs import StepInputs
+
+PS = 16
+
+
+def _step(rng: np.random.Generator, lengths, logits, width: int) -> list[Piece]:
+    pieces = []
+    for n, k in zip(lengths, logits):
+        start = int(rng.integers(0, (width - 1) * PS - n))  # its pages fit ``width`` columns
+        table = tuple(int(p) for p in rng.permutation(1000)[:-(-(start + n) // PS) + int(rng.integers(0, 3))])
+        pieces.append(Piece(table, start, n, k))
+    return pieces
+
+
+def test_a_random_step_reads_back_as_the_batch_build_gives_it():
+    rng = np.random.default_rng()
+    for _ in range(25):
+        b = int(rng.integers(1, 33))
+        lengths = [int(n) for n in rng.integers(1, 17, b)]
+        logits = [int(rng.integers(0, n + 1)) if rng.random() < 0.5 else 1 for n in lengths]
+        width = int(rng.integers(4, 12))
+        t, r = sum(lengths), sum(logits)
+        inputs = StepInputs(input_fields(t, b, r, width + 3), "cpu")
+        for _step_i in range(3):  # same pattern, new positions, tables and tokens each step
+            pieces = _step(rng, lengths, logits, width)
+            tokens = torch.randint(0, 50_000, (t,))
+            inputs.buffer.fill_(-5)  # poison: the step must write every input
+            load(inputs, tokens, PrefillBatch.arrays(pieces, PS))
+            want = PrefillBatch.build(pieces, PS, "cpu")
+            assert torch.equal(inputs["tokens"], tokens)
+            for name in ("positions", "slots", "q_start", "seq_start", "seq_ctx", "logit_rows"):
+                assert torch.equal(inputs[name], getattr(want, name)), name
+            w = want.block_tables.shape[1]
+            assert torch.equal(inputs["block_tables"][:, :w], want.block_tables)
+            assert (inputs["block_tables"][:, w:] == 0).all()  # padded with page 0, as the batch's own padding
+
+
+def test_the_graphs_batch_reads_the_loaded_step_through_its_views():
+    rng = np.random.default_rng()
+    pieces = _step(rng, [1] * 8, [1] * 8, 6)
+    inputs = StepInputs(input_fields(8, 8, 8, 6), "cpu")
+    load(inputs, torch.arange(8), PrefillBatch.arrays(pieces, PS))
+    batch = PrefillBatch(tuple(pieces), PS, **{k: inputs[k] for k in PrefillBatch.arrays(pieces, PS)})
+    later = _step(rng, [1] * 8, [1] * 8, 6)
+    load(inputs, torch.arange(8, 16), PrefillBatch.arrays(later, PS))  # what a replay of the next step reads
+    assert torch.equal(batch.positions, PrefillBatch.build(later, PS, "cpu").positions)
+    assert batch.num_tokens == 8 and inputs["tokens"].tolist() == list(range(8, 16))
