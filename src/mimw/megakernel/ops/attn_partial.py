@@ -70,7 +70,7 @@ from ..device.ring import consumer_release
 from ..device.sync import counter_wait, globaltimer, ticket_is_last
 from ..isa import NO_COUNTER, Instruction, Op, Word
 from ..state import EMPTY_M, split_range
-from . import attn_query_block
+from . import attn_query_block, attn_ring_mma
 from .common import OpContext
 
 OP = Op.ATTN_PARTIAL
@@ -251,7 +251,10 @@ def _compute_one(ins, C: gl.constexpr, s, b, sm, it, wait, target, sig):
     if C.M > 1:
         _partial(layer, kvh, seg, split, n_splits, first, k0, v0, ks0, vs0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
     else:
-        it = _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
+        if C.ATTN_MMA:
+            it = _partial_ring_mma(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
+        else:
+            it = _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
     if ticket_is_last(s.cnt, ins.field(W_E), n_splits, s.epoch):  # the last split combines and signals
         _reduce(kvh, n_splits, b, po_ptr, pml_ptr, attn_ptr, C)
     else:
@@ -492,6 +495,24 @@ def _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_
     l = gl.convert_layout(l_w, l_i.type.layout)
     o = gl.convert_layout(o_w, o.type.layout)
     _store_split(m, l, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
+    return it
+
+
+@gluon.jit
+def _partial_ring_mma(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
+    """``_partial_ring`` on the tensor cores (attn_ring_mma.walk: every warp's state over its rows of the split's
+    slots), merged with the newest row's state (``_start``: warp 0's) warp by warp, then the warps' states merged and
+    stored as ``_partial`` does. Returns the running tile counter past the split's slots."""
+    lo, hi, hp, a0, n = kv_stream.split_slots(split, n_splits, s.ctx, C.KVS, C.KVBOX)
+    q, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
+    it, m_w, l_w, o_w = attn_ring_mma.walk(q_ptr, kvh, lo, hp, a0, n, b.qscale, sm, it, C)
+    m = gl.maximum(m_i, m_w)
+    a_i = gl.exp2(m_i - m)
+    a_w = gl.exp2(m_w - m)
+    Q3: gl.constexpr = o.type.layout
+    o = (o * gl.expand_dims(gl.convert_layout(a_i, gl.SliceLayout(2, Q3)), 2)
+         + o_w * gl.expand_dims(gl.convert_layout(a_w, gl.SliceLayout(2, Q3)), 2))
+    _store_split(m, l_i * a_i + l_w * a_w, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
     return it
 
 
