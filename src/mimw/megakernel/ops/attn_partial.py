@@ -504,8 +504,8 @@ def _partial_ring_mma(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, 
     slots), merged with the newest row's state (``_start``: warp 0's) warp by warp, then the warps' states merged and
     stored as ``_partial`` does. Returns the running tile counter past the split's slots."""
     lo, hi, hp, a0, n = kv_stream.split_slots(split, n_splits, s.ctx, C.KVS, C.KVBOX)
-    q, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
     it, m_w, l_w, o_w = attn_ring_mma.walk(q_ptr, kvh, lo, hp, a0, n, b.qscale, sm, it, C)
+    q, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)  # after the walk: its state is not live across it
     m = gl.maximum(m_i, m_w)
     a_i = gl.exp2(m_i - m)
     a_w = gl.exp2(m_w - m)
