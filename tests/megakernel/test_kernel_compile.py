@@ -134,3 +134,23 @@ def test_the_moe_decode_batch_kernel_compiles_spill_free():
     assert k.metadata.shared + p.exchange_bytes <= SHARED_BYTES, (k.metadata.shared, p.exchange_bytes)
     assert "wgmma.mma_async" in k.asm["ptx"] and "ld.volatile.global" in k.asm["ptx"]
     assert (p.constants.M, p.constants.S) == (8, 64)
+
+
+@pytest.mark.parametrize("model,kv", [("llama-3.2-1b", "bf16"), ("llama-3.2-1b", "fp8"), ("llama-3.1-8b", "fp8"),
+                                      ("llama-3.1-8b", "bf16"), ("smollm2-135m", "bf16"), ("smollm2-135m", "fp8")])
+def test_the_attn_mma_kernels_compile_spill_free(model, kv):
+    """Tuning(attn_mma=True): the one-token ring walk on mma.sync (ops/attn_ring_mma.py) where a slot holds 16
+    positions a warp (the 8B's bf16 slot holds 8 a warp: the lanes' walk, the same kernel as the default's). Its
+    products are the walk's mma.sync beside the matvec's: per slot instantiation (whole, masked) PW / 16 x HD / 16
+    for S^T and HD / 16 x PW / 16 for O^T, f16 over an fp8 cache (the matvec's are bf16)."""
+    p, k, rep = _build(model, Tuning(attn_mma=True), kv)
+    _assert_sound(p, k, rep)
+    c = p.constants
+    base = _build(model, Tuning(), kv)[1].asm["ptx"]
+    ptx = k.asm["ptx"]
+    assert c.ATTN_MMA == (c.KVS // c.NW >= 16)
+    assert c.ATTN_MMA == (model != "llama-3.1-8b" or kv == "fp8")
+    steps = 2 * 2 * (c.KVS // c.NW // 16) * (c.HD // 16) if c.ATTN_MMA else 0
+    assert ptx.count("mma.sync.aligned") - base.count("mma.sync.aligned") == steps
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == (steps if c.FP8 else 0)
+    assert k.metadata.shared <= _build(model, Tuning(), kv)[1].metadata.shared  # no scratch of its own

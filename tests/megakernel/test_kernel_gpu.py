@@ -61,6 +61,21 @@ def test_long_context_kv_ring_matches_reference_over_64_steps(model, kv):
         _matches_reference_over_64_steps(model, 40000, layers=layers)
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("model,context", [("smollm2-135m", 17), ("llama-3.2-1b", 1000), ("llama-3.2-1b", 40000),
+                                           ("llama-3.1-8b", 8191)])
+def test_attn_mma_ring_walk_matches_reference_over_64_steps(model, context, kv):
+    """Tuning(attn_mma=True): a one-token step's ring walk on the tensor cores (ops/attn_ring_mma.py; the 8B's bf16
+    slot of 32 positions keeps the lanes' walk, its fp8 one takes the tensor cores): short splits (17: a lone
+    partial slot), many slots a split with masks at both ends (40000), and the 8B's head_dim 128 (8 layers at 8191,
+    as above)."""
+    layers = 8 if model == "llama-3.1-8b" else 0
+    if kv == "fp8":
+        _fp8_matches_reference(model, context, Tuning(attn_mma=True), layers=layers)
+    else:
+        _matches_reference_over_64_steps(model, context, Tuning(attn_mma=True), layers=layers)
+
+
 @pytest.mark.parametrize("model,context", [("smollm2-135m", 17), ("llama-3.2-1b", 1000), ("llama-3.1-8b", 8191),
                                            ("qwen3-8b", 1)])
 def test_tickets_match_reference_over_64_steps(model, context):
