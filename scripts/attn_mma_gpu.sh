@@ -66,7 +66,7 @@ for (model, ctx, kv, mma), r in sorted(rows.items()):
     ms, base = r.get("ms_per_step"), rows.get((model, ctx, kv, "mma0"), {}).get("ms_per_step")
     speed = f"{base / ms:.2f}x" if mma == "mma1" and ms and base else ""
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
-    print(f"| {model} | {ctx} | {kv} | {mma[-1]} | {fmt(ms, '.3f') or r.get('status')} | {fmt(r.get('floor_ms'), '.3f')} "
-          f"| {fmt(r.get('ratio_to_floor'), '.2f')} | {speed} |")
+    print(f"| {model} | {ctx} | {kv} | {mma[-1]} | {fmt(ms, '.3f') or r.get('status')} "
+          f"| {fmt(r.get('floor_ms'), '.3f')} | {fmt(r.get('ratio_to_floor'), '.2f')} | {speed} |")
 EOF
 fi

@@ -290,3 +290,22 @@ def test_a_page_size_whose_kv_boxes_tma_cannot_place_is_refused_by_name():
     assert kv_ring(one_b, t, 8, fp8.FP8) == (128, 8)
     small = Tuning(tile_rows=16, tile_k=256).resolve(one_b)  # an 8 KB slot: the block shrinks to the slot
     assert kv_ring(one_b, small, 16) == (32, 16) and plan(one_b, 132, tuning=small).constants.BT == 32
+
+
+def test_attn_mma_applies_where_a_slot_holds_16_positions_a_warp():
+    """Tuning(attn_mma=True) sets Constants.ATTN_MMA for a one-token step whose ring slot holds 16 positions a warp
+    or more (the 1B's 64 bf16 / 128 fp8 positions, the 8B's 64 fp8), not the 8B's 32 bf16 positions nor a
+    multi-token step; off by default."""
+    from mimw.kv import fp8
+
+    on = Tuning.parse("attn_mma=1")
+    assert on == Tuning(attn_mma=True) and not Tuning().attn_mma
+
+    def c(model, kv=torch.bfloat16, t=on, shape=StepShape()):
+        return plan(get_preset(model), 132, shape, tuning=t, kv_dtype=kv).constants
+
+    assert c("llama-3.2-1b").ATTN_MMA and c("llama-3.2-1b", fp8.FP8).ATTN_MMA
+    assert (c("llama-3.2-1b").KVS, c("llama-3.2-1b", fp8.FP8).KVS) == (64, 128)
+    assert c("llama-3.1-8b", fp8.FP8).ATTN_MMA and not c("llama-3.1-8b").ATTN_MMA
+    assert not c("llama-3.2-1b", t=Tuning()).ATTN_MMA
+    assert not c("llama-3.2-1b", shape=StepShape((1,) * 8, 1024)).ATTN_MMA

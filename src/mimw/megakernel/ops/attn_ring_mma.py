@@ -45,7 +45,7 @@ EMPTY_M_D: gl.constexpr = gl.constexpr(EMPTY_M)
 # the contraction relabellings (module doc), as a reshape of the physical head_dim index and a permutation of it
 K_ORDER: gl.constexpr = gl.constexpr((0, 1, 3, 4, 2, 5))  # [NW, PW, c, s, h, e] -> [NW, PW, s, h, c, e]
 V_ORDER: gl.constexpr = gl.constexpr((0, 3, 4, 2, 1))  # [NW, PW, g, i, h] -> [NW, i, h, g, PW]
-O_ORDER: gl.constexpr = gl.constexpr((0, 4, 3, 1, 2))  # O^T [NW, i, h, g, N] -> [NW, N, g, i, h]: head_dim back in the rows' order
+O_ORDER: gl.constexpr = gl.constexpr((0, 4, 3, 1, 2))  # O^T [NW, i, h, g, N] -> [NW, N, g, i, h]: the rows' order
 
 
 @constexpr_function
@@ -143,8 +143,9 @@ def _slot(qt, kk, vt, ks, vs, ok_r, ok_a, m, l, o, cs, MASKED: gl.constexpr, C: 
             v3 = gl.where(gl.expand_dims(ok_r, 2), v3, 0.0)
         c = gl.max(v3, axis=1)  # [NW, 1]
         c = gl.where(c > 0.0, c, cs)  # no live row in the slot: keep the divisor
-        p = p * (v3 / gl.expand_dims(c, 1))
-        f = alpha * (cs / c)
+        rc = 1.0 / c  # one division a slot
+        p = p * (v3 * gl.expand_dims(rc, 1))
+        f = alpha * (cs * rc)
         cs = c
     v = vt.to(MT)
     if MASKED:
@@ -283,8 +284,9 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor 
             v3 = torch.where(ok, vs[sl].float().reshape(nw, pw), torch.tensor(0.0))[..., None]
             c = v3.amax(1)
             c = torch.where(c > 0, c, cs)
-            p = p * (v3 / c[:, None])
-            f = alpha * (cs / c)
+            rc = 1.0 / c
+            p = p * (v3 * rc[:, None])
+            f = alpha * (cs * rc)
             cs = c
         vt = torch.where(ok[:, None, :], vt, torch.tensor(0.0))
         o = o * f[:, None] + vt @ p.to(mt).float()
