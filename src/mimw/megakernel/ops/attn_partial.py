@@ -35,8 +35,8 @@ its first and last blocks; with ``C.ATTN_MMA`` (Tuning.attn_mma) the same walk o
 (``_partial_ring_mma``: ops/attn_ring_mma.py). A multi-token step (``_prefetch``, ``_partial``): the first block's
 past K/V is requested BEFORE the dependency wait; later blocks cost one round trip each (K and V requested
 together), or over a bf16 cache come through two cp.async stages in the staging buffer, two blocks ahead of the
-math. Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax uses exp2; partials are
-stored in the natural-log domain of the state.py contract (m * ln 2). Rows read from global memory go through L2
+math. Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax uses
+exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). Rows read from global memory go through L2
 (.cg): the newest row was written by another CTA in this step. The last split to draw the ticket combines every
 split's partial in one round of independent loads.
 
