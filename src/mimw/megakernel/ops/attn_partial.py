@@ -29,16 +29,16 @@ written by ATTN_IN in this step) depends on the step; the split holding it (the 
 q, and adds it to warp 0's state as a block one position wide (``_start``).
 One token (``_partial_ring``): the loader has streamed the split's past positions into ring slots (device/ring.py,
 device/kv_stream.py), KVS positions a slot, before and while the instruction waits; compute consumes them in order
-with the ring's running tile counter, block by block, each lane of a warp keeping its own online-softmax state
-over its positions (``layouts.attention_lanes``; merged once a split), masking the positions outside the split in
-its first and last blocks; with ``C.ATTN_MMA`` (Tuning.attn_mma) the same walk on the tensor cores, slot by slot
+with the ring's running tile counter, block by block, each lane of a warp keeping its own online-softmax state over
+its positions (``layouts.attention_lanes``; merged once a split), masking the positions outside the split in its
+first and last blocks; with ``C.ATTN_MMA`` (Tuning.attn_mma) the same walk on the tensor cores, slot by slot
 (``_partial_ring_mma``: ops/attn_ring_mma.py). A multi-token step (``_prefetch``, ``_partial``): the first block's
 past K/V is requested BEFORE the dependency wait; later blocks cost one round trip each (K and V requested
 together), or over a bf16 cache come through two cp.async stages in the staging buffer, two blocks ahead of the
 math. Scores are kept in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax uses
-exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). Rows read from global memory go through L2
-(.cg): the newest row was written by another CTA in this step. The last split to draw the ticket combines every
-split's partial in one round of independent loads.
+exp2; partials are stored in the natural-log domain of the state.py contract (m * ln 2). Rows read from global
+memory go through L2 (.cg): the newest row was written by another CTA in this step. The last split to draw the
+ticket combines every split's partial in one round of independent loads.
 
 An fp8 cache (``C.FP8``: e4m3 rows, a bf16 scale per (token, KV head) row, kv/pages.py): a one-token step's scales
 arrive beside each ring slot and scale each position's score and V weight (``_ring_block``: the same values as
