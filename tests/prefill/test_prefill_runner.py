@@ -127,11 +127,9 @@ def test_runner_over_an_fp8_cache_matches_the_reference_decoder_over_one(preset,
     # sdpa and flex attend to the dequantised rows rounded to q's dtype (fp32 here: no rounding)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for a, b in zip(caches[1].page_tensors(), caches[0].page_tensors()):  # bytes and scales
-        # layer 0's rows do not depend on attention: the same bits; past it, sdpa's and flex's fp32 sums in another
-        # order may move a value across an e4m3 rounding boundary now and then
+        # layer 0's rows do not depend on attention: the same bits; past it, fp32 sums in another order (sdpa's,
+        # flex's, and the fused projections' on some CPUs' GEMM kernels) move a value across an e4m3 rounding
+        # boundary now and then (tiny-qwen3 with torch attention: 1 byte of 36,864 on one machine)
         assert torch.equal(a[0], b[0])
-        if attention == "torch":
-            assert torch.equal(a, b)
-        else:
-            assert a.ne(b).float().mean() < 1e-2
+        assert a.ne(b).float().mean() < 1e-2
     assert caches[1].k_scale.ne(1).any()  # the scales were written, not left at their initial 1
