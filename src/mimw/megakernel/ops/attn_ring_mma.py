@@ -1,7 +1,8 @@
-"""ATTN_PARTIAL's one-token ring walk on the tensor cores (``Tuning.attn_mma``; ``Constants.ATTN_MMA``, which the
-plan sets where a ring slot holds 16 positions a warp or more). Its meaning and PyTorch reference are
-ATTN_PARTIAL's (attn_partial.solve); this is the device code attn_partial._partial_ring_mma runs in place of the
-lanes' walk (attn_partial._partial_ring), and ``emulate`` is the same tiling in PyTorch for the CPU tests.
+"""ATTN_PARTIAL's one-token ring walk on the tensor cores (``Constants.ATTN_MMA``: plan.py derives it where a ring
+slot holds 16 positions a warp or more, ``applies``; a slot of fewer, the 8B's 32 bf16 positions, takes the lanes'
+walk on the CUDA cores, attn_partial._partial_ring). Its meaning and PyTorch reference are ATTN_PARTIAL's
+(attn_partial.solve); this is the device code attn_partial._partial_ring_mma runs, and ``emulate`` is the same
+tiling in PyTorch for the CPU tests.
 
 A one-token step's attention is bound by the compute warps' work a position (the q.k products of the group's heads,
 the softmax, the p.v products), not by its bytes; here both products run on mma.sync m16n8k16 (fp32 accumulate):
@@ -60,10 +61,10 @@ def v_split(hd):
     return [8, hd // 16, 2]
 
 
-@constexpr_function
-def applies(C):
-    """Whether a plan's one-token ring walk can run here: slots of 16 positions a warp or more."""
-    return C.M == 1 and C.KVS % (16 * C.NW) == 0
+def applies(kvs: int, num_warps: int) -> bool:
+    """Whether a one-token step's ring slots of ``kvs`` positions (plan.kv_ring: a power of two) run here: every
+    warp's rows of a slot whole m16 tiles, 16 positions a warp or more."""
+    return kvs > 0 and kvs % (16 * num_warps) == 0
 
 
 @constexpr_function
@@ -187,7 +188,7 @@ def walk(q_ptr, kvh, lo, hp, a0, n, qscale, sm, it, C: gl.constexpr):
     KVS: gl.constexpr = C.KVS
     PW: gl.constexpr = KVS // NW
     N: gl.constexpr = heads(C)
-    gl.static_assert(PW % 16 == 0, "a slot must hold 16 positions a warp (plan.py sets ATTN_MMA only then)")
+    gl.static_assert(PW % 16 == 0, "a slot must hold 16 positions a warp (plan.py: ATTN_MMA where ``applies``)")
     MMA: gl.constexpr = mma_layout(C)
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     ROW: gl.constexpr = gl.SliceLayout(2, MMA)  # [NW, PW]

@@ -19,7 +19,7 @@ fp8 cache (e4m3 rows and their scales: check.random_cache).
 
     PYTHONPATH=src python3 -m mimw.megakernel.tools.hang --model smollm2-135m --context 17 [--batch 8]
         [--verify 1x16 [--per-token]] [--kv-dtype fp8] [--steps 4] [--graph] [--timeout 20]
-        [--megakernel attn_mma=1]
+        [--megakernel quiet=0]
 
 Pure host logic (``locate``) is CPU-tested; the launch needs a Hopper GPU.
 """
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--graph", action="store_true", help="after the first launch, replay a captured CUDA graph")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for each launch")
     p.add_argument("--megakernel", default="", metavar="NAME=VALUE[,...]",
-                   help="tuning overrides (plan.Tuning.parse, e.g. attn_mma=1); the trace is always on")
+                   help="tuning overrides (plan.Tuning.parse, e.g. quiet=0); the trace is always on")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
