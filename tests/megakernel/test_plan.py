@@ -1,6 +1,4 @@
 """The launch plan (plan.py): host logic on the CPU."""
-import dataclasses
-
 import pytest
 import torch
 
@@ -295,16 +293,12 @@ def test_a_page_size_whose_kv_boxes_tma_cannot_place_is_refused_by_name():
 
 
 def test_the_ring_walk_runs_on_the_tensor_cores_where_a_slot_holds_16_positions_a_warp():
-    """Constants.ATTN_MMA is derived, never a knob: a one-token step whose ring slot holds 16 positions a warp or
+    """Constants.ATTN_MMA, derived from the shape: a one-token step whose ring slot holds 16 positions a warp or
     more (the 1B's and SmolLM2's 64 bf16 / 128 fp8 positions, every head_dim-128 fp8 slot of 64) walks it on the
     tensor cores; the head_dim-128 bf16 slots of 32 (the 8B, Qwen3, the 30B-A3B), a slot shrunk by a smaller tile,
     more warps a slot and a multi-token step do not."""
     from mimw.kv import fp8
     from mimw.megakernel.ops import attn_ring_mma
-
-    assert "attn_mma" not in {f.name for f in dataclasses.fields(Tuning)}
-    with pytest.raises(ValueError, match="expected NAME=VALUE"):
-        Tuning.parse("attn_mma=1")
 
     def c(model, kv=torch.bfloat16, t=Tuning(), shape=StepShape()):
         return plan(get_preset(model), 132, shape, tuning=t, kv_dtype=kv).constants
