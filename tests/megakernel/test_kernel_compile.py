@@ -134,3 +134,30 @@ def test_the_moe_decode_batch_kernel_compiles_spill_free():
     assert k.metadata.shared + p.exchange_bytes <= SHARED_BYTES, (k.metadata.shared, p.exchange_bytes)
     assert "wgmma.mma_async" in k.asm["ptx"] and "ld.volatile.global" in k.asm["ptx"]
     assert (p.constants.M, p.constants.S) == (8, 64)
+
+
+MMA_F16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+MMA_BF16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "tiny-qwen3"])
+def test_the_one_token_ring_walk_runs_on_mma_sync_where_a_slot_holds_16_positions_a_warp(model):
+    """The one-token ring walk on mma.sync (ops/attn_ring_mma.py) in every kernel whose slot holds 16 positions a
+    warp: per slot instantiation (whole, masked) PW / 16 x HD / 16 products for S^T and HD / 16 x PW / 16 for O^T,
+    f16 over an fp8 cache (the matvec's are bf16), bf16 over a bf16 one (counted past the fp8 kernel's bf16
+    products: the same matvec code). A head_dim-128 bf16 slot (32 positions, 8 a warp) walks on the CUDA cores: no
+    mma.sync past the matvec's. Both kernels compile spill-free (``_assert_sound``)."""
+    bf, f8 = _build(model), _build(model, kv="fp8")
+    for p, k, rep in (bf, f8):
+        _assert_sound(p, k, rep)
+
+    def steps(c):
+        return 2 * 2 * (c.KVS // c.NW // 16) * (c.HD // 16) if c.ATTN_MMA else 0
+
+    c8, cb = f8[0].constants, bf[0].constants
+    ptx8, ptxb = f8[1].asm["ptx"], bf[1].asm["ptx"]
+    matvec = ptx8.count(MMA_BF16)
+    assert c8.ATTN_MMA and ptx8.count(MMA_F16) == steps(c8) > 0
+    assert ptx8.count("mma.sync.aligned") == matvec + steps(c8)
+    assert cb.ATTN_MMA == (cb.HD < 128) == (cb.KVS // cb.NW >= 16)
+    assert ptxb.count(MMA_F16) == 0 and ptxb.count("mma.sync.aligned") == ptxb.count(MMA_BF16) == matvec + steps(cb)

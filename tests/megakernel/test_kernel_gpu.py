@@ -61,6 +61,26 @@ def test_long_context_kv_ring_matches_reference_over_64_steps(model, kv):
         _matches_reference_over_64_steps(model, 40000, layers=layers)
 
 
+@pytest.mark.parametrize("model,context,kv,mma", [("llama-3.2-1b", 1000, "fp8", True),
+                                                  ("llama-3.1-8b", 8191, "bf16", False),
+                                                  ("llama-3.1-8b", 8191, "fp8", True)])
+def test_both_ring_walks_match_reference_over_64_steps(model, context, kv, mma):
+    """A one-token step's ring walk: on the tensor cores where a slot holds 16 positions a warp (ops/attn_ring_mma.py:
+    the 1B's and SmolLM2's slots, every fp8 one), else the lanes' walk on the CUDA cores (the 8B's bf16 slot of 32
+    positions). The other default tests walk SmolLM2 at 17 (a lone partial slot) and the 1B at 1000 over bf16,
+    SmolLM2 at 17 and every model at 8191 over fp8, the 1B and the 8B at 40000 over both (many slots a split, masks
+    at both ends); these add the 1B at 1000 over fp8 and the 8B's head_dim 128 at 8191 over both walks, on 8 layers."""
+    from mimw.kv.pages import parse_kv_dtype
+    from mimw.megakernel.plan import plan
+
+    assert plan(get_preset(model), 132, kv_dtype=parse_kv_dtype(kv)).constants.ATTN_MMA == mma
+    layers = 8 if model == "llama-3.1-8b" else 0
+    if kv == "fp8":
+        _fp8_matches_reference(model, context, layers=layers)
+    else:
+        _matches_reference_over_64_steps(model, context, layers=layers)
+
+
 @pytest.mark.parametrize("model,context", [("smollm2-135m", 17), ("llama-3.2-1b", 1000), ("llama-3.1-8b", 8191),
                                            ("qwen3-8b", 1)])
 def test_tickets_match_reference_over_64_steps(model, context):

@@ -290,3 +290,29 @@ def test_a_page_size_whose_kv_boxes_tma_cannot_place_is_refused_by_name():
     assert kv_ring(one_b, t, 8, fp8.FP8) == (128, 8)
     small = Tuning(tile_rows=16, tile_k=256).resolve(one_b)  # an 8 KB slot: the block shrinks to the slot
     assert kv_ring(one_b, small, 16) == (32, 16) and plan(one_b, 132, tuning=small).constants.BT == 32
+
+
+def test_the_ring_walk_runs_on_the_tensor_cores_where_a_slot_holds_16_positions_a_warp():
+    """Constants.ATTN_MMA, derived from the shape: a one-token step whose ring slot holds 16 positions a warp or
+    more (the 1B's and SmolLM2's 64 bf16 / 128 fp8 positions, every head_dim-128 fp8 slot of 64) walks it on the
+    tensor cores; the head_dim-128 bf16 slots of 32 (the 8B, Qwen3, the 30B-A3B), a slot shrunk by a smaller tile,
+    more warps a slot and a multi-token step do not."""
+    from mimw.kv import fp8
+    from mimw.megakernel.ops import attn_ring_mma
+
+    def c(model, kv=torch.bfloat16, t=Tuning(), shape=StepShape()):
+        return plan(get_preset(model), 132, shape, tuning=t, kv_dtype=kv).constants
+
+    for model in ("smollm2-135m", "llama-3.2-1b"):
+        assert c(model).ATTN_MMA and c(model, fp8.FP8).ATTN_MMA
+        assert (c(model).KVS, c(model, fp8.FP8).KVS) == (64, 128)
+    for model in ("llama-3.1-8b", "qwen3-8b", "qwen3-0.6b"):
+        assert c(model, fp8.FP8).ATTN_MMA and c(model, fp8.FP8).KVS == 64
+        assert not c(model).ATTN_MMA and c(model).KVS == 32  # 8 positions a warp: the lanes' walk
+    assert not c("qwen3-30b-a3b").ATTN_MMA
+    small = Tuning(tile_rows=16, tile_k=256)  # an 8 KB slot: 32 bf16 positions at head_dim 64, 64 fp8 ones
+    assert not c("llama-3.2-1b", t=small).ATTN_MMA and c("llama-3.2-1b", fp8.FP8, t=small).ATTN_MMA
+    assert not c("llama-3.2-1b", t=Tuning(num_warps=8)).ATTN_MMA  # 64 positions over 8 warps
+    assert not c("llama-3.2-1b", shape=StepShape((1,) * 8, 1024)).ATTN_MMA
+    for kvs, nw, on in ((64, 4, True), (128, 4, True), (128, 8, True), (32, 4, False), (64, 8, False), (0, 4, False)):
+        assert attn_ring_mma.applies(kvs, nw) == on, (kvs, nw)

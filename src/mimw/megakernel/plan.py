@@ -16,6 +16,9 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
   * the KV cache's element type (``kv_dtype``: bf16, or fp8 e4m3 with a bf16 scale per (token, head), kv/pages.py):
     ``Constants.FP8``, the attention block (``attn_block``: as many positions as 8 KB of K; a multi-token step's as
     many as bf16's) and the cost model's K/V bytes follow it; it is the cache's, never a tuning knob;
+  * a one-token step's ring walk: on the tensor cores where a slot holds 16 positions a warp or more
+    (``attn_ring_mma.applies``: every fp8 slot of the shipping shapes, bf16's at head_dim 64), else on the CUDA
+    cores, each lane its own online softmax (the bf16 slot of 32 positions at head_dim 128: the 8B's);
   * a one-token step's past K/V through the ring (``kv_ring``: the loader streams each split's positions into ring
     slots, ``KVS`` positions of K and V a slot, in TMA boxes of ``KVBOX`` rows of one page and head; an fp8 cache's
     scales beside the ring, ``kv_scale_bytes`` a slot); a page size whose boxes TMA cannot address is refused;
@@ -42,7 +45,7 @@ from ..kv import fp8
 from ..models.spec import ModelSpec
 from .hold import check_marks, hold_marks, mark_words
 from .isa import Op
-from .ops import GPU_OPS
+from .ops import GPU_OPS, attn_ring_mma
 from .program import Program, ProgramConfig, StepShape, attention_splits, build_program
 from .tiles import router_rows
 
@@ -148,6 +151,8 @@ class Constants:
     FP8: bool  # the KV cache holds e4m3 rows with a bf16 scale each (kv/fp8.py), else bf16 rows
     TRACE: bool  # per-instruction timestamps (tools/trace.py)
     NW: int  # compute warps
+    ATTN_MMA: bool = False  # a one-token step's ring walk on mma.sync (ops/attn_ring_mma.py), where a slot holds
+    # 16 positions a warp or more (attn_ring_mma.applies); else the lanes' walk on the CUDA cores
     KVS: int = 0  # positions of K and V one ring slot holds (M = 1: the loader streams past K/V; kv_ring)
     KVBOX: int = 1  # rows of one TMA box of K or V: a run of one page of one KV head (kv_ring)
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
@@ -467,6 +472,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         SP2=sp2, GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
         DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, FP8=kv_dtype == fp8.FP8, TRACE=t.trace, NW=t.num_warps,
+        ATTN_MMA=m == 1 and attn_ring_mma.applies(kvs, t.num_warps),
         KVS=kvs, KVBOX=kvbox, M=m, QT=qt, QBT=qbt,
         MB=mb, V=spec.vocab_size, E=spec.num_experts, EP2=_pow2(spec.num_experts),
         EP=router_rows(spec, t.tile_rows), S=program.moe_slots, S2=_pow2(program.moe_slots),

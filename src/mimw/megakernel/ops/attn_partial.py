@@ -27,26 +27,30 @@ merge once at the end, through the staging buffer (free during attention) with o
 (``_merge_smem``), else through Triton's reductions over the warp axis. Only the newest row (position ``pos``,
 written by ATTN_IN in this step) depends on the step; the split holding it (the last) reads it after the wait, with
 q, and adds it to warp 0's state as a block one position wide (``_start``).
-One token (``_partial_ring``): the loader has streamed the split's past positions into ring slots (device/ring.py,
-device/kv_stream.py), KVS positions a slot, before and while the instruction waits; compute consumes them in order
-with the ring's running tile counter, block by block, each lane of a warp keeping its own online-softmax state
-over its positions (``layouts.attention_lanes``; merged once a split), masking the positions outside the split in
-its first and last blocks. A multi-token step (``_prefetch``, ``_partial``): the first block's past K/V is
-requested BEFORE the dependency wait; later blocks cost one round trip each (K and V requested together), or over
-a bf16 cache come through two cp.async stages in the staging buffer, two blocks ahead of the math. Scores are kept
-in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax uses exp2; partials are
-stored in the natural-log domain of the state.py contract (m * ln 2). Rows read from global memory go through L2
-(.cg): the newest row was written by another CTA in this step. The last split to draw the ticket combines every
-split's partial in one round of independent loads.
+One token: the loader has streamed the split's past positions into ring slots (device/ring.py, device/kv_stream.py), KVS
+positions a slot, before and while the instruction waits; compute consumes them in order with the ring's running tile
+counter, masking the positions outside the split in its first and last slots. Where a slot holds 16 positions a warp or
+more (``C.ATTN_MMA``, derived by plan.py: at four compute warps every fp8 slot, and bf16's at head_dim 64) the walk runs
+on the tensor cores, slot by slot, every warp its own online-softmax state over its rows of the slot, merged with the
+newest row's once a split (``_partial_ring_mma``: ops/attn_ring_mma.py); else (bf16 at head_dim 128: 32 positions a
+slot, 8 a warp) on the CUDA cores, block by block, each lane of a warp keeping its own online-softmax state over its
+positions (``_partial_ring``, ``layouts.attention_lanes``; merged once a split). A one-token step is bound by the
+compute warps' work a position, not by its bytes: mma.sync's products take most of that work off the CUDA cores. A
+multi-token step (``_prefetch``, ``_partial``): the first block's past K/V is requested BEFORE the dependency wait;
+later blocks cost one round trip each (K and V requested together), or over a bf16 cache come through two cp.async
+stages in the staging buffer, two blocks ahead of the math. Scores are kept in the base-2 domain (q pre-scaled by
+head_dim^-0.5 * log2(e)) so the online softmax uses exp2; partials are stored in the natural-log domain of the state.py
+contract (m * ln 2). Rows read from global memory go through L2 (.cg): the newest row was written by another CTA in this
+step. The last split to draw the ticket combines every split's partial in one round of independent loads.
 
 An fp8 cache (``C.FP8``: e4m3 rows, a bf16 scale per (token, KV head) row, kv/pages.py): a one-token step's scales
-arrive beside each ring slot and scale each position's score and V weight (``_ring_block``: the same values as
-dequantising first, up to fp32 rounding); a multi-token step requests each block's e4m3 rows (8-byte vectors) and
-their scales together and dequantises them in registers as kv/fp8.py's ``dequantize`` computes them
-(``float(q) * float(scale)``, exact in fp32). A one-token step's blocks hold twice bf16's positions
+arrive beside each ring slot and scale each position's score and V weight (the same values as dequantising first, up to
+fp32 rounding; attn_ring_mma's module doc gives the tensor cores' form); a multi-token step requests each block's e4m3
+rows (8-byte vectors) and their scales together and dequantises them in registers as kv/fp8.py's ``dequantize`` computes
+them (``float(q) * float(scale)``, exact in fp32). A one-token step's blocks hold twice bf16's positions
 (``plan.attn_block``: 8 KB of K, 16 KB of K and V, one ring slot); a multi-token step's keep bf16's (its kernel would
-spill registers with twice as many), and block 0's rows that this step writes (from ``first`` on) are reloaded
-after the wait with their scales.
+spill registers with twice as many), and block 0's rows that this step writes (from ``first`` on) are reloaded after the
+wait with their scales.
 Element offsets into the pools are int64: the 8B's pools pass 2^31 elements at 128k.
 """
 from __future__ import annotations
@@ -70,7 +74,7 @@ from ..device.ring import consumer_release
 from ..device.sync import counter_wait, globaltimer, ticket_is_last
 from ..isa import NO_COUNTER, Instruction, Op, Word
 from ..state import EMPTY_M, split_range
-from . import attn_query_block
+from . import attn_query_block, attn_ring_mma
 from .common import OpContext
 
 OP = Op.ATTN_PARTIAL
@@ -251,7 +255,10 @@ def _compute_one(ins, C: gl.constexpr, s, b, sm, it, wait, target, sig):
     if C.M > 1:
         _partial(layer, kvh, seg, split, n_splits, first, k0, v0, ks0, vs0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
     else:
-        it = _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
+        if C.ATTN_MMA:
+            it = _partial_ring_mma(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
+        else:
+            it = _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
     if ticket_is_last(s.cnt, ins.field(W_E), n_splits, s.epoch):  # the last split combines and signals
         _reduce(kvh, n_splits, b, po_ptr, pml_ptr, attn_ptr, C)
     else:
@@ -430,13 +437,13 @@ def _lane_positions(NW: gl.constexpr, PT: gl.constexpr, PL: gl.constexpr, L3: gl
 
 @gluon.jit
 def _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
-    """A one-token step's split after its wait: the split's past K/V from the ring, slot by slot as the loader
-    streamed them (device/kv_stream.py: slot j holds positions [a0 + j KVS, +KVS) as KVS / BT blocks), each block
-    read into registers in the lanes' layout and each slot handed back to the loader before its last block's math
-    (``_ring_block``: every lane its own online-softmax state, lane 0's starting from the newest row's, ``_start``;
-    positions outside [lo, hp) masked in the split's first and last blocks); then the lanes' states merged within
-    each warp, and the warps' states merged and stored as ``_partial`` does. Returns the running tile counter past the
-    split's slots."""
+    """A one-token step's split after its wait, on the CUDA cores where its slots hold fewer than 16 positions a warp
+    (not ``C.ATTN_MMA``): the split's past K/V from the ring, slot by slot as the loader streamed them
+    (device/kv_stream.py: slot j holds positions [a0 + j KVS, +KVS) as KVS / BT blocks), each block read into registers
+    in the lanes' layout and each slot handed back to the loader before its last block's math (``_ring_block``: every
+    lane its own online-softmax state, lane 0's starting from the newest row's, ``_start``; positions outside [lo, hp)
+    masked in the split's first and last blocks); then the lanes' states merged within each warp, and the warps' states
+    merged and stored as ``_partial`` does. Returns the running tile counter past the split's slots."""
     NB: gl.constexpr = C.NB
     NW: gl.constexpr = C.NW
     BT: gl.constexpr = C.BT
@@ -492,6 +499,24 @@ def _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_
     l = gl.convert_layout(l_w, l_i.type.layout)
     o = gl.convert_layout(o_w, o.type.layout)
     _store_split(m, l, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
+    return it
+
+
+@gluon.jit
+def _partial_ring_mma(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
+    """``_partial_ring`` on the tensor cores (attn_ring_mma.walk: every warp's state over its rows of the split's
+    slots), merged with the newest row's state (``_start``: warp 0's) warp by warp, then the warps' states merged and
+    stored as ``_partial`` does. Returns the running tile counter past the split's slots."""
+    lo, hi, hp, a0, n = kv_stream.split_slots(split, n_splits, s.ctx, C.KVS, C.KVBOX)
+    it, m_w, l_w, o_w = attn_ring_mma.walk(q_ptr, kvh, lo, hp, a0, n, b.qscale, sm, it, C)
+    q, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)  # after the walk: its state is not live across it
+    m = gl.maximum(m_i, m_w)
+    a_i = gl.exp2(m_i - m)
+    a_w = gl.exp2(m_w - m)
+    Q3: gl.constexpr = o.type.layout
+    o = (o * gl.expand_dims(gl.convert_layout(a_i, gl.SliceLayout(2, Q3)), 2)
+         + o_w * gl.expand_dims(gl.convert_layout(a_w, gl.SliceLayout(2, Q3)), 2))
+    _store_split(m, l_i * a_i + l_w * a_w, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
     return it
 
 

@@ -19,12 +19,14 @@ fp8 cache (e4m3 rows and their scales: check.random_cache).
 
     PYTHONPATH=src python3 -m mimw.megakernel.tools.hang --model smollm2-135m --context 17 [--batch 8]
         [--verify 1x16 [--per-token]] [--kv-dtype fp8] [--steps 4] [--graph] [--timeout 20]
+        [--megakernel quiet=0]
 
 Pure host logic (``locate``) is CPU-tested; the launch needs a Hopper GPU.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -140,7 +142,8 @@ def _decoder(args):
     per = -(-(args.context + k) // 16)  # pages a sequence
     cache, table = random_cache(spec, args.context, k + 1, 16, 1, min_pages=n_seq * (per + 1),
                                 kv_dtype=parse_kv_dtype(args.kv_dtype))
-    dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=Tuning(trace=True),
+    tuning = dataclasses.replace(Tuning.parse(args.megakernel), trace=True)
+    dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning,
                             context_hint=max(args.context, 1), use_graph=False)
     if n_seq * k == 1:
         dec.set_inputs(1, args.context, table)
@@ -184,6 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=1, help="launches of the step, one after the other (at least 1)")
     p.add_argument("--graph", action="store_true", help="after the first launch, replay a captured CUDA graph")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for each launch")
+    p.add_argument("--megakernel", default="", metavar="NAME=VALUE[,...]",
+                   help="tuning overrides (plan.Tuning.parse, e.g. quiet=0); the trace is always on")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
