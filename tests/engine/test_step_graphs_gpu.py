@@ -31,8 +31,8 @@ def test_graph_replays_match_the_eager_pass_across_contexts_patterns_and_a_wider
         c.k.normal_(generator=torch.Generator(device="cuda").manual_seed(0))
         c.v.normal_(generator=torch.Generator(device="cuda").manual_seed(1))
     graphs = StepGraphs(runner, cache)
-    assert graphs.width == 64  # MIN_TABLE_TOKENS' pages, at most the pool's
-    graphs.width = 4  # a narrow start, so that the wider tables below recapture
+    assert graphs.patterns.width == 64  # MIN_TABLE_TOKENS' pages, at most the pool's
+    graphs.patterns.width = 4  # a narrow start, so that the wider tables below recapture
     tables = [tuple(range(16 * i, 16 * i + 16)) for i in range(3)]
     gen = torch.Generator().manual_seed(2)
     # decode steps (one token a segment), then verify-like steps (4 tokens, every row's logits), then a mix
@@ -51,10 +51,11 @@ def test_graph_replays_match_the_eager_pass_across_contexts_patterns_and_a_wider
             assert torch.allclose(cache.v[layer].float(), twin.v[layer].float(), rtol=2e-2, atol=2e-2)
     # a pattern runs eager when first seen (steps 0, 3, 5) and is captured when seen again (1, 4); step 2's wider
     # tables recaptured the decode pattern at once (known to repeat) and dropped the narrower graph
-    assert graphs.width == 16
-    assert (graphs.captures, graphs.eager) == (3, 3)
-    assert set(graphs.graphs) == {((1, 1),) * 3, ((4, 4),) * 3}
-    assert set(graphs.seen) == {((1, 1), (4, 4), (2, 1))}
+    p = graphs.patterns
+    assert p.width == 16
+    assert (p.captures, p.eager) == (3, 3)
+    assert set(p.graphs) == {((1, 1),) * 3, ((4, 4),) * 3}
+    assert set(p.seen) == {((1, 1), (4, 4), (2, 1))}
     long = [Segment(tables[0], 0, graphs.block_m + 1)]
     assert not graphs.fits(long)
     with pytest.raises(ValueError):

@@ -273,7 +273,7 @@ def graph_work(backend) -> dict:
     """The megakernel backend's short-step graphs so far: captures and steps run eager as a first sighting
     (``StepGraphs``); empty for a backend without them."""
     graphs = getattr(backend, "_graphs", None)
-    return {"captures": graphs.captures, "eager": graphs.eager} if graphs is not None else {}
+    return {"captures": graphs.patterns.captures, "eager": graphs.patterns.eager} if graphs is not None else {}
 
 
 def _line(row: dict) -> str:

@@ -127,11 +127,11 @@ class MegakernelBackend(Backend):
             return self.decode_pass(tokens, segments, cache)
         whole = (KERNEL, BATCHED) if m <= self.max_tokens else (BATCHED,)
         path = self.router.choose(m, whole, replays=decode)
-        unmeasured = self._graphs.unmeasured if self._graphs is not None else 0
+        unmeasured = self._graphs.patterns.unmeasured if self._graphs is not None else 0
         start = self._timer.start()
         step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
         out = step(tokens, segments, cache)
-        if self._graphs is None or self._graphs.unmeasured == unmeasured:  # a capture or an eager first sighting:
+        if self._graphs is None or self._graphs.patterns.unmeasured == unmeasured:  # a capture or an eager first sighting:
             # no measure of the path
             self._timer.stop(start, (path, m))
         return out

@@ -20,12 +20,12 @@ contexts never recapture; a block table wider than it doubles it and recaptures 
 
 Capture: one eager pass on the step's real inputs first (compilation, autotuning; it writes the same K/V rows the
 replay rewrites), then the capture, then the replay. Every graph draws on one memory pool (graphs replay one at a
-time, and each step's logits are copied out before the next replay; a recapture wider starts a new pool). At most
-``max_graphs`` patterns are kept (least recently used dropped). Invariants are ``Backend.forward``'s.
+time, and each step's logits are copied out before the next replay; a recapture wider starts a new pool). Which
+patterns replay, capture or run eager, and the LRU bounds, are ``GraphPatterns``'s (graph_patterns.py). Invariants
+are ``Backend.forward``'s.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,6 +38,7 @@ from ...prefill import PrefillRunner
 from ...prefill.batch import Piece, PrefillBatch
 from ...prefill.paged_attention import AttentionTiles
 from ...step_inputs import Field, StepInputs
+from .graph_patterns import CAPTURE, EAGER, GraphPatterns
 
 MIN_TABLE_TOKENS = 8192  # context the graphs' block tables hold from the start (a 32-row table: 64 KB at page 16)
 
@@ -93,20 +94,11 @@ class StepGraphs:
         self.runner = runner
         self.cache = cache
         self.block_m = block_m(runner)
-        self.max_graphs = max_graphs
         layout = cache.layout
-        # block-table columns every graph's static batch holds
-        self.width = min(layout.num_pages, -(-MIN_TABLE_TOKENS // layout.page_size))
-        self.captures = 0  # graphs captured so far
-        self.eager = 0  # steps run eager: a pattern's first sighting
-        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.seen: OrderedDict[tuple, None] = OrderedDict()  # patterns seen once, not captured (at most 4 x max_graphs)
+        # which patterns replay, capture or run eager, and the block-table width of every graph
+        self.patterns: GraphPatterns[_Graph] = GraphPatterns(
+            min(layout.num_pages, -(-MIN_TABLE_TOKENS // layout.page_size)), max_graphs)
         self.pool = torch.cuda.graph_pool_handle()
-
-    @property
-    def unmeasured(self) -> int:
-        """Steps so far that were no measure of a replay: captures and first sightings (eager)."""
-        return self.captures + self.eager
 
     def fits(self, segments: Sequence[Segment]) -> bool:
         return self.block_m is not None and all(s.length <= self.block_m for s in segments)
@@ -118,36 +110,26 @@ class StepGraphs:
             raise ValueError(f"StepGraphs runs segments of at most {self.block_m} tokens on the paged kernel")
         pieces = [Piece(tuple(s.block_table), s.start, s.length, s.num_logits) for s in segments]
         host = PrefillBatch.arrays(pieces, self.cache.layout.page_size)
-        if host["block_tables"].shape[1] > self.width:
-            self.width = max(host["block_tables"].shape[1], 2 * self.width)
-            self.seen.update(dict.fromkeys(self.graphs))  # known to repeat: recaptured at their next step
-            self.graphs.clear()  # their static block tables are too narrow
+        if self.patterns.widen(host["block_tables"].shape[1]):  # every graph dropped: their tables were too narrow
             # with its last graph gone the caching allocator frees the private pool, and a capture into a freed
             # pool's handle fails: the wider graphs draw on a new one
             self.pool = torch.cuda.graph_pool_handle()
         key = tuple((p.length, p.num_logits) for p in pieces)
-        g = self.graphs.get(key)
-        if g is None and key not in self.seen:  # a first sighting: eager, remembered
-            self.seen[key] = None
-            if len(self.seen) > 4 * self.max_graphs:
-                self.seen.popitem(last=False)
-            self.eager += 1
+        what = self.patterns.decide(key)
+        if what == EAGER:
             return self.runner.forward(tokens, segments, self.cache)
-        if g is None:
-            self.seen.pop(key)
+        if what == CAPTURE:
             g = self._capture(tokens, pieces, host)
-            self.graphs[key] = g
-            if len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
+            self.patterns.store(key, g)
         else:
-            self.graphs.move_to_end(key)
+            g = self.patterns.graphs[key]
             load(g.inputs, tokens, host)
         g.graph.replay()
         return g.logits.clone()
 
     def _capture(self, tokens: torch.Tensor, pieces: list[Piece], host: dict[str, np.ndarray]) -> _Graph:
         t, b, r = tokens.numel(), len(pieces), host["logit_rows"].shape[0]
-        inputs = StepInputs(input_fields(t, b, r, self.width), self.runner.w.device)
+        inputs = StepInputs(input_fields(t, b, r, self.patterns.width), self.runner.w.device)
         load(inputs, tokens, host)
         batch = PrefillBatch(tuple(pieces), self.cache.layout.page_size, **{k: inputs[k] for k in host})
         static_tokens = inputs["tokens"]
@@ -159,5 +141,4 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
             logits = self.runner._pass(static_tokens, batch, self.cache)
-        self.captures += 1
         return _Graph(graph, inputs, batch, logits)
