@@ -131,8 +131,8 @@ class MegakernelBackend(Backend):
         start = self._timer.start()
         step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
         out = step(tokens, segments, cache)
-        if self._graphs is None or self._graphs.patterns.unmeasured == unmeasured:  # a capture or an eager first sighting:
-            # no measure of the path
+        # a step that captured a graph or ran a pattern's first sighting eager is no measure of its path
+        if self._graphs is None or self._graphs.patterns.unmeasured == unmeasured:
             self._timer.stop(start, (path, m))
         return out
 
