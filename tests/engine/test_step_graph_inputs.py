@@ -1,6 +1,7 @@
 """The graphed pass's static inputs (step_graphs.input_fields / load, CPU): a random step packed into the one
-buffer reads back as ``PrefillBatch.build`` gives it, block tables zero-padded to the graphs' width, and a later
-step of the same pattern overwrites every input."""
+buffer reads back as ``PrefillBatch.build`` gives it (block tables up to the step's own width; the columns past it
+keep what they held, never read: every read is of a page below its segment's context), and a later step of the
+same pattern overwrites every input up to its width."""
 import numpy as np
 import torch
 
@@ -33,6 +34,7 @@ def test_a_random_step_reads_back_as_the_batch_build_gives_it():
             pieces = _step(rng, lengths, logits, width)
             tokens = torch.randint(0, 50_000, (t,))
             inputs.buffer.fill_(-5)  # poison: the step must write every input
+            poisoned = inputs["block_tables"].clone()
             load(inputs, tokens, PrefillBatch.arrays(pieces, PS))
             want = PrefillBatch.build(pieces, PS, "cpu")
             assert torch.equal(inputs["tokens"], tokens)
@@ -40,7 +42,7 @@ def test_a_random_step_reads_back_as_the_batch_build_gives_it():
                 assert torch.equal(inputs[name], getattr(want, name)), name
             w = want.block_tables.shape[1]
             assert torch.equal(inputs["block_tables"][:, :w], want.block_tables)
-            assert (inputs["block_tables"][:, w:] == 0).all()  # padded with page 0, as the batch's own padding
+            assert torch.equal(inputs["block_tables"][:, w:], poisoned[:, w:])  # past the step's width: not written
 
 
 def test_the_graphs_batch_reads_the_loaded_step_through_its_views():

@@ -11,10 +11,12 @@ one-off pattern (a prefill chunk's mix of lengths) never pays a capture, which c
 queue (``torch.cuda.graph`` synchronises the device and empties the allocator's cache before it records), while a
 decode batch or verify layout that repeats is captured on its second step. What changes between steps is data,
 written into the graph's static inputs before each replay: the tokens, each row's position and cache slot, each
-segment's start and context, its logit rows and its block table (zero-padded to the graphs' common width; entries
-past a segment's context are never read). The static inputs of a graph are views into one buffer (``StepInputs``),
-packed on the host with numpy and written by one non-blocking copy from pinned memory a step (tokens already on the
-device, the previous step's samples, by one more copy on the device), so queueing a step never waits for the GPU.
+segment's start and context, its logit rows and its block table (in the graphs' common width, written as far as
+the step's widest table: entries past a segment's context are never read, so older ones may stay). The static
+inputs of a graph are views into one buffer (``StepInputs``), packed on the host with numpy and written by one
+non-blocking copy from pinned memory a step, as far as the step's table rows (then spread into the [B, width]
+tables on the device; tokens already on the device, the previous step's samples, by one more copy there), so
+queueing a step never waits for the GPU and copies what the step uses, not the common width.
 The common width starts at ``MIN_TABLE_TOKENS`` of context (at most the pool's pages), so short and mid-length
 contexts never recapture; a block table wider than it doubles it and recaptures the graphs wider.
 
@@ -44,31 +46,37 @@ MIN_TABLE_TOKENS = 8192  # context the graphs' block tables hold from the start 
 
 
 def input_fields(tokens: int, segments: int, logit_rows: int, width: int) -> tuple[Field, ...]:
-    """A graph's static inputs: the tokens [T] and ``PrefillBatch``'s tensors (its dtypes; block tables
-    [B, width])."""
+    """A graph's static inputs: the tokens [T] and ``PrefillBatch``'s tensors (its dtypes), the block tables as
+    ``table_rows`` (the step's rows packed at its own width, copied only as far as the step uses them) and, on the
+    device only, ``block_tables`` [B, width] (what the kernels read, at the graphs' common width, written from
+    table_rows on the device)."""
     t, b = tokens, segments
     return (Field("tokens", torch.int64, (t,)), Field("positions", torch.int64, (t,)),
             Field("slots", torch.int64, (t,)), Field("logit_rows", torch.int64, (logit_rows,)),
             Field("q_start", torch.int32, (b,)), Field("seq_start", torch.int32, (b,)),
-            Field("seq_ctx", torch.int32, (b,)), Field("block_tables", torch.int32, (b, width)))
+            Field("seq_ctx", torch.int32, (b,)), Field("table_rows", torch.int32, (b * width,)),
+            Field("block_tables", torch.int32, (b, width), host=False))
 
 
 def load(inputs: StepInputs, tokens: torch.Tensor, host: dict[str, np.ndarray]) -> None:
-    """One step into a graph's inputs: ``host`` (``PrefillBatch.arrays``; block tables up to the graph's width)
-    and the tokens packed into the next pinned buffer and copied at once; tokens on the device copied there, after
+    """One step into a graph's inputs: ``host`` (``PrefillBatch.arrays``: block tables at the step's widest) and
+    the tokens packed into the next pinned buffer and copied at once, as far as the step's table rows; the rows
+    spread into the kernels' [B, width] tables on the device (the columns past the step's width keep older entries:
+    every read is of a page below its segment's context, so none is read); tokens on the device copied there, after
     that copy (which rewrites the tokens field too)."""
-    staged = inputs.stage()
+    tables = host["block_tables"]
+    b, w = tables.shape
+    staged = inputs.stage(inputs.end("table_rows", b * w))
     for name, a in host.items():
-        dst = staged.array(name)
         if name == "block_tables":
-            dst[:, :a.shape[1]] = a
-            dst[:, a.shape[1]:] = 0
+            staged.array("table_rows", b * w)[:] = a.reshape(-1)
         else:
-            dst[:] = a
+            staged.array(name)[:] = a
     on_host = tokens.device.type == "cpu"
     if on_host:
         staged.array("tokens")[:] = tokens.numpy()
     inputs.load(staged)
+    inputs["block_tables"][:, :w].copy_(inputs["table_rows"][:b * w].view(b, w))
     if not on_host:
         inputs["tokens"].copy_(tokens)
 
