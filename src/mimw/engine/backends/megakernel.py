@@ -141,9 +141,11 @@ class MegakernelBackend(Backend):
         samples may not have reached the host) and the step state goes by non-blocking copies from pinned memory
         (``StepState.fill``), so queueing the launches never waits for the GPU."""
         dec = self._decoder(cache)
-        # each step returns the decoder's logits buffer, which the next step overwrites: copy each row out
-        return torch.cat([dec.step_batch(tokens[i:i + 1], [s.start], [s.block_table])[:1].to(torch.float32, copy=True)
-                          for i, s in enumerate(segments)])
+        # each step returns the decoder's logits buffer, which the next step overwrites: copy each row out (one
+        # segment, the batch-1 step: its row is the result, no concatenation's second copy)
+        rows = [dec.step_batch(tokens[i:i + 1], [s.start], [s.block_table])[:1].to(torch.float32, copy=True)
+                for i, s in enumerate(segments)]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
         """Segments of 2..plan.max_tokens tokens in all (decode tokens, verify blocks, short chunks) as one launch
