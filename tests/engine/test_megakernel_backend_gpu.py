@@ -145,6 +145,58 @@ def test_megakernel_backend_decodes_an_moe_model_like_the_reference():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the megakernel needs a Hopper (sm_90) GPU")
+def test_megakernel_backend_runs_an_moe_models_decode_batches_on_its_multi_token_step():
+    """Qwen3-MoE (tiny-qwen3-moe-mt: heads of 64, so its decode batches plan; hidden size 64, one column tile):
+    prompts prefilled on the bf16 reference decoder, then decode batches of 2, 3, 5, 7 and 8 sequences on the
+    megakernel's multi-token MoE step (``decode_kernel``: padded to their bucket by rows on the backend's own page,
+    every row routed, each distinct expert read once), then one batch through ``forward`` until the router has
+    measured that step. Every row's logits track the fp32 reference's; a routing near-tie (bf16 against fp32) may
+    swap an expert on some rows, so most rows, not all, must be within the bound."""
+    from mimw.engine.backends.megakernel import MegakernelBackend
+    from mimw.engine.backends.reference import ReferenceBackend
+    from mimw.engine.backends.step_router import KERNEL
+    from mimw.megakernel.plan import MAX_MOE_BATCH
+
+    spec = get_preset("tiny-qwen3-moe-mt")
+    w = random_weights(spec, 6, dtype=torch.bfloat16, device="cuda")
+    mk, ref = MegakernelBackend(w), ReferenceBackend(w.to(dtype=torch.float32))
+    assert mk.max_tokens == MAX_MOE_BATCH == 8
+    mk_cache, ref_cache = mk.make_cache(16, 64), ref.make_cache(16, 64)
+    g = torch.Generator().manual_seed(7)
+    tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(8)]
+    pos = [int(n) for n in torch.randint(3, 60, (8,), generator=g)]
+    for t, n in zip(tables, pos):
+        p = torch.randint(spec.vocab_size, (n,), generator=g)
+        mk.forward(p, [Segment(t, 0, n)], mk_cache)
+        ref.forward(p, [Segment(t, 0, n)], ref_cache)
+    rows = close = agree = 0
+    for batch in (2, 3, 5, 7, 8, 8):
+        for _ in range(3):
+            segs = [Segment(tables[i], pos[i], 1) for i in range(batch)]
+            toks = torch.randint(spec.vocab_size, (batch,), generator=g)
+            a = mk.decode_kernel(toks.cuda(), segs, mk_cache)
+            b = ref.forward(toks, segs, ref_cache)
+            assert a.shape == b.shape == (batch, spec.vocab_size) and torch.isfinite(a).all()
+            err = (a - b).abs().amax(-1) / b.abs().amax(-1)
+            rows += batch
+            close += int((err < 2e-2).sum())
+            agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+            for i in range(batch):
+                pos[i] += 1
+    torch.cuda.synchronize()
+    assert close >= 0.8 * rows and agree >= 0.9 * rows, (close, agree, rows)
+    segs = [Segment(tables[i], pos[i], 1) for i in range(5)]
+    toks = torch.randint(spec.vocab_size, (5,), generator=g)
+    want = ref.forward(toks, segs, ref_cache)
+    for _ in range(9):  # the same decode step again (rewriting its rows): the router tries each of its paths
+        got = mk.forward(toks, segs, mk_cache)
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
+    assert 5 in mk.router.step_ms[KERNEL]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_thirty_two_concurrent_greedy_requests_give_the_reference_backends_tokens():
     """32 greedy requests at once through the engine (overlap on; its decode steps on the megakernel's multi-token
     step, the replays or the graphed pass, as the router picks) against the same requests through the fp32

@@ -136,6 +136,21 @@ def test_the_moe_decode_batch_kernel_compiles_spill_free():
     assert (p.constants.M, p.constants.S) == (8, 64)
 
 
+@pytest.mark.parametrize("blocks", [(), (1, 1, 1, 1, 1, 3)], ids=["batch8", "5-padded-by-3"])
+def test_the_tiny_moe_decode_batch_kernel_compiles_spill_free(blocks):
+    """tiny-qwen3-moe-mt's decode batch of 8, and of 5 padded by a query block of 3 (the engine's padding): a hidden
+    size of one column tile (64), 16 routing slots, experts of three column tiles."""
+    from mimw.megakernel.program import StepShape
+
+    p = plan(get_preset("tiny-qwen3-moe-mt"), 132, StepShape((1,) * 8, 1024, blocks))
+    k = compile_sm90a(p)
+    rep = ptxas_report(k.asm["ptx"])
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert k.metadata.shared <= SHARED_BYTES and p.exchange_bytes == 0, k.metadata.shared
+    assert "wgmma.mma_async" in k.asm["ptx"] and "ld.volatile.global" in k.asm["ptx"]
+    assert (p.constants.M, p.constants.S, p.constants.KT_D, p.constants.KT_F) == (8, 16, 1, 3)
+
+
 MMA_F16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 MMA_BF16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 

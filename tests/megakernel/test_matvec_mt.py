@@ -49,3 +49,22 @@ def test_a_pair_is_two_consecutive_chunks_of_the_staging_buffer():
     assert torch.equal(pairs[p, :m], x[:, 64 * p: 64 * p + 32])
     assert torch.equal(pairs[p, mb:mb + m], x[:, 64 * p + 32: 64 * p + 64])
     assert torch.all(pairs[p, m:mb] == 0) and torch.all(pairs[p, mb + m:] == 0)
+
+
+@pytest.mark.parametrize("model,m", [("tiny-qwen3-moe-mt", 2), ("tiny-qwen3-moe-mt", 8), ("smollm2-135m", 8),
+                                     ("smollm2-135m", 32), ("llama-3.2-1b", 16), ("llama-3.1-8b", 16),
+                                     ("qwen3-30b-a3b", 8)])
+def test_the_norm_passes_read_only_the_norm_buffer_and_the_staging_buffer(model, m):
+    """stage_normed's shared-memory passes go over the hidden size's chunks a pass of ``norm_pass`` chunks at a time,
+    reading the norm weights' buffer (wbuf_rows chunks) and the staging buffer at each: the chunks they read, rounded
+    up to whole passes, lie inside both. A hidden size of one column tile (the tiny MoE model's 64: 8 chunks, a
+    buffer of 8) must not be read in rounds of 16."""
+    from mimw.megakernel.device.matvec_mt import norm_reads, wbuf_rows
+    from mimw.megakernel.plan import plan
+    from mimw.megakernel.program import StepShape
+    from mimw.models.spec import get_preset
+
+    c = plan(get_preset(model), 132, StepShape((1,) * m, 1024)).constants
+    n = c.KT_D * (c.TK // 32)
+    assert n <= norm_reads(c) <= wbuf_rows(c)
+    assert norm_reads(c) <= c.KT_ROWS * (c.TK // 32)

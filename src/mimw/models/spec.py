@@ -290,6 +290,11 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("tiny-qwen3-moe", "qwen3_moe", 256, 64, 128, 3, 8, 2, 32, 1e-6, 1000000.0, None, 512, False, None,
                   (2,), num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
                   dense_layers=(1,)),
+        # tiny MoE whose decode batches plan on the megakernel's multi-token step ([32, 256] tiles need heads of 64):
+        # its hidden size one column tile, experts 768 wide (the 30B-A3B's: three column tiles), layer 1 dense
+        ModelSpec("tiny-qwen3-moe-mt", "qwen3_moe", 256, 64, 128, 3, 8, 2, 64, 1e-6, 1000000.0, None, 512, False,
+                  None, (2,), num_experts=16, num_experts_per_tok=4, moe_intermediate_size=768, norm_topk_prob=True,
+                  dense_layers=(1,)),
     ]
 }
 

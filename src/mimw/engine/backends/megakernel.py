@@ -13,10 +13,12 @@ the paged attention kernel: decode batches, verify blocks) replays as a CUDA gra
 (``StepGraphs``); long prefill chunks run eager. The runner writes the segments' K/V into the shared cache exactly as
 the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once
 here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of them
-(launch/pack.py): the GPU holds the weights twice, row-major and tile-major. A mixture-of-experts model decodes on
-the megakernel one token a launch (a decode batch as replays: its multi-token MoE step has not passed its GPU check
-yet, bench/NOTES.md "MoE on the megakernel"); its prefill chunks and verify blocks run eager on the bf16 reference
-decoder (``ReferencePrefill``: the prefill path has no MoE block yet). Invariants are those of ``Backend``.
+(launch/pack.py): the GPU holds the weights twice, row-major and tile-major. A mixture-of-experts model's decode
+steps run on the megakernel as one-token launches or, where its multi-token step plans (plan.max_tokens: up to
+plan.MAX_MOE_BATCH tokens; 1 where its heads take 16-row tiles), as that step, which reads each distinct routed
+expert once; its prefill chunks and verify blocks run eager on the bf16 reference decoder (``ReferencePrefill``: the
+prefill path has no MoE block yet, and the MoE step's query blocks are GPU-checked only as a decode batch's padding).
+Invariants are those of ``Backend``.
 """
 from __future__ import annotations
 
@@ -88,9 +90,12 @@ class MegakernelBackend(Backend):
         self.router = StepRouter()
         from ...megakernel.plan import max_tokens
 
-        # the most tokens the megakernel's multi-token step runs for this model (plan.max_tokens: 32, the 8B's 16);
-        # an MoE model's one (module doc)
-        self.max_tokens = 1 if weights.spec.is_moe else max_tokens(weights.spec)
+        # the most tokens the megakernel's multi-token step runs for this model (plan.max_tokens: 32, the 8B's 16, an
+        # MoE model's plan.MAX_MOE_BATCH where its step plans, else 1)
+        self.max_tokens = max_tokens(weights.spec)
+        # steps other than decode batches (verify blocks, short chunks) on that step too: not an MoE model's (module
+        # doc)
+        self._segments_on_kernel = not weights.spec.is_moe
         self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
         # cache -> the page past the caller's that padding rows write (weak: a cache's entry dies with it)
         self._pad_pages: weakref.WeakKeyDictionary[PagedKVCache, int] = weakref.WeakKeyDictionary()
@@ -123,7 +128,8 @@ class MegakernelBackend(Backend):
             self.router.observe(path, batch, ms)
         m = int(tokens.numel())
         decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
-        if not decode and not 2 <= m <= self.max_tokens:  # prefill chunks, long steps: the prefill path
+        if not decode and not (self._segments_on_kernel and 2 <= m <= self.max_tokens):  # prefill chunks, long
+            # steps, an MoE model's verify blocks: the prefill path
             return self.decode_pass(tokens, segments, cache)
         whole = (KERNEL, BATCHED) if m <= self.max_tokens else (BATCHED,)
         path = self.router.choose(m, whole, replays=decode)

@@ -85,6 +85,23 @@ def wbuf_rows(C):
 
 
 @constexpr_function
+def norm_pass(C, KT):
+    """Chunks of a norm's shared-memory passes an iteration (``stage_normed``, its input ``KT`` column tiles): a round
+    of chunks (their loads in flight together), 4 at MB = 32 (a chunk is 8 registers a thread there), and never more
+    than the input's chunks, so that the passes read no chunk past ``wbuf_rows`` (a hidden size of one column tile
+    has 8 chunks of norm weights, a round 16)."""
+    n = KT * (C.TK // 32)
+    return min(group_chunks(C) if C.MB <= 16 else 4, n)
+
+
+def norm_reads(C) -> int:
+    """Chunks of xs and of the norm weights' buffer that ``stage_normed``'s passes over the hidden size read: its
+    chunks rounded up to whole passes (host check against ``wbuf_rows`` and the staging buffer)."""
+    n, su = C.KT_D * (C.TK // 32), norm_pass(C, C.KT_D)
+    return -(-n // su) * su
+
+
+@constexpr_function
 def wbuf_layout(C):
     """The norm weights' buffer [wbuf_rows, 32], unswizzled; ``stage_normed`` reads it as [wbuf_rows, 1, 32]: chunk
     c is ``index(c)``, a [1, 32] row."""
@@ -157,9 +174,8 @@ def stage_normed(xs, wbuf, x16_ptr, emb_ptr, tok_ptr, from_embed, norm_ptr, K, e
     L: gl.constexpr = chunk_layout(C)
     MB: gl.constexpr = C.MB
     ss = gl.zeros([MB, 32], gl.float32, L)
-    # the shared-memory passes: a round of chunks an iteration (their loads in flight together); 4 at MB = 32,
-    # where a chunk is 8 registers a thread
-    SU: gl.constexpr = NCG if C.MB <= 16 else 4
+    # the shared-memory passes: a round of chunks an iteration (their loads in flight together), at most NCH
+    SU: gl.constexpr = norm_pass(C, KT)
     for g in range(0, NCH, SU):
         for q in gl.static_range(SU):
             v = xs.index(g + q).load(L).to(gl.float32)
