@@ -3,7 +3,8 @@
 # 3.6 with Gluon, as on the H200 machine), in parts that each fit one 10-minute device call:
 #   tests      tests/megakernel/test_kernel_gpu.py: the shipping kernel for 4 shapes x contexts 1/17/1000/8191 x 64
 #              steps, the tickets, other SM counts, release-hold settings, the decoder's fall-back to tickets, the
-#              traced launch; the cluster probe and the engine's megakernel backend (~6 min)
+#              traced launch; the cluster probe, the engine's megakernel backend (MoE decode batches included), its
+#              short steps' graphs and the overlapped engine (~7 min)
 #   sanitize   compute-sanitizer synccheck on small shapes (case by case, each in its own process, if it errs; ~2 min)
 #   racecheck  compute-sanitizer racecheck on the same cases (cut at 200 s)
 #   trace      the per-instruction trace of the 1B and 8B shapes at context 1024 (~2 min)
@@ -26,7 +27,8 @@ has() { [[ "$parts" == *" $1 "* ]]; }
 if has tests; then
     # under a time limit: a cluster barrier or counter that never completes hangs the kernel
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider tests/megakernel/test_kernel_gpu.py \
-        tests/megakernel/test_cluster.py tests/engine/test_megakernel_backend_gpu.py > "$out/gpu-tests.log" 2>&1
+        tests/megakernel/test_cluster.py tests/engine/test_megakernel_backend_gpu.py tests/engine/test_step_graphs_gpu.py \
+        tests/engine/test_overlap.py > "$out/gpu-tests.log" 2>&1
     rc[gpu-tests]=$?
     tail -n 3 "$out/gpu-tests.log"
 fi
