@@ -143,3 +143,13 @@ def test_the_estimates_read_as_json_by_bucket():
     assert r.estimates() == {"replay_ms": None, "step_ms": {}}
     _warm(r, 1.0, {8: 5.2, 2: 5.0})
     assert r.estimates() == {"replay_ms": 1.0, "step_ms": {BATCHED: {"2": 5.0, "8": 5.2}}}
+
+
+def test_with_no_whole_batch_path_a_decode_step_replays_even_at_refresh():
+    """An MoE model past its multi-token step's tokens offers no whole-batch path (its pass is the eager reference
+    decoder): every decode step replays, the refresh included."""
+    r = StepRouter(refresh=4)
+    assert [r.choose(16, (), replays=True) for _ in range(3)] == [REPLAY] * 3
+    for _ in range(3):
+        r.observe(REPLAY, 16, 16.0)
+    assert [r.choose(16, (), replays=True) for _ in range(8)] == [REPLAY] * 8

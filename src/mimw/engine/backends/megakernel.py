@@ -93,9 +93,9 @@ class MegakernelBackend(Backend):
         # the most tokens the megakernel's multi-token step runs for this model (plan.max_tokens: 32, the 8B's 16, an
         # MoE model's plan.MAX_MOE_BATCH where its step plans, else 1)
         self.max_tokens = max_tokens(weights.spec)
-        # steps other than decode batches (verify blocks, short chunks) on that step too: not an MoE model's (module
-        # doc)
-        self._segments_on_kernel = not weights.spec.is_moe
+        # an MoE model's pass is the eager reference decoder (module doc): never a decode path, and its verify blocks
+        # and short chunks stay off the multi-token step
+        self._moe = weights.spec.is_moe
         self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
         # cache -> the page past the caller's that padding rows write (weak: a cache's entry dies with it)
         self._pad_pages: weakref.WeakKeyDictionary[PagedKVCache, int] = weakref.WeakKeyDictionary()
@@ -128,10 +128,10 @@ class MegakernelBackend(Backend):
             self.router.observe(path, batch, ms)
         m = int(tokens.numel())
         decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
-        if not decode and not (self._segments_on_kernel and 2 <= m <= self.max_tokens):  # prefill chunks, long
-            # steps, an MoE model's verify blocks: the prefill path
+        if not decode and (self._moe or not 2 <= m <= self.max_tokens):  # prefill chunks, long steps, an MoE
+            # model's verify blocks: the prefill path
             return self.decode_pass(tokens, segments, cache)
-        whole = (KERNEL, BATCHED) if m <= self.max_tokens else (BATCHED,)
+        whole = ((KERNEL,) if m <= self.max_tokens else ()) + (() if self._moe else (BATCHED,))
         path = self.router.choose(m, whole, replays=decode)
         unmeasured = self._graphs.patterns.unmeasured if self._graphs is not None else 0
         start = self._timer.start()
