@@ -8,7 +8,7 @@ from mimw.bench.fused import random_bench_weights
 from mimw.bench.inputs import decode_inputs, reference_logits
 from mimw.bench.peers import PeerContext
 from mimw.bench.peers.torch_peers import torch_eager
-from mimw.bench.routes import Route, choices, enumerate_routes, follow, step_routes
+from mimw.bench.routes import Route, choices, enumerate_routes, follow, step_routes, tie_gap
 from mimw.bench.worker import Reference
 from mimw.models.moe import Routing, top_k
 from mimw.models.spec import get_preset
@@ -93,6 +93,18 @@ def _weights_with_a_tie():
 def tied():
     bw, inputs, kth, out = _weights_with_a_tie()
     return bw, inputs, kth, out, Reference(bw, inputs, torch.bfloat16)
+
+
+def test_tie_gap_is_the_bound_at_which_choices_admit_a_set():
+    p = torch.tensor([0.30, 0.25, 0.20, 0.10, 0.099, 0.05, 0.001])
+    own = [0, 1, 2, 3]
+    assert tie_gap(p, own, [3, 2, 1, 0]) == 0.0  # any order of its own top k
+    for chosen in ([0, 1, 2, 4], [0, 1, 2, 5], [0, 1, 5, 6], [1, 2, 3, 4]):
+        g = tie_gap(p, own, chosen)
+        assert tuple(sorted(chosen)) in choices(p, own, tie=g + 1e-6, limit=1000), (chosen, g)
+        assert tuple(sorted(chosen)) not in choices(p, own, tie=g - 1e-6, limit=1000), (chosen, g)
+    for bad in ([0, 1, 2], [0, 1, 2, 2], [0, 1, 2, 3, 4], [0, 1, 2, 7], [0, 1, 2, -1]):
+        assert tie_gap(p, own, bad) == float("inf"), bad
 
 
 def test_the_tie_is_a_route_and_moves_the_logits_past_a_plain_bound(tied):
@@ -233,6 +245,12 @@ def test_a_bf16_moe_run_checks_every_backend_against_its_routes(tmp_path, monkey
     assert rows["torch-eager"]["status"] == "ok", rows["torch-eager"]["check"]
     for name in ("fake-wrong-expert", "fake-scaled"):
         assert rows[name]["status"] == "check-failed", rows[name]["check"]
-    c = rows["torch-eager"]["check"]
-    assert c["routings"] >= 1 and c["route_tie"] > 0 and c["bf16_noise"] < c["rel_tol"]
-    assert "fake-wrong-expert (✗ check)" in j.with_suffix(".md").read_text()
+    c = rows["torch-eager"]["check"]  # it reports its routing: judged on it, no enumeration
+    assert c["routing_source"] == "own" and "routings" not in c
+    assert c["route_tie"] > 0 and c["bf16_noise"] < c["rel_tol"]
+    for name in ("fake-wrong-expert", "fake-scaled"):  # no routing reported: the enumeration judges them
+        c = rows[name]["check"]
+        assert c["routing_source"] == "enumerated" and c["routings"] >= 1, c
+    md = j.with_suffix(".md").read_text()
+    assert "fake-wrong-expert (✗ check)" in md and "(enumerated routings: no own routing)" in md
+    assert "(own routing; " in md

@@ -76,11 +76,15 @@ def check_cell(row: dict) -> str:
         return "unchecked"
     if c is None:
         return ""
+    # an MoE row judged without the backend's own routing says so
+    enumerated = " (enumerated routings: no own routing)" if c.get("routing_source") == "enumerated" else ""
     if c["ok"]:
+        if c.get("routing_source") == "own":  # "ok (own routing; 2 near-ties)"
+            return f"✓ {c['rel_err']:.1e} " + c["detail"].removeprefix("ok ")
         tie = " (routing near-tie)" if "routing near-tie" in c["detail"] else (
             " (near-tie)" if "near-tie" in c["detail"] else "")
-        return f"✓ {c['rel_err']:.1e}" + tie
-    return f"✗ FAILED: {c['detail']}"
+        return f"✓ {c['rel_err']:.1e}" + tie + enumerated
+    return f"✗ FAILED: {c['detail']}" + enumerated
 
 
 def markdown(doc: dict) -> str:
@@ -100,10 +104,13 @@ def markdown(doc: dict) -> str:
         fl = next((r["floor_ms"] for r in group if r.get("floor_ms")), None)
         nb = next((r["bytes_per_step"] for r in group if r.get("bytes_per_step")), None)
         chk = next((r["check"] for r in group if r.get("check")), None)
+        enum = next((r["check"] for r in group if (r.get("check") or {}).get("routings")), None)
         tol = "" if chk is None else f"check: rel_err ≤ {chk.get('rel_tol', 2e-2):.1e}" + (
             "" if chk.get("bf16_noise") is None else f" (bf16 vs fp32 reference: {chk['bf16_noise']:.1e})") + (
-            "" if not chk.get("routings") else f"; against {chk['routings']} routing(s) within the near-tie bound "
-            f"{chk['route_tie']:.1e}" + (" (capped)" if chk.get("routes_capped") else ""))
+            "" if chk.get("route_tie") is None else f"; MoE: against the reference on the backend's own routing, "
+            f"each layer's experts within the near-tie bound {chk['route_tie']:.1e}") + (
+            "" if enum is None else f"; a backend without one: against {enum['routings']} enumerated routing(s)"
+            + (" (capped)" if enum.get("routes_capped") else ""))
         if fl is not None:
             lines.append(f"| {ctx} | **floor** | {fl:.3f} | {1e3 / fl:.0f} | {_f(doc.get('read_TBps'), '.2f')} | 1.00 "
                          f"| | {tol} | {nb / 1e6:.1f} MB read per step |")

@@ -104,6 +104,20 @@ def choices(probs: torch.Tensor, own: list[int], tie: float, limit: int = MAX_RO
     return ([own] + sorted(sets - {own}))[:limit]
 
 
+def tie_gap(probs: torch.Tensor, own: list[int], chosen: list[int]) -> float:
+    """The smallest ``tie`` for which ``chosen`` is ``own`` or a near-tie of it (module doc) for one token whose
+    probabilities are ``probs`` [E] and whose own top k is ``own``: 0 when the sets agree, inf when ``chosen`` is not
+    k distinct experts of the router. ``chosen`` is within ``choices(probs, own, tie)`` exactly when this is <= tie."""
+    p = probs.float().cpu().tolist()
+    top, got = set(own), list(chosen)
+    if len(set(got)) != len(got) or len(got) != len(top) or not all(0 <= e < len(p) for e in got):
+        return float("inf")
+    kth = min(p[e] for e in top)
+    nxt = max((p[e] for e in range(len(p)) if e not in top), default=float("-inf"))
+    need = [kth - p[e] for e in set(got) - top] + [p[e] - nxt for e in top - set(got)]
+    return max(need + [0.0])
+
+
 def step_choices(r: Routing, tie: float, limit: int) -> list[torch.Tensor]:
     """A layer's routing of T tokens -> at most ``limit`` expert sets [T, k] (int64): every combination of the tokens'
     ``choices``, the own routing first."""

@@ -12,7 +12,9 @@ is known, so a crash or a kill loses at most the backend being measured:
 
 Per context the inputs (``decode_inputs``) and the reference logits are made once, plus, for bf16 runs, the fp32
 reference that measures bf16's own rounding noise (``mimw.bench.check``: the tolerance is max(2e-2, 2 x noise));
-an MoE model's references are one per routing the step may legitimately take (``mimw.bench.routes``);
+an MoE backend that reports its routing (``Peer.routing``) is judged against the reference forced onto that routing
+after its routing is found faithful (``mimw.bench.own_route``); one that does not, against the reference over each
+routing the step may legitimately take (``mimw.bench.routes``, enumerated when first needed);
 every backend shares the one weight set (``BenchWeights``). After each backend its objects are dropped and the allocator cache emptied; a CUDA
 error that poisons the context ends the process with code 3 so that the supervisor restarts a fresh one.
 """
@@ -35,6 +37,7 @@ from .floor import routed_experts, step_bytes
 from .fused import BenchWeights, fuse, random_bench_weights
 from .inputs import decode_inputs, fp32_reference_logits, reference_logits
 from .peers import BACKENDS, PeerContext, Unavailable, is_mimw
+from .own_route import own_route_check
 from .routes import MAX_ROUTES, along, fallback_tie, route_tie, step_routes
 from .timing import time_steps
 
@@ -87,12 +90,15 @@ class Reference:
 
     An MoE model's fp32 run follows the bf16 run's routing (``routes.along``), so that the noise it measures is
     rounding, not a near-tie routed elsewhere; its router probabilities against the bf16 run's give the near-tie
-    bound (``routes.route_tie``), and the step's references are the bf16 reference over every routing within it
-    (``routes.step_routes``; a backend passes against one of them, ``check.compare_routes``)."""
+    bound (``routes.route_tie``). A backend that reports its own routing is checked against the bf16 reference
+    forced onto it (``own_route.own_route_check``); one that does not, against the bf16 reference over every routing
+    within the bound (``routes.step_routes``, enumerated on first use; it passes against one of them,
+    ``check.compare_routes``)."""
 
     def __init__(self, bw: BenchWeights, inputs, dtype: torch.dtype, kv_bytes_per_token: int | None = None,
                  max_routes: int = MAX_ROUTES):
         spec = bw.spec
+        self.weights, self.inputs, self.max_routes, self.is_moe = bw.weights, inputs, max_routes, spec.is_moe
         routings: list = []
         self.logits = reference_logits(bw.weights, inputs, routings)
         self.bytes = step_bytes(spec, inputs.context, kv_bytes_per_token=kv_bytes_per_token,
@@ -109,14 +115,32 @@ class Reference:
                 traceback.print_exc()
             gc.collect()
         self.rel_tol = noise_tolerance(self.noise)
-        self.routes, self.routes_capped = [], False
-        if spec.is_moe:
-            if self.route_tie is None:
-                self.route_tie = fallback_tie(routings, dtype)
-            self.routes, self.routes_capped = step_routes(bw.weights, inputs, self.route_tie, max_routes)
+        if spec.is_moe and self.route_tie is None:
+            self.route_tie = fallback_tie(routings, dtype)
+        self._routes: tuple[list, bool] | None = None if spec.is_moe else ([], False)
 
-    def check(self, logits: torch.Tensor) -> dict:
-        if not self.routes:
+    def _enumerated(self) -> tuple[list, bool]:
+        if self._routes is None:  # the reference runs of the enumeration, only when a backend needs them
+            self._routes = step_routes(self.weights, self.inputs, self.route_tie, self.max_routes)
+        return self._routes
+
+    @property
+    def routes(self) -> list:
+        """An MoE step's enumerated routes (``routes.step_routes``, run on first use); [] for a dense model."""
+        return self._enumerated()[0]
+
+    @property
+    def routes_capped(self) -> bool:
+        """Whether ``MAX_ROUTES`` cut the enumeration short."""
+        return self._enumerated()[1]
+
+    def check(self, logits: torch.Tensor, routing: list | None = None) -> dict:
+        """The check of a backend's step: its ``logits`` and, for an MoE model, its experts per MoE layer in layer
+        order (``Peer.routing``; None: it reports none, and the enumeration judges it)."""
+        if self.is_moe and routing is not None:
+            c = own_route_check(logits, self.weights, self.inputs, routing, self.route_tie, self.rel_tol).to_json()
+            c["route_tie"] = self.route_tie
+        elif not self.routes:
             c = compare_logits(logits, self.logits, self.rel_tol).to_json()
         else:
             res, i = compare_routes(logits, [r.logits for r in self.routes], self.rel_tol)
@@ -127,7 +151,7 @@ class Reference:
             elif not res.ok and len(self.routes) > 1:
                 c["detail"] += f" (the closest of {len(self.routes)} near-tie routings)"
             c.update(routing=route.describe(), routings=len(self.routes), routes_capped=self.routes_capped,
-                     route_tie=self.route_tie)
+                     route_tie=self.route_tie, routing_source="enumerated")
         c["bf16_noise"] = self.noise
         c["rel_err_fp32"] = None if self.logits32 is None else rel_err(logits, self.logits32)
         return c
@@ -161,7 +185,7 @@ def measure(model: str, backend: str, ctx: PeerContext, ref: Reference, cfg: Dec
         peer.reset()
         peer.step()
         logits = peer.logits()
-        check = None if logits is None else ref.check(logits)
+        check = None if logits is None else ref.check(logits, peer.routing() if ctx.bw.spec.is_moe else None)
         row["check"] = check
         emit({"event": "phase", "context": c, "backend": backend, "phase": "time"})
         peer.reset()

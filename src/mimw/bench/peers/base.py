@@ -7,6 +7,12 @@ other exception is reported as an error for that backend alone.
 Invariants: ``Peer.step()`` enqueues exactly one decode step of ``ctx.inputs.token`` at position
 ``ctx.inputs.context`` on the current CUDA stream (no host sync required); after it, ``Peer.logits()`` returns that
 step's logits ([V] or [1, V], any float dtype) or None when the backend cannot expose them (reported "unchecked").
+An MoE backend may report its routing: after a step, ``Peer.routing()`` returns the experts each MoE layer of that
+step ran ([1, k] or [k] ids a layer, in ``spec.moe_layers`` order), or None when it cannot (the default); the worker
+reads it after the checked step only, never inside the timed loop, and judges the logits against the reference
+forced onto that routing (``mimw.bench.own_route``), or, without it, against every near-tie routing
+(``mimw.bench.routes``).
+
 ``Peer.reset()`` restores the cache state the step expects (for backends whose cache advances by itself); the
 worker calls it before the check and before timing, never inside the timed loop.
 """
@@ -40,6 +46,7 @@ class Peer:
     logits: Callable[[], torch.Tensor | None]
     notes: str = ""
     reset: Callable[[], None] = field(default=lambda: None)
+    routing: Callable[[], list[torch.Tensor] | None] = field(default=lambda: None)
     # what a captured graph reads and writes in place (the module with its static caches, the token and position):
     # held as long as the peer, since a graph keeps only its own pool alive and freed inputs would be reused by later
     # allocations under its replays

@@ -42,14 +42,15 @@ def torch_eager(ctx: PeerContext) -> Peer:
     def step() -> None:
         out[0] = m(tok, pos)
 
-    return Peer(step, lambda: out[0], "fused qkv/gate-up, static KV buffers")
+    return Peer(step, lambda: out[0], "fused qkv/gate-up, static KV buffers", routing=m.routing)
 
 
 def torch_eager_graph(ctx: PeerContext) -> Peer:
     require_cuda(ctx, "CUDA-graph capture")
     m, tok, pos = _module(ctx)
     graph, logits = capture(lambda: m(tok, pos))
-    return Peer(graph.replay, lambda: logits, "eager kernels, one CUDA graph per step", keep=(m, tok, pos))
+    return Peer(graph.replay, lambda: logits, "eager kernels, one CUDA graph per step", keep=(m, tok, pos),
+                routing=m.routing)
 
 
 def _compiled(ctx: PeerContext, mode: str):
@@ -61,7 +62,7 @@ def _compiled(ctx: PeerContext, mode: str):
     m, tok, pos = _module(ctx)
     for t in (*m.buffers(), tok, pos):  # the step's inputs never move either: no copy-in per replay
         torch._dynamo.mark_static_address(t)
-    return torch.compile(m, mode=mode, fullgraph=True), tok, pos  # the compiled module holds m
+    return torch.compile(m, mode=mode, fullgraph=True), tok, pos  # the compiled module holds m (``_orig_mod``)
 
 
 def torch_compile_reduce_overhead(ctx: PeerContext) -> Peer:
@@ -78,7 +79,7 @@ def torch_compile_reduce_overhead(ctx: PeerContext) -> Peer:
             step()
         torch.cuda.synchronize()
     graphs = "cudagraph trees" if inductor_cudagraph_skips() == skips else "CUDA graphs SKIPPED by inductor (see log)"
-    return Peer(step, lambda: out[0], f"inductor + {graphs}")
+    return Peer(step, lambda: out[0], f"inductor + {graphs}", routing=fn._orig_mod.routing)
 
 
 def torch_compile_max_autotune(ctx: PeerContext) -> Peer:
@@ -88,4 +89,4 @@ def torch_compile_max_autotune(ctx: PeerContext) -> Peer:
         torch.cuda.synchronize()
         graph, logits = capture(lambda: fn(tok, pos))
     return Peer(graph.replay, lambda: logits, "inductor max-autotune GEMMs + coordinate-descent, manual CUDA graph",
-                keep=(fn, tok, pos))
+                keep=(fn, tok, pos), routing=fn._orig_mod.routing)
