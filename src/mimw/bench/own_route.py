@@ -30,8 +30,8 @@ from .routes import follow, tie_gap
 @dataclass(frozen=True)
 class OwnRouteCheck:
     """The verdict: ``check`` (its detail names the source of the routing), the MoE layers whose experts are a
-    near-tie other than the reference router's own top k, the first unfaithful layer (None: faithful) and each MoE
-    layer's gap, in layer order."""
+    near-tie other than the reference router's own top k (an exact tie, gap 0, included), the first unfaithful layer
+    (None: faithful) and each MoE layer's gap, in layer order."""
 
     check: CheckResult
     near_ties: int
@@ -46,17 +46,21 @@ class OwnRouteCheck:
 
 
 def forced_reference(weights: ModelWeights, inputs: DecodeInputs,
-                     chosen: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+                     chosen: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[float], list[bool]]:
     """The reference's logits [V] (fp32, CPU) with MoE layer i (the i-th of ``spec.moe_layers``) on the experts
-    ``chosen[i]`` ([T, k] or [k]) and each layer's ``tie_gap`` of them against its router's own top k. A layer whose
-    experts are no valid set (gap inf) runs its own top k (the verdict is a failure either way)."""
+    ``chosen[i]`` ([T, k] or [k]), each layer's ``tie_gap`` of them against its router's own top k, and whether they
+    are another set than that top k. A layer whose experts are no valid set (gap inf) runs its own top k (the verdict
+    is a failure either way)."""
     spec = weights.spec
     by_layer = dict(zip(spec.moe_layers, chosen))
     gaps: list[float] = []
+    differs: list[bool] = []
 
     def route(layer: int, r: Routing) -> Routing:
         ids = torch.as_tensor(by_layer[layer]).to(torch.int64).cpu()
         own = r.ids.cpu()
+        differs.append(ids.numel() != own.numel() or any(
+            sorted(a) != sorted(b) for a, b in zip(ids.reshape(own.shape).tolist(), own.tolist())))
         if ids.numel() != own.numel():
             gaps.append(float("inf"))
             return r
@@ -65,7 +69,7 @@ def forced_reference(weights: ModelWeights, inputs: DecodeInputs,
         return r if gaps[-1] == float("inf") else follow(r, ids, spec)
 
     logits = reference_logits(weights, inputs, route=route)
-    return logits.float().cpu(), gaps
+    return logits.float().cpu(), gaps, differs
 
 
 def own_route_check(logits: torch.Tensor, weights: ModelWeights, inputs: DecodeInputs,
@@ -77,9 +81,9 @@ def own_route_check(logits: torch.Tensor, weights: ModelWeights, inputs: DecodeI
         bad = CheckResult(False, c.rel_err, c.argmax, c.ref_argmax,
                           f"routing names {len(chosen)} MoE layers, the model has {len(layers)}", rel_tol)
         return OwnRouteCheck(bad, 0, -1, ())
-    ref, gaps = forced_reference(weights, inputs, chosen)
+    ref, gaps, differs = forced_reference(weights, inputs, chosen)
     c = compare_logits(logits, ref, rel_tol)
-    near = sum(0 < g <= tie for g in gaps)
+    near = sum(d and g <= tie for g, d in zip(gaps, differs))
     ties = f"{near} near-tie" + ("" if near == 1 else "s")
     unfaithful = [(layer, g) for layer, g in zip(layers, gaps) if g > tie]
     if unfaithful:
