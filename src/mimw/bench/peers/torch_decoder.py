@@ -12,11 +12,10 @@ router's top k on the device, the token's row repeated once per chosen expert in
 boundaries that give every other expert zero rows, so each chosen expert's weights are read once, in place, and no
 host sync is needed (CUDA graphs capture it); the k outputs are weighted and summed.
 
-Routing record (``FusedDecoder.routing``): each MoE layer keeps the top k ids of its last step without adding work to
-the step. Run eagerly, the layer holds the ids tensor the step made (a Python reference, no kernel); under a CUDA-graph
-capture that tensor is the graph's own output, rewritten by every replay and kept alive by the reference. Under
-torch.compile (where the traced step cannot hand a tensor out through an attribute) the step copies the ids into a
-static ``routed`` buffer inside the compiled graph, a write of k integers Inductor emits beside the top k.
+Routing record (``FusedDecoder.routing``): each MoE layer keeps a reference to the top k ids tensor of its last step
+(``last_ids``), which adds no kernel to the step. Under a CUDA-graph capture that tensor is the graph's own output,
+rewritten by every replay and kept alive by the reference; under torch.compile the attribute store is a side effect
+Dynamo replays after the compiled graph, the ids one more output of it (k integers the top k computes anyway).
 
 Numerics follow ``mimw.models.reference``: RMSNorm in fp32 cast back before the weight multiply, RoPE in fp32 from
 ``mimw.models.rope`` tables, softmax in fp32, matmuls in the weight dtype.
@@ -69,10 +68,7 @@ class FusedLayer(nn.Module):
         shape = (spec.num_kv_heads, cache_len, spec.head_dim)  # [Hkv, S, hd]
         self.register_buffer("k_cache", torch.zeros(shape, dtype=lw.wo.dtype, device=lw.wo.device))
         self.register_buffer("v_cache", torch.zeros(shape, dtype=lw.wo.dtype, device=lw.wo.device))
-        if lw.router is not None:  # the step's top k ids (module doc: routing record)
-            k = spec.num_experts_per_tok
-            self.register_buffer("routed", torch.full((1, k), -1, dtype=torch.int64, device=lw.wo.device))
-        self.last_ids: torch.Tensor | None = None
+        self.last_ids: torch.Tensor | None = None  # an MoE layer's last step's top k ids (module doc: routing record)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -103,10 +99,7 @@ class FusedLayer(nn.Module):
     def _moe(self, h: torch.Tensor) -> torch.Tensor:
         """h [1, D] -> the routed experts' weighted sum [1, D] (models.moe's routing and SwiGLU)."""
         w, ids = top_k(F.linear(h, self.router), self.spec)  # [1, k] fp32, [1, k]
-        if torch.compiler.is_compiling():
-            self.routed.copy_(ids)
-        else:
-            self.last_ids = ids
+        self.last_ids = ids
         experts, order = ids[0].sort()  # the k distinct experts ascending: row j is expert experts[j]'s
         k = experts.shape[0]
         rows = torch.zeros(self.e_gate.shape[0], dtype=torch.int32, device=h.device)  # rows an expert, then ends
@@ -148,8 +141,7 @@ class FusedDecoder(nn.Module):
 
     def routing(self) -> list[torch.Tensor]:
         """The last step's top k ids [1, k] of every MoE layer, in layer order (module doc: routing record); a copy."""
-        return [(layer.routed if layer.last_ids is None else layer.last_ids).clone()
-                for layer in self.layers if layer.router is not None]
+        return [layer.last_ids.clone() for layer in self.layers if layer.router is not None]
 
     def forward(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         x = F.embedding(token, self.embed)              # [1, D]

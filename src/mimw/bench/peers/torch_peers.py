@@ -62,7 +62,7 @@ def _compiled(ctx: PeerContext, mode: str):
     m, tok, pos = _module(ctx)
     for t in (*m.buffers(), tok, pos):  # the step's inputs never move either: no copy-in per replay
         torch._dynamo.mark_static_address(t)
-    return torch.compile(m, mode=mode, fullgraph=True), tok, pos  # the compiled module holds m (``_orig_mod``)
+    return torch.compile(m, mode=mode, fullgraph=True), tok, pos  # the compiled module holds m
 
 
 def torch_compile_reduce_overhead(ctx: PeerContext) -> Peer:
