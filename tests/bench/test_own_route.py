@@ -122,6 +122,11 @@ def test_the_worker_reference_judges_a_reported_routing(step):
     assert ref._routes is None  # the enumeration never ran
     c = ref.check(logits * 1.1, routing)
     assert not c["ok"] and "own routing" in c["detail"]
+    assert c["rel_err_fp32"] is not None
+    swapped, routing = _backend(bw, inputs, _swap_at(SPEC.moe_layers[0]))
+    c = ref.check(swapped, routing)  # fp32 weights: both references alike, so the near-tie bound is 0
+    assert ref.route_tie == 0.0 and not c["ok"] and c["unfaithful_layer"] == SPEC.moe_layers[0], c
+    assert c["rel_err_fp32"] is None  # the fp32 reference's routing is not this backend's
     c = ref.check(logits)  # no routing reported: the enumeration
     assert c["ok"] and c["routing_source"] == "enumerated" and c["routings"] >= 1
 
