@@ -113,6 +113,12 @@ class StepInputs:
             raise ValueError(f"field {name}: {count} of {f.numel} host elements")
         return self.offsets[name] + (count if f.dtype == torch.int64 else -(-count // 2))
 
+    def spread(self, rows: str, table: str, n: int, width: int) -> None:
+        """The first ``n * width`` elements of field ``rows`` (n table rows packed at the step's ``width``) into the
+        first n rows and ``width`` columns of the device-only field ``table`` (its rows wider: a fixed stride the
+        kernels read), on the device, queued after ``load``; the columns past ``width`` keep what they held."""
+        self[table][:n, :width].copy_(self[rows][:n * width].view(n, width))
+
     def stage(self, words: int | None = None) -> Staged:
         """The next host buffer to pack a step into, once the copy that last read it has completed; ``load``
         will copy its first ``words`` (default: every host field)."""

@@ -134,7 +134,7 @@ class StepState:
         for i, t in enumerate(block_tables):
             rows[i, :len(t)] = t
         self.inputs.load(host)
-        self.block_tables[:ns, :width].copy_(self.inputs["table_rows"][:ns * width].view(ns, width))
+        self.inputs.spread("table_rows", "block_tables", ns, width)
         if not on_host:
             self.tokens.copy_(tokens)
 

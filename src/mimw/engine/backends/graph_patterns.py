@@ -4,7 +4,7 @@ bookkeeping of ``StepGraphs``).
 A step's pattern (its segments' lengths and logit rows, in order) names a graph. A capture costs ~10 ms and drains
 the GPU's queue (``torch.cuda.graph`` synchronises the device and empties the allocator's cache before it records),
 so a pattern is captured only once it has shown it repeats: its first sighting runs eager and is remembered, its
-second captures, later ones replay. Every graph's static block table is ``width`` columns wide (zero-padded); a step
+second captures, later ones replay. Every graph's static block table is ``width`` columns wide; a step
 whose table is wider widens it (at least doubling) and drops every graph (their tables are too narrow), remembering
 their patterns as seen, so each recaptures at its next step. At most ``max_graphs`` graphs and ``4 * max_graphs``
 seen patterns are kept, least recently used dropped.

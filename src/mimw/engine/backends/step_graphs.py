@@ -76,7 +76,7 @@ def load(inputs: StepInputs, tokens: torch.Tensor, host: dict[str, np.ndarray]) 
     if on_host:
         staged.array("tokens")[:] = tokens.numpy()
     inputs.load(staged)
-    inputs["block_tables"][:, :w].copy_(inputs["table_rows"][:b * w].view(b, w))
+    inputs.spread("table_rows", "block_tables", b, w)
     if not on_host:
         inputs["tokens"].copy_(tokens)
 
