@@ -4,7 +4,8 @@ implementation, against a plain PyTorch SDPA prefill of the same weights and the
 For every model (presets with random bf16 weights) and prompt length: a fresh random prompt on a shuffled block
 table is prefilled from an empty cache in passes of ``--chunk`` tokens (what the engine does with
 ``max_prefill_step_tokens`` = chunk and nothing decoding) by the ``PrefillRunner`` with each attention (``triton``:
-mimw's paged kernel; ``cudnn``, ``sdpa``, ``flex``: torch's over gathered pages), then the first token is
+mimw's paged kernel; ``gluon``: its warp-specialized Gluon kernel for Hopper; ``cudnn``, ``sdpa``, ``flex``:
+torch's over gathered pages), then the first token is
 taken (argmax, synchronised): TTFT is that wall time (``times_s``: each run's). ``plain-sdpa``
 (``plain_prefill.py``) runs the whole prompt in one eager call. ``no-attention`` is the runner with its attention
 replaced by a copy of q (wrong logits, no check): the time of its GEMMs and elementwise kernels alone, so a row's
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from .prefill_sweeps import attention_sweep, engine_ttft
 
-IMPLS = ("plain-sdpa", "triton", "cudnn", "sdpa", "flex", "no-attention")
+IMPLS = ("plain-sdpa", "triton", "gluon", "cudnn", "sdpa", "flex", "no-attention")
 NO_ATTENTION = "no-attention"  # the runner with attention replaced by a copy of q: its GEMMs and elementwise alone
 
 

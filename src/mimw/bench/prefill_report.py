@@ -100,7 +100,7 @@ def write_chart(doc: dict, path: Path) -> None:
 def summary(doc: dict) -> str:
     """The short table: per model and length, each implementation's TTFT and MFU beside plain SDPA's."""
     rows = [r for r in doc["rows"] if "@" not in r["impl"]]
-    order = ("triton", "cudnn", "sdpa", "flex", "engine-triton", "no-attention", "plain-sdpa")
+    order = ("triton", "gluon", "cudnn", "sdpa", "flex", "engine-triton", "no-attention", "plain-sdpa")
     impls = [i for i in order if any(r["impl"] == i for r in rows)]
     out = ["model         tokens  " + "  ".join(f"{i:>18}" for i in impls) + "   (TTFT s / MFU)"]
     for model in sorted({r["model"] for r in rows}):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .prefill_report import summary
 
-ATTENTIONS = ("triton", "cudnn", "sdpa", "flex")
+ATTENTIONS = ("triton", "gluon", "cudnn", "sdpa", "flex")
 LONG = 32768
 TIE = 1.02  # geomeans or cell times within 2% of each other are a tie
 

@@ -18,7 +18,7 @@ from dataclasses import asdict
 # compile or fit is a row with its error. Other head dims: the default only.
 TILES = {64: ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (256, 128, 8, 3)),
          128: ((256, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (256, 64, 8, 4))}
-LIBRARY = ("cudnn", "sdpa", "flex")
+COMPARED = ("gluon", "cudnn", "sdpa", "flex")  # beside the paged Triton kernel, when in ``--impls``
 
 
 class _Ids:
@@ -40,7 +40,7 @@ def attention_sweep(bench, model, spec, cache, pages) -> None:
     cache.v[0].normal_()
     lengths = bench.cfg.attention_lengths
     for n in lengths:
-        cases = [("triton", None)] + [(impl, None) for impl in LIBRARY if impl in bench.cfg.impls
+        cases = [("triton", None)] + [(impl, None) for impl in COMPARED if impl in bench.cfg.impls
                                       and (impl not in ("sdpa", "flex") or n <= bench.cfg.gathered_max_tokens)]
         _time_attention(bench, model, spec, cache, pages, n, cases)
         torch.cuda.empty_cache()

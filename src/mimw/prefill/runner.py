@@ -36,19 +36,22 @@ from .batch import Piece, PrefillBatch, split_passes
 from .flex_attention import FlexPagedAttention
 from .gathered_attention import (GatheredAttention, LibraryAttention, cudnn_attention, sdpa_attention,
                                  torch_attention)
+from .gluon_attention import GluonAttention
 from .paged_attention import AttentionTiles, PagedAttention
 from .weights import FusedWeights
 
-ATTENTIONS = ("triton", "cudnn", "sdpa", "flex", "torch")
+ATTENTIONS = ("triton", "gluon", "cudnn", "sdpa", "flex", "torch")
 KERNELS = ("triton", "torch")
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """attention: "triton" (mimw's paged kernel: the serving path's), "cudnn" / "sdpa" / "flex" (torch's over
-    gathered pages, ``gathered_attention`` and ``flex_attention``: what ``mimw bench prefill`` measures the paged
-    kernel against) or "torch" (the reference's fp32 attention); kernels: "triton" (norm, RoPE + append, SwiGLU)
-    or "torch" (the reference's functions); tiles: the paged kernel's (None: ``AttentionTiles.for_head_dim``)."""
+    """attention: "triton" (mimw's paged kernel: the serving path's), "gluon" (the warp-specialized, TMA-fed
+    paged kernel for Hopper, ``gluon_attention``: bf16 cache only, ``check_cache``), "cudnn" / "sdpa" / "flex"
+    (torch's over gathered pages, ``gathered_attention`` and ``flex_attention``: what ``mimw bench prefill``
+    measures the paged kernel against) or "torch" (the reference's fp32 attention); kernels: "triton" (norm, RoPE +
+    append, SwiGLU) or "torch" (the reference's functions); tiles: the paged Triton kernel's (None:
+    ``AttentionTiles.for_head_dim``)."""
 
     attention: str = "triton"
     kernels: str = "triton"
@@ -62,6 +65,13 @@ class PrefillConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.max_pass_tokens <= 0:
             raise ValueError(f"max_pass_tokens must be positive, got {self.max_pass_tokens}")
+
+    def check_cache(self, kv_dtype: torch.dtype) -> None:
+        """Refuse a KV element type the attention does not read: the Gluon kernel feeds its wgmmas straight from
+        TMA, so it takes a bf16 cache only (an fp8 cache's rows would need their scales applied in between)."""
+        if self.attention == "gluon" and kv_dtype != torch.bfloat16:
+            raise ValueError(f"attention 'gluon' reads a bf16 KV cache only, not "
+                             f"{str(kv_dtype).removeprefix('torch.')}: use attention 'triton' over an fp8 cache")
 
     @classmethod
     def reference(cls, max_pass_tokens: int = 16384) -> "PrefillConfig":
@@ -85,10 +95,12 @@ def make_attention(name: str, tiles: AttentionTiles | None, device: torch.device
         return PagedAttention(tiles)
     if name == "flex":
         return FlexPagedAttention(compile=device.type == "cuda")
-    if name == "cudnn":  # cuDNN's fused kernel: a CUDA-only op
-        if device.type != "cuda":
-            raise ValueError(f"attention {name!r} runs on CUDA only (weights on {device})")
+    if name in ("cudnn", "gluon") and device.type != "cuda":  # cuDNN's fused kernel, the Hopper kernel
+        raise ValueError(f"attention {name!r} runs on CUDA only (weights on {device})")
+    if name == "cudnn":
         return LibraryAttention(cudnn_attention)
+    if name == "gluon":
+        return GluonAttention()
     return GatheredAttention(sdpa_attention if name == "sdpa" else torch_attention)
 
 
@@ -107,6 +119,7 @@ class PrefillRunner:
         order; writes every token's K/V into ``cache``."""
         if sum(s.length for s in segments) != tokens.numel():
             raise ValueError("segments' lengths must add up to the number of tokens")
+        self.config.check_cache(cache.layout.dtype)
         tokens = tokens.to(self.w.device)
         pieces = [Piece(tuple(s.block_table), s.start, s.length, s.num_logits) for s in segments]
         outs, t0 = [], 0

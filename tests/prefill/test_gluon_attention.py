@@ -1,0 +1,92 @@
+"""The Gluon attention's host side on the CPU: its PyTorch walk (``attend_torch``: the kernel's programs, block-table
+reads, boxes, masks, zeroed V rows and pipelined rescale) against the reference decoder's attention over a cache
+whose unwritten rows are NaN; its tiles; and the refusals (an fp8 cache, the CPU). The kernel itself runs in the GPU
+tests (test_prefill_gpu.py) and compiles in test_compile_sm90.py."""
+import pytest
+import torch
+
+from mimw.kv import fp8
+from mimw.models.spec import get_preset
+from mimw.models.weights import random_weights
+from mimw.prefill import PrefillConfig, PrefillRunner
+from mimw.prefill.batch import Piece, PrefillBatch
+from mimw.prefill.gathered_attention import torch_attention
+from mimw.prefill.gluon_attention import BLOCK_M, GluonTiles, attend_torch
+
+PS = 16
+
+
+def _case(hd: int, hq: int, hkv: int, seed: int):
+    """A pass of four pieces over shuffled pages, every position past a piece's context NaN (never written): one
+    with a 300-token prefix in the cache (context not a multiple of a page), one fresh whose length is not a
+    multiple of a tile, a 5-token verify block after a prefix, and a fresh 130-token one (two query blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(300, 221), (0, 333), (640, 5), (0, 130)]  # (start, length)
+    need = [-(-(s + n) // PS) for s, n in shapes]
+    pages = sum(need) + 3
+    perm = torch.randperm(pages, generator=g).tolist()
+    pieces, i = [], 0
+    for (s, n), k in zip(shapes, need):
+        pieces.append(Piece(tuple(perm[i:i + k]), s, n))
+        i += k
+    batch = PrefillBatch.build(pieces, PS, "cpu")
+    k_layer = torch.full((pages, hkv, PS, hd), float("nan"), dtype=torch.bfloat16)
+    v_layer = torch.full_like(k_layer, float("nan"))
+    for p in pieces:
+        pos = torch.arange(p.ctx)
+        pg = torch.tensor(p.block_table)[pos // PS]
+        k_layer[pg, :, pos % PS] = (2 * torch.randn(p.ctx, hkv, hd, generator=g)).bfloat16()
+        v_layer[pg, :, pos % PS] = torch.randn(p.ctx, hkv, hd, generator=g).bfloat16()
+    q = torch.randn(batch.num_tokens, hq, hd, generator=g).bfloat16()
+    return q, k_layer, v_layer, batch
+
+
+@pytest.mark.parametrize("hd,hq,hkv,block_n", [(64, 4, 2, 128), (128, 6, 2, 128), (64, 2, 1, 64)])
+def test_the_kernels_walk_is_the_reference_attention(hd, hq, hkv, block_n):
+    q, k, v, batch = _case(hd, hq, hkv, seed=hd + hq)
+    want = torch_attention(q, k, v, batch)
+    got = attend_torch(q, k, v, batch, block_n)
+    assert torch.isfinite(got).all()  # every row written, no NaN from the unwritten rows past a context
+    # P in bf16 (as the kernel's PV wgmma takes it) against the reference's fp32 softmax
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_rows_past_the_context_never_count():
+    """The last tile's rows past the context (zeroed V, masked K) contribute nothing, whatever the pages hold."""
+    q, k, v, batch = _case(64, 2, 1, seed=3)
+    v2 = v.clone()
+    k2 = k.clone()
+    v2[torch.isnan(v2)] = 1e4  # finite garbage instead of NaN
+    k2[torch.isnan(k2)] = 1e4
+    assert torch.equal(attend_torch(q, k2, v2, batch), attend_torch(q, k, v, batch))
+
+
+def test_tiles_fit_shared_memory_and_refuse_other_head_dims():
+    for hd in (64, 128):
+        t = GluonTiles.for_head_dim(hd, 4, 8)
+        assert t.shared_bytes <= 227 * 1024 and t.BLOCK_N % t.PS == 0
+        assert t.HC == hd // 64
+    assert GluonTiles.for_head_dim(64, 4, 8).NB == 4 and GluonTiles.for_head_dim(128, 4, 8).NB == 2
+    with pytest.raises(ValueError, match="head_dim 64 or 128"):
+        GluonTiles.for_head_dim(96, 4, 8)
+    with pytest.raises(ValueError, match="page_size"):
+        GluonTiles(64, 4, 8, PS=12)
+    assert BLOCK_M == 128
+
+
+def test_gluon_is_refused_over_an_fp8_cache_and_on_the_cpu():
+    PrefillConfig("gluon").check_cache(torch.bfloat16)
+    PrefillConfig("triton").check_cache(fp8.FP8)
+    with pytest.raises(ValueError, match="bf16 KV cache only"):
+        PrefillConfig("gluon").check_cache(fp8.FP8)
+    w = random_weights(get_preset("smollm2-135m").with_(num_layers=1), seed=0)
+    with pytest.raises(ValueError, match="runs on CUDA only"):
+        PrefillRunner(w, PrefillConfig("gluon"))
+
+
+def test_the_megakernel_backend_refuses_gluon_over_fp8_before_looking_for_a_gpu():
+    from mimw.engine.backends.megakernel import MegakernelBackend
+
+    w = random_weights(get_preset("smollm2-135m").with_(num_layers=1), seed=0)
+    with pytest.raises(ValueError, match="bf16 KV cache only"):
+        MegakernelBackend(w, prefill=PrefillConfig("gluon"), kv_dtype=fp8.FP8)
