@@ -1,6 +1,7 @@
-"""The prefill Triton kernels compile for Hopper (sm_90a) on a CPU-only machine (ptxas ships in the triton wheel),
-at the shapes and tiles the 1B and 8B models launch: the attention's dots become wgmma, its K/V gathers are
-pipelined (cp.async), nothing spills to local memory and shared memory fits the SM's 227 KB."""
+"""The prefill Triton and Gluon kernels compile for Hopper (sm_90a) on a CPU-only machine (ptxas ships in the triton
+wheel), at the shapes and tiles the 1B and 8B models launch: the attention's dots become wgmma, its K/V gathers are
+pipelined (cp.async; the Gluon kernel's are TMA boxes into mbarrier rings), nothing spills to local memory and
+shared memory fits the SM's 227 KB."""
 import re
 
 import pytest
@@ -9,7 +10,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mimw.models.spec import get_preset
-from mimw.prefill import activation, norm, paged_attention, rope_append
+from mimw.prefill import activation, gluon_attention, norm, paged_attention, rope_append
 
 pytestmark = pytest.mark.slow
 
@@ -97,3 +98,47 @@ def test_elementwise_kernels_compile(preset, kv):
         # the head norm's mean, which the bf16 path computes alike), the fp8 conversion rounds to nearest even
         assert count(ptx, r"div\.rn\.f32") > 0 and count(ptx, r"div\.(full|approx)") == int(spec.qk_norm)
         assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") > 0
+
+
+def compile_gluon_sm90(tiles: gluon_attention.GluonTiles):
+    """The Gluon attention kernel as ``gluon_prefill_attention`` launches it (pointers and strides 16-divisible)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = gluon_attention.gluon_prefill_kernel
+    lay = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    kv = f"tensordesc<bf16[{tiles.PS}, 64],{lay}>"
+    args = {"q_desc": f"tensordesc<bf16[64, 64],{lay}>", "k_desc": kv, "v_desc": kv, "O": "*bf16", "BT": "*i32",
+            "Q_START": "*i32", "SEQ_START": "*i32", "SEQ_CTX": "*i32", "WORK": "*i32", "stride_ot": "i32",
+            "stride_oh": "i32", "stride_bt": "i32", "qk_scale": "fp32"}
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in args.items()
+             if t.startswith("*") or n.startswith("stride")}
+    src = GluonASTSource(fn, {**args, "C": "constexpr"}, {"C": tiles}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"])
+def test_gluon_attention_compiles_to_tma_rings_and_async_wgmma(preset):
+    """hd 64 (1B) and 128 (8B, Qwen3-0.6B): one TMA box per page and 64-column chunk (Q's two warpgroup halves, a
+    tile's K and V boxes, unrolled once each), wgmma in both consumer warpgroups with S_j awaited while PV_{j-1} runs
+    (wait_group HC in both loops of both), register budgets set per role
+    (setmaxnreg), no spills, shared memory within the SM's 227 KB, and every barrier 0 the default partition's."""
+    from mimw.megakernel.launch.compile import partition_barrier_errors, ptxas_report
+
+    spec = get_preset(preset)
+    tiles = gluon_attention.GluonTiles.for_head_dim(spec.head_dim, spec.group_size, spec.num_kv_heads)
+    k = compile_gluon_sm90(tiles)
+    ptx = k.asm["ptx"]
+    boxes = 2 * tiles.HC + 2 * (tiles.BLOCK_N // tiles.PS) * tiles.HC
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d") == boxes
+    assert count(ptx, r"wgmma\.mma_async") > 0 and count(ptx, rf"wgmma\.wait_group\.sync\.aligned {tiles.HC};") == 4
+    regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)})
+    assert gluon_attention.PRODUCER_REGS.value in regs and gluon_attention.CONSUMER_REGS.value in regs
+    assert count(ptx, r"(ld|st)\.local") == 0
+    rep = ptxas_report(ptx)
+    assert rep["spill_stores"] == rep["spill_loads"] == rep["stack"] == 0
+    assert partition_barrier_errors(ptx, 4) == []
+    assert tiles.shared_bytes <= k.metadata.shared <= 227 * 1024
+    print(f"{preset}: hd {tiles.HD}, BLOCK_N {tiles.BLOCK_N}, {tiles.NB} stages: shared {k.metadata.shared} B, "
+          f"launch registers {rep['registers']}, setmaxnreg {regs}, spills 0")

@@ -56,11 +56,15 @@ def markdown(doc: dict) -> str:
                      f"{r['tokens_per_s']:,.0f} | {_mfu(r)} | {speed} | {r.get('peak_gb', 0):.1f} | "
                      f"{check} |")
     if doc.get("attention"):
-        lines += ["", "Attention alone (one layer, the last pass of a prompt of `tokens`, TFLOP/s):", "",
-                  "| model | tokens | impl | tiles | ms | TFLOP/s |", "| --- | ---: | --- | --- | ---: | ---: |"]
+        lines += ["", "Attention alone (one layer, the last pass of a prompt of `tokens`, TFLOP/s; the output's "
+                  "largest difference from the paged Triton kernel's, relative to its largest value):", "",
+                  "| model | tokens | impl | tiles | ms | TFLOP/s | vs triton |",
+                  "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
         for a in doc["attention"]:
+            err = f"{a['err_vs_triton']:.1e}" if a.get("err_vs_triton") is not None else ""
             lines.append(f"| {a['model']} | {a['tokens']} | {a['impl']} | {a.get('tiles', '')} | "
-                         + (f"{a['ms']:.3f} | {a['tflops']:.0f} |" if a.get("ms") else f"{a.get('error')} | |"))
+                         + (f"{a['ms']:.3f} | {a['tflops']:.0f} | {err} |" if a.get("ms")
+                            else f"{a.get('error')} | | |"))
     return "\n".join(lines) + "\n"
 
 

@@ -65,7 +65,8 @@ def attention_lines(doc: dict) -> list[str]:
     cells: dict[tuple, list[str]] = {}
     for a in doc.get("attention", []):
         if a.get("tflops"):
-            text = f"{a['impl']}{a.get('tiles') or ''} {a['tflops']:.0f}"
+            err = f" (err {a['err_vs_triton']:.0e})" if a.get("err_vs_triton") is not None else ""
+            text = f"{a['impl']}{a.get('tiles') or ''} {a['tflops']:.0f}{err}"
             cells.setdefault((a["model"], a["tokens"]), []).append(text)
     return [f"attention alone, {m} {n} (last pass), TFLOP/s: " + "; ".join(c) for (m, n), c in cells.items()]
 

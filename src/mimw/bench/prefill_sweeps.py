@@ -2,9 +2,11 @@
 
 ``attention_sweep``: one layer's attention alone for the last pass of a causal prompt of each of
 ``attention_lengths`` (its last ``chunk`` tokens, everything before them already in the cache): each
-implementation at its defaults, then the paged kernel at other tiles at the first length, TFLOP/s (do_bench
-median). ``engine_ttft``: TTFT through the engine with the megakernel backend (its multi-token steps on the
-``PrefillRunner``), one request at a time, prefix cache off.
+implementation at its defaults, then the paged kernel at other tiles and the Gluon kernel with its warpgroups'
+other turn-taking at the first length, TFLOP/s (do_bench median) and each output's largest difference from the
+paged Triton kernel's on the same inputs (``err_vs_triton``, relative to its largest value). ``engine_ttft``:
+TTFT through the engine with the megakernel backend (its multi-token steps on the ``PrefillRunner``), one request at
+a time, prefix cache off.
 """
 from __future__ import annotations
 
@@ -30,10 +32,12 @@ class _Ids:
 
 def attention_sweep(bench, model, spec, cache, pages) -> None:
     """One layer's attention for the last pass of a causal prompt of each of ``attention_lengths``: every
-    implementation at its defaults, each length in turn; then the paged kernel's other tiles at the first length
-    (last, so that a deadline cuts the sweep before the comparison)."""
+    implementation at its defaults, each length in turn; then the paged kernel's other tiles and the Gluon
+    kernel's other PINGPONG setting at the first length (last, so that a deadline cuts the sweep before the
+    comparison)."""
     import torch
 
+    from ..prefill.gluon_attention import GluonTiles
     from ..prefill.paged_attention import AttentionTiles
 
     cache.k[0].normal_()
@@ -46,8 +50,13 @@ def attention_sweep(bench, model, spec, cache, pages) -> None:
         torch.cuda.empty_cache()
     default = AttentionTiles.for_head_dim(spec.head_dim)
     others = [AttentionTiles(*t) for t in TILES.get(spec.head_dim, ()) if AttentionTiles(*t) != default]
-    if lengths and others:
-        _time_attention(bench, model, spec, cache, pages, lengths[0], [("triton", t) for t in others])
+    cases = [("triton", t) for t in others]
+    if "gluon" in bench.cfg.impls and spec.head_dim in (64, 128):
+        g = GluonTiles.for_head_dim(spec.head_dim, spec.group_size, spec.num_kv_heads, bench.cfg.page_size)
+        cases.append(("gluon", GluonTiles.for_head_dim(spec.head_dim, spec.group_size, spec.num_kv_heads,
+                                                       bench.cfg.page_size, pingpong=not g.PINGPONG)))
+    if lengths and cases:
+        _time_attention(bench, model, spec, cache, pages, lengths[0], cases)
 
 
 def _time_attention(bench, model, spec, cache, pages, n, cases) -> None:
@@ -55,6 +64,7 @@ def _time_attention(bench, model, spec, cache, pages, n, cases) -> None:
     from triton.testing import do_bench
 
     from ..prefill.batch import Piece, PrefillBatch
+    from ..prefill.gluon_attention import GluonTiles
     from ..prefill.paged_attention import AttentionTiles
     from ..prefill.runner import make_attention
 
@@ -65,8 +75,11 @@ def _time_attention(bench, model, spec, cache, pages, n, cases) -> None:
     q = torch.randn(length, spec.num_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
     pairs = length * start + length * (length + 1) / 2
     flops = 4.0 * spec.num_heads * spec.head_dim * pairs
+    ref = make_attention("triton", None, torch.device("cuda")).plan(batch)(q, cache.k[0], cache.v[0]).float()
     for impl, tiles in cases:
         shown = tiles or (AttentionTiles.for_head_dim(spec.head_dim) if impl == "triton" else None)
+        if impl == "gluon" and tiles is None and spec.head_dim in (64, 128):
+            shown = GluonTiles.for_head_dim(spec.head_dim, spec.group_size, spec.num_kv_heads, bench.cfg.page_size)
         row = {"model": model, "tokens": n, "impl": impl,
                "tiles": None if shown is None else list(asdict(shown).values())}
         if not bench.time_left():
@@ -74,13 +87,14 @@ def _time_attention(bench, model, spec, cache, pages, n, cases) -> None:
         else:
             try:
                 attend = make_attention(impl, tiles, torch.device("cuda")).plan(batch)
+                err = (attend(q, cache.k[0], cache.v[0]).float() - ref).abs().max() / ref.abs().max()
                 ms = do_bench(lambda: attend(q, cache.k[0], cache.v[0]), warmup=10, rep=60, return_mode="median")
-                row.update(ms=ms, tflops=flops / ms / 1e9)
+                row.update(ms=ms, tflops=flops / ms / 1e9, err_vs_triton=float(err))
             except Exception as e:  # noqa: BLE001 - a tile that does not fit shared memory is a row
                 row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
         bench.doc["attention"].append(row)
-        print(f"[prefill] attention {model} {n} {impl} {row.get('tiles')} {row.get('tflops') or row.get('error')}",
-              file=sys.stderr, flush=True)
+        print(f"[prefill] attention {model} {n} {impl} {row.get('tiles')} {row.get('tflops') or row.get('error')}"
+              f" err_vs_triton {row.get('err_vs_triton')}", file=sys.stderr, flush=True)
         bench.save()
 
 

@@ -87,11 +87,13 @@ class GluonTiles:
     PS: int = 16
     BLOCK_N: int = 128
     NB: int = 2
+    PINGPONG: bool = False  # the two consumer warpgroups issue their wgmmas in turns (module doc)
 
     @classmethod
-    def for_head_dim(cls, head_dim: int, group: int, kv_heads: int, page_size: int = 16) -> "GluonTiles":
+    def for_head_dim(cls, head_dim: int, group: int, kv_heads: int, page_size: int = 16,
+                     pingpong: bool = False) -> "GluonTiles":
         """Shared memory: Q (head_dim / 4 KB) plus stages x 2 x BLOCK_N x head_dim x 2 bytes within 227 KB."""
-        return cls(head_dim, group, kv_heads, page_size, 128, 4 if head_dim <= 64 else 2)
+        return cls(head_dim, group, kv_heads, page_size, 128, 4 if head_dim <= 64 else 2, pingpong)
 
     def __post_init__(self) -> None:
         if self.HD not in (64, 128):
@@ -123,9 +125,10 @@ class Ring:
     v_ready: gl.shared_memory_descriptor
     v_empty: gl.shared_memory_descriptor
     v_fixed: gl.shared_memory_descriptor  # [1, 1]: both warpgroups zeroed the last tile's V rows past the context
+    turn: gl.shared_memory_descriptor  # [2, 1]: with PINGPONG, warpgroup w may issue its next tile's wgmmas
 
     @gluon.constexpr_function
-    def __init__(self, q, k, v, q_bar, k_ready, k_empty, v_ready, v_empty, v_fixed):
+    def __init__(self, q, k, v, q_bar, k_ready, k_empty, v_ready, v_empty, v_fixed, turn):
         self.q = q
         self.k = k
         self.v = v
@@ -135,6 +138,7 @@ class Ring:
         self.v_ready = v_ready
         self.v_empty = v_empty
         self.v_fixed = v_fixed
+        self.turn = turn
 
 
 @aggregate
@@ -242,12 +246,28 @@ def _produce(ring, blk, q_desc, k_desc, v_desc, BT, stride_bt, C: gl.constexpr):
 
 
 @gluon.jit
+def _take_turn(ring, t, WG: gl.constexpr, C: gl.constexpr):
+    """PINGPONG: wait for turn t of this warpgroup (completion t of its turn barrier: the kernel's first arrival
+    for warpgroup 0's turn 0, then the other warpgroup's turn t - 1 (0: t) handing over)."""
+    if C.PINGPONG:
+        mbarrier.wait(ring.turn.index(WG), t & 1)
+
+
+@gluon.jit
+def _pass_turn(ring, WG: gl.constexpr, C: gl.constexpr):
+    """PINGPONG: this warpgroup's wgmmas of the turn are issued; the other warpgroup may issue its own."""
+    if C.PINGPONG:
+        mbarrier.arrive(ring.turn.index(1 - WG), count=1)
+
+
+@gluon.jit
 def _scores(ring, j, WG: gl.constexpr, C: gl.constexpr):
     """Issue S_j = Q K_j^T for this warpgroup's rows (async; one wgmma group a 64-column chunk) once K_j landed."""
     HC: gl.constexpr = C.HD // 64
     BN: gl.constexpr = C.BLOCK_N
     s = j % C.NB
     mbarrier.wait(ring.k_ready.index(s), (j // C.NB) & 1)
+    _take_turn(ring, j, WG, C)
     acc = gl.zeros([64, BN], gl.float32, s_layout(BN))
     acc = warpgroup_mma(ring.q.index(WG * HC), ring.k.index(s * HC).permute((1, 0)), acc, use_acc=False,
                         is_async=True)
@@ -301,6 +321,7 @@ def _tile(ring, blk, j, p, o0, o1, m_i, l_i, q_pos, qk_scale, WG: gl.constexpr, 
     sp = (j - 1) % C.NB
     mbarrier.wait(ring.v_ready.index(sp), ((j - 1) // C.NB) & 1)
     o0, o1 = _pv(ring, p, o0, o1, j - 1, C)
+    _pass_turn(ring, WG, C)
     acc = warpgroup_mma_wait(num_outstanding=HC, deps=(acc,))  # S_j done, PV_{j-1} may still run
     mbarrier.arrive(ring.k_empty.index(j % C.NB), count=1)
     p_new, m_i, l_i, alpha = _softmax(acc, m_i, l_i, j * C.BLOCK_N, q_pos, blk.ctx, qk_scale, MASKED, C)
@@ -349,7 +370,9 @@ def _consume(ring, blk, O, stride_ot, stride_oh, qk_scale, WG: gl.constexpr, C: 
     o1 = gl.zeros([64, 64], gl.float32, OL)
     mbarrier.wait(ring.q_bar.index(0), 0)
     # tile 0: every row sees key 0, so each running max is finite from here on; masked in case it is the diagonal
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(ring, 0, WG, C),))
+    acc = _scores(ring, 0, WG, C)
+    _pass_turn(ring, WG, C)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(ring.k_empty.index(0), count=1)
     p, m_i, l_i, alpha = _softmax(acc, m_i, l_i, 0, q_pos, blk.ctx, qk_scale, True, C)
     for j in range(1, blk.n_full):
@@ -407,9 +430,14 @@ def gluon_prefill_kernel(q_desc, k_desc, v_desc, O, BT, Q_START, SEQ_START, SEQ_
                 gl.allocate_shared_memory(gl.int64, [NB, 1], BL),
                 gl.allocate_shared_memory(gl.int64, [NB, 1], BL),
                 gl.allocate_shared_memory(gl.int64, [NB, 1], BL),
-                gl.allocate_shared_memory(gl.int64, [1, 1], BL))
+                gl.allocate_shared_memory(gl.int64, [1, 1], BL),
+                gl.allocate_shared_memory(gl.int64, [2, 1], BL))
     mbarrier.init(ring.q_bar.index(0), count=1)
     mbarrier.init(ring.v_fixed.index(0), count=2)
+    mbarrier.init(ring.turn.index(0), count=1)
+    mbarrier.init(ring.turn.index(1), count=1)
+    if C.PINGPONG:
+        mbarrier.arrive(ring.turn.index(0), count=1)  # warpgroup 0 takes the first turn
     for i in gl.static_range(NB):
         mbarrier.init(ring.k_ready.index(i), count=1)
         mbarrier.init(ring.v_ready.index(i), count=1)
@@ -455,10 +483,12 @@ def gluon_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: tor
 
 
 class GluonAttention:
-    """``gluon_prefill_attention`` behind the runner's per-pass ``plan``; a pass whose longest piece has at most
-    BLOCK_M rows runs on the Triton kernel's grouped path instead (module doc). bf16 cache only."""
+    """``gluon_prefill_attention`` with fixed tiles (None: ``GluonTiles.for_head_dim``) behind the runner's per-pass
+    ``plan``; a pass whose longest piece has at most BLOCK_M rows runs on the Triton kernel's grouped path instead
+    (module doc). bf16 cache only."""
 
-    def __init__(self):
+    def __init__(self, tiles: GluonTiles | None = None):
+        self.tiles = tiles
         self._short = PagedAttention()
 
     def plan(self, batch: PrefillBatch):
@@ -469,7 +499,7 @@ class GluonAttention:
                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
             if k_scale is not None or v_scale is not None:
                 raise ValueError("the Gluon attention reads a bf16 cache only, not an fp8 one with scales")
-            return gluon_prefill_attention(q, k_layer, v_layer, batch)
+            return gluon_prefill_attention(q, k_layer, v_layer, batch, self.tiles)
 
         return run
 

@@ -36,7 +36,7 @@ from .batch import Piece, PrefillBatch, split_passes
 from .flex_attention import FlexPagedAttention
 from .gathered_attention import (GatheredAttention, LibraryAttention, cudnn_attention, sdpa_attention,
                                  torch_attention)
-from .gluon_attention import GluonAttention
+from .gluon_attention import GluonAttention, GluonTiles
 from .paged_attention import AttentionTiles, PagedAttention
 from .weights import FusedWeights
 
@@ -50,13 +50,13 @@ class PrefillConfig:
     paged kernel for Hopper, ``gluon_attention``: bf16 cache only, ``check_cache``), "cudnn" / "sdpa" / "flex"
     (torch's over gathered pages, ``gathered_attention`` and ``flex_attention``: what ``mimw bench prefill``
     measures the paged kernel against) or "torch" (the reference's fp32 attention); kernels: "triton" (norm, RoPE +
-    append, SwiGLU) or "torch" (the reference's functions); tiles: the paged Triton kernel's (None:
-    ``AttentionTiles.for_head_dim``)."""
+    append, SwiGLU) or "torch" (the reference's functions); tiles: the paged Triton kernel's ``AttentionTiles`` or
+    the Gluon kernel's ``GluonTiles`` (None: their ``for_head_dim``)."""
 
     attention: str = "triton"
     kernels: str = "triton"
     max_pass_tokens: int = 16384
-    tiles: AttentionTiles | None = None
+    tiles: AttentionTiles | GluonTiles | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
@@ -65,6 +65,10 @@ class PrefillConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.max_pass_tokens <= 0:
             raise ValueError(f"max_pass_tokens must be positive, got {self.max_pass_tokens}")
+        if self.tiles is not None and self.attention in ("triton", "gluon"):
+            want = AttentionTiles if self.attention == "triton" else GluonTiles
+            if not isinstance(self.tiles, want):
+                raise ValueError(f"attention {self.attention!r} takes {want.__name__}, got {self.tiles!r}")
 
     def check_cache(self, kv_dtype: torch.dtype) -> None:
         """Refuse a KV element type the attention does not read: the Gluon kernel feeds its wgmmas straight from
@@ -90,7 +94,7 @@ OPS = {"triton": PrefillOps(norm.rms_norm, rope_append.rope_append, activation.s
        "torch": PrefillOps(norm.rms_norm_torch, rope_append.rope_append_torch, activation.silu_mul_torch)}
 
 
-def make_attention(name: str, tiles: AttentionTiles | None, device: torch.device):
+def make_attention(name: str, tiles: AttentionTiles | GluonTiles | None, device: torch.device):
     if name == "triton":
         return PagedAttention(tiles)
     if name == "flex":
@@ -100,7 +104,7 @@ def make_attention(name: str, tiles: AttentionTiles | None, device: torch.device
     if name == "cudnn":
         return LibraryAttention(cudnn_attention)
     if name == "gluon":
-        return GluonAttention()
+        return GluonAttention(tiles)
     return GatheredAttention(sdpa_attention if name == "sdpa" else torch_attention)
 
 
