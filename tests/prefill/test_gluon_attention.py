@@ -74,6 +74,17 @@ def test_tiles_fit_shared_memory_and_refuse_other_head_dims():
     assert BLOCK_M == 128
 
 
+def test_each_paged_kernel_takes_its_own_tiles():
+    from mimw.prefill import AttentionTiles
+
+    PrefillConfig("gluon", tiles=GluonTiles.for_head_dim(64, 4, 8, pingpong=True))
+    PrefillConfig("triton", tiles=AttentionTiles())
+    with pytest.raises(ValueError, match="takes GluonTiles"):
+        PrefillConfig("gluon", tiles=AttentionTiles())
+    with pytest.raises(ValueError, match="takes AttentionTiles"):
+        PrefillConfig("triton", tiles=GluonTiles.for_head_dim(64, 4, 8))
+
+
 def test_gluon_is_refused_over_an_fp8_cache_and_on_the_cpu():
     PrefillConfig("gluon").check_cache(torch.bfloat16)
     PrefillConfig("triton").check_cache(fp8.FP8)

@@ -20,13 +20,18 @@ Roles (``gl.warp_specialize``), one CTA a program:
       P from registers: the fp32 score accumulator's layout is the A operand's, so P never touches shared memory),
       waits for S_j only, releases K_j, runs tile j's online softmax while the PV wgmma is still in flight, then
       waits for it, releases V_{j-1} and rescales O for tile j.
+  Turns (``GluonTiles.PINGPONG``, FlashAttention-3's ping-pong): the warpgroups issue an iteration's wgmmas in
+      turns, handed over on two one-arrival mbarriers (``turn[w]``: warpgroup w may issue; the kernel arrives once on
+      turn[0], each warpgroup arrives on the other's after issuing), so the tensor cores run one warpgroup's QK and
+      PV while the other's softmax runs. Without it the two drift freely and may contend for the tensor cores and
+      the exp2 units at the same time; the attention sweep times both (``mimw bench prefill``).
 
 Shared memory: Q [2 warpgroups x HD/64 chunks, 64, 64], K and V rings of ``stages`` slots of [HD/64, BLOCK_N, 64]
 each (a head dim of 128 is two 64-column chunks, each its own swizzled tile, so every TMA box and every wgmma operand
 is a plain 128-byte-swizzled [rows, 64] tile; S_j accumulates over the chunks, O is one [64, 64] accumulator a
 chunk). Barriers: q_bar (the Q block landed), k_ready / v_ready[slot] (TMA bytes landed, phase (j // stages) & 1),
 k_empty / v_empty[slot] (both warpgroups' wgmmas reading the slot completed; the producer's first pass waits the
-phase before 0 and passes), v_fixed (below). Tiles (``GluonTiles.for_head_dim``): hd 64: BLOCK_N 128, 4 stages
+phase before 0 and passes), v_fixed (below), turn[2] (above). Tiles (``GluonTiles.for_head_dim``): hd 64: BLOCK_N 128, 4 stages
 (16 + 4 x 32 KB); hd 128: BLOCK_N 128, 2 stages (32 + 2 x 64 KB; a third does not fit the SM's 227 KB). A
 warpgroup's [64, 128] fp32 score tile is 64 registers a thread, P 32, O 32 (hd 64) or 64 (hd 128): with the next
 tile's scores in flight beside them the consumers need ~200 registers, hence the 24-register producer and 232 a
