@@ -294,6 +294,13 @@ def _pv(ring, p, o0, o1, j, C: gl.constexpr):
 
 
 @gluon.jit
+def _to_bf16(x):
+    """fp32 -> bf16, round to nearest even, two elements an instruction (one packed register: element 0 low)."""
+    return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16, is_pure=True,
+                                     pack=2)
+
+
+@gluon.jit
 def _softmax(acc, m_i, l_i, n0, q_pos, ctx, qk_scale, MASKED: gl.constexpr, C: gl.constexpr):
     """Tile scores -> (P bf16 in the PV operand layout, new running max, new running sum, the rescale of O), the
     max on unscaled scores, one FMA and an exp2 a score. MASKED: keys past a row's position or the context are
@@ -308,7 +315,7 @@ def _softmax(acc, m_i, l_i, n0, q_pos, ctx, qk_scale, MASKED: gl.constexpr, C: g
     p = gl.exp2(acc * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    return gl.convert_layout(p.to(gl.bfloat16), p_layout()), m_new, l_i, alpha
+    return gl.convert_layout(_to_bf16(p), p_layout()), m_new, l_i, alpha
 
 
 @gluon.jit
