@@ -31,11 +31,13 @@ each (a head dim of 128 is two 64-column chunks, each its own swizzled tile, so 
 is a plain 128-byte-swizzled [rows, 64] tile; S_j accumulates over the chunks, O is one [64, 64] accumulator a
 chunk). Barriers: q_bar (the Q block landed), k_ready / v_ready[slot] (TMA bytes landed, phase (j // stages) & 1),
 k_empty / v_empty[slot] (both warpgroups' wgmmas reading the slot completed; the producer's first pass waits the
-phase before 0 and passes), v_fixed (below), turn[2] (above). Tiles (``GluonTiles.for_head_dim``): hd 64: BLOCK_N 128, 4 stages
-(16 + 4 x 32 KB); hd 128: BLOCK_N 128, 2 stages (32 + 2 x 64 KB; a third does not fit the SM's 227 KB). A
-warpgroup's [64, 128] fp32 score tile is 64 registers a thread, P 32, O 32 (hd 64) or 64 (hd 128): with the next
-tile's scores in flight beside them the consumers need ~200 registers, hence the 24-register producer and 232 a
-consumer thread (2 x 128 x 232 + 128 x 24 <= 64K).
+phase before 0 and passes), v_fixed (below), turn[2] (above). Tiles (``GluonTiles.for_head_dim``): hd 64:
+BLOCK_N 128, 4 stages (16 + 4 x 32 KB); hd 128: BLOCK_N 128, 2 stages (32 + 2 x 64 KB; a third does not fit the
+SM's 227 KB). A warpgroup's [64, 128] fp32 score tile is 64 registers a thread, P 32, O 32 (hd 64) or 64 (hd 128):
+with the next tile's scores and the previous P alive beside them the consumers need ~200 registers, hence the
+24-register producer warpgroup (setmaxnreg; the launch's 12 warps are the default partition, the worker
+warpgroup and the producer's, padded) and 232 registers a worker consumer thread; Triton gives the default
+partition the rest, 248 (128 x (248 + 232 + 24) <= 64K).
 
 Masks: a program's query rows sit at positions start + m0 .. start + m0 + 127 and see keys 0 .. their own position,
 so tiles below floor((start + m0) / BLOCK_N) are seen whole (no mask in the loop) and only the tiles from there to
