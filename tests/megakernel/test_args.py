@@ -19,9 +19,23 @@ def test_the_kv_pool_descriptors_follow_the_pools_and_carry_the_plans_box():
     assert all(path[0] not in (names.index("k_desc"), names.index("v_desc")) for path in args.pointer_paths())
 
 
+def test_the_loader_gets_the_tile_arrays_pointer_beside_its_descriptor_and_the_trace_its_routing_waits():
+    """The routing wait's L2 prefetches (device/route_wait.py) address the tile array itself: a pointer right after
+    the weights' descriptor, 16-byte aligned like every pointer; the trace is the instructions' stamps and the
+    loaders' routing waits."""
+    names = [name for name, _ in args.GROUPS]
+    assert names[names.index("weights") + 1] == "tiles"
+    sig = args.signature(32, 256)
+    assert sig["tiles"] == "*bf16" and sig["weights"].startswith("tensordesc<bf16[256, 32]")
+    assert (names.index("tiles"),) in args.pointer_paths()
+    assert sig["trace"] == ("*i64", "*i64") and dict(args.GROUPS)["trace"] == (("stamps", "*i64"), ("waits", "*i64"))
+    t = names.index("trace")
+    assert {(t, 0), (t, 1)} <= set(args.pointer_paths())
+
+
 def test_a_launch_without_the_kv_descriptors_is_a_clear_error():
     sources = {k: 0 for _, fields in args.GROUPS if not isinstance(fields, str) for k, _ in fields}
-    sources.update(weights=0, trace=0)
+    sources.update(weights=0, tiles=0)
     with pytest.raises(KeyError, match="k_desc"):
         args.values(sources)
     sources.update(k_desc="K", v_desc="V")

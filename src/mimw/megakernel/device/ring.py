@@ -23,7 +23,10 @@ layer boundaries, bounded only by the ring, the in-flight cap, the release hold 
     (``program.loader_wait_errors`` checks it for every program); a loader waiting on layer l's entry has streamed
     its own router tiles, and every other loader reaches its router tiles having waited only on earlier layers'
     entries, which by the same argument are stored. While it waits, the tiles already requested (the router's,
-    earlier experts') keep landing; the next layer's attention tiles wait behind it;
+    earlier experts') keep landing, and the ring takes nothing new: the next layer's attention tiles come after the
+    experts'. At a layer's first expert span the wait asks L2 for those tiles instead (device/route_wait.py: the
+    next tiles of the queue that are not expert spans, up to the plan's PREFETCH, paced by the polls): prefetches
+    fill no slot and arrive on no barrier, so the ring's order and this argument are unchanged;
   * in-flight cap (``INFLIGHT``): tile ``it`` is requested only once tile ``it - INFLIGHT`` has landed; fewer
     requests queued in the memory system shorten every round trip the step's hops make;
   * release hold (``QUIET``, hold.py's marks): a marked instruction's tiles past its first ``QUIET`` wait for the
@@ -54,6 +57,7 @@ from . import layouts
 from .context import (EXPERT_SPAN, HOLD_ARRIVE, HOLD_WAIT, NO_EXPERT, NWORDS, OP_ATTN_PARTIAL, SLOT_WORD, W_A, W_B,
                       W_C, W_D, W_FLAGS, W_K0, W_K1, W_KT, W_LAYER, W_NR, W_OP, W_T0, XS_WORD)
 from .kv_stream import split_slots
+from .route_wait import first_wait
 from .sync import route_tag, routed_wait
 
 
@@ -147,14 +151,15 @@ def _stream_split(w, offs, kv, bufs, sbuf, empty, ready, rel, it, C: gl.constexp
 def loader(prog, moe, kv, desc, bufs, sbuf, empty, ready, rel, ep_bar, C: gl.constexpr):
     """The loader role: walk this CTA's queue (``prog`` = (words, lengths, max_len)) and stream every instruction's
     weight tiles (isa.TileSpan in its words) into the ring, row tile by row tile, column tiles K0..K1 of each; an
-    expert span once its routing entry names the expert (``moe`` = (counters, their number, the routing table));
+    expert span once its routing entry names the expert (``moe`` = (counters, their number, the routing table, the
+    tile array's pointer, the routing-wait trace)), a layer's first wait prefetching into L2 (device/route_wait.py);
     in a one-token step an attention split's past K/V (``kv``: ``_stream_split``; module doc). With MoE layers
     (C.S > 0) it reads the step's epoch first and then arrives on ``ep_bar``, which compute waits for before the
     launch's last act moves the epoch on."""
     INFLIGHT: gl.constexpr = C.INFLIGHT
     QUIET: gl.constexpr = C.QUIET
     words_ptr, lens_ptr, MAXLEN = prog
-    cnt_ptr, NCNT, routed_ptr = moe
+    cnt_ptr, NCNT, routed_ptr, tiles, waits = moe
     WP2: gl.constexpr = 16
     offs = gl.arange(0, WP2, gl.BlockedLayout([1], [32], [1], [0]))
     pid = gl.program_id(0)
@@ -164,31 +169,41 @@ def loader(prog, moe, kv, desc, bufs, sbuf, empty, ready, rel, ep_bar, C: gl.con
         kv = (kdesc, vdesc, ksc, vsc, bt, maxp, gl.load(ctx_ptr), num_pages)
     tag = 0
     if C.S > 0:
-        tag = route_tag(gl.load(cnt_ptr + NCNT + 1, cache_modifier=".cg"))
+        # (NCNT + 1) first: an address spelled as compute's is hoisted above the roles' split, one copy for both,
+        # and then has to be carried into the loader's 48 registers (ptxas spilled it)
+        tag = route_tag(gl.load(cnt_ptr + (NCNT + 1), cache_modifier=".cg"))
         mbarrier.arrive(ep_bar.index(0), count=1)
     released = 0  # releases compute announced (hold.py marks) that this walk has passed: the hold's phase count
+    waited = -1  # the last layer whose first expert span this walk has passed (its routing wait: route_wait.py)
     it = 0
     for i in range(n):
         w = gl.load(words_ptr + (pid * MAXLEN + i) * NWORDS + offs, mask=offs < NWORDS, other=0)
         nr = _field(w, offs, W_NR)
-        hold_at = -1
         flags = _field(w, offs, W_FLAGS)
-        if QUIET >= 0:
-            if (flags & HOLD_WAIT) != 0:
-                hold_at = it + QUIET
-        parity = (released - 1) & 1
         if nr > 0:
             t0 = _field(w, offs, W_T0)
-            k0 = _field(w, offs, W_K0)
-            k1 = _field(w, offs, W_K1)
-            kt = _field(w, offs, W_KT)
-            if C.S > 0:
+            if C.S > 0:  # (the span's other fields are decoded past the wait: fewer registers held across it)
                 if (flags & EXPERT_SPAN) != 0:  # the one wait on step data: the expert this slot holds
-                    e = routed_wait(routed_ptr, _field(w, offs, W_LAYER) * C.S + _field(w, offs, SLOT_WORD), tag)
+                    layer = _field(w, offs, W_LAYER)
+                    entry = layer * C.S + _field(w, offs, SLOT_WORD)
+                    if layer != waited:  # the layer's first: the router is likely still running
+                        waited = layer
+                        e = first_wait(routed_ptr, entry, tag, (words_ptr, pid * MAXLEN, offs), i, n, tiles,
+                                       (waits, pid * C.NL + layer), C)
+                    else:  # the finisher stored this entry with the first's: at most a short spin
+                        e = routed_wait(routed_ptr, entry, tag)
                     if e == NO_EXPERT:
                         nr = 0
                     else:
                         t0 = t0 + e * _field(w, offs, XS_WORD)
+            k0 = _field(w, offs, W_K0)
+            k1 = _field(w, offs, W_K1)
+            kt = _field(w, offs, W_KT)
+            hold_at = -1
+            if QUIET >= 0:
+                if (flags & HOLD_WAIT) != 0:
+                    hold_at = it + QUIET
+            parity = (released - 1) & 1
             for r in range(nr):
                 for k in range(k0, k1):
                     it = _load(desc, t0 + r * kt + k, bufs, empty, ready, it, INFLIGHT, rel, hold_at, parity)

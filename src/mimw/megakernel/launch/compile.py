@@ -34,7 +34,8 @@ def compile_sm90a(p: LaunchPlan, ones: bool = False):
 
 def ptxas_report(ptx: str) -> dict:
     """Assemble ``ptx`` for sm_90a with the ptxas shipped in the triton wheel; the entry's registers, stack and
-    spills, and ``functions``: each function's stack and spills by name."""
+    spills, ``functions``: each function's stack and spills by name, and ``worker_registers``: the registers the
+    worker partitions' code uses (``worker_registers``; the loader's budget is Tuning.loader_regs)."""
     import os
     import re
     import subprocess
@@ -42,13 +43,15 @@ def ptxas_report(ptx: str) -> dict:
 
     import triton
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
+        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+        out = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", src, "-o", cubin],
                              capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
     num = lambda pat: int(re.search(pat, out).group(1))  # noqa: E731
     # every function's own line (the entry first; a noinline device function, e.g. attn_query_block's,
     # is allocated apart and reported after it)
@@ -57,7 +60,24 @@ def ptxas_report(ptx: str) -> dict:
                                       r"stores, (\d+) bytes spill loads", out)}
     return dict(registers=num(r"Used (\d+) registers"), stack=num(r"(\d+) bytes stack frame"),
                 spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"),
-                functions=functions)
+                functions=functions, worker_registers=worker_registers(sass))
+
+
+def worker_registers(sass: str) -> int:
+    """The most registers the worker partitions' code names (the highest R index + 1), from the SASS: the code after
+    each register release (``USETMAXREG.DEALLOC``, the partition's ``setmaxnreg.dec``) up to the next allocation,
+    where ptxas lays a worker's code out. 0 where the kernel releases none."""
+    import re
+
+    most, start = 0, None
+    lines = sass.splitlines()
+    for n, line in enumerate(lines):
+        if "USETMAXREG.DEALLOC" in line:
+            start = n
+        elif "USETMAXREG.TRY_ALLOC" in line and start is not None:
+            regs = [int(r) for r in re.findall(r"\bR(\d+)\b", "\n".join(lines[start:n]))]
+            most, start = max([most] + [r + 1 for r in regs]), None
+    return most
 
 
 def partition_barrier_errors(ptx: str, num_warps: int) -> list[tuple[str, str]]:

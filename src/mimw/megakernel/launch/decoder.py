@@ -100,9 +100,13 @@ class MegakernelDecoder:
         self.state = alloc_state(p.program, self.max_pages, dev)
         self.scratch = alloc_scratch(p.program, dev)
         self._stand_ins: dict[torch.dtype, torch.Tensor] = {}  # one-element stand-ins for empty scratch (_nonempty)
-        # [num_sms, max_len, 4] int64 ns per instruction when traced (tools/trace.py), else a 1-element dummy
+        # when traced (tools/trace.py), else 1-element dummies: [num_sms, max_len, 4] int64 ns per instruction, and
+        # the loaders' routing waits [num_sms, num_layers, 3] (device/route_wait.py; zeros where an SM waits on no
+        # routing entry of a layer)
         self.trace = torch.zeros((self.num_sms, self.words.shape[1], 4) if p.tuning.trace else (1,),
                                  dtype=torch.int64, device=dev)
+        self.wait_trace = torch.zeros((self.num_sms, self.spec.num_layers, 3) if p.tuning.trace else (1,),
+                                      dtype=torch.int64, device=dev)
 
     @property
     def program(self):
@@ -114,7 +118,8 @@ class MegakernelDecoder:
             words=self.words, lens=self.lens, max_len=self.words.shape[1], tokens=s.tokens, positions=s.positions,
             seg_ctx=s.seg_ctx, seg_new=s.seg_new, block_tables=s.block_tables, max_pages=s.block_tables.shape[1],
             counters=s.counters,
-            num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, embed=w.embed,
+            num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, tiles=w.tiles,
+            embed=w.embed,
             attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, final_norm=w.final_norm, bias=w.bias, q_norm=w.q_norm,
             k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, k_scale=self.scales[0], v_scale=self.scales[1],
             num_pages=c.layout.num_pages, k_desc=self.kv_descs[0], v_desc=self.kv_descs[1], x=x.x,
@@ -124,7 +129,7 @@ class MegakernelDecoder:
             slot_w=self._nonempty(x.slot_w), moe_act=self._nonempty(x.moe_act), moe_part=self._nonempty(x.moe_part),
             moe_act16=self._nonempty(x.moe_act16),
             eps=self.spec.rms_norm_eps,
-            qscale=self.spec.head_dim ** -0.5 * 1.4426950408889634, trace=self.trace))
+            qscale=self.spec.head_dim ** -0.5 * 1.4426950408889634, stamps=self.trace, waits=self.wait_trace))
 
     def _nonempty(self, t: torch.Tensor) -> torch.Tensor:
         """``t``, or where it is empty (a dense model's MoE scratch, never read) a one-element stand-in of its dtype:

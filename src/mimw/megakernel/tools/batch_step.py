@@ -4,9 +4,10 @@ For each model shape (random bf16 weights) and batch B: B sequences of ``context
 cache (shuffled pages), the step captured in a CUDA graph and replayed; median ms per replay beside the floor (every
 weight once plus every sequence's KV, at the streaming read measured in the same run) and the M = 1 step of the
 same run. ``--tunings`` times each batch (and verify step) under several ``Tuning`` overrides (``"default;ring=5"``),
-``--trace`` also records one traced step per cell and prints its per-instruction summary (tools/trace.py), to say
-where a batch's time goes, ``--layers N`` keeps a preset's first N layers. Each cell is printed as it is measured;
-a table at the end, and JSON to ``$OUT/batch_step.json`` when $OUT is set.
+``--trace`` also records one traced step per cell and prints its per-instruction summary (tools/trace.py; an MoE
+model's loaders' routing waits among it), to say where a batch's time goes, ``--layers N`` keeps a preset's first N
+layers. Each cell is printed as it is measured; a table at the end, and JSON to ``$OUT/batch_step.json`` when $OUT
+is set.
 
 ``--verify 1x16,4x4`` also times verify steps (S sequences, a block of K tokens each, at the same context) on the
 multi-token kernel twice: with each block as attention's query block (``blocks``: one instruction per block, KV
@@ -93,7 +94,7 @@ def _record_trace(dec: MegakernelDecoder, row: dict, label: str) -> None:
     dec.run()
     dec.run()
     torch.cuda.synchronize()
-    row["trace"] = summarize(dec.trace, dec.words, dec.lens)
+    row["trace"] = summarize(dec.trace, dec.words, dec.lens, dec.wait_trace)
     print(f"--- {label} traced\n{format_summary(row['trace'])}", flush=True)
 
 

@@ -8,6 +8,12 @@ critical path per layer: for each stage, the time from the previous stage's last
 last one finishing, averaged over the layers after the first (layer 0 starts cold) — the step's dependency chain,
 measured, stage by stage. ``tile_counts`` gives the weight tiles each instruction streams (its isa.TileSpan), the
 host's mirror of the ring's tile counter.
+
+An MoE model's loaders also record their routing waits (device/route_wait.py): per SM and layer, at the layer's first
+expert span, [the globaltimer once the routing entry was tagged, the ns since the first poll, the tiles prefetched
+into L2 meanwhile] (zeros where an SM streams no expert of that layer). ``routing_waits`` turns them into each MoE
+layer's mean and longest wait over the SMs that waited, and the tiles they prefetched: the cost of the one wait the
+loader makes on step data (issue 31).
 """
 from __future__ import annotations
 
@@ -22,10 +28,12 @@ LAYER_STAGES = ("ATTN_IN", "ATTN_PARTIAL", "O_PROJ", "MLP_IN", "DOWN_PROJ")  # a
 MOE_STAGES = ("ATTN_IN", "ATTN_PARTIAL", "O_PROJ", "ROUTER", "EXPERT_IN", "EXPERT_DOWN")  # an MoE layer's
 
 
-def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -> dict:
+def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor,
+              waits: torch.Tensor | None = None) -> dict:
     """trace [num_sms, max_len, 4] int64 ns (start, dependency met, outputs stored, signalled); words/lengths: the
-    encoded program. Times in microseconds; per opcode the wait, the busy time and, within it, the release (outputs
-    stored -> signalled: the barrier and the counter's release, which waits until the stores are visible)."""
+    encoded program; ``waits`` [num_sms, num_layers, 3] the loaders' routing waits (an MoE model's; else None or a
+    dummy). Times in microseconds; per opcode the wait, the busy time and, within it, the release (outputs stored ->
+    signalled: the barrier and the counter's release, which waits until the stores are visible)."""
     t, w, n = trace.cpu(), words.cpu(), lengths.cpu()
     valid = [(s, i) for s in range(t.shape[0]) for i in range(int(n[s]))]
     t0 = min(int(t[s, i, 0]) for s, i in valid)
@@ -47,7 +55,33 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor) -
            for k, v in per_op.items()}
     windows = [dict(op=isa.Op(o).name, layer=l, first_ready_us=a, last_done_us=b)
                for (o, l), (a, b) in sorted(stages.items(), key=lambda kv: kv[1][0])]
-    return dict(step_us=end / 1e3, ops=ops, stages=windows, critical_path_us=critical_path(windows), origin_ns=t0)
+    out = dict(step_us=end / 1e3, ops=ops, stages=windows, critical_path_us=critical_path(windows), origin_ns=t0)
+    if waits is not None and waits.dim() == 3:
+        out["routing_waits"] = routing_waits(waits, t0)
+    return out
+
+
+def routing_waits(waits: torch.Tensor, origin_ns: int = 0) -> dict:
+    """waits [num_sms, num_layers, 3] int64 (tagged ns, ns waited, tiles prefetched; all zero where an SM waited on
+    no routing entry of the layer). Per layer with a wait, over the SMs that waited: ``sms``, ``mean_us`` and
+    ``max_us`` of the wait, ``tagged_us`` when the last of them saw the entry (from ``origin_ns``, the compute
+    trace's first stamp), ``tiles`` prefetched in all and ``mean_tiles`` a wait; and over those layers ``mean_us``
+    (of the layers' means) and ``max_us``."""
+    w = waits.cpu()
+    layers = {}
+    for layer in range(w.shape[1]):
+        seen = w[:, layer, 0] != 0
+        if not bool(seen.any()):
+            continue
+        us = w[seen, layer, 1].double() / 1e3
+        tiles = w[seen, layer, 2]
+        layers[layer] = dict(sms=int(seen.sum()), mean_us=float(us.mean()), max_us=float(us.max()),
+                             tagged_us=(int(w[seen, layer, 0].max()) - origin_ns) / 1e3, tiles=int(tiles.sum()),
+                             mean_tiles=float(tiles.double().mean()))
+    if not layers:
+        return dict(layers={}, mean_us=0.0, max_us=0.0)
+    return dict(layers=layers, mean_us=sum(v["mean_us"] for v in layers.values()) / len(layers),
+                max_us=max(v["max_us"] for v in layers.values()))
 
 
 def critical_path(windows: list[dict]) -> dict[str, float]:
@@ -84,6 +118,12 @@ def format_summary(s: dict, layers: int = 2) -> str:
     if s.get("critical_path_us"):
         lines.append("critical path per layer (mean over layers 1..L-1, us): " + ", ".join(
             f"{k} {v:.1f}" for k, v in s["critical_path_us"].items()))
+    rw = s.get("routing_waits")
+    if rw and rw["layers"]:
+        lines.append(f"loader routing wait (us, over the SMs that waited; tiles prefetched a wait): mean "
+                     f"{rw['mean_us']:.2f}, longest {rw['max_us']:.2f}; per layer mean/max/tiles: " + ", ".join(
+                         f"L{k} {v['mean_us']:.1f}/{v['max_us']:.1f}/{v['mean_tiles']:.1f}"
+                         for k, v in rw["layers"].items()))
     lines.append("stage windows (first ready -> last done), first layers:")
     for st in s["stages"]:
         if st["layer"] < layers or st["op"] == "LM_HEAD":

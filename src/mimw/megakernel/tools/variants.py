@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--trace", action="store_true", help="also record one traced step per variant (tools/trace.py)")
     ap.add_argument("--save-trace", action="store_true", help="with --trace, also save each traced step's stamps "
-                    "and program (trace-<model>-<variant>.pt under --out: trace, words, lens) for analysis off the GPU")
+                    "and program (trace-<model>-<variant>.pt under --out: trace, words, lens, waits) for analysis off the GPU")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this tree; the GPU "
                     "machine's copy may carry a stale .git, so pass the hash taken where the repository is)")
     a = ap.parse_args()
@@ -128,9 +128,10 @@ def main() -> None:
                     tdec.step(5, a.context, table)
                     tdec.step(5, a.context, table)  # the second, warm launch is the one recorded
                     torch.cuda.synchronize()
-                    row["trace"] = summarize(tdec.trace, tdec.words, tdec.lens)
+                    row["trace"] = summarize(tdec.trace, tdec.words, tdec.lens, tdec.wait_trace)
                     if a.save_trace:
-                        torch.save(dict(trace=tdec.trace.cpu(), words=tdec.words.cpu(), lens=tdec.lens.cpu()),
+                        torch.save(dict(trace=tdec.trace.cpu(), words=tdec.words.cpu(), lens=tdec.lens.cpu(),
+                                        waits=tdec.wait_trace.cpu()),
                                    os.path.join(a.out, f"trace-{model}-{name}.pt"))
                     print(format_summary(row["trace"]), flush=True)
                     del tdec
