@@ -194,6 +194,23 @@ def test_query_blocks_plan_over_an_fp8_cache_as_over_bf16():
     assert c8.program.n_splits == c16.program.n_splits and c8.constants.QT == 16
 
 
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b", "smollm2-135m"])
+def test_the_query_blocks_combine_keeps_as_many_tokens_in_flight_as_the_staging_buffer_holds(model):
+    """The combining split's token stages (ops/attn_query_block.combine_stages): every stage and the block's (m, l)
+    fit in the staging buffer, one more would not (or the cap: 8, the block's tokens), and at least one."""
+    from mimw.megakernel.ops.attn_query_block import combine_stages
+
+    for blocks in ((16,), (4, 4)):
+        c = plan(get_preset(model), 132, StepShape((1,) * sum(blocks), 1024, blocks)).constants
+        hbuf = c.KT_ROWS * (c.TK // 32) * c.MB * 32 * 2  # kernel.py's hbuf for M > 1
+        stage, ml = c.GP * c.SP2 * c.HD * 4, c.QT * c.GP * c.SP2 * 8
+        n = combine_stages(hbuf, stage, ml, c.QT)
+        assert 1 <= n <= min(8, c.QT) and n * stage + ml <= hbuf
+        assert n == min(8, c.QT) or (n + 1) * stage + ml > hbuf
+    assert combine_stages(100, 30, 10, 16) == 3 and combine_stages(10_000, 30, 10, 4) == 4
+    assert combine_stages(40, 30, 10, 16) == 1
+
+
 def test_an_fp8_cache_sets_the_kernels_fp8_constants_and_halves_the_cost_models_kv_bytes():
     """The KV element type is the cache's (never a tuning knob): Constants.FP8, an attention block of 8 KB of K
     (twice the positions at fp8), and K/V bytes in the scheduler's cost model at e4m3 + a bf16 scale a row."""

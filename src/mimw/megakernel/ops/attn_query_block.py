@@ -202,6 +202,13 @@ def compute_block(layer, kvh, seg, nt, split, n_splits, b, C: gl.constexpr):
     _partial(layer, kvh, seg, nt, split, p0, lo, hi, kvbuf, bt_row, tk, dk, b, C)
 
 
+@constexpr_function
+def combine_stages(hbuf_bytes, stage_bytes, ml_bytes, qt):
+    """Stages of the combine's o partials: as many as the staging buffer holds beside the block's (m, l), at most
+    the block's tokens and 8 (the commit groups one thread keeps pending)."""
+    return max(1, min(qt, 8, (hbuf_bytes - ml_bytes) // stage_bytes))
+
+
 @gluon.jit(noinline=True)
 def combine_block(kvh, seg, nt, n_splits, b, C: gl.constexpr):
     """The split that drew the ticket last: every token of the block combined (``_combine``)."""
@@ -213,9 +220,10 @@ def _combine(kvh, seg, nt, n_splits, b, C: gl.constexpr):
     """The combining split: token by token, the G heads of KV group ``kvh`` combined over splits [0, n_splits)
     (attn_partial.combine; per token the math of attn_partial._reduce), stored to the attention output. Everything
     comes through the staging buffer by cp.async: every token's (m, l) first (one group), then a token's o
-    partials [GP, SP2, HD] in stages, two tokens ahead where two stages fit (one otherwise). A thread holds all the
-    splits of its (head, column) elements, so the sums over splits stay in its registers, and it copies and reads
-    back only its own elements (no barrier). A warp holds one head, its lanes over the splits (the sums over splits
+    partials [GP, SP2, HD] in stages, as many tokens ahead as stages fit (``combine_stages``): each round trip to
+    L2 waits behind the SM's weight tiles in flight, so the combine costs about nt / NST round trips. A thread holds
+    all the splits of its (head, column) elements, so the sums over splits stay in its registers, and it copies and
+    reads back only its own elements (no barrier). A warp holds one head, its lanes over the splits (the sums over splits
     are shuffles) and a chunk of 32 columns: SP2 elements a thread a chunk, so the combine's registers stay few."""
     G: gl.constexpr = C.G
     GP: gl.constexpr = C.GP
@@ -227,7 +235,7 @@ def _combine(kvh, seg, nt, n_splits, b, C: gl.constexpr):
     HBUF: gl.constexpr = b.hbuf.type.shape[0] * b.hbuf.type.shape[1] * b.hbuf.type.shape[2] * 2
     STAGE: gl.constexpr = GP * SP2 * HD * 4
     ML: gl.constexpr = C.QT * GP * SP2 * 2 * 4
-    NST: gl.constexpr = 2 if 2 * STAGE + ML <= HBUF else 1
+    NST: gl.constexpr = combine_stages(HBUF, STAGE, ML, C.QT)
     gl.static_assert(STAGE + ML <= HBUF, "the staging buffer must hold a token's partials and the block's (m, l)")
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
     obuf = b.hbuf._reinterpret(gl.float32, [NST, GP, SP2, HD], FLAT)
