@@ -126,11 +126,11 @@ def test_the_moe_kernels_compile_spill_free_and_fit_shared_memory(model):
 
 
 @pytest.mark.parametrize("model,batch", [("tiny-qwen3-moe", 1), ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 8)])
-@pytest.mark.parametrize("tuning", [Tuning(), Tuning(trace=True), Tuning(moe_prefetch_kb=0),
-                                    Tuning(moe_prefetch_kb=0, trace=True)],
+@pytest.mark.parametrize("tuning", [Tuning(moe_prefetch_kb=128), Tuning(moe_prefetch_kb=128, trace=True), Tuning(),
+                                    Tuning(trace=True)],
                          ids=["prefetch", "prefetch-traced", "no-prefetch", "no-prefetch-traced"])
 def test_the_routing_wait_prefetches_and_traces_within_the_loaders_registers(model, batch, tuning):
-    """The loader's routing wait (device/route_wait.py) with its L2 prefetch on (the default budget, one 16 KB
+    """The loader's routing wait (device/route_wait.py) with its L2 prefetch on (a 128 KB budget, one 16 KB
     prefetch a tile) and off, traced and not: spill-free, the loader's code within its register budget, the same
     shared memory as the untraced kernel without the prefetch (prefetches fill no slot). Traced, the loader also
     reads the globaltimer; the prefetch-off kernel issues no prefetch."""

@@ -65,8 +65,8 @@ def test_30b_a3b_shape_decode_batch_matches_reference(batch):
 
 @pytest.mark.parametrize("model,layers", [("tiny-qwen3-moe", 0), ("qwen3-30b-a3b", 2)])
 def test_the_routing_waits_prefetch_changes_no_result_and_every_wait_is_traced(model, layers):
-    """The loader's L2 prefetches during a routing wait (device/route_wait.py) are hints: a step with them (the
-    default budget) and one without give bit-identical logits. Traced, each SM records the wait of every MoE layer
+    """The loader's L2 prefetches during a routing wait (device/route_wait.py) are hints: a step with them (a
+    128 KB budget) and one without give bit-identical logits. Traced, each SM records the wait of every MoE layer
     whose expert spans its queue holds, and nothing for a layer it streams no expert of (the tiny model's dense
     layer 1 included): a tagged stamp inside the step, a wait that began inside it, at most PREFETCH tiles
     prefetched (none with the prefetch off)."""
@@ -85,7 +85,7 @@ def test_the_routing_waits_prefetch_changes_no_result_and_every_wait_is_traced(m
     cache, table = random_cache(spec, context, 1, 16, seed + 1)
     tok = int(torch.randint(spec.vocab_size, (1,)))
     logits = {}
-    for budget in (Tuning().moe_prefetch_kb, 0):
+    for budget in (128, 0):
         dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), context_hint=context,
                                 tuning=Tuning(trace=True, moe_prefetch_kb=budget))
         for _ in range(2):  # the second launch's trace is kept (the first compiles and warms up)
@@ -112,4 +112,4 @@ def test_the_routing_waits_prefetch_changes_no_result_and_every_wait_is_traced(m
         summary = summarize(dec.trace, dec.words, dec.lens, dec.wait_trace)
         assert sorted(summary["routing_waits"]["layers"]) == sorted(spec.moe_layers)
         del dec
-    assert torch.isfinite(logits[0]).all() and torch.equal(logits[0], logits[Tuning().moe_prefetch_kb])
+    assert torch.isfinite(logits[0]).all() and torch.equal(logits[0], logits[128])

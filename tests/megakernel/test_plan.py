@@ -94,9 +94,10 @@ def test_the_routing_waits_prefetch_budget_is_whole_tiles_of_the_tuned_kilobytes
     """Tuning.moe_prefetch_kb -> Constants.PREFETCH, the tiles a routing wait may ask L2 for (device/route_wait.py):
     whole 16 KB tiles, rounded down; 0 turns it off; a negative budget is refused by name."""
     spec, shape = get_preset(model), StepShape((1,) * batch, 1024)
-    p = plan(spec, 132, shape)
+    p = plan(spec, 132, shape, tuning=Tuning(moe_prefetch_kb=128))
     tile = p.tuning.tile_rows * p.tuning.tile_k * 2
-    assert tile == 16384 and p.constants.PREFETCH == Tuning().moe_prefetch_kb * 1024 // tile == 8
+    assert tile == 16384 and p.constants.PREFETCH == 8
+    assert plan(spec, 132, shape).constants.PREFETCH == 0  # off by default until its A/B has run
     assert plan(spec, 132, shape, tuning=Tuning(moe_prefetch_kb=40)).constants.PREFETCH == 2
     assert plan(spec, 132, shape, tuning=Tuning.parse("moe_prefetch_kb=0")).constants.PREFETCH == 0
     with pytest.raises(ValueError, match="moe_prefetch_kb=-16"):

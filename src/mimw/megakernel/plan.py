@@ -79,7 +79,7 @@ class Tuning:
     fixed_cost_kb: int = 96  # the scheduler's per-instruction cost in weight kilobytes
     max_block_kb: int = 1024  # cap on one matvec instruction's weight kilobytes
     clusters: bool = True  # cluster pairs where the shape can form them (False: tickets everywhere)
-    moe_prefetch_kb: int = 128  # an MoE layer's routing wait: the most weight kilobytes each loader asks L2 for
+    moe_prefetch_kb: int = 0  # an MoE layer's routing wait: the most weight kilobytes each loader asks L2 for
     # meanwhile, the next tiles of its queue that are not expert spans (device/route_wait.py; 0: off). Not yet
     # measured: it stays only if the A/B of bench/NOTES.md ("The routing wait") shows it pays
     trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (tools/trace.py)

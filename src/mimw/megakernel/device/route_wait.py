@@ -9,8 +9,8 @@ their tiles in their words, and each tile is 16 contiguous KB of the packed tile
 the descriptor's [*, 32] view of ``tiles``), so one lane asks L2 for it with ``cp.async.bulk.prefetch.L2.global``
 (sm_90, no shared memory, no barrier). The ring's later TMA of that tile then finds it in L2, as long as the
 traffic between (the layer's expert tiles: ~75 MB at the 30B-A3B's batch 1, more than an H100's 50 MB of L2) has
-not evicted it: whether it survives is what the A/B measurement (Tuning.moe_prefetch_kb = 0 against the default)
-decides; the prefetch stays only if it pays (bench/NOTES.md).
+not evicted it: whether it survives is what the A/B measurement (Tuning.moe_prefetch_kb = 0, the default,
+against 128) decides; the prefetch stays only if it pays (bench/NOTES.md).
 
 Pacing: the wait alternates a poll of the entry with one step of the scan: one tile prefetched, or one queue entry
 read. Each poll is an L2 round trip, so an SM asks for about one 16 KB tile a round trip (~0.7 us: 132 SMs together
