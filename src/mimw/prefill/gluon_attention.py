@@ -214,12 +214,26 @@ def _field(v, offs, b: gl.constexpr):
 
 
 @gluon.jit
+def _load_tile(desc, empty, ready, buf, s, free, rows, offs, C: gl.constexpr):
+    """One key tile of K (or V) into ring slot ``s``: wait for the slot to be free, set its expected bytes, then one
+    TMA box a page (``rows``: each box's first cache row) and 64-column chunk."""
+    HC: gl.constexpr = C.HD // 64
+    NPG: gl.constexpr = C.BLOCK_N // C.PS
+    PS: gl.constexpr = C.PS
+    mbarrier.wait(empty, free)
+    mbarrier.expect(ready, C.BLOCK_N * C.HD * 2)
+    for b in gl.static_range(NPG):
+        r = _field(rows, offs, b)
+        for c in gl.static_range(HC):
+            tma.async_copy_global_to_shared(desc, [r, 64 * c], ready, buf.index(s * HC + c).slice(b * PS, PS))
+
+
+@gluon.jit
 def _produce(ring, blk, q_desc, k_desc, v_desc, BT, stride_bt, C: gl.constexpr):
     """The producer warp (module doc): Q, then K and V of every key tile, in order."""
     HC: gl.constexpr = C.HD // 64
     NPG: gl.constexpr = C.BLOCK_N // C.PS  # pages a key tile
     NB: gl.constexpr = C.NB
-    PS: gl.constexpr = C.PS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     mbarrier.expect(ring.q_bar.index(0), 2 * HC * 64 * 64 * 2)
     for w in gl.static_range(2):
@@ -236,20 +250,8 @@ def _produce(ring, blk, q_desc, k_desc, v_desc, BT, stride_bt, C: gl.constexpr):
         pages = gl.load(bt + nxt, mask=nxt < n_pages, other=0)
         s = j % NB
         free = ((j // NB) & 1) ^ 1
-        mbarrier.wait(ring.k_empty.index(s), free)
-        mbarrier.expect(ring.k_ready.index(s), C.BLOCK_N * C.HD * 2)
-        for b in gl.static_range(NPG):
-            r = _field(rows, offs, b)
-            for c in gl.static_range(HC):
-                tma.async_copy_global_to_shared(k_desc, [r, 64 * c], ring.k_ready.index(s),
-                                                ring.k.index(s * HC + c).slice(b * PS, PS))
-        mbarrier.wait(ring.v_empty.index(s), free)
-        mbarrier.expect(ring.v_ready.index(s), C.BLOCK_N * C.HD * 2)
-        for b in gl.static_range(NPG):
-            r = _field(rows, offs, b)
-            for c in gl.static_range(HC):
-                tma.async_copy_global_to_shared(v_desc, [r, 64 * c], ring.v_ready.index(s),
-                                                ring.v.index(s * HC + c).slice(b * PS, PS))
+        _load_tile(k_desc, ring.k_empty.index(s), ring.k_ready.index(s), ring.k, s, free, rows, offs, C)
+        _load_tile(v_desc, ring.v_empty.index(s), ring.v_ready.index(s), ring.v, s, free, rows, offs, C)
 
 
 @gluon.jit
