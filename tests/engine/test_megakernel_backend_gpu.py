@@ -107,8 +107,9 @@ def test_megakernel_backend_verify_step_matches_the_reference_on_both_of_its_pat
     segs = [Segment(tables[0], 40, 4, 4), Segment(tables[1], 9, 2, 2), Segment(tables[2], 77, 1, 1)]
     toks = torch.randint(spec.vocab_size, (7,), generator=g)
     want = ref.forward(toks, segs, ref_cache)
-    for _ in range(8):  # the same block again (rewriting the same rows): warm-up and two measures of each path (a
-        # time is read at the next step)
+    for _ in range(14):  # the same block again (rewriting the same rows): warm-up and two measures of each path (a
+        # time is read at the next step; the pass's pattern runs eager when first seen and is captured when seen
+        # again, neither of them a measure)
         got = mk.forward(toks, segs, mk_cache)
         assert got.shape == want.shape == (7, spec.vocab_size)
         assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
@@ -155,6 +156,7 @@ def test_megakernel_backend_runs_an_moe_models_decode_batches_on_its_multi_token
     from mimw.engine.backends.megakernel import MegakernelBackend
     from mimw.engine.backends.reference import ReferenceBackend
     from mimw.engine.backends.step_router import KERNEL
+    from mimw.engine.step_costs import bucket
     from mimw.megakernel.plan import MAX_MOE_BATCH
 
     spec = get_preset("tiny-qwen3-moe-mt")
@@ -192,7 +194,7 @@ def test_megakernel_backend_runs_an_moe_models_decode_batches_on_its_multi_token
         got = mk.forward(toks, segs, mk_cache)
         assert got.shape == want.shape and torch.isfinite(got).all()
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
-    assert 5 in mk.router.step_ms[KERNEL]
+    assert bucket(5) in mk.router.step_ms[KERNEL]  # the router keeps a step's time by its bucket of tokens
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
