@@ -1,6 +1,7 @@
 """The Gluon attention's host side on the CPU: its PyTorch walk (``attend_torch``: the kernel's programs, block-table
 reads, boxes, masks, zeroed V rows and pipelined rescale) against the reference decoder's attention over a cache
-whose unwritten rows are NaN; its tiles; and the refusals (an fp8 cache, the CPU). The kernel itself runs in the GPU
+whose unwritten rows are NaN; its tiles; the passes it hands to the Triton kernel (short ones, an fp8 cache);
+and its refusal on the CPU. The kernel itself runs in the GPU
 tests (test_prefill_gpu.py) and compiles in test_compile_sm90.py."""
 import pytest
 import torch
@@ -85,19 +86,48 @@ def test_each_paged_kernel_takes_its_own_tiles():
         PrefillConfig("triton", tiles=GluonTiles.for_head_dim(64, 4, 8))
 
 
-def test_gluon_is_refused_over_an_fp8_cache_and_on_the_cpu():
-    PrefillConfig("gluon").check_cache(torch.bfloat16)
-    PrefillConfig("triton").check_cache(fp8.FP8)
-    with pytest.raises(ValueError, match="bf16 KV cache only"):
-        PrefillConfig("gluon").check_cache(fp8.FP8)
+def test_gluon_is_the_serving_attention_and_is_refused_on_the_cpu():
+    assert PrefillConfig().attention == "gluon"
     w = random_weights(get_preset("smollm2-135m").with_(num_layers=1), seed=0)
     with pytest.raises(ValueError, match="runs on CUDA only"):
         PrefillRunner(w, PrefillConfig("gluon"))
 
 
-def test_the_megakernel_backend_refuses_gluon_over_fp8_before_looking_for_a_gpu():
+class _Triton:
+    """Stands in for the paged Triton kernel: records the passes planned on it and what their runs were given."""
+
+    def __init__(self):
+        self.planned, self.ran = [], []
+
+    def plan(self, batch):
+        self.planned.append(batch)
+        return lambda *args: self.ran.append(args) or "triton"
+
+
+def test_short_passes_and_an_fp8_cache_run_on_the_triton_kernel():
+    """The Gluon attention's plan: a pass of pieces of at most BLOCK_M rows is the Triton kernel's run itself; a
+    longer pass runs the Gluon kernel over a bf16 cache and the Triton kernel where the layer comes with its fp8
+    scales."""
+    from mimw.prefill.gluon_attention import GluonAttention
+
+    att = GluonAttention()
+    att._triton = _Triton()
+    short_batch = type("B", (), {"pieces": [Piece(tuple(range(8)), 0, BLOCK_M, 1)]})()
+    assert att.plan(short_batch)() == "triton"
+    long_batch = type("B", (), {"pieces": [Piece(tuple(range(16)), 0, BLOCK_M + 1, 1)]})()
+    run = att.plan(long_batch)
+    q, k, v, ks, vs = (torch.zeros(1) for _ in range(5))
+    assert run(q, k, v, ks, vs) == "triton" and att._triton.ran[-1] == (q, k, v, ks, vs)
+    assert len(att._triton.planned) == 2
+
+
+def test_the_megakernel_backend_takes_an_fp8_cache_with_the_gluon_attention():
+    """No flag error for the serving attention over an fp8 cache (its long passes run on the Triton kernel): the
+    backend gets as far as its GPU check."""
     from mimw.engine.backends.megakernel import MegakernelBackend
 
     w = random_weights(get_preset("smollm2-135m").with_(num_layers=1), seed=0)
-    with pytest.raises(ValueError, match="bf16 KV cache only"):
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("on a Hopper GPU the backend builds: the GPU tests run it")
+    with pytest.raises(RuntimeError, match="Hopper"):
         MegakernelBackend(w, prefill=PrefillConfig("gluon"), kv_dtype=fp8.FP8)

@@ -56,7 +56,7 @@ which fills a tile with real queries where this kernel would compute 128 rows fo
 
 Numerics as the Triton kernel's: scores scaled by log2(e)/sqrt(hd) and exponentiated with exp2, the max taken on
 unscaled scores (scale and shift are one FMA), running max, sum and O in fp32, P rounded to bf16 for the PV wgmma.
-bf16 cache only: over an fp8 cache ``PrefillConfig.check_cache`` refuses this attention (the rows' scales would
+bf16 cache only: over an fp8 cache ``GluonAttention`` runs the Triton kernel (the rows' scales would
 have to be applied between the TMA and the wgmma: a dequantising pass over shared memory, not built).
 PyTorch reference: ``attend_torch`` walks the same programs, tiles, masks and pipeline order in fp32 (its tests
 diff it against ``gathered_attention.torch_attention``, the reference decoder's attention); the GPU tests diff the
@@ -500,21 +500,23 @@ def gluon_prefill_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: tor
 
 class GluonAttention:
     """``gluon_prefill_attention`` with fixed tiles (None: ``GluonTiles.for_head_dim``) behind the runner's per-pass
-    ``plan``; a pass whose longest piece has at most BLOCK_M rows runs on the Triton kernel's grouped path instead
-    (module doc). bf16 cache only."""
+    ``plan``. Two cases take the paged Triton kernel instead, as their shapes force: a pass whose longest piece has
+    at most BLOCK_M rows (its grouped path fills a tile with real queries; module doc) and an fp8 cache (the Triton
+    kernel dequantises each row with its scale as it loads it; this kernel's wgmmas read TMA's tiles as they land)."""
 
     def __init__(self, tiles: GluonTiles | None = None):
         self.tiles = tiles
-        self._short = PagedAttention()
+        self._triton = PagedAttention()
 
     def plan(self, batch: PrefillBatch):
+        triton_run = self._triton.plan(batch)
         if max(p.length for p in batch.pieces) <= BLOCK_M:
-            return self._short.plan(batch)
+            return triton_run
 
         def run(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
             if k_scale is not None or v_scale is not None:
-                raise ValueError("the Gluon attention reads a bf16 cache only, not an fp8 one with scales")
+                return triton_run(q, k_layer, v_layer, k_scale, v_scale)
             return gluon_prefill_attention(q, k_layer, v_layer, batch, self.tiles)
 
         return run

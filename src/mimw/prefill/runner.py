@@ -46,14 +46,15 @@ KERNELS = ("triton", "torch")
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """attention: "triton" (mimw's paged kernel: the serving path's), "gluon" (the warp-specialized, TMA-fed
-    paged kernel for Hopper, ``gluon_attention``: bf16 cache only, ``check_cache``), "cudnn" / "sdpa" / "flex"
-    (torch's over gathered pages, ``gathered_attention`` and ``flex_attention``: what ``mimw bench prefill``
-    measures the paged kernel against) or "torch" (the reference's fp32 attention); kernels: "triton" (norm, RoPE +
+    """attention: "gluon" (the serving path's: the warp-specialized, TMA-fed paged kernel for Hopper,
+    ``gluon_attention``, which runs short passes and fp8 caches on the Triton kernel; measured against it in
+    bench/NOTES.md, "p3"), "triton" (mimw's paged Triton kernel alone), "cudnn" / "sdpa" / "flex" (torch's over
+    gathered pages, ``gathered_attention`` and ``flex_attention``: what ``mimw bench prefill`` measures the paged
+    kernels against) or "torch" (the reference's fp32 attention); kernels: "triton" (norm, RoPE +
     append, SwiGLU) or "torch" (the reference's functions); tiles: the paged Triton kernel's ``AttentionTiles`` or
     the Gluon kernel's ``GluonTiles`` (None: their ``for_head_dim``)."""
 
-    attention: str = "triton"
+    attention: str = "gluon"
     kernels: str = "triton"
     max_pass_tokens: int = 16384
     tiles: AttentionTiles | GluonTiles | None = None
@@ -69,13 +70,6 @@ class PrefillConfig:
             want = AttentionTiles if self.attention == "triton" else GluonTiles
             if not isinstance(self.tiles, want):
                 raise ValueError(f"attention {self.attention!r} takes {want.__name__}, got {self.tiles!r}")
-
-    def check_cache(self, kv_dtype: torch.dtype) -> None:
-        """Refuse a KV element type the attention does not read: the Gluon kernel feeds its wgmmas straight from
-        TMA, so it takes a bf16 cache only (an fp8 cache's rows would need their scales applied in between)."""
-        if self.attention == "gluon" and kv_dtype != torch.bfloat16:
-            raise ValueError(f"attention 'gluon' reads a bf16 KV cache only, not "
-                             f"{str(kv_dtype).removeprefix('torch.')}: use attention 'triton' over an fp8 cache")
 
     @classmethod
     def reference(cls, max_pass_tokens: int = 16384) -> "PrefillConfig":
@@ -123,7 +117,6 @@ class PrefillRunner:
         order; writes every token's K/V into ``cache``."""
         if sum(s.length for s in segments) != tokens.numel():
             raise ValueError("segments' lengths must add up to the number of tokens")
-        self.config.check_cache(cache.layout.dtype)
         tokens = tokens.to(self.w.device)
         pieces = [Piece(tuple(s.block_table), s.start, s.length, s.num_logits) for s in segments]
         outs, t0 = [], 0

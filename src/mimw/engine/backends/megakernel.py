@@ -67,7 +67,6 @@ class MegakernelBackend(Backend):
         if kv_dtype not in (torch.bfloat16, fp8.FP8):  # checked first: a flag error, whatever the machine
             raise ValueError(f"KV element type {str(kv_dtype).removeprefix('torch.')}: the megakernel backend keeps "
                              "its KV cache in bf16 or fp8 (--kv-dtype bf16 or fp8)")
-        prefill.check_cache(kv_dtype)  # an attention that does not read this cache: a flag error too
         if weights.spec.is_moe:  # a plan for its one-token step over this cache must exist (ValueError naming why,
             # before any GPU: an MoE model over an fp8 cache is refused there)
             from ...megakernel.plan import plan

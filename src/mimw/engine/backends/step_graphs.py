@@ -38,6 +38,7 @@ from ...kv.pages import PagedKVCache
 from ...models.reference import Segment
 from ...prefill import PrefillRunner
 from ...prefill.batch import Piece, PrefillBatch
+from ...prefill.gluon_attention import BLOCK_M as GLUON_BLOCK_M
 from ...prefill.paged_attention import AttentionTiles
 from ...step_inputs import Field, StepInputs
 from .graph_patterns import CAPTURE, EAGER, GraphPatterns
@@ -90,8 +91,12 @@ class _Graph:
 
 
 def block_m(runner: PrefillRunner) -> int | None:
-    """Query rows of one block of the runner's paged attention kernel; None when its attention is another (whose
-    shapes follow the contexts: no graph)."""
+    """Query rows of one block of the runner's paged attention kernel: the Triton kernel's, or where the runner's
+    attention is the Gluon kernel's the most rows of the passes it hands to the Triton kernel's grouped path (a
+    graph replays the Triton kernel only: its launch grid is the step's pattern's); None when its attention is
+    another (whose shapes follow the contexts: no graph)."""
+    if runner.config.attention == "gluon":
+        return GLUON_BLOCK_M
     if runner.config.attention != "triton":
         return None
     return (runner.config.tiles or AttentionTiles.for_head_dim(runner.spec.head_dim)).block_m
