@@ -131,3 +131,13 @@ def test_the_megakernel_backend_takes_an_fp8_cache_with_the_gluon_attention():
         pytest.skip("on a Hopper GPU the backend builds: the GPU tests run it")
     with pytest.raises(RuntimeError, match="Hopper"):
         MegakernelBackend(w, prefill=PrefillConfig("gluon"), kv_dtype=fp8.FP8)
+
+
+def test_gluon_is_refused_on_a_gpu_other_than_hopper(monkeypatch):
+    from mimw.prefill.runner import make_attention
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"Hopper \(sm_90\) GPU, not NVIDIA A100; use attention 'triton'"):
+        make_attention("gluon", None, torch.device("cuda"))
+    make_attention("triton", None, torch.device("cuda"))  # the Triton kernel takes any GPU Triton compiles for

@@ -50,9 +50,9 @@ class PrefillConfig:
     ``gluon_attention``, which runs short passes and fp8 caches on the Triton kernel; measured against it in
     bench/NOTES.md, "p3"), "triton" (mimw's paged Triton kernel alone), "cudnn" / "sdpa" / "flex" (torch's over
     gathered pages, ``gathered_attention`` and ``flex_attention``: what ``mimw bench prefill`` measures the paged
-    kernels against) or "torch" (the reference's fp32 attention); kernels: "triton" (norm, RoPE +
-    append, SwiGLU) or "torch" (the reference's functions); tiles: the paged Triton kernel's ``AttentionTiles`` or
-    the Gluon kernel's ``GluonTiles`` (None: their ``for_head_dim``)."""
+    kernels against) or "torch" (the reference's fp32 attention); kernels: "triton" (norm, RoPE + append, SwiGLU)
+    or "torch" (the reference's functions); tiles: the paged Triton kernel's ``AttentionTiles`` or the Gluon
+    kernel's ``GluonTiles`` (None: their ``for_head_dim``)."""
 
     attention: str = "gluon"
     kernels: str = "triton"
@@ -98,6 +98,9 @@ def make_attention(name: str, tiles: AttentionTiles | GluonTiles | None, device:
     if name == "cudnn":
         return LibraryAttention(cudnn_attention)
     if name == "gluon":
+        if torch.cuda.get_device_capability(device) != (9, 0):  # TMA and wgmma as sm_90a has them
+            raise ValueError(f"attention 'gluon' runs on a Hopper (sm_90) GPU, not "
+                             f"{torch.cuda.get_device_name(device)}; use attention 'triton'")
         return GluonAttention(tiles)
     return GatheredAttention(sdpa_attention if name == "sdpa" else torch_attention)
 

@@ -34,8 +34,8 @@ def compile_sm90a(p: LaunchPlan, ones: bool = False):
 
 def ptxas_report(ptx: str) -> dict:
     """Assemble ``ptx`` for sm_90a with the ptxas shipped in the triton wheel; the entry's registers, stack and
-    spills, ``functions``: each function's stack and spills by name, and ``worker_registers``: the registers the
-    worker partitions' code uses (``worker_registers``; the loader's budget is Tuning.loader_regs)."""
+    spills, ``functions``: each function's stack and spills by name, and ``worker_registers``: the most registers
+    the worker partitions' code names, read from the SASS (the loader's budget is Tuning.loader_regs)."""
     import os
     import re
     import subprocess

@@ -223,8 +223,9 @@ def _combine(kvh, seg, nt, n_splits, b, C: gl.constexpr):
     partials [GP, SP2, HD] in stages, as many tokens ahead as stages fit (``combine_stages``): each round trip to
     L2 waits behind the SM's weight tiles in flight, so the combine costs about nt / NST round trips. A thread holds
     all the splits of its (head, column) elements, so the sums over splits stay in its registers, and it copies and
-    reads back only its own elements (no barrier). A warp holds one head, its lanes over the splits (the sums over splits
-    are shuffles) and a chunk of 32 columns: SP2 elements a thread a chunk, so the combine's registers stay few."""
+    reads back only its own elements (no barrier). A warp holds one head, its lanes over the splits (the sums over
+    splits are shuffles) and a chunk of 32 columns: SP2 elements a thread a chunk, so the combine's registers stay
+    few."""
     G: gl.constexpr = C.G
     GP: gl.constexpr = C.GP
     HD: gl.constexpr = C.HD

@@ -94,7 +94,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--trace", action="store_true", help="also record one traced step per variant (tools/trace.py)")
     ap.add_argument("--save-trace", action="store_true", help="with --trace, also save each traced step's stamps "
-                    "and program (trace-<model>-<variant>.pt under --out: trace, words, lens, waits) for analysis off the GPU")
+                    "and program (trace-<model>-<variant>.pt under --out: trace, words, lens, waits) for analysis "
+                    "off the GPU")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this tree; the GPU "
                     "machine's copy may carry a stale .git, so pass the hash taken where the repository is)")
     a = ap.parse_args()
