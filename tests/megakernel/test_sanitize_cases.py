@@ -24,9 +24,9 @@ def test_cases_cover_both_pairs_the_shared_memory_merge_the_tickets_a_decode_bat
             c = p.constants
             assert p.program.max_splits == 1 and -(-context // c.BT) >= 5
             assert c.M == 8 and c.KT_ROWS * c.TK * c.MB >= 4 * c.BT * c.HD
-        if name == "query_block":  # one block of sixteen, four splits, each over three K/V blocks
+        if name == "query_block":  # one block of sixteen, four splits, each over eight K/V blocks
             c = p.constants
-            assert c.QT == 16 and p.program.n_splits == (4,) and -(-(context // 4) // c.QBT) + 1 >= 3
+            assert c.QT == 16 and p.program.n_splits == (4,) and -(-(context // 4) // c.QBT) + 1 >= 8
         if name.startswith("kv_ring"):  # a KV head's splits walk several ring slots, one starting inside a box
             from mimw.megakernel.state import split_range
 

@@ -76,6 +76,7 @@ class Tuning:
     # the SM's previous streaming release (-1: no hold); the release's fence then meets fewer tiles in flight
     qkv_parts: int = 0  # ATTN_IN column parts per head (0: two with cluster pairs, else the cost model's choice)
     min_split_tokens: int = 32  # attention splits get at least this many positions at the context hint
+    min_block_split_tokens: int = 256  # ... a query block's of several tokens at least this many
     fixed_cost_kb: int = 96  # the scheduler's per-instruction cost in weight kilobytes
     max_block_kb: int = 1024  # cap on one matvec instruction's weight kilobytes
     clusters: bool = True  # cluster pairs where the shape can form them (False: tickets everywhere)
@@ -120,6 +121,7 @@ class Tuning:
     def program_config(self) -> ProgramConfig:
         return ProgramConfig(tile_rows=self.tile_rows, tile_k=self.tile_k, qkv_parts=self.qkv_parts,
                              max_block_bytes=self.max_block_kb * 1024, min_split_tokens=self.min_split_tokens,
+                             min_block_split_tokens=self.min_block_split_tokens,
                              fixed_cost_bytes=self.fixed_cost_kb * 1024, clusters=self.clusters)
 
 
@@ -430,14 +432,16 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     qbt, qt = 0, 1
     if shape.attn_blocks:  # attention's query blocks (ops/attn_query_block.py) stage through the staging buffer.
         # Every layout of blocks in a bucket compiles one kernel: QT the bucket's longest possible block, and (below)
-        # SP2 the splits of a block alone, the most any layout of the bucket gives one
+        # SP2 the most splits any layout of the bucket gives a block: a block of several tokens alone, or a
+        # single token beside one other block
         qt = _pow2(min(m, MAX_QUERY_BLOCK))
         qbt, splits = query_block(spec, t, qt, _pow2(staged_tiles(spec, t, down_parts)) * t.tile_k * 2 * mb)
         cfg = dataclasses.replace(cfg, max_splits=min(cfg.max_splits, splits))
     program = build_program(spec, shape, num_sms, cfg)
     sp2 = _pow2(program.max_splits)
     if shape.attn_blocks:
-        sp2 = max(sp2, _pow2(attention_splits(spec, StepShape((1,), shape.context_hint), num_sms, cfg)[0]))
+        alone = (StepShape((1, 1), shape.context_hint, blocks) for blocks in ((2,), (1, 1)))  # a block; a token
+        sp2 = max(sp2, *(_pow2(max(attention_splits(spec, s, num_sms, cfg))) for s in alone))  # beside another
     host_only = sorted({ins.OP for ins in program.instructions()} - set(GPU_OPS) - {Op.NOP})
     if host_only:
         raise ValueError(f"{spec.name}: {', '.join(op.name for op in host_only)} have no device code; the VM runs "

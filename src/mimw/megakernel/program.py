@@ -122,6 +122,8 @@ class ProgramConfig:
     qkv_parts: int = 0  # column parts per ATTN_IN head (0: chosen by the cost model, qkv_parts(); 2 with clusters)
     max_block_bytes: int = 1024 * 1024  # cap on one matvec instruction's weight bytes
     min_split_tokens: int = 32  # attention splits get at least this many positions (at context_hint)
+    min_block_split_tokens: int = 256  # ... and those of a query block of several tokens at least this many: its
+    # combine merges every token's partials, so fewer, longer splits pay (bench/NOTES.md, "Query-block splits")
     fixed_cost_bytes: int = 96 * 1024  # per-instruction overhead in the cost model (staging + tail, ~2-5 us)
     ticket_cost_bytes: int = 64 * 1024  # extra per ticketed part: acq_rel ticket + the finisher's reads (~2 us)
     kv_row_bytes: int = 0  # bytes of one cached K (or V) row, scale included (0: bf16, 2 * head_dim)
@@ -280,14 +282,18 @@ def qkv_parts(spec: ModelSpec, num_sms: int, cfg: ProgramConfig) -> int:
 
 def attention_splits(spec: ModelSpec, shape: StepShape, num_sms: int, cfg: ProgramConfig) -> tuple[int, ...]:
     """Splits of every attention query block (``StepShape.attn_groups``): the SMs shared out over the (block, KV
-    head) pairs, at least ``min_split_tokens`` positions a split at the context hint, at most ``max_splits``. A
-    verify block run as one query block gets the splits one decode token would (M = 1's count where it is the
-    step's only block), not its tokens' share each."""
+    head) pairs, at least ``min_split_tokens`` positions a split at the context hint (``min_block_split_tokens``
+    for a block of several tokens, whose combine merges each token's partials), at most ``max_splits``."""
     groups = shape.attn_groups
     per_seg = max(1, num_sms // (spec.num_kv_heads * len(groups)))
-    by_len = max(1, math.ceil(shape.context_hint / cfg.min_split_tokens))
     cap = cfg.max_splits or per_seg
-    return tuple(min(per_seg, by_len, cap) for _ in groups)
+
+    def splits(seg: int, segs: int) -> int:
+        q = shape.query_tokens(seg, segs)
+        least = cfg.min_block_split_tokens if q.stop - q.start > 1 else cfg.min_split_tokens
+        return min(per_seg, max(1, math.ceil(shape.context_hint / least)), cap)
+
+    return tuple(splits(s, n) for s, n in groups)
 
 
 def moe_slots(spec: ModelSpec, shape: StepShape) -> int:

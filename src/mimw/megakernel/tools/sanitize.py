@@ -88,10 +88,10 @@ def cases() -> dict[str, tuple]:
         # eight sequences of 1B-shaped layers at context 300 on 16 SMs: one split a sequence walks five K/V blocks
         # through the cp.async stages in the staging buffer, then the warps' merge reuses it
         "kv_pipeline": (one_b, 300, 16, Tuning(), (1,) * 8),
-        # a verify block of sixteen as one query block (ops/attn_query_block.py) on 32 SMs: four splits a KV head,
-        # each over three 32-position K/V blocks through the cp.async stages (the last one's also the block's own
-        # rows, read after the wait), q staged beside them, the combine's partials through the stages after
-        "query_block": (one_b, 300, 32, Tuning(), (16,)),
+        # a verify block of sixteen as one query block (ops/attn_query_block.py) on 32 SMs at context 1000: four
+        # splits a KV head, each over eight 32-position K/V blocks through the cp.async stages (the last one's also
+        # the block's own rows, read after the wait), q staged beside them, the combine's partials through the stages
+        "query_block": (one_b, 1000, 32, Tuning(), (16,)),
         # one token at context 1000 on 16 SMs: a KV head's two splits stream ~500 past positions each through the
         # ring (eight 64-position slots; the second split's first slot starts at position 496, inside a box)
         "kv_ring": (one_b, 1000, 16, Tuning(), (1,)),
