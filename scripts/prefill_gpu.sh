@@ -11,13 +11,13 @@
 #        tiles, a chunk sweep and engine TTFT, rows after 250 s skipped (killed at 300 s).
 #
 #   bash scripts/prefill_gpu.sh long     (the long-prompt attentions against each other, under 7 minutes)
-#     1. the bf16 GPU tests of the triton and cudnn attentions against the fp32 reference (4 shapes, chunked,
-#        cached prefix, several segments per call) and of the short steps' CUDA graphs, cut at 150 s (the fp8
-#        cases run in the full mode);
-#     2. `mimw bench prefill` at 32k and 128k on both shapes: plain SDPA, triton (tiles by head dim), cudnn
-#        (cuDNN's fused attention), no-attention (the runner's GEMMs and elementwise kernels alone: TTFT minus it
+#     1. the bf16 GPU tests of the gluon (the serving default) and triton attentions against the fp32 reference
+#        (4 shapes, chunked, cached prefix, several segments per call) and of the short steps' CUDA graphs, cut at
+#        150 s (the fp8 cases run in the full mode);
+#     2. `mimw bench prefill` at 32k and 128k on both shapes: plain SDPA, gluon (the warp-specialized TMA kernel),
+#        triton (tiles by head dim), no-attention (the runner's GEMMs and elementwise kernels alone: TTFT minus it
 #        is a row's attention time); then attention alone for the last 16k-token pass of a 32k prompt (the paged
-#        kernel at several tiles) and of a 128k prompt; rows after 190 s skipped (killed at 240 s).
+#        kernels at several tiles) and of a 128k prompt; rows after 190 s skipped (killed at 240 s).
 #
 # $OUT (default bench/results) receives prefill-tests.log, prefill-bench.log and <stamp>-<gpu>-prefill.{json,md,png};
 # the last lines printed are the tests' verdict, attention alone, and the TTFT/MFU table.
@@ -40,11 +40,11 @@ full)
     ;;
 long)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/prefill/test_prefill_gpu.py \
-        tests/engine/test_step_graphs_gpu.py -k "(triton or cudnn or graph_replays) and not fp8" \
+        tests/engine/test_step_graphs_gpu.py -k "(gluon or triton or graph_replays) and not fp8" \
         > "$out/prefill-tests.log" 2>&1
     tests_rc=$?
     timeout 240 python3 -m mimw.bench.main prefill --out "$out" --deadline-s 190 --lengths 32768,131072 \
-        --impls plain-sdpa,triton,cudnn,no-attention --chunk-sweep '' --no-engine \
+        --impls plain-sdpa,gluon,triton,no-attention --chunk-sweep '' --no-engine \
         --attention-lengths 32768,131072 \
         ${COMMIT:+--commit "$COMMIT"} > "$out/prefill-bench.log" 2>&1
     bench_rc=$?
