@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 31, the MoE routing wait (device/route_wait.py), on a Hopper GPU in one device call (at most ~9 min by the
 # parts' time limits), from the working tree (nothing installed):
-#   tests  tests/megakernel/test_moe_gpu.py (200 s at most): the MoE steps against the fp32 oracle with the wait's L2
-#          prefetch on (128 KB) and off, and the prefetch's A/B: bit-identical logits, every wait traced
-#   bench  tools/batch_step: 12 layers of qwen3-30b-a3b, batches 1 and 8, context 1024, moe_prefetch_kb=0 (the default)
-#          against 128 (the prefetch on), each cell also traced once: per op the wait and busy times (ATTN_IN's and
-#          O_PROJ's busy time is where L2 hits would show) and the loaders' routing wait per layer; the table last
+#   tests  tests/megakernel/test_moe_gpu.py (200 s at most): the MoE steps against the fp32 oracle, and every
+#          routing wait traced with the default tuning
+#   bench  tools/batch_step: 12 layers of qwen3-30b-a3b, batches 1 and 8, context 1024, the default tuning, each cell
+#          also traced once: per op the wait and busy times, the critical path per layer, and the loaders' routing
+#          wait per layer (mean and longest over the SMs that waited); the table last
 # Logs and batch_step.json go to $OUT (default bench/results/moewait-gpu).
 #   OUT=/some/dir bash scripts/moewait_gpu.sh
 set -u
@@ -20,7 +20,7 @@ timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/m
 status+=("MoE GPU tests: exit $? ($(tail -n 1 "$out/moe-gpu-tests.log"))")
 
 OUT="$out" timeout "${BENCH_TIMEOUT:-300}" python3 -m mimw.megakernel.tools.batch_step --models qwen3-30b-a3b \
-    --layers 12 --batches 1,8 --tunings "default;moe_prefetch_kb=128" --trace > "$out/batch-step.log" 2>&1
+    --layers 12 --batches 1,8 --trace > "$out/batch-step.log" 2>&1
 status+=("batch_step: exit $?")
 
 printf '%s\n' "${status[@]}"

@@ -19,15 +19,17 @@ def test_the_kv_pool_descriptors_follow_the_pools_and_carry_the_plans_box():
     assert all(path[0] not in (names.index("k_desc"), names.index("v_desc")) for path in args.pointer_paths())
 
 
-def test_the_loader_gets_the_tile_arrays_pointer_beside_its_descriptor_and_the_trace_its_routing_waits():
-    """The routing wait's L2 prefetches (device/route_wait.py) address the tile array itself: a pointer right after
-    the weights' descriptor, 16-byte aligned like every pointer; the trace is the instructions' stamps and the
-    loaders' routing waits."""
+def test_the_groups_are_the_kernels_parameters_and_the_trace_its_stamps_and_routing_waits():
+    """GROUPS names the kernel's parameters in its order (device/kernel.py; ``C`` last, the constants): the weights
+    are reached through their descriptor alone; the trace is the instructions' stamps and the loaders' routing waits
+    (device/route_wait.py), two 16-byte aligned pointers."""
+    from mimw.megakernel.device.kernel import megakernel
+
     names = [name for name, _ in args.GROUPS]
-    assert names[names.index("weights") + 1] == "tiles"
+    assert names == list(megakernel.arg_names[:-1]) and megakernel.arg_names[-1] == "C"
+    assert names[names.index("weights") + 1] == "vecs"
     sig = args.signature(32, 256)
-    assert sig["tiles"] == "*bf16" and sig["weights"].startswith("tensordesc<bf16[256, 32]")
-    assert (names.index("tiles"),) in args.pointer_paths()
+    assert sig["weights"].startswith("tensordesc<bf16[256, 32]")
     assert sig["trace"] == ("*i64", "*i64") and dict(args.GROUPS)["trace"] == (("stamps", "*i64"), ("waits", "*i64"))
     t = names.index("trace")
     assert {(t, 0), (t, 1)} <= set(args.pointer_paths())
@@ -35,7 +37,7 @@ def test_the_loader_gets_the_tile_arrays_pointer_beside_its_descriptor_and_the_t
 
 def test_a_launch_without_the_kv_descriptors_is_a_clear_error():
     sources = {k: 0 for _, fields in args.GROUPS if not isinstance(fields, str) for k, _ in fields}
-    sources.update(weights=0, tiles=0)
+    sources.update(weights=0)
     with pytest.raises(KeyError, match="k_desc"):
         args.values(sources)
     sources.update(k_desc="K", v_desc="V")

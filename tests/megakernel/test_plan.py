@@ -86,26 +86,20 @@ def test_an_moe_model_plans_its_routing_constants_and_decode_batches_of_eight_at
 
 def test_a_dense_model_plans_no_routing():
     c = plan(get_preset("smollm2-135m"), 132).constants
-    assert (c.E, c.S, c.K, c.F, c.PREFETCH) == (0, 0, 0, 0, 0)
+    assert (c.E, c.S, c.K, c.F) == (0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("model,batch", [("tiny-qwen3-moe", 1), ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 8)])
-def test_the_routing_waits_prefetch_budget_is_whole_tiles_of_the_tuned_kilobytes(model, batch):
-    """Tuning.moe_prefetch_kb -> Constants.PREFETCH, the tiles a routing wait may ask L2 for (device/route_wait.py):
-    whole 16 KB tiles, rounded down; 0 turns it off; a negative budget is refused by name."""
+def test_the_routing_wait_trace_changes_no_other_constant(model, batch):
+    """The loader's routing wait (device/route_wait.py) is a plain poll with no tuning of its own: a traced plan
+    (the wait's stamps) differs from the untraced one in TRACE alone, same ring and words, so a traced step runs
+    the same program."""
     spec, shape = get_preset(model), StepShape((1,) * batch, 1024)
-    p = plan(spec, 132, shape, tuning=Tuning(moe_prefetch_kb=128))
-    tile = p.tuning.tile_rows * p.tuning.tile_k * 2
-    assert tile == 16384 and p.constants.PREFETCH == 8
-    assert plan(spec, 132, shape).constants.PREFETCH == 0  # off by default until its A/B has run
-    assert plan(spec, 132, shape, tuning=Tuning(moe_prefetch_kb=40)).constants.PREFETCH == 2
-    assert plan(spec, 132, shape, tuning=Tuning.parse("moe_prefetch_kb=0")).constants.PREFETCH == 0
-    with pytest.raises(ValueError, match="moe_prefetch_kb=-16"):
-        plan(spec, 132, shape, tuning=Tuning(moe_prefetch_kb=-16))
-    # the budget changes no other constant: the A/B of the prefetch compares kernels that differ in it alone
-    off = plan(spec, 132, shape, tuning=Tuning(moe_prefetch_kb=0)).constants
-    assert {k: v for k, v in vars(off).items() if k != "PREFETCH"} == \
-        {k: v for k, v in vars(p.constants).items() if k != "PREFETCH"}
+    on, off = plan(spec, 132, shape, tuning=Tuning(trace=True)), plan(spec, 132, shape)
+    assert on.constants.TRACE and not off.constants.TRACE and on.constants.S == off.constants.S > 0
+    assert {k: v for k, v in vars(on.constants).items() if k != "TRACE"} == \
+        {k: v for k, v in vars(off.constants).items() if k != "TRACE"}
+    assert on.ring == off.ring and bool((on.words == off.words).all())
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])

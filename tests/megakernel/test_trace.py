@@ -70,21 +70,19 @@ def test_the_critical_path_of_an_moe_model_follows_its_router_and_experts():
 
 
 def test_the_routing_waits_are_summarized_per_layer_over_the_sms_that_waited():
-    """waits [num_sms, num_layers, 3] (tagged ns, ns waited, tiles prefetched; zeros: no wait): per MoE layer the
-    mean and longest wait over the SMs that waited, when the last saw its entry, the tiles prefetched; a dense layer
-    (all zeros) is left out; summarize carries them and format_summary prints them."""
+    """waits [num_sms, num_layers, 2] (tagged ns, ns waited; zeros: no wait): per MoE layer the mean and longest
+    wait over the SMs that waited and when the last saw its entry; a dense layer (all zeros) is left out; summarize
+    carries them and format_summary prints them."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     sms, layers, origin = 6, 4, 1_000_000
-    waits = torch.zeros(sms, layers, 3, dtype=torch.int64)
+    waits = torch.zeros(sms, layers, 2, dtype=torch.int64)
     ns = torch.randint(100, 20_000, (sms, layers), generator=g)
-    tiles = torch.randint(0, 9, (sms, layers), generator=g)
     tagged = origin + torch.randint(1_000, 900_000, (sms, layers), generator=g)
     waited = torch.rand(sms, layers, generator=g) < 0.7
     waited[0] = True  # every MoE layer has a waiting SM
     waited[:, 1] = False  # layer 1 is dense: no SM waits on a routing entry there
     waits[..., 0] = torch.where(waited, tagged, 0)
     waits[..., 1] = torch.where(waited, ns, 0)
-    waits[..., 2] = torch.where(waited, tiles, 0)
     out = routing_waits(waits, origin)
     assert sorted(out["layers"]) == [0, 2, 3]
     for layer, v in out["layers"].items():
@@ -93,11 +91,10 @@ def test_the_routing_waits_are_summarized_per_layer_over_the_sms_that_waited():
         assert v["mean_us"] == pytest.approx(float(ns[m, layer].double().mean()) / 1e3)
         assert v["max_us"] == pytest.approx(float(ns[m, layer].max()) / 1e3)
         assert v["tagged_us"] == pytest.approx((int(tagged[m, layer].max()) - origin) / 1e3)
-        assert v["tiles"] == int(tiles[m, layer].sum())
-        assert v["mean_tiles"] == pytest.approx(float(tiles[m, layer].double().mean()))
+        assert set(v) == {"sms", "mean_us", "max_us", "tagged_us"}
     assert out["mean_us"] == pytest.approx(sum(v["mean_us"] for v in out["layers"].values()) / 3)
     assert out["max_us"] == pytest.approx(float(ns[waited].max()) / 1e3)
-    assert routing_waits(torch.zeros(sms, layers, 3, dtype=torch.int64)) == dict(layers={}, mean_us=0.0, max_us=0.0)
+    assert routing_waits(torch.zeros(sms, layers, 2, dtype=torch.int64)) == dict(layers={}, mean_us=0.0, max_us=0.0)
 
     spec = get_preset("tiny-llama")
     prog = build_program(spec, StepShape((1,), 32), 3, Tuning().resolve(spec).program_config())
@@ -108,6 +105,9 @@ def test_the_routing_waits_are_summarized_per_layer_over_the_sms_that_waited():
             trace[s, i] = torch.tensor([1, 2, 3, 4]) * (i + 1) * 1000 + origin
     summary = summarize(trace, words, lens, waits)
     assert summary["routing_waits"] == routing_waits(waits, summary["origin_ns"])
-    assert "loader routing wait" in format_summary(summary) and "L2 " in format_summary(summary)
+    text = format_summary(summary)
+    assert "loader routing wait" in text and "prefetch" not in text
+    for layer, v in out["layers"].items():  # each MoE layer's mean/longest, as printed
+        assert f"L{layer} {v['mean_us']:.1f}/{v['max_us']:.1f}" in text
     assert "routing_waits" not in summarize(trace, words, lens, torch.zeros(1, dtype=torch.int64))
     assert "loader routing wait" not in format_summary(summarize(trace, words, lens))

@@ -80,9 +80,6 @@ class Tuning:
     fixed_cost_kb: int = 96  # the scheduler's per-instruction cost in weight kilobytes
     max_block_kb: int = 1024  # cap on one matvec instruction's weight kilobytes
     clusters: bool = True  # cluster pairs where the shape can form them (False: tickets everywhere)
-    moe_prefetch_kb: int = 0  # an MoE layer's routing wait: the most weight kilobytes each loader asks L2 for
-    # meanwhile, the next tiles of its queue that are not expert spans (device/route_wait.py; 0: off). Not yet
-    # measured: it stays only if the A/B of bench/NOTES.md ("The routing wait") shows it pays
     trace: bool = False  # record [start, dependency met, outputs stored, signalled] per instruction (tools/trace.py)
 
     @classmethod
@@ -174,8 +171,6 @@ class Constants:
     K: int = 0  # experts a token is routed to (top-k)
     F: int = 0  # an expert's intermediate size
     NORM_TOPK: bool = False  # renormalise the chosen experts' probabilities
-    PREFETCH: int = 0  # weight tiles a loader's routing wait may ask L2 for (Tuning.moe_prefetch_kb; 0: none, and
-    # always 0 for a dense model)
 
     @property
     def NQKV(self) -> int:
@@ -321,8 +316,6 @@ def check(spec: ModelSpec, t: Tuning) -> None:
         raise ValueError("tile_k must be a multiple of 32 * num_warps")
     if t.quiet < -1 or t.inflight < 0:
         raise ValueError(f"quiet={t.quiet} (-1 off, or >= 0), inflight={t.inflight} (0: the whole ring, or > 0)")
-    if t.moe_prefetch_kb < 0:
-        raise ValueError(f"moe_prefetch_kb={t.moe_prefetch_kb}: 0 (off) or the kilobytes a routing wait prefetches")
     if not 0 <= t.qkv_parts <= 8:
         raise ValueError(f"qkv_parts={t.qkv_parts}: 0 (derived) or 1..8 (the finisher's unrolled sum)")
 
@@ -487,6 +480,5 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         KVS=kvs, KVBOX=kvbox, M=m, QT=qt, QBT=qbt,
         MB=mb, V=spec.vocab_size, E=spec.num_experts, EP2=_pow2(spec.num_experts),
         EP=router_rows(spec, t.tile_rows), S=program.moe_slots, S2=_pow2(program.moe_slots),
-        K=spec.num_experts_per_tok, F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob,
-        PREFETCH=t.moe_prefetch_kb * 1024 // slot if program.moe_slots else 0)
+        K=spec.num_experts_per_tok, F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob)
     return LaunchPlan(spec, t, num_sms, page_size, program, words, lens, ring, hbuf_rows, xb, c)

@@ -8,8 +8,7 @@ Roles (``gl.warp_specialize``):
       weight tiles, as its words name them (isa.TileSpan), with TMA into the ring, and in a one-token step every
       attention split's past K/V (device/kv_stream.py). It never waits on a counter, so it prefetches the next
       instructions' weights and K/V (next layer included) while compute waits for dependencies; an MoE expert span
-      first waits for its routing entry (the one wait on step data: device/ring.py), during which it asks L2 for
-      the next router-independent tiles of its queue (device/route_wait.py).
+      first waits for its routing entry (the one wait on step data: device/ring.py, traced by device/route_wait.py).
 With cluster pairs (``C.XB``) the CTAs run in clusters of two, and the two parts of a paired instruction swap their
 sums through distributed shared memory (device/cluster.py). At the end each CTA adds 1 to the DONE counter; the CTA
 that completes it bumps EPOCH, which moves every counter's step-numbered target for the next launch (no reset kernel,
@@ -139,7 +138,7 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, ep_bar, C: g
 
 
 @gluon.jit
-def megakernel(prog, step, weights, tiles, vecs, kv, k_desc, v_desc, scratch, scalars, trace, C: gl.constexpr):
+def megakernel(prog, step, weights, vecs, kv, k_desc, v_desc, scratch, scalars, trace, C: gl.constexpr):
     """One decode step. Arguments as launch/args.py describes them; ``C`` is plan.Constants."""
     # ring slots: the tile array's [TR * TK / 32, 32] rows of one tile (device/matvec.dot_tile reads them folded)
     bufs = gl.allocate_shared_memory(weights.dtype, [C.NB, weights.block_type.shape[0], weights.block_type.shape[1]],
@@ -173,6 +172,6 @@ def megakernel(prog, step, weights, tiles, vecs, kv, k_desc, v_desc, scratch, sc
     LOADER_REGS: gl.constexpr = C.LOADER_REGS
     gl.warp_specialize([
         (_compute, (prog, step, vecs, kv, scratch, scalars, trace[0], sm, ep_bar, C)),
-        (ring.loader, (prog, (step[6], step[7], scratch[13], tiles, trace[1]), kvs, weights, bufs, sbuf, empty,
-                       ready, rel, ep_bar, C)),
+        (ring.loader, (prog, (step[6], step[7], scratch[13], trace[1]), kvs, weights, bufs, sbuf, empty, ready,
+                       rel, ep_bar, C)),
     ], [1], [LOADER_REGS])

@@ -24,9 +24,7 @@ layer boundaries, bounded only by the ring, the in-flight cap, the release hold 
     its own router tiles, and every other loader reaches its router tiles having waited only on earlier layers'
     entries, which by the same argument are stored. While it waits, the tiles already requested (the router's,
     earlier experts') keep landing, and the ring takes nothing new: the next layer's attention tiles come after the
-    experts'. At a layer's first expert span the wait asks L2 for those tiles instead (device/route_wait.py: the
-    next tiles of the queue that are not expert spans, up to the plan's PREFETCH, paced by the polls): prefetches
-    fill no slot and arrive on no barrier, so the ring's order and this argument are unchanged;
+    experts'. A layer's first wait is traced where the plan says so (device/route_wait.py);
   * in-flight cap (``INFLIGHT``): tile ``it`` is requested only once tile ``it - INFLIGHT`` has landed; fewer
     requests queued in the memory system shorten every round trip the step's hops make;
   * release hold (``QUIET``, hold.py's marks): a marked instruction's tiles past its first ``QUIET`` wait for the
@@ -152,14 +150,14 @@ def loader(prog, moe, kv, desc, bufs, sbuf, empty, ready, rel, ep_bar, C: gl.con
     """The loader role: walk this CTA's queue (``prog`` = (words, lengths, max_len)) and stream every instruction's
     weight tiles (isa.TileSpan in its words) into the ring, row tile by row tile, column tiles K0..K1 of each; an
     expert span once its routing entry names the expert (``moe`` = (counters, their number, the routing table, the
-    tile array's pointer, the routing-wait trace)), a layer's first wait prefetching into L2 (device/route_wait.py);
+    routing-wait trace)), a layer's first wait traced where the plan says so (device/route_wait.py);
     in a one-token step an attention split's past K/V (``kv``: ``_stream_split``; module doc). With MoE layers
     (C.S > 0) it reads the step's epoch first and then arrives on ``ep_bar``, which compute waits for before the
     launch's last act moves the epoch on."""
     INFLIGHT: gl.constexpr = C.INFLIGHT
     QUIET: gl.constexpr = C.QUIET
     words_ptr, lens_ptr, MAXLEN = prog
-    cnt_ptr, NCNT, routed_ptr, tiles, waits = moe
+    cnt_ptr, NCNT, routed_ptr, waits = moe
     WP2: gl.constexpr = 16
     offs = gl.arange(0, WP2, gl.BlockedLayout([1], [32], [1], [0]))
     pid = gl.program_id(0)
@@ -188,8 +186,7 @@ def loader(prog, moe, kv, desc, bufs, sbuf, empty, ready, rel, ep_bar, C: gl.con
                     entry = layer * C.S + _field(w, offs, SLOT_WORD)
                     if layer != waited:  # the layer's first: the router is likely still running
                         waited = layer
-                        e = first_wait(routed_ptr, entry, tag, (words_ptr, pid * MAXLEN, offs), i, n, tiles,
-                                       (waits, pid * C.NL + layer), C)
+                        e = first_wait(routed_ptr, entry, tag, (waits, pid * C.NL + layer), C)
                     else:  # the finisher stored this entry with the first's: at most a short spin
                         e = routed_wait(routed_ptr, entry, tag)
                     if e == NO_EXPERT:

@@ -1,14 +1,12 @@
 """The megakernel's arguments, described once: the launch tuple (decoder.py) and the compile signature
 (compile.py) both come from ``GROUPS``.
 
-The kernel (device/kernel.py) takes eleven arguments, most of them tuples, plus the constants ``C``:
+The kernel (device/kernel.py) takes ten arguments, most of them tuples, plus the constants ``C``:
     prog      the program: words [num_sms, max_len, NWORDS] int32, queue lengths [num_sms], max_len
     step      the step state (state.py): tokens, positions, seg_ctx, seg_new, block tables and their width, the
               counters
               and how many there are before DONE/EPOCH, the cluster pairs' ready words
     weights   the TMA descriptor of the packed weight tile array (tiles.py), [num_tiles * TR * TK / 32, 32] bf16
-    tiles     that array's pointer: the loader's L2 prefetches while it waits on a routing entry
-              (device/route_wait.py; an MoE kernel's only)
     vecs      norms, bias, q/k norms, RoPE inverse frequencies
     kv        the paged cache's K and V pools, their scales and the page count: bf16 pools, or (``Constants.FP8``)
               e4m3 pools with a bf16 scale per (token, head) row, kv/pages.py (a bf16 cache passes a one-element
@@ -21,7 +19,7 @@ The kernel (device/kernel.py) takes eleven arguments, most of them tuples, plus 
               activations' bf16 copy; a dense model's are empty, passed as a one-element stand-in)
     scalars   eps, the attention's q scale (head_dim^-0.5 * log2 e)
     trace     when traced: the instructions' stamps [num_sms, max_len, 4] int64 and the loader's routing waits
-              [num_sms, num_layers, 3] int64 (device/route_wait.py; tools/trace.py); one-element dummies otherwise
+              [num_sms, num_layers, 2] int64 (device/route_wait.py; tools/trace.py); one-element dummies otherwise
 """
 from __future__ import annotations
 
@@ -33,7 +31,6 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...] | str], ...] = (
               ("block_tables", "*i32"), ("max_pages", "i32"), ("counters", "*i32"), ("num_counters", "i32"),
               ("ready", "*i32"))),
     ("weights", "desc"),
-    ("tiles", "*bf16"),
     ("vecs", (("embed", "*bf16"), ("attn_norm", "*bf16"), ("mlp_norm", "*bf16"), ("final_norm", "*bf16"),
               ("bias", "*fp32"), ("q_norm", "*bf16"), ("k_norm", "*bf16"), ("inv_freq", "*fp32"))),
     ("kv", (("k", "*bf16"), ("v", "*bf16"), ("k_scale", "*bf16"), ("v_scale", "*bf16"), ("num_pages", "i32"))),
@@ -107,7 +104,8 @@ def int_paths() -> list[tuple[int, int]]:
 
 
 def values(sources: dict[str, Any]) -> tuple:
-    """The launch's arguments from every field's value by name (``weights`` the descriptor, ``tiles`` its array)."""
+    """The launch's arguments from every field's value by name (``weights`` the descriptor, ``k_desc`` and
+    ``v_desc`` the K/V pools' descriptors)."""
     missing = [n for n, f in GROUPS if isinstance(f, str) and n not in sources]
     missing += [k for _, f in GROUPS if not isinstance(f, str) for k, _ in f if k not in sources]
     if missing:

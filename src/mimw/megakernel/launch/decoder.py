@@ -101,11 +101,11 @@ class MegakernelDecoder:
         self.scratch = alloc_scratch(p.program, dev)
         self._stand_ins: dict[torch.dtype, torch.Tensor] = {}  # one-element stand-ins for empty scratch (_nonempty)
         # when traced (tools/trace.py), else 1-element dummies: [num_sms, max_len, 4] int64 ns per instruction, and
-        # the loaders' routing waits [num_sms, num_layers, 3] (device/route_wait.py; zeros where an SM waits on no
+        # the loaders' routing waits [num_sms, num_layers, 2] (device/route_wait.py; zeros where an SM waits on no
         # routing entry of a layer)
         self.trace = torch.zeros((self.num_sms, self.words.shape[1], 4) if p.tuning.trace else (1,),
                                  dtype=torch.int64, device=dev)
-        self.wait_trace = torch.zeros((self.num_sms, self.spec.num_layers, 3) if p.tuning.trace else (1,),
+        self.wait_trace = torch.zeros((self.num_sms, self.spec.num_layers, 2) if p.tuning.trace else (1,),
                                       dtype=torch.int64, device=dev)
 
     @property
@@ -118,8 +118,7 @@ class MegakernelDecoder:
             words=self.words, lens=self.lens, max_len=self.words.shape[1], tokens=s.tokens, positions=s.positions,
             seg_ctx=s.seg_ctx, seg_new=s.seg_new, block_tables=s.block_tables, max_pages=s.block_tables.shape[1],
             counters=s.counters,
-            num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, tiles=w.tiles,
-            embed=w.embed,
+            num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, embed=w.embed,
             attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, final_norm=w.final_norm, bias=w.bias, q_norm=w.q_norm,
             k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, k_scale=self.scales[0], v_scale=self.scales[1],
             num_pages=c.layout.num_pages, k_desc=self.kv_descs[0], v_desc=self.kv_descs[1], x=x.x,

@@ -10,10 +10,9 @@ measured, stage by stage. ``tile_counts`` gives the weight tiles each instructio
 host's mirror of the ring's tile counter.
 
 An MoE model's loaders also record their routing waits (device/route_wait.py): per SM and layer, at the layer's first
-expert span, [the globaltimer once the routing entry was tagged, the ns since the first poll, the tiles prefetched
-into L2 meanwhile] (zeros where an SM streams no expert of that layer). ``routing_waits`` turns them into each MoE
-layer's mean and longest wait over the SMs that waited, and the tiles they prefetched: the cost of the one wait the
-loader makes on step data (issue 31).
+expert span, [the globaltimer once the routing entry was tagged, the ns since the first poll] (zeros where an SM
+streams no expert of that layer). ``routing_waits`` turns them into each MoE layer's mean and longest wait over the
+SMs that waited: the cost of the one wait the loader makes on step data (issue 31).
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ MOE_STAGES = ("ATTN_IN", "ATTN_PARTIAL", "O_PROJ", "ROUTER", "EXPERT_IN", "EXPER
 def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor,
               waits: torch.Tensor | None = None) -> dict:
     """trace [num_sms, max_len, 4] int64 ns (start, dependency met, outputs stored, signalled); words/lengths: the
-    encoded program; ``waits`` [num_sms, num_layers, 3] the loaders' routing waits (an MoE model's; else None or a
+    encoded program; ``waits`` [num_sms, num_layers, 2] the loaders' routing waits (an MoE model's; else None or a
     dummy). Times in microseconds; per opcode the wait, the busy time and, within it, the release (outputs stored ->
     signalled: the barrier and the counter's release, which waits until the stores are visible)."""
     t, w, n = trace.cpu(), words.cpu(), lengths.cpu()
@@ -62,11 +61,10 @@ def summarize(trace: torch.Tensor, words: torch.Tensor, lengths: torch.Tensor,
 
 
 def routing_waits(waits: torch.Tensor, origin_ns: int = 0) -> dict:
-    """waits [num_sms, num_layers, 3] int64 (tagged ns, ns waited, tiles prefetched; all zero where an SM waited on
-    no routing entry of the layer). Per layer with a wait, over the SMs that waited: ``sms``, ``mean_us`` and
-    ``max_us`` of the wait, ``tagged_us`` when the last of them saw the entry (from ``origin_ns``, the compute
-    trace's first stamp), ``tiles`` prefetched in all and ``mean_tiles`` a wait; and over those layers ``mean_us``
-    (of the layers' means) and ``max_us``."""
+    """waits [num_sms, num_layers, 2] int64 (tagged ns, ns waited; both zero where an SM waited on no routing entry
+    of the layer). Per layer with a wait, over the SMs that waited: ``sms``, ``mean_us`` and ``max_us`` of the wait,
+    ``tagged_us`` when the last of them saw the entry (from ``origin_ns``, the compute trace's first stamp); and
+    over those layers ``mean_us`` (of the layers' means) and ``max_us``."""
     w = waits.cpu()
     layers = {}
     for layer in range(w.shape[1]):
@@ -74,10 +72,8 @@ def routing_waits(waits: torch.Tensor, origin_ns: int = 0) -> dict:
         if not bool(seen.any()):
             continue
         us = w[seen, layer, 1].double() / 1e3
-        tiles = w[seen, layer, 2]
         layers[layer] = dict(sms=int(seen.sum()), mean_us=float(us.mean()), max_us=float(us.max()),
-                             tagged_us=(int(w[seen, layer, 0].max()) - origin_ns) / 1e3, tiles=int(tiles.sum()),
-                             mean_tiles=float(tiles.double().mean()))
+                             tagged_us=(int(w[seen, layer, 0].max()) - origin_ns) / 1e3)
     if not layers:
         return dict(layers={}, mean_us=0.0, max_us=0.0)
     return dict(layers=layers, mean_us=sum(v["mean_us"] for v in layers.values()) / len(layers),
@@ -120,10 +116,9 @@ def format_summary(s: dict, layers: int = 2) -> str:
             f"{k} {v:.1f}" for k, v in s["critical_path_us"].items()))
     rw = s.get("routing_waits")
     if rw and rw["layers"]:
-        lines.append(f"loader routing wait (us, over the SMs that waited; tiles prefetched a wait): mean "
-                     f"{rw['mean_us']:.2f}, longest {rw['max_us']:.2f}; per layer mean/max/tiles: " + ", ".join(
-                         f"L{k} {v['mean_us']:.1f}/{v['max_us']:.1f}/{v['mean_tiles']:.1f}"
-                         for k, v in rw["layers"].items()))
+        lines.append(f"loader routing wait (us, over the SMs that waited): mean {rw['mean_us']:.2f}, longest "
+                     f"{rw['max_us']:.2f}; per layer mean/max: " + ", ".join(
+                         f"L{k} {v['mean_us']:.1f}/{v['max_us']:.1f}" for k, v in rw["layers"].items()))
     lines.append("stage windows (first ready -> last done), first layers:")
     for st in s["stages"]:
         if st["layer"] < layers or st["op"] == "LM_HEAD":
