@@ -63,7 +63,11 @@ def test_rms_norm_rounds_like_the_reference_bit_for_bit_in_bf16():
     ("smollm2-135m", (4, 1), (70, 5), 7, False),  # G = 3, one split per segment
 ])
 def test_partials_then_reduce_equal_causal_softmax_attention(name, seg_lens, starts, num_sms, has_empty):
-    ctx, tables = context(name, seg_lens, starts, num_sms)
+    # a segment of several tokens splits as finely as one token's (32 positions at the hint), so that splits fall
+    # empty or wholly in a token's future
+    spec = get_preset(name)
+    config = dataclasses.replace(Tuning().resolve(spec).program_config(), min_block_split_tokens=32)
+    ctx, tables = context(name, seg_lens, starts, num_sms, config=config)
     spec, sc, prog = ctx.spec, ctx.scratch, ctx.program
     sc.q.copy_(torch.randn(sc.q.shape))
     layer = spec.num_layers - 1

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from mimw.megakernel import isa
@@ -281,9 +283,12 @@ def test_query_blocks_are_one_attention_instruction_per_block_kv_head_and_split(
     assert len(prog.n_splits) == 5 and len(attn) == spec.num_kv_heads * sum(prog.n_splits)
     o_proj = next(i for i in prog.instructions() if isinstance(i, OProj) and i.layer == 0)
     assert o_proj.wait_count == spec.num_kv_heads * 5  # one combine a (block, KV head) signals
-    # one block alone: M = 1's splits, not a sixteenth each
-    one = build_program(spec, StepShape((1,) * 16, 1024, (16,)), 132, Tuning().resolve(spec).program_config())
-    assert one.n_splits == build_program(spec, StepShape((1,), 1024), 132).n_splits == (16,)
+    # one block alone: the SMs a KV head as M = 1 has them (16), capped by 256-position splits at the 1024 hint
+    cfg = Tuning().resolve(spec).program_config()
+    one = build_program(spec, StepShape((1,) * 16, 1024, (16,)), 132, cfg)
+    assert one.n_splits == (4,) and build_program(spec, StepShape((1,), 1024), 132).n_splits == (16,)
+    fine = build_program(spec, StepShape((1,) * 16, 1024, (16,)), 132, replace(cfg, min_block_split_tokens=32))
+    assert fine.n_splits == (16,)
     for bad in ((4, 4), (16, 1), (0, 16)):
         with pytest.raises(ValueError, match="attn_blocks"):
             StepShape((1,) * 16, 1024, bad)
