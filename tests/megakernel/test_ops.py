@@ -177,6 +177,38 @@ def test_moe_ops_compute_the_reference_moe_block(seg_lens):
     assert prog.moe_slots == min(spec.num_experts, sum(seg_lens) * spec.num_experts_per_tok)
 
 
+def test_the_expert_down_finisher_adds_each_tokens_chosen_slots_as_every_slot_in_use_adds_them():
+    """The finisher sums each token's chosen slots (in use, weight not 0) in slot order, as the GPU gathers them:
+    bit for bit the sum over every slot in use (the others' parts weigh 0). The slots past those in use hold stale
+    weights and NaN parts (poison), which no token's sum may touch."""
+    from mimw.megakernel.ops.expert_down import active_slots, chosen_slots
+
+    ctx, _ = context("tiny-qwen3-moe", (1, 1, 1), [3] * 3, 7)
+    sc, prog, layer = ctx.scratch, ctx.program, 2
+    sc.x.copy_(torch.randn(sc.x.shape, generator=torch.Generator().manual_seed(5)))
+    ins = [i for i in prog.instructions() if i.layer == layer]
+    for op in (isa.Op.ROUTER, isa.Op.EXPERT_IN, isa.Op.EXPERT_DOWN):
+        for i in (i for i in ins if i.OP == op):
+            SOLVERS[op](ctx, i)
+        if op == isa.Op.ROUTER:
+            FINISHERS[op](ctx, next(i for i in ins if i.OP == op))
+    used = active_slots(ctx, layer, prog.moe_slots)
+    assert 0 < len(used) < prog.moe_slots  # three tokens of top-2 of 16 experts: some slots idle
+    sc.slot_w[len(used):] = 0.5  # a stale weight, as an earlier layer's router left it
+    sc.moe_part[len(used):] = float("nan")
+    chosen = chosen_slots(ctx, layer, prog.moe_slots)
+    assert all(len(c) == ctx.spec.num_experts_per_tok and c == sorted(c) and set(c) <= set(used) for c in chosen)
+    want = sc.x.clone()
+    for r in {i.row0: i for i in ins if i.OP == isa.Op.EXPERT_DOWN}.values():
+        rows = r.rows(prog.config.tile_rows)
+        total = sc.moe_part[used[0], :, rows]
+        for j in used[1:]:
+            total = total + sc.moe_part[j, :, rows]
+        want[:, rows] = want[:, rows] + total
+        FINISHERS[isa.Op.EXPERT_DOWN](ctx, r)
+    assert torch.isfinite(sc.x).all() and torch.equal(sc.x, want)
+
+
 def test_router_slots_give_each_distinct_expert_one_slot_and_each_token_its_weight():
     from mimw.megakernel.ops.router import slots
 

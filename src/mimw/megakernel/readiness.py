@@ -26,7 +26,7 @@ during this step (-1: not written this step):
     moe_act  [S, F]           layer whose EXPERT_IN of the slot wrote the columns
     moe_part [S, D]           layer whose EXPERT_DOWN of the slot wrote the rows
   An expert instruction whose slot holds no expert this step (isa.NO_EXPERT) reads and writes nothing but the
-  routing entry; a finisher reads only the slots in use.
+  routing entry; a finisher reads only the slots in use (their weights and rows).
 
 An instruction must find every region it reads at exactly the version its layer needs. Too old (or -1) is a
 read-after-write race: the producer has not run. Too new is a write-after-read race: a later layer's producer
@@ -223,7 +223,9 @@ class Readiness:
             self._require(ins, "router logits", self.rlogits[: self.program.spec.num_experts], ins.layer)
         elif ins.OP == Op.EXPERT_DOWN:
             rows = self._rows(ins)
-            self._require(ins, "expert rows", self.moe_part[self._active(ins.layer, ins.n_slots), rows], ins.layer)
+            active = self._active(ins.layer, ins.n_slots)
+            self._require(ins, "slot weights", self.slot_w[active], ins.layer)
+            self._require(ins, "expert rows", self.moe_part[active, rows], ins.layer)
             self._require(ins, "x rows", self.x[rows], 2 * ins.layer + 1)
         else:
             self._require(ins, "qkv parts", self.qkv_part[ins.head, : ins.n_parts], ins.layer)

@@ -86,3 +86,35 @@ def attention_lanes(C):
     pl = 32 // tpd // hh
     return gl.BlockedLayout([1, C.GP // hh, max(1, C.BT // C.NW // pl), 1, 8], [1, hh, 1, pl, tpd], [C.NW, 1, 1, 1, 1],
                             [4, 3, 2, 1, 0])
+
+
+@constexpr_function
+def top_k_rows(C):
+    """K2: a token's k chosen experts rounded up to a power of two (an EXPERT_DOWN finisher's gather)."""
+    p = 1
+    while p < C.K:
+        p *= 2
+    return p
+
+
+@constexpr_function
+def slot_tokens(C):
+    """[S2 slots, MB tokens]: a layer's routing weights, the slots over a warp's lanes (a token's reductions over
+    the slots stay in its warp), the tokens over the warps."""
+    return gl.BlockedLayout([1, 1], [32, 1], [1, C.NW], [0, 1])
+
+
+@constexpr_function
+def chosen_parts(C):
+    """[K2, TR, MB]: the routing slots' partial sums of a row tile that each token chose, a token's k slots in one
+    thread (their sum is the thread's own, in slot order), two rows a thread (8-byte vectors: a slot's row tile is
+    contiguous), the rest of the tile over the lanes and warps."""
+    tl = 32 // C.MB if C.MB <= 32 else 1
+    return gl.BlockedLayout([top_k_rows(C), 2, 1], [1, tl, 32 // tl], [1, C.NW, 1], [1, 2, 0])
+
+
+@constexpr_function
+def slot_rows(C):
+    """[S2, TR]: one token's routing slots' partial sums of a row tile, every slot in one thread (their sum is the
+    thread's own, in slot order), the rows over the lanes."""
+    return gl.BlockedLayout([C.S2, 1], [1, 32], [1, C.NW], [1, 0])
