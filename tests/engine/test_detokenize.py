@@ -79,3 +79,64 @@ def test_text_stream_cuts_at_stop_strings_and_flushes_held_text():
     ts = TextStream(Bytes(), [], ("xyz",))
     deltas = [ts.push(b)[0] for b in b"abcx"]
     assert "".join(deltas) == "abc" and ts.finish() == "x"
+
+
+class Pieces:
+    """A byte-level vocabulary: id i decodes to ``pieces[i]`` (1 to 3 bytes, or nothing), invalid bytes as U+FFFD."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def full_window_deltas(tok, prompt, ids) -> list[str]:
+    """What every push returns when each push decodes its whole window (the rule the detokenizer keeps)."""
+    window, prefix, read, out = list(prompt[-4:]), 0, len(prompt[-4:]), []
+    for final, new in [(False, [t]) for t in ids] + [(True, [])]:
+        window += new
+        if read >= len(window):
+            out.append("")
+            continue
+        old, text = tok.decode(window[prefix:read]), tok.decode(window[prefix:])
+        if not final and (len(text) <= len(old) or text.endswith("\ufffd")):
+            out.append("")
+            continue
+        out.append(text[len(old):])
+        prefix, read = read, len(window)
+    return out
+
+
+def test_long_held_windows_give_the_deltas_of_whole_window_decoding():
+    import random
+
+    rng = random.Random()
+    valid = [c.encode() for c in "aZ ñ€😀✓\n"]
+    invalid = [b"\x80", b"\xbf", b"\xe2", b"\xe2\x82", b"\xf0\x9f", b"\xff", b"\xc3"]
+    for _ in range(40):
+        pieces = [b""] + [rng.choice(valid)[:rng.randint(1, 4)] for _ in range(40)] + invalid
+        pieces += [b"".join(rng.sample(valid, 2)) for _ in range(10)]
+        tok = Pieces(pieces)
+        ids: list[int] = []
+        while len(ids) < 120:  # runs of invalid bytes longer than the tail, split characters, empty pieces
+            kind = rng.random()
+            if kind < 0.3:
+                ids += [rng.randrange(41, 41 + len(invalid))] * rng.randint(1, 30)
+            elif kind < 0.4:
+                ids += [0] * rng.randint(1, 4)
+            else:
+                ids += [rng.randrange(len(pieces))]
+        prompt = [rng.randrange(len(pieces)) for _ in range(rng.randint(0, 6))]
+        d = IncrementalDetokenizer(tok, prompt)
+        got = [d.push(t) for t in ids] + [d.finish()]
+        assert got == full_window_deltas(tok, prompt, ids)
+        if not prompt:  # (a prompt's incomplete last character may absorb the first output bytes)
+            assert "".join(got) == tok.decode(ids)
+
+
+def test_a_long_invalid_run_is_held_until_a_character_completes_it():
+    d = IncrementalDetokenizer(Bytes(), list(b"hi "))
+    assert [d.push(0x80) for _ in range(50)] == [""] * 50
+    assert d.push(ord("a")) == "\ufffd" * 50 + "a"
+    assert [d.push(b) for b in "€".encode()] == ["", "", "€"]

@@ -4,7 +4,9 @@ Byte-level BPE tokenizers split multi-byte UTF-8 characters across tokens; decod
 ``IncrementalDetokenizer`` decodes a short sliding window (a few tokens of context before the unread ones, so
 leading-space rules of SentencePiece-style tokenizers see their left neighbour) and holds text back while the
 window's decoding ends in U+FFFD. ``finish`` flushes whatever is left (a genuinely invalid byte sequence then
-shows as U+FFFD, once).
+shows as U+FFFD, once). A window held back for more than ``_TAIL`` tokens (a stream of invalid bytes) is tested
+by decoding its last ``_TAIL`` tokens only, and decoded whole once they no longer end in U+FFFD: a push costs a
+bounded decode however long the held text grows. The text before the unread ids is decoded once per window.
 
 ``StopMatcher`` turns the raw text stream into the text a client may see: it cuts at the first stop string (the
 stop string itself is never emitted) and holds back any tail that could still grow into a stop string.
@@ -14,6 +16,9 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 _CONTEXT = 4  # prompt tokens kept as left context of the first output token
+# unread tokens past which a held window's last ones alone tell whether it still ends in an incomplete character:
+# a UTF-8 character has at most 4 bytes, so it starts within the last 8 tokens unless 5 of them decode to nothing
+_TAIL = 8
 
 
 class Decoder(Protocol):
@@ -29,6 +34,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0  # window start
         self.read_offset = len(self.ids)  # first id whose text has not been returned
+        self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), once computed
 
     def push(self, token_id: int) -> str:
         """Append one id; return the newly complete text (maybe empty)."""
@@ -42,7 +48,12 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         if self.read_offset >= len(self.ids):
             return ""
-        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        if not final and len(self.ids) - self.read_offset > _TAIL and \
+                self.tok.decode(self.ids[-_TAIL:]).endswith("\ufffd"):
+            return ""  # still an incomplete character at the end: the whole window would end in U+FFFD too
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self.tok.decode(self.ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) and not final:
             return ""
@@ -51,6 +62,7 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
+        self._prefix_text = None
         return delta
 
 
