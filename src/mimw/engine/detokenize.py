@@ -71,18 +71,19 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(stops)
-        self.text = ""  # everything decoded so far (truncated at the stop string once stopped)
+        self.text = ""  # everything decoded so far (truncated at the stop string once stopped); kept with stops only
         self.sent = 0  # len of the prefix of ``text`` already emitted
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, bool]:
+        if not self.stops:  # nothing to hold back or cut: the text passes through as it comes
+            return delta, False
         self.text += delta
-        if self.stops:
-            longest = max(len(s) for s in self.stops)
-            search_from = max(0, self.sent - longest + 1)
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
-                return self._emit(len(self.text)), True
+        longest = max(len(s) for s in self.stops)
+        search_from = max(0, self.sent - longest + 1)
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            return self._emit(len(self.text)), True
         safe = len(self.text) if final else len(self.text) - self._held_tail()
         return self._emit(safe), False
 
