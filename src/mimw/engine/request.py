@@ -84,6 +84,7 @@ class Request:
     session_id: str | None = None  # requests of one conversation/agent loop (drafters may share history)
 
     token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)  # len(prompt_token_ids), which never changes
     status: Status = field(init=False, default=Status.WAITING)
     num_computed: int = field(init=False, default=0)
     block_table: list[int] = field(init=False, default_factory=list)
@@ -106,10 +107,7 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

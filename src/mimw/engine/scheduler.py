@@ -125,7 +125,9 @@ class Scheduler:
                 want = 1
             else:
                 want = min(share.get(id(r), 0), budget - decoders_behind)
-            n = min(want, self._fits(r)) if want > 0 else 0
+            # room in its last page is enough for most decode tokens: the pool is asked only past it
+            room = len(r.block_table) * self.cfg.page_size - r.num_computed
+            n = 0 if want <= 0 else want if room >= want else min(want, self._fits(r))
             while want > 0 and n == 0:  # make room: preempt the newest running request
                 victim = self.running[-1]
                 if victim.num_pending == 1 and victim is not r and not victim.last_in_flight:
@@ -181,7 +183,8 @@ class Scheduler:
 
     def _take(self, r: Request, n: int) -> Chunk:
         need = -(-(r.num_computed + n) // self.cfg.page_size) - len(r.block_table)
-        r.block_table.extend(self.alloc.allocate(max(0, need)))
+        if need > 0:
+            r.block_table.extend(self.alloc.allocate(need))
         return Chunk(r, r.num_computed, n)
 
     def _admit(self, r: Request, budget: int, r_cost: int = 0) -> Chunk | None:

@@ -56,7 +56,7 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > self.num_available:
+        if n > len(self._free) and n > self.num_available:
             raise OutOfPages(f"need {n} pages, {self.num_available} available of {self.num_pages}")
         out = []
         for _ in range(n):
