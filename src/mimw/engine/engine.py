@@ -317,8 +317,10 @@ class Engine:
         out = [self._finish(c.request, "length", "") for c in done if c.request.params.max_tokens == 0]
         sampling = [(ends[i] - 1, c.request) for i, c in enumerate(plan.chunks)
                     if c.samples and c.request.params.max_tokens > 0 and c.request not in drafts]
-        on_host = [(i, r) for i, r in sampling if needs_host(r.params)]
-        launched = self._sample_on_device(logits, [(i, r) for i, r in sampling if not needs_host(r.params)])
+        on_host, on_dev = [], []
+        for i, r in sampling:
+            (on_host if needs_host(r.params) else on_dev).append((i, r))
+        launched = self._sample_on_device(logits, on_dev)
         if launched is None and len(on_host) < len(sampling):  # the device sampler failed: sample on the host
             on_host = sampling
         out += self._resolve()  # the previous step's tokens, read while this step runs
