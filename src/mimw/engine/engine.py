@@ -311,7 +311,7 @@ class Engine:
         self._collect_prompt_logprobs(plan.chunks, segments, ends, logits)  # reads logits only where asked
         done = [c for c in plan.chunks if c.samples]
         for c in done:
-            if c.request.num_output_tokens == 0 and not c.request.num_inflight:  # prefill complete
+            if not c.request.num_inflight and c.request.num_output_tokens == 0:  # prefill complete
                 self._prompt_tokens += c.request.num_prompt_tokens
         # max_tokens 0 (scoring a prompt: its logprobs only) ends when the prompt is computed, sampling nothing
         out = [self._finish(c.request, "length", "") for c in done if c.request.params.max_tokens == 0]
@@ -480,7 +480,8 @@ class Engine:
                 return self._finish(r, "stop", text, tuple(tokens[:n]), flush=False, logprobs=tuple(got))
             if r.matcher is not None and r.matcher.finished:  # the document is complete (even with ignore_eos)
                 return self._finish(r, "stop", text, tuple(tokens[:n]), logprobs=tuple(got))
-            if r.num_output_tokens >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+            known = len(r.token_ids)  # (num_output_tokens and num_tokens, inline: this runs for every token)
+            if known - r.num_prompt_tokens >= r.params.max_tokens or known + r.num_inflight >= self.max_model_len:
                 return self._finish(r, "length", text, tuple(tokens[:n]), logprobs=tuple(got))
         return self._event(r, text, tuple(tokens), logprobs=tuple(got))
 
