@@ -74,10 +74,12 @@ def step_tokens(chunks, drafts: dict, inflight: InFlight | None, device: torch.d
     """The step's input ids [T] (int64, on ``device``): each chunk's tokens, then its draft's. A position whose
     token is still in flight is taken from ``inflight.feed`` on the device; when every token of the step is one
     (a decode step of the same requests), that tensor itself is the input, with no copy at all."""
-    if inflight is not None and not drafts and len(chunks) == len(inflight.requests) and \
-            all(c.request is q and c.length == 1 and c.start == len(q.token_ids)
-                for c, q in zip(chunks, inflight.requests)):
-        return inflight.feed  # (that decode step, told without building the lists below)
+    if inflight is not None and not drafts and len(chunks) == len(inflight.requests):
+        for c, q in zip(chunks, inflight.requests):
+            if c.request is not q or c.length != 1 or c.start != len(q.token_ids):
+                break
+        else:
+            return inflight.feed  # (that decode step, told without building the lists below)
     host: list[int] = []
     dst: list[int] = []
     src: list[int] = []
