@@ -293,3 +293,26 @@ def test_megakernel_engine_with_overlap_matches_the_synchronous_engine():
     reqs[1] = ("r1", reqs[1][1], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))
     want, got = run(engine(False), reqs, check=False), run(engine(True), reqs, check=False)
     assert got == want and got["r1"][2] == "stop" and len(got["r1"][0]) <= 4
+
+
+def test_step_tokens_feeds_a_decode_step_from_the_device_and_builds_any_other():
+    from mimw.engine.overlap import InFlight, step_tokens
+    from mimw.engine.request import Request
+    from mimw.engine.scheduler import Chunk
+
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    greedy = SamplingParams(temperature=0.0)
+    reqs = [Request(f"r{i}", torch.randint(1, 200, (int(n),), generator=g).tolist(), greedy)
+            for i, n in enumerate(torch.randint(3, 12, (4,), generator=g))]
+    ids = torch.randint(0, 256, (4,), generator=g)
+    cpu = torch.device("cpu")
+    f = InFlight(reqs, ids, may_fail=False)
+    decode = [Chunk(r, len(r.token_ids), 1) for r in reqs]
+    assert step_tokens(decode, {}, f, cpu) is f.feed  # every token in flight, in the in-flight order
+    assert step_tokens(decode[::-1], {}, f, cpu).tolist() == ids.flip(0).tolist()  # another order: gathered
+    assert step_tokens(decode[:3], {}, f, cpu).tolist() == ids[:3].tolist()  # fewer requests: gathered
+    r = reqs[1]  # a chunk that reruns known tokens and ends at the one in flight (a recomputation)
+    mixed = [decode[0], Chunk(r, 1, len(r.token_ids)), *decode[2:]]
+    assert step_tokens(mixed, {}, f, cpu).tolist() == [ids[0].item(), *r.token_ids[1:], *ids[1:].tolist()]
+    known = [Chunk(q, 0, len(q.token_ids)) for q in reqs]  # no token in flight: all from the host
+    assert step_tokens(known, {}, None, cpu).tolist() == sum((q.token_ids for q in reqs), [])
