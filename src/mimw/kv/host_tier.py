@@ -121,10 +121,11 @@ class HostKVTier:
         seen = (device_prefix, device_prefix.order_version, self.pages_offloaded)
         if self._all_backed is not None and self._all_backed[:3] == seen and n <= self._all_backed[3]:
             return 0
-        pages = device_prefix.next_evicted(n)
-        hashes = device_prefix.hashes_of(pages)
-        items = [(h, p) for p, h, here in zip(pages, hashes, self.index.lookups(hashes))
-                 if h is not None and here is None and p not in self._loading]
+        items = []
+        for p in device_prefix.next_evicted(n):
+            h = device_prefix.hash_of(p)
+            if h is not None and self.index.lookup(h) is None and p not in self._loading:
+                items.append((h, p))
         # (with restores in flight a page may leave ``_loading`` unseen: look again next time)
         self._all_backed = (*seen, n) if not items and not self._loading else None
         self._offload(items)

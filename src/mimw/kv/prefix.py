@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from .retention import EvictionOrder, Retention
 
@@ -105,16 +105,6 @@ class PrefixCache:
 
     def hash_of(self, page: int) -> bytes | None:
         return self._hash_of.get(page)
-
-    def hashes_of(self, pages: Iterable[int]) -> list[bytes | None]:
-        """``hash_of`` of each page, in one call."""
-        get = self._hash_of.get
-        return [get(p) for p in pages]
-
-    def lookups(self, hashes: Iterable[bytes | None]) -> list[int | None]:
-        """``lookup`` of each hash (None for None), in one call."""
-        get = self._page_of.get
-        return [None if h is None else get(h) for h in hashes]
 
     # --- the evictable set (driven by PageAllocator) ----------------------------------------------------------
     def park(self, page: int) -> bool:

@@ -145,17 +145,15 @@ class EvictionOrder:
     def first(self, n: int) -> list[Hashable]:
         """The next ``n`` keys ``pop`` would return, in that order, without removing them."""
         out: list[Hashable] = []
-        live = self._live
         for cls, lst in enumerate(self._lists):
             head = i = self._heads[cls]
             kept = []
             while i < len(lst) and len(out) < n:
-                pair = lst[i]
+                tick, key = lst[i]
                 i += 1
-                e = live.get(pair[1])  # (``_is_live``, inline: this walk runs after every step)
-                if e is not None and e[0] == cls and e[1] == pair[0]:
-                    out.append(pair[1])
-                    kept.append(pair)
+                if self._is_live(cls, tick, key):
+                    out.append(key)
+                    kept.append((tick, key))
             if len(kept) < i - head:  # drop the stale pairs met, so that the next walk reads only live ones
                 lst[head:i] = kept
             if len(out) == n:
