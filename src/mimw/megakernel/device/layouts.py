@@ -1,4 +1,5 @@
 """Register layouts of the compute partition, derived from the kernel's constants ``C`` (plan.Constants)."""
+import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import constexpr_function
 
@@ -91,10 +92,7 @@ def attention_lanes(C):
 @constexpr_function
 def top_k_rows(C):
     """K2: a token's k chosen experts rounded up to a power of two (an EXPERT_DOWN finisher's gather)."""
-    p = 1
-    while p < C.K:
-        p *= 2
-    return p
+    return triton.next_power_of_2(max(1, C.K))
 
 
 @constexpr_function
