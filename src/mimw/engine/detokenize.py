@@ -4,9 +4,11 @@ Byte-level BPE tokenizers split multi-byte UTF-8 characters across tokens; decod
 ``IncrementalDetokenizer`` decodes a short sliding window (a few tokens of context before the unread ones, so
 leading-space rules of SentencePiece-style tokenizers see their left neighbour) and holds text back while the
 window's decoding ends in U+FFFD. ``finish`` flushes whatever is left (a genuinely invalid byte sequence then
-shows as U+FFFD, once). A window held back for more than ``_TAIL`` tokens (a stream of invalid bytes) is tested
-by decoding its last ``_TAIL`` tokens only, and decoded whole once they no longer end in U+FFFD: a push costs a
-bounded decode however long the held text grows. The text before the unread ids is decoded once per window.
+shows as U+FFFD, once). A window held back for more than ``_TAIL`` tokens that decode to something (a stream of
+invalid bytes) is tested by decoding from its ``_TAIL``-th last such token only, and decoded whole once that tail no
+longer ends in U+FFFD: a push costs a bounded decode however long the held text grows. Tokens that decode to
+nothing (special tokens) are skipped when the tail is counted, so the tail always holds the last character's first
+byte. The text before the unread ids is decoded once per window.
 
 ``StopMatcher`` turns the raw text stream into the text a client may see: it cuts at the first stop string (the
 stop string itself is never emitted) and holds back any tail that could still grow into a stop string.
@@ -16,8 +18,8 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 _CONTEXT = 4  # prompt tokens kept as left context of the first output token
-# unread tokens past which a held window's last ones alone tell whether it still ends in an incomplete character:
-# a UTF-8 character has at most 4 bytes, so it starts within the last 8 tokens unless 5 of them decode to nothing
+# held tokens that decode to something, past which the last ones alone tell whether the window still ends in an
+# incomplete character: a UTF-8 character has at most 4 bytes, so its first byte lies in one of the last 4 of them
 _TAIL = 8
 
 
@@ -35,6 +37,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # window start
         self.read_offset = len(self.ids)  # first id whose text has not been returned
         self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), once computed
+        # positions of the unread ids that decode to something alone, tracked once the window is held past _TAIL ids
+        self._solid: list[int] | None = None
 
     def push(self, token_id: int) -> str:
         """Append one id; return the newly complete text (maybe empty)."""
@@ -48,8 +52,7 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         if self.read_offset >= len(self.ids):
             return ""
-        if not final and len(self.ids) - self.read_offset > _TAIL and \
-                self.tok.decode(self.ids[-_TAIL:]).endswith("\ufffd"):
+        if not final and len(self.ids) - self.read_offset > _TAIL and self._tail_incomplete():
             return ""  # still an incomplete character at the end: the whole window would end in U+FFFD too
         prefix_text = self._prefix_text
         if prefix_text is None:
@@ -63,7 +66,22 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         self._prefix_text = None
+        self._solid = None
         return delta
+
+    def _tail_incomplete(self) -> bool:
+        """Whether the held window's text from its ``_TAIL``-th last non-empty token ends in U+FFFD (then so does
+        the whole window's: UTF-8 resynchronises at the last character's first byte, which that tail holds)."""
+        solid = self._solid
+        if solid is None:
+            solid = self._solid = [i for i in range(self.read_offset, len(self.ids) - 1)
+                                   if self.tok.decode(self.ids[i:i + 1])]
+        last = len(self.ids) - 1
+        if self.tok.decode(self.ids[last:]):
+            solid.append(last)
+        if len(solid) < _TAIL:
+            return False  # too few tokens with text to bound the tail: the caller decodes the whole window
+        return self.tok.decode(self.ids[solid[-_TAIL]:]).endswith("\ufffd")
 
 
 class StopMatcher:
