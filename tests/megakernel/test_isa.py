@@ -62,8 +62,8 @@ def test_every_op_has_one_module_with_its_class_solver_and_device_code():
     assert set(ops.OPS) == set(isa.Op) - {isa.Op.NOP}
     for op, module in ops.OPS.items():
         assert module.OP == op and CLASSES[op].OP == op and callable(module.solve)
-    # the MoE instructions included; REDUCE (tensor parallelism) runs in the VM only, and plan.py refuses it
-    assert set(ops.GPU_OPS) == set(ops.OPS) - {isa.Op.REDUCE}
+    # the MoE instructions and REDUCE (tensor parallelism) included
+    assert set(ops.GPU_OPS) == set(ops.OPS)
     for module in ops.GPU_OPS.values():
         assert hasattr(module.compute, "fn")  # a gluon.jit function
     assert set(ops.FINISHERS) == {op for op, c in CLASSES.items() if c is not isa.Nop and _can_finish(c)}

@@ -124,3 +124,41 @@ def test_the_weight_shards_have_the_shard_shapes_and_put_the_model_back_together
                           ("w_gate", 0), ("w_up", 0), ("w_down", 1)):
             assert torch.equal(torch.cat([getattr(p, name) for p in parts], dim), getattr(lw, name)), name
     assert torch.equal(torch.cat([s.lm_head for s in shards]), w.lm_head)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_ranks_launch_plan_is_its_shards_kernel_with_the_same_words_on_every_rank(size):
+    from mimw.megakernel.plan import plan
+
+    spec = get_preset("llama-3.1-8b")
+    plans = [plan(spec, 132 // size, StepShape((1,) * 8), tp=(r, size)) for r in range(size)]
+    shard = shard_spec(spec, size)
+    for p in plans:
+        c = p.constants
+        assert p.spec == shard and c.TP == size
+        assert (c.HQ, c.HKV, c.I, c.V, c.D) == (shard.num_heads, shard.num_kv_heads, shard.intermediate_size,
+                                                 shard.vocab_size, spec.hidden_size)
+        assert p.program.config.tp[1] == size
+        assert any(i.OP == isa.Op.REDUCE for i in p.program.instructions())  # REDUCE has device code now
+    assert all(torch.equal(p.words, plans[0].words) and p.constants == plans[0].constants for p in plans)
+    one = plan(spec, 132, StepShape((1,) * 8))  # (0, 1): the one-GPU plan
+    assert one.constants.TP == 1 and one.spec == spec
+    assert torch.equal(one.words, plan(spec, 132, StepShape((1,) * 8), tp=(0, 1)).words)
+
+
+def test_the_device_inbox_layout_is_the_vms():
+    """device/peer.py addresses a rank's inboxes at the offsets and widths of peers.inbox_views."""
+    from mimw.megakernel.device import peer
+    from mimw.megakernel.launch.tp import inbox_shape
+    from mimw.megakernel.peers import alloc_peer_memory
+    from mimw.megakernel.plan import plan
+
+    for size, m in ((2, 1), (4, 8)):
+        c = plan(get_preset("llama-3.2-1b"), 132 // size, StepShape((1,) * m), tp=(0, size)).constants
+        mem = alloc_peer_memory(*inbox_shape(c))
+        base = mem.buffers[0].data_ptr()
+        for kind in (O_SUM, DOWN_SUM, LM_GATHER):
+            box = mem.inbox[0][kind]
+            assert (box.data_ptr() - base) // 4 == peer.box_offset(kind, c)
+            assert box.shape == (size, m, peer.box_width(kind, c)) and box.is_contiguous()
+        assert mem.buffers[0].numel() == sum(b.numel() for b in mem.inbox[0])

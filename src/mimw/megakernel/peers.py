@@ -1,7 +1,8 @@
 """The peer inboxes of a tensor-parallel step: where every rank's partials land, and their readiness.
 
 Rank r of N (docs/megakernel.md, "Tensor parallelism") holds three inboxes, fp32, in memory every rank can store
-into (symmetric memory on the GPU; shared tensors in the VM):
+into (symmetric memory on the GPU; shared tensors in the VM), one after the other in one buffer (``inbox_views``,
+the layout the GPU kernel addresses: device/peer.py):
 
     inbox[O_SUM]      [N, M, D]     each rank's O_PROJ partial attn_r . W_o[:, cols_r]^T, in slot [src]
     inbox[DOWN_SUM]   [N, M, D]     each rank's DOWN_PROJ partial act_r . W_down[:, cols_r]^T
@@ -29,10 +30,29 @@ O_SUM, DOWN_SUM, LM_GATHER = 0, 1, 2
 INBOX_NAMES = ("o", "down", "lm")
 
 
+def inbox_elements(size: int, num_tokens: int, hidden: int, vocab_shard: int) -> int:
+    """fp32 elements of one rank's inbox buffer."""
+    return size * num_tokens * (2 * hidden + vocab_shard)
+
+
+def inbox_views(buffer: torch.Tensor, size: int, num_tokens: int, hidden: int,
+                vocab_shard: int) -> list[torch.Tensor]:
+    """A rank's three inboxes [size, num_tokens, width] (O_SUM, DOWN_SUM, LM_GATHER) as views of its flat buffer, in
+    that order, each right after the one before."""
+    out, at = [], 0
+    for width in (hidden, hidden, vocab_shard):
+        n = size * num_tokens * width
+        out.append(buffer[at: at + n].view(size, num_tokens, width))
+        at += n
+    return out
+
+
 @dataclass
 class PeerMemory:
-    """The inboxes of every rank: ``inbox[rank][kind]`` [N, M, width] fp32 (the VM's stand-in for peer memory)."""
+    """The inboxes of every rank: ``inbox[rank][kind]`` [N, M, width] fp32, views of ``buffers[rank]`` (the VM's
+    stand-in for peer memory; on one GPU, the memory the ranks' kernels store into: launch/tp.py)."""
 
+    buffers: list[torch.Tensor]
     inbox: list[list[torch.Tensor]]
 
     @property
@@ -42,12 +62,18 @@ class PeerMemory:
     def view(self, rank: int) -> "PeerView":
         return PeerView(self, rank)
 
+    def poison(self) -> None:
+        for b in self.buffers:
+            b.fill_(float("nan"))
+
 
 def alloc_peer_memory(size: int, num_tokens: int, hidden: int, vocab_shard: int,
                       device: torch.device | str = "cpu") -> PeerMemory:
     """Inboxes for ``size`` ranks (NaN: nothing reads a slot before a peer stored it)."""
-    f = lambda w: torch.full((size, num_tokens, w), float("nan"), dtype=torch.float32, device=device)  # noqa: E731
-    return PeerMemory([[f(hidden), f(hidden), f(vocab_shard)] for _ in range(size)])
+    shape = (size, num_tokens, hidden, vocab_shard)
+    buffers = [torch.full((inbox_elements(*shape),), float("nan"), dtype=torch.float32, device=device)
+               for _ in range(size)]
+    return PeerMemory(buffers, [inbox_views(b, *shape) for b in buffers])
 
 
 @dataclass(frozen=True)

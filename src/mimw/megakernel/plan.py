@@ -47,6 +47,7 @@ from .hold import check_marks, hold_marks, mark_words
 from .isa import Op
 from .ops import GPU_OPS, attn_ring_mma
 from .program import Program, ProgramConfig, StepShape, attention_splits, build_program
+from .tensor_parallel import shard_spec
 from .tiles import router_rows
 
 SHARED_BYTES = 232448  # the most dynamic shared memory one CTA may use on sm_90 (227 KB)
@@ -171,6 +172,7 @@ class Constants:
     K: int = 0  # experts a token is routed to (top-k)
     F: int = 0  # an expert's intermediate size
     NORM_TOPK: bool = False  # renormalise the chosen experts' probabilities
+    TP: int = 1  # tensor-parallel ranks (device/peer.py): the sizes above are then the rank's shard's (V: V / TP)
 
     @property
     def NQKV(self) -> int:
@@ -403,8 +405,10 @@ def multi_token(spec: ModelSpec, shape: StepShape, t: Tuning) -> tuple[Tuning, i
 
 
 def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_size: int = 16,
-         tuning: Tuning = Tuning(), kv_dtype: torch.dtype = torch.bfloat16) -> LaunchPlan:
-    """``kv_dtype``: the paged cache's element type (``PagedKVCache.layout.dtype``), one of ``KV_DTYPES``."""
+         tuning: Tuning = Tuning(), kv_dtype: torch.dtype = torch.bfloat16, tp: tuple[int, int] = (0, 1)) -> LaunchPlan:
+    """``kv_dtype``: the paged cache's element type (``PagedKVCache.layout.dtype``), one of ``KV_DTYPES``; ``tp``:
+    (rank, ranks) of tensor parallelism (tensor_parallel.py): the plan is rank ``tp[0]``'s kernel, over its shard of
+    ``spec`` (``LaunchPlan.spec``), on ``num_sms`` SMs."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"the megakernel reads a bf16 or an fp8 (e4m3) KV cache, not {kv_dtype}")
     if spec.is_moe and kv_dtype == fp8.FP8:  # neither compiled nor GPU-checked together (tools/check.py's routing
@@ -412,6 +416,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         raise ValueError(f"{spec.name}: the megakernel runs a mixture-of-experts model over a bf16 KV cache only, "
                          "not fp8 yet; use --kv-dtype bf16, or the reference backend for an fp8 KV cache")
     t = tuning.resolve(spec)
+    whole, spec = spec, shard_spec(spec, tp[1], t.tile_rows)  # the rank's shard: the model the kernel runs
     check(spec, t)
     m, down_parts, mb = shape.num_tokens, 1, 1
     if m > 1:
@@ -419,7 +424,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         mb = token_rows(m)
     # one cached K (or V) row: head_dim elements, and for fp8 its bf16 scale (kv/pages.py)
     row_bytes = spec.head_dim * kv_dtype.itemsize + (fp8.SCALE_DTYPE.itemsize if kv_dtype == fp8.FP8 else 0)
-    cfg = dataclasses.replace(t.program_config(), kv_row_bytes=row_bytes, max_splits=combine_splits(spec, t))
+    cfg = dataclasses.replace(t.program_config(), kv_row_bytes=row_bytes, max_splits=combine_splits(spec, t), tp=tp)
     if down_parts > 1:
         cfg = dataclasses.replace(cfg, down_parts=down_parts)
     qbt, qt = 0, 1
@@ -430,7 +435,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         qt = _pow2(min(m, MAX_QUERY_BLOCK))
         qbt, splits = query_block(spec, t, qt, _pow2(staged_tiles(spec, t, down_parts)) * t.tile_k * 2 * mb)
         cfg = dataclasses.replace(cfg, max_splits=min(cfg.max_splits, splits))
-    program = build_program(spec, shape, num_sms, cfg)
+    program = build_program(whole, shape, num_sms, cfg)
     sp2 = _pow2(program.max_splits)
     if shape.attn_blocks:
         alone = (StepShape((1, 1), shape.context_hint, blocks) for blocks in ((2,), (1, 1)))  # a block; a token
@@ -480,5 +485,5 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         KVS=kvs, KVBOX=kvbox, M=m, QT=qt, QBT=qbt,
         MB=mb, V=spec.vocab_size, E=spec.num_experts, EP2=_pow2(spec.num_experts),
         EP=router_rows(spec, t.tile_rows), S=program.moe_slots, S2=_pow2(program.moe_slots),
-        K=spec.num_experts_per_tok, F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob)
+        K=spec.num_experts_per_tok, F=spec.moe_intermediate_size, NORM_TOPK=spec.norm_topk_prob, TP=tp[1])
     return LaunchPlan(spec, t, num_sms, page_size, program, words, lens, ring, hbuf_rows, xb, c)

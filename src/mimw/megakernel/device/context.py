@@ -10,8 +10,9 @@
           context, cache page and embedding row (M = 1), and the step arrays a multi-token step reads per token.
 ``Bufs``  everything else in global memory the instructions read or write: norm/bias/rope vectors, the paged KV
           cache (K and V pools, and their per-row scales where ``C.FP8``), the scratch buffers of state.py (the MoE
-          ones included: the routing table, slot weights, experts' activations and parts), and the scalars eps and
-          qscale.
+          ones included: the routing table, slot weights, experts' activations and parts), the scalars eps and
+          qscale, and (tensor parallelism, ``C.TP`` > 1: device/peer.py) the addresses of every rank's inboxes and
+          counters and this rank's number.
 ``Ins``   one instruction's words, decoded field by field on demand (isa.Word) with masked reductions.
 Compile-time constants travel as one frozen dataclass, ``plan.Constants`` (the kernel's ``C``). Integer arguments
 the launch may specialize (Triton compiles an int argument equal to 1 as a constant) are fields that hold either.
@@ -53,6 +54,8 @@ OP_LM_HEAD: gl.constexpr = gl.constexpr(_C["OP_LM_HEAD"])
 OP_ROUTER: gl.constexpr = gl.constexpr(_C["OP_ROUTER"])
 OP_EXPERT_IN: gl.constexpr = gl.constexpr(_C["OP_EXPERT_IN"])
 OP_EXPERT_DOWN: gl.constexpr = gl.constexpr(_C["OP_EXPERT_DOWN"])
+OP_REDUCE: gl.constexpr = gl.constexpr(_C["OP_REDUCE"])
+PEER: gl.constexpr = gl.constexpr(_C["PEER"])
 EXPERT_SPAN: gl.constexpr = gl.constexpr(_C["EXPERT_SPAN"])
 XS_WORD: gl.constexpr = gl.constexpr(_C["XS_WORD"])
 SLOT_WORD: gl.constexpr = gl.constexpr(_C["SLOT_WORD"])
@@ -160,9 +163,12 @@ class Bufs:
     moe_act16: gl.tensor
     eps: gl.tensor
     qscale: gl.tensor
+    pbox: gl.tensor  # [TP] int64: each rank's inbox buffer (device/peer.py; a one-element dummy where C.TP == 1)
+    pcnt: gl.tensor  # [TP] int64: each rank's counter table
+    prank: gl.tensor  # [1] int32: this rank's number (read where used, not held in a register)
 
     @constexpr_function
-    def __init__(self, vecs, kv, scratch, scalars):
+    def __init__(self, vecs, kv, scratch, scalars, peers):
         self.emb, self.anorm, self.mnorm, self.fnorm, self.bias, self.qn, self.kn, self.invf = vecs
         self.kc, self.vc, self.ksc, self.vsc, num_pages = kv
         self.num_pages = _int_arg(num_pages)
@@ -171,6 +177,7 @@ class Bufs:
             self.moe_act16 = scratch
         self.splits = _int_arg(splits)
         self.eps, self.qscale = scalars
+        self.pbox, self.pcnt, self.prank = peers
 
 
 @aggregate

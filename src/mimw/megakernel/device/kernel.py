@@ -9,7 +9,9 @@ Roles (``gl.warp_specialize``):
       attention split's past K/V (device/kv_stream.py). It never waits on a counter, so it prefetches the next
       instructions' weights and K/V (next layer included) while compute waits for dependencies; an MoE expert span
       first waits for its routing entry (the one wait on step data: device/ring.py, traced by device/route_wait.py).
-With cluster pairs (``C.XB``) the CTAs run in clusters of two, and the two parts of a paired instruction swap their
+Tensor parallelism (``C.TP`` ranks, each its own kernel: device/peer.py): PEER-flagged instructions send their
+partials to every rank's inbox and signal every rank's peer counter; REDUCE waits for its own peer counter at system
+scope. With cluster pairs (``C.XB``) the CTAs run in clusters of two, and the two parts of a paired instruction swap their
 sums through distributed shared memory (device/cluster.py). At the end each CTA adds 1 to the DONE counter; the CTA
 that completes it bumps EPOCH, which moves every counter's step-numbered target for the next launch (no reset kernel,
 CUDA-graph friendly).
@@ -21,11 +23,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from ..ops import attn_in, attn_partial, down_proj, expert_down, expert_in, lm_head, mlp_in, o_proj, router
-from . import cluster, kv_stream, layouts, matvec_mt, ring
+from ..ops import (attn_in, attn_partial, down_proj, expert_down, expert_in, lm_head, mlp_in, o_proj, reduce,
+                   router)
+from . import cluster, kv_stream, layouts, matvec_mt, peer, ring
 from .context import (HOLD_ARRIVE, NWORDS, OP_ATTN_IN, OP_ATTN_PARTIAL, OP_DOWN_PROJ, OP_EXPERT_DOWN, OP_EXPERT_IN,
-                      OP_LM_HEAD, OP_MLP_IN, OP_O_PROJ, OP_ROUTER, W_C, W_FLAGS, W_LAYER, W_OP, W_SIGNAL, W_WAIT,
-                      W_WAIT_COUNT, Bufs, Ins, Smem, Step)
+                      OP_LM_HEAD, OP_MLP_IN, OP_O_PROJ, OP_REDUCE, OP_ROUTER, PEER, W_C, W_FLAGS, W_LAYER, W_OP,
+                      W_SIGNAL, W_WAIT, W_WAIT_COUNT, Bufs, Ins, Smem, Step)
 from .sync import counter_signal, counter_wait, globaltimer
 
 TRACE_STAMPS: gl.constexpr = gl.constexpr(4)  # [start, dependency met, outputs stored, signalled] (tools/trace.py)
@@ -39,10 +42,10 @@ def _words(words_ptr, MAXLEN, i, offs, n):
 
 
 @gluon.jit
-def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, ep_bar, C: gl.constexpr):
+def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, peers, sm, ep_bar, C: gl.constexpr):
     words_ptr, lens_ptr, MAXLEN = prog
     tok_ptr, pos_ptr, ctx_ptr, new_ptr, bt_ptr, MAXP, cnt_ptr, NCNT, rdy_ptr = step
-    b = Bufs(vecs, kv, scratch, scalars)
+    b = Bufs(vecs, kv, scratch, scalars, peers)
     WL: gl.constexpr = layouts.thread(C)
     pid = gl.program_id(0)
     epoch = gl.load(cnt_ptr + NCNT + 1, cache_modifier=".cg")
@@ -89,8 +92,8 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, ep_bar, C: g
         if op == OP_ATTN_PARTIAL:  # the wait is its own (a multi-token step requests its first K/V block first)
             sig, t_ready, it = attn_partial.compute(ins, C, s, b, sm, it, wait, target, sig)
         else:
-            if wait >= 0:
-                counter_wait(cnt_ptr, wait, target)
+            if wait >= 0:  # (tensor parallelism: at system scope, as peer counters are signalled: device/peer.py)
+                counter_wait(cnt_ptr, wait, target, C.TP > 1)
             t_ready = 0
             if C.TRACE:
                 t_ready = globaltimer()
@@ -104,6 +107,9 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, ep_bar, C: g
                 it, xn, sig = down_proj.compute(ins, C, s, b, sm, it, xn, restage, tid, sig)
             elif op == OP_LM_HEAD:
                 it = lm_head.compute(ins, C, s, b, sm, it, restage)
+            if C.TP > 1:
+                if op == OP_REDUCE:
+                    reduce.compute(ins, C, s, b)
             if C.S > 0:  # MoE layers: a dense model's kernel compiles none of it
                 if op == OP_ROUTER:
                     it, sig = router.compute(ins, C, s, b, sm, it, restage, sig)
@@ -116,7 +122,10 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, ep_bar, C: g
         if C.TRACE:
             t_release = globaltimer()
         if sig >= 0:
-            counter_signal(cnt_ptr, sig)
+            if C.TP > 1:  # a PEER instruction's counter is in every rank's table
+                peer.signal(b, sig, (ins.field(W_FLAGS) & PEER) != 0, C)
+            else:
+                counter_signal(cnt_ptr, sig)
         else:
             gl.thread_barrier()  # hbuf is rewritten by the next instruction
         if C.QUIET >= 0:  # the release hold: compute announces the releases the host marked (hold.py)
@@ -138,7 +147,7 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, sm, ep_bar, C: g
 
 
 @gluon.jit
-def megakernel(prog, step, weights, vecs, kv, k_desc, v_desc, scratch, scalars, trace, C: gl.constexpr):
+def megakernel(prog, step, weights, vecs, kv, k_desc, v_desc, scratch, scalars, trace, peers, C: gl.constexpr):
     """One decode step. Arguments as launch/args.py describes them; ``C`` is plan.Constants."""
     # ring slots: the tile array's [TR * TK / 32, 32] rows of one tile (device/matvec.dot_tile reads them folded)
     bufs = gl.allocate_shared_memory(weights.dtype, [C.NB, weights.block_type.shape[0], weights.block_type.shape[1]],
@@ -171,7 +180,7 @@ def megakernel(prog, step, weights, vecs, kv, k_desc, v_desc, scratch, scalars, 
     kvs = (k_desc, v_desc, kv[2], kv[3], step[4], step[5], step[2], kv[4])
     LOADER_REGS: gl.constexpr = C.LOADER_REGS
     gl.warp_specialize([
-        (_compute, (prog, step, vecs, kv, scratch, scalars, trace[0], sm, ep_bar, C)),
+        (_compute, (prog, step, vecs, kv, scratch, scalars, trace[0], peers, sm, ep_bar, C)),
         (ring.loader, (prog, (step[6], step[7], scratch[13], trace[1]), kvs, weights, bufs, sbuf, empty, ready,
                        rel, ep_bar, C)),
     ], [1], [LOADER_REGS])

@@ -1,7 +1,7 @@
 """The megakernel's arguments, described once: the launch tuple (decoder.py) and the compile signature
 (compile.py) both come from ``GROUPS``.
 
-The kernel (device/kernel.py) takes ten arguments, most of them tuples, plus the constants ``C``:
+The kernel (device/kernel.py) takes eleven arguments, most of them tuples, plus the constants ``C``:
     prog      the program: words [num_sms, max_len, NWORDS] int32, queue lengths [num_sms], max_len
     step      the step state (state.py): tokens, positions, seg_ctx, seg_new, block tables and their width, the
               counters
@@ -20,6 +20,9 @@ The kernel (device/kernel.py) takes ten arguments, most of them tuples, plus the
     scalars   eps, the attention's q scale (head_dim^-0.5 * log2 e)
     trace     when traced: the instructions' stamps [num_sms, max_len, 4] int64 and the loader's routing waits
               [num_sms, num_layers, 2] int64 (device/route_wait.py; tools/trace.py); one-element dummies otherwise
+    peers     tensor parallelism (``Constants.TP`` ranks, device/peer.py): the addresses of every rank's inbox buffer
+              and of its counter table, [TP] int64 each, and this rank's number, one int32 in memory (a register held
+              through the kernel's loop tipped the 8B's 16-token kernel into spills); one-element dummies on one GPU
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...] | str], ...] = (
                  ("slot_w", "*fp32"), ("moe_act", "*fp32"), ("moe_part", "*fp32"), ("moe_act16", "*bf16"))),
     ("scalars", (("eps", "fp32"), ("qscale", "fp32"))),
     ("trace", (("stamps", "*i64"), ("waits", "*i64"))),
+    ("peers", (("peer_boxes", "*i64"), ("peer_counters", "*i64"), ("peer_rank", "*i32"))),
 )
 
 

@@ -28,6 +28,7 @@ from ...models.weights import ModelWeights
 from ..plan import KV_DTYPES, LaunchPlan, Tuning, plan
 from ..program import StepShape
 from ..state import alloc_scratch, alloc_state
+from ..tensor_parallel import TensorParallel, shard_weights
 from . import args
 from .one_token import split_segments
 from .pack import pack
@@ -36,10 +37,14 @@ from .pack import pack
 class MegakernelDecoder:
     def __init__(self, weights: ModelWeights, cache: PagedKVCache, max_pages_per_seq: int | None = None,
                  tuning: Tuning = Tuning(), num_sms: int | None = None, context_hint: int = 1024,
-                 use_graph: bool = False, batch: int = 1, packed=None, blocks: tuple[int, ...] = ()):
+                 use_graph: bool = False, batch: int = 1, packed=None, blocks: tuple[int, ...] = (),
+                 tp: tuple[int, int] = (0, 1)):
         """``batch``: tokens a step (one of each of ``batch`` sequences); ``blocks``: attention's query blocks of
         those one-token segments (program.StepShape.attn_blocks; () : every token its own); ``packed``: another
-        decoder's packed weights and descriptor to share (``step_batch``'s decoders)."""
+        decoder's packed weights and descriptor to share (``step_batch``'s decoders); ``tp``: (rank, ranks) of
+        tensor parallelism: the decoder of that rank, over the whole model's ``weights`` (it packs its shard) and
+        the rank's ``cache`` shard (tensor_parallel.shard_cache); its launches wait on the peers it is ``link``-ed
+        to (launch/tp.py)."""
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -48,11 +53,19 @@ class MegakernelDecoder:
             raise ValueError(f"the megakernel needs a bf16 or fp8 KV cache on a CUDA device, got "
                              f"{cache.layout.describe()} on {cache.device}")
         dev = cache.device
-        self.spec, self.cache, self.use_graph = spec, cache, use_graph
+        self.whole_spec, self.cache, self.use_graph, self.tp = spec, cache, use_graph, tp
         self.num_sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
         self.max_pages = max_pages_per_seq or cache.layout.num_pages
         self.shape = StepShape((1,) * batch, context_hint, blocks)
-        self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size, tuning, cache.layout.dtype)
+        self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size, tuning, cache.layout.dtype, tp)
+        self.spec = self.plan.spec  # the model the kernel runs: the rank's shard under tensor parallelism
+        if cache.layout.num_kv_heads != self.spec.num_kv_heads:
+            raise ValueError(f"rank {tp[0]} of {tp[1]} holds {self.spec.num_kv_heads} KV heads; the cache has "
+                             f"{cache.layout.num_kv_heads} (tensor_parallel.shard_cache gives a rank's cache)")
+        # tensor parallelism: every rank's inbox buffer and counter table ([ranks] int64 addresses: ``link``) and
+        # this rank's number; one-element dummies that a one-GPU kernel never reads
+        dummy = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.peers: tuple = (dummy, dummy, torch.tensor([tp[0]], dtype=torch.int32, device=dev))
         # a bf16 cache has no scales: the kernel's scale arguments get a one-element dummy it never reads
         none = torch.ones(1, dtype=torch.bfloat16, device=dev)
         self.scales = (cache.k_scale, cache.v_scale) if cache.layout.quantized else (none, none)
@@ -61,6 +74,8 @@ class MegakernelDecoder:
         if packed is not None:
             self.w, self.desc = packed
         else:
+            if tp[1] > 1:
+                weights = shard_weights(weights, TensorParallel(spec, *tp, self.plan.tuning.tile_rows))
             self.w = pack(weights, self.plan.program.tiles, dev)
             box = args.tile_box(self.plan.tuning.tile_rows, self.plan.tuning.tile_k)
             self.desc = TensorDescriptor.from_tensor(self.w.tiles, box,
@@ -79,7 +94,7 @@ class MegakernelDecoder:
                               stacklevel=2)
                 self.cluster_fallback = why
                 self.plan = plan(spec, self.num_sms, self.shape, cache.layout.page_size,
-                                 dataclasses.replace(tuning, clusters=False), cache.layout.dtype)
+                                 dataclasses.replace(tuning, clusters=False), cache.layout.dtype, tp)
                 self._allocate()
 
     def _kv_descs(self) -> tuple:
@@ -128,7 +143,19 @@ class MegakernelDecoder:
             slot_w=self._nonempty(x.slot_w), moe_act=self._nonempty(x.moe_act), moe_part=self._nonempty(x.moe_part),
             moe_act16=self._nonempty(x.moe_act16),
             eps=self.spec.rms_norm_eps,
-            qscale=self.spec.head_dim ** -0.5 * 1.4426950408889634, stamps=self.trace, waits=self.wait_trace))
+            qscale=self.spec.head_dim ** -0.5 * 1.4426950408889634, stamps=self.trace, waits=self.wait_trace,
+            peer_boxes=self.peers[0], peer_counters=self.peers[1], rank=self.peers[2]))
+
+    def link(self, boxes: torch.Tensor, counters: torch.Tensor) -> None:
+        """Tensor parallelism: every rank's inbox buffer and counter table as [ranks] int64 device addresses (rank
+        order; launch/tp.py), which this rank's kernel sends its partials and signals to. Before the first launch
+        (a captured graph keeps the tables' addresses, not their contents)."""
+        ranks = self.tp[1]
+        for name, t in (("boxes", boxes), ("counters", counters)):
+            if t.shape != (ranks,) or t.dtype != torch.int64 or t.device != self.cache.device:
+                raise ValueError(f"{name}: need [{ranks}] int64 addresses on {self.cache.device}, got "
+                                 f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        self.peers = (boxes, counters, self.peers[2])
 
     def _nonempty(self, t: torch.Tensor) -> torch.Tensor:
         """``t``, or where it is empty (a dense model's MoE scratch, never read) a one-element stand-in of its dtype:
@@ -216,8 +243,9 @@ class MegakernelDecoder:
             # with the packed weights given, the constructor reads only the weights' spec: no reference to the
             # caller's weights is kept
             self._batches[batch, blocks] = MegakernelDecoder(
-                SimpleNamespace(spec=self.spec), self.cache, self.max_pages, self._tuning, self.num_sms,
-                self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc), blocks=blocks)
+                SimpleNamespace(spec=self.whole_spec), self.cache, self.max_pages, self._tuning, self.num_sms,
+                self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc), blocks=blocks,
+                tp=self.tp)
         return self._batches[batch, blocks]
 
     def step_batch(self, tokens: Sequence[int], positions: Sequence[int],

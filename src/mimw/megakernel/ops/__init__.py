@@ -7,8 +7,8 @@ to draw a ticket, or part 0 of a cluster pair), and the Gluon device code the ke
 (``device/kernel.py``). Adding an instruction means adding one module and one row below (and its dispatch line).
 
 ``GPU_OPS`` are the instructions with device code, the ones the kernel dispatches (every instruction; the MoE ones,
-ROUTER, EXPERT_IN and EXPERT_DOWN, for one token or a decode batch of up to eight: plan.MAX_MOE_BATCH); REDUCE, the
-tensor-parallel reduction, has none yet (the VM runs it; plan.py refuses it).
+ROUTER, EXPERT_IN and EXPERT_DOWN, for one token or a decode batch of up to eight: plan.MAX_MOE_BATCH; REDUCE, the
+tensor-parallel reduction, in a tensor-parallel kernel only).
 
 ``SOLVERS[op](ctx, ins)`` runs one decoded instruction on the CPU (or any torch device) against the buffers of
 ``ctx``; the VM (``megakernel/vm.py``) calls it, and the GPU kernel is diffed against it.

@@ -26,7 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ...models.spec import ModelSpec
-from ..device import cluster, layouts, matvec as mv, matvec_mt as mt
+from ..device import cluster, layouts, matvec as mv, matvec_mt as mt, peer
 from ..device.context import W_A, W_C, W_D, W_E, W_K0, W_K1, W_NR
 from ..device.sync import counter_wait, ticket_is_last
 from ..isa import CLUSTER_PAIR, NO_COUNTER, PEER, Op, RowBlock, TileSpan, Word
@@ -108,12 +108,15 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, xn, restage, tid, sig):
             mv.stage_span(sm.hbuf, b.act, C.I, k0, k1, KT_H, C)
         if xn == 0:  # the mate's exchange barriers exist before this CTA's first remote store
             counter_wait(s.rdy, gl.program_id(0) ^ 1, s.epoch + 1)
-        it, xn = _pair_rows(sm, it, k0, k1, row0, ins.field(W_NR), b.x, ins.field(W_C), xn, tid, C)
+        it, xn = _pair_rows(sm, it, k0, k1, row0, ins.field(W_NR), b, ins.field(W_C), xn, tid, C)
     else:
         KT_I: gl.constexpr = C.KT_I
         if restage:
             mv.stage_plain(sm.hbuf, b.act, C.I, KT_I, C)
-        it = mv.residual_rows(sm, it, k0, k1, row0, ins.field(W_NR), b.x, b.x, False, C)
+        if C.TP > 1:  # the rank's partial to every rank's inbox (device/peer.py)
+            it = peer.matvec_rows(sm, it, k0, k1, row0, ins.field(W_NR), b, peer.DOWN_BOX, C)
+        else:
+            it = mv.residual_rows(sm, it, k0, k1, row0, ins.field(W_NR), b.x, b.x, False, C)
     return it, xn, sig
 
 
@@ -129,7 +132,10 @@ def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, row0, k0, k1, sig):
         mt.stage_span(sm.hbuf, b.act16, C.I, k0, k1, C)
     n_parts = ins.field(W_D)
     if n_parts == 0:
-        it = mt.residual_rows(sm, it, k0, k1, k0, row0, n_tiles, b.x, b.x16, b.emb, s.toks, False, C)
+        if C.TP > 1:
+            it = peer.matvec_rows_mt(sm, it, k0, k1, k0, row0, n_tiles, b, peer.DOWN_BOX, C)
+        else:
+            it = mt.residual_rows(sm, it, k0, k1, k0, row0, n_tiles, b.x, b.x16, b.emb, s.toks, False, C)
     else:
         part = ins.field(W_C)
         it = mt.part_rows(sm, it, k0, k1, k0, row0, n_tiles, b.qkvp + part * (C.M * C.D), C.D, C)
@@ -138,34 +144,43 @@ def _compute_mt(ins, C: gl.constexpr, s, b, sm, it, restage, row0, k0, k1, sig):
                 rows, t = mt.tile_index(row0 + r * C.TR, C)
                 ok = (t < C.M) & (rows >= 0)
                 o = t * C.D + rows
-                res = gl.load(b.x + o, mask=ok, other=0.0, cache_modifier=".cg")
+                if C.TP == 1:
+                    res = gl.load(b.x + o, mask=ok, other=0.0, cache_modifier=".cg")
                 tot = gl.load(b.qkvp + o, mask=ok, other=0.0, cache_modifier=".cg")
                 for p in range(1, n_parts):
                     tot += gl.load(b.qkvp + p * (C.M * C.D) + o, mask=ok, other=0.0, cache_modifier=".cg")
-                gl.store(b.x + o, res + tot, mask=ok)
-                gl.store(b.x16 + o, (res + tot).to(gl.bfloat16), mask=ok)
+                if C.TP > 1:  # the parts' sum is the rank's partial
+                    peer.send(b, peer.DOWN_BOX, t, rows, tot, ok, C)
+                else:
+                    gl.store(b.x + o, res + tot, mask=ok)
+                    gl.store(b.x16 + o, (res + tot).to(gl.bfloat16), mask=ok)
         else:
             sig = -1
     return it, sig
 
 
 @gluon.jit
-def _pair_rows(sm, it, k0, k1, row0, n_tiles, x_ptr, part, xn, tid, C: gl.constexpr):
+def _pair_rows(sm, it, k0, k1, row0, n_tiles, b, part, xn, tid, C: gl.constexpr):
     """A cluster pair's half: each row tile's sums over this half's column tiles [k0, k1) (staged from row 0) go to
     both CTAs' exchange slots (one exchange a row tile, ``xn`` onwards); after the meet, part 0 stores
-    x[rows] = x[rows] + (half 0 + half 1), both halves read from its slot in part order; part 1 stores nothing.
-    Returns (it, xn)."""
+    x[rows] = x[rows] + (half 0 + half 1), both halves read from its slot in part order (tensor parallelism: sends
+    half 0 + half 1 to every rank's inbox); part 1 stores nothing. Returns (it, xn)."""
+    x_ptr = b.x
     OWN: gl.constexpr = layouts.thread(C)  # element e: lane e % 32 of every warp
     offs_r = gl.arange(0, C.TR, gl.SliceLayout(1, layouts.tile(C)))
     first = part == 0
     for r in range(n_tiles):
         rows = row0 + r * C.TR + offs_r
-        res = gl.load(x_ptr + rows, mask=(rows >= 0) & first, other=0.0, cache_modifier=".cg")  # in flight now
+        if C.TP == 1:
+            res = gl.load(x_ptr + rows, mask=(rows >= 0) & first, other=0.0, cache_modifier=".cg")  # in flight now
         acc, it = mv.dot_tile(sm, it, k0, k1, C, True)
         cluster.pair_store(gl.convert_layout(acc, OWN), gl.arange(0, C.TR, OWN), part, xn, C.XB, C.HD)
         cluster.pair_meet(tid, xn, C.XB, C.TR * 4)
         lo = cluster.pair_load(offs_r, 0, xn, C.XB, C.HD)
         hi = cluster.pair_load(offs_r, 1, xn, C.XB, C.HD)
-        gl.store(x_ptr + rows, res + (lo + hi), mask=(rows >= 0) & first)
+        if C.TP > 1:
+            peer.send(b, peer.DOWN_BOX, 0, rows, lo + hi, (rows >= 0) & first, C)
+        else:
+            gl.store(x_ptr + rows, res + (lo + hi), mask=(rows >= 0) & first)
         xn += 1
     return it, xn

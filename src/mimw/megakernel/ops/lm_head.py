@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ...models.spec import ModelSpec
-from ..device import layouts, matvec as mv, matvec_mt as mt
+from ..device import layouts, matvec as mv, matvec_mt as mt, peer
 from ..device.context import W_A, W_K0, W_K1, W_NR
 from ..isa import PEER, Op, RowBlock, TileSpan
 from ..peers import LM_GATHER
@@ -54,11 +54,17 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, restage):
     if C.M > 1:  # every token's logits: rows [M, V]
         if restage:
             mt.stage_normed(sm.hbuf, sm.wbuf, b.x16, b.emb, s.toks, False, b.fnorm, C.D, b.eps, KT_D, C)
+        if C.TP > 1:  # the rank's vocabulary rows to every rank's gathering inbox (device/peer.py)
+            return peer.matvec_rows_mt(sm, it, ins.field(W_K0), ins.field(W_K1), 0, ins.field(W_A), ins.field(W_NR),
+                                       b, peer.LM_BOX, C)
         it = mt.part_rows(sm, it, ins.field(W_K0), ins.field(W_K1), 0, ins.field(W_A), ins.field(W_NR), b.logits,
                           C.V, C)
     else:
         if restage:
             mv.stage_normed(sm.hbuf, b.x, s.emb_row, False, b.fnorm, C.D, b.eps, KT_D, C)
+        if C.TP > 1:
+            return peer.matvec_rows(sm, it, ins.field(W_K0), ins.field(W_K1), ins.field(W_A), ins.field(W_NR), b,
+                                    peer.LM_BOX, C)
         row0 = ins.field(W_A)
         k0 = ins.field(W_K0)
         k1 = ins.field(W_K1)

@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ...models.spec import ModelSpec
-from ..device import matvec as mv, matvec_mt as mt
+from ..device import matvec as mv, matvec_mt as mt, peer
 from ..device.context import W_A, W_K0, W_K1, W_LAYER, W_NR
 from ..isa import PEER, Op, RowBlock, TileSpan
 from ..peers import O_SUM
@@ -55,11 +55,17 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, restage):
     if C.M > 1:  # every token's row (device/matvec_mt.py)
         if restage:
             mt.stage_span(sm.hbuf, b.attn16, C.HQ * C.HD, 0, KT_Q, C)
+        if C.TP > 1:  # the rank's partial to every rank's inbox (device/peer.py)
+            return peer.matvec_rows_mt(sm, it, ins.field(W_K0), ins.field(W_K1), 0, ins.field(W_A), ins.field(W_NR),
+                                       b, peer.O_BOX, C)
         it = mt.residual_rows(sm, it, ins.field(W_K0), ins.field(W_K1), 0, ins.field(W_A), ins.field(W_NR), b.x,
                               b.x16, b.emb, s.toks, layer == 0, C)
     else:
         if restage:
             mv.stage_plain(sm.hbuf, b.attn, C.HQ * C.HD, KT_Q, C)
+        if C.TP > 1:
+            return peer.matvec_rows(sm, it, ins.field(W_K0), ins.field(W_K1), ins.field(W_A), ins.field(W_NR), b,
+                                    peer.O_BOX, C)
         it = mv.residual_rows(sm, it, ins.field(W_K0), ins.field(W_K1), ins.field(W_A), ins.field(W_NR), b.x,
                               s.emb_row, layer == 0, C)
     return it

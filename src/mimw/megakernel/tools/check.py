@@ -59,6 +59,7 @@ from ...models.reference import ReferenceDecoder, Segment
 from ...models.spec import ModelSpec
 from ...models.weights import random_weights
 from ..launch.decoder import MegakernelDecoder
+from ..launch.tp import SharedGPUGroup
 from ..plan import Tuning
 
 
@@ -91,12 +92,15 @@ class CheckResult:
     route_self_ok: bool = True  # every step's last MoE layer routed the top k of its own logits (module doc)
     route_tie: float = 0.0  # 2 x the bf16 reference's largest router probability error
     route_gap: float = 0.0  # the largest near-tie bound a mismatch would have needed (``route_gap``; 0: none)
+    tp: int = 1  # tensor-parallel ranks (on one GPU: launch/tp.py)
+    tp_disagreements: int = 0  # steps whose ranks' logits were not bit-identical
 
     def ok(self, tol: float = 2e-2, agree: float = 0.99, max_tie_steps: float = 0.5, kv_tol: float = 1e-2) -> bool:
         """Logits and routing as the module doc says; a bf16 cache's appended rows within ``kv_tol`` of the
         oracle's, or twice the bf16 reference's own rows' error where that is larger (fp8 rows: ``kv_rows``)."""
         rows_ok = self.kv_rows is not None or self.kv_rel_err <= max(kv_tol, 2 * self.bf16_kv_rel_err)
         return (self.finite and self.bit_identical and self.max_rel_err <= tol and self.argmax_agree_or_tie >= agree
+                and self.tp_disagreements == 0
                 and rows_ok and self.route_tags_ok and self.route_self_ok and self.route_mismatches == 0
                 and self.route_tie_steps <= max_tie_steps * self.steps)
 
@@ -235,14 +239,19 @@ def oracles(w, cache: PagedKVCache):
 
 def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, tuning: Tuning = Tuning(),
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
-                 kv_dtype: torch.dtype = torch.bfloat16, min_pages: int = 0) -> CheckResult:
+                 kv_dtype: torch.dtype = torch.bfloat16, min_pages: int = 0, tp: int = 1) -> CheckResult:
     """``steps`` decode steps of one sequence (module doc); an MoE model's routing checked too, an fp8 cache's rows
-    (``kv_dtype``) step by step."""
+    (``kv_dtype``) step by step. ``tp`` > 1: that many tensor-parallel ranks on this one GPU (launch/tp.py,
+    launched without graphs); ``tp_disagreements`` counts the steps whose ranks' logits differed."""
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     cache, table = random_cache(spec, context, steps, page_size, seed + 1, kv_dtype=kv_dtype, min_pages=min_pages)
     ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
-    dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
-                            context_hint=max(context, 1), use_graph=graph)
+    if tp > 1:
+        dec = SharedGPUGroup(w, cache, tp, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
+                             context_hint=max(context, 1))
+    else:
+        dec = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
+                                context_hint=max(context, 1), use_graph=graph)
     tok = int(torch.randint(spec.vocab_size, (1,), generator=torch.Generator().manual_seed(seed)))
     same, finite, kernel_steps, bf16_steps, rows, row_errs = True, True, [], [], None, []
     scales = None if cache.layout.quantized else row_scales(ref_cache)
@@ -255,9 +264,11 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
                                      expect))
         got = []
         for _ in range(2):  # the second launch rewrites the same K/V row: results must not move
-            dec.scratch.poison()
+            dec.poison() if tp > 1 else dec.scratch.poison()
             got.append(dec.step(tok, context + i, table)[0].clone())
         torch.cuda.synchronize()
+        if tp > 1:  # the ranks' rows into the whole cache the row checks read
+            dec.gather(cache)
         same &= bool(torch.equal(got[0], got[1]))
         finite &= bool(torch.isfinite(got[0]).all())
         kernel_steps.append(step_error(got[0], expect))
@@ -294,7 +305,7 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
                        route_mismatches=verdicts.count("mismatch"), route_tie_steps=len(tie_steps),
                        route_after_ties=verdicts.count("after_tie"),
                        route_tags_ok=log.tags_ok, route_self_ok=log.self_ok, route_tie=log.route_tie,
-                       route_gap=log.worst_gap(verdicts))
+                       route_gap=log.worst_gap(verdicts), tp=tp, tp_disagreements=dec.disagreements if tp > 1 else 0)
 
 
 @dataclass
