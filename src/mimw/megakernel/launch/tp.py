@@ -1,7 +1,11 @@
 """Tensor-parallel launches: N ranks' decoders, the peer memory their kernels send to, and the address tables that
 link them (device/peer.py; docs/megakernel.md, "Tensor parallelism").
 
-``link`` hands every rank the addresses of all ranks' inbox buffers (peers.py's layout) and counter tables. ``SharedGPUGroup`` runs N ranks on one GPU, each rank's persistent kernel on its own share of
+``link`` hands every rank the addresses of all ranks' inbox buffers (peers.py's layout) and counter tables.
+``DistributedRank`` is one rank of N across GPUs, one process a GPU (torchrun; NCCL sets the group up): its inbox
+buffer and counter table in symmetric memory (``torch.distributed._symmetric_memory``), whose peers' addresses fill
+the same tables; every rank steps in lockstep with the same inputs. NVLink multicast stays off
+(TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set before the first allocation; stores and adds are point to point). ``SharedGPUGroup`` runs N ranks on one GPU, each rank's persistent kernel on its own share of
 the SMs and its own stream, launched together: every cross-rank path of the kernel (stores into another rank's
 inbox, adds to another rank's counters, system-scope waits) runs as it would across GPUs, only over one GPU's
 memory. Its ranks' kernels must all be resident at once (each rank waits for the others inside its launch), which
@@ -108,4 +112,79 @@ class SharedGPUGroup:
                 cache.v_scale[:, :, h] = d.cache.v_scale
 
 
-__all__ = ["inbox_shape", "link", "SharedGPUGroup"]
+class DistributedRank:
+    """This process's rank of a tensor-parallel group across GPUs (torch.distributed initialised, this process's GPU
+    current): its decoder over its shard of ``weights`` (the whole model) and its ``cache`` shard, its inbox buffer
+    and counter table in symmetric memory, linked to every rank's. ``step`` / ``step_batch``: every rank calls them
+    with the same inputs, in the same order; each returns the whole vocabulary's logits (every rank's the same).
+    Shares ``SharedGPUGroup``'s interface (``poison``, ``gather``, ``disagreements``) for tools/check.py."""
+
+    def __init__(self, weights: ModelWeights, cache: PagedKVCache, max_pages_per_seq: int | None = None,
+                 tuning: Tuning = Tuning(), num_sms: int | None = None, context_hint: int = 1024, batch: int = 1,
+                 group=None):
+        import os
+
+        import torch.distributed as dist
+
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # (the project never uses multicast)
+        from torch.distributed import _symmetric_memory as symm
+
+        self.group = group or dist.group.WORLD
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.rank = TensorParallel(weights.spec, rank, size, tuning.resolve(weights.spec).tile_rows)
+        self.decoder = d = MegakernelDecoder(weights, cache, max_pages_per_seq, tuning, num_sms, context_hint,
+                                             batch=batch, tp=(rank, size))
+        dev = cache.device
+        box = symm.empty(inbox_elements(*inbox_shape(d.plan.constants)), dtype=torch.float32, device=dev)
+        counters = symm.empty(d.state.counters.numel(), dtype=torch.int32, device=dev)
+        box.fill_(float("nan"))
+        counters.zero_()
+        d.state.counters = counters  # the kernel's counter table, where the peers can add to it
+        tables = [torch.tensor(symm.rendezvous(t, self.group).buffer_ptrs, dtype=torch.int64, device=dev)
+                  for t in (box, counters)]
+        d.link(*tables)
+        self.box, self.disagreements = box, 0
+        dist.barrier(self.group)  # every rank's tables exist before any rank's first launch
+
+    def poison(self) -> None:
+        """NaN in this rank's scratch and inbox, then a barrier (no peer's next step stores into it before)."""
+        import torch.distributed as dist
+
+        self.decoder.scratch.poison()
+        self.box.fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier(self.group)
+
+    def step(self, token: int, position: int, block_table: Sequence[int]) -> torch.Tensor:
+        return self.step_batch([token], [position], [block_table])
+
+    def step_batch(self, tokens: Sequence[int], positions: Sequence[int],
+                   block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """This rank's launch of the step (the peers launch theirs) -> the logits [B, V]; counts a step whose logits
+        differ from rank 0's in ``disagreements`` (an all-gather)."""
+        import torch.distributed as dist
+
+        d = self.decoder
+        d.set_batch(tokens, positions, block_tables)
+        d.launch()
+        logits = d.scratch.logits
+        every = [torch.empty_like(logits) for _ in range(self.rank.size)]
+        dist.all_gather(every, logits, group=self.group)
+        self.disagreements += int(not all(torch.equal(every[0], x) for x in every[1:]))
+        return logits
+
+    def gather(self, cache: PagedKVCache) -> None:
+        """Every rank's KV heads into ``cache`` (the whole model's heads), on every rank (all-gathers)."""
+        import torch.distributed as dist
+
+        pools = [(cache.k, self.decoder.cache.k), (cache.v, self.decoder.cache.v)]
+        if cache.k_scale is not None:
+            pools += [(cache.k_scale, self.decoder.cache.k_scale), (cache.v_scale, self.decoder.cache.v_scale)]
+        for whole, mine in pools:
+            parts = [torch.empty_like(mine) for _ in range(self.rank.size)]
+            dist.all_gather(parts, mine.contiguous(), group=self.group)
+            for r, part in enumerate(parts):
+                whole[:, :, TensorParallel(self.rank.spec, r, self.rank.size, self.rank.tile_rows).kv_heads] = part
+
+
+__all__ = ["inbox_shape", "link", "SharedGPUGroup", "DistributedRank"]

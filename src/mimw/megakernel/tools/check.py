@@ -59,7 +59,8 @@ from ...models.reference import ReferenceDecoder, Segment
 from ...models.spec import ModelSpec
 from ...models.weights import random_weights
 from ..launch.decoder import MegakernelDecoder
-from ..launch.tp import SharedGPUGroup
+from ..launch.tp import DistributedRank, SharedGPUGroup
+from ..tensor_parallel import TensorParallel, shard_cache
 from ..plan import Tuning
 
 
@@ -222,6 +223,15 @@ def row_error(got: PagedKVCache, expect: PagedKVCache, table, positions, scales:
                for g, e, sc in zip((got.k, got.v), (expect.k, expect.v), scales))
 
 
+def distributed() -> bool:
+    """torch.distributed is initialised (a torchrun process)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def dist_rank() -> int:
+    return torch.distributed.get_rank()
+
+
 def oracles(w, cache: PagedKVCache):
     """The two references a check compares the kernel with, each over its own copy of ``cache`` (bf16 weights
     ``w``): the fp32 oracle and the bf16 (transformers-numerics) reference. A bf16 cache: the oracle's copy is fp32,
@@ -241,12 +251,21 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
                  graph: bool = True, num_sms: int | None = None, page_size: int = 16,
                  kv_dtype: torch.dtype = torch.bfloat16, min_pages: int = 0, tp: int = 1) -> CheckResult:
     """``steps`` decode steps of one sequence (module doc); an MoE model's routing checked too, an fp8 cache's rows
-    (``kv_dtype``) step by step. ``tp`` > 1: that many tensor-parallel ranks on this one GPU (launch/tp.py,
-    launched without graphs); ``tp_disagreements`` counts the steps whose ranks' logits differed."""
+    (``kv_dtype``) step by step. ``tp`` > 1: that many tensor-parallel ranks (launch/tp.py, launched without
+    graphs): on this one GPU, or, where torch.distributed is initialised with ``tp`` processes (torchrun), this
+    process's rank on its GPU, every rank running the same check; ``tp_disagreements`` counts the steps whose ranks'
+    logits differed."""
     w = random_weights(spec, seed, dtype=torch.bfloat16, device="cuda")
     cache, table = random_cache(spec, context, steps, page_size, seed + 1, kv_dtype=kv_dtype, min_pages=min_pages)
     ref, ref_cache, bf16_ref, bf16_cache = oracles(w, cache)
-    if tp > 1:
+    if tp > 1 and distributed():  # this process's rank of a group across GPUs (torchrun)
+        if torch.distributed.get_world_size() != tp:
+            raise ValueError(f"tp={tp} under torch.distributed with {torch.distributed.get_world_size()} processes")
+        dec = DistributedRank(w, shard_cache(cache, TensorParallel(spec, dist_rank(), tp,
+                                                                   tuning.resolve(spec).tile_rows)),
+                              max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
+                              context_hint=max(context, 1))
+    elif tp > 1:
         dec = SharedGPUGroup(w, cache, tp, max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
                              context_hint=max(context, 1))
     else:

@@ -1,0 +1,110 @@
+"""Tensor-parallel ranks of the megakernel against the whole model's fp32 reference (tools/check.py), and their
+step time beside the one-GPU kernel's.
+
+On one GPU (a plain process): for each model and rank count N, N ranks share the GPU (launch/tp.SharedGPUGroup,
+each on num_sms / N SMs); their step time there says what the peer paths cost, not what N GPUs gain. Under torchrun
+(one process a GPU, ``--ranks`` taken from the world size): every process runs its rank (launch/tp.DistributedRank),
+rank 0 reports, and the step time is the tensor-parallel step against the one-GPU step on rank 0's GPU. Each row:
+the check's verdict and numbers, the median ms a step (eager launches; the one-GPU step the same way), a table at the
+end, JSON to ``$OUT/tp_check.json`` when $OUT is set.
+
+    PYTHONPATH=src python -m mimw.megakernel.tools.tp_check --models llama-3.2-1b,llama-3.1-8b --ranks 2,4 --layers 4
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        torchrun --nproc-per-node 2 -m mimw.megakernel.tools.tp_check --models llama-3.1-8b
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from ...bench.config import preset_spec
+from ..launch.decoder import MegakernelDecoder
+from ..launch.tp import DistributedRank, SharedGPUGroup
+from ..tensor_parallel import TensorParallel, shard_cache
+from .check import check_decode, random_cache
+
+
+def step_ms(run, iters: int = 50) -> float:
+    """Median ms of ``run()`` (one step, launched eagerly), after 5 warm-up steps."""
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def time_ranks(spec, ranks: int, context: int, distributed: bool) -> tuple[float, float]:
+    """(one-GPU step ms, ``ranks``-rank step ms) of one decode step at ``context``, random weights."""
+    from ...models.weights import random_weights
+
+    w = random_weights(spec, 0, dtype=torch.bfloat16, device="cuda")
+    cache, table = random_cache(spec, context, 8, 16, 1)
+    one = MegakernelDecoder(w, cache, max_pages_per_seq=len(table), context_hint=context)
+    one_ms = step_ms(lambda: one.step(1, context, table))
+    if distributed:
+        rank = torch.distributed.get_rank()
+        tp = TensorParallel(spec, rank, ranks, one.plan.tuning.tile_rows)
+        group = DistributedRank(w, shard_cache(cache, tp), max_pages_per_seq=len(table), context_hint=context)
+    else:
+        group = SharedGPUGroup(w, cache, ranks, max_pages_per_seq=len(table), context_hint=context)
+    return one_ms, step_ms(lambda: group.step(1, context, table))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
+    ap.add_argument("--ranks", default="2", help="rank counts on one GPU (under torchrun: the world size)")
+    ap.add_argument("--layers", type=int, default=4, help="the preset's first N layers (0: all)")
+    ap.add_argument("--context", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=16)
+    args = ap.parse_args(argv)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl")
+        counts = [torch.distributed.get_world_size()]
+    else:
+        counts = [int(n) for n in args.ranks.split(",")]
+    lead = not distributed or torch.distributed.get_rank() == 0
+    rows = []
+    for model in args.models.split(","):
+        spec = preset_spec(model, args.layers)
+        for n in counts:
+            r = check_decode(spec, args.context, steps=args.steps, tp=n)
+            one_ms, tp_ms = time_ranks(spec, n, args.context, distributed)
+            row = dict(model=spec.name, ranks=n, where="gpus" if distributed else "one gpu", ok=r.ok(),
+                       max_rel_err=r.max_rel_err, argmax_agree_or_tie=r.argmax_agree_or_tie,
+                       bit_identical=r.bit_identical, tp_disagreements=r.tp_disagreements,
+                       kv_rel_err=r.kv_rel_err, one_gpu_ms=one_ms, tp_ms=tp_ms, check=r.as_dict())
+            rows.append(row)
+            if lead:
+                print(f"{spec.name} x{n} ({row['where']}): ok={row['ok']} err={r.max_rel_err:.2e} "
+                      f"agree={r.argmax_agree_or_tie:.3f} same={r.bit_identical} ranks_differ={r.tp_disagreements} "
+                      f"kv={r.kv_rel_err:.2e}  step {tp_ms:.3f} ms vs one GPU {one_ms:.3f} ms", flush=True)
+    if lead:
+        print("\n| model | ranks | where | ok | max err | argmax | ms a step | one GPU ms | ratio |")
+        print("|---|---:|---|---|---:|---:|---:|---:|---:|")
+        for x in rows:
+            print(f"| {x['model']} | {x['ranks']} | {x['where']} | {x['ok']} | {x['max_rel_err']:.2e} | "
+                  f"{x['argmax_agree_or_tie']:.3f} | {x['tp_ms']:.3f} | {x['one_gpu_ms']:.3f} | "
+                  f"{x['tp_ms'] / x['one_gpu_ms']:.2f} |")
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "tp_check.json"), "w") as f:
+                json.dump(rows, f, indent=1, default=str)
+    if distributed:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
