@@ -53,6 +53,11 @@ def _param(t: torch.Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t, requires_grad=False)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A one-GPU module's sums are whole already (tp_decoder.py joins a rank's partials instead)."""
+    return t
+
+
 class FusedLayer(nn.Module):
     def __init__(self, spec: ModelSpec, bw: BenchWeights, i: int, cache_len: int):
         super().__init__()
@@ -69,6 +74,7 @@ class FusedLayer(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=lw.wo.dtype, device=lw.wo.device))
         self.register_buffer("v_cache", torch.zeros(shape, dtype=lw.wo.dtype, device=lw.wo.device))
         self.last_ids: torch.Tensor | None = None  # an MoE layer's last step's top k ids (module doc: routing record)
+        self.join = _whole  # the projections' sums over every rank (tensor parallelism: tp_decoder.py)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -89,12 +95,12 @@ class FusedLayer(nn.Module):
         scores = scores.masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores, dim=-1).to(q.dtype)
         o = torch.matmul(p, self.v_cache).reshape(1, hq * hd)  # [Hkv, G, hd] -> [1, Q]
-        x = x + F.linear(o, self.wo)
+        x = x + self.join(F.linear(o, self.wo))
         h = _rms(x, self.mlp_norm, eps)
         if self.router is not None:
             return x + self._moe(h)
         gate, up = F.linear(h, self.w_gate_up).split([s.intermediate_size, s.intermediate_size], dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down)
+        return x + self.join(F.linear(F.silu(gate) * up, self.w_down))
 
     def _moe(self, h: torch.Tensor) -> torch.Tensor:
         """h [1, D] -> the routed experts' weighted sum [1, D] (models.moe's routing and SwiGLU)."""
@@ -127,6 +133,7 @@ class FusedDecoder(nn.Module):
         self.register_buffer("cos", cos)
         self.register_buffer("sin", sin)
         self.register_buffer("positions", torch.arange(cache_len, device=w.device))
+        self.gather = _whole  # the logits of every rank's vocabulary rows (tensor parallelism: tp_decoder.py)
 
     @torch.no_grad()
     def load_prefix(self, inputs: DecodeInputs) -> None:
@@ -149,4 +156,4 @@ class FusedDecoder(nn.Module):
         mask = self.positions <= pos                    # [S]
         for layer in self.layers:
             x = layer(x, pos, cos, sin, mask)
-        return F.linear(_rms(x, self.final_norm, self.spec.rms_norm_eps), self.lm_head)
+        return self.gather(F.linear(_rms(x, self.final_norm, self.spec.rms_norm_eps), self.lm_head))
