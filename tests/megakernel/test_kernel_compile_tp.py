@@ -25,7 +25,8 @@ def _build(model: str, ranks: int, batch: int, num_sms: int):
 # pair their DOWN_PROJ halves on cluster mates
 CASES = [("llama-3.2-1b", 2, 1, 66), ("llama-3.2-1b", 2, 1, 132), ("llama-3.2-1b", 2, 8, 66),
          ("llama-3.2-1b", 2, 32, 132), ("llama-3.1-8b", 2, 1, 66), ("llama-3.1-8b", 8, 1, 16),
-         ("llama-3.1-8b", 2, 16, 66), ("qwen3-8b", 2, 8, 66), ("smollm2-135m", 3, 1, 44)]
+         ("llama-3.1-8b", 2, 16, 66), ("qwen3-8b", 2, 8, 66), ("smollm2-135m", 3, 1, 44),
+         ("llama-3.1-70b", 8, 1, 132), ("llama-3.1-70b", 4, 8, 132)]
 
 
 @pytest.mark.parametrize("model,ranks,batch,num_sms", CASES)

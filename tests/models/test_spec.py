@@ -14,6 +14,7 @@ def test_hf_config_round_trip(name):
     ("llama-3.2-1b", 1_235_814_400),
     ("llama-3.2-3b", 3_212_749_824),
     ("llama-3.1-8b", 8_030_261_248),
+    ("llama-3.1-70b", 70_553_706_496),
     ("smollm2-135m", 134_515_008),
 ])
 def test_preset_param_counts(name, total):

@@ -268,6 +268,9 @@ PRESETS: dict[str, ModelSpec] = {
                   128000, (128001, 128008, 128009)),
         ModelSpec("llama-3.1-8b", "llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0,
                   Llama3RopeScaling(8.0, 1.0, 4.0, 8192), 131072, False, 128000, (128001, 128008, 128009)),
+        # the tensor-parallel shape (issue 32): 141 GB of bf16 weights, more than one GPU holds
+        ModelSpec("llama-3.1-70b", "llama", 128256, 8192, 28672, 80, 64, 8, 128, 1e-5, 500000.0,
+                  Llama3RopeScaling(8.0, 1.0, 4.0, 8192), 131072, False, 128000, (128001, 128008, 128009)),
         ModelSpec("qwen3-0.6b", "qwen3", 151936, 1024, 3072, 28, 16, 8, 128, 1e-6, 1000000.0, None, 40960, True,
                   None, (151645,)),
         ModelSpec("qwen3-1.7b", "qwen3", 151936, 2048, 6144, 28, 16, 8, 128, 1e-6, 1000000.0, None, 40960, True,

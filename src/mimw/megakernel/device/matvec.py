@@ -102,7 +102,8 @@ def stage_normed(hbuf, x_ptr, emb_ptr, from_embed, norm_ptr, K, eps, KT: gl.cons
         rs = gl.rsqrt(gl.sum(gl.sum(v * v, axis=1), axis=0) / K + eps)
         _group(hbuf, 0, SG).store((v * rs).to(gl.bfloat16) * w)
     else:
-        ss = gl.zeros([SG, C.TK], gl.float32, layouts.staging(C))
+        TK: gl.constexpr = C.TK
+        ss = gl.zeros([SG, TK], gl.float32, layouts.staging(C))
         for g0 in gl.static_range(0, KT, SG):
             o = _group_offsets(g0, C)
             v = _residual_group(x_ptr, emb_ptr, from_embed, o, K)
