@@ -130,6 +130,8 @@ class DistributedRank:
         from torch.distributed import _symmetric_memory as symm
 
         self.group = group or dist.group.WORLD
+        if hasattr(symm, "enable_symm_mem_for_group"):  # (idempotent; the torch releases that need it first)
+            symm.enable_symm_mem_for_group(self.group.group_name)
         rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.rank = TensorParallel(weights.spec, rank, size, tuning.resolve(weights.spec).tile_rows)
         self.decoder = d = MegakernelDecoder(weights, cache, max_pages_per_seq, tuning, num_sms, context_hint,
