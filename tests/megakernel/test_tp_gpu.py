@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("model,ranks,layers", [("llama-3.2-1b", 2, 4), ("llama-3.2-1b", 4, 4),
-                                                ("llama-3.1-8b", 2, 4), ("llama-3.1-8b", 8, 2),
+                                                ("llama-3.1-8b", 2, 4), ("llama-3.1-8b", 4, 4),
+                                                ("llama-3.1-8b", 8, 2),
                                                 ("qwen3-8b", 2, 4), ("smollm2-135m", 3, 0),
                                                 ("llama-3.1-70b", 8, 2)])
 @pytest.mark.parametrize("context", [17, 1000])
