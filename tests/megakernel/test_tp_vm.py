@@ -45,6 +45,7 @@ STEPS, INTERLEAVINGS = 3, 5
 VARIANTS = {
     "tiny-qwen3-kv4": get_preset("tiny-qwen3").with_(num_kv_heads=4),  # 8 query heads in 4 groups: N = 4
     "tiny-qwen2-kv2": get_preset("tiny-qwen2").with_(num_kv_heads=2),  # biases; 160 intermediate rows, 80 a rank
+    "tiny-llama3-hd64": get_preset("tiny-llama3").with_(head_dim=64),  # [32, 256] tiles: the GPU plan's shapes
 }
 
 
@@ -254,3 +255,31 @@ def test_one_inbox_for_both_sums_is_caught_overwriting_unread_partials(monkeypat
             assert "overwrites" in str(e)
             return
     pytest.fail("one inbox for both sums went unnoticed in 30 interleavings")
+
+
+@pytest.mark.parametrize("seg_lens", [(1,), (1, 1, 1)])
+def test_the_launch_plans_words_are_the_proved_programs(seg_lens):
+    """``plan.plan(..., tp=(rank, N))`` (what a rank's GPU kernel runs: launch/tp.py) encodes, hold marks aside, the
+    words of the rank programs proved above; the VM runs the plans' words (marks included) to the reference."""
+    from mimw.megakernel.plan import plan
+
+    size, num_sms, contexts = 2, 7, (14, 30, 5)[:len(seg_lens)]
+    spec, w, ref, ref_cache, cache, tables, g = prefilled("tiny-llama3-hd64", 16, contexts, 1, 11)
+    plans = [plan(spec, num_sms, StepShape(seg_lens), 16, tp=(r, size)) for r in range(size)]
+    progs = [p.program for p in plans]
+    for r, (p, prog) in enumerate(zip(plans, progs)):
+        assert prog.config.tp == (r, size) and p.constants.TP == size
+        words, _ = prog.encode()
+        unmarked = p.words.clone()
+        unmarked[..., isa.Word.FLAGS] &= ~(isa.HOLD_ARRIVE | isa.HOLD_WAIT)
+        assert torch.equal(unmarked, words)
+    tps = [TensorParallel(spec, r, size, progs[0].config.tile_rows) for r in range(size)]
+    tokens = torch.randint(0, spec.vocab_size, (len(seg_lens),), generator=g)
+    want = ref.forward(tokens, [Segment(t, c, 1) for t, c in zip(tables, contexts)], ref_cache)
+    vm = TPVM(progs, [shard_weights(w, tp) for tp in tps], [shard_cache(cache, tp) for tp in tps],
+              [(p.words, p.lens) for p in plans])
+    states = [alloc_state(p, cache.layout.num_pages) for p in progs]
+    run = vm.run_steps(states, [alloc_scratch(p) for p in progs], vm.alloc_peer_memory(),
+                       [(tokens.tolist(), list(contexts), tables, seg_lens)], random.Random(3))
+    for r in range(size):
+        assert rel_err(run.logits[0][r], want) <= 1e-5
