@@ -36,7 +36,9 @@ def test_rank_kernels_compile_spill_free_with_system_scope_peer_counters(model, 
     assert k.metadata.shared + p.exchange_bytes <= SHARED_BYTES
     ptx = k.asm["ptx"]
     assert not partition_barrier_errors(ptx, p.constants.NW)  # REDUCE's noinline function has no barrier 0
-    assert "atom.global.sys.release.add" in ptx and "ld.global.sys.acquire" in ptx  # every counter at system scope
+    # the peer counters at system scope, every other counter at GPU scope as on one GPU
+    assert "atom.global.sys.release.add" in ptx and "ld.global.sys.acquire" in ptx
+    assert "atom.global.gpu.release.add" in ptx and "ld.global.gpu.acquire" in ptx
     c = p.constants
     assert (c.TP, c.HQ, c.HKV, c.V) == (ranks, p.spec.num_heads, p.spec.num_kv_heads, p.spec.vocab_size)
     if model == "smollm2-135m":

@@ -92,8 +92,14 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, peers, sm, ep_ba
         if op == OP_ATTN_PARTIAL:  # the wait is its own (a multi-token step requests its first K/V block first)
             sig, t_ready, it = attn_partial.compute(ins, C, s, b, sm, it, wait, target, sig)
         else:
-            if wait >= 0:  # (tensor parallelism: at system scope, as peer counters are signalled: device/peer.py)
-                counter_wait(cnt_ptr, wait, target, C.TP > 1)
+            if wait >= 0:
+                if C.TP > 1:  # a REDUCE's peer counter is signalled from every rank's GPU: system scope
+                    if op == OP_REDUCE:
+                        counter_wait(cnt_ptr, wait, target, True)
+                    else:
+                        counter_wait(cnt_ptr, wait, target)
+                else:
+                    counter_wait(cnt_ptr, wait, target)
             t_ready = 0
             if C.TRACE:
                 t_ready = globaltimer()
@@ -123,7 +129,10 @@ def _compute(prog, step, vecs, kv, scratch, scalars, trace_ptr, peers, sm, ep_ba
             t_release = globaltimer()
         if sig >= 0:
             if C.TP > 1:  # a PEER instruction's counter is in every rank's table
-                peer.signal(b, sig, (ins.field(W_FLAGS) & PEER) != 0, C)
+                if (ins.field(W_FLAGS) & PEER) != 0:
+                    peer.signal(b, sig, C)
+                else:
+                    counter_signal(cnt_ptr, sig)
             else:
                 counter_signal(cnt_ptr, sig)
         else:

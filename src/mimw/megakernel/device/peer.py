@@ -10,9 +10,9 @@ The kernel takes the addresses of every rank's inbox buffer and of every rank's 
 DOWN_PROJ, LM_HEAD) stores its rows' partial into slot [rank] of every rank's inbox (``send``) and adds 1 to the
 rows' peer counter in every rank's table (``signal``: a partition barrier, then one thread's release add at system
 scope, so that the stores reach a peer GPU before the count does); a REDUCE polls its own table's peer counter with
-system-scope acquire loads and reads its own inbox through L2 (where a peer GPU's stores land). Every counter of a
-tensor-parallel kernel is waited for and signalled at system scope: one wait and one signal in the
-kernel's loop, whichever counter (sync.counter_wait's ``SYS``).
+system-scope acquire loads (sync.counter_wait's ``SYS``) and reads its own inbox through L2 (where a peer GPU's
+stores land). Every other counter stays local, signalled and waited for at GPU scope as on one GPU (a system-scope
+release is also a GPU-scope one: the local waits on the counters a REDUCE signals need no more).
 Counters stay step-numbered (isa.py): a peer counter gets TP signals a step, its target ``(epoch + 1) * TP``.
 """
 from triton.experimental import gluon
@@ -60,13 +60,13 @@ def send(b, kind: gl.constexpr, t, rows, val, mask, C: gl.constexpr):
 
 
 @gluon.jit
-def signal(b, index, to_peers, C: gl.constexpr):
-    """Publish this partition's stores: barrier, then one release add (system scope) of 1 on counter ``index`` of
-    every rank's table (``to_peers``: a PEER instruction's), or of this rank's alone."""
+def signal(b, index, C: gl.constexpr):
+    """Publish this partition's stores to every rank: barrier, then one release add (system scope) of 1 on counter
+    ``index`` of every rank's table."""
     gl.thread_barrier()
     TP: gl.constexpr = C.TP
-    for q in range(gl.where(to_peers, TP, 1)):
-        gl.atomic_add(_ptr(b.pcnt, (gl.load(b.prank) + q) % TP, gl.int32) + index, 1, sem="release", scope="sys")
+    for q in range(TP):
+        gl.atomic_add(_ptr(b.pcnt, q, gl.int32) + index, 1, sem="release", scope="sys")
 
 
 @gluon.jit
