@@ -11,9 +11,9 @@ Roles (``gl.warp_specialize``):
       first waits for its routing entry (the one wait on step data: device/ring.py, traced by device/route_wait.py).
 Tensor parallelism (``C.TP`` ranks, each its own kernel: device/peer.py): PEER-flagged instructions send their
 partials to every rank's inbox and signal every rank's peer counter; REDUCE waits for its own peer counter at system
-scope. With cluster pairs (``C.XB``) the CTAs run in clusters of two, and the two parts of a paired instruction swap their
-sums through distributed shared memory (device/cluster.py). At the end each CTA adds 1 to the DONE counter; the CTA
-that completes it bumps EPOCH, which moves every counter's step-numbered target for the next launch (no reset kernel,
+scope. With cluster pairs (``C.XB``) the CTAs run in clusters of two, and the two parts of a paired instruction swap
+their sums through distributed shared memory (device/cluster.py). At the end each CTA adds 1 to the DONE counter;
+the CTA that completes it bumps EPOCH, which moves every counter's step-numbered target for the next launch (no reset kernel,
 CUDA-graph friendly).
 
 Dispatch reads the op table (ops/): one line per instruction. Compute requests instruction i + 1's words before

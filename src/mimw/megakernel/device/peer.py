@@ -6,8 +6,8 @@ Rank r of ``C.TP`` runs its own persistent kernel. Its inboxes are one fp32 buff
 one after the other (peers.inbox_views):
     O_SUM [TP, M, D]    DOWN_SUM [TP, M, D]    LM_GATHER [TP, M, V / TP]        (slot [src]: rank src's partial)
 The kernel takes the addresses of every rank's inbox buffer and of every rank's counter table ([TP] int64 each,
-``Bufs.pbox`` / ``Bufs.pcnt``) and its own rank (``Bufs.prank``, in memory). A PEER-flagged instruction (isa.PEER: O_PROJ,
-DOWN_PROJ, LM_HEAD) stores its rows' partial into slot [rank] of every rank's inbox (``send``) and adds 1 to the
+``Bufs.pbox`` / ``Bufs.pcnt``) and its own rank (``Bufs.prank``, in memory). A PEER-flagged instruction (isa.PEER:
+O_PROJ, DOWN_PROJ, LM_HEAD) stores its rows' partial into slot [rank] of every rank's inbox (``send``) and adds 1 to the
 rows' peer counter in every rank's table (``signal``: a partition barrier, then one thread's release add at system
 scope, so that the stores reach a peer GPU before the count does); a REDUCE polls its own table's peer counter with
 system-scope acquire loads (sync.counter_wait's ``SYS``) and reads its own inbox through L2 (where a peer GPU's

@@ -31,9 +31,9 @@ from .context import NO_EXPERT, ROUTE_BITS, ROUTE_TAG_MASK, ROUTE_TAG_SET
 @gluon.jit
 def counter_wait(cnt_ptr, index, target, SYS: gl.constexpr = False):
     """Spin until counter ``index`` has reached ``target`` (acquire, gpu scope; ``SYS``: system scope, a
-    tensor-parallel kernel's: device/peer.py). Compared as ``v - target < 0`` in wrapping int32 arithmetic: step-numbered
-    targets pass 2**31 after a few million steps, and a plain ``v < target`` would then let every wait through at
-    once."""
+    tensor-parallel REDUCE's: device/peer.py). Compared as ``v - target < 0`` in wrapping int32 arithmetic:
+    step-numbered targets pass 2**31 after a few million steps, and a plain ``v < target`` would then let every
+    wait through at once."""
     if SYS:
         v = gl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="sys")
         while v - target < 0:

@@ -1,15 +1,16 @@
-"""Tensor-parallel launches: N ranks' decoders, the peer memory their kernels send to, and the address tables that
-link them (device/peer.py; docs/megakernel.md, "Tensor parallelism").
+"""Tensor-parallel launches: N ranks' decoders, the peer memory their kernels send to, and the address tables that link
+them (device/peer.py; docs/megakernel.md, "Tensor parallelism").
 
 ``link`` hands every rank the addresses of all ranks' inbox buffers (peers.py's layout) and counter tables.
 ``DistributedRank`` is one rank of N across GPUs, one process a GPU (torchrun; NCCL sets the group up): its inbox
 buffer and counter table in symmetric memory (``torch.distributed._symmetric_memory``), whose peers' addresses fill
 the same tables; every rank steps in lockstep with the same inputs. NVLink multicast stays off
-(TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set before the first allocation; stores and adds are point to point). ``SharedGPUGroup`` runs N ranks on one GPU, each rank's persistent kernel on its own share of
-the SMs and its own stream, launched together: every cross-rank path of the kernel (stores into another rank's
-inbox, adds to another rank's counters, system-scope waits) runs as it would across GPUs, only over one GPU's
-memory. Its ranks' kernels must all be resident at once (each rank waits for the others inside its launch), which
-``num_sms // N`` CTAs a rank of one CTA an SM are; a step that does not finish within ``timeout_s`` raises.
+(TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set before the first allocation; stores and adds are point to point).
+``SharedGPUGroup`` runs N ranks on one GPU, each rank's persistent kernel on its own share of the SMs and its own
+stream, launched together: every cross-rank path of the kernel (stores into another rank's inbox, adds to another
+rank's counters, system-scope waits) runs as it would across GPUs, only over one GPU's memory. Its ranks' kernels
+must all be resident at once (each rank waits for the others inside its launch), which ``num_sms // N`` CTAs a rank
+of one CTA an SM are; a step that does not finish within ``timeout_s`` raises.
 """
 from __future__ import annotations
 

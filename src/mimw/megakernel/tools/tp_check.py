@@ -104,8 +104,8 @@ def main(argv=None) -> None:
             if lead:
                 print(f"{spec.name} x{n} ({row['where']}): ok={row['ok']} err={r.max_rel_err:.2e} "
                       f"agree={r.argmax_agree_or_tie:.3f} same={r.bit_identical} ranks_differ={r.tp_disagreements} "
-                      f"kv={r.kv_rel_err:.2e}  step {tp_ms:.3f} ms vs one GPU {one_ms:.3f} ms, torch TP {peer_ms:.3f} ms",
-                      flush=True)
+                      f"kv={r.kv_rel_err:.2e}  step {tp_ms:.3f} ms vs one GPU {one_ms:.3f} ms, "
+                      f"torch TP {peer_ms:.3f} ms", flush=True)
     if lead:
         print("\n| model | ranks | where | ok | max err | argmax | ms a step | one GPU ms | ratio | torch TP ms |")
         print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
