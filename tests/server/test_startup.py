@@ -131,3 +131,27 @@ def test_redactor_leaves_other_records_alone():
     other = logging.LogRecord("x", logging.INFO, "", 0, "%s", ("a?b",), None)
     assert f.filter(plain) and plain.args[2] == "/health"
     assert f.filter(other) and other.args == ("a?b",)
+
+
+@pytest.mark.parametrize("argv, env, needle", [
+    (["--tensor-parallel", "2"], {}, "torchrun --nproc-per-node 2"),
+    (["--tensor-parallel", "2"], {"WORLD_SIZE": "4"}, "WORLD_SIZE is 4"),
+    (["--tensor-parallel", "2", "--host-kv-gb", "1"], {"WORLD_SIZE": "2"}, "--host-kv-gb with --tensor-parallel"),
+])
+def test_tensor_parallel_flags_are_checked_before_the_model_loads(monkeypatch, no_model_load, capsys, argv, env,
+                                                                  needle):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert serve.main(["--port", "1", "--device", "cpu", *argv]) == 2
+    one_error_line(capsys, needle)
+
+
+def test_tensor_parallel_megakernel_serving_is_refused_by_name(monkeypatch):
+    p = serve.argparse.ArgumentParser()
+    serve.add_arguments(p)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    with pytest.raises(ValueError, match="--tensor-parallel with --backend megakernel"):
+        serve.check_args(p.parse_args(["--tensor-parallel", "2", "--backend", "megakernel"]))

@@ -88,13 +88,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out.permute(2, 0, 1, 3).reshape(t, hq, hd).to(q.dtype)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class ReferenceDecoder:
-    def __init__(self, weights: ModelWeights, linear: Callable[..., torch.Tensor] = F.linear):
+    def __init__(self, weights: ModelWeights, linear: Callable[..., torch.Tensor] = F.linear,
+                 join: Callable[[torch.Tensor], torch.Tensor] = _whole,
+                 gather: Callable[[torch.Tensor], torch.Tensor] = _whole):
         """``linear(x, w, b=None)``: the dense layers' matmul (a backend may pass a faster one for some shapes,
-        ``engine/backends/packed_linear.py``); ``F.linear`` by default."""
+        ``engine/backends/packed_linear.py``); ``F.linear`` by default. ``join`` / ``gather``: tensor parallelism
+        (``weights`` one rank's shard: engine/backends/tensor_parallel.py): the o and down projections' partial
+        sums summed over the ranks, and the rank's logits columns gathered into the whole vocabulary's."""
         self.w = weights
         self.spec = weights.spec
         self.linear = linear
+        self.join, self.gather = join, gather
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache,
@@ -131,14 +140,14 @@ class ReferenceDecoder:
                 outs.append(attention(q[sl], kc, vc, positions[sl]))  # attention computes in fp32
                 t0 += s.length
             o = torch.cat(outs).reshape(-1, hq * hd)
-            x = x + linear(o, lw.wo)
+            x = x + self.join(linear(o, lw.wo))
             h = rms_norm(x, lw.mlp_norm, spec.rms_norm_eps)
             if spec.is_moe_layer(li):
                 choose = None if route is None else (lambda r, li=li: route(li, r))
                 x = x + moe_mlp(h, lw, spec, routings, choose)
             else:
-                x = x + linear(F.silu(linear(h, lw.w_gate)) * linear(h, lw.w_up), lw.w_down)
+                x = x + self.join(linear(F.silu(linear(h, lw.w_gate)) * linear(h, lw.w_up), lw.w_down))
         if last_only:
             x = x[logit_rows(segments).to(dev)]
         x = rms_norm(x, w.final_norm, spec.rms_norm_eps)
-        return linear(x, w.lm_head).float()
+        return self.gather(linear(x, w.lm_head).float())

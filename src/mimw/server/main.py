@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="read each step's tokens before launching the next (default: overlap the host's per-token "
                         "work with the next step, engine/overlap.py)")
+    p.add_argument("--tensor-parallel", type=_positive, default=1, metavar="N",
+                   help="split the model over N ranks, one process each, started by torchrun: `torchrun "
+                        "--nproc-per-node N -m mimw.server.main --tensor-parallel N ...`; rank 0 serves, the others "
+                        "run its steps (reference backend; default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     spec_options.add_arguments(p)
 
@@ -136,6 +140,20 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError("--backend megakernel needs the triton package, which is not installed")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError(f"--api-key / {API_KEY_ENV}: the key must not be empty")
+    tp = _ranks(args)
+    if tp > 1:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != tp:
+            raise ValueError(f"--tensor-parallel {tp}: start one process a rank with torchrun: torchrun "
+                             f"--nproc-per-node {tp} -m mimw.server.main --tensor-parallel {tp} ... (this process's "
+                             f"WORLD_SIZE is {world})")
+        if args.backend != "reference":
+            raise ValueError(f"--tensor-parallel with --backend {args.backend}: serving runs the reference backend's "
+                             "ranks; the megakernel's ranks are checked and timed by python -m "
+                             "mimw.megakernel.tools.tp_check")
+        if args.host_kv_gb > 0:
+            raise ValueError("--host-kv-gb with --tensor-parallel: the host KV tier copies pages outside the ranks' "
+                             "steps, which the other ranks would not see")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -186,36 +204,54 @@ class Built:
     loop: Any  # EngineLoop, started
     model_name: str
     summary: str
+    leader: Any = None  # tensor parallelism: rank 0's backend, closed (the other ranks stop) when serving ends
 
 
 def build(args: argparse.Namespace) -> Built:
-    """Load the model and start the engine thread; the caller serves ``app`` and stops ``loop``."""
-    from ..engine.engine import Engine, EngineConfig
-    from ..engine.loop import EngineLoop
-    from ..kv.pages import KVLayout, parse_kv_dtype
+    """Load the model and start the engine thread; the caller serves ``app`` and stops ``loop`` (and closes
+    ``leader``: tensor parallelism's rank 0)."""
+    from ..kv.pages import parse_kv_dtype
     from ..models.checkpoint import load_model
-    from .app import ServerConfig, create_app
     from .tokenizer_pool import TokenizerPool
 
     check_args(args)
     spec_cfg = spec_options.config_from_args(args)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = _device(args)
+    control = _join_ranks(device) if _ranks(args) > 1 else None
     dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else
                                                               torch.float32)
     t0 = time.monotonic()
     log.info("loading %s on %s ...", args.model or "the embedded default model (SmolLM2-135M-Instruct)", device)
     loaded = load_model(args.model, dtype=dtype, device=device, progress=sys.stderr.isatty())
     log.info("loaded %s in %.1f s", loaded.source, time.monotonic() - t0)
-    spec = loaded.spec
     tok = loaded.tokenizer
     if tok is None:
         log.warning("%s has no tokenizer: falling back to UTF-8 bytes as token ids (no chat template)",
                     loaded.source)
         tok = ByteTokenizer()
     tok = TokenizerPool(tok)
-    # speculation's verify blocks (4-64 rows) run on prepacked CPU weights, as in `mimw generate --speculative`
-    backend = _backend(args.backend, loaded.weights, parse_kv_dtype(args.kv_dtype),
-                       packed_linear=spec_cfg is not None)
+    if control is not None:  # rank 0 of tensor parallelism: every step goes to the other ranks too
+        from ..engine.backends.tensor_parallel import Leader, TPReferenceBackend
+
+        backend = Leader(TPReferenceBackend(loaded.weights, kv_dtype=parse_kv_dtype(args.kv_dtype)), control)
+    else:  # speculation's verify blocks (4-64 rows) run on prepacked CPU weights, as in `mimw generate`
+        backend = _backend(args.backend, loaded.weights, parse_kv_dtype(args.kv_dtype),
+                           packed_linear=spec_cfg is not None)
+    try:
+        return _build_engine(args, loaded, backend, spec_cfg, device, dtype, tok, control)
+    except BaseException:
+        if control is not None:  # the other ranks wait for rank 0's messages: tell them to stop
+            backend.close()
+        raise
+
+
+def _build_engine(args, loaded, backend, spec_cfg, device, dtype, tok, control) -> Built:
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.loop import EngineLoop
+    from ..kv.pages import KVLayout
+    from .app import ServerConfig, create_app
+
+    spec = loaded.spec
     draft = spec_options.load_draft(spec_cfg, loaded) if spec_cfg else None
     one_page = KVLayout.for_spec(spec, args.page_size, 1, backend.kv_dtype)
     num_pages = args.kv_pages or _default_pages(one_page, backend.device, args.max_batch,
@@ -242,7 +278,67 @@ def build(args: argparse.Namespace) -> Built:
                f"{f'{spec_cfg.method} (K={spec_cfg.num_tokens})' if spec_cfg else 'off'}, host KV tier "
                f"{engine.host.num_pages if engine.host else 0} pages, eviction {cfg.kv_eviction}, session TTL "
                f"{cfg.session_ttl_s:g} s")
-    return Built(app, loop, name, summary)
+    if control is not None:
+        summary += f", tensor parallel over {_ranks(args)} ranks"
+    return Built(app, loop, name, summary, backend if control is not None else None)
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    return getattr(args, "tensor_parallel", 1)
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    """--device, where ``auto`` is cuda if available (under torchrun: this rank's GPU, LOCAL_RANK) else cpu."""
+    if args.device == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if _ranks(args) > 1 else "cuda")
+    return torch.device(args.device)
+
+
+def _join_ranks(device: torch.device):
+    """Tensor parallelism under torchrun: the process group (NCCL on GPUs, gloo on the CPU) and the gloo group the
+    leader's host messages take (engine/backends/tensor_parallel.py)."""
+    import torch.distributed as dist
+
+    from ..engine.backends.tensor_parallel import control_group
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return control_group()
+
+
+def follow_rank(args: argparse.Namespace) -> int:
+    """A rank > 0 of ``--tensor-parallel``: load the model, then run rank 0's steps until it stops (Ctrl-C in the
+    torchrun terminal reaches every rank: this one ignores it and ends when rank 0, shutting down, stops it)."""
+    import signal
+
+    from ..engine.backends.tensor_parallel import TPReferenceBackend, follow
+    from ..kv.pages import parse_kv_dtype
+    from ..models.checkpoint import load_model
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    device = _device(args)
+    control = _join_ranks(device)
+    dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else
+                                                              torch.float32)
+    loaded = load_model(args.model, dtype=dtype, device=device, progress=False)
+    steps = follow(TPReferenceBackend(loaded.weights, kv_dtype=parse_kv_dtype(args.kv_dtype)), control)
+    _leave_ranks()  # (a rank that fails raises instead: torchrun then stops the others)
+    log.info("rank %s: ran %d steps of rank 0", os.environ.get("RANK"), steps)
+    return 0
+
+
+def _leave_ranks() -> None:
+    """The process group's end, every rank together (its transport threads stopped before the interpreter
+    exits)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _backend(name: str, weights: Any, kv_dtype: torch.dtype | None, packed_linear: bool = False) -> Any:
@@ -289,6 +385,8 @@ def run(args: argparse.Namespace) -> int:
     args = with_env_api_key(args)
     try:
         check_args(args)
+        if _ranks(args) > 1 and int(os.environ.get("RANK", "0")) > 0:
+            return follow_rank(args)  # serves nothing: runs rank 0's steps
         sock = bind(args.host, args.port)  # before the model loads: a port in use fails now
     except ValueError as e:
         print(f"mimw serve: error: {e}", file=sys.stderr)
@@ -320,9 +418,14 @@ def run(args: argparse.Namespace) -> int:
     redact_access_log()  # after uvicorn.Config, which sets up the loggers
     try:
         Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C (uvicorn re-raises it once it has shut down): a server's normal stop
+        pass
     finally:
         loop.stop()
         sock.close()
+        if built.leader is not None:
+            built.leader.close()
+            _leave_ranks()
     return 0
 
 
