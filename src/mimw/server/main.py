@@ -288,12 +288,14 @@ def _ranks(args: argparse.Namespace) -> int:
 
 
 def _device(args: argparse.Namespace) -> torch.device:
-    """--device, where ``auto`` is cuda if available (under torchrun: this rank's GPU, LOCAL_RANK) else cpu."""
-    if args.device == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if _ranks(args) > 1 else "cuda")
-    return torch.device(args.device)
+    """--device, where ``auto`` is cuda if available, else cpu; under torchrun (``--tensor-parallel``) ``cuda``
+    without an index is this rank's GPU (LOCAL_RANK)."""
+    name = args.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and _ranks(args) > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
 
 
 def _join_ranks(device: torch.device):
