@@ -43,3 +43,21 @@ def test_a_launch_without_the_kv_descriptors_is_a_clear_error():
     sources.update(k_desc="K", v_desc="V")
     out = args.values(sources)
     assert out[[n for n, _ in args.GROUPS].index("k_desc")] == "K"
+
+
+def test_the_decoder_names_every_kernel_argument_and_no_other():
+    """MegakernelDecoder._args (launch/decoder.py, which needs a GPU to run) passes ``args.values`` exactly the names
+    GROUPS describes: read from its source, so a renamed field fails here on the CPU, not at the first launch."""
+    import ast
+    import inspect
+
+    from mimw.megakernel.launch import decoder
+
+    tree = ast.parse(inspect.getsource(decoder.MegakernelDecoder._args).lstrip().replace("\n    ", "\n"))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "values"]
+    assert len(calls) == 1 and isinstance(calls[0].args[0], ast.Call)
+    passed = {k.arg for k in calls[0].args[0].keywords}
+    wanted = {n for n, f in args.GROUPS if isinstance(f, str)}
+    wanted |= {k for _, f in args.GROUPS if not isinstance(f, str) for k, _ in f}
+    assert passed == wanted

@@ -144,7 +144,7 @@ class MegakernelDecoder:
             moe_act16=self._nonempty(x.moe_act16),
             eps=self.spec.rms_norm_eps,
             qscale=self.spec.head_dim ** -0.5 * 1.4426950408889634, stamps=self.trace, waits=self.wait_trace,
-            peer_boxes=self.peers[0], peer_counters=self.peers[1], rank=self.peers[2]))
+            peer_boxes=self.peers[0], peer_counters=self.peers[1], peer_rank=self.peers[2]))
 
     def link(self, boxes: torch.Tensor, counters: torch.Tensor) -> None:
         """Tensor parallelism: every rank's inbox buffer and counter table as [ranks] int64 device addresses (rank
