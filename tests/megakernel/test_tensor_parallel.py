@@ -162,3 +162,25 @@ def test_the_device_inbox_layout_is_the_vms():
             assert (box.data_ptr() - base) // 4 == peer.box_offset(kind, c)
             assert box.shape == (size, m, peer.box_width(kind, c)) and box.is_contiguous()
         assert mem.buffers[0].numel() == sum(b.numel() for b in mem.inbox[0])
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_placing_every_ranks_cache_shard_rebuilds_the_cache(kv):
+    """tensor_parallel.place_shard inverts shard_cache: every rank's heads (an fp8 cache's scales too) back in place."""
+    from mimw.kv import fp8
+    from mimw.kv.pages import KVLayout, PagedKVCache
+    from mimw.megakernel.tensor_parallel import place_shard, shard_cache
+
+    spec = get_preset("llama-3.2-1b").with_(num_layers=2)
+    dtype = fp8.FP8 if kv == "fp8" else torch.bfloat16
+    cache = PagedKVCache(KVLayout.for_spec(spec, 16, 3, dtype))
+    for t in cache.page_tensors():
+        t.copy_(torch.randint(0, 120, t.shape, dtype=torch.uint8).view(t.dtype) if t.dtype == torch.uint8
+                else torch.randn(t.shape).to(t.dtype))
+    rebuilt = PagedKVCache(cache.layout)
+    for r in range(4):
+        tp = TensorParallel(spec, r, 4)
+        shard = shard_cache(cache, tp)
+        assert shard.k.shape[2] == spec.num_kv_heads // 4
+        place_shard(rebuilt, shard.page_tensors(), tp)
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt.page_tensors(), cache.page_tensors()))

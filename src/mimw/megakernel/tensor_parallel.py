@@ -11,6 +11,7 @@ the same words; a rank differs only in its weights, its KV cache and which inbox
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -113,13 +114,16 @@ def shard_cache(cache: PagedKVCache, tp: TensorParallel) -> PagedKVCache:
     lay = cache.layout
     out = PagedKVCache(KVLayout.for_spec(shard_spec(tp.spec, tp.size, tp.tile_rows), lay.page_size, lay.num_pages,
                                          lay.dtype), device=cache.k.device)
-    h = tp.kv_heads
-    out.k.copy_(cache.k[:, :, h])
-    out.v.copy_(cache.v[:, :, h])
-    if cache.k_scale is not None:
-        out.k_scale.copy_(cache.k_scale[:, :, h])
-        out.v_scale.copy_(cache.v_scale[:, :, h])
+    for dst, src in zip(out.page_tensors(), cache.page_tensors()):
+        dst.copy_(src[:, :, tp.kv_heads])
     return out
 
 
-__all__ = ["TensorParallel", "check", "shard_spec", "shard_weights", "shard_cache"]
+def place_shard(cache: PagedKVCache, pools: Sequence[torch.Tensor], tp: TensorParallel) -> None:
+    """The inverse of ``shard_cache``: rank ``tp.rank``'s KV heads, ``pools`` (its shard's ``page_tensors()``), into
+    ``cache`` (every head)."""
+    for dst, src in zip(cache.page_tensors(), pools):
+        dst[:, :, tp.kv_heads] = src
+
+
+__all__ = ["TensorParallel", "check", "shard_spec", "shard_weights", "shard_cache", "place_shard"]

@@ -218,8 +218,7 @@ def build(args: argparse.Namespace) -> Built:
     spec_cfg = spec_options.config_from_args(args)
     device = _device(args)
     control = _join_ranks(device) if _ranks(args) > 1 else None
-    dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else
-                                                              torch.float32)
+    dtype = _dtype(args, device)
     t0 = time.monotonic()
     log.info("loading %s on %s ...", args.model or "the embedded default model (SmolLM2-135M-Instruct)", device)
     loaded = load_model(args.model, dtype=dtype, device=device, progress=sys.stderr.isatty())
@@ -298,6 +297,12 @@ def _device(args: argparse.Namespace) -> torch.device:
     return torch.device(name)
 
 
+def _dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    """--dtype, where ``auto`` is bfloat16 on a GPU and float32 on the CPU."""
+    return _DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else
+                                                             torch.float32)
+
+
 def _join_ranks(device: torch.device):
     """Tensor parallelism under torchrun: the process group (NCCL on GPUs, gloo on the CPU) and the gloo group the
     leader's host messages take (engine/backends/tensor_parallel.py)."""
@@ -324,9 +329,7 @@ def follow_rank(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     device = _device(args)
     control = _join_ranks(device)
-    dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else
-                                                              torch.float32)
-    loaded = load_model(args.model, dtype=dtype, device=device, progress=False)
+    loaded = load_model(args.model, dtype=_dtype(args, device), device=device, progress=False)
     steps = follow(TPReferenceBackend(loaded.weights, kv_dtype=parse_kv_dtype(args.kv_dtype)), control)
     _leave_ranks()  # (a rank that fails raises instead: torchrun then stops the others)
     log.info("rank %s: ran %d steps of rank 0", os.environ.get("RANK"), steps)

@@ -25,12 +25,14 @@ from ...kv.pages import KVLayout, PagedKVCache
 from ...models.reference import ReferenceDecoder, Segment
 from ...models.weights import ModelWeights
 from .base import Backend
+from .reference import ReferenceBackend
 
 _CACHE, _FORWARD, _STOP = "cache", "forward", "stop"
 
 
-class TPReferenceBackend(Backend):
-    """Rank ``dist.get_rank(group)`` of ``dist.get_world_size(group)`` over ``weights`` (the whole model)."""
+class TPReferenceBackend(ReferenceBackend):
+    """Rank ``dist.get_rank(group)`` of ``dist.get_world_size(group)`` over ``weights`` (the whole model): the
+    reference backend over the rank's shard (``self.weights``), its decoder joining the ranks' partials."""
 
     def __init__(self, weights: ModelWeights, group=None, kv_dtype: torch.dtype | None = None):
         import torch.distributed as dist
@@ -39,10 +41,9 @@ class TPReferenceBackend(Backend):
 
         self.group = group or dist.group.WORLD
         self.rank = TensorParallel(weights.spec, dist.get_rank(self.group), dist.get_world_size(self.group))
-        self.spec = weights.spec
-        self.shard = shard_weights(weights, self.rank)
-        self._kv_dtype = kv_dtype or weights.dtype
-        self._decoder = ReferenceDecoder(self.shard, join=self._join, gather=self._gather)
+        super().__init__(shard_weights(weights, self.rank), kv_dtype)
+        self.spec = weights.spec  # the whole model's: the engine samples the whole vocabulary
+        self._decoder = ReferenceDecoder(self.weights, join=self._join, gather=self._gather)
 
     def _join(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -58,19 +59,9 @@ class TPReferenceBackend(Backend):
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)  # the vocabulary's rows in rank order
 
-    @property
-    def device(self) -> torch.device:
-        return self.shard.device
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        return self._kv_dtype
-
     def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
-        return PagedKVCache(KVLayout.for_spec(self.shard.spec, page_size, num_pages, self.kv_dtype), self.device)
-
-    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        return self._decoder.forward(tokens, segments, cache, last_only=True)
+        """The rank's KV heads of every page."""
+        return PagedKVCache(KVLayout.for_spec(self.weights.spec, page_size, num_pages, self.kv_dtype), self.device)
 
 
 class Leader(Backend):

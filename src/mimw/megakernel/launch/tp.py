@@ -23,7 +23,7 @@ from ...kv.pages import PagedKVCache
 from ...models.weights import ModelWeights
 from ..peers import alloc_peer_memory, inbox_elements
 from ..plan import Constants, Tuning
-from ..tensor_parallel import TensorParallel, shard_cache
+from ..tensor_parallel import TensorParallel, place_shard, shard_cache
 from .decoder import MegakernelDecoder
 
 
@@ -105,12 +105,7 @@ class SharedGPUGroup:
         """Copy every rank's KV heads back into ``cache`` (default: the one the group was built from)."""
         cache = cache or self.cache
         for tp, d in zip(self.ranks, self.decoders):
-            h = tp.kv_heads
-            cache.k[:, :, h] = d.cache.k
-            cache.v[:, :, h] = d.cache.v
-            if cache.k_scale is not None:
-                cache.k_scale[:, :, h] = d.cache.k_scale
-                cache.v_scale[:, :, h] = d.cache.v_scale
+            place_shard(cache, d.cache.page_tensors(), tp)
 
 
 class DistributedRank:
@@ -180,14 +175,12 @@ class DistributedRank:
         """Every rank's KV heads into ``cache`` (the whole model's heads), on every rank (all-gathers)."""
         import torch.distributed as dist
 
-        pools = [(cache.k, self.decoder.cache.k), (cache.v, self.decoder.cache.v)]
-        if cache.k_scale is not None:
-            pools += [(cache.k_scale, self.decoder.cache.k_scale), (cache.v_scale, self.decoder.cache.v_scale)]
-        for whole, mine in pools:
-            parts = [torch.empty_like(mine) for _ in range(self.rank.size)]
-            dist.all_gather(parts, mine.contiguous(), group=self.group)
-            for r, part in enumerate(parts):
-                whole[:, :, TensorParallel(self.rank.spec, r, self.rank.size, self.rank.tile_rows).kv_heads] = part
+        mine = self.decoder.cache.page_tensors()
+        every = [[torch.empty_like(t) for t in mine] for _ in range(self.rank.size)]  # [rank][pool]
+        for i, t in enumerate(mine):
+            dist.all_gather([pools[i] for pools in every], t.contiguous(), group=self.group)
+        for r, pools in enumerate(every):
+            place_shard(cache, pools, TensorParallel(self.rank.spec, r, self.rank.size, self.rank.tile_rows))
 
 
 __all__ = ["inbox_shape", "link", "SharedGPUGroup", "DistributedRank"]

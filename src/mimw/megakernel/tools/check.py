@@ -228,10 +228,6 @@ def distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def dist_rank() -> int:
-    return torch.distributed.get_rank()
-
-
 def oracles(w, cache: PagedKVCache):
     """The two references a check compares the kernel with, each over its own copy of ``cache`` (bf16 weights
     ``w``): the fp32 oracle and the bf16 (transformers-numerics) reference. A bf16 cache: the oracle's copy is fp32,
@@ -261,7 +257,7 @@ def check_decode(spec: ModelSpec, context: int, steps: int = 64, seed: int = 0, 
     if tp > 1 and distributed():  # this process's rank of a group across GPUs (torchrun)
         if torch.distributed.get_world_size() != tp:
             raise ValueError(f"tp={tp} under torch.distributed with {torch.distributed.get_world_size()} processes")
-        dec = DistributedRank(w, shard_cache(cache, TensorParallel(spec, dist_rank(), tp,
+        dec = DistributedRank(w, shard_cache(cache, TensorParallel(spec, torch.distributed.get_rank(), tp,
                                                                    tuning.resolve(spec).tile_rows)),
                               max_pages_per_seq=len(table), tuning=tuning, num_sms=num_sms,
                               context_hint=max(context, 1))
