@@ -22,27 +22,16 @@ import os
 import torch
 
 from ...bench.config import preset_spec
+from ...bench.timing import time_steps
 from ..launch.decoder import MegakernelDecoder
 from ..launch.tp import DistributedRank, SharedGPUGroup
 from ..tensor_parallel import TensorParallel, shard_cache
 from .check import check_decode, random_cache
 
 
-def step_ms(run, iters: int = 50) -> float:
-    """Median ms of ``run()`` (one step, launched eagerly), after 5 warm-up steps."""
-    for _ in range(5):
-        run()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+def step_ms(run) -> float:
+    """Median ms of ``run()`` (one step), by bench.timing's CUDA events, after 5 warm-up steps."""
+    return time_steps(run, torch.device("cuda"), max_steps=50, warmup=5).median_ms
 
 
 def time_ranks(spec, ranks: int, context: int, distributed: bool) -> tuple[float, float, float]:
