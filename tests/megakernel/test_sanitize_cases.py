@@ -13,17 +13,20 @@ from mimw.megakernel.tools.sanitize import cases
 
 def test_cases_cover_both_pairs_the_shared_memory_merge_the_tickets_a_decode_batch_and_a_verify_block():
     todo = cases()
-    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 14
+    assert list(todo)[0] == "cluster_down" and len(todo) == len(set(todo)) == 15
     shapes = {}
     for name, (spec, context, num_sms, tuning, lens, kv_dtype) in todo.items():
         # every case is a valid kernel: M one-token segments (a verify block's tokens each one: launch/one_token.py),
         # verify blocks as attention's query blocks as step_segments runs them
         p = plan(spec, num_sms, StepShape((1,) * sum(lens), context, query_blocks(lens)), 16, tuning, kv_dtype)
         shapes[name] = (p.program.attn_pairs, p.program.down_pairs, p.constants.SMEM_MERGE)
-        if name == "kv_pipeline":  # one split a sequence over five K/V blocks, the two stages in the staging buffer
+        if name == "kv_ring_batch":  # one split a sequence and KV head over five ring slots of its past
             c = p.constants
-            assert p.program.max_splits == 1 and -(-context // c.BT) >= 5
-            assert c.M == 8 and c.KT_ROWS * c.TK * c.MB >= 4 * c.BT * c.HD
+            assert p.program.max_splits == 1 and -(-(context - 1) // c.KVS) >= 5
+            assert c.M == 8 and c.QT == 1 and c.KVS == 64 and c.ATTN_MMA and c.NB >= 4
+        if name == "kv_ring_tail":  # a block of sixteen, then a one-token group continuing it
+            c = p.constants
+            assert c.M == 17 and c.KVS > 0 and p.program.shape.attn_blocks == (16, 1)
         if name == "query_block":  # one block of sixteen, four splits, each over eight K/V blocks
             c = p.constants
             assert c.QT == 16 and p.program.n_splits == (4,) and -(-(context // 4) // c.QBT) + 1 >= 8
@@ -41,7 +44,8 @@ def test_cases_cover_both_pairs_the_shared_memory_merge_the_tickets_a_decode_bat
     assert shapes["attn_smem_merge"][2] and shapes["cluster_qkv"][:2] == (True, False)
     assert shapes["tickets"][:2] == (False, False) and todo["tickets"][3] == Tuning(clusters=False, qkv_parts=2)
     assert all(c[4] == (1,) for n, c in todo.items() if n not in ("decode_batch", "verify_block", "moe_batch",
-                                                                             "kv_pipeline", "query_block"))
+                                                                             "kv_ring_batch", "kv_ring_tail",
+                                                                             "query_block"))
     assert all(c[5] == torch.bfloat16 for n, c in todo.items() if n != "kv_ring_fp8")
     assert todo["moe"][0].is_moe and todo["moe_a3b"][0].is_moe and shapes["moe_a3b"][2]  # eight heads: the merge
 

@@ -16,12 +16,15 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
   * the KV cache's element type (``kv_dtype``: bf16, or fp8 e4m3 with a bf16 scale per (token, head), kv/pages.py):
     ``Constants.FP8``, the attention block (``attn_block``: as many positions as 8 KB of K; a multi-token step's as
     many as bf16's) and the cost model's K/V bytes follow it; it is the cache's, never a tuning knob;
-  * a one-token step's ring walk: on the tensor cores where a slot holds 16 positions a warp or more
+  * the ring walk of a split: on the tensor cores where a slot holds 16 positions a warp or more
     (``attn_ring_mma.applies``: every fp8 slot of the shipping shapes, bf16's at head_dim 64), else on the CUDA
     cores, each lane its own online softmax (the bf16 slot of 32 positions at head_dim 128: the 8B's);
-  * a one-token step's past K/V through the ring (``kv_ring``: the loader streams each split's positions into ring
-    slots, ``KVS`` positions of K and V a slot, in TMA boxes of ``KVBOX`` rows of one page and head; an fp8 cache's
-    scales beside the ring, ``kv_scale_bytes`` a slot); a page size whose boxes TMA cannot address is refused;
+  * every one-token attention split's past K/V through the ring, a one-token step's and a multi-token step's
+    one-token groups' (a decode batch's, a mixed step's single tokens; a query block of several tokens keeps its
+    cp.async stages): ``kv_ring``: the loader streams each split's positions into ring slots, ``KVS`` positions of
+    K and V a slot, in TMA boxes of ``KVBOX`` rows of one page and head; an fp8 cache's scales beside the ring,
+    ``kv_scale_bytes`` a slot; a multi-token ring's slots are the same 16 KB, ``MIN_RING_MT`` of them at least, so
+    they hold a slot at every shape; a page size whose boxes TMA cannot address is refused;
   * the release hold's marks on the words (hold.py);
   * a multi-token step (M = 2..``max_tokens`` one-token segments: decode tokens, a verify block's tokens): the
     tokens padded to MB = 8, 16 or 32 (``token_rows``; wgmma's N is a chunk pair's 2 MB), the staging buffer MB
@@ -154,9 +157,9 @@ class Constants:
     FP8: bool  # the KV cache holds e4m3 rows with a bf16 scale each (kv/fp8.py), else bf16 rows
     TRACE: bool  # per-instruction timestamps (tools/trace.py)
     NW: int  # compute warps
-    ATTN_MMA: bool = False  # a one-token step's ring walk on mma.sync (ops/attn_ring_mma.py), where a slot holds
+    ATTN_MMA: bool = False  # a one-token split's ring walk on mma.sync (ops/attn_ring_mma.py), where a slot holds
     # 16 positions a warp or more (attn_ring_mma.applies); else the lanes' walk on the CUDA cores
-    KVS: int = 0  # positions of K and V one ring slot holds (M = 1: the loader streams past K/V; kv_ring)
+    KVS: int = 0  # positions of K and V one ring slot holds (the loader streams one-token splits' past K/V; kv_ring)
     KVBOX: int = 1  # rows of one TMA box of K or V: a run of one page of one KV head (kv_ring)
     M: int = 1  # tokens in the step (> 1: the multi-token code paths, swap-AB wgmma; a decode batch of M segments)
     QT: int = 1  # tokens of an attention query block at most, a power of two (1: every token alone; more:
@@ -257,7 +260,7 @@ def attn_block(spec: ModelSpec, kv_dtype: torch.dtype = torch.bfloat16, num_toke
 
 
 def kv_ring(spec: ModelSpec, t: Tuning, page_size: int, kv_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
-    """(KVS, KVBOX) of a one-token step, whose loader streams each attention split's past K/V into the ring
+    """(KVS, KVBOX) of every step: its loader streams each one-token attention split's past K/V into the ring
     (device/ring.py): a slot holds KVS positions, K's rows then V's (the most positions, a power of two, whose
     2 * KVS rows fit the slot: 64 at bf16 and head_dim 64, 32 at 128, twice as many at fp8), which is
     ``attn_block`` for every shipping shape of four heads a group or fewer; a larger group's block (the 30B-A3B's
@@ -456,7 +459,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     wbuf_bytes = norm_buffer_bytes(spec, t) if m > 1 else 0
     xb = exchange_bytes(spec.head_dim) if program.attn_pairs else 0
     slot = t.tile_rows * t.tile_k * 2
-    kvs, kvbox = kv_ring(spec, t, page_size, kv_dtype) if m == 1 else (0, 1)
+    kvs, kvbox = kv_ring(spec, t, page_size, kv_dtype)  # every one-token attention group streams its past K/V
     slot_bytes = slot + kv_scale_bytes(kvs, kv_dtype)  # an fp8 cache's scales travel beside their slot
     # a multi-token MoE step's router finisher reduces [8, E] over the warps, and its scan and layout conversions,
     # through the compiler's scratch: 12 KB more than the dense kernel's 8 (the 30B-A3B's 128 experts: 16.5 KB)
@@ -481,7 +484,7 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
         SP2=sp2, GP=gp,
         LOADER_REGS=t.loader_regs, INFLIGHT=t.inflight if t.inflight < ring else 0, QUIET=t.quiet, XB=xb,
         DOWN_PAIRS=down_pairs, SMEM_MERGE=smem_merge, FP8=kv_dtype == fp8.FP8, TRACE=t.trace, NW=t.num_warps,
-        ATTN_MMA=m == 1 and attn_ring_mma.applies(kvs, t.num_warps),
+        ATTN_MMA=attn_ring_mma.applies(kvs, t.num_warps),
         KVS=kvs, KVBOX=kvbox, M=m, QT=qt, QBT=qbt,
         MB=mb, V=spec.vocab_size, E=spec.num_experts, EP2=_pow2(spec.num_experts),
         EP=router_rows(spec, t.tile_rows), S=program.moe_slots, S2=_pow2(program.moe_slots),

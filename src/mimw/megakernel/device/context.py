@@ -4,7 +4,7 @@
           staging buffer ``hbuf`` [KT_ROWS, TK] bf16 (an instruction's input vector, one [TK] row per column tile;
           with C.M > 1 [KT_ROWS * TK / 32, MB, 32], the tokens' chunks: device/matvec_mt.py), and ``wbuf``, a norm's
           weights as [*, 32] chunks (C.M > 1; hbuf itself where M = 1, which never uses it), and ``sbuf``
-          [NB, 2 * KVS / KVBOX, KVBOX] bf16, the scales of the K/V rows a ring slot holds (C.M == 1 over an fp8
+          [NB, 2 * KVS / KVBOX, KVBOX] bf16, the scales of the K/V rows a ring slot holds (C.KVS > 0 over an fp8
           cache: device/kv_stream.py; hbuf itself otherwise, never read).
 ``Step``  this launch's step: counter and ready-word pointers, the epoch, and the one token's id, position,
           context, cache page and embedding row (M = 1), and the step arrays a multi-token step reads per token.
@@ -108,7 +108,7 @@ class Step:
     toks: gl.tensor  # the step arrays (state.py): tokens [M], positions [M], seg_ctx [S]; a multi-token step (C.M > 1)
     poss: gl.tensor  # reads each token's and segment's entries from them (the scalars above are token 0's)
     ctxs: gl.tensor
-    news: gl.tensor  # seg_new [S] (state.py): read by a multi-token step's attention prefetch
+    news: gl.tensor  # seg_new [S] (state.py): where a multi-token step's one-token segment's ring past ends
 
     @constexpr_function
     def __init__(self, cnt, ncnt, rdy, bt, maxp, epoch, pos, ctx, tok_page, emb_row, toks, poss, ctxs, news):

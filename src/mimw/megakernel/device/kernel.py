@@ -5,8 +5,8 @@ Roles (``gl.warp_specialize``):
       instruction's device code (its ``ops`` module: stage its input vector in shared memory, consume its weight
       tiles from the ring, epilogue, store), and signal its counter (release).
   loader (1 warp, small register budget; device/ring.py): walks the SAME queue and streams every instruction's
-      weight tiles, as its words name them (isa.TileSpan), with TMA into the ring, and in a one-token step every
-      attention split's past K/V (device/kv_stream.py). It never waits on a counter, so it prefetches the next
+      weight tiles, as its words name them (isa.TileSpan), with TMA into the ring, and every one-token attention
+      split's past K/V (a one-token step's, a multi-token step's one-token groups': device/kv_stream.py). It never waits on a counter, so it prefetches the next
       instructions' weights and K/V (next layer included) while compute waits for dependencies; an MoE expert span
       first waits for its routing entry (the one wait on step data: device/ring.py, traced by device/route_wait.py).
 Tensor parallelism (``C.TP`` ranks, each its own kernel: device/peer.py): PEER-flagged instructions send their
@@ -171,7 +171,7 @@ def megakernel(prog, step, weights, vecs, kv, k_desc, v_desc, scratch, scalars, 
         hbuf = gl.allocate_shared_memory(gl.bfloat16, [C.KT_ROWS, C.TK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         wbuf = hbuf
     sbuf = hbuf
-    if C.M == 1:
+    if C.KVS > 0:
         if C.FP8:  # the scales of the K/V rows each slot holds (device/kv_stream.py), beside the ring
             sbuf = gl.allocate_shared_memory(gl.bfloat16, [C.NB, 2 * C.KVS // C.KVBOX, C.KVBOX], kv_stream.flat(2))
     ring.ring_init(empty, ready, C.NB)
@@ -184,9 +184,13 @@ def megakernel(prog, step, weights, vecs, kv, k_desc, v_desc, scratch, scalars, 
         # staging buffer), whose stores then overwrote a valid mbarrier without mbarrier.inval (undefined in PTX)
         ep_bar = rel
     sm = Smem(bufs, empty, ready, rel, hbuf, wbuf, sbuf)
-    # the loader's K/V stream: the pools' descriptors, their scales, block tables and width, the context pointer,
-    # the page count
-    kvs = (k_desc, v_desc, kv[2], kv[3], step[4], step[5], step[2], kv[4])
+    # the loader's K/V stream: the pools' descriptors, their scales, block tables and width, the context pointer (a
+    # multi-token step's: seg_ctx and seg_new, each one-token segment's context and first written position), the
+    # page count
+    if C.M > 1:
+        kvs = (k_desc, v_desc, kv[2], kv[3], step[4], step[5], (step[2], step[3]), kv[4])
+    else:
+        kvs = (k_desc, v_desc, kv[2], kv[3], step[4], step[5], step[2], kv[4])
     LOADER_REGS: gl.constexpr = C.LOADER_REGS
     gl.warp_specialize([
         (_compute, (prog, step, vecs, kv, scratch, scalars, trace[0], peers, sm, ep_bar, C)),

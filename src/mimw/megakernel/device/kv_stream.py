@@ -1,5 +1,7 @@
-"""A one-token step's past K/V in the ring: the slots an attention split's positions fill, described once for the
-loader that streams them (device/ring.py) and the compute role that reads them (ops/attn_partial.py).
+"""Past K/V in the ring: the slots an attention split's positions fill, described once for the loader that streams
+them (device/ring.py) and the compute role that reads them (ops/attn_partial.py). Every split whose query is one
+token streams so: a one-token step's, and in a multi-token step every one-token attention group's (a decode batch's
+segments, a mixed step's single tokens), each over its own segment's context and block table row.
 
 A split (``split_range``) covers past positions [lo, hp); position ``ctx - 1``, which ATTN_IN writes in this step,
 is never among them (the last split reads it after its dependency wait, from the cache). Everything a slot needs
@@ -13,6 +15,11 @@ dependency wait and across instructions, and compute consumes them in order with
     with p its first position; a box past hp repeats the last box that holds a past position (every box lands,
     so the slot's byte count is a constant: ``mbarrier.expect`` takes a compile-time count)
     (fp8) the rows' bf16 scales, [2, KVS], in the slot's entry of the scale buffer beside the ring
+
+A multi-token step's one-token segment may continue rows of its sequence that other segments write in this step (a
+verify block's tokens past a query block: launch/one_token.py); positions from ``first`` (state.seg_new) on are
+such rows, so the ring holds only [lo, min(hp, first)) (``segment_slots``) and compute reads the rest from the cache
+after its dependency wait. In a decode batch ``first`` is the token's own position and the ring holds the whole past.
 
 Rows outside [lo, hp) (before lo in the first slot, past hp in the last, the repeated boxes) hold real cache rows
 or stale bytes; compute masks them, the V rows included (a stale e4m3 byte may be NaN, and 0 * NaN is NaN).
@@ -41,6 +48,17 @@ def split_slots(split, n_splits, ctx, KVS: gl.constexpr, KVBOX: gl.constexpr):
     a0 = (lo // KVBOX) * KVBOX
     n = gl.where(hp > lo, (hp - a0 + KVS - 1) // KVS, 0)
     return lo, hi, hp, a0, n
+
+
+@gluon.jit
+def segment_slots(split, n_splits, ctx, first, KVS: gl.constexpr, KVBOX: gl.constexpr):
+    """``split_slots`` of a multi-token step's one-token segment: (lo, hi, rp, a0, n) with rp = min(hp, first), the
+    end of the past positions the ring holds (module doc); [max(lo, first), hp) are read after the wait."""
+    lo, hi, hp = split_range(split, n_splits, ctx)
+    rp = gl.minimum(hp, first)
+    a0 = (lo // KVBOX) * KVBOX
+    n = gl.where(rp > lo, (rp - a0 + KVS - 1) // KVS, 0)
+    return lo, hi, rp, a0, n
 
 
 @constexpr_function

@@ -32,9 +32,12 @@ layer boundaries, bounded only by the ring, the in-flight cap, the release hold 
     wait behind a ring full of requests. The phase is named by its parity: the loader counts the announced releases
     it walks past.
 
-Past K/V (one-token steps, C.M == 1; device/kv_stream.py): an ATTN_PARTIAL instruction has no weight tiles, but its
-split's past K/V does not depend on the step's activations either (the context and block table are step inputs,
-the rows were written by earlier launches), so the loader streams it like weights: slot by slot, each slot KVS
+Past K/V (every one-token attention split: a one-token step's, and a multi-token step's one-token groups', each over
+its segment's context, block table row and first written position, read from the step: device/kv_stream.py; a
+query block of several tokens keeps its own stages, ops/attn_query_block.py): an ATTN_PARTIAL instruction has no
+weight tiles, but its split's past K/V does not depend on the step's activations either (the contexts, first
+positions and block tables are step inputs, the rows before a segment's first written position were written by
+earlier launches), so the loader streams it like weights: slot by slot, each slot KVS
 positions of K then V, ``2 * KVS / KVBOX`` TMA boxes of one page of one KV head (descriptors over the pools viewed
 as [rows, HD], box [KVBOX, HD], no swizzle) arriving on the slot's ``ready`` barrier with the slot's byte count.
 The block-table gather (one vector load of the slot's boxes' pages) is issued one slot ahead, so its round trip
@@ -52,9 +55,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import layouts
-from .context import (EXPERT_SPAN, HOLD_ARRIVE, HOLD_WAIT, NO_EXPERT, NWORDS, OP_ATTN_PARTIAL, SLOT_WORD, W_A, W_B,
-                      W_C, W_D, W_FLAGS, W_K0, W_K1, W_KT, W_LAYER, W_NR, W_OP, W_T0, XS_WORD)
-from .kv_stream import split_slots
+from .context import (EXPERT_SPAN, HOLD_ARRIVE, HOLD_WAIT, NO_EXPERT, NWORDS, OP_ATTN_PARTIAL, PACK_SHIFT, SLOT_WORD,
+                      W_A, W_B, W_C, W_D, W_FLAGS, W_K0, W_K1, W_KT, W_LAYER, W_NR, W_OP, W_T0, XS_WORD)
+from .kv_stream import segment_slots, split_slots
 from .route_wait import first_wait
 from .sync import route_tag, routed_wait
 
@@ -120,8 +123,16 @@ def _stream_split(w, offs, kv, bufs, sbuf, empty, ready, rel, it, C: gl.constexp
     SL: gl.constexpr = layouts.kv_scales(C)  # [NBOX, KVBOX]
     layer = _field(w, offs, W_LAYER)
     kvh = _field(w, offs, W_A)
-    lo, hi, hp, a0, n = split_slots(_field(w, offs, W_C), _field(w, offs, W_D), ctx, C.KVS, C.KVBOX)
-    bt_row = bt + _field(w, offs, W_B) * maxp
+    if C.M > 1:  # a one-token segment of a multi-token step: its own context, block table row and first position
+        # written in this step (step inputs: ``ctx`` = (seg_ctx, seg_new)); the ring holds its past before that
+        seg = _field(w, offs, W_B) & ((1 << PACK_SHIFT) - 1)
+        ctxs, news = ctx
+        lo, hi, hp, a0, n = segment_slots(_field(w, offs, W_C), _field(w, offs, W_D), gl.load(ctxs + seg),
+                                          gl.load(news + seg), C.KVS, C.KVBOX)
+        bt_row = bt + seg * maxp
+    else:
+        lo, hi, hp, a0, n = split_slots(_field(w, offs, W_C), _field(w, offs, W_D), ctx, C.KVS, C.KVBOX)
+        bt_row = bt + _field(w, offs, W_B) * maxp
     last = ((hp - 1) // C.KVBOX) * C.KVBOX
     box = gl.arange(0, NBOX, gl.SliceLayout(1, SL))
     col = gl.expand_dims(gl.arange(0, C.KVBOX, gl.SliceLayout(0, SL)), 0)
@@ -151,7 +162,7 @@ def loader(prog, moe, kv, desc, bufs, sbuf, empty, ready, rel, ep_bar, C: gl.con
     weight tiles (isa.TileSpan in its words) into the ring, row tile by row tile, column tiles K0..K1 of each; an
     expert span once its routing entry names the expert (``moe`` = (counters, their number, the routing table, the
     routing-wait trace)), a layer's first wait traced where the plan says so (device/route_wait.py);
-    in a one-token step an attention split's past K/V (``kv``: ``_stream_split``; module doc). With MoE layers
+    every one-token attention split's past K/V (``kv``: ``_stream_split``; module doc). With MoE layers
     (C.S > 0) it reads the step's epoch first and then arrives on ``ep_bar``, which compute waits for before the
     launch's last act moves the epoch on."""
     INFLIGHT: gl.constexpr = C.INFLIGHT
@@ -162,8 +173,8 @@ def loader(prog, moe, kv, desc, bufs, sbuf, empty, ready, rel, ep_bar, C: gl.con
     offs = gl.arange(0, WP2, gl.BlockedLayout([1], [32], [1], [0]))
     pid = gl.program_id(0)
     n = gl.load(lens_ptr + pid)
+    kdesc, vdesc, ksc, vsc, bt, maxp, ctx_ptr, num_pages = kv
     if C.M == 1:  # the step's context (a one-token step's one segment): where every split's past ends
-        kdesc, vdesc, ksc, vsc, bt, maxp, ctx_ptr, num_pages = kv
         kv = (kdesc, vdesc, ksc, vsc, bt, maxp, gl.load(ctx_ptr), num_pages)
     tag = 0
     if C.S > 0:
@@ -204,9 +215,13 @@ def loader(prog, moe, kv, desc, bufs, sbuf, empty, ready, rel, ep_bar, C: gl.con
             for r in range(nr):
                 for k in range(k0, k1):
                     it = _load(desc, t0 + r * kt + k, bufs, empty, ready, it, INFLIGHT, rel, hold_at, parity)
-        if C.M == 1:
-            if _field(w, offs, W_OP) == OP_ATTN_PARTIAL:
-                it = _stream_split(w, offs, kv, bufs, sbuf, empty, ready, rel, it, C)
+        if C.KVS > 0:
+            if C.QT > 1:  # a query block of several tokens keeps its own stages (ops/attn_query_block.py)
+                if (_field(w, offs, W_OP) == OP_ATTN_PARTIAL) & ((_field(w, offs, W_B) >> PACK_SHIFT) == 0):
+                    it = _stream_split(w, offs, kv, bufs, sbuf, empty, ready, rel, it, C)
+            else:
+                if _field(w, offs, W_OP) == OP_ATTN_PARTIAL:
+                    it = _stream_split(w, offs, kv, bufs, sbuf, empty, ready, rel, it, C)
         if QUIET >= 0:
             if (flags & HOLD_ARRIVE) != 0:
                 released += 1

@@ -13,7 +13,7 @@ The kernel (device/kernel.py) takes eleven arguments, most of them tuples, plus 
               dummy for each scale tensor, never read)
     k_desc, v_desc  TMA descriptors of the K and V pools viewed as [rows, head_dim] (a row: one position of one KV
               head of one page of one layer), box [KVBOX, head_dim] unswizzled: the loader's K/V stream
-              (device/kv_stream.py; a multi-token step's kernel takes them and never reads them)
+              (device/kv_stream.py: every one-token attention split's past K/V)
     scratch   state.py's scratch buffers, the attention splits' stride, the bf16 staging sources, then the MoE
               buffers (router logits, the routing table, slot weights, experts' activations and parts, and the
               activations' bf16 copy; a dense model's are empty, passed as a one-element stand-in)

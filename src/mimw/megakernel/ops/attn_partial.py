@@ -27,30 +27,31 @@ merge once at the end, through the staging buffer (free during attention) with o
 (``_merge_smem``), else through Triton's reductions over the warp axis. Only the newest row (position ``pos``,
 written by ATTN_IN in this step) depends on the step; the split holding it (the last) reads it after the wait, with
 q, and adds it to warp 0's state as a block one position wide (``_start``).
-One token: the loader has streamed the split's past positions into ring slots (device/ring.py, device/kv_stream.py), KVS
-positions a slot, before and while the instruction waits; compute consumes them in order with the ring's running tile
-counter, masking the positions outside the split in its first and last slots. Where a slot holds 16 positions a warp or
-more (``C.ATTN_MMA``, derived by plan.py: at four compute warps every fp8 slot, and bf16's at head_dim 64) the walk runs
-on the tensor cores, slot by slot, every warp its own online-softmax state over its rows of the slot, merged with the
+Every split whose query is one token (a one-token step's; in a multi-token step every one-token attention group's: a
+decode batch's segments, a mixed step's single tokens, each over its own segment's context and block table row): the
+loader has streamed the split's past positions into ring slots (device/ring.py, device/kv_stream.py), KVS positions a
+slot, before and while the instruction waits; compute consumes them in order with the ring's running tile counter,
+masking the positions outside the split in its first and last slots. Where a slot holds 16 positions a warp or more
+(``C.ATTN_MMA``, derived by plan.py: at four compute warps every fp8 slot, and bf16's at head_dim 64) the walk runs on
+the tensor cores, slot by slot, every warp its own online-softmax state over its rows of the slot, merged with the
 newest row's once a split (``_partial_ring_mma``: ops/attn_ring_mma.py); else (bf16 at head_dim 128: 32 positions a
 slot, 8 a warp) on the CUDA cores, block by block, each lane of a warp keeping its own online-softmax state over its
-positions (``_partial_ring``, ``layouts.attention_lanes``; merged once a split). A one-token step is bound by the
+positions (``_partial_ring``, ``layouts.attention_lanes``; merged once a split). A one-token split is bound by the
 compute warps' work a position, not by its bytes: mma.sync's products take most of that work off the CUDA cores. A
-multi-token step (``_prefetch``, ``_partial``): the first block's past K/V is requested BEFORE the dependency wait;
-later blocks cost one round trip each (K and V requested together), or over a bf16 cache come through two cp.async
-stages in the staging buffer, two blocks ahead of the math. Scores are kept in the base-2 domain (q pre-scaled by
-head_dim^-0.5 * log2(e)) so the online softmax uses exp2; partials are stored in the natural-log domain of the state.py
-contract (m * ln 2). Rows read from global memory go through L2 (.cg): the newest row was written by another CTA in this
-step. The last split to draw the ticket combines every split's partial in one round of independent loads.
+multi-token step's one-token segment that continues rows other segments write in this step (a verify block's tokens
+past a query block: ``first``, state.seg_new, before its position) has only its past before ``first`` in the ring; the
+rest is read from the cache after the wait, one round trip a block (``_late``; none in a decode batch). Scores are kept
+in the base-2 domain (q pre-scaled by head_dim^-0.5 * log2(e)) so the online softmax uses exp2; partials are stored in
+the natural-log domain of the state.py contract (m * ln 2). Rows read from global memory go through L2 (.cg): the
+newest row was written by another CTA in this step. The last split to draw the ticket combines every split's partial in
+one round of independent loads.
 
-An fp8 cache (``C.FP8``: e4m3 rows, a bf16 scale per (token, KV head) row, kv/pages.py): a one-token step's scales
-arrive beside each ring slot and scale each position's score and V weight (the same values as dequantising first, up to
-fp32 rounding; attn_ring_mma's module doc gives the tensor cores' form); a multi-token step requests each block's e4m3
-rows (8-byte vectors) and their scales together and dequantises them in registers as kv/fp8.py's ``dequantize`` computes
-them (``float(q) * float(scale)``, exact in fp32). A one-token step's blocks hold twice bf16's positions
-(``plan.attn_block``: 8 KB of K, 16 KB of K and V, one ring slot); a multi-token step's keep bf16's (its kernel would
-spill registers with twice as many), and block 0's rows that this step writes (from ``first`` on) are reloaded after the
-wait with their scales.
+An fp8 cache (``C.FP8``: e4m3 rows, a bf16 scale per (token, KV head) row, kv/pages.py): the scales arrive beside each
+ring slot and scale each position's score and V weight (the same values as dequantising first, up to fp32 rounding;
+attn_ring_mma's module doc gives the tensor cores' form); rows read from the cache (the newest, ``_late``'s) are
+dequantised in registers as kv/fp8.py's ``dequantize`` computes them (``float(q) * float(scale)``, exact in fp32). A
+one-token step's blocks hold twice bf16's positions (``plan.attn_block``: 8 KB of K, 16 KB of K and V, one ring slot);
+a multi-token step's keep bf16's (``_late``'s blocks in registers), its slots fp8's (walked on the tensor cores).
 Element offsets into the pools are int64: the 8B's pools pass 2^31 elements at 128k.
 """
 from __future__ import annotations
@@ -62,7 +63,6 @@ from typing import ClassVar
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ...models.spec import ModelSpec
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
@@ -184,7 +184,7 @@ def compute(ins, C: gl.constexpr, s, b, sm, it, wait, target, sig):
     """One split on the GPU: a query block's (C.QT > 1, the instruction's block past one token:
     attn_query_block.py), or one segment's (``_compute_one``). Returns (the counter it signals: ``sig`` for the
     combining split, else -1; the time its wait was met, 0 untraced; the ring's running tile counter past the
-    split's slots: a one-token step's only)."""
+    split's slots: a one-token split's only)."""
     if C.QT > 1:
         nt = (ins.field(W_B) >> PACK_SHIFT) + 1
         if nt > 1:
@@ -223,9 +223,9 @@ def _compute_block(ins, nt, C: gl.constexpr, s, b, sm, wait, target, sig):
 
 @gluon.jit
 def _compute_one(ins, C: gl.constexpr, s, b, sm, it, wait, target, sig):
-    """One split of one segment: the dependency wait (``wait`` < 0: none; a multi-token step requests its first
-    block's K/V before it), the partial (a one-token step's past K/V from the ring, slots from tile ``it`` on), and
-    the ticket's combine."""
+    """One split of one segment: the dependency wait (``wait`` < 0: none), the partial (its past K/V from the ring,
+    slots from tile ``it`` on; a multi-token step's segment's own context, block table row and first written
+    position), and the ticket's combine."""
     layer = ins.field(W_LAYER)
     kvh = ins.field(W_A)
     seg = ins.field(W_B) & ((1 << PACK_SHIFT) - 1)
@@ -246,19 +246,15 @@ def _compute_one(ins, C: gl.constexpr, s, b, sm, it, wait, target, sig):
         po_ptr = b.po + seg * (C.HQ * C.HD) * b.splits
         pml_ptr = b.pml + seg * (C.HQ * 2) * b.splits
         attn_ptr = b.attn16 + seg * (C.HQ * C.HD)  # bf16: as O_PROJ stages it (device/matvec_mt.py)
-        k0, v0, ks0, vs0 = _prefetch(layer, kvh, seg, split, n_splits, first, s, b, C)
     if wait >= 0:
         counter_wait(s.cnt, wait, target)
     t_ready = 0
     if C.TRACE:
         t_ready = globaltimer()
-    if C.M > 1:
-        _partial(layer, kvh, seg, split, n_splits, first, k0, v0, ks0, vs0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
+    if C.ATTN_MMA:
+        it = _partial_ring_mma(layer, kvh, seg, split, n_splits, first, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
     else:
-        if C.ATTN_MMA:
-            it = _partial_ring_mma(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
-        else:
-            it = _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
+        it = _partial_ring(layer, kvh, seg, split, n_splits, first, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
     if ticket_is_last(s.cnt, ins.field(W_E), n_splits, s.epoch):  # the last split combines and signals
         _reduce(kvh, n_splits, b, po_ptr, pml_ptr, attn_ptr, C)
     else:
@@ -300,42 +296,12 @@ def _deq(x, scale, C: gl.constexpr):
 
 
 @gluon.jit
-def _copy_block(kvbuf, stage, kc_ptr, vc_ptr, row, m, d3, HD: gl.constexpr):
-    """A multi-token step's later blocks: cp.async of one block's K and V rows ``row`` [NW, BTW] (mask ``m``;
-    masked elements zero-filled) into stage ``stage`` of ``kvbuf`` ([4, NW, BTW, HD]: K at 2 stage, V at 2 stage +
-    1), one commit group. Each thread copies, and later reads back in the same layout, only its own elements: no
-    barrier."""
-    addr = gl.expand_dims(row, 2).to(gl.int64) * HD + d3
-    m3 = gl.expand_dims(m, 2)
-    async_copy.async_copy_global_to_shared(kvbuf.index(2 * stage), kc_ptr + addr, mask=m3, cache_modifier=".cg")
-    async_copy.async_copy_global_to_shared(kvbuf.index(2 * stage + 1), vc_ptr + addr, mask=m3,
-                                           cache_modifier=".cg")
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _positions(BT: gl.constexpr, NW: gl.constexpr, L2: gl.constexpr):
     """[NW, BTW] offsets w * BTW + j of a block's positions: warp w owns BTW consecutive positions."""
     BTW: gl.constexpr = BT // NW
     w = gl.arange(0, NW, gl.SliceLayout(1, L2))
     j = gl.arange(0, BTW, gl.SliceLayout(0, L2))
     return gl.expand_dims(w, 1) * BTW + gl.expand_dims(j, 0)
-
-
-@gluon.jit
-def _prefetch(layer, kvh, seg, split, n_splits, first, s, b, C: gl.constexpr):
-    """Before the dependency wait: the first block's K/V (past positions only; ``pos``, which ATTN_IN writes in
-    this step, is never in a block) does not depend on the step, so its round trip overlaps the wait. A multi-token
-    step's segment may continue rows of its sequence that other segments write in this step (a verify block as
-    one-token segments): positions from ``first`` on are left for after the wait (``_partial``)."""
-    KV3: gl.constexpr = gl.SliceLayout(1, layouts.attention(C))
-    lo, hi, hp = _split_range(split, n_splits, s.ctx)
-    t = lo + _positions(C.BT, C.NW, gl.SliceLayout(2, KV3))
-    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, C.HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
-    row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
-    if C.M > 1:
-        return _kv(b, row, t < gl.minimum(hp, first), d3, C)
-    return _kv(b, row, t < hp, d3, C)
 
 
 @gluon.jit
@@ -436,14 +402,50 @@ def _lane_positions(NW: gl.constexpr, PT: gl.constexpr, PL: gl.constexpr, L3: gl
 
 
 @gluon.jit
-def _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
-    """A one-token step's split after its wait, on the CUDA cores where its slots hold fewer than 16 positions a warp
+def _ring_slots(split, n_splits, first, s, C: gl.constexpr):
+    """(lo, hi, the end of the past positions the ring holds, a0, n): the split's ring slots (device/kv_stream.py);
+    a multi-token step's one-token segment's past in the ring ends at ``first``, its first position this step
+    writes (``_late`` reads the rest after the wait)."""
+    if C.M > 1:
+        lo, hi, hp, a0, n = kv_stream.segment_slots(split, n_splits, s.ctx, first, C.KVS, C.KVBOX)
+    else:
+        lo, hi, hp, a0, n = kv_stream.split_slots(split, n_splits, s.ctx, C.KVS, C.KVBOX)
+    return lo, hi, hp, a0, n
+
+
+@gluon.jit
+def _late(q, m_i, l_i, o, layer, kvh, seg, split, n_splits, first, s, b, C: gl.constexpr):
+    """A multi-token step's one-token segment after its wait: the split's past positions from ``first`` on (rows
+    that other segments of its sequence stored in this step: a verify block's tokens before it; none in a decode
+    batch), read from the cache block by block (``_kv``, one round trip a block) into the newest row's state
+    (``_start``'s: every warp its BT / NW positions of a block)."""
+    NW: gl.constexpr = C.NW
+    BT: gl.constexpr = C.BT
+    L4: gl.constexpr = layouts.attention(C)
+    KV3: gl.constexpr = gl.SliceLayout(1, L4)
+    Q3: gl.constexpr = gl.SliceLayout(2, L4)
+    S3: gl.constexpr = gl.SliceLayout(3, L4)
+    lo, hi, hp = _split_range(split, n_splits, s.ctx)
+    tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
+    ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
+    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, C.HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
+    q4 = gl.expand_dims(q, 2)
+    for t0 in range(gl.maximum(lo, first), hp, BT):
+        t = t0 + tk
+        k, v, ks, vs = _kv(b, _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C), t < hp, d3, C)
+        m_i, l_i, o = _block(q4, _deq(k, ks, C), _deq(v, vs, C), t0 + ts < hp, m_i, l_i, o, Q3)
+    return m_i, l_i, o
+
+
+@gluon.jit
+def _partial_ring(layer, kvh, seg, split, n_splits, first, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
+    """A one-token split after its wait, on the CUDA cores where its slots hold fewer than 16 positions a warp
     (not ``C.ATTN_MMA``): the split's past K/V from the ring, slot by slot as the loader streamed them
     (device/kv_stream.py: slot j holds positions [a0 + j KVS, +KVS) as KVS / BT blocks), each block read into registers
     in the lanes' layout and each slot handed back to the loader before its last block's math (``_ring_block``: every
     lane its own online-softmax state, lane 0's starting from the newest row's, ``_start``; positions outside [lo, hp)
     masked in the split's first and last blocks); then the lanes' states merged within each warp, and the warps' states
-    merged and stored as ``_partial`` does. Returns the running tile counter past the split's slots."""
+    merged and stored (``_store_split``). Returns the running tile counter past the split's slots."""
     NB: gl.constexpr = C.NB
     NW: gl.constexpr = C.NW
     BT: gl.constexpr = C.BT
@@ -456,10 +458,12 @@ def _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_
     SC4: gl.constexpr = gl.SliceLayout(4, L5)  # [NW, GP, PT, PL] scores
     ST3: gl.constexpr = gl.SliceLayout(2, SC4)  # [NW, GP, PL] a lane's m, l
     O4: gl.constexpr = gl.SliceLayout(2, L5)  # [NW, GP, PL, HD] a lane's o
-    lo, hi, hp, a0, n = kv_stream.split_slots(split, n_splits, s.ctx, C.KVS, C.KVBOX)
+    lo, hi, hp, a0, n = _ring_slots(split, n_splits, first, s, C)
     tk = gl.expand_dims(_lane_positions(NW, PT, PL, gl.SliceLayout(3, KV4)), 3)  # [NW, PT, PL, 1]
     ts = gl.expand_dims(_lane_positions(NW, PT, PL, gl.SliceLayout(1, SC4)), 1)  # [NW, 1, PT, PL]
     q, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
+    if C.M > 1:
+        m_i, l_i, o = _late(q, m_i, l_i, o, layer, kvh, seg, split, n_splits, first, s, b, C)
     q5 = gl.expand_dims(gl.expand_dims(gl.convert_layout(q, gl.SliceLayout(2, O4)), 2), 2)  # [NW, GP, 1, 1, HD]
     # the lanes' states: lane 0's starts from the newest row's state (warp 0 holds it), the others' empty
     lane3 = gl.expand_dims(gl.expand_dims(gl.arange(0, PL, gl.SliceLayout(0, gl.SliceLayout(1, ST3))), 0), 1)
@@ -503,11 +507,12 @@ def _partial_ring(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_
 
 
 @gluon.jit
-def _partial_ring_mma(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C: gl.constexpr):
+def _partial_ring_mma(layer, kvh, seg, split, n_splits, first, s, b, sm, it, q_ptr, po_ptr, pml_ptr,
+                      C: gl.constexpr):
     """``_partial_ring`` on the tensor cores (attn_ring_mma.walk: every warp's state over its rows of the split's
     slots), merged with the newest row's state (``_start``: warp 0's) warp by warp, then the warps' states merged and
-    stored as ``_partial`` does. Returns the running tile counter past the split's slots."""
-    lo, hi, hp, a0, n = kv_stream.split_slots(split, n_splits, s.ctx, C.KVS, C.KVBOX)
+    stored (``_store_split``). Returns the running tile counter past the split's slots."""
+    lo, hi, hp, a0, n = _ring_slots(split, n_splits, first, s, C)
     it, m_w, l_w, o_w = attn_ring_mma.walk(q_ptr, kvh, lo, hp, a0, n, b.qscale, sm, it, C)
     q, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)  # after the walk: its state is not live across it
     m = gl.maximum(m_i, m_w)
@@ -516,80 +521,11 @@ def _partial_ring_mma(layer, kvh, split, n_splits, s, b, sm, it, q_ptr, po_ptr, 
     Q3: gl.constexpr = o.type.layout
     o = (o * gl.expand_dims(gl.convert_layout(a_i, gl.SliceLayout(2, Q3)), 2)
          + o_w * gl.expand_dims(gl.convert_layout(a_w, gl.SliceLayout(2, Q3)), 2))
-    _store_split(m, l_i * a_i + l_w * a_w, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
+    l = l_i * a_i + l_w * a_w
+    if C.M > 1:  # the rows this step wrote, once the walk's state has merged (fewer registers live)
+        m, l, o = _late(q, m, l, o, layer, kvh, seg, split, n_splits, first, s, b, C)
+    _store_split(m, l, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
     return it
-
-
-@gluon.jit
-def _partial(layer, kvh, seg, split, n_splits, first, k, v, ks, vs, s, b, sm, q_ptr, po_ptr, pml_ptr,
-             C: gl.constexpr):
-    """A multi-token step's split after its wait, given ``_prefetch``'s first block (k, v and their scales ks, vs where
-    C.FP8): the newest row first (the split holding ``pos``: a one-position block, warp 0's), then block 0 (its
-    rows from ``first`` on, which this step wrote, loaded now with their scales) and the split's later past blocks,
-    each dequantised in registers (``_deq``); the warps' states merged; (o, m, l) stored to the partials' scratch."""
-    NW: gl.constexpr = C.NW
-    BT: gl.constexpr = C.BT
-    HD: gl.constexpr = C.HD
-    L4: gl.constexpr = layouts.attention(C)
-    KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
-    Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
-    S3: gl.constexpr = gl.SliceLayout(3, L4)  # [NW, GP, BTW] scores
-    lo, hi, hp = _split_range(split, n_splits, s.ctx)
-    tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
-    ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
-    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
-    q, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
-    q4 = gl.expand_dims(q, 2)
-    if C.M > 1:  # block 0's rows this step wrote (a verify block's earlier tokens), read after the wait, with
-        # their scales (C.FP8) where the prefetch left them 0
-        if (first < hp) & (first < lo + BT):
-            t = lo + tk
-            late = (t >= first) & (t < hp)
-            k2, v2, ks2, vs2 = _kv(b, _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C), late, d3, C)
-            late3 = gl.expand_dims(late, 2)
-            k = gl.where(late3, k2, k)
-            v = gl.where(late3, v2, v)
-            if C.FP8:
-                ks = gl.where(late, ks2, ks)
-                vs = gl.where(late, vs2, vs)
-    # a multi-token step's split walks many blocks (few splits a segment: program.attention_splits): over a bf16
-    # cache its later blocks come through two cp.async stages in the staging buffer where it holds them (free during
-    # attention; the warps' merge below reuses it after the last copy has landed): blocks 1 and 2 requested before
-    # block 0's math, block b + 2 once block b is read, the block-table gather one block further ahead. An fp8
-    # cache's blocks (e4m3 rows and their scales) load one round trip a block.
-    KVP: gl.constexpr = C.M > 1 and (not C.FP8) and C.KT_ROWS * C.TK * C.MB >= 4 * BT * HD
-    if KVP:
-        KVB: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-        kvbuf = sm.hbuf._reinterpret(gl.bfloat16, [4, NW, BT // NW, HD], KVB)
-        t1 = lo + BT + tk
-        _copy_block(kvbuf, 1, b.kc, b.vc, _rows(s.bt, seg, s.maxp, t1, hp, layer, b.num_pages, kvh, C), t1 < hp,
-                    d3, HD)
-        t2 = lo + 2 * BT + tk
-        _copy_block(kvbuf, 0, b.kc, b.vc, _rows(s.bt, seg, s.maxp, t2, hp, layer, b.num_pages, kvh, C), t2 < hp,
-                    d3, HD)
-        rnext = _rows(s.bt, seg, s.maxp, lo + 3 * BT + tk, hp, layer, b.num_pages, kvh, C)
-    # block 0 (prefetched), then the rest of the split's past: one round trip per block, or (KVP) pipelined
-    m_i, l_i, o = _block(q4, _deq(k, ks, C), _deq(v, vs, C), lo + ts < hp, m_i, l_i, o, Q3)
-    for t0 in range(lo + BT, hp, BT):
-        t = t0 + tk
-        if KVP:
-            st = ((t0 - lo) // BT) % 2
-            async_copy.wait_group(1)  # this block's group has landed (the next one may still fly)
-            k = kvbuf.index(2 * st).load(KV3)
-            v = kvbuf.index(2 * st + 1).load(KV3)
-            t2 = t + 2 * BT
-            _copy_block(kvbuf, st, b.kc, b.vc, rnext, t2 < hp, d3, HD)
-            rnext = _rows(s.bt, seg, s.maxp, t + 3 * BT, hp, layer, b.num_pages, kvh, C)
-        else:
-            row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
-            k, v, ks, vs = _kv(b, row, t < hp, d3, C)
-        m_i, l_i, o = _block(q4, _deq(k, ks, C), _deq(v, vs, C), t0 + ts < hp, m_i, l_i, o, Q3)
-    if KVP:
-        # the last copies (past the split: fully masked, but they zero-fill) land before any warp writes its state
-        # for the merge into the same buffer: each thread's own, then every thread's
-        async_copy.wait_group(0)
-        gl.thread_barrier()
-    _store_split(m_i, l_i, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
 
 
 @gluon.jit

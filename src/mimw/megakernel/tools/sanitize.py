@@ -85,9 +85,12 @@ def cases() -> dict[str, tuple]:
         "tiny_qwen3": (tiny, 40, 8, Tuning(), (1,)),
         "decode_batch": (small, 40, 8, Tuning(), (1, 1, 1)),  # three sequences a launch: the multi-token code
         "verify_block": (small, 40, 8, Tuning(), (3, 1)),  # a verify block of three beside a decode token
-        # eight sequences of 1B-shaped layers at context 300 on 16 SMs: one split a sequence walks five K/V blocks
-        # through the cp.async stages in the staging buffer, then the warps' merge reuses it
-        "kv_pipeline": (one_b, 300, 16, Tuning(), (1,) * 8),
+        # eight sequences of 1B-shaped layers at context 300 on 16 SMs: each sequence's one split a KV head walks
+        # five 64-position ring slots that the loader streamed from the sequence's own block table and context
+        "kv_ring_batch": (one_b, 300, 16, Tuning(), (1,) * 8),
+        # a verify block of seventeen at context 300 on 16 SMs: a query block of sixteen, then one token whose ring
+        # past ends at the block's first position and whose block rows (this step's) are read after the wait
+        "kv_ring_tail": (one_b, 300, 16, Tuning(), (17,)),
         # a verify block of sixteen as one query block (ops/attn_query_block.py) on 32 SMs at context 1000: four
         # splits a KV head, each over eight 32-position K/V blocks through the cp.async stages (the last one's also
         # the block's own rows, read after the wait), q staged beside them, the combine's partials through the stages
