@@ -41,6 +41,10 @@ def test_the_decode_batch_kernel_compiles_spill_free_on_wgmma(model):
     _assert_pair_wgmma(ptx, p.constants.MB)
     assert "mma.sync.aligned" not in ptx and "st.async.shared::cluster" not in ptx
     assert "cp.async.bulk.tensor" in ptx and "atom.global.gpu.release.add" in ptx
+    # the loader streams every segment's past K/V into the ring as a one-token step's: a weight tile's TMA, and a
+    # slot's K and V boxes
+    c = p.constants
+    assert c.KVS > 0 and ptx.count("cp.async.bulk.tensor.2d") == 1 + 2 * c.KVS // c.KVBOX
     assert not partition_barrier_errors(ptx, p.constants.NW)  # no CTA-wide barrier 0 (the loader never arrives)
     # DOWN_PROJ runs in two ticketed column parts (whole rows alone are fewer blocks than SMs; the 8B's input fits
     # no other way); every input staged by 16-byte async copies
@@ -163,13 +167,15 @@ def test_the_query_block_kernels_compile_spill_free_over_an_fp8_cache(model, bat
 def test_a_decode_batch_kernel_has_no_query_block_code():
     p, k, rep = _build("llama-3.2-1b", 16)
     assert p.constants.QT == 1 and not [f for f in rep["functions"] if "compute_block" in f]
-    assert "mma.sync" not in k.asm["ptx"]
+    # mma.sync only in the ring walk of its one-token groups (f32 accumulators of bf16 products, as M = 1's)
+    assert p.constants.ATTN_MMA and "mma.sync.aligned.m16n8k16" in k.asm["ptx"]
 
 
 @pytest.mark.parametrize("model,batch", [("llama-3.2-1b", 8), ("llama-3.1-8b", 16)])
 def test_the_fp8_decode_batch_kernels_compile_spill_free_on_wgmma(model, batch):
     """The multi-token kernel over an fp8 cache (the GPU-tested shapes of test_batch_gpu.py): e4m3 K/V widened in
-    registers (attention's blocks and its late reload of block 0 with their scales), the finisher's rows quantised
+    registers (attention's blocks, requested a round trip each: no ring at M > 1 over fp8, and its late reload of
+    block 0 with their scales), the finisher's rows quantised
     with round-to-nearest divisions and saturating e4m3 conversions; the same plan as the bf16 kernel's (attention
     blocks of bf16's positions: fp8's twice as many spill here) but for the rows' bytes."""
     p, k, rep = _build(model, batch, kv="fp8")

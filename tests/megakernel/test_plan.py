@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from mimw.megakernel.plan import (SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, max_tokens, norm_buffer_bytes,
-                                  plan, query_block)
+from mimw.megakernel.plan import (MIN_RING_MT, SCRATCH_BYTES, SHARED_BYTES, Tuning, exchange_bytes, max_tokens,
+                                  norm_buffer_bytes, plan, query_block)
 from mimw.megakernel.program import StepShape
 from mimw.models.spec import get_preset
 
@@ -266,7 +266,11 @@ def test_an_fp8_multi_token_plan_differs_from_the_bf16_one_only_in_its_kv_settin
     shape = StepShape((1,) * batch, 1024)
     b16, f8 = plan(spec, 132, shape), plan(spec, 132, shape, kv_dtype=fp8.FP8)
     assert (f8.constants.FP8, f8.constants.M, f8.constants.BT) == (True, batch, b16.constants.BT)
-    assert dataclasses.replace(f8.constants, FP8=False) == b16.constants
+    # its splits request each block with its scales (no ring: the e4m3 slots' walk spills the 8B), the bf16 plan's
+    # stream their past through the ring
+    c16 = b16.constants
+    assert f8.constants.KVS == 0 and not f8.constants.ATTN_MMA and c16.KVS > 0
+    assert dataclasses.replace(f8.constants, FP8=False, KVS=c16.KVS, KVBOX=c16.KVBOX, ATTN_MMA=c16.ATTN_MMA) == c16
     assert plan(spec, 132, kv_dtype=fp8.FP8).constants.BT == 2 * b16.constants.BT  # one token: 8 KB of K
     assert (f8.ring, f8.hbuf_rows, f8.program.down_parts, f8.program.max_splits) == \
         (b16.ring, b16.hbuf_rows, b16.program.down_parts, b16.program.max_splits)
@@ -277,7 +281,8 @@ def test_a_one_token_steps_past_kv_fills_whole_ring_slots_in_boxes_of_one_page()
     """plan.kv_ring: a slot holds KVS positions of K then V, exactly its 16 KB at every shipping shape (the
     attention block, or two of the 30B-A3B's 16-position blocks), in TMA boxes of gcd(page size, KVS) rows of one
     page and head; an fp8 cache's scales beside each slot cost the 1B one slot of its ring (13 -> 12: 12 * 512 bytes
-    of scales do not fit in the 2 KB the 13 slots leave); a multi-token step streams no K/V."""
+    of scales do not fit in the 2 KB the 13 slots leave); a multi-token step's one-token groups stream theirs in the
+    same slots, at least MIN_RING_MT of them, over a bf16 cache."""
     from math import gcd
 
     from mimw.kv import fp8
@@ -303,7 +308,15 @@ def test_a_one_token_steps_past_kv_fills_whole_ring_slots_in_boxes_of_one_page()
     room = SHARED_BYTES - SCRATCH_BYTES - f8.hbuf_rows * f8.tuning.tile_k * 2 - f8.exchange_bytes
     assert f8.ring == room // (16384 + 512)
     assert plan(get_preset("llama-3.1-8b"), 132, kv_dtype=fp8.FP8).ring == 11  # 11 * 256 bytes fit beside
-    assert plan(one_b, 132, StepShape((1,) * 8, 1024)).constants.KVS == 0
+    for model, batches in (("llama-3.2-1b", (8, 16, 32)), ("llama-3.1-8b", (8, 16)), ("smollm2-135m", (8,))):
+        for batch in batches:
+            m1 = plan(get_preset(model), 132).constants
+            p = plan(get_preset(model), 132, StepShape((1,) * batch, 1024))
+            c = p.constants
+            assert (c.KVS, c.KVBOX, c.ATTN_MMA, c.BT) == (m1.KVS, m1.KVBOX, m1.ATTN_MMA, m1.BT) and c.M == batch
+            assert p.ring >= MIN_RING_MT
+            # over an fp8 cache a multi-token step's splits keep requesting their blocks (plan.py)
+            assert plan(get_preset(model), 132, StepShape((1,) * batch, 1024), kv_dtype=fp8.FP8).constants.KVS == 0
 
 
 def test_a_page_size_whose_kv_boxes_tma_cannot_place_is_refused_by_name():
@@ -325,8 +338,8 @@ def test_a_page_size_whose_kv_boxes_tma_cannot_place_is_refused_by_name():
 def test_the_ring_walk_runs_on_the_tensor_cores_where_a_slot_holds_16_positions_a_warp():
     """Constants.ATTN_MMA, derived from the shape: a one-token step whose ring slot holds 16 positions a warp or
     more (the 1B's and SmolLM2's 64 bf16 / 128 fp8 positions, every head_dim-128 fp8 slot of 64) walks it on the
-    tensor cores; the head_dim-128 bf16 slots of 32 (the 8B, Qwen3, the 30B-A3B), a slot shrunk by a smaller tile,
-    more warps a slot and a multi-token step do not."""
+    tensor cores, a multi-token step's one-token groups as the one-token step's; the head_dim-128 bf16 slots of 32
+    (the 8B, Qwen3, the 30B-A3B), a slot shrunk by a smaller tile and more warps a slot do not."""
     from mimw.kv import fp8
     from mimw.megakernel.ops import attn_ring_mma
 
@@ -343,6 +356,7 @@ def test_the_ring_walk_runs_on_the_tensor_cores_where_a_slot_holds_16_positions_
     small = Tuning(tile_rows=16, tile_k=256)  # an 8 KB slot: 32 bf16 positions at head_dim 64, 64 fp8 ones
     assert not c("llama-3.2-1b", t=small).ATTN_MMA and c("llama-3.2-1b", fp8.FP8, t=small).ATTN_MMA
     assert not c("llama-3.2-1b", t=Tuning(num_warps=8)).ATTN_MMA  # 64 positions over 8 warps
-    assert not c("llama-3.2-1b", shape=StepShape((1,) * 8, 1024)).ATTN_MMA
+    assert c("llama-3.2-1b", shape=StepShape((1,) * 8, 1024)).ATTN_MMA  # a decode batch walks as one token does
+    assert not c("llama-3.1-8b", shape=StepShape((1,) * 8, 1024)).ATTN_MMA
     for kvs, nw, on in ((64, 4, True), (128, 4, True), (128, 8, True), (32, 4, False), (64, 8, False), (0, 4, False)):
         assert attn_ring_mma.applies(kvs, nw) == on, (kvs, nw)

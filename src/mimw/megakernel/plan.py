@@ -20,8 +20,9 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
     (``attn_ring_mma.applies``: every fp8 slot of the shipping shapes, bf16's at head_dim 64), else on the CUDA
     cores, each lane its own online softmax (the bf16 slot of 32 positions at head_dim 128: the 8B's);
   * every one-token attention split's past K/V through the ring, a one-token step's and a multi-token step's
-    one-token groups' (a decode batch's, a mixed step's single tokens; a query block of several tokens keeps its
-    cp.async stages): ``kv_ring``: the loader streams each split's positions into ring slots, ``KVS`` positions of
+    one-token groups' over a bf16 cache (a decode batch's, a mixed step's single tokens; a query block of several
+    tokens keeps its cp.async stages; over an fp8 cache a multi-token step's splits request each block with its
+    scales: its ring walk spills the 8B's registers): ``kv_ring``: the loader streams each split's positions into ring slots, ``KVS`` positions of
     K and V a slot, in TMA boxes of ``KVBOX`` rows of one page and head; an fp8 cache's scales beside the ring,
     ``kv_scale_bytes`` a slot; a multi-token ring's slots are the same 16 KB, ``MIN_RING_MT`` of them at least, so
     they hold a slot at every shape; a page size whose boxes TMA cannot address is refused;
@@ -459,7 +460,10 @@ def plan(spec: ModelSpec, num_sms: int, shape: StepShape = StepShape(), page_siz
     wbuf_bytes = norm_buffer_bytes(spec, t) if m > 1 else 0
     xb = exchange_bytes(spec.head_dim) if program.attn_pairs else 0
     slot = t.tile_rows * t.tile_k * 2
-    kvs, kvbox = kv_ring(spec, t, page_size, kv_dtype)  # every one-token attention group streams its past K/V
+    # every one-token attention split streams its past K/V through the ring, but a multi-token step's over an fp8
+    # cache: its slots of e4m3 rows on the tensor cores spill there (the 8B at M = 16: 84 spill stores, 320 with the
+    # late rows), so its splits keep requesting each block with its scales (ops/attn_partial._partial)
+    kvs, kvbox = kv_ring(spec, t, page_size, kv_dtype) if m == 1 or kv_dtype != fp8.FP8 else (0, 1)
     slot_bytes = slot + kv_scale_bytes(kvs, kv_dtype)  # an fp8 cache's scales travel beside their slot
     # a multi-token MoE step's router finisher reduces [8, E] over the warps, and its scan and layout conversions,
     # through the compiler's scratch: 12 KB more than the dense kernel's 8 (the 30B-A3B's 128 experts: 16.5 KB)

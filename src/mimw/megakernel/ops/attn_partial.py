@@ -246,15 +246,20 @@ def _compute_one(ins, C: gl.constexpr, s, b, sm, it, wait, target, sig):
         po_ptr = b.po + seg * (C.HQ * C.HD) * b.splits
         pml_ptr = b.pml + seg * (C.HQ * 2) * b.splits
         attn_ptr = b.attn16 + seg * (C.HQ * C.HD)  # bf16: as O_PROJ stages it (device/matvec_mt.py)
+        if C.KVS == 0:  # over an fp8 cache: the first block requested before the wait (``_prefetch``)
+            k0, v0, ks0, vs0 = _prefetch(layer, kvh, seg, split, n_splits, first, s, b, C)
     if wait >= 0:
         counter_wait(s.cnt, wait, target)
     t_ready = 0
     if C.TRACE:
         t_ready = globaltimer()
-    if C.ATTN_MMA:
-        it = _partial_ring_mma(layer, kvh, seg, split, n_splits, first, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
+    if C.KVS == 0:
+        _partial(layer, kvh, seg, split, n_splits, first, k0, v0, ks0, vs0, s, b, sm, q_ptr, po_ptr, pml_ptr, C)
     else:
-        it = _partial_ring(layer, kvh, seg, split, n_splits, first, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
+        if C.ATTN_MMA:
+            it = _partial_ring_mma(layer, kvh, seg, split, n_splits, first, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
+        else:
+            it = _partial_ring(layer, kvh, seg, split, n_splits, first, s, b, sm, it, q_ptr, po_ptr, pml_ptr, C)
     if ticket_is_last(s.cnt, ins.field(W_E), n_splits, s.epoch):  # the last split combines and signals
         _reduce(kvh, n_splits, b, po_ptr, pml_ptr, attn_ptr, C)
     else:
@@ -302,6 +307,22 @@ def _positions(BT: gl.constexpr, NW: gl.constexpr, L2: gl.constexpr):
     w = gl.arange(0, NW, gl.SliceLayout(1, L2))
     j = gl.arange(0, BTW, gl.SliceLayout(0, L2))
     return gl.expand_dims(w, 1) * BTW + gl.expand_dims(j, 0)
+
+
+@gluon.jit
+def _prefetch(layer, kvh, seg, split, n_splits, first, s, b, C: gl.constexpr):
+    """A multi-token step's split over an fp8 cache (``_partial``), before the dependency wait: the first block's K/V (past positions only; ``pos``, which ATTN_IN writes in
+    this step, is never in a block) does not depend on the step, so its round trip overlaps the wait. A multi-token
+    step's segment may continue rows of its sequence that other segments write in this step (a verify block as
+    one-token segments): positions from ``first`` on are left for after the wait (``_partial``)."""
+    KV3: gl.constexpr = gl.SliceLayout(1, layouts.attention(C))
+    lo, hi, hp = _split_range(split, n_splits, s.ctx)
+    t = lo + _positions(C.BT, C.NW, gl.SliceLayout(2, KV3))
+    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, C.HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
+    row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
+    if C.M > 1:
+        return _kv(b, row, t < gl.minimum(hp, first), d3, C)
+    return _kv(b, row, t < hp, d3, C)
 
 
 @gluon.jit
@@ -526,6 +547,48 @@ def _partial_ring_mma(layer, kvh, seg, split, n_splits, first, s, b, sm, it, q_p
         m, l, o = _late(q, m, l, o, layer, kvh, seg, split, n_splits, first, s, b, C)
     _store_split(m, l, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
     return it
+
+
+@gluon.jit
+def _partial(layer, kvh, seg, split, n_splits, first, k, v, ks, vs, s, b, sm, q_ptr, po_ptr, pml_ptr,
+             C: gl.constexpr):
+    """A multi-token step's split over an fp8 cache (no ring: ``C.KVS`` = 0, plan.py) after its wait, given ``_prefetch``'s first block (k, v and their scales ks, vs where
+    C.FP8): the newest row first (the split holding ``pos``: a one-position block, warp 0's), then block 0 (its
+    rows from ``first`` on, which this step wrote, loaded now with their scales) and the split's later past blocks,
+    each dequantised in registers (``_deq``); the warps' states merged; (o, m, l) stored to the partials' scratch."""
+    NW: gl.constexpr = C.NW
+    BT: gl.constexpr = C.BT
+    HD: gl.constexpr = C.HD
+    L4: gl.constexpr = layouts.attention(C)
+    KV3: gl.constexpr = gl.SliceLayout(1, L4)  # [NW, BTW, HD] K/V block
+    Q3: gl.constexpr = gl.SliceLayout(2, L4)  # [NW, GP, HD] queries / outputs (per warp)
+    S3: gl.constexpr = gl.SliceLayout(3, L4)  # [NW, GP, BTW] scores
+    lo, hi, hp = _split_range(split, n_splits, s.ctx)
+    tk = _positions(BT, NW, gl.SliceLayout(2, KV3))
+    ts = gl.expand_dims(_positions(BT, NW, gl.SliceLayout(1, S3)), 1)  # [NW, 1, BTW]
+    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, KV3))), 0), 1)
+    q, m_i, l_i, o = _start(layer, kvh, lo, hi, s, b, q_ptr, C)
+    q4 = gl.expand_dims(q, 2)
+    if C.M > 1:  # block 0's rows this step wrote (a verify block's earlier tokens), read after the wait, with
+        # their scales (C.FP8) where the prefetch left them 0
+        if (first < hp) & (first < lo + BT):
+            t = lo + tk
+            late = (t >= first) & (t < hp)
+            k2, v2, ks2, vs2 = _kv(b, _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C), late, d3, C)
+            late3 = gl.expand_dims(late, 2)
+            k = gl.where(late3, k2, k)
+            v = gl.where(late3, v2, v)
+            if C.FP8:
+                ks = gl.where(late, ks2, ks)
+                vs = gl.where(late, vs2, vs)
+    # block 0 (prefetched), then the rest of the split's past: one round trip a block
+    m_i, l_i, o = _block(q4, _deq(k, ks, C), _deq(v, vs, C), lo + ts < hp, m_i, l_i, o, Q3)
+    for t0 in range(lo + BT, hp, BT):
+        t = t0 + tk
+        row = _rows(s.bt, seg, s.maxp, t, hp, layer, b.num_pages, kvh, C)
+        k, v, ks, vs = _kv(b, row, t < hp, d3, C)
+        m_i, l_i, o = _block(q4, _deq(k, ks, C), _deq(v, vs, C), t0 + ts < hp, m_i, l_i, o, Q3)
+    _store_split(m_i, l_i, o, kvh, split, b, sm, po_ptr, pml_ptr, C)
 
 
 @gluon.jit
