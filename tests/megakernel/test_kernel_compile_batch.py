@@ -39,7 +39,9 @@ def test_the_decode_batch_kernel_compiles_spill_free_on_wgmma(model):
     # every matvec on wgmma (swap-AB: m64 n16 k16, a chunk pair of the tokens as B), none on mma.sync; no cluster
     # exchange
     _assert_pair_wgmma(ptx, p.constants.MB)
-    assert "mma.sync.aligned" not in ptx and "st.async.shared::cluster" not in ptx
+    assert "st.async.shared::cluster" not in ptx
+    # mma.sync only where the one-token groups' ring walk runs on it (ATTN_MMA: the 1B's slots of 64 positions)
+    assert ("mma.sync.aligned" in ptx) == p.constants.ATTN_MMA == (model == "llama-3.2-1b")
     assert "cp.async.bulk.tensor" in ptx and "atom.global.gpu.release.add" in ptx
     # the loader streams every segment's past K/V into the ring as a one-token step's: a weight tile's TMA, and a
     # slot's K and V boxes
