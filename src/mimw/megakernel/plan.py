@@ -22,10 +22,11 @@ shape, so a fallback that a shape forces is decided here, never offered as a fla
   * every one-token attention split's past K/V through the ring, a one-token step's and a multi-token step's
     one-token groups' over a bf16 cache (a decode batch's, a mixed step's single tokens; a query block of several
     tokens keeps its cp.async stages; over an fp8 cache a multi-token step's splits request each block with its
-    scales: its ring walk spills the 8B's registers): ``kv_ring``: the loader streams each split's positions into ring slots, ``KVS`` positions of
-    K and V a slot, in TMA boxes of ``KVBOX`` rows of one page and head; an fp8 cache's scales beside the ring,
-    ``kv_scale_bytes`` a slot; a multi-token ring's slots are the same 16 KB, ``MIN_RING_MT`` of them at least, so
-    they hold a slot at every shape; a page size whose boxes TMA cannot address is refused;
+    scales: its ring walk spills the 8B's registers): ``kv_ring``: the loader streams each split's positions into
+    ring slots, ``KVS`` positions of K and V a slot, in TMA boxes of ``KVBOX`` rows of one page and head; an fp8
+    cache's scales beside the ring, ``kv_scale_bytes`` a slot; a multi-token ring's slots are the same 16 KB,
+    ``MIN_RING_MT`` of them at least, so they hold a slot at every shape; a page size whose boxes TMA cannot
+    address is refused;
   * the release hold's marks on the words (hold.py);
   * a multi-token step (M = 2..``max_tokens`` one-token segments: decode tokens, a verify block's tokens): the
     tokens padded to MB = 8, 16 or 32 (``token_rows``; wgmma's N is a chunk pair's 2 MB), the staging buffer MB
