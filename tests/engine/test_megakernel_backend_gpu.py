@@ -84,6 +84,45 @@ def test_megakernel_backend_batch_step_matches_the_reference_and_single_steps():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the megakernel needs a Hopper (sm_90) GPU")
+def test_a_new_cache_frees_the_previous_one_and_steps_over_it_as_before():
+    """An engine replacing another on one backend (the trace bench's setups): once the first engine drops its
+    cache, the backend holds nothing of it (its decoder and step graphs went when the second cache was made), so
+    its pool is freed before the second engine runs; steps over the new cache give the first cache's logits."""
+    import gc
+    import weakref
+
+    from mimw.engine.backends.megakernel import MegakernelBackend
+
+    spec = get_preset("smollm2-135m").with_(num_layers=4)
+    mk = MegakernelBackend(random_weights(spec, 5, dtype=torch.bfloat16, device="cuda"))
+    prompt = torch.randint(spec.vocab_size, (30,), generator=torch.Generator().manual_seed(2))
+    segs = [Segment((0, 1, 2), 0, 30), Segment((4, 5, 6), 0, 30)]
+
+    def run(cache):
+        mk.forward(torch.cat([prompt, prompt]), segs, cache)
+        toks = torch.tensor([7, 9], device="cuda")
+        steps = [mk.forward(toks, [Segment(s.block_table, 30, 1) for s in segs], cache) for _ in range(4)]
+        return torch.stack([mk.decode_replays(toks, [Segment(s.block_table, 30, 1) for s in segs], cache)] + steps)
+
+    first = mk.make_cache(16, 64)
+    a = run(first)
+    assert mk._dec is not None and mk._dec.cache is first
+    gone = weakref.ref(first)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    second = mk.make_cache(16, 64)
+    del first
+    gc.collect()
+    assert gone() is None, "the backend still holds the first cache"
+    assert torch.cuda.memory_allocated() <= before
+    b = run(second)
+    assert torch.isfinite(b).all()
+    assert torch.equal(a[0], b[0])  # the one-token kernel, replayed: bit for bit
+    assert ((a - b).abs().max() / a.abs().max()).item() < 2e-2  # the router's paths may differ from run to run
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_megakernel_backend_verify_step_matches_the_reference_on_both_of_its_paths():
     """A step of two verify blocks and a decode token (7 tokens, every block token's logits; the multi-token step
     pads it to 8 on the backend's own page) through the backend several times: the router tries the megakernel's

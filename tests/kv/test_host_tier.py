@@ -1,4 +1,6 @@
 """HostKVTier on the CPU: offload on eviction, restore, backup, its bound and eviction order, async ordering."""
+import os
+
 import pytest
 import torch
 
@@ -178,6 +180,30 @@ def test_for_bytes_sizes_the_pool_from_every_per_page_tensor():
     assert HostKVTier.for_bytes(cache, 5 * per_page + 1).num_pages == 5
     with pytest.raises(ValueError, match="holds no page"):
         HostKVTier.for_bytes(cache, per_page - 1)
+
+
+def test_for_bytes_refuses_a_pool_past_the_memory_the_machine_has_available(monkeypatch):
+    """A pinned pool larger than the machine's available memory fails as "CUDA out of memory" (or swaps): refused
+    up front, naming both sizes."""
+    from mimw.kv import host_tier
+
+    cache = ScaledCache(LAYOUT)
+    per_page = sum(t[:, 0].numel() * t.element_size() for t in cache.page_tensors())
+    monkeypatch.setattr(host_tier, "available_host_bytes", lambda: 4 * per_page)
+    assert HostKVTier.for_bytes(cache, 4 * per_page).num_pages == 4
+    with pytest.raises(ValueError, match="does not fit the .* GiB of memory this machine has available"):
+        HostKVTier.for_bytes(cache, 5 * per_page)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="MemAvailable is Linux's /proc/meminfo")
+def test_available_host_bytes_reads_memavailable():
+    from mimw.kv.host_tier import available_host_bytes
+
+    with open("/proc/meminfo") as f:
+        line = next(ln for ln in f if ln.startswith("MemAvailable:"))
+    free = available_host_bytes()
+    assert free is not None and free % 1024 == 0
+    assert abs(free - int(line.split()[1]) * 1024) < 2**30  # read a moment apart
 
 
 def test_a_restore_waits_for_the_offload_that_writes_its_host_page():

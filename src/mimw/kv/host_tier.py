@@ -46,6 +46,19 @@ class HostTierStats:
     pages_restored: int
 
 
+def available_host_bytes() -> int | None:
+    """The memory the kernel reports available for new allocations (``MemAvailable`` in /proc/meminfo), or None
+    where that file does not exist (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 class HostKVTier:
     def __init__(self, cache: PagedKVCache, num_pages: int, retention: Retention | None = None,
                  copier: PageCopier | None = None, pin_memory: bool | None = None):
@@ -77,6 +90,11 @@ class HostKVTier:
         num_pages = capacity_bytes // per_page
         if num_pages <= 0:
             raise ValueError(f"a host tier of {capacity_bytes} bytes holds no page ({per_page} bytes per page)")
+        free = available_host_bytes()
+        if free is not None and num_pages * per_page > free:  # a pinned allocation past it fails as "CUDA out of
+            # memory", or the machine swaps
+            raise ValueError(f"a host KV tier of {num_pages * per_page / 2**30:.1f} GiB does not fit the "
+                             f"{free / 2**30:.1f} GiB of memory this machine has available (MemAvailable)")
         return cls(cache, num_pages, retention, copier)
 
     # --- queries -------------------------------------------------------------------------------------------

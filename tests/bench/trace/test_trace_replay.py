@@ -37,6 +37,14 @@ def engine(weights, **cfg):
     return Engine(ReferenceBackend(weights), ByteTokenizer(), EngineConfig(**base))
 
 
+def test_the_default_host_tier_is_the_working_set_and_a_quarter_within_half_the_available_memory():
+    from mimw.bench.trace.main import default_host_bytes
+
+    assert default_host_bytes(8 << 30, None) == 10 << 30
+    assert default_host_bytes(8 << 30, 64 << 30) == 10 << 30
+    assert default_host_bytes(70 << 30, 120 << 30) == 60 << 30  # the 8B's long trace on a 128 GB machine
+
+
 def test_step_summary_buckets_steps_by_tokens():
     st = step_summary([(0.001, 1), (0.003, 1), (0.010, 300), (0.002, 2)])
     assert st["steps"] == 4 and st["tokens_p50"] == 1.5

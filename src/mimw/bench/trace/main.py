@@ -46,7 +46,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--kv-pages", type=int, default=None, help="device pool pages (default: working set / ratio)")
     p.add_argument("--working-set-ratio", type=float, default=4.0,
                    help="size the device pool so that the working set is this many times larger (default 4)")
-    p.add_argument("--host-kv-gb", type=float, default=None, help="host tier GiB (default: the whole working set)")
+    p.add_argument("--host-kv-gb", type=float, default=None,
+                   help="host tier GiB (default: 1.25x the trace's KV working set, at most half the memory available)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--max-step-tokens", type=int, default=512)
@@ -150,6 +151,7 @@ def _in_process(args: argparse.Namespace, trace, setups: list[str]) -> int:
     import torch
 
     from ...engine.engine import Engine, EngineConfig
+    from ...kv.host_tier import available_host_bytes
     from ...kv.pages import KVLayout
     from ...models.checkpoint import load_model
     from ...server.main import ByteTokenizer, _backend
@@ -191,7 +193,8 @@ def _in_process(args: argparse.Namespace, trace, setups: list[str]) -> int:
     ws_pages = -(-st["working_set_tokens"] // ps)
     need = max(-(-(r.input_length + r.output_length) // ps) for r in trace.requests) + args.max_batch
     pages = args.kv_pages or max(int(ws_pages / args.working_set_ratio), need)
-    host_bytes = int(args.host_kv_gb * (1 << 30)) if args.host_kv_gb is not None else int(1.25 * ws_pages) * page_bytes
+    host_bytes = int(args.host_kv_gb * (1 << 30)) if args.host_kv_gb is not None else default_host_bytes(
+        ws_pages * page_bytes, available_host_bytes())
     max_len = min(spec.max_position_embeddings, pages * ps)
     model = args.model or "SmolLM2-135M-Instruct"
     dev_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -227,6 +230,14 @@ def _in_process(args: argparse.Namespace, trace, setups: list[str]) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return _finish(doc, out_dir, base)
+
+
+def default_host_bytes(working_set_bytes: int, available: int | None) -> int:
+    """The host tier of a setup with one: 1.25x the trace's KV working set, at most half the memory the machine
+    has available (the 8B's long agent trace needs ~88 GB at 1.25x: more than a 128 GB machine can pin beside the
+    loaded model)."""
+    want = int(1.25 * working_set_bytes)
+    return want if available is None else min(want, available // 2)
 
 
 def _warm_up(engine, synth, vocab: int) -> None:

@@ -110,7 +110,11 @@ class MegakernelBackend(Backend):
 
     def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
         """``num_pages`` pages for the caller, and one more past them that no sequence owns: the multi-token step
-        pads M tokens to their bucket with rows on it (megakernel/launch/one_token.py)."""
+        pads M tokens to their bucket with rows on it (megakernel/launch/one_token.py). The decoder and the step
+        graphs of an earlier cache are dropped first: they hold that cache, whose pool could not be freed while a
+        new one is allocated (an engine replacing another on this backend); a later step over the old cache builds
+        them again."""
+        self._dec = self._graphs = None
         cache = super().make_cache(page_size, num_pages + 1)
         self._pad_pages[cache] = num_pages
         return cache
