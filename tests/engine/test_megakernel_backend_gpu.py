@@ -84,6 +84,36 @@ def test_megakernel_backend_batch_step_matches_the_reference_and_single_steps():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the megakernel needs a Hopper (sm_90) GPU")
+def test_prepare_compiles_every_kernel_a_decode_batch_of_any_size_launches():
+    """After ``prepare``, decode steps of every bucket (and a verify block in the layout it compiled) find their
+    kernel compiled: the JIT's cache of the megakernel does not grow."""
+    from mimw.engine.backends.megakernel import MegakernelBackend
+    from mimw.megakernel.device.kernel import megakernel
+
+    def compiled() -> int:
+        return sum(len(c[0]) for c in megakernel.device_caches.values())
+
+    spec = get_preset("smollm2-135m").with_(num_layers=4)
+    mk = MegakernelBackend(random_weights(spec, 6, dtype=torch.bfloat16, device="cuda"))
+    cache = mk.make_cache(16, 64)
+    mk.prepare(cache)
+    n = compiled()
+    assert n >= 1 + 2 * 5  # M = 1; buckets 2..32, their decode batch and query-block kernels
+    tables = [(2 * i, 2 * i + 1) for i in range(32)]
+    g = torch.Generator().manual_seed(3)
+    mk.forward(torch.randint(spec.vocab_size, (32 * 9,), generator=g), [Segment(t, 0, 9) for t in tables], cache)
+    toks = torch.randint(spec.vocab_size, (32,), generator=g).cuda()
+    for b in (1, 2, 3, 5, 9, 17, 32):
+        segs = [Segment(t, 9, 1) for t in tables[:b]]
+        out = mk.decode_replays(toks[:1], segs[:1], cache) if b == 1 else mk.decode_kernel(toks[:b], segs, cache)
+        assert torch.isfinite(out).all()
+    out = mk.decode_kernel(toks[:3], [Segment(tables[0], 9, 2, 2), Segment(tables[1], 9, 1)], cache)
+    assert out.shape == (3, spec.vocab_size) and torch.isfinite(out).all()
+    assert compiled() == n
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_a_new_cache_frees_the_previous_one_and_steps_over_it_as_before():
     """An engine replacing another on one backend (the trace bench's setups): once the first engine drops its
     cache, the backend holds nothing of it (its decoder and step graphs went when the second cache was made), so

@@ -1,7 +1,8 @@
 """StepRouter: the megakernel backend's choice between per-sequence replays and one prefill-path call (CPU)."""
 import pytest
 
-from mimw.engine.backends.step_router import BATCHED, REPLAY, StepRouter, bucket
+from mimw.engine.backends.step_router import BATCHED, KERNEL, REPLAY, StepRouter, bucket, step_paths
+from mimw.models.reference import Segment
 
 
 def test_bucket_is_the_power_of_two_at_or_above():
@@ -153,3 +154,20 @@ def test_with_no_whole_batch_path_a_decode_step_replays_even_at_refresh():
     for _ in range(3):
         r.observe(REPLAY, 16, 16.0)
     assert [r.choose(16, (), replays=True) for _ in range(8)] == [REPLAY] * 8
+
+
+def test_step_paths_give_decode_and_verify_steps_to_the_router_and_prefill_chunks_to_the_pass():
+    t = (0, 1, 2)
+    decode = [Segment(t, 10 + i, 1) for i in range(4)]
+    assert step_paths(decode, 32, moe=False) == (KERNEL, BATCHED)
+    assert step_paths(decode[:1], 32, moe=False) == (KERNEL, BATCHED)  # one token: the router replays it
+    assert step_paths(decode * 10, 32, moe=False) == (BATCHED,)  # 40 decode tokens: past the kernel's 32
+    assert step_paths(decode * 10, 32, moe=True) == ()  # an MoE model: replays only
+    assert step_paths(decode, 8, moe=True) == (KERNEL,)
+    verify = [Segment(t, 10, 5, 5), Segment(t, 20, 1, 1)]
+    assert step_paths(verify, 32, moe=False) == (KERNEL, BATCHED)
+    assert step_paths(verify, 4, moe=False) is None  # 6 tokens past the kernel's 4
+    assert step_paths(verify, 32, moe=True) is None
+    chunk = [Segment(t, 0, 21, 1), Segment(t, 30, 1, 1)]  # a prefill chunk beside a decode token
+    assert step_paths(chunk, 32, moe=False) is None
+    assert step_paths([Segment(t, 0, 6, 6)], 32, moe=False) == (KERNEL, BATCHED)  # prompt logprobs: every row

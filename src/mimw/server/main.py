@@ -265,6 +265,13 @@ def _build_engine(args, loaded, backend, spec_cfg, device, dtype, tok, control) 
                        host_kv_bytes=int(args.host_kv_gb * (1 << 30)), overlap=not args.no_overlap)
     speculator = spec_options.build_speculator(spec_cfg, loaded, args.page_size, num_pages, draft) if spec_cfg else None
     engine = Engine(backend, tok.for_engine(), cfg, tok.eos_token_ids, speculator=speculator)
+    if args.backend == "megakernel":
+        log.info("compiling the megakernel's step kernels (a first start takes ~10 s a kernel; Triton's cache "
+                 "keeps them for the next) ...")
+    t0 = time.monotonic()
+    backend.prepare(engine.cache)  # no step waits for a compiler while serving
+    if args.backend == "megakernel":
+        log.info("compiled in %.1f s", time.monotonic() - t0)
     kv = engine.cache.layout
     loop = EngineLoop(engine, max_queue=args.max_queue).start()
     name = args.served_model_name or _default_name(args.model, loaded.source)

@@ -241,12 +241,15 @@ def default_host_bytes(working_set_bytes: int, available: int | None) -> int:
 
 
 def _warm_up(engine, synth, vocab: int) -> None:
-    """Requests through every code path before timing (first-call allocations, kernel selection, and on the
-    megakernel backend each decode batch bucket's kernel and graphs for this engine's cache): rounds of 1, 2, 4 ...
-    up to the engine's batch (at most 32) concurrent requests of distinct 32-token prompts, 4 tokens each."""
+    """Every kernel compiled (``Backend.prepare``), then requests through every code path before timing
+    (first-call allocations, kernel selection, and on the megakernel backend each decode batch bucket's graphs for
+    this engine's cache): rounds of 1, 2, 4 ... up to the engine's batch (at most 32) concurrent requests of
+    distinct 32-token prompts, 4 tokens each."""
     from ...engine.sampling import SamplingParams
 
     import numpy as np
+
+    engine.backend.prepare(engine.cache)
 
     rng = np.random.default_rng(12345)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

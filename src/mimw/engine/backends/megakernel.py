@@ -3,21 +3,25 @@
 with a bf16 scale per (token, KV head) row (``kv_dtype``, ``mimw.kv.fp8``), which the prefill path's K/V append
 quantises exactly as the kernel's own row store does (``fp8.quantize``) and every reader dequantises row by row.
 
-A step of one decode token is one megakernel launch (one CUDA graph replay). A step of several decode tokens runs
-as one launch per sequence, as one launch of the megakernel's multi-token step (2..plan.max_tokens tokens:
+A step of one decode token is one megakernel launch (one CUDA graph replay). A step of several decode tokens runs as
+one launch per sequence, as one launch of the megakernel's multi-token step (2..plan.max_tokens tokens:
 ``MegakernelDecoder.step_segments``), or as one pass of the ``PrefillRunner``'s layers, whichever this backend
-measured fastest for that token count on this GPU (``StepRouter``). A step with verify blocks (or short chunks) of
-2..max_tokens tokens in all runs on the multi-token step or one pass, measured the same way (no replays: they are
-one token's); longer steps are one pass of the runner. A pass whose segments are short (each fits one query block of
-the paged attention kernel: decode batches, verify blocks) replays as a CUDA graph per step pattern
-(``StepGraphs``); long prefill chunks run eager. The runner writes the segments' K/V into the shared cache exactly as
-the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up) once
-here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of them
+measured fastest for that token count on this GPU (``StepRouter``). A step of verify blocks (every token's logits
+wanted) of 2..max_tokens tokens in all runs on the multi-token step or one pass, measured the same way (no replays:
+they are one token's); a step with a prefill chunk, and a longer step, is one pass of the runner (the multi-token
+step plans each layout of query blocks anew, ~0.2 s of host work: worth it for a verify layout that repeats, not for
+the chunk lengths of prefill, which rarely do). ``prepare`` compiles every kernel the steps can launch before
+serving (a compile inside a step, seconds, would stall every stream). A pass whose segments are short (each fits one
+query block of the paged attention kernel: decode batches, verify blocks) replays as a CUDA graph per step pattern
+(``StepGraphs``); long prefill chunks run eager. The runner writes the segments' K/V into the shared cache exactly
+as the kernel reads it, so decode continues from those pages with no copy. The weights are fused (q/k/v, gate/up)
+once here for the prefill path's GEMMs, and the megakernel packs its own tile-major copy from row views of them
 (launch/pack.py): the GPU holds the weights twice, row-major and tile-major. A mixture-of-experts model's decode
 steps run on the megakernel as one-token launches or, where its multi-token step plans (plan.max_tokens: up to
 plan.MAX_MOE_BATCH tokens; 1 where its heads take 16-row tiles), as that step, which reads each distinct routed
 expert once; its prefill chunks and verify blocks run eager on the bf16 reference decoder (``ReferencePrefill``: the
-prefill path has no MoE block yet, and the MoE step's query blocks are GPU-checked only as a decode batch's padding).
+prefill path has no MoE block yet, and the MoE step's query blocks are GPU-checked only as a decode batch's
+padding).
 Invariants are those of ``Backend``.
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ from ...pinned import to_device
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend, EventTimer
 from .step_graphs import StepGraphs
-from .step_router import BATCHED, KERNEL, REPLAY, StepRouter
+from .step_router import BATCHED, KERNEL, REPLAY, StepRouter, step_paths
 
 
 def logit_rows(out: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
@@ -94,7 +98,7 @@ class MegakernelBackend(Backend):
         # MoE model's plan.MAX_MOE_BATCH where its step plans, else 1)
         self.max_tokens = max_tokens(weights.spec)
         # an MoE model's pass is the eager reference decoder (module doc): never a decode path, and its verify blocks
-        # and short chunks stay off the multi-token step
+        # stay off the multi-token step
         self._moe = weights.spec.is_moe
         self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
         # cache -> the page past the caller's that padding rows write (weak: a cache's entry dies with it)
@@ -119,6 +123,25 @@ class MegakernelBackend(Backend):
         self._pad_pages[cache] = num_pages
         return cache
 
+    def prepare(self, cache: PagedKVCache) -> None:
+        """Compile the kernel of every step shape ``forward`` can launch over ``cache``: the one-token step, and for
+        each bucket of tokens (powers of two up to ``max_tokens``) its decode batch and (not for an MoE model: its
+        verify blocks run eager) its query-block kernel, which serves every layout of verify blocks in the bucket
+        (plan.plan). The JIT keeps them (and Triton's cache on disk: a later process loads them); the query-block
+        decoder compiled here is dropped, a verify step plans its own layout. First start ~10 s a kernel."""
+        from ...megakernel.launch.one_token import query_blocks
+
+        dec = self._decoder(cache)
+        dec.compile()
+        m = 2
+        while m <= self.max_tokens:
+            dec.batch_decoder(m).compile()
+            if not self._moe:
+                blocks = query_blocks((2,) + (1,) * (m - 2))
+                dec.batch_decoder(m, blocks).compile()
+                dec.forget(m, blocks)
+            m *= 2
+
     def _decoder(self, cache: PagedKVCache):
         from ...megakernel.launch.decoder import MegakernelDecoder
 
@@ -131,11 +154,10 @@ class MegakernelBackend(Backend):
         for (path, batch), ms in self._timer.completed():
             self.router.observe(path, batch, ms)
         m = int(tokens.numel())
-        decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
-        if not decode and (self._moe or not 2 <= m <= self.max_tokens):  # prefill chunks, long steps, an MoE
-            # model's verify blocks: the prefill path
+        whole = step_paths(segments, self.max_tokens, self._moe)
+        if whole is None:  # prefill chunks, long verify steps, an MoE model's verify blocks: the prefill path
             return self.decode_pass(tokens, segments, cache)
-        whole = ((KERNEL,) if m <= self.max_tokens else ()) + (() if self._moe else (BATCHED,))
+        decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
         path = self.router.choose(m, whole, replays=decode)
         unmeasured = self._graphs.patterns.unmeasured if self._graphs is not None else 0
         start = self._timer.start()
@@ -158,10 +180,11 @@ class MegakernelBackend(Backend):
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def decode_kernel(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:
-        """Segments of 2..plan.max_tokens tokens in all (decode tokens, verify blocks, short chunks) as one launch
-        of the megakernel's multi-token step (one-token segments: megakernel/launch/one_token.py; a verify block's
-        attention as one query block), padded to the bucket of its tokens where the cache is this backend's (one
-        kernel a bucket, not a token count; a graph a layout of verify blocks)."""
+        """Segments of 2..plan.max_tokens tokens in all (decode tokens, verify blocks; any short segments when
+        called directly) as one launch of the megakernel's multi-token step (one-token segments:
+        megakernel/launch/one_token.py; a verify block's attention as one query block), padded to the bucket of its
+        tokens where the cache is this backend's (one kernel a bucket, not a token count; a graph a layout of verify
+        blocks)."""
         pad_page = self._pad_pages.get(cache)  # a cache this backend made: padded to the bucket of its tokens
         # the ids stay on the device (the previous step's samples may not have reached the host)
         out, rows = self._decoder(cache).step_segments(tokens, segments, pad_page)

@@ -32,6 +32,20 @@ BATCHED = "batched"
 KERNEL = "kernel"
 
 
+def step_paths(segments, max_tokens: int, moe: bool) -> tuple[str, ...] | None:
+    """The whole-step paths the router may choose for a step of ``segments`` (``Segment``s) on the megakernel
+    backend, in the order to try them (a decode step has replays besides), or None where the step is one pass of the
+    prefill path: a prefill chunk (a segment wanting fewer logits than it has tokens: the multi-token step plans
+    each layout of query blocks anew, which chunk lengths rarely repeat), verify blocks past ``max_tokens`` tokens,
+    an MoE model's verify blocks (its pass is the reference decoder)."""
+    m = sum(s.length for s in segments)
+    decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
+    verify = all(s.num_logits == s.length for s in segments)  # decode tokens and verify blocks
+    if not decode and (moe or not verify or not 2 <= m <= max_tokens):
+        return None
+    return ((KERNEL,) if m <= max_tokens else ()) + (() if moe else (BATCHED,))
+
+
 @dataclass
 class StepRouter:
     refresh: int = 256  # decisions of one bucket between two runs of the second-best path

@@ -184,6 +184,14 @@ class MegakernelDecoder:
                     f"{p.grid} resident ({self.num_sms} SMs)")
         return None
 
+    def compile(self) -> None:
+        """Compile this decoder's kernel without launching it (the JIT's cached kernel of this specialization, which
+        every later launch finds; at once where the cluster set-up compiled it already)."""
+        from ..device.kernel import megakernel
+
+        p = self.plan
+        megakernel.warmup(*self._args(), grid=(p.grid,), C=p.constants, num_warps=p.constants.NW)
+
     def set_inputs(self, token: int, position: int, block_table: Sequence[int]) -> None:
         self.set_batch([token], [position], [block_table])
 
@@ -247,6 +255,11 @@ class MegakernelDecoder:
                 self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc), blocks=blocks,
                 tp=self.tp)
         return self._batches[batch, blocks]
+
+    def forget(self, batch: int, blocks: tuple[int, ...] = ()) -> None:
+        """Drop the decoder ``batch_decoder(batch, blocks)`` built (its state, scratch and graph; the compiled kernel
+        stays with the JIT)."""
+        self._batches.pop((batch, blocks), None)
 
     def step_batch(self, tokens: Sequence[int], positions: Sequence[int],
                    block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
