@@ -24,7 +24,9 @@ Roles (``gl.warp_specialize``), one CTA a program:
       turns, handed over on two one-arrival mbarriers (``turn[w]``: warpgroup w may issue; the kernel arrives once on
       turn[0], each warpgroup arrives on the other's after issuing), so the tensor cores run one warpgroup's QK and
       PV while the other's softmax runs. Without it the two drift freely and may contend for the tensor cores and
-      the exp2 units at the same time; the attention sweep times both (``mimw bench prefill``).
+      the exp2 units at the same time. On by default: attention alone at 32k on an H100, hd 64 459 -> 473 and
+      445 -> 453 TFLOP/s, hd 128 556 -> 639 (bench/NOTES.md, p3); the attention sweep times both settings
+      (``mimw bench prefill``).
 
 Shared memory: Q [2 warpgroups x HD/64 chunks, 64, 64], K and V rings of ``stages`` slots of [HD/64, BLOCK_N, 64]
 each (a head dim of 128 is two 64-column chunks, each its own swizzled tile, so every TMA box and every wgmma operand
@@ -94,11 +96,11 @@ class GluonTiles:
     PS: int = 16
     BLOCK_N: int = 128
     NB: int = 2
-    PINGPONG: bool = False  # the two consumer warpgroups issue their wgmmas in turns (module doc)
+    PINGPONG: bool = True  # the two consumer warpgroups issue their wgmmas in turns (module doc)
 
     @classmethod
     def for_head_dim(cls, head_dim: int, group: int, kv_heads: int, page_size: int = 16,
-                     pingpong: bool = False) -> "GluonTiles":
+                     pingpong: bool = True) -> "GluonTiles":
         """Shared memory: Q (head_dim / 4 KB) plus stages x 2 x BLOCK_N x head_dim x 2 bytes within 227 KB."""
         return cls(head_dim, group, kv_heads, page_size, 128, 4 if head_dim <= 64 else 2, pingpong)
 
