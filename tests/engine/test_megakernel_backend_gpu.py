@@ -85,8 +85,8 @@ def test_megakernel_backend_batch_step_matches_the_reference_and_single_steps():
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_prepare_compiles_every_kernel_a_decode_batch_of_any_size_launches():
-    """After ``prepare``, decode steps of every bucket (and a verify block in the layout it compiled) find their
-    kernel compiled: the JIT's cache of the megakernel does not grow."""
+    """After ``prepare``, decode steps of every bucket and verify steps of any layout find their kernel compiled:
+    the JIT's cache of the megakernel does not grow."""
     from mimw.engine.backends.megakernel import MegakernelBackend
     from mimw.megakernel.device.kernel import megakernel
 
@@ -107,8 +107,12 @@ def test_prepare_compiles_every_kernel_a_decode_batch_of_any_size_launches():
         segs = [Segment(t, 9, 1) for t in tables[:b]]
         out = mk.decode_replays(toks[:1], segs[:1], cache) if b == 1 else mk.decode_kernel(toks[:b], segs, cache)
         assert torch.isfinite(out).all()
-    out = mk.decode_kernel(toks[:3], [Segment(tables[0], 9, 2, 2), Segment(tables[1], 9, 1)], cache)
-    assert out.shape == (3, spec.vocab_size) and torch.isfinite(out).all()
+    # verify layouts of buckets 4, 16 and 32 (prepare compiled one layout a bucket; every layout's kernel is that
+    # one: the same constants, and int arguments padded to one specialization class, state.unspecialized)
+    for lens in ((2, 1), (3, 1), (5, 9), (16, 3, 1), (7, 7, 7, 7)):
+        segs = [Segment(tables[i], 9, n, n) for i, n in enumerate(lens)]
+        out = mk.decode_kernel(toks[:sum(lens)], segs, cache)
+        assert out.shape == (sum(lens), spec.vocab_size) and torch.isfinite(out).all()
     assert compiled() == n
 
 

@@ -57,3 +57,50 @@ def test_fill_state_views_alias_one_buffer_and_the_tokens_tensor_lands_after_the
     assert st.tokens.tolist() == [70, 80, 90]
     assert st.positions.tolist() == [10, 5, 1] and st.seg_ctx.tolist() == [11, 6, 2]
     assert st.block_tables[:, :3].tolist() == [[3, 0, 0], [5, 6, 7], [2, 0, 0]]
+
+
+def test_unspecialized_sizes_fall_in_one_class_of_the_jits_int_specialization():
+    """Triton compiles an int argument that equals 1, or is a multiple of 16, apart; the padded sizes never are."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from mimw.megakernel.state import unspecialized
+
+    for n in range(1, 200):
+        m = unspecialized(n)
+        assert m in (n, n + 1)
+        assert native_specialize_impl(BaseBackend, m, False, True, True) == ("i32", "")
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"])
+def test_every_layout_of_verify_blocks_in_a_bucket_passes_the_same_int_classes(model):
+    """The kernel's layout-dependent int arguments (queue length, counters, splits) of random layouts of query blocks
+    in a bucket, padded as the decoder passes them, specialize alike: one compiled kernel serves the bucket (the
+    constants already agree, plan.plan)."""
+    import random
+
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from mimw.megakernel.launch.one_token import query_blocks
+    from mimw.megakernel.plan import plan
+    from mimw.megakernel.program import StepShape
+    from mimw.megakernel.state import counter_slots, split_slots, unspecialized
+    from mimw.models.spec import get_preset
+
+    spec, rng = get_preset(model), random.Random(7)
+    m = 16
+    layouts = [query_blocks((2,) + (1,) * (m - 2)), query_blocks((m,)), query_blocks((9, 6, 1))]
+    for _ in range(3):
+        cuts, left = [], m
+        while left:
+            cuts.append(rng.randint(2, min(left, 16)) if left > 1 else 1)
+            left -= cuts[-1]
+        layouts.append(query_blocks(cuts))
+    keys, constants = set(), set()
+    for blocks in layouts:
+        p = plan(spec, 132, StepShape((1,) * m, 1024, blocks))
+        ints = (unspecialized(p.words.shape[1]), counter_slots(p.program), split_slots(p.program))
+        keys.add(tuple(native_specialize_impl(BaseBackend, v, False, True, True) for v in ints))
+        constants.add(p.constants)
+    assert len(constants) == 1 and keys == {(("i32", ""),) * 3}

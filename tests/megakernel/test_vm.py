@@ -156,7 +156,8 @@ def _vm_against_reference(name, num_sms, page_size, seg_lens, contexts, config=N
     # counters were never reset: each sits at its per-step count times the steps run
     c = dec.state.counters.tolist()
     assert c[-1] == runs and c[-2] == runs * num_sms
-    assert c[:-2] == [runs * k.count for k in dec.program.counters]
+    n = len(dec.program.counters)  # then the padding (state.counter_slots), never signalled
+    assert c[:n] == [runs * k.count for k in dec.program.counters] and not any(c[n:-2])
     return dec.program
 
 
@@ -343,7 +344,8 @@ def test_counters_wrap_around_int32_without_a_reset():
     # start at an epoch where the largest per-step count's target crosses 2^31 during the next steps
     spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("tiny-llama", 16, (9,), 3, 11)
     dec = VMDecoder(spec, w, vm_cache, 7, StepShape((1,)))
-    counts = [c.count for c in dec.program.counters] + [dec.program.num_sms]
+    pad = dec.state.counters.numel() - 2 - len(dec.program.counters)  # state.counter_slots' unused counters
+    counts = [c.count for c in dec.program.counters] + [0] * pad + [dec.program.num_sms]
     epoch = 2**31 // max(i.wait_count for i in dec.program.instructions()) - 1  # a waited target wraps in step 1
     dec.state.counters.copy_(torch.tensor([i32(epoch * n) for n in counts] + [epoch], dtype=torch.int32))
     for step in range(3):

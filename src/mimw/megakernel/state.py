@@ -169,9 +169,29 @@ class Scratch:
         self.routed.zero_()
 
 
+def unspecialized(n: int) -> int:
+    """``n``, or ``n + 1`` where the JIT would compile an int argument of value ``n`` apart: Triton specializes an
+    int that equals 1 (a constant) or is a multiple of 16 (a divisibility hint), so a size the program's layout
+    moves (its queue length, counters, splits) would compile one kernel for each class it falls in. Sizes the kernel
+    takes as arguments are padded to this: every layout of a bucket finds the one compiled kernel."""
+    return n + 1 if n == 1 or n % 16 == 0 else n
+
+
+def counter_slots(prog: Program) -> int:
+    """The kernel's counter table's counters (``num_counters``: DONE and EPOCH follow): the program's, padded to
+    ``unspecialized`` with counters no instruction names."""
+    return unspecialized(len(prog.counters))
+
+
+def split_slots(prog: Program) -> int:
+    """The splits' stride of ``part_o``/``part_ml`` (the kernel's ``splits``): the program's most splits a segment,
+    padded to ``unspecialized``."""
+    return unspecialized(prog.max_splits)
+
+
 def alloc_state(prog: Program, max_pages: int, device: torch.device | str = "cpu") -> StepState:
     inputs = StepInputs(state_fields(prog.shape.num_tokens, len(prog.shape.seg_lens), max_pages), device)
-    return StepState(inputs, torch.zeros(len(prog.counters) + 2, dtype=torch.int32, device=device))
+    return StepState(inputs, torch.zeros(counter_slots(prog) + 2, dtype=torch.int32, device=device))
 
 
 def qkv_part_slots(prog: Program) -> int:
@@ -192,8 +212,8 @@ def alloc_scratch(prog: Program, device: torch.device | str = "cpu") -> Scratch:
         x=f(m, sp.hidden_size),
         qkv_part=f(qkv_part_slots(prog), m, sp.num_heads + 2 * sp.num_kv_heads, sp.head_dim),
         q=f(m, sp.num_heads, sp.head_dim),
-        part_o=f(m, sp.num_heads, prog.max_splits, sp.head_dim),
-        part_ml=f(m, sp.num_heads, prog.max_splits, 2),
+        part_o=f(m, sp.num_heads, split_slots(prog), sp.head_dim),
+        part_ml=f(m, sp.num_heads, split_slots(prog), 2),
         attn=f(m, sp.q_size),
         act=f(m, sp.intermediate_size),
         logits=f(m, prog.logits_width),  # the whole vocabulary, tensor parallelism included

@@ -27,8 +27,9 @@ from ...models.reference import Segment
 from ...models.weights import ModelWeights
 from ..plan import KV_DTYPES, LaunchPlan, Tuning, plan
 from ..program import StepShape
-from ..state import alloc_scratch, alloc_state
+from ..state import alloc_scratch, alloc_state, counter_slots, split_slots, unspecialized
 from ..tensor_parallel import TensorParallel, shard_weights
+from .. import isa
 from . import args
 from .one_token import split_segments
 from .pack import pack
@@ -110,7 +111,10 @@ class MegakernelDecoder:
     def _allocate(self) -> None:
         """The plan's words, K/V descriptors, step state, scratch and trace buffer."""
         p, dev = self.plan, self.cache.device
-        self.words, self.lens = p.words.to(dev), p.lens.to(dev)
+        # the queue length the kernel strides by, padded with NOP words to one the JIT does not specialize
+        pad = unspecialized(p.words.shape[1]) - p.words.shape[1]
+        nop = torch.tensor(isa.Nop().encode(), dtype=torch.int32).expand(p.words.shape[0], pad, -1)
+        self.words, self.lens = torch.cat([p.words, nop], dim=1).to(dev), p.lens.to(dev)
         self.kv_descs = self._kv_descs()
         self.state = alloc_state(p.program, self.max_pages, dev)
         self.scratch = alloc_scratch(p.program, dev)
@@ -133,12 +137,12 @@ class MegakernelDecoder:
             words=self.words, lens=self.lens, max_len=self.words.shape[1], tokens=s.tokens, positions=s.positions,
             seg_ctx=s.seg_ctx, seg_new=s.seg_new, block_tables=s.block_tables, max_pages=s.block_tables.shape[1],
             counters=s.counters,
-            num_counters=len(p.program.counters), ready=self.ready_words, weights=self.desc, embed=w.embed,
+            num_counters=counter_slots(p.program), ready=self.ready_words, weights=self.desc, embed=w.embed,
             attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, final_norm=w.final_norm, bias=w.bias, q_norm=w.q_norm,
             k_norm=w.k_norm, inv_freq=w.inv_freq, k=c.k, v=c.v, k_scale=self.scales[0], v_scale=self.scales[1],
             num_pages=c.layout.num_pages, k_desc=self.kv_descs[0], v_desc=self.kv_descs[1], x=x.x,
             qkv_part=x.qkv_part, q=x.q, part_o=x.part_o, part_ml=x.part_ml,
-            attn=x.attn, act=x.act, logits=x.logits, splits=p.program.max_splits, x16=x.x16, attn16=x.attn16,
+            attn=x.attn, act=x.act, logits=x.logits, splits=split_slots(p.program), x16=x.x16, attn16=x.attn16,
             act16=x.act16, router_logits=self._nonempty(x.router_logits), routed=self._nonempty(x.routed),
             slot_w=self._nonempty(x.slot_w), moe_act=self._nonempty(x.moe_act), moe_part=self._nonempty(x.moe_part),
             moe_act16=self._nonempty(x.moe_act16),

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import isa
+from ..state import counter_slots
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def main(argv=None) -> int:
         trace.copy_(dec.trace, non_blocking=True)
         counters.copy_(dec.state.counters, non_blocking=True)
     read.synchronize()
-    n = len(dec.program.counters)
+    n = counter_slots(dec.program)  # the table the kernel keeps: DONE and EPOCH follow these
     how = "graph replay" if args.graph and k > 0 else "launch"
     print(f"{how} {k + 1} of {args.steps} {'finished' if finished else f'still running after {args.timeout:.0f} s'}: "
           f"{args.model}, context {args.context}, {dec.shape.num_tokens} token(s), query blocks "
