@@ -118,6 +118,31 @@ def test_prepare_compiles_every_kernel_a_decode_batch_of_any_size_launches():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the megakernel needs a Hopper (sm_90) GPU")
+def test_a_layout_dropped_from_the_decoders_kept_runs_again_as_before(monkeypatch):
+    """The decoder keeps the last MAX_DECODERS layouts; a dropped one is planned again on its next step and gives
+    the same logits, bit for bit (same inputs, same cache rows)."""
+    from mimw.engine.backends.megakernel import MegakernelBackend
+    from mimw.megakernel.launch import decoder
+
+    monkeypatch.setattr(decoder, "MAX_DECODERS", 2)
+    spec = get_preset("smollm2-135m").with_(num_layers=4)
+    mk = MegakernelBackend(random_weights(spec, 7, dtype=torch.bfloat16, device="cuda"))
+    cache = mk.make_cache(16, 16)
+    tables = [(2 * i, 2 * i + 1) for i in range(4)]
+    g = torch.Generator().manual_seed(4)
+    mk.forward(torch.randint(spec.vocab_size, (4 * 9,), generator=g), [Segment(t, 0, 9) for t in tables], cache)
+    toks = torch.randint(spec.vocab_size, (8,), generator=g).cuda()
+    layouts = [(2, 1), (3, 1), (1, 2, 1), (4, 4)]
+    run = lambda lens: mk.decode_kernel(  # noqa: E731
+        toks[:sum(lens)], [Segment(tables[i], 9, n, n) for i, n in enumerate(lens)], cache).clone()
+    first = [run(lens) for lens in layouts]
+    assert len(mk._dec._batches) == 2
+    again = [run(lens) for lens in layouts]
+    assert all(torch.isfinite(a).all() and torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_a_new_cache_frees_the_previous_one_and_steps_over_it_as_before():
     """An engine replacing another on one backend (the trace bench's setups): once the first engine drops its
     cache, the backend holds nothing of it (its decoder and step graphs went when the second cache was made), so

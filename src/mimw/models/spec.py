@@ -13,6 +13,7 @@ weights by the benchmarks).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,11 +130,11 @@ class ModelSpec:
         """Whether ``layer``'s MLP is a mixture of experts (else a dense SwiGLU of intermediate_size)."""
         return self.is_moe and layer not in self.dense_layers
 
-    @property
+    @functools.cached_property  # read once per instruction while a program is planned
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(l for l in range(self.num_layers) if self.is_moe_layer(l))
 
-    @property
+    @functools.cached_property
     def mlp_layers(self) -> tuple[int, ...]:
         """The layers with a dense MLP (every layer of a dense model)."""
         return tuple(l for l in range(self.num_layers) if not self.is_moe_layer(l))

@@ -11,12 +11,15 @@ With ``use_graph=True`` the first ``step`` captures a CUDA graph (after filling 
 the weights streamed once (swap-AB wgmma, device/matvec_mt.py). ``step_segments`` runs any segments of M tokens in
 all (verify blocks included) as M one-token segments (one_token.py) whose attention runs each verify block as one
 query block. Each M and layout of query blocks has its own plan, step state, scratch and graph (one program each,
-built on first use; the compiled kernel is shared where the constants agree); all share the packed weights.
+built on first use; the compiled kernel is shared where the constants agree); all share the packed weights. The
+``MAX_DECODERS`` layouts used last are kept (a layout's decoder holds ~10-30 MB, the logits rows the most; serving
+with verify blocks of varied lengths would otherwise keep every layout it ever saw).
 """
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Sequence
 
@@ -33,6 +36,11 @@ from .. import isa
 from . import args
 from .one_token import split_segments
 from .pack import pack
+
+
+# a MegakernelDecoder keeps the decoders of the last MAX_DECODERS layouts (tokens, query blocks) it ran: every decode
+# bucket (six at most) and the verify layouts in use
+MAX_DECODERS = 32
 
 
 class MegakernelDecoder:
@@ -71,7 +79,8 @@ class MegakernelDecoder:
         none = torch.ones(1, dtype=torch.bfloat16, device=dev)
         self.scales = (cache.k_scale, cache.v_scale) if cache.layout.quantized else (none, none)
         self._tuning = tuning
-        self._batches: dict[tuple[int, tuple[int, ...]], MegakernelDecoder] = {}
+        # (tokens, query blocks) -> that step's decoder, least recently used first (at most MAX_DECODERS)
+        self._batches: OrderedDict[tuple[int, tuple[int, ...]], MegakernelDecoder] = OrderedDict()
         if packed is not None:
             self.w, self.desc = packed
         else:
@@ -251,14 +260,21 @@ class MegakernelDecoder:
         sharing this one's packed weights and cache; built on first use."""
         if (batch, blocks) == (self.shape.num_tokens, self.shape.attn_blocks):
             return self
-        if (batch, blocks) not in self._batches:
-            # with the packed weights given, the constructor reads only the weights' spec: no reference to the
-            # caller's weights is kept
-            self._batches[batch, blocks] = MegakernelDecoder(
-                SimpleNamespace(spec=self.whole_spec), self.cache, self.max_pages, self._tuning, self.num_sms,
-                self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc), blocks=blocks,
-                tp=self.tp)
-        return self._batches[batch, blocks]
+        key = (batch, blocks)
+        dec = self._batches.get(key)
+        if dec is not None:
+            self._batches.move_to_end(key)
+            return dec
+        if len(self._batches) >= MAX_DECODERS:  # the least recently used layout goes, once the GPU is past its
+            # launches: its graph's and scratch's memory must not be handed out under a replay still in flight
+            torch.cuda.synchronize(self.cache.device)
+            self._batches.popitem(last=False)
+        # with the packed weights given, the constructor reads only the weights' spec: no reference to the caller's
+        # weights is kept
+        dec = self._batches[key] = MegakernelDecoder(
+            SimpleNamespace(spec=self.whole_spec), self.cache, self.max_pages, self._tuning, self.num_sms,
+            self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc), blocks=blocks, tp=self.tp)
+        return dec
 
     def forget(self, batch: int, blocks: tuple[int, ...] = ()) -> None:
         """Drop the decoder ``batch_decoder(batch, blocks)`` built (its state, scratch and graph; the compiled kernel
