@@ -157,8 +157,9 @@ class MegakernelBackend(Backend):
         whole = step_paths(segments, self.max_tokens, self._moe)
         if whole is None:  # prefill chunks, long verify steps, an MoE model's verify blocks: the prefill path
             return self.decode_pass(tokens, segments, cache)
-        decode = all(s.length == 1 and s.num_logits == 1 for s in segments)
-        path = self.router.choose(m, whole, replays=decode)
+        # a step the router takes is decode tokens or verify blocks (every token's logits wanted): a decode step
+        # exactly when every segment is one token
+        path = self.router.choose(m, whole, replays=m == len(segments))
         unmeasured = self._graphs.patterns.unmeasured if self._graphs is not None else 0
         start = self._timer.start()
         step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
