@@ -78,7 +78,7 @@ def test_tiles_fit_shared_memory_and_refuse_other_head_dims():
 def test_each_paged_kernel_takes_its_own_tiles():
     from mimw.prefill import AttentionTiles
 
-    PrefillConfig("gluon", tiles=GluonTiles.for_head_dim(64, 4, 8, pingpong=False))
+    PrefillConfig("gluon", tiles=GluonTiles.for_head_dim(64, 4, 8))
     PrefillConfig("triton", tiles=AttentionTiles())
     with pytest.raises(ValueError, match="takes GluonTiles"):
         PrefillConfig("gluon", tiles=AttentionTiles())

@@ -32,12 +32,10 @@ class _Ids:
 
 def attention_sweep(bench, model, spec, cache, pages) -> None:
     """One layer's attention for the last pass of a causal prompt of each of ``attention_lengths``: every
-    implementation at its defaults, each length in turn; then the paged kernel's other tiles and the Gluon
-    kernel's other PINGPONG setting at the first length (last, so that a deadline cuts the sweep before the
-    comparison)."""
+    implementation at its defaults, each length in turn; then the paged kernel's other tiles at the first length
+    (last, so that a deadline cuts the sweep before the comparison)."""
     import torch
 
-    from ..prefill.gluon_attention import GluonTiles
     from ..prefill.paged_attention import AttentionTiles
 
     cache.k[0].normal_()
@@ -51,10 +49,6 @@ def attention_sweep(bench, model, spec, cache, pages) -> None:
     default = AttentionTiles.for_head_dim(spec.head_dim)
     others = [AttentionTiles(*t) for t in TILES.get(spec.head_dim, ()) if AttentionTiles(*t) != default]
     cases = [("triton", t) for t in others]
-    if "gluon" in bench.cfg.impls and spec.head_dim in (64, 128):
-        g = GluonTiles.for_head_dim(spec.head_dim, spec.group_size, spec.num_kv_heads, bench.cfg.page_size)
-        cases.append(("gluon", GluonTiles.for_head_dim(spec.head_dim, spec.group_size, spec.num_kv_heads,
-                                                       bench.cfg.page_size, pingpong=not g.PINGPONG)))
     if lengths and cases:
         _time_attention(bench, model, spec, cache, pages, lengths[0], cases)
 

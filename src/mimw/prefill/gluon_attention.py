@@ -20,13 +20,12 @@ Roles (``gl.warp_specialize``), one CTA a program:
       P from registers: the fp32 score accumulator's layout is the A operand's, so P never touches shared memory),
       waits for S_j only, releases K_j, runs tile j's online softmax while the PV wgmma is still in flight, then
       waits for it, releases V_{j-1} and rescales O for tile j.
-  Turns (``GluonTiles.PINGPONG``, FlashAttention-3's ping-pong): the warpgroups issue an iteration's wgmmas in
-      turns, handed over on two one-arrival mbarriers (``turn[w]``: warpgroup w may issue; the kernel arrives once on
-      turn[0], each warpgroup arrives on the other's after issuing), so the tensor cores run one warpgroup's QK and
-      PV while the other's softmax runs. Without it the two drift freely and may contend for the tensor cores and
-      the exp2 units at the same time. On by default: attention alone at 32k on an H100, hd 64 459 -> 473 and
-      445 -> 453 TFLOP/s, hd 128 556 -> 639 (bench/NOTES.md, p3); the attention sweep times both settings
-      (``mimw bench prefill``).
+  Turns (FlashAttention-3's ping-pong): the warpgroups issue an iteration's wgmmas in turns, handed over on two
+      one-arrival mbarriers (``turn[w]``: warpgroup w may issue; the kernel arrives once on turn[0], each
+      warpgroup arrives on the other's after issuing), so the tensor cores run one warpgroup's QK and
+      PV while the other's softmax runs. Left to drift freely the two contend for the tensor cores and the exp2
+      units at the same time: attention alone at 32k on an H100 ran 459 / 445 TFLOP/s at hd 64 and 556 at hd 128
+      without the turns, 473 / 453 and 639 with them (bench/NOTES.md, p3).
 
 Shared memory: Q [2 warpgroups x HD/64 chunks, 64, 64], K and V rings of ``stages`` slots of [HD/64, BLOCK_N, 64]
 each (a head dim of 128 is two 64-column chunks, each its own swizzled tile, so every TMA box and every wgmma operand
@@ -96,13 +95,11 @@ class GluonTiles:
     PS: int = 16
     BLOCK_N: int = 128
     NB: int = 2
-    PINGPONG: bool = True  # the two consumer warpgroups issue their wgmmas in turns (module doc)
 
     @classmethod
-    def for_head_dim(cls, head_dim: int, group: int, kv_heads: int, page_size: int = 16,
-                     pingpong: bool = True) -> "GluonTiles":
+    def for_head_dim(cls, head_dim: int, group: int, kv_heads: int, page_size: int = 16) -> "GluonTiles":
         """Shared memory: Q (head_dim / 4 KB) plus stages x 2 x BLOCK_N x head_dim x 2 bytes within 227 KB."""
-        return cls(head_dim, group, kv_heads, page_size, 128, 4 if head_dim <= 64 else 2, pingpong)
+        return cls(head_dim, group, kv_heads, page_size, 128, 4 if head_dim <= 64 else 2)
 
     def __post_init__(self) -> None:
         if self.HD not in (64, 128):
@@ -134,7 +131,7 @@ class Ring:
     v_ready: gl.shared_memory_descriptor
     v_empty: gl.shared_memory_descriptor
     v_fixed: gl.shared_memory_descriptor  # [1, 1]: both warpgroups zeroed the last tile's V rows past the context
-    turn: gl.shared_memory_descriptor  # [2, 1]: with PINGPONG, warpgroup w may issue its next tile's wgmmas
+    turn: gl.shared_memory_descriptor  # [2, 1]: warpgroup w may issue its next tile's wgmmas
 
     @gluon.constexpr_function
     def __init__(self, q, k, v, q_bar, k_ready, k_empty, v_ready, v_empty, v_fixed, turn):
@@ -257,18 +254,16 @@ def _produce(ring, blk, q_desc, k_desc, v_desc, BT, stride_bt, C: gl.constexpr):
 
 
 @gluon.jit
-def _take_turn(ring, t, WG: gl.constexpr, C: gl.constexpr):
-    """PINGPONG: wait for turn t of this warpgroup (completion t of its turn barrier: the kernel's first arrival
-    for warpgroup 0's turn 0, then the other warpgroup's turn t - 1 (0: t) handing over)."""
-    if C.PINGPONG:
-        mbarrier.wait(ring.turn.index(WG), t & 1)
+def _take_turn(ring, t, WG: gl.constexpr):
+    """Wait for turn t of this warpgroup (completion t of its turn barrier: the kernel's first arrival for
+    warpgroup 0's turn 0, then the other warpgroup's turn t - 1 (0: t) handing over)."""
+    mbarrier.wait(ring.turn.index(WG), t & 1)
 
 
 @gluon.jit
-def _pass_turn(ring, WG: gl.constexpr, C: gl.constexpr):
-    """PINGPONG: this warpgroup's wgmmas of the turn are issued; the other warpgroup may issue its own."""
-    if C.PINGPONG:
-        mbarrier.arrive(ring.turn.index(1 - WG), count=1)
+def _pass_turn(ring, WG: gl.constexpr):
+    """This warpgroup's wgmmas of the turn are issued; the other warpgroup may issue its own."""
+    mbarrier.arrive(ring.turn.index(1 - WG), count=1)
 
 
 @gluon.jit
@@ -278,7 +273,7 @@ def _scores(ring, j, WG: gl.constexpr, C: gl.constexpr):
     BN: gl.constexpr = C.BLOCK_N
     s = j % C.NB
     mbarrier.wait(ring.k_ready.index(s), (j // C.NB) & 1)
-    _take_turn(ring, j, WG, C)
+    _take_turn(ring, j, WG)
     acc = gl.zeros([64, BN], gl.float32, s_layout(BN))
     acc = warpgroup_mma(ring.q.index(WG * HC), ring.k.index(s * HC).permute((1, 0)), acc, use_acc=False,
                         is_async=True)
@@ -339,7 +334,7 @@ def _tile(ring, blk, j, p, o0, o1, m_i, l_i, q_pos, qk_scale, WG: gl.constexpr, 
     sp = (j - 1) % C.NB
     mbarrier.wait(ring.v_ready.index(sp), ((j - 1) // C.NB) & 1)
     o0, o1 = _pv(ring, p, o0, o1, j - 1, C)
-    _pass_turn(ring, WG, C)
+    _pass_turn(ring, WG)
     acc = warpgroup_mma_wait(num_outstanding=HC, deps=(acc,))  # S_j done, PV_{j-1} may still run
     mbarrier.arrive(ring.k_empty.index(j % C.NB), count=1)
     p_new, m_i, l_i, alpha = _softmax(acc, m_i, l_i, j * C.BLOCK_N, q_pos, blk.ctx, qk_scale, MASKED, C)
@@ -389,7 +384,7 @@ def _consume(ring, blk, O, stride_ot, stride_oh, qk_scale, WG: gl.constexpr, C: 
     mbarrier.wait(ring.q_bar.index(0), 0)
     # tile 0: every row sees key 0, so each running max is finite from here on; masked in case it is the diagonal
     acc = _scores(ring, 0, WG, C)
-    _pass_turn(ring, WG, C)
+    _pass_turn(ring, WG)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(ring.k_empty.index(0), count=1)
     p, m_i, l_i, alpha = _softmax(acc, m_i, l_i, 0, q_pos, blk.ctx, qk_scale, True, C)
@@ -454,8 +449,7 @@ def gluon_prefill_kernel(q_desc, k_desc, v_desc, O, BT, Q_START, SEQ_START, SEQ_
     mbarrier.init(ring.v_fixed.index(0), count=2)
     mbarrier.init(ring.turn.index(0), count=1)
     mbarrier.init(ring.turn.index(1), count=1)
-    if C.PINGPONG:
-        mbarrier.arrive(ring.turn.index(0), count=1)  # warpgroup 0 takes the first turn
+    mbarrier.arrive(ring.turn.index(0), count=1)  # warpgroup 0 takes the first turn
     for i in gl.static_range(NB):
         mbarrier.init(ring.k_ready.index(i), count=1)
         mbarrier.init(ring.v_ready.index(i), count=1)
