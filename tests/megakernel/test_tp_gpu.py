@@ -32,3 +32,25 @@ def test_ranks_on_one_gpu_match_the_whole_models_reference(model, ranks, layers,
     assert r.max_rel_err <= 2e-2, r
     assert r.argmax_agree_or_tie >= 0.99, r
     assert r.kv_rel_err <= max(1e-2, 2 * r.bf16_kv_rel_err), r
+
+
+def test_replay_reruns_the_last_step_bit_for_bit():
+    """``SharedGPUGroup.replay`` (tools.tp_check's timed step): every rank's CUDA graph reruns the last
+    ``step_batch``'s step, the ranks in flight together, to the same logits bit for bit over poisoned scratch."""
+    from mimw.bench.config import preset_spec
+    from mimw.megakernel.launch.tp import SharedGPUGroup
+    from mimw.megakernel.tools.check import random_cache
+    from mimw.models.weights import random_weights
+
+    spec = preset_spec("llama-3.2-1b", 2)
+    w = random_weights(spec, 0, dtype=torch.bfloat16, device="cuda")
+    cache, table = random_cache(spec, 1000, 8, 16, 1)
+    group = SharedGPUGroup(w, cache, 2, max_pages_per_seq=len(table), context_hint=1000)
+    want = group.step(1, 1000, table).clone()
+    assert torch.isfinite(want).all()
+    for _ in range(3):
+        group.poison()
+        group.replay()
+        torch.cuda.synchronize()
+        for d in group.decoders:
+            assert torch.equal(d.scratch.logits, want)

@@ -50,7 +50,8 @@ class SharedGPUGroup:
     """N ranks of ``weights`` (the whole model) on one GPU, ``num_sms`` (default: the GPU's) shared out evenly;
     ``cache`` holds every KV head (each rank gets a copy of its heads: ``gather`` writes the ranks' rows back).
     ``step`` and ``step_batch`` run every rank's kernel once and return rank 0's logits; ``disagreements`` counts
-    the steps whose ranks' logits were not bit-identical (every rank gathers the same partials in rank order)."""
+    the steps whose ranks' logits were not bit-identical (every rank gathers the same partials in rank order).
+    ``replay`` reruns the last step from CUDA graphs without waiting on the host: what a timing measures."""
 
     def __init__(self, weights: ModelWeights, cache: PagedKVCache, size: int, max_pages_per_seq: int | None = None,
                  tuning: Tuning = Tuning(), num_sms: int | None = None, context_hint: int = 1024, batch: int = 1,
@@ -67,6 +68,7 @@ class SharedGPUGroup:
         self.memory = alloc_peer_memory(*inbox_shape(self.decoders[0].plan.constants), device=dev)
         link(self.decoders, self.memory.buffers)
         self.streams = [torch.cuda.Stream(dev) for _ in self.decoders]
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None  # ``replay``'s, one a rank
         self.disagreements = 0
 
     def poison(self) -> None:
@@ -78,28 +80,51 @@ class SharedGPUGroup:
     def step(self, token: int, position: int, block_table: Sequence[int]) -> torch.Tensor:
         return self.step_batch([token], [position], [block_table])
 
-    def step_batch(self, tokens: Sequence[int], positions: Sequence[int],
-                   block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """One launch of every rank (each its stream, all in flight together) -> rank 0's logits [B, V]."""
-        for d in self.decoders:
-            d.set_batch(tokens, positions, block_tables)
+    def _run(self, launches: Sequence, guard: bool) -> None:
+        """``launches[r]()`` on rank r's stream, after the caller's stream's work, all in flight together; the
+        caller's stream then waits for every rank. ``guard``: the host waits too, and raises past ``timeout_s``
+        (ranks that are not all resident at once never finish)."""
         ready = torch.cuda.current_stream().record_event()
-        for d, s in zip(self.decoders, self.streams):
+        for launch, s in zip(launches, self.streams):
             s.wait_event(ready)
             with torch.cuda.stream(s):
-                d.launch()
+                launch()
         done = [s.record_event() for s in self.streams]
         start = time.monotonic()
-        while not all(e.query() for e in done):
+        while guard and not all(e.query() for e in done):
             if time.monotonic() - start > self.timeout_s:
                 raise RuntimeError(f"the {len(self.decoders)} ranks' kernels did not finish in {self.timeout_s} s: "
                                    "not all resident at once, or a peer wait never met")
             time.sleep(1e-4)
         for e in done:
             torch.cuda.current_stream().wait_event(e)
+
+    def step_batch(self, tokens: Sequence[int], positions: Sequence[int],
+                   block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One launch of every rank (each its stream, all in flight together) -> rank 0's logits [B, V]."""
+        for d in self.decoders:
+            d.set_batch(tokens, positions, block_tables)
+        self._run([d.launch for d in self.decoders], guard=True)
         logits = [d.scratch.logits for d in self.decoders]
         self.disagreements += int(not all(torch.equal(logits[0], x) for x in logits[1:]))
         return logits[0]
+
+    def replay(self) -> None:
+        """Every rank's step again over the inputs the last ``step_batch`` set, from one CUDA graph a rank (recorded
+        on the first call, whose replay is guarded as ``step_batch`` is), all in flight together; the caller's stream
+        waits for them, the host does not. A timing's step: ``step_batch``'s host wait and logit comparison would
+        be most of what it measured."""
+        first = self.graphs is None
+        if first:
+            if not all(d.inputs_set for d in self.decoders):
+                raise RuntimeError("step_batch() must run before replay(): it sets the ranks' inputs")
+            self.graphs = []
+            for d in self.decoders:  # recorded, not run: a rank launched alone would wait for its peers forever
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    d.launch()
+                self.graphs.append(g)
+        self._run([g.replay for g in self.graphs], guard=first)
 
     def gather(self, cache: PagedKVCache | None = None) -> None:
         """Copy every rank's KV heads back into ``cache`` (default: the one the group was built from)."""
@@ -170,6 +195,14 @@ class DistributedRank:
         dist.all_gather(every, logits, group=self.group)
         self.disagreements += int(not all(torch.equal(every[0], x) for x in every[1:]))
         return logits
+
+    def replay(self) -> None:
+        """This rank's step again over the inputs the last ``step_batch`` set, from a CUDA graph (recorded on the
+        first call: every rank calls it together, so the recording's warm-up launch meets its peers'), with no host
+        wait and no comparison: a timing's step."""
+        if self.decoder.graph is None:
+            self.decoder.capture()
+        self.decoder.run()
 
     def gather(self, cache: PagedKVCache) -> None:
         """Every rank's KV heads into ``cache`` (the whole model's heads), on every rank (all-gathers)."""
