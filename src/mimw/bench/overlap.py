@@ -236,10 +236,12 @@ def run(args: argparse.Namespace) -> int:
         row: dict = {"batch": b, **backend_step_ms(engines[False], b, args.prompt + args.tokens // 2, args.step_iters)}
         row["engine_host_ms"] = engine_host_ms(loaded.spec, device, b, args.prompt, args.tokens)
         for mode, eng in engines.items():
-            # warm-up as long as the measure: every compilation and graph capture of the run's shapes (the pass's
-            # graphs recapture as the block tables widen; the backend rebuilds its decoder and graphs for this
-            # engine's cache)
-            engine_itl_ms(eng, b, args.prompt, args.tokens, seed=1000 + b)
+            # warm-up: the measure's workload twice, so that every step pattern it repeats (the prompt steps'
+            # mixes, the decode batches shrinking as requests finish) has been seen twice and captured before the
+            # measure (a pass pattern runs eager when first seen and is captured when seen again); the backend
+            # rebuilds its decoder and graphs for this engine's cache in the first
+            for w in range(2):
+                engine_itl_ms(eng, b, args.prompt, args.tokens, seed=1000 * (w + 1) + b)
             before = graph_work(backend)
             r = engine_itl_ms(eng, b, args.prompt, args.tokens, seed=b)
             # graph captures and eager first sightings inside the measure (each capture drains the GPU's queue)
