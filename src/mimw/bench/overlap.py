@@ -27,6 +27,7 @@ import torch
 
 from ..engine.backends.base import Backend
 from ..kv.pages import KVLayout, PagedKVCache
+from . import profile_gaps
 
 
 def add_arguments(sub) -> None:
@@ -148,6 +149,10 @@ def profile_itl(engine, batch: int, prompt: int, tokens: int, out: Path, name: s
     prof.export_chrome_trace(str(out / f"profile-{name}-b{batch}.json"))
     print(f"[overlap] profile {name}, batch {batch}: ITL {r['itl_ms']:.3f} ms; by self CPU time:", file=sys.stderr)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr, flush=True)
+    device, host = profile_gaps.spans(prof)
+    if device:  # where the GPU idled inside the run, and the host calls that overlap those gaps
+        print(f"[overlap] profile {name}, batch {batch}: "
+              f"{profile_gaps.format_summary(profile_gaps.summary(device, host))}", file=sys.stderr, flush=True)
 
 
 class FixedLogits(Backend):

@@ -1,0 +1,106 @@
+"""Where a profiled run's GPU idled, and what the host was doing meanwhile (pure Python over time spans; ``spans``
+reads them from a ``torch.profiler`` run).
+
+The overlap bench's question is whether the device waits for the host between steps: the device's busy intervals
+(kernels and copies, merged) leave gaps; each gap of at least ``min_gap_us`` is charged to the host calls that
+overlap it (CUDA runtime calls and ATen ops, by overlapped time), the rest of it to host code that made no such
+call (Python: scheduling, bookkeeping). ``summary`` returns the busy share, the gaps by size and the largest gaps
+with their host calls; ``format_summary`` prints it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+BUCKETS_US = (50.0, 200.0, 1000.0)  # gaps counted as >= each
+
+
+@dataclass(frozen=True)
+class Span:
+    start_us: float
+    end_us: float
+    name: str
+
+
+def merged(spans: Sequence[Span]) -> list[tuple[float, float]]:
+    """The union of the spans' intervals, in order."""
+    out: list[list[float]] = []
+    for s in sorted(spans, key=lambda s: s.start_us):
+        if out and s.start_us <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], s.end_us)
+        else:
+            out.append([s.start_us, s.end_us])
+    return [(a, b) for a, b in out]
+
+
+def gaps(device: Sequence[Span], min_gap_us: float) -> list[tuple[float, float]]:
+    """The device's idle intervals of at least ``min_gap_us`` between its first and last busy moment."""
+    busy = merged(device)
+    return [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_gap_us]
+
+
+def charge(gap: tuple[float, float], host: Sequence[Span]) -> dict[str, float]:
+    """The gap's time by the host calls that overlap it (their overlap, per name: nested calls each count, so the
+    names may add up past the gap), and ``(no call)`` for the time no call covers."""
+    a, b = gap
+    by: dict[str, float] = defaultdict(float)
+    covered = []
+    for s in host:
+        lo, hi = max(a, s.start_us), min(b, s.end_us)
+        if hi > lo:
+            by[s.name] += hi - lo
+            covered.append(Span(lo, hi, s.name))
+    by["(no call)"] = (b - a) - sum(y - x for x, y in merged(covered))
+    return dict(by)
+
+
+def summary(device: Sequence[Span], host: Sequence[Span], min_gap_us: float = 20.0, top: int = 5) -> dict:
+    if not device:
+        return {"busy_share": 0.0, "window_us": 0.0, "gaps": {}, "largest": []}
+    busy = merged(device)
+    window = busy[-1][1] - busy[0][0]
+    idle = gaps(device, min_gap_us)
+    by_size = {f">={int(t)}us": {"count": sum(b - a >= t for a, b in idle),
+                                 "us": sum(b - a for a, b in idle if b - a >= t)} for t in BUCKETS_US}
+    by_size[f">={int(min_gap_us)}us"] = {"count": len(idle), "us": sum(b - a for a, b in idle)}
+    largest = sorted(idle, key=lambda g: g[0] - g[1])[:top]
+    total = defaultdict(float)  # every gap's time by host call
+    for g in idle:
+        for k, v in charge(g, host).items():
+            total[k] += v
+    return {"busy_share": sum(b - a for a, b in busy) / window if window else 1.0, "window_us": window,
+            "gaps": by_size, "gap_time_by_host_call": dict(sorted(total.items(), key=lambda kv: -kv[1])),
+            "largest": [{"at_us": a - busy[0][0], "us": b - a,
+                         "host": dict(sorted(charge((a, b), host).items(), key=lambda kv: -kv[1])[:4])}
+                        for a, b in largest]}
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"device busy {100 * s['busy_share']:.1f}% of {s['window_us'] / 1e3:.1f} ms; idle gaps: " +
+             ", ".join(f"{k} {v['count']} ({v['us'] / 1e3:.2f} ms)" for k, v in s["gaps"].items())]
+    calls = list(s.get("gap_time_by_host_call", {}).items())[:6]
+    if calls:
+        lines.append("gap time by host call: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in calls))
+    for g in s["largest"]:
+        lines.append(f"  gap {g['us']:.0f} us at +{g['at_us'] / 1e3:.2f} ms: " +
+                     ", ".join(f"{k} {v:.0f} us" for k, v in g["host"].items()))
+    return "\n".join(lines)
+
+
+def spans(prof) -> tuple[list[Span], list[Span]]:
+    """(device spans: kernels and copies; host spans: CUDA runtime calls and ATen ops) of a ``torch.profiler``
+    run."""
+    from torch.autograd import DeviceType
+
+    device, host = [], []
+    for e in prof.events():
+        s = Span(float(e.time_range.start), float(e.time_range.end), e.name)
+        if e.device_type == DeviceType.CUDA:
+            device.append(s)
+        elif e.name.startswith(("cuda", "cu", "aten::")):
+            host.append(s)
+    return device, host
+
+
+__all__ = ["Span", "merged", "gaps", "charge", "summary", "format_summary", "spans"]
