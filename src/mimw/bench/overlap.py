@@ -279,9 +279,17 @@ def _slug(text: str) -> str:
 
 def graph_work(backend) -> dict:
     """The megakernel backend's short-step graphs so far: captures and steps run eager as a first sighting
-    (``StepGraphs``); empty for a backend without them."""
+    (``StepGraphs``), and ``pinned_waits``: the times a step's inputs found their pinned buffer still being copied
+    (the host waited for the GPU there: the graphs' and the megakernel decoders' input rings); empty for a backend
+    without them."""
     graphs = getattr(backend, "_graphs", None)
-    return {"captures": graphs.patterns.captures, "eager": graphs.patterns.eager} if graphs is not None else {}
+    if graphs is None:
+        return {}
+    dec = getattr(backend, "_dec", None)
+    decoders = [] if dec is None else [dec, *dec._batches.values()]
+    waits = sum(g.inputs.ring.stalls for g in graphs.patterns.graphs.values()) + \
+        sum(d.state.inputs.ring.stalls for d in decoders)
+    return {"captures": graphs.patterns.captures, "eager": graphs.patterns.eager, "pinned_waits": waits}
 
 
 def _line(row: dict) -> str:
@@ -289,13 +297,13 @@ def _line(row: dict) -> str:
     h = row["engine_host_ms"]
     return (f"[overlap] batch {row['batch']}: step {row['backend_step_ms']:.3f} ms{k}; ITL sync "
             f"{row['sync']['itl_ms']:.3f} ms, overlap {row['overlap']['itl_ms']:.3f} ms; engine host work "
-            f"{h['sync']:.3f} / {h['overlap']:.3f} ms a step; graph captures / eager steps in the measure: sync "
+            f"{h['sync']:.3f} / {h['overlap']:.3f} ms a step; graph captures / eager steps / pinned-buffer waits in the measure: sync "
             f"{_work(row['sync'])}, overlap {_work(row['overlap'])}")
 
 
 def _work(r: dict) -> str:
     w = r.get("graph_work") or {}
-    return f"{w['captures']} / {w['eager']}" if w else "-"
+    return f"{w['captures']} / {w['eager']} / {w['pinned_waits']}" if w else "-"
 
 
 def table(rows: Sequence[dict]) -> str:
