@@ -27,6 +27,9 @@ def _rank(rank: int, size: int, name: str, init: str, out: str) -> None:
         with torch.no_grad():
             logits = m(torch.tensor([inputs.token]), torch.tensor([inputs.context]))
         torch.save(logits, f"{out}.{rank}")
+        # no rank tears its group down while another is still inside a collective with it (gloo's threads then
+        # abort the process: "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

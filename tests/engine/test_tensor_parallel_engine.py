@@ -47,6 +47,7 @@ def _rank(rank: int, size: int, init: str, out: str) -> None:
             torch.save(tokens, out)
         else:
             assert follow(backend, control) > 0
+        dist.barrier()  # no rank tears its group down while another is still inside a collective with it
     finally:
         dist.destroy_process_group()
 
