@@ -34,7 +34,7 @@ def test_profile_writes_a_trace_per_mode_and_prints_the_host_calls(tmp_path, cap
     assert "profile sync, batch 2" in err and "profile overlap, batch 2" in err and "Self CPU" in err
 
 
-def test_graph_work_counts_captures_eager_steps_and_the_host_waits_of_every_input_ring():
+def test_graph_work_counts_captures_eager_steps_host_waits_and_steps_by_path():
     """The megakernel backend's step graphs and decoders as plain objects: the pinned-buffer waits of every graph's
     inputs and of every decoder's step state (the one-token decoder and its batch decoders) add up."""
     from types import SimpleNamespace as NS
@@ -45,5 +45,8 @@ def test_graph_work_counts_captures_eager_steps_and_the_host_waits_of_every_inpu
     graphs = NS(patterns=NS(captures=3, eager=5, graphs={"a": NS(inputs=ring(1)), "b": NS(inputs=ring(2))}))
     dec = NS(state=NS(inputs=ring(4)), _batches={(8, ()): NS(state=NS(inputs=ring(8)))})
     assert graph_work(NS(_graphs=graphs, _dec=dec)) == {"captures": 3, "eager": 5, "pinned_waits": 15}
+    paths = {"batched": 120, "prefill": 2}
+    assert graph_work(NS(_graphs=graphs, _dec=dec, steps_by_path=paths)) == {
+        "captures": 3, "eager": 5, "pinned_waits": 15, "path_batched": 120, "path_prefill": 2}
     assert graph_work(NS(_graphs=graphs, _dec=None))["pinned_waits"] == 3
     assert graph_work(NS()) == {}

@@ -214,6 +214,9 @@ def test_megakernel_backend_verify_step_matches_the_reference_on_both_of_its_pat
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 6 / 7
     assert 8 in mk.router.step_ms[KERNEL] and 8 in mk.router.batched_ms and mk.router.replay_ms is None
     assert REPLAY not in mk.router.step_ms
+    # every step counted by the path it ran: the three prompts one pass each, the 14 verify steps the router's
+    assert mk.steps_by_path["prefill"] == 3 and sum(mk.steps_by_path.values()) == 3 + 14
+    assert mk.steps_by_path[KERNEL] >= 3 and mk.steps_by_path["batched"] >= 3 and mk.steps_by_path[REPLAY] == 0
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),

@@ -279,9 +279,9 @@ def _slug(text: str) -> str:
 
 def graph_work(backend) -> dict:
     """The megakernel backend's short-step graphs so far: captures and steps run eager as a first sighting
-    (``StepGraphs``), and ``pinned_waits``: the times a step's inputs found their pinned buffer still being copied
-    (the host waited for the GPU there: the graphs' and the megakernel decoders' input rings); empty for a backend
-    without them."""
+    (``StepGraphs``), ``pinned_waits``: the times a step's inputs found their pinned buffer still being copied
+    (the host waited for the GPU there: the graphs' and the megakernel decoders' input rings), and ``path_<p>``:
+    the steps each path ran (``MegakernelBackend.steps_by_path``); empty for a backend without graphs."""
     graphs = getattr(backend, "_graphs", None)
     if graphs is None:
         return {}
@@ -289,7 +289,8 @@ def graph_work(backend) -> dict:
     decoders = [] if dec is None else [dec, *dec._batches.values()]
     waits = sum(g.inputs.ring.stalls for g in graphs.patterns.graphs.values()) + \
         sum(d.state.inputs.ring.stalls for d in decoders)
-    return {"captures": graphs.patterns.captures, "eager": graphs.patterns.eager, "pinned_waits": waits}
+    paths = {f"path_{p}": n for p, n in getattr(backend, "steps_by_path", {}).items()}
+    return {"captures": graphs.patterns.captures, "eager": graphs.patterns.eager, "pinned_waits": waits, **paths}
 
 
 def _line(row: dict) -> str:
@@ -303,7 +304,10 @@ def _line(row: dict) -> str:
 
 def _work(r: dict) -> str:
     w = r.get("graph_work") or {}
-    return f"{w['captures']} / {w['eager']} / {w['pinned_waits']}" if w else "-"
+    if not w:
+        return "-"
+    paths = " ".join(f"{k.removeprefix('path_')} {v}" for k, v in w.items() if k.startswith("path_") and v)
+    return f"{w['captures']} / {w['eager']} / {w['pinned_waits']} (steps: {paths or 'none'})"
 
 
 def table(rows: Sequence[dict]) -> str:

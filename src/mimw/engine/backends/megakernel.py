@@ -27,6 +27,7 @@ Invariants are those of ``Backend``.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from typing import Sequence
 
 import torch
@@ -40,6 +41,8 @@ from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
 from .base import Backend, EventTimer
 from .step_graphs import StepGraphs
 from .step_router import BATCHED, KERNEL, REPLAY, StepRouter, step_paths
+
+PREFILL = "prefill"  # ``steps_by_path``'s key for a step the router does not take (a prompt chunk: one pass)
 
 
 def logit_rows(out: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
@@ -101,6 +104,8 @@ class MegakernelBackend(Backend):
         # stay off the multi-token step
         self._moe = weights.spec.is_moe
         self._timer = EventTimer()  # decode steps' times by (path, batch), for the router
+        # steps run so far by path: the router's choices, and PREFILL for steps with a prompt chunk (one pass)
+        self.steps_by_path: Counter[str] = Counter()
         # cache -> the page past the caller's that padding rows write (weak: a cache's entry dies with it)
         self._pad_pages: weakref.WeakKeyDictionary[PagedKVCache, int] = weakref.WeakKeyDictionary()
 
@@ -156,10 +161,12 @@ class MegakernelBackend(Backend):
         m = int(tokens.numel())
         whole = step_paths(segments, self.max_tokens, self._moe)
         if whole is None:  # prefill chunks, long verify steps, an MoE model's verify blocks: the prefill path
+            self.steps_by_path[PREFILL] += 1
             return self.decode_pass(tokens, segments, cache)
         # a step the router takes is decode tokens or verify blocks (every token's logits wanted): a decode step
         # exactly when every segment is one token
         path = self.router.choose(m, whole, replays=m == len(segments))
+        self.steps_by_path[path] += 1
         unmeasured = self._graphs.patterns.unmeasured if self._graphs is not None else 0
         start = self._timer.start()
         step = {REPLAY: self.decode_replays, KERNEL: self.decode_kernel, BATCHED: self.decode_pass}[path]
