@@ -298,8 +298,8 @@ def _line(row: dict) -> str:
     h = row["engine_host_ms"]
     return (f"[overlap] batch {row['batch']}: step {row['backend_step_ms']:.3f} ms{k}; ITL sync "
             f"{row['sync']['itl_ms']:.3f} ms, overlap {row['overlap']['itl_ms']:.3f} ms; engine host work "
-            f"{h['sync']:.3f} / {h['overlap']:.3f} ms a step; graph captures / eager steps / pinned-buffer waits in the measure: sync "
-            f"{_work(row['sync'])}, overlap {_work(row['overlap'])}")
+            f"{h['sync']:.3f} / {h['overlap']:.3f} ms a step; in the measure, graph captures / eager steps / "
+            f"pinned-buffer waits (steps by path): sync {_work(row['sync'])}, overlap {_work(row['overlap'])}")
 
 
 def _work(r: dict) -> str:

@@ -6,15 +6,16 @@ Roles (``gl.warp_specialize``):
       tiles from the ring, epilogue, store), and signal its counter (release).
   loader (1 warp, small register budget; device/ring.py): walks the SAME queue and streams every instruction's
       weight tiles, as its words name them (isa.TileSpan), with TMA into the ring, and every one-token attention
-      split's past K/V (a one-token step's, a multi-token step's one-token groups': device/kv_stream.py). It never waits on a counter, so it prefetches the next
-      instructions' weights and K/V (next layer included) while compute waits for dependencies; an MoE expert span
-      first waits for its routing entry (the one wait on step data: device/ring.py, traced by device/route_wait.py).
+      split's past K/V (a one-token step's, a multi-token step's one-token groups': device/kv_stream.py). It never
+      waits on a counter, so it prefetches the next instructions' weights and K/V (next layer included) while
+      compute waits for dependencies; an MoE expert span first waits for its routing entry (the one wait on step
+      data: device/ring.py, traced by device/route_wait.py).
 Tensor parallelism (``C.TP`` ranks, each its own kernel: device/peer.py): PEER-flagged instructions send their
 partials to every rank's inbox and signal every rank's peer counter; REDUCE waits for its own peer counter at system
 scope. With cluster pairs (``C.XB``) the CTAs run in clusters of two, and the two parts of a paired instruction swap
 their sums through distributed shared memory (device/cluster.py). At the end each CTA adds 1 to the DONE counter;
-the CTA that completes it bumps EPOCH, which moves every counter's step-numbered target for the next launch (no reset kernel,
-CUDA-graph friendly).
+the CTA that completes it bumps EPOCH, which moves every counter's step-numbered target for the next launch (no reset
+kernel, CUDA-graph friendly).
 
 Dispatch reads the op table (ops/): one line per instruction. Compute requests instruction i + 1's words before
 instruction i's work, and does not poll again a dependency it already saw met (consecutive blocks of one stage).

@@ -311,10 +311,11 @@ def _positions(BT: gl.constexpr, NW: gl.constexpr, L2: gl.constexpr):
 
 @gluon.jit
 def _prefetch(layer, kvh, seg, split, n_splits, first, s, b, C: gl.constexpr):
-    """A multi-token step's split over an fp8 cache (``_partial``), before the dependency wait: the first block's K/V (past positions only; ``pos``, which ATTN_IN writes in
-    this step, is never in a block) does not depend on the step, so its round trip overlaps the wait. A multi-token
-    step's segment may continue rows of its sequence that other segments write in this step (a verify block as
-    one-token segments): positions from ``first`` on are left for after the wait (``_partial``)."""
+    """A multi-token step's split over an fp8 cache (``_partial``), before the dependency wait: the first block's
+    K/V (past positions only; ``pos``, which ATTN_IN writes in this step, is never in a block) does not depend on the
+    step, so its round trip overlaps the wait. A multi-token step's segment may continue rows of its sequence that
+    other segments write in this step (a verify block as one-token segments): positions from ``first`` on are left
+    for after the wait (``_partial``)."""
     KV3: gl.constexpr = gl.SliceLayout(1, layouts.attention(C))
     lo, hi, hp = _split_range(split, n_splits, s.ctx)
     t = lo + _positions(C.BT, C.NW, gl.SliceLayout(2, KV3))
@@ -552,10 +553,11 @@ def _partial_ring_mma(layer, kvh, seg, split, n_splits, first, s, b, sm, it, q_p
 @gluon.jit
 def _partial(layer, kvh, seg, split, n_splits, first, k, v, ks, vs, s, b, sm, q_ptr, po_ptr, pml_ptr,
              C: gl.constexpr):
-    """A multi-token step's split over an fp8 cache (no ring: ``C.KVS`` = 0, plan.py) after its wait, given ``_prefetch``'s first block (k, v and their scales ks, vs where
-    C.FP8): the newest row first (the split holding ``pos``: a one-position block, warp 0's), then block 0 (its
-    rows from ``first`` on, which this step wrote, loaded now with their scales) and the split's later past blocks,
-    each dequantised in registers (``_deq``); the warps' states merged; (o, m, l) stored to the partials' scratch."""
+    """A multi-token step's split over an fp8 cache (no ring: ``C.KVS`` = 0, plan.py) after its wait, given
+    ``_prefetch``'s first block (k, v and their scales ks, vs where C.FP8): the newest row first (the split holding
+    ``pos``: a one-position block, warp 0's), then block 0 (its rows from ``first`` on, which this step wrote,
+    loaded now with their scales) and the split's later past blocks, each dequantised in registers (``_deq``); the
+    warps' states merged; (o, m, l) stored to the partials' scratch."""
     NW: gl.constexpr = C.NW
     BT: gl.constexpr = C.BT
     HD: gl.constexpr = C.HD

@@ -7,7 +7,8 @@ each on num_sms / N SMs); their step time there says what the peer paths cost, n
 rank 0 reports, and the step time is the tensor-parallel step against the one-GPU step on rank 0's GPU and against
 the tensor-parallel PyTorch peer (bench/peers/tp_decoder.py: NCCL all-reduces, one CUDA graph a step). Each row:
 the check's verdict and numbers, the median ms a step (every rank's step replayed from CUDA graphs, the host not
-waiting between steps, as the one-GPU step's graph is), a table at the end, JSON to ``$OUT/tp_check.json`` when $OUT is set.
+waiting between steps, as the one-GPU step's graph is), a table at the end, JSON to ``$OUT/tp_check.json`` when
+$OUT is set.
 
     PYTHONPATH=src python -m mimw.megakernel.tools.tp_check --models llama-3.2-1b,llama-3.1-8b --ranks 2,4 --layers 4
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
