@@ -99,7 +99,7 @@ def backend_step_ms(engine, batch: int, context: int, iters: int) -> dict:
 
 def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> dict:
     """B greedy requests through an EngineLoop; the mean gap between a request's consecutive token events once
-    every request decodes (its first 4 tokens skipped), averaged over the requests."""
+    every request decodes (from the second token after the last request's first), averaged over the requests."""
     from ..engine.loop import EngineLoop
     from ..engine.sampling import SamplingParams
 
@@ -130,8 +130,16 @@ def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> di
     finally:
         loop.stop()
     wall = time.perf_counter() - t0
-    skip = 4
-    gaps = [(ts[-1] - ts[skip]) / (len(ts) - 1 - skip) for ts in times.values() if len(ts) > skip + 1]
+    # every request decodes from the step after the last first token (before it, steps carry other requests'
+    # prompt chunks); each request's gaps from there, after one more token
+    start = max(ts[0] for ts in times.values())
+    gaps = []
+    for ts in times.values():
+        after = [t for t in ts if t > start][1:]
+        if len(after) > 1:
+            gaps.append((after[-1] - after[0]) / (len(after) - 1))
+    if not gaps:
+        raise RuntimeError("no request decoded two tokens after every request's first: raise --tokens")
     return {"itl_ms": 1e3 * statistics.fmean(gaps), "wall_s": wall, "tokens": sum(len(t) for t in times.values())}
 
 
