@@ -120,9 +120,9 @@ def compile_gluon_sm90(tiles: gluon_attention.GluonTiles):
 
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"])
 def test_gluon_attention_compiles_to_tma_rings_and_async_wgmma(preset):
-    """hd 64 (1B) and 128 (8B, Qwen3-0.6B): one TMA box per page and 64-column chunk (Q's two warpgroup halves, a
-    tile's K and V boxes, unrolled once each), wgmma in both consumer warpgroups with S_j awaited while PV_{j-1} runs
-    (wait_group HC in both loops of both), register budgets set per role
+    """hd 64 (1B: three consumer warpgroups) and 128 (8B, Qwen3-0.6B: two): one TMA box per page and 64-column
+    chunk (Q's warpgroup parts, a tile's K and V boxes, unrolled once each), wgmma in every consumer warpgroup with
+    S_j awaited while PV_{j-1} runs (wait_group HC in both loops of each), register budgets set per role
     (setmaxnreg), no spills, shared memory within the SM's 227 KB, and every barrier 0 the default partition's."""
     from mimw.megakernel.launch.compile import partition_barrier_errors, ptxas_report
 
@@ -130,11 +130,13 @@ def test_gluon_attention_compiles_to_tma_rings_and_async_wgmma(preset):
     tiles = gluon_attention.GluonTiles.for_head_dim(spec.head_dim, spec.group_size, spec.num_kv_heads)
     k = compile_gluon_sm90(tiles)
     ptx = k.asm["ptx"]
-    boxes = 2 * tiles.HC + 2 * (tiles.BLOCK_N // tiles.PS) * tiles.HC
+    boxes = tiles.WGS * tiles.HC + 2 * (tiles.BLOCK_N // tiles.PS) * tiles.HC
     assert count(ptx, r"cp\.async\.bulk\.tensor\.2d") == boxes
-    assert count(ptx, r"wgmma\.mma_async") > 0 and count(ptx, rf"wgmma\.wait_group\.sync\.aligned {tiles.HC};") == 4
+    waits = count(ptx, rf"wgmma\.wait_group\.sync\.aligned {tiles.HC};")
+    assert count(ptx, r"wgmma\.mma_async") > 0 and waits == 2 * tiles.WGS  # both loops of every consumer
     regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)})
-    assert gluon_attention.PRODUCER_REGS.value in regs and gluon_attention.CONSUMER_REGS.value in regs
+    consumer = {2: gluon_attention.CONSUMER_REGS_2, 3: gluon_attention.CONSUMER_REGS_3}[tiles.WGS]
+    assert gluon_attention.PRODUCER_REGS.value in regs and consumer.value in regs
     assert count(ptx, r"(ld|st)\.local") == 0
     rep = ptxas_report(ptx)
     assert rep["spill_stores"] == rep["spill_loads"] == rep["stack"] == 0

@@ -12,7 +12,7 @@ from mimw.models.weights import random_weights
 from mimw.prefill import PrefillConfig, PrefillRunner
 from mimw.prefill.batch import Piece, PrefillBatch
 from mimw.prefill.gathered_attention import torch_attention
-from mimw.prefill.gluon_attention import BLOCK_M, GluonTiles, attend_torch
+from mimw.prefill.gluon_attention import GROUPED_ROWS, GluonTiles, attend_torch
 
 PS = 16
 
@@ -42,11 +42,13 @@ def _case(hd: int, hq: int, hkv: int, seed: int):
     return q, k_layer, v_layer, batch
 
 
-@pytest.mark.parametrize("hd,hq,hkv,block_n", [(64, 4, 2, 128), (128, 6, 2, 128), (64, 2, 1, 64)])
-def test_the_kernels_walk_is_the_reference_attention(hd, hq, hkv, block_n):
+@pytest.mark.parametrize("hd,hq,hkv,block_n,block_m", [(64, 4, 2, 128, None), (128, 6, 2, 128, None),
+                                                        (64, 2, 1, 64, None), (64, 4, 2, 128, 128)])
+def test_the_kernels_walk_is_the_reference_attention(hd, hq, hkv, block_n, block_m):
+    """Every tiling the kernel takes: hd 64's three warpgroups (192 rows a program; also two), hd 128's two."""
     q, k, v, batch = _case(hd, hq, hkv, seed=hd + hq)
     want = torch_attention(q, k, v, batch)
-    got = attend_torch(q, k, v, batch, block_n)
+    got = attend_torch(q, k, v, batch, block_n, block_m)
     assert torch.isfinite(got).all()  # every row written, no NaN from the unwritten rows past a context
     # P in bf16 (as the kernel's PV wgmma takes it) against the reference's fp32 softmax
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -67,12 +69,15 @@ def test_tiles_fit_shared_memory_and_refuse_other_head_dims():
         t = GluonTiles.for_head_dim(hd, 4, 8)
         assert t.shared_bytes <= 227 * 1024 and t.BLOCK_N % t.PS == 0
         assert t.HC == hd // 64
-    assert GluonTiles.for_head_dim(64, 4, 8).NB == 4 and GluonTiles.for_head_dim(128, 4, 8).NB == 2
+    assert GluonTiles.for_head_dim(64, 4, 8).NB == 8 and GluonTiles.for_head_dim(128, 4, 8).NB == 2
+    assert GluonTiles.for_head_dim(64, 4, 8).block_m == 192 and GluonTiles.for_head_dim(128, 4, 8).block_m == 128
+    with pytest.raises(ValueError, match="3 at head_dim 64"):
+        GluonTiles(128, 4, 8, WGS=3)
     with pytest.raises(ValueError, match="head_dim 64 or 128"):
         GluonTiles.for_head_dim(96, 4, 8)
     with pytest.raises(ValueError, match="page_size"):
         GluonTiles(64, 4, 8, PS=12)
-    assert BLOCK_M == 128
+    assert GROUPED_ROWS == 128
 
 
 def test_each_paged_kernel_takes_its_own_tiles():
@@ -105,16 +110,16 @@ class _Triton:
 
 
 def test_short_passes_and_an_fp8_cache_run_on_the_triton_kernel():
-    """The Gluon attention's plan: a pass of pieces of at most BLOCK_M rows is the Triton kernel's run itself; a
+    """The Gluon attention's plan: a pass of pieces of at most GROUPED_ROWS rows is the Triton kernel's run itself; a
     longer pass runs the Gluon kernel over a bf16 cache and the Triton kernel where the layer comes with its fp8
     scales."""
     from mimw.prefill.gluon_attention import GluonAttention
 
     att = GluonAttention()
     att._triton = _Triton()
-    short_batch = type("B", (), {"pieces": [Piece(tuple(range(8)), 0, BLOCK_M, 1)]})()
+    short_batch = type("B", (), {"pieces": [Piece(tuple(range(8)), 0, GROUPED_ROWS, 1)]})()
     assert att.plan(short_batch)() == "triton"
-    long_batch = type("B", (), {"pieces": [Piece(tuple(range(16)), 0, BLOCK_M + 1, 1)]})()
+    long_batch = type("B", (), {"pieces": [Piece(tuple(range(16)), 0, GROUPED_ROWS + 1, 1)]})()
     run = att.plan(long_batch)
     q, k, v, ks, vs = (torch.zeros(1) for _ in range(5))
     assert run(q, k, v, ks, vs) == "triton" and att._triton.ran[-1] == (q, k, v, ks, vs)

@@ -38,7 +38,7 @@ from ...kv.pages import PagedKVCache
 from ...models.reference import Segment
 from ...prefill import PrefillRunner
 from ...prefill.batch import Piece, PrefillBatch
-from ...prefill.gluon_attention import BLOCK_M as GLUON_BLOCK_M
+from ...prefill.gluon_attention import GROUPED_ROWS as GLUON_BLOCK_M
 from ...prefill.paged_attention import AttentionTiles
 from ...step_inputs import Field, StepInputs
 from .graph_patterns import CAPTURE, EAGER, GraphPatterns
