@@ -14,7 +14,10 @@ def test_a_short_cpu_run_writes_rows_for_both_modes(tmp_path, capsys):
         assert r["backend_step_ms"] > 0 and r["engine_host_ms"]["sync"] > 0 and r["engine_host_ms"]["overlap"] > 0
         for mode in ("sync", "overlap"):
             assert r[mode]["itl_ms"] > 0 and r[mode]["tokens"] == r["batch"] * 10
-    assert "| batch |" in capsys.readouterr().out
+            g = r[mode]["gc"]  # the collector's pauses in the measure
+            assert g["pauses"] >= 0 and g["ms"] >= g["max_ms"] >= 0
+    out = capsys.readouterr()
+    assert "| batch |" in out.out and "gc pauses: sync" in out.err
 
 
 def test_bad_options_are_one_line_errors(capsys):

@@ -2,7 +2,7 @@
 calls that overlap it (the rest to code that made no call)."""
 import pytest
 
-from mimw.bench.profile_gaps import Span, charge, format_summary, gaps, merged, summary
+from mimw.bench.profile_gaps import Span, around, charge, format_summary, gaps, merged, short, summary
 
 
 def test_busy_spans_merge_and_leave_the_gaps_between_them():
@@ -38,3 +38,23 @@ def test_summary_counts_gaps_by_size_and_lists_the_largest_first():
 
 def test_no_device_work_is_an_empty_summary():
     assert summary([], [Span(0, 1, "x")])["busy_share"] == 0.0
+
+
+def test_kernel_names_are_cut_to_their_function():
+    assert short("void at::native::(anonymous namespace)::reduce_kernel<512, 1>(float*)") == "reduce_kernel"
+    assert short("Memcpy DtoH (Device -> Pinned)") == "Memcpy DtoH "
+    assert short("megakernel_step") == "megakernel_step"
+
+
+def test_gaps_are_placed_between_the_device_ops_around_them():
+    # two steps: graph kernel, argmax, copy; the host is late before the argmax of the first step and before the
+    # second step's graph kernel
+    dev = [Span(0, 100, "step_kernel"), Span(130, 135, "void argmax_kernel<float>(float*)"),
+           Span(136, 140, "Memcpy DtoH"), Span(200, 300, "step_kernel"), Span(301, 305, "argmax_kernel")]
+    got = around(gaps(dev, 20), dev)
+    assert got == {"Memcpy DtoH -> step_kernel": 60, "step_kernel -> argmax_kernel": 30}
+    assert list(got) == ["Memcpy DtoH -> step_kernel", "step_kernel -> argmax_kernel"]  # largest first
+    s = summary(dev, [Span(100, 130, "mimw.commit")], min_gap_us=20)
+    assert s["gap_time_by_device_ops"] == got
+    assert s["gap_time_by_host_call"]["mimw.commit"] == 30
+    assert "gap time by device ops around it: Memcpy DtoH -> step_kernel 0.06 ms" in format_summary(s)

@@ -5,11 +5,14 @@ take their input ids from the device tensor of the previous step's samples; requ
 two tokens are resolved in their own step."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from mimw.engine.backends.reference import ReferenceBackend
 from mimw.engine.engine import Engine, EngineConfig
+from mimw.engine.loop import EngineLoop
 from mimw.engine.overlap import needs_host
 from mimw.engine.sampling import SamplingParams
 from mimw.kv.prefix import chain_hashes
@@ -316,3 +319,32 @@ def test_step_tokens_feeds_a_decode_step_from_the_device_and_builds_any_other():
     assert step_tokens(mixed, {}, f, cpu).tolist() == [ids[0].item(), *r.token_ids[1:], *ids[1:].tolist()]
     known = [Chunk(q, 0, len(q.token_ids)) for q in reqs]  # no token in flight: all from the host
     assert step_tokens(known, {}, None, cpu).tolist() == sum((q.token_ids for q in reqs), [])
+
+
+def test_a_profiled_step_names_its_phases_and_an_unprofiled_one_enters_none(tiny_weights):
+    """The engine's phases (mimw.profiling.phase) are ``record_function`` ranges in a profiled run, in step order,
+    and a shared no-op otherwise."""
+    from torch.profiler import profile
+
+    from mimw.profiling import phase
+
+    assert phase("schedule") is phase("forward")  # no profiler: the one shared null context
+    eng = make(tiny_weights, True)
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=4), lambda o: None)
+    eng.step()  # the prompts
+    with profile() as prof:
+        eng.step()  # a decode step: the prompts' tokens are read while it runs
+    names = [e.name for e in prof.events() if e.name.startswith("mimw.")]
+    assert names == ["mimw.schedule", "mimw.forward", "mimw.commit", "mimw.sample", "mimw.read", "mimw.append"]
+    # the engine's loop thread, profiled from another thread (the overlap bench's setting)
+    from mimw.bench.overlap import all_threads
+
+    done = threading.Event()
+    with profile(experimental_config=all_threads()) as prof:
+        loop = EngineLoop(eng).start()
+        loop.submit("late", PROMPTS[3], SamplingParams(max_tokens=3), lambda o: o.finished and done.set())
+        assert done.wait(60)
+        loop.stop()
+    names = {e.name for e in prof.events() if e.name.startswith("mimw.")}
+    assert {"mimw.step", "mimw.inbox", "mimw.schedule", "mimw.forward", "mimw.sample"} <= names

@@ -15,6 +15,7 @@ writes ``overlap-<device>-<model>.json`` to ``--out``. On a shared CPU, ``--thre
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -43,9 +44,10 @@ def add_arguments(sub) -> None:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request (default 32)")
     p.add_argument("--step-iters", type=int, default=50, help="back-to-back backend steps timed (default 50)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--profile", action="store_true", help="also profile each engine's timed requests at the last "
-                   "batch (torch.profiler): the host calls that wait for the device, by CPU time, and a Chrome trace "
-                   "per mode in --out")
+    p.add_argument("--profile", action="store_true", help="also profile each engine's timed requests at each batch "
+                   "(torch.profiler): the host calls that wait for the device, by CPU time, where the device idles "
+                   "(gaps by host call and engine phase, by the device ops around them), and a Chrome trace per mode "
+                   "and batch in --out")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results/overlap", metavar="DIR")
 
 
@@ -118,9 +120,19 @@ def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> di
                 if left[0] == 0:
                     done.set()
 
+    pauses: list[float] = []  # the garbage collector's pauses in the measure (any thread), ms
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append(1e3 * (time.perf_counter() - began[0]))
+
     loop = EngineLoop(engine, max_queue=batch + 1).start()
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
+    gc.callbacks.append(on_gc)
     try:
         for b in range(batch):
             ids = torch.randint(3, 256, (prompt,), generator=g).tolist()
@@ -129,6 +141,7 @@ def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> di
             raise RuntimeError("the engine did not finish in 600 s")
     finally:
         loop.stop()
+        gc.callbacks.remove(on_gc)
     wall = time.perf_counter() - t0
     # every request decodes from the step after the last first token (before it, steps carry other requests'
     # prompt chunks); each request's gaps from there, after one more token
@@ -140,7 +153,17 @@ def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> di
             gaps.append((after[-1] - after[0]) / (len(after) - 1))
     if not gaps:
         raise RuntimeError("no request decoded two tokens after every request's first: raise --tokens")
-    return {"itl_ms": 1e3 * statistics.fmean(gaps), "wall_s": wall, "tokens": sum(len(t) for t in times.values())}
+    return {"itl_ms": 1e3 * statistics.fmean(gaps), "wall_s": wall, "tokens": sum(len(t) for t in times.values()),
+            "gc": {"pauses": len(pauses), "ms": sum(pauses), "max_ms": max(pauses, default=0.0)}}
+
+
+def all_threads():
+    """The profiler's setting that records every thread's ops and ranges (the engine steps on its loop thread), or
+    None (the main thread's only) where this torch lacks it."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None
 
 
 def profile_itl(engine, batch: int, prompt: int, tokens: int, out: Path, name: str) -> None:
@@ -151,7 +174,7 @@ def profile_itl(engine, batch: int, prompt: int, tokens: int, out: Path, name: s
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     engine_itl_ms(engine, batch, prompt, tokens, seed=3000 + batch)  # the backend back on this engine's cache
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, experimental_config=all_threads()) as prof:
         r = engine_itl_ms(engine, batch, prompt, tokens, seed=2000 + batch)
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(out / f"profile-{name}-b{batch}.json"))
@@ -270,8 +293,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(_line(row), file=sys.stderr, flush=True)
     if args.profile:
-        for mode, eng in engines.items():
-            profile_itl(eng, batches[-1], args.prompt, args.tokens, Path(args.out), "overlap" if mode else "sync")
+        for b in batches:
+            for mode, eng in engines.items():
+                profile_itl(eng, b, args.prompt, args.tokens, Path(args.out), "overlap" if mode else "sync")
     doc = {"bench": "overlap", "model": args.model, "backend": name, "device": dev_name,
            "torch": torch.__version__, "tokens": args.tokens, "prompt": args.prompt, "rows": rows,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -307,7 +331,13 @@ def _line(row: dict) -> str:
     return (f"[overlap] batch {row['batch']}: step {row['backend_step_ms']:.3f} ms{k}; ITL sync "
             f"{row['sync']['itl_ms']:.3f} ms, overlap {row['overlap']['itl_ms']:.3f} ms; engine host work "
             f"{h['sync']:.3f} / {h['overlap']:.3f} ms a step; in the measure, graph captures / eager steps / "
-            f"pinned-buffer waits (steps by path): sync {_work(row['sync'])}, overlap {_work(row['overlap'])}")
+            f"pinned-buffer waits (steps by path): sync {_work(row['sync'])}, overlap {_work(row['overlap'])}; "
+            f"gc pauses: sync {_gc(row['sync'])}, overlap {_gc(row['overlap'])}")
+
+
+def _gc(r: dict) -> str:
+    g = r["gc"]
+    return f"{g['pauses']} ({g['ms']:.1f} ms, longest {g['max_ms']:.2f})"
 
 
 def _work(r: dict) -> str:

@@ -34,6 +34,7 @@ from ..kv.prefix import PrefixCache
 from ..kv.retention import POLICIES, Retention
 from ..kv.transfer import PageCopier
 from ..models.reference import Segment
+from ..profiling import phase
 from . import chunking
 from .backends.base import Backend
 from .detokenize import Decoder, TextStream
@@ -278,10 +279,11 @@ class Engine:
         return held + self._step()
 
     def _step(self) -> list[RequestOutput]:
-        self.sessions.expire(time.monotonic())
-        if self.host is not None:
-            self.host.poll()
-        plan = self.scheduler.schedule()
+        with phase("schedule"):
+            self.sessions.expire(time.monotonic())
+            if self.host is not None:
+                self.host.poll()
+            plan = self.scheduler.schedule()
         self._preemptions += len(plan.preempted)
         if not plan.chunks:
             return self._resolve()
@@ -298,15 +300,17 @@ class Engine:
         if self.host is not None:
             self.host.fence()  # this step may overwrite reallocated pages that copies still touch
         try:
-            tokens = step_tokens(plan.chunks, drafts, self._inflight, self.backend.device)
-            logits = self.backend.timed_forward(tokens, segments, self.cache)
+            with phase("forward"):
+                tokens = step_tokens(plan.chunks, drafts, self._inflight, self.backend.device)
+                logits = self.backend.timed_forward(tokens, segments, self.cache)
         except Exception as e:  # a failed step fails its requests, never the engine
             out = self._resolve()
             return out + [self._finish(c.request, "error", "", error=f"{type(e).__name__}: {e}")
                           for c in plan.chunks if not c.request.is_finished]
-        self.scheduler.commit(plan)
-        if self.host is not None and self._backup_window > self.allocator.num_free:
-            self.host.backup(self.prefix, self._backup_window - self.allocator.num_free)  # type: ignore[arg-type]
+        with phase("commit"):
+            self.scheduler.commit(plan)
+            if self.host is not None and self._backup_window > self.allocator.num_free:
+                self.host.backup(self.prefix, self._backup_window - self.allocator.num_free)  # type: ignore
         ends = list(itertools.accumulate(s.num_logits for s in segments))  # row after each segment's last
         self._collect_prompt_logprobs(plan.chunks, segments, ends, logits)  # reads logits only where asked
         done = [c for c in plan.chunks if c.samples]
@@ -320,7 +324,8 @@ class Engine:
         on_host, on_dev = [], []
         for i, r in sampling:
             (on_host if needs_host(r.params) else on_dev).append((i, r))
-        launched = self._sample_on_device(logits, on_dev)
+        with phase("sample"):
+            launched = self._sample_on_device(logits, on_dev)
         if launched is None and len(on_host) < len(sampling):  # the device sampler failed: sample on the host
             on_host = sampling
         out += self._resolve()  # the previous step's tokens, read while this step runs
@@ -354,17 +359,19 @@ class Engine:
         f, self._inflight = self._inflight, None
         if f is None:
             return []
-        ids = f.read()
+        with phase("read"):
+            ids = f.read()
         now = time.monotonic()
         out = []
-        for r, t in zip(f.requests, ids):
-            if r.is_finished:  # aborted, or ended by the token before: its token is discarded unseen
-                continue
-            if t < 0:
-                out.append(self._finish(r, "error", "", error="sampling failed: the logits give no valid sampling "
-                                        "distribution (NaN or infinite values)"))
-            else:
-                out.append(self._append_safely(r, [t], now))
+        with phase("append"):
+            for r, t in zip(f.requests, ids):
+                if r.is_finished:  # aborted, or ended by the token before: its token is discarded unseen
+                    continue
+                if t < 0:
+                    out.append(self._finish(r, "error", "", error="sampling failed: the logits give no valid "
+                                            "sampling distribution (NaN or infinite values)"))
+                else:
+                    out.append(self._append_safely(r, [t], now))
         return out
 
     def _sample_on_host(self, logits: torch.Tensor, rows: list[tuple[int, Request]]) -> list[RequestOutput]:

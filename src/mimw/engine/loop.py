@@ -18,6 +18,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
+from ..profiling import phase
 from .engine import Engine, EngineStats, RequestError
 from .request import RequestOutput
 from .sampling import SamplingParams
@@ -118,13 +119,15 @@ class EngineLoop:
                         break
                     commands = list(self._inbox)
                     self._inbox.clear()
-                for cmd in commands:
-                    self._apply(cmd)
+                with phase("inbox"):
+                    for cmd in commands:
+                        self._apply(cmd)
                 if self.engine.has_work():
                     before = self._stats.steps
                     events = []
                     try:
-                        events = self.engine.step()
+                        with phase("step"):
+                            events = self.engine.step()
                     except Exception:  # a bug in a step: fail the requests in flight, keep serving new ones
                         log.exception("engine step failed; failing the requests in flight")
                         self.engine.fail_all("internal error in the engine step (see the server log)")
