@@ -2,7 +2,7 @@
 calls that overlap it (the rest to code that made no call)."""
 import pytest
 
-from mimw.bench.profile_gaps import Span, around, charge, format_summary, gaps, merged, short, summary
+from mimw.bench.profile_gaps import Span, around, busy_by_op, charge, format_summary, gaps, merged, short, summary
 
 
 def test_busy_spans_merge_and_leave_the_gaps_between_them():
@@ -58,3 +58,9 @@ def test_gaps_are_placed_between_the_device_ops_around_them():
     assert s["gap_time_by_device_ops"] == got
     assert s["gap_time_by_host_call"]["mimw.commit"] == 30
     assert "gap time by device ops around it: Memcpy DtoH -> step_kernel 0.06 ms" in format_summary(s)
+
+
+def test_device_time_a_step_by_op():
+    dev = [Span(0, 100, "step_kernel"), Span(130, 136, "void argmax<f>(float*)"), Span(200, 300, "step_kernel"),
+           Span(301, 305, "argmax")]
+    assert busy_by_op(dev, 2) == {"step_kernel": 100, "argmax": 5}

@@ -167,22 +167,36 @@ def all_threads():
 
 
 def profile_itl(engine, batch: int, prompt: int, tokens: int, out: Path, name: str) -> None:
-    """``engine_itl_ms`` under torch.profiler (after an unprofiled run: compiled, captured): prints the operators
-    and runtime calls by self CPU time (a host that waits for the device shows as cudaStreamSynchronize,
-    cudaEventSynchronize or a blocking copy here) and writes ``profile-<name>-b<batch>.json`` (Chrome trace)."""
+    """``engine_itl_ms`` profiled twice (after an unprofiled run: compiled, captured). First the device alone
+    (CUPTI's kernel and copy records, the host's pace untouched): where the device idles, by the ops around each
+    gap, and its time a decode step by op. Then every thread's host ops and the engine's phases beside the device
+    (the profiler slows the host several-fold here, so its gaps are larger than a real run's): the operators and
+    runtime calls by self CPU time (a host that waits for the device shows as cudaStreamSynchronize,
+    cudaEventSynchronize or a blocking copy) and the gaps charged to them; writes ``profile-<name>-b<batch>.json``
+    (Chrome trace)."""
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     engine_itl_ms(engine, batch, prompt, tokens, seed=3000 + batch)  # the backend back on this engine's cache
+    tag = f"[overlap] profile {name}, batch {batch}"
+    if torch.cuda.is_available():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            r = engine_itl_ms(engine, batch, prompt, tokens, seed=2500 + batch)
+        device, _ = profile_gaps.spans(prof)
+        steps = max(1, r["tokens"] // batch)  # about one decode step a request's token
+        per = profile_gaps.busy_by_op(device, steps)
+        gaps = profile_gaps.format_summary(profile_gaps.summary(device, []))
+        print(f"{tag}, device only: ITL {r['itl_ms']:.3f} ms; {gaps}\ndevice us a step by op: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in list(per.items())[:8]), file=sys.stderr, flush=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts, experimental_config=all_threads()) as prof:
         r = engine_itl_ms(engine, batch, prompt, tokens, seed=2000 + batch)
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(out / f"profile-{name}-b{batch}.json"))
-    print(f"[overlap] profile {name}, batch {batch}: ITL {r['itl_ms']:.3f} ms; by self CPU time:", file=sys.stderr)
+    print(f"{tag}, host ops recorded (host slowed): ITL {r['itl_ms']:.3f} ms; by self CPU time:", file=sys.stderr)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr, flush=True)
     device, host = profile_gaps.spans(prof)
     if device:  # where the GPU idled inside the run, and the host calls that overlap those gaps
-        print(f"[overlap] profile {name}, batch {batch}: "
+        print(f"{tag}, host ops recorded (host slowed): "
               f"{profile_gaps.format_summary(profile_gaps.summary(device, host))}", file=sys.stderr, flush=True)
 
 

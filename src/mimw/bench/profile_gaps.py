@@ -85,6 +85,14 @@ def around(idle: Sequence[tuple[float, float]], device: Sequence[Span]) -> dict[
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def busy_by_op(device: Sequence[Span], steps: int) -> dict[str, float]:
+    """The device's time by op (``short`` names), in us a step over ``steps`` steps, largest first."""
+    out: dict[str, float] = defaultdict(float)
+    for d in device:
+        out[short(d.name)] += (d.end_us - d.start_us) / steps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def summary(device: Sequence[Span], host: Sequence[Span], min_gap_us: float = 20.0, top: int = 5) -> dict:
     if not device:
         return {"busy_share": 0.0, "window_us": 0.0, "gaps": {}, "largest": []}
@@ -131,10 +139,12 @@ def spans(prof) -> tuple[list[Span], list[Span]]:
     for e in prof.events():
         s = Span(float(e.time_range.start), float(e.time_range.end), e.name)
         if e.device_type == DeviceType.CUDA:
-            device.append(s)
+            # a host range's projection on the device timeline (first to last kernel it launched) covers gaps
+            if not getattr(e, "is_user_annotation", False) and not e.name.startswith(HOST_PREFIXES):
+                device.append(s)
         elif e.name.startswith(HOST_PREFIXES):
             host.append(s)
     return device, host
 
 
-__all__ = ["Span", "merged", "gaps", "charge", "short", "around", "summary", "format_summary", "spans"]
+__all__ = ["Span", "merged", "gaps", "charge", "short", "around", "busy_by_op", "summary", "format_summary", "spans"]
