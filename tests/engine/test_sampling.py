@@ -218,3 +218,35 @@ def test_processors_run_on_the_logits_device_and_match_the_cpu():
     g = [make_generator(p) for p in ps]
     toks = sample_batch(logits.cuda(), ps, g, ctx)
     assert toks[2] >= 3200 and all(cpu[b, t] > 0 for b, t in enumerate(toks))
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 151936, 32000, 1009, 96])
+def test_argmax_rows_is_torch_argmax_with_ties_nan_and_infinities(vocab):
+    """The two-reduction argmax picks what torch.argmax picks: the lowest index among equal maxima (inside a chunk
+    and across chunks), a NaN as the maximum (its first), -inf rows, a maximum at either end."""
+    from mimw.engine.sampling import argmax_chunks, argmax_rows
+
+    s = argmax_chunks(vocab)
+    assert s == 1 or (vocab % s == 0 and 64 <= s <= 1024)
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    c = vocab // max(s, 4)  # a chunk (a quarter row where one reduction runs)
+    x[1, 3] = x[1, 3 + c] = x[1, vocab - 1] = 50.0  # ties in different chunks
+    x[2, 5] = x[2, 6] = 50.0  # a tie inside a chunk
+    x[3, vocab - 1] = 50.0  # the last entry
+    x[4, 0] = 50.0  # the first
+    x[5, 7] = x[5, 2 * c + 1] = float("nan")  # NaN wins, its first
+    x[6] = float("-inf")  # no finite entry: index 0
+    x[7, : vocab // 2] = float("-inf")
+    x[8] = x[8].round()  # many ties
+    assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1))
+    assert torch.equal(argmax_rows(x[2:3]), torch.argmax(x[2:3], dim=-1))  # one row
+    h = x.to(torch.bfloat16)
+    assert torch.equal(argmax_rows(h), torch.argmax(h, dim=-1))
+
+
+def test_argmax_chunks_are_divisors_near_512():
+    from mimw.engine.sampling import argmax_chunks
+
+    assert argmax_chunks(128256) == 256 and argmax_chunks(49152) == 96 and argmax_chunks(151936) == 128
+    assert argmax_chunks(1009) == 1  # prime: one reduction

@@ -11,6 +11,7 @@ API (all the serving engine and the speculative decoder need):
   ``sample_batch(x, ps, gs, cs)``  the same, with uniforms from the generators, read back: B token ids.
   ``draw_uniforms(ps, gs)``   the uniforms ``sample_ids`` takes, one from each non-greedy row's generator.
   ``make_generator(p)``       the request's own ``torch.Generator`` (CPU), seeded from ``p.seed``; ``None`` if greedy.
+  ``argmax_rows(x)``          the greedy pick of each row: ``torch.argmax`` in two reductions (faster on a GPU).
   ``sample(logits, p, g)``    one row without context (``mimw generate``).
 
 Processors, in order (vLLM's order), all applied per row on the logits' device in fp32, batched over the rows
@@ -277,6 +278,31 @@ def _check(logits: torch.Tensor, params: Sequence[SamplingParams], others: Seque
         raise ValueError(f"sampling: logits {tuple(logits.shape)} vs {len(params)} params, {len(others)} {what}")
 
 
+def argmax_chunks(vocab: int) -> int:
+    """How many chunks ``argmax_rows`` splits a row of ``vocab`` logits into: the divisor of ``vocab`` between 64 and
+    1024, leaving chunks of at least 64 entries, whose chunk is nearest 512 entries (128,256 -> 256 chunks of 501;
+    49,152 -> 96 of 512; 151,936 -> 128 of 1,187), or 1 (one reduction) where ``vocab`` has none."""
+    best = 1
+    for s in range(64, min(1024, vocab // 64) + 1):
+        if vocab % s == 0 and (best == 1 or abs(vocab // s - 512) < abs(vocab // best - 512)):
+            best = s
+    return best
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(x, dim=-1)`` of logits [B, V] (the lowest index on ties; a NaN counts as the maximum), in two
+    reductions: each row's chunks' maxima (``argmax_chunks``; ``max`` keeps the lowest index within a chunk), then
+    the first chunk holding the row's maximum. torch's one reduction runs one thread block a row: 28 us a step for
+    the 1B's 128,256 fp32 logits on an H100 (3% of its batch-1 step), where B x chunks blocks share the read."""
+    b, v = x.shape
+    s = argmax_chunks(v)
+    if s == 1:
+        return torch.argmax(x, dim=-1)
+    best, at = x.reshape(b, s, v // s).max(dim=-1)
+    chunk = best.argmax(dim=-1, keepdim=True)
+    return (at.gather(1, chunk) + chunk * (v // s)).squeeze(1)
+
+
 def distribution(logits: torch.Tensor, params: Sequence[SamplingParams],
                  contexts: Sequence[TokenContext] | None = None) -> torch.Tensor:
     """THE per-token sampling distribution: logits [B, V] -> fp32 probabilities [B, V] on the logits' device,
@@ -291,7 +317,7 @@ def distribution(logits: torch.Tensor, params: Sequence[SamplingParams],
     out = torch.zeros_like(x)
     hot = [b for b, p in enumerate(params) if p.greedy]
     if hot:
-        out[hot] = torch.nn.functional.one_hot(torch.argmax(x[hot], dim=-1), x.shape[1]).to(out.dtype)
+        out[hot] = torch.nn.functional.one_hot(argmax_rows(x[hot]), x.shape[1]).to(out.dtype)
     rest = [b for b, p in enumerate(params) if not p.greedy]
     if rest:
         out[rest] = _filter(x[rest], [params[b] for b in rest])
@@ -317,7 +343,7 @@ def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams], uniforms:
     _check(logits, params, contexts, "contexts")
     _check(logits, params, uniforms, "uniforms")
     x = process_logits(logits, params, contexts) if _needs_processing(params, contexts) else logits
-    ids = torch.argmax(x, dim=-1)
+    ids = argmax_rows(x)
     rest = [b for b, p in enumerate(params) if not p.greedy]
     if rest:
         dev, V = x.device, x.shape[1]
