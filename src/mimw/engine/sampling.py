@@ -34,6 +34,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 from dataclasses import dataclass
@@ -278,6 +279,7 @@ def _check(logits: torch.Tensor, params: Sequence[SamplingParams], others: Seque
         raise ValueError(f"sampling: logits {tuple(logits.shape)} vs {len(params)} params, {len(others)} {what}")
 
 
+@functools.lru_cache(maxsize=16)
 def argmax_chunks(vocab: int) -> int:
     """How many chunks ``argmax_rows`` splits a row of ``vocab`` logits into: the divisor of ``vocab`` between 64 and
     1024, leaving chunks of at least 64 entries, whose chunk is nearest 512 entries (128,256 -> 256 chunks of 501;
