@@ -14,10 +14,12 @@ def test_a_short_cpu_run_writes_rows_for_both_modes(tmp_path, capsys):
         assert r["backend_step_ms"] > 0 and r["engine_host_ms"]["sync"] > 0 and r["engine_host_ms"]["overlap"] > 0
         for mode in ("sync", "overlap"):
             assert r[mode]["itl_ms"] > 0 and r[mode]["tokens"] == r["batch"] * 10
+            m = r[mode]  # the token gaps' spread: the median and p90 within the longest, stalls a share
+            assert 0 < m["itl_p50_ms"] <= m["itl_p90_ms"] <= m["itl_max_ms"] and 0 <= m["stall_share"] < 1
             g = r[mode]["gc"]  # the collector's pauses in the measure
             assert g["pauses"] >= 0 and g["ms"] >= g["max_ms"] >= 0
     out = capsys.readouterr()
-    assert "| batch |" in out.out and "gc pauses: sync" in out.err
+    assert "| batch |" in out.out and "gc pauses: sync" in out.err and "in stalls" in out.err
 
 
 def test_bad_options_are_one_line_errors(capsys):

@@ -146,14 +146,22 @@ def engine_itl_ms(engine, batch: int, prompt: int, tokens: int, seed: int) -> di
     # every request decodes from the step after the last first token (before it, steps carry other requests'
     # prompt chunks); each request's gaps from there, after one more token
     start = max(ts[0] for ts in times.values())
-    gaps = []
+    gaps, each = [], []  # each request's mean gap; every gap between two of its tokens in the window
     for ts in times.values():
         after = [t for t in ts if t > start][1:]
         if len(after) > 1:
             gaps.append((after[-1] - after[0]) / (len(after) - 1))
+            each += [b - a for a, b in zip(after, after[1:])]
     if not gaps:
         raise RuntimeError("no request decoded two tokens after every request's first: raise --tokens")
-    return {"itl_ms": 1e3 * statistics.fmean(gaps), "wall_s": wall, "tokens": sum(len(t) for t in times.values()),
+    q = statistics.quantiles(each, n=10, method="inclusive") if len(each) > 1 else each * 9
+    p50 = statistics.median(each)
+    # stalls: the time past the median of gaps longer than 3 medians (an eager step, a capture, the host late),
+    # as a share of all the gaps' time: a mean ITL well above the median is a few stalls, not a slower step
+    stall = sum(g - p50 for g in each if g > 3 * p50) / sum(each)
+    return {"itl_ms": 1e3 * statistics.fmean(gaps), "itl_p50_ms": 1e3 * p50, "itl_p90_ms": 1e3 * q[8],
+            "itl_max_ms": 1e3 * max(each), "stall_share": stall, "wall_s": wall,
+            "tokens": sum(len(t) for t in times.values()),
             "gc": {"pauses": len(pauses), "ms": sum(pauses), "max_ms": max(pauses, default=0.0)}}
 
 
@@ -343,10 +351,16 @@ def _line(row: dict) -> str:
     k = f", kernel {row['kernel_ms']:.3f} ms" if "kernel_ms" in row else ""
     h = row["engine_host_ms"]
     return (f"[overlap] batch {row['batch']}: step {row['backend_step_ms']:.3f} ms{k}; ITL sync "
-            f"{row['sync']['itl_ms']:.3f} ms, overlap {row['overlap']['itl_ms']:.3f} ms; engine host work "
+            f"{row['sync']['itl_ms']:.3f} ms, overlap {row['overlap']['itl_ms']:.3f} ms (token gaps p50 / p90 / max "
+            f"{_gaps(row['sync'])} sync, {_gaps(row['overlap'])} overlap); engine host work "
             f"{h['sync']:.3f} / {h['overlap']:.3f} ms a step; in the measure, graph captures / eager steps / "
             f"pinned-buffer waits (steps by path): sync {_work(row['sync'])}, overlap {_work(row['overlap'])}; "
             f"gc pauses: sync {_gc(row['sync'])}, overlap {_gc(row['overlap'])}")
+
+
+def _gaps(r: dict) -> str:
+    return (f"{r['itl_p50_ms']:.3f} / {r['itl_p90_ms']:.3f} / {r['itl_max_ms']:.1f} ms, "
+            f"{100 * r['stall_share']:.1f}% in stalls")
 
 
 def _gc(r: dict) -> str:
@@ -363,15 +377,15 @@ def _work(r: dict) -> str:
 
 
 def table(rows: Sequence[dict]) -> str:
-    head = ("| batch | backend step ms | kernel ms | engine host ms | ITL sync ms | ITL overlap ms | overlap / step "
-            "| overlap / kernel | host share sync | host share overlap |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| batch | backend step ms | kernel ms | engine host ms | ITL sync ms | ITL overlap ms | overlap p50 ms "
+            "| overlap stalls | overlap / step | overlap / kernel | host share sync | host share overlap |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         k = f"{r['kernel_ms']:.3f}" if "kernel_ms" in r else "-"
         kr = f"{r['overlap']['itl_ms'] / r['kernel_ms']:.3f}" if "kernel_ms" in r and r["batch"] == 1 else "-"
         lines.append(f"| {r['batch']} | {r['backend_step_ms']:.3f} | {k} | {r['engine_host_ms']['overlap']:.3f} | "
-                     f"{r['sync']['itl_ms']:.3f} | {r['overlap']['itl_ms']:.3f} | "
-                     f"{r['overlap']['itl_over_step']:.3f} | {kr} | {r['sync']['host_share']:.1%} | "
+                     f"{r['sync']['itl_ms']:.3f} | {r['overlap']['itl_ms']:.3f} | {r['overlap']['itl_p50_ms']:.3f} | "
+                     f"{r['overlap']['stall_share']:.1%} | {r['overlap']['itl_over_step']:.3f} | {kr} | {r['sync']['host_share']:.1%} | "
                      f"{r['overlap']['host_share']:.1%} |")
     return "\n".join(lines)
 
