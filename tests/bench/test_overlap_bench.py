@@ -48,10 +48,13 @@ def test_graph_work_counts_captures_eager_steps_host_waits_and_steps_by_path():
 
     ring = lambda n: NS(ring=NS(stalls=n))  # noqa: E731
     graphs = NS(patterns=NS(captures=3, eager=5, graphs={"a": NS(inputs=ring(1)), "b": NS(inputs=ring(2))}))
-    dec = NS(state=NS(inputs=ring(4)), _batches={(8, ()): NS(state=NS(inputs=ring(8)))})
-    assert graph_work(NS(_graphs=graphs, _dec=dec)) == {"captures": 3, "eager": 5, "pinned_waits": 15}
+    dec = NS(state=NS(inputs=ring(4)), graph=object(),
+             _batches={(8, ()): NS(state=NS(inputs=ring(8)), graph=None)})  # the batch decoder not captured yet
+    got = {"captures": 3, "eager": 5, "pinned_waits": 15, "kernel_decoders": 2, "kernel_graphs": 1}
+    assert graph_work(NS(_graphs=graphs, _dec=dec)) == got
     paths = {"batched": 120, "prefill": 2}
     assert graph_work(NS(_graphs=graphs, _dec=dec, steps_by_path=paths)) == {
-        "captures": 3, "eager": 5, "pinned_waits": 15, "path_batched": 120, "path_prefill": 2}
-    assert graph_work(NS(_graphs=graphs, _dec=None))["pinned_waits"] == 3
+        **got, "path_batched": 120, "path_prefill": 2}
+    none = graph_work(NS(_graphs=graphs, _dec=None))
+    assert none["pinned_waits"] == 3 and none["kernel_decoders"] == none["kernel_graphs"] == 0
     assert graph_work(NS()) == {}

@@ -335,7 +335,10 @@ def graph_work(backend) -> dict:
     """The megakernel backend's short-step graphs so far: captures and steps run eager as a first sighting
     (``StepGraphs``), ``pinned_waits``: the times a step's inputs found their pinned buffer still being copied
     (the host waited for the GPU there: the graphs' and the megakernel decoders' input rings), and ``path_<p>``:
-    the steps each path ran (``MegakernelBackend.steps_by_path``); empty for a backend without graphs."""
+    the steps each path ran (``MegakernelBackend.steps_by_path``), ``kernel_decoders`` / ``kernel_graphs``: the
+    megakernel's decoders built for this cache (one a step layout: the one-token step, each multi-token bucket) and
+    those with their CUDA graph captured (a first build or capture inside a measure stalls the queue); empty for a
+    backend without graphs."""
     graphs = getattr(backend, "_graphs", None)
     if graphs is None:
         return {}
@@ -344,7 +347,8 @@ def graph_work(backend) -> dict:
     waits = sum(g.inputs.ring.stalls for g in graphs.patterns.graphs.values()) + \
         sum(d.state.inputs.ring.stalls for d in decoders)
     paths = {f"path_{p}": n for p, n in getattr(backend, "steps_by_path", {}).items()}
-    return {"captures": graphs.patterns.captures, "eager": graphs.patterns.eager, "pinned_waits": waits, **paths}
+    return {"captures": graphs.patterns.captures, "eager": graphs.patterns.eager, "pinned_waits": waits,
+            "kernel_decoders": len(decoders), "kernel_graphs": sum(d.graph is not None for d in decoders), **paths}
 
 
 def _line(row: dict) -> str:
@@ -373,7 +377,8 @@ def _work(r: dict) -> str:
     if not w:
         return "-"
     paths = " ".join(f"{k.removeprefix('path_')} {v}" for k, v in w.items() if k.startswith("path_") and v)
-    return f"{w['captures']} / {w['eager']} / {w['pinned_waits']} (steps: {paths or 'none'})"
+    return (f"{w['captures']} / {w['eager']} / {w['pinned_waits']} (steps: {paths or 'none'}; megakernel decoders "
+            f"built / graphs captured {w['kernel_decoders']} / {w['kernel_graphs']})")
 
 
 def table(rows: Sequence[dict]) -> str:
