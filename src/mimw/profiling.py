@@ -3,7 +3,7 @@ run's trace (a ``record_function`` range) and costs one flag check otherwise (~0
 ``record_function`` entered unconditionally), so the engine's step carries its phases always. The flag is the
 profiler module's process-wide one, not the thread's: the engine steps on its loop thread while the profiler runs on
 another (recording every thread: ``profile_all_threads``). The overlap bench's gap summary
-(``bench/profile_gaps.py``) charges the device's idle time to the phases."""
+(``mimw.bench.profile_gaps``) charges the device's idle time to the phases."""
 from __future__ import annotations
 
 from contextlib import nullcontext
