@@ -2,6 +2,8 @@
 batch (with its profile); bad options are one-line errors."""
 import json
 
+import torch
+
 from mimw.bench.engine_host import main
 
 
@@ -23,5 +25,9 @@ def test_bad_options_are_one_line_errors(capsys):
     assert main(["--model", "no-such-preset"]) == 2
     assert main(["--setups", "mru"]) == 2
     assert main(["--batches", "64"]) == 2
+    n = 4
+    if not torch.cuda.is_available():
+        assert main(["--device", "cuda"]) == 2
+        n += 1
     err = capsys.readouterr().err
-    assert err.count("mimw bench engine-host: error:") == 4 and "Traceback" not in err
+    assert err.count("mimw bench engine-host: error:") == n and "Traceback" not in err

@@ -14,7 +14,9 @@ functions (cProfile, own time per step). The model preset only gives the vocabul
 are built. Prints a table and writes ``engine-host-<device>-<model>.json`` to ``--out``.
 
 On the CPU the "device" is the CPU, so a step also pays its sampling there (on a GPU a kernel): the free
-backend's logits are 256 columns wide, so that this stays a few microseconds.
+backend's logits are 256 columns wide, so that this stays a few microseconds. ``--device cuda`` puts the logits
+(the model's whole vocabulary), the sampling and the overlap's copies on the GPU: the host then pays each CUDA call
+as a serving step does, the GPU's own work being a few small kernels.
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ class FreeBackend(FixedLogits):
 
     def __init__(self, spec, device: torch.device):
         super().__init__(spec, device)
-        self.logits = self.logits[:, :LOGIT_COLUMNS].contiguous()
+        if device.type == "cpu":  # the CPU samples inline: a narrow row keeps that cost out of the engine's
+            self.logits = self.logits[:, :LOGIT_COLUMNS].contiguous()
 
     @staticmethod
     def layout(page_size: int, num_pages: int) -> KVLayout:
@@ -74,6 +77,8 @@ def _options(p: argparse.ArgumentParser) -> None:
                         "backup window, max-step-tokens / page-size + max-batch)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print each row's N costliest functions")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the logits, the sampling and "
+                   "the token copies run (default cpu)")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results/engine-host", metavar="DIR")
 
 
@@ -87,14 +92,15 @@ def _ints(text: str, name: str) -> list[int]:
     return vals
 
 
-def make_engine(spec, setup: str, num_pages: int, page_size: int, max_batch: int, max_step_tokens: int):
+def make_engine(spec, setup: str, num_pages: int, page_size: int, max_batch: int, max_step_tokens: int,
+                device: torch.device = torch.device("cpu")):
     """An engine with ``FreeBackend`` at the trace benchmark's configuration; ``session+host``'s host tier holds
     as many pages as the device pool."""
     from ..engine.engine import Engine, EngineConfig
     from ..server.main import ByteTokenizer
 
     policy, host = SETUPS[setup]
-    backend = FreeBackend(spec, torch.device("cpu"))
+    backend = FreeBackend(spec, device)
     page_bytes = FreeBackend.layout(page_size, 1).bytes_per_page()
     cfg = EngineConfig(num_pages=num_pages, page_size=page_size, max_batch=max_batch,
                        max_step_tokens=max_step_tokens, kv_eviction=policy,
@@ -180,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     if max(batches) > args.max_batch:
         raise ValueError(f"--batches: {max(batches)} requests exceed --max-batch {args.max_batch}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU here")
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     spec = preset_spec(args.model)
     ps = args.page_size
@@ -193,19 +202,19 @@ def run(args: argparse.Namespace) -> int:
                 pages = b * -(-c // ps) + max(parked, b * (-(-decode_tokens(args.steps, c, b) // ps) + 1))
                 if c + decode_tokens(args.steps, c, b) > spec.max_position_embeddings:
                     raise ValueError(f"--contexts: {c} tokens and the decode steps exceed {args.model}'s context")
-                eng = make_engine(spec, setup, pages, ps, args.max_batch, args.max_step_tokens)
+                eng = make_engine(spec, setup, pages, ps, args.max_batch, args.max_step_tokens, device)
                 row = {"setup": setup, "context": c, "batch": b, "pages": pages,
                        **decode_steps(eng, c, b, args.steps, args.profile)}
                 rows.append(row)
                 print(_line(row), file=sys.stderr, flush=True)
-    dev = f"cpu ({torch.get_num_threads()} threads)"
+    dev = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     doc = {"bench": "engine-host", "model": args.model, "device": dev, "torch": torch.__version__,
            "page_size": ps, "max_batch": args.max_batch, "max_step_tokens": args.max_step_tokens,
            "parked_pages": parked, "steps": args.steps, "rows": rows,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     from .report import publish
 
-    publish(args.out, f"engine-host-cpu-{args.model}.json", doc, table(rows))
+    publish(args.out, f"engine-host-{device.type}-{args.model}.json", doc, table(rows))
     return 0
 
 
