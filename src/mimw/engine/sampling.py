@@ -11,7 +11,7 @@ API (all the serving engine and the speculative decoder need):
   ``sample_batch(x, ps, gs, cs)``  the same, with uniforms from the generators, read back: B token ids.
   ``draw_uniforms(ps, gs)``   the uniforms ``sample_ids`` takes, one from each non-greedy row's generator.
   ``make_generator(p)``       the request's own ``torch.Generator`` (CPU), seeded from ``p.seed``; ``None`` if greedy.
-  ``argmax_rows(x)``          the greedy pick of each row: ``torch.argmax`` in two reductions (faster on a GPU).
+  ``argmax_rows(x)``          the greedy pick of each row: ``torch.argmax``, a single row in two reductions.
   ``sample(logits, p, g)``    one row without context (``mimw generate``).
 
 Processors, in order (vLLM's order), all applied per row on the logits' device in fp32, batched over the rows
@@ -292,13 +292,16 @@ def argmax_chunks(vocab: int) -> int:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` of logits [B, V] (the lowest index on ties; a NaN counts as the maximum), in two
-    reductions: each row's chunks' maxima (``argmax_chunks``; ``max`` keeps the lowest index within a chunk), then
-    the first chunk holding the row's maximum. torch's one reduction runs one thread block a row: 28 us a step for
-    the 1B's 128,256 fp32 logits on an H100 (3% of its batch-1 step), where B x chunks blocks share the read."""
+    """``torch.argmax(x, dim=-1)`` of logits [B, V] (the lowest index on ties; a NaN counts as the maximum). One row
+    (a batch-1 step) goes in two reductions: its chunks' maxima (``argmax_chunks``; ``max`` keeps the lowest index
+    within a chunk), then the first chunk holding the maximum. torch's one reduction runs one thread block a row: 26
+    us for the 1B's 128,256 fp32 logits on an H100 (3% of its batch-1 step) against 10 us, where the two reductions'
+    four launches cost ~30 us more host time; a batch-1 step waits for the device, so that pays. Several rows stay
+    on torch.argmax: a batch of 32 waits for the host (bench/NOTES.md, "Overlap scheduler"), where the two
+    reductions saved 11 us of device time for the 30 us of host time."""
     b, v = x.shape
     s = argmax_chunks(v)
-    if s == 1:
+    if s == 1 or b > 1:
         return torch.argmax(x, dim=-1)
     best, at = x.reshape(b, s, v // s).max(dim=-1)
     chunk = best.argmax(dim=-1, keepdim=True)
