@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -85,21 +85,27 @@ class Backend(ABC):
 
 class EventTimer:
     """Times of GPU work between CUDA events, read once the work completed: ``completed()`` hands back the finished
-    ones and keeps the rest, so nothing ever waits for the GPU."""
+    ones and keeps the rest, so nothing ever waits for the GPU. Events whose time has been read are recorded again
+    by later spans (a step times itself every step: no new event object a span once the pool holds enough)."""
 
-    def __init__(self) -> None:
+    POOL = 16  # read events kept for reuse
+
+    def __init__(self, make_event: Callable[[], torch.cuda.Event] | None = None) -> None:
+        self._make = make_event or (lambda: torch.cuda.Event(enable_timing=True))
         self._pending: list[tuple[object, torch.cuda.Event, torch.cuda.Event]] = []
+        self._free: list[torch.cuda.Event] = []
 
-    def start(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
+    def _event(self) -> torch.cuda.Event:
+        ev = self._free.pop() if self._free else self._make()
         ev.record()
         return ev
 
+    def start(self) -> torch.cuda.Event:
+        return self._event()
+
     def stop(self, start: torch.cuda.Event, key: object) -> None:
         """The work queued since ``start`` ends here; ``key`` comes back with its time."""
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._pending.append((key, start, end))
+        self._pending.append((key, start, self._event()))
 
     def completed(self) -> list[tuple[object, float]]:
         """(key, ms) of every timed span whose end the GPU has reached, in the order they were timed."""
@@ -107,6 +113,8 @@ class EventTimer:
         for key, start, end in self._pending:
             if end.query():
                 done.append((key, start.elapsed_time(end)))
+                if len(self._free) < self.POOL:
+                    self._free += (start, end)
             else:
                 left.append((key, start, end))
         self._pending = left
