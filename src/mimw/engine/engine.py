@@ -40,7 +40,7 @@ from .backends.base import Backend
 from .detokenize import Decoder, TextStream
 from .logprobs import TokenLogprob, logprobs_of
 from .request import Request, RequestOutput, RequestTimes
-from .overlap import InFlight, needs_host, step_tokens
+from .overlap import HostIds, InFlight, needs_host, step_tokens
 from .sampling import SamplingParams, TokenContext, draw_uniforms, make_generator, on_device, sample_batch, sample_ids
 from .scheduler import Scheduler, SchedulerConfig
 from .spec.drafter import NO_DRAFT
@@ -156,6 +156,7 @@ class Engine:
         self._generation_tokens = 0
         self._overlap = config.overlap and speculator is None  # drafts are proposed from the tokens the host holds
         self._inflight: InFlight | None = None  # the latest step's tokens, sampled on the device, not yet read
+        self._host_ids = HostIds()  # pinned buffers for those tokens' copies, reused once read
         self._held: list[RequestOutput] = []  # an abort's read events (given to on_output): the next step returns them
 
     # --- requests -----------------------------------------------------------------------------------------
@@ -352,7 +353,7 @@ class Engine:
             ids = sample_ids(x, params, draw_uniforms(params, [r.generator for r in reqs]))
         except Exception:  # e.g. a generator missing: the host path samples these rows and reports the culprits
             return None
-        return InFlight(reqs, ids, may_fail=not all(p.greedy for p in params))
+        return InFlight(reqs, ids, may_fail=not all(p.greedy for p in params), buffers=self._host_ids)
 
     def _resolve(self) -> list[RequestOutput]:
         """Read the tokens in flight (waiting for their copy) and append them with every stop check."""

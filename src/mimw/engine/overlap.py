@@ -38,18 +38,44 @@ def needs_host(params: SamplingParams) -> bool:
     return params.has_penalties or params.grammar is not None or params.logprobs is not None
 
 
+class HostIds:
+    """Pinned host buffers (and their events) for the sampled ids' copies, handed back once read: a step's copy then
+    neither allocates pinned memory nor makes an event (two steps' copies are alive at once, the one being read
+    and the next). ``pin``: False where there is no GPU (the tests)."""
+
+    def __init__(self, pin: bool = True):
+        self.pin = pin
+        self._free: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
+
+    def take(self, shape: torch.Size, dtype: torch.dtype, make_event) -> tuple[torch.Tensor, object]:
+        free = self._free.get((tuple(shape), dtype))
+        if free:
+            return free.pop()
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin), make_event()
+
+    def give(self, host: torch.Tensor, event: object) -> None:
+        free = self._free.setdefault((tuple(host.shape), host.dtype), [])
+        if len(free) < 4:
+            free.append((host, event))
+
+
 class InFlight:
     """Tokens sampled on the device for ``requests`` (row i: requests[i]) whose copy to the host is under way."""
 
-    def __init__(self, requests: Sequence[Request], ids: torch.Tensor, may_fail: bool):
+    def __init__(self, requests: Sequence[Request], ids: torch.Tensor, may_fail: bool,
+                 buffers: HostIds | None = None):
         self.requests = list(requests)
         self.rows = {r: i for i, r in enumerate(self.requests)}
         # what the next step runs: a failed row (-1) becomes a valid id (its request fails when read)
         self.feed = ids.clamp(min=0) if may_fail else ids
+        self._buffers = buffers
+        self._ids: list[int] | None = None
         if ids.device.type == "cuda":
-            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            if buffers is None:
+                self._host, self._event = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True), torch.cuda.Event()
+            else:
+                self._host, self._event = buffers.take(ids.shape, ids.dtype, torch.cuda.Event)
             self._host.copy_(ids, non_blocking=True)
-            self._event: torch.cuda.Event | None = torch.cuda.Event()
             self._event.record()
         else:
             self._host, self._event = ids, None
@@ -61,13 +87,19 @@ class InFlight:
                 r.num_inflight += 1
 
     def read(self) -> list[int]:
-        """Wait for the copy and return the ids (-1: sampling failed for that row); clears the in-flight marks."""
-        if self._event is not None:
-            self._event.synchronize()
-        for r in self.requests:
-            if r.num_inflight:
-                r.num_inflight -= 1
-        return self._host.tolist()
+        """Wait for the copy and return the ids (-1: sampling failed for that row); clears the in-flight marks (the
+        first read; a later one returns the same ids)."""
+        if self._ids is None:
+            if self._event is not None:
+                self._event.synchronize()
+            for r in self.requests:
+                if r.num_inflight:
+                    r.num_inflight -= 1
+            self._ids = self._host.tolist()
+            if self._event is not None and self._buffers is not None:  # the buffer and its event serve again
+                self._buffers.give(self._host, self._event)
+            self._host = self._event = None
+        return self._ids
 
 
 def step_tokens(chunks, drafts: dict, inflight: InFlight | None, device: torch.device) -> torch.Tensor:
