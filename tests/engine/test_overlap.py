@@ -299,7 +299,7 @@ def test_megakernel_engine_with_overlap_matches_the_synchronous_engine():
 
 
 def test_step_tokens_feeds_a_decode_step_from_the_device_and_builds_any_other():
-    from mimw.engine.overlap import InFlight, step_tokens
+    from mimw.engine.overlap import HostIds, InFlight, step_tokens
     from mimw.engine.request import Request
     from mimw.engine.scheduler import Chunk
 
@@ -309,7 +309,7 @@ def test_step_tokens_feeds_a_decode_step_from_the_device_and_builds_any_other():
             for i, n in enumerate(torch.randint(3, 12, (4,), generator=g))]
     ids = torch.randint(0, 256, (4,), generator=g)
     cpu = torch.device("cpu")
-    f = InFlight(reqs, ids, may_fail=False)
+    f = InFlight(reqs, ids, may_fail=False, buffers=HostIds(pin=False))
     decode = [Chunk(r, len(r.token_ids), 1) for r in reqs]
     assert step_tokens(decode, {}, f, cpu) is f.feed  # every token in flight, in the in-flight order
     assert step_tokens(decode[::-1], {}, f, cpu).tolist() == ids.flip(0).tolist()  # another order: gathered

@@ -62,8 +62,7 @@ class HostIds:
 class InFlight:
     """Tokens sampled on the device for ``requests`` (row i: requests[i]) whose copy to the host is under way."""
 
-    def __init__(self, requests: Sequence[Request], ids: torch.Tensor, may_fail: bool,
-                 buffers: HostIds | None = None):
+    def __init__(self, requests: Sequence[Request], ids: torch.Tensor, may_fail: bool, buffers: HostIds):
         self.requests = list(requests)
         self.rows = {r: i for i, r in enumerate(self.requests)}
         # what the next step runs: a failed row (-1) becomes a valid id (its request fails when read)
@@ -71,10 +70,7 @@ class InFlight:
         self._buffers = buffers
         self._ids: list[int] | None = None
         if ids.device.type == "cuda":
-            if buffers is None:
-                self._host, self._event = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True), torch.cuda.Event()
-            else:
-                self._host, self._event = buffers.take(ids.shape, ids.dtype, torch.cuda.Event)
+            self._host, self._event = buffers.take(ids.shape, ids.dtype, torch.cuda.Event)
             self._host.copy_(ids, non_blocking=True)
             self._event.record()
         else:
@@ -96,7 +92,7 @@ class InFlight:
                 if r.num_inflight:
                     r.num_inflight -= 1
             self._ids = self._host.tolist()
-            if self._event is not None and self._buffers is not None:  # the buffer and its event serve again
+            if self._event is not None:  # the buffer and its event serve again
                 self._buffers.give(self._host, self._event)
             self._host = self._event = None
         return self._ids
