@@ -95,3 +95,22 @@ def test_the_ring_grows_its_buffers_and_uses_no_events_on_the_cpu():
     slot, _ = ring.next()
     ring.copied(slot)
     assert ring._events == [None, None]
+
+
+def test_a_copy_into_a_buffer_is_waited_for_before_the_host_reads_it():
+    """The device-to-host use (the sampled ids): ``wait`` runs the stream up to the copy marked on that buffer,
+    not past it."""
+    stream = Stream()
+    ring = PinnedRing(4, "cpu", depth=2, event=stream.event)
+    a, _ = ring.next()
+    ring.copied(a)
+    b, _ = ring.next()
+    ring.copied(b)
+    ring.wait(a)
+    assert ring._events[a].done and not ring._events[b].done and stream.synced == 1
+    ring.wait(a)  # landed already: no second wait
+    assert stream.synced == 1
+    cpu = PinnedRing(4, "cpu")
+    slot, _ = cpu.next()
+    cpu.copied(slot)
+    cpu.wait(slot)  # no events on the CPU: nothing to wait for

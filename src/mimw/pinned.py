@@ -5,7 +5,9 @@ not prepare the next step while this one runs.
 ``to_device``: a one-off host tensor through a temporary pinned copy (the caching host allocator reuses a pinned
 block only once the copies that read it have completed). ``PinnedRing``: the host side of a copy made every step
 (``step_inputs.StepInputs``): a few pinned buffers used in turn, each reused only once the copy that last read it
-has completed (an event per buffer), so the host packs step k + 1 while step k's copy may still be reading."""
+has completed (an event per buffer), so the host packs step k + 1 while step k's copy may still be reading. The
+same ring takes copies the other way (the sampled ids, ``engine/overlap.py``): ``wait`` holds the host until the
+copy into a buffer has landed."""
 from __future__ import annotations
 
 from typing import Callable, Protocol
@@ -76,6 +78,13 @@ class PinnedRing:
                 self.stalls += 1
                 ev.synchronize()
         return self._slot, self.buffers[self._slot]
+
+    def wait(self, slot: int) -> None:
+        """Wait for the copy last marked on buffer ``slot`` (``copied``): a copy into it has landed, the host may
+        read it. No wait on the CPU (no events)."""
+        ev = self._events[slot]
+        if ev is not None:
+            ev.synchronize()
 
     def copied(self, slot: int) -> None:
         """The copy reading buffer ``slot`` is queued (on the current stream): mark where it ends."""

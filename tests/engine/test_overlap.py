@@ -299,7 +299,8 @@ def test_megakernel_engine_with_overlap_matches_the_synchronous_engine():
 
 
 def test_step_tokens_feeds_a_decode_step_from_the_device_and_builds_any_other():
-    from mimw.engine.overlap import HostIds, InFlight, step_tokens
+    from mimw.engine.overlap import InFlight, step_tokens
+    from mimw.pinned import PinnedRing
     from mimw.engine.request import Request
     from mimw.engine.scheduler import Chunk
 
@@ -309,7 +310,7 @@ def test_step_tokens_feeds_a_decode_step_from_the_device_and_builds_any_other():
             for i, n in enumerate(torch.randint(3, 12, (4,), generator=g))]
     ids = torch.randint(0, 256, (4,), generator=g)
     cpu = torch.device("cpu")
-    f = InFlight(reqs, ids, may_fail=False, buffers=HostIds(pin=False))
+    f = InFlight(reqs, ids, may_fail=False, ring=PinnedRing(4, cpu))
     decode = [Chunk(r, len(r.token_ids), 1) for r in reqs]
     assert step_tokens(decode, {}, f, cpu) is f.feed  # every token in flight, in the in-flight order
     assert step_tokens(decode[::-1], {}, f, cpu).tolist() == ids.flip(0).tolist()  # another order: gathered
@@ -349,23 +350,3 @@ def test_a_profiled_step_names_its_phases_and_an_unprofiled_one_enters_none(tiny
     names = {e.name for e in prof.events() if e.name.startswith("mimw.")}
     assert {"mimw.step", "mimw.inbox", "mimw.schedule", "mimw.forward", "mimw.sample"} <= names
 
-
-def test_host_id_buffers_are_reused_once_read_and_never_while_in_flight():
-    """HostIds (the sampled ids' pinned copies, CPU stand-in): a buffer handed back serves the next step of its
-    shape; two steps in flight hold two buffers; the pool keeps at most four a shape."""
-    from mimw.engine.overlap import HostIds
-
-    made = []
-    pool = HostIds(pin=False)
-    ev = lambda: made.append(object()) or made[-1]  # noqa: E731
-    a, ea = pool.take(torch.Size([32]), torch.int64, ev)
-    b, eb = pool.take(torch.Size([32]), torch.int64, ev)  # the next step's, while a is in flight
-    assert a is not b and ea is not eb and len(made) == 2
-    pool.give(a, ea)
-    c, ec = pool.take(torch.Size([32]), torch.int64, ev)
-    assert c is a and ec is ea and len(made) == 2  # a read buffer serves again, no new event
-    d, _ = pool.take(torch.Size([7]), torch.int64, ev)  # another batch size: its own buffer
-    assert d.shape == (7,) and len(made) == 3
-    for _ in range(6):
-        pool.give(torch.empty(32, dtype=torch.int64), object())
-    assert len(pool._free[((32,), torch.int64)]) == 4

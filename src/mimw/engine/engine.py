@@ -34,13 +34,14 @@ from ..kv.prefix import PrefixCache
 from ..kv.retention import POLICIES, Retention
 from ..kv.transfer import PageCopier
 from ..models.reference import Segment
+from ..pinned import PinnedRing
 from ..profiling import phase
 from . import chunking
 from .backends.base import Backend
 from .detokenize import Decoder, TextStream
 from .logprobs import TokenLogprob, logprobs_of
 from .request import Request, RequestOutput, RequestTimes
-from .overlap import HostIds, InFlight, needs_host, step_tokens
+from .overlap import InFlight, needs_host, step_tokens
 from .sampling import SamplingParams, TokenContext, draw_uniforms, make_generator, on_device, sample_batch, sample_ids
 from .scheduler import Scheduler, SchedulerConfig
 from .spec.drafter import NO_DRAFT
@@ -156,7 +157,7 @@ class Engine:
         self._generation_tokens = 0
         self._overlap = config.overlap and speculator is None  # drafts are proposed from the tokens the host holds
         self._inflight: InFlight | None = None  # the latest step's tokens, sampled on the device, not yet read
-        self._host_ids = HostIds()  # pinned buffers for those tokens' copies, reused once read
+        self._ids_ring = PinnedRing(config.max_batch, backend.device)  # pinned buffers for those tokens' copies
         self._held: list[RequestOutput] = []  # an abort's read events (given to on_output): the next step returns them
 
     # --- requests -----------------------------------------------------------------------------------------
@@ -311,7 +312,8 @@ class Engine:
         with phase("commit"):
             self.scheduler.commit(plan)
             if self.host is not None and self._backup_window > self.allocator.num_free:
-                self.host.backup(self.prefix, self._backup_window - self.allocator.num_free)  # type: ignore
+                self.host.backup(self.prefix,  # type: ignore[arg-type]
+                                 self._backup_window - self.allocator.num_free)
         ends = list(itertools.accumulate(s.num_logits for s in segments))  # row after each segment's last
         self._collect_prompt_logprobs(plan.chunks, segments, ends, logits)  # reads logits only where asked
         done = [c for c in plan.chunks if c.samples]
@@ -353,7 +355,7 @@ class Engine:
             ids = sample_ids(x, params, draw_uniforms(params, [r.generator for r in reqs]))
         except Exception:  # e.g. a generator missing: the host path samples these rows and reports the culprits
             return None
-        return InFlight(reqs, ids, may_fail=not all(p.greedy for p in params), buffers=self._host_ids)
+        return InFlight(reqs, ids, may_fail=not all(p.greedy for p in params), ring=self._ids_ring)
 
     def _resolve(self) -> list[RequestOutput]:
         """Read the tokens in flight (waiting for their copy) and append them with every stop check."""

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from ..pinned import PinnedRing
 from .request import Request
 from .sampling import SamplingParams, on_device
 from .spec.drafter import NO_DRAFT
@@ -38,43 +39,27 @@ def needs_host(params: SamplingParams) -> bool:
     return params.has_penalties or params.grammar is not None or params.logprobs is not None
 
 
-class HostIds:
-    """Pinned host buffers (and their events) for the sampled ids' copies, handed back once read: a step's copy then
-    neither allocates pinned memory nor makes an event (two steps' copies are alive at once, the one being read
-    and the next). ``pin``: False where there is no GPU (the tests)."""
-
-    def __init__(self, pin: bool = True):
-        self.pin = pin
-        self._free: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
-
-    def take(self, shape: torch.Size, dtype: torch.dtype, make_event) -> tuple[torch.Tensor, object]:
-        free = self._free.get((tuple(shape), dtype))
-        if free:
-            return free.pop()
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pin), make_event()
-
-    def give(self, host: torch.Tensor, event: object) -> None:
-        free = self._free.setdefault((tuple(host.shape), host.dtype), [])
-        if len(free) < 4:
-            free.append((host, event))
-
-
 class InFlight:
     """Tokens sampled on the device for ``requests`` (row i: requests[i]) whose copy to the host is under way."""
 
-    def __init__(self, requests: Sequence[Request], ids: torch.Tensor, may_fail: bool, buffers: HostIds):
+    def __init__(self, requests: Sequence[Request], ids: torch.Tensor, may_fail: bool, ring: PinnedRing):
+        """``ring``: the engine's pinned buffers for these copies, used in turn (two steps' ids are alive at once:
+        the one being read and the next)."""
         self.requests = list(requests)
         self.rows = {r: i for i, r in enumerate(self.requests)}
         # what the next step runs: a failed row (-1) becomes a valid id (its request fails when read)
         self.feed = ids.clamp(min=0) if may_fail else ids
-        self._buffers = buffers
         self._ids: list[int] | None = None
         if ids.device.type == "cuda":
-            self._host, self._event = buffers.take(ids.shape, ids.dtype, torch.cuda.Event)
+            n = ids.numel()
+            ring.reserve(n)
+            self._slot, buf = ring.next()
+            self._host: torch.Tensor | None = buf[:n]
             self._host.copy_(ids, non_blocking=True)
-            self._event.record()
+            ring.copied(self._slot)
+            self._ring: PinnedRing | None = ring
         else:
-            self._host, self._event = ids, None
+            self._host, self._ring = ids, None
 
     def mark(self) -> None:
         """Count each (still running) request's token as in flight."""
@@ -86,15 +71,13 @@ class InFlight:
         """Wait for the copy and return the ids (-1: sampling failed for that row); clears the in-flight marks (the
         first read; a later one returns the same ids)."""
         if self._ids is None:
-            if self._event is not None:
-                self._event.synchronize()
+            if self._ring is not None:
+                self._ring.wait(self._slot)
             for r in self.requests:
                 if r.num_inflight:
                     r.num_inflight -= 1
             self._ids = self._host.tolist()
-            if self._event is not None:  # the buffer and its event serve again
-                self._buffers.give(self._host, self._event)
-            self._host = self._event = None
+            self._host = None  # the ring's buffer serves a later step
         return self._ids
 
 
