@@ -390,8 +390,8 @@ def table(rows: Sequence[dict]) -> str:
         kr = f"{r['overlap']['itl_ms'] / r['kernel_ms']:.3f}" if "kernel_ms" in r and r["batch"] == 1 else "-"
         lines.append(f"| {r['batch']} | {r['backend_step_ms']:.3f} | {k} | {r['engine_host_ms']['overlap']:.3f} | "
                      f"{r['sync']['itl_ms']:.3f} | {r['overlap']['itl_ms']:.3f} | {r['overlap']['itl_p50_ms']:.3f} | "
-                     f"{r['overlap']['stall_share']:.1%} | {r['overlap']['itl_over_step']:.3f} | {kr} | {r['sync']['host_share']:.1%} | "
-                     f"{r['overlap']['host_share']:.1%} |")
+                     f"{r['overlap']['stall_share']:.1%} | {r['overlap']['itl_over_step']:.3f} | {kr} | "
+                     f"{r['sync']['host_share']:.1%} | {r['overlap']['host_share']:.1%} |")
     return "\n".join(lines)
 
 

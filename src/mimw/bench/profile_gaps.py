@@ -39,10 +39,13 @@ def merged(spans: Sequence[Span]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
+def _between(busy: Sequence[tuple[float, float]], min_gap_us: float) -> list[tuple[float, float]]:
+    return [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_gap_us]
+
+
 def gaps(device: Sequence[Span], min_gap_us: float) -> list[tuple[float, float]]:
     """The device's idle intervals of at least ``min_gap_us`` between its first and last busy moment."""
-    busy = merged(device)
-    return [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_gap_us]
+    return _between(merged(device), min_gap_us)
 
 
 def charge(gap: tuple[float, float], host: Sequence[Span]) -> dict[str, float]:
@@ -98,20 +101,21 @@ def summary(device: Sequence[Span], host: Sequence[Span], min_gap_us: float = 20
         return {"busy_share": 0.0, "window_us": 0.0, "gaps": {}, "largest": []}
     busy = merged(device)
     window = busy[-1][1] - busy[0][0]
-    idle = gaps(device, min_gap_us)
+    idle = _between(busy, min_gap_us)
     by_size = {f">={int(t)}us": {"count": sum(b - a >= t for a, b in idle),
                                  "us": sum(b - a for a, b in idle if b - a >= t)} for t in BUCKETS_US}
     by_size[f">={int(min_gap_us)}us"] = {"count": len(idle), "us": sum(b - a for a, b in idle)}
     largest = sorted(idle, key=lambda g: g[0] - g[1])[:top]
+    charged = {g: charge(g, host) for g in idle}
     total = defaultdict(float)  # every gap's time by host call
-    for g in idle:
-        for k, v in charge(g, host).items():
+    for by in charged.values():
+        for k, v in by.items():
             total[k] += v
     return {"busy_share": sum(b - a for a, b in busy) / window if window else 1.0, "window_us": window,
             "gaps": by_size, "gap_time_by_host_call": dict(sorted(total.items(), key=lambda kv: -kv[1])),
             "gap_time_by_device_ops": around(idle, device),
             "largest": [{"at_us": a - busy[0][0], "us": b - a,
-                         "host": dict(sorted(charge((a, b), host).items(), key=lambda kv: -kv[1])[:4])}
+                         "host": dict(sorted(charged[(a, b)].items(), key=lambda kv: -kv[1])[:4])}
                         for a, b in largest]}
 
 
