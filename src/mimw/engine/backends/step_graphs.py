@@ -38,7 +38,7 @@ from ...kv.pages import PagedKVCache
 from ...models.reference import Segment
 from ...prefill import PrefillRunner
 from ...prefill.batch import Piece, PrefillBatch
-from ...prefill.gluon_attention import GROUPED_ROWS as GLUON_BLOCK_M
+from ...prefill.gluon_attention import GROUPED_ROWS
 from ...prefill.paged_attention import AttentionTiles
 from ...step_inputs import Field, StepInputs
 from .graph_patterns import CAPTURE, EAGER, GraphPatterns
@@ -96,7 +96,7 @@ def block_m(runner: PrefillRunner) -> int | None:
     graph replays the Triton kernel only: its launch grid is the step's pattern's); None when its attention is
     another (whose shapes follow the contexts: no graph)."""
     if runner.config.attention == "gluon":
-        return GLUON_BLOCK_M
+        return GROUPED_ROWS
     if runner.config.attention != "triton":
         return None
     return (runner.config.tiles or AttentionTiles.for_head_dim(runner.spec.head_dim)).block_m
