@@ -55,3 +55,26 @@ def test_the_graphs_batch_reads_the_loaded_step_through_its_views():
     load(inputs, torch.arange(8, 16), PrefillBatch.arrays(later, PS))  # what a replay of the next step reads
     assert torch.equal(batch.positions, PrefillBatch.build(later, PS, "cpu").positions)
     assert batch.num_tokens == 8 and inputs["tokens"].tolist() == list(range(8, 16))
+
+
+def test_decode_batches_pad_to_their_bucket_on_the_pad_page_and_their_tokens_fill_the_start():
+    from mimw.engine.backends.step_graphs import padded
+    from mimw.models.reference import Segment
+
+    dec = [Segment((3, 4), 17, 1, 1), Segment((9,), 2, 1, 1), Segment((5, 6, 7), 40, 1, 1)]
+    assert padded(dec, None) == dec  # no pad page: as given
+    out = padded(dec, 99)
+    assert out[:3] == dec and out[3:] == [Segment((99,), 0, 1, 1)] and len(out) == 4
+    assert len(padded(dec * 3, 99)) == 16 and padded(dec[:2], 99) == dec[:2]  # 9 -> 16; 2 is a bucket
+    verify = [Segment((3, 4), 17, 4, 4), Segment((9,), 2, 1, 1)]
+    assert padded(verify, 99) == verify  # verify blocks and prompt chunks are never padded
+    chunk = [Segment((9,), 0, 3, 1), Segment((8,), 5, 1, 1), Segment((7,), 5, 1, 1)]
+    assert padded(chunk, 99) == chunk
+    # a padded step's tokens: the real ones at the start, 0 for the padding, every other input as built
+    pieces = [Piece(tuple(s.block_table), s.start, s.length, s.num_logits) for s in out]
+    inputs = StepInputs(input_fields(4, 4, 4, 3), "cpu")
+    inputs.buffer.fill_(-5)
+    load(inputs, torch.tensor([11, 12, 13]), PrefillBatch.arrays(pieces, PS))
+    assert inputs["tokens"].tolist() == [11, 12, 13, 0]
+    want = PrefillBatch.build(pieces, PS, "cpu")
+    assert torch.equal(inputs["slots"], want.slots) and inputs["slots"][3] == 99 * PS

@@ -60,3 +60,36 @@ def test_graph_replays_match_the_eager_pass_across_contexts_patterns_and_a_wider
     assert not graphs.fits(long)
     with pytest.raises(ValueError):
         graphs.forward(torch.zeros(graphs.block_m + 1, dtype=torch.long), long)
+
+
+def test_decode_batches_of_one_bucket_share_one_graph_padded_on_the_pad_page():
+    """With a pad page, decode batches of 5, 6 and 8 sequences run as 8 (one pattern, one graph: the first runs
+    eager, the second captures, the rest replay); each gives the eager unpadded pass's logits for its real rows and
+    writes the same K/V rows, and nothing but the pad page besides."""
+    from mimw.engine.backends.step_graphs import StepGraphs
+    from mimw.kv.pages import KVLayout, PagedKVCache
+    from mimw.prefill import PrefillRunner
+
+    spec = get_preset("smollm2-135m").with_(num_layers=3)
+    w = random_weights(spec, 6, dtype=torch.bfloat16, device="cuda")
+    runner = PrefillRunner(w)
+    pad = 63
+    cache = PagedKVCache(KVLayout.for_spec(spec, 16, 64, torch.bfloat16), "cuda")
+    twin = PagedKVCache(KVLayout.for_spec(spec, 16, 64, torch.bfloat16), "cuda")
+    for c in (cache, twin):
+        c.k.normal_(generator=torch.Generator(device="cuda").manual_seed(0))
+        c.v.normal_(generator=torch.Generator(device="cuda").manual_seed(1))
+    graphs = StepGraphs(runner, cache, pad_page=pad)
+    perm = torch.randperm(56, generator=torch.Generator().manual_seed(3)).tolist()
+    tables = [tuple(perm[7 * i:7 * i + 7]) for i in range(8)]
+    gen = torch.Generator().manual_seed(4)
+    for b in (5, 6, 8, 5, 7):
+        starts = torch.randint(0, 100, (b,), generator=gen).tolist()
+        toks = torch.randint(spec.vocab_size, (b,), generator=gen).cuda()
+        segs = [Segment(tables[i], s, 1, 1) for i, s in enumerate(starts)]
+        _close(graphs.forward(toks, segs), runner.forward(toks, segs, twin))
+        for layer in range(spec.num_layers):  # the same K/V rows, every page but the pad page
+            assert torch.allclose(cache.k[layer][:pad].float(), twin.k[layer][:pad].float(), rtol=2e-2, atol=2e-2)
+            assert torch.allclose(cache.v[layer][:pad].float(), twin.v[layer][:pad].float(), rtol=2e-2, atol=2e-2)
+    p = graphs.patterns
+    assert set(p.graphs) == {((1, 1),) * 8} and (p.eager, p.captures) == (1, 1)

@@ -205,7 +205,8 @@ class MegakernelBackend(Backend):
         if isinstance(self.prefill, ReferencePrefill):
             return self.prefill.forward(tokens, segments, cache)
         if self._graphs is None or self._graphs.cache is not cache:
-            self._graphs = StepGraphs(self.prefill, cache)
+            # decode batches pad to buckets on the page past the caller's (make_cache), where the cache is ours
+            self._graphs = StepGraphs(self.prefill, cache, pad_page=self._pad_pages.get(cache))
         if self._graphs.fits(segments):
             return self._graphs.forward(tokens, segments)
         return self.prefill.forward(tokens, segments, cache)

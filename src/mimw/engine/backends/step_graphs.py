@@ -20,6 +20,13 @@ queueing a step never waits for the GPU and copies what the step uses, not the c
 The common width starts at ``MIN_TABLE_TOKENS`` of context (at most the pool's pages), so short and mid-length
 contexts never recapture; a block table wider than it doubles it and recaptures the graphs wider.
 
+Decode batches pad to buckets: with ``pad_page`` (a page of the cache no sequence owns: the megakernel backend's),
+a step of B one-token segments runs as the power of two at or above B (``padded``), the extra segments one token
+at position 0 of that page (they write and read only its first row; their logits are computed and not returned).
+So every B of a bucket is one pattern, one graph: the batch shrinking as requests finish meets patterns captured
+before, where each new B would run eager (~3-10 ms of launches) and then capture; the pass costs about the same at
+B and at its bucket (its weights are read once either way).
+
 Capture: one eager pass on the step's real inputs first (compilation, autotuning; it writes the same K/V rows the
 replay rewrites), then the capture, then the replay. Every graph draws on one memory pool (graphs replay one at a
 time, and each step's logits are copied out before the next replay; a recapture wider starts a new pool). Which
@@ -41,6 +48,7 @@ from ...prefill.batch import Piece, PrefillBatch
 from ...prefill.gluon_attention import GROUPED_ROWS
 from ...prefill.paged_attention import AttentionTiles
 from ...step_inputs import Field, StepInputs
+from ..step_costs import bucket
 from .graph_patterns import CAPTURE, EAGER, GraphPatterns
 
 MIN_TABLE_TOKENS = 8192  # context the graphs' block tables hold from the start (a 32-row table: 64 KB at page 16)
@@ -59,12 +67,22 @@ def input_fields(tokens: int, segments: int, logit_rows: int, width: int) -> tup
             Field("block_tables", torch.int32, (b, width), host=False))
 
 
+def padded(segments: Sequence[Segment], pad_page: int | None) -> list[Segment]:
+    """``segments``, and where they are a decode batch (every segment one token with its logits) and ``pad_page`` is
+    given, one-token segments at position 0 of ``pad_page`` up to the power of two at or above their count."""
+    out = list(segments)
+    if pad_page is not None and all(s.length == 1 and s.num_logits == 1 for s in out):
+        out += [Segment((pad_page,), 0, 1, 1)] * (bucket(len(out)) - len(out))
+    return out
+
+
 def load(inputs: StepInputs, tokens: torch.Tensor, host: dict[str, np.ndarray]) -> None:
     """One step into a graph's inputs: ``host`` (``PrefillBatch.arrays``: block tables at the step's widest) and
     the tokens packed into the next pinned buffer and copied at once, as far as the step's table rows; the rows
     spread into the kernels' [B, width] tables on the device (the columns past the step's width keep older entries:
     every read is of a page below its segment's context, so none is read); tokens on the device copied there, after
-    that copy (which rewrites the tokens field too)."""
+    that copy (which rewrites the tokens field too). Fewer tokens than the field holds (a padded step) fill its
+    start; the padding's ids are 0."""
     tables = host["block_tables"]
     b, w = tables.shape
     staged = inputs.stage(inputs.end("table_rows", b * w))
@@ -74,12 +92,15 @@ def load(inputs: StepInputs, tokens: torch.Tensor, host: dict[str, np.ndarray]) 
         else:
             staged.array(name)[:] = a
     on_host = tokens.device.type == "cpu"
+    n = tokens.numel()
+    ids = staged.array("tokens")
+    ids[n:] = 0
     if on_host:
-        staged.array("tokens")[:] = tokens.numpy()
+        ids[:n] = tokens.numpy()
     inputs.load(staged)
     inputs.spread("table_rows", "block_tables", b, w)
     if not on_host:
-        inputs["tokens"].copy_(tokens)
+        inputs["tokens"][:n].copy_(tokens)
 
 
 @dataclass
@@ -103,9 +124,10 @@ def block_m(runner: PrefillRunner) -> int | None:
 
 
 class StepGraphs:
-    def __init__(self, runner: PrefillRunner, cache: PagedKVCache, max_graphs: int = 64):
+    def __init__(self, runner: PrefillRunner, cache: PagedKVCache, max_graphs: int = 64, pad_page: int | None = None):
         self.runner = runner
         self.cache = cache
+        self.pad_page = pad_page  # a page of ``cache`` no sequence owns: decode batches pad to buckets on it
         self.block_m = block_m(runner)
         layout = cache.layout
         # which patterns replay, capture or run eager, and the block-table width of every graph
@@ -118,9 +140,11 @@ class StepGraphs:
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """tokens [T] (the segments' tokens concatenated) -> fp32 logits [sum(num_logits), vocab]; writes each
-        token's K/V into the cache."""
+        token's K/V into the cache (and a padded decode batch's padding rows into ``pad_page``)."""
         if not self.fits(segments):
             raise ValueError(f"StepGraphs runs segments of at most {self.block_m} tokens on the paged kernel")
+        rows = sum(s.num_logits for s in segments)
+        segments = padded(segments, self.pad_page)
         pieces = [Piece(tuple(s.block_table), s.start, s.length, s.num_logits) for s in segments]
         host = PrefillBatch.arrays(pieces, self.cache.layout.page_size)
         if self.patterns.widen(host["block_tables"].shape[1]):  # every graph dropped: their tables were too narrow
@@ -130,7 +154,9 @@ class StepGraphs:
         key = tuple((p.length, p.num_logits) for p in pieces)
         what = self.patterns.decide(key)
         if what == EAGER:
-            return self.runner.forward(tokens, segments, self.cache)
+            pad = len(pieces) - len(tokens)  # padding segments are one token each
+            ids = torch.cat([tokens.reshape(-1), tokens.new_zeros(pad)]) if pad else tokens
+            return self.runner.forward(ids, segments, self.cache)[:rows]
         if what == CAPTURE:
             g = self._capture(tokens, pieces, host)
             self.patterns.store(key, g)
@@ -138,10 +164,10 @@ class StepGraphs:
             g = self.patterns.graphs[key]
             load(g.inputs, tokens, host)
         g.graph.replay()
-        return g.logits.clone()
+        return g.logits[:rows].clone()
 
     def _capture(self, tokens: torch.Tensor, pieces: list[Piece], host: dict[str, np.ndarray]) -> _Graph:
-        t, b, r = tokens.numel(), len(pieces), host["logit_rows"].shape[0]
+        t, b, r = host["positions"].shape[0], len(pieces), host["logit_rows"].shape[0]
         inputs = StepInputs(input_fields(t, b, r, self.patterns.width), self.runner.w.device)
         load(inputs, tokens, host)
         batch = PrefillBatch(tuple(pieces), self.cache.layout.page_size, **{k: inputs[k] for k in host})
