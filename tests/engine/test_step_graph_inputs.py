@@ -78,3 +78,30 @@ def test_decode_batches_pad_to_their_bucket_on_the_pad_page_and_their_tokens_fil
     assert inputs["tokens"].tolist() == [11, 12, 13, 0]
     want = PrefillBatch.build(pieces, PS, "cpu")
     assert torch.equal(inputs["slots"], want.slots) and inputs["slots"][3] == 99 * PS
+
+
+def test_an_eager_step_pads_decode_batches_only_and_returns_the_real_rows(monkeypatch):
+    """A pattern's first sighting runs eager through the runner: a decode batch with the padding's zero ids appended,
+    any other step (a prompt chunk of many tokens in few segments) as given; the logits of the real rows only."""
+    from types import SimpleNamespace
+
+    from mimw.engine.backends import step_graphs
+    from mimw.models.reference import Segment
+
+    monkeypatch.setattr(step_graphs.torch.cuda, "graph_pool_handle", lambda: None)
+    calls = []
+
+    def forward(ids, segments, cache):
+        calls.append((ids.tolist(), list(segments)))
+        return torch.randn(sum(s.num_logits for s in segments), 7)
+
+    runner = SimpleNamespace(config=SimpleNamespace(attention="gluon"), forward=forward)
+    cache = SimpleNamespace(layout=SimpleNamespace(page_size=PS, num_pages=64))
+    graphs = step_graphs.StepGraphs(runner, cache, pad_page=63)
+    dec = [Segment((3,), 5, 1, 1), Segment((4,), 9, 1, 1), Segment((6,), 2, 1, 1)]
+    out = graphs.forward(torch.tensor([21, 22, 23]), dec)
+    assert out.shape == (3, 7)
+    assert calls[-1] == ([21, 22, 23, 0], dec + [Segment((63,), 0, 1, 1)])
+    chunk = [Segment((7, 8), 0, 20, 1), Segment((4,), 10, 1, 1)]
+    out = graphs.forward(torch.arange(21), chunk)
+    assert out.shape == (2, 7) and calls[-1] == (list(range(21)), chunk)

@@ -143,7 +143,7 @@ class StepGraphs:
         token's K/V into the cache (and a padded decode batch's padding rows into ``pad_page``)."""
         if not self.fits(segments):
             raise ValueError(f"StepGraphs runs segments of at most {self.block_m} tokens on the paged kernel")
-        rows = sum(s.num_logits for s in segments)
+        rows, real = sum(s.num_logits for s in segments), len(segments)
         segments = padded(segments, self.pad_page)
         pieces = [Piece(tuple(s.block_table), s.start, s.length, s.num_logits) for s in segments]
         host = PrefillBatch.arrays(pieces, self.cache.layout.page_size)
@@ -154,7 +154,7 @@ class StepGraphs:
         key = tuple((p.length, p.num_logits) for p in pieces)
         what = self.patterns.decide(key)
         if what == EAGER:
-            pad = len(pieces) - len(tokens)  # padding segments are one token each
+            pad = len(pieces) - real  # padding segments are one token each
             ids = torch.cat([tokens.reshape(-1), tokens.new_zeros(pad)]) if pad else tokens
             return self.runner.forward(ids, segments, self.cache)[:rows]
         if what == CAPTURE:
