@@ -344,3 +344,46 @@ def test_thirty_two_concurrent_greedy_requests_give_the_reference_backends_token
         (_, top1), (_, top2) = lps[r][first].top[:2]
         assert top1 - top2 <= tie, (r, first, a[first], b[first], top1 - top2)
     assert identical >= 28, identical
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the megakernel needs a Hopper (sm_90) GPU")
+def test_prepare_captures_every_decode_bucket_so_serving_steps_only_replay():
+    """``prepare(cache, 8)`` captures the graphs of every decode path for buckets 1..8 on the pad page; decode
+    batches of 1..8 real sequences then run on each path with no capture, no eager first sighting and no decoder
+    built, their logits those of the reference, and no sequence's K/V disturbed by the warm-up."""
+    from mimw.engine.backends.megakernel import MegakernelBackend
+    from mimw.engine.backends.reference import ReferenceBackend
+
+    spec = get_preset("smollm2-135m").with_(num_layers=4)
+    w = random_weights(spec, 8, dtype=torch.bfloat16, device="cuda")
+    mk, ref = MegakernelBackend(w), ReferenceBackend(w.to(dtype=torch.float32))
+    cache, ref_cache = mk.make_cache(16, 48), ref.make_cache(16, 48)
+    g = torch.Generator().manual_seed(8)
+    tables = [tuple(range(6 * i, 6 * i + 6)) for i in range(8)]
+    for t in tables:  # the prompts first, so that the warm-up runs over a cache that holds sequences
+        p = torch.randint(spec.vocab_size, (33,), generator=g)
+        mk.forward(p, [Segment(t, 0, 33)], cache)
+        ref.forward(p, [Segment(t, 0, 33)], ref_cache)
+    before = cache.k.clone(), cache.v.clone()
+    prompts = mk._graphs.patterns.captures, mk._graphs.patterns.eager  # the prompt steps' pattern: 1, 1
+    mk.prepare(cache, 8)
+    graphs, dec = mk._graphs, mk._dec
+    work = (graphs.patterns.captures, graphs.patterns.eager, len(dec._batches), dec.graph is not None)
+    # buckets 2, 4, 8: an eager sighting and a capture each; the M = 1 step's graph and the multi-token step's
+    assert work[:2] == (prompts[0] + 3, prompts[1] + 3) and work[3]
+    assert all(d.graph is not None for (m, blocks), d in dec._batches.items() if m <= 8 and not blocks)
+    assert torch.equal(cache.k[:, :-1], before[0][:, :-1]) and torch.equal(cache.v[:, :-1], before[1][:, :-1])
+    pos = 33
+    for b in (1, 3, 8, 5, 2, 7):
+        toks = torch.randint(spec.vocab_size, (b,), generator=g)
+        segs = [Segment(t, pos, 1) for t in tables[:b]]
+        want = ref.forward(toks, segs, ref_cache)
+        outs = [mk.decode_replays(toks.cuda(), segs, cache)] if b == 1 else \
+            [mk.decode_kernel(toks.cuda(), segs, cache), mk.decode_pass(toks.cuda(), segs, cache)]
+        for out in outs:
+            assert out.shape == want.shape
+            assert ((out - want.cuda()).abs().max() / want.abs().max()).item() < 2e-2
+        assert (graphs.patterns.captures, graphs.patterns.eager, len(dec._batches), dec.graph is not None) == work
+        assert mk._graphs is graphs and mk._dec is dec
+        pos += 1

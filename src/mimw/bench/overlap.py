@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     # (rebuilt at a switch, which the warm-up of each measure absorbs)
     backend = _backend(name, loaded.weights, None)
     engines = {mode: _engine(backend, mode, max(batches), pages) for mode in (False, True)}
-    backend.prepare(engines[False].cache)  # every kernel compiled before any measure, as a server does at start
+    backend.prepare(engines[False].cache, max(batches))  # every kernel compiled before any measure, as a server does
     router = getattr(backend, "router", None)
     print(f"[overlap] {args.model} on {dev_name}, {name} backend; {args.tokens} tokens a request after a "
           f"{args.prompt}-token prompt", file=sys.stderr, flush=True)

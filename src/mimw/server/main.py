@@ -266,10 +266,10 @@ def _build_engine(args, loaded, backend, spec_cfg, device, dtype, tok, control) 
     speculator = spec_options.build_speculator(spec_cfg, loaded, args.page_size, num_pages, draft) if spec_cfg else None
     engine = Engine(backend, tok.for_engine(), cfg, tok.eos_token_ids, speculator=speculator)
     if args.backend == "megakernel":
-        log.info("compiling the megakernel's step kernels (a first start takes ~10 s a kernel; Triton's cache "
-                 "keeps them for the next) ...")
+        log.info("compiling the megakernel's step kernels and capturing its decode graphs (a first start takes ~10 s a "
+                 "kernel; Triton's cache keeps them for the next) ...")
     t0 = time.monotonic()
-    backend.prepare(engine.cache)  # no step waits for a compiler while serving
+    backend.prepare(engine.cache, engine.config.max_batch)  # no step waits for a compiler or a capture
     if args.backend == "megakernel":
         log.info("compiled in %.1f s", time.monotonic() - t0)
     kv = engine.cache.layout

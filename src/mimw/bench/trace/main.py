@@ -249,7 +249,7 @@ def _warm_up(engine, synth, vocab: int) -> None:
 
     import numpy as np
 
-    engine.backend.prepare(engine.cache)
+    engine.backend.prepare(engine.cache, engine.config.max_batch)
 
     rng = np.random.default_rng(12345)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -51,9 +51,10 @@ class Backend(ABC):
     def make_cache(self, page_size: int, num_pages: int) -> PagedKVCache:
         return PagedKVCache(KVLayout.for_spec(self.spec, page_size, num_pages, self.kv_dtype), self.device)
 
-    def prepare(self, cache: PagedKVCache) -> None:
-        """Before serving: compile every kernel a step over ``cache`` can launch, so that no step waits for a
-        compiler (a serving step that did would stall every stream). Nothing to do for a backend of eager ops."""
+    def prepare(self, cache: PagedKVCache, max_batch: int = 1) -> None:
+        """Before serving: compile every kernel a step over ``cache`` can launch, and capture the graphs of decode
+        steps of up to ``max_batch`` sequences, so that no step waits for a compiler or a capture (a serving step
+        that did would stall every stream). Nothing to do for a backend of eager ops."""
 
     @abstractmethod
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], cache: PagedKVCache) -> torch.Tensor:

@@ -38,6 +38,7 @@ from ...models.reference import ReferenceDecoder, Segment
 from ...models.weights import ModelWeights
 from ...pinned import to_device
 from ...prefill import FusedWeights, PrefillConfig, PrefillRunner
+from ..step_costs import bucket
 from .base import Backend, EventTimer
 from .step_graphs import StepGraphs
 from .step_router import BATCHED, KERNEL, REPLAY, StepRouter, step_paths
@@ -128,12 +129,20 @@ class MegakernelBackend(Backend):
         self._pad_pages[cache] = num_pages
         return cache
 
-    def prepare(self, cache: PagedKVCache) -> None:
+    def prepare(self, cache: PagedKVCache, max_batch: int = 1) -> None:
         """Compile the kernel of every step shape ``forward`` can launch over ``cache``: the one-token step, and for
         each bucket of tokens (powers of two up to ``max_tokens``) its decode batch and (not for an MoE model: its
         verify blocks run eager) its query-block kernel, which serves every layout of verify blocks in the bucket
         (plan.plan). The JIT keeps them (and Triton's cache on disk: a later process loads them); the query-block
-        decoder compiled here is dropped, a verify step plans its own layout. First start ~10 s a kernel."""
+        decoder compiled here is dropped, a verify step plans its own layout. First start ~10 s a kernel.
+
+        Then, where ``cache`` is this backend's, the CUDA graph of every decode path for each bucket up to
+        ``max_batch`` (the engine's most sequences a step) is captured, as vLLM and SGLang capture theirs at start:
+        the M = 1 step's, each bucket's multi-token step's and its graphed pass's (a pass pattern runs eager at its
+        first sighting and is captured at its second). The steps run on the pad page (one-token segments at
+        position 0 of the page no sequence owns), so they write no sequence's K/V; a decode batch of any size then
+        finds its bucket's graphs (``StepGraphs`` pads it there) and no serving step captures one or runs eager.
+        The router's estimates are not fed: a pad-page step reads no past K/V."""
         from ...megakernel.launch.one_token import query_blocks
 
         dec = self._decoder(cache)
@@ -146,6 +155,23 @@ class MegakernelBackend(Backend):
                 dec.batch_decoder(m, blocks).compile()
                 dec.forget(m, blocks)
             m *= 2
+        pad = self._pad_pages.get(cache)
+        if pad is None:
+            return
+        m = 1
+        while m <= bucket(max_batch):
+            ids = torch.zeros(m, dtype=torch.long, device=self.device)
+            segments = [Segment((pad,), 0, 1, 1)] * m
+            if m == 1:
+                self.decode_replays(ids, segments, cache)
+            else:
+                if m <= self.max_tokens:
+                    self.decode_kernel(ids, segments, cache)
+                if not self._moe:
+                    for _ in range(2):
+                        self.decode_pass(ids, segments, cache)
+            m *= 2
+        torch.cuda.synchronize()
 
     def _decoder(self, cache: PagedKVCache):
         from ...megakernel.launch.decoder import MegakernelDecoder
