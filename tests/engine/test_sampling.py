@@ -214,7 +214,8 @@ def test_processors_run_on_the_logits_device_and_match_the_cpu():
     gpu = distribution(logits.cuda(), ps, ctx)
     assert gpu.device.type == "cuda"
     assert torch.allclose(gpu.cpu(), cpu, atol=1e-5)
-    assert sample_batch(logits.cuda(), ps[1:2], [None], ctx[1:2]) == sample_batch(logits, ps[1:2], [None], ctx[1:2])
+    one = logits[1:2]
+    assert sample_batch(one.cuda(), ps[1:2], [None], ctx[1:2]) == sample_batch(one, ps[1:2], [None], ctx[1:2])
     g = [make_generator(p) for p in ps]
     toks = sample_batch(logits.cuda(), ps, g, ctx)
     assert toks[2] >= 3200 and all(cpu[b, t] > 0 for b, t in enumerate(toks))

@@ -136,13 +136,14 @@ class MegakernelBackend(Backend):
         (plan.plan). The JIT keeps them (and Triton's cache on disk: a later process loads them); the query-block
         decoder compiled here is dropped, a verify step plans its own layout. First start ~10 s a kernel.
 
-        Then, where ``cache`` is this backend's, the CUDA graph of every decode path for each bucket up to
-        ``max_batch`` (the engine's most sequences a step) is captured, as vLLM and SGLang capture theirs at start:
-        the M = 1 step's, each bucket's multi-token step's and its graphed pass's (a pass pattern runs eager at its
-        first sighting and is captured at its second). The steps run on the pad page (one-token segments at
-        position 0 of the page no sequence owns), so they write no sequence's K/V; a decode batch of any size then
-        finds its bucket's graphs (``StepGraphs`` pads it there) and no serving step captures one or runs eager.
-        The router's estimates are not fed: a pad-page step reads no past K/V."""
+        Then, where ``cache`` is this backend's, the CUDA graphs of the decode steps whose layout does not depend on
+        the batch's size are captured, as vLLM and SGLang capture theirs at start: the M = 1 step's, and the graphed
+        pass's for each bucket up to ``max_batch`` (the engine's most sequences a step; ``StepGraphs`` pads a decode
+        batch to its bucket, and a pass pattern runs eager at its first sighting and is captured at its second).
+        The steps run on the pad page (one-token segments at position 0 of the page no sequence owns), so they
+        write no sequence's K/V, and the router's estimates are not fed (such a step reads no past K/V). The
+        multi-token step's graphs stay lazy: its padding is one block, so each batch size is its own layout.
+        """
         from ...megakernel.launch.one_token import query_blocks
 
         dec = self._decoder(cache)
@@ -158,18 +159,12 @@ class MegakernelBackend(Backend):
         pad = self._pad_pages.get(cache)
         if pad is None:
             return
-        m = 1
-        while m <= bucket(max_batch):
+        self.decode_replays(torch.zeros(1, dtype=torch.long, device=self.device), [Segment((pad,), 0, 1, 1)], cache)
+        m = 2
+        while m <= bucket(max_batch) and not self._moe:
             ids = torch.zeros(m, dtype=torch.long, device=self.device)
-            segments = [Segment((pad,), 0, 1, 1)] * m
-            if m == 1:
-                self.decode_replays(ids, segments, cache)
-            else:
-                if m <= self.max_tokens:
-                    self.decode_kernel(ids, segments, cache)
-                if not self._moe:
-                    for _ in range(2):
-                        self.decode_pass(ids, segments, cache)
+            for _ in range(2):
+                self.decode_pass(ids, [Segment((pad,), 0, 1, 1)] * m, cache)
             m *= 2
         torch.cuda.synchronize()
 
