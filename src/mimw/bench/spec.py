@@ -13,6 +13,12 @@ comparison is measured under the same machine load. Reported per set and drafter
 The JSON keeps per-prompt rows and, per set and drafter, the verify steps' (drafted, accepted) counts, which
 ``python -m mimw.bench.spec_steps`` turns into GPU estimates.
 
+``--warm N`` first answers N open-chat prompts of other topics (``spec_prompts.warm_prompts``; plain greedy decoding,
+16 at a time) and hands each answer to every speculating engine's drafter as a finished request: the suffix drafter's
+global history then holds a server's earlier outputs, as SuffixDecoding's global tree does (built from earlier
+requests of the workload); greedy outputs are the same speculated or not, so this is what serving those requests
+first would leave. The n-gram drafter keeps nothing across requests. The plain engine needs no warm-up.
+
 "draft" needs a draft model: ``--draft-model PATH`` (one with the target's tokenizer), or ``--draft-layers N``: the
 target's first N layers with its own final norm and LM head (a self-draft without training; there is no smaller
 SmolLM2 on this machine).
@@ -45,6 +51,7 @@ class SpecBenchConfig:
     threads: int | None = None
     out_dir: str = "bench/results"
     packed_linear: bool = True  # the reference backend's oneDNN-prepacked few-row matmuls (verify blocks)
+    warm: int = 0  # warm-up prompts answered before the measure, their outputs handed to the drafters
 
 
 def add_arguments(sub: argparse._SubParsersAction) -> None:
@@ -62,13 +69,16 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=int, default=10, help="prompts per set (default 10)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default="bench/results", help="results directory")
+    p.add_argument("--warm", type=int, default=0,
+                   help="answer N other open-chat prompts first and give the drafters their outputs, as a server's "
+                        "earlier requests (default 0)")
     p.add_argument("--no-packed-linear", dest="packed_linear", action="store_false",
                    help="verify blocks through F.linear like one-token steps (default: oneDNN-prepacked weights "
                         "for steps of 4-64 tokens, engine/backends/packed_linear.py)")
 
 
 def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
-    from .spec_prompts import SETS
+    from .spec_prompts import SETS, warm_prompts
 
     drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
     for d in drafters:
@@ -82,8 +92,9 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
             raise ValueError(f"--sets: unknown set {s!r} (choose from {', '.join(SETS)})")
     if args.spec_tokens < 1 or args.max_tokens < 1 or args.prompts < 1:
         raise ValueError("--spec-tokens, --max-tokens and --prompts must be >= 1")
+    warm_prompts(args.warm)  # its range checked
     return SpecBenchConfig(args.model, args.dtype, drafters, args.draft_model, args.draft_layers, args.spec_tokens,
-                           args.max_tokens, sets, args.prompts, args.threads, args.out, args.packed_linear)
+                           args.max_tokens, sets, args.prompts, args.threads, args.out, args.packed_linear, args.warm)
 
 
 def truncated(weights, n_layers: int):
@@ -139,6 +150,33 @@ def _run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> dict:
     return row
 
 
+def warm_up(backend, tokenizer, speculators, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Answer ``prompts`` greedily on ``backend`` (plain decoding, 16 at a time) and hand each prompt and answer to
+    every speculator's drafter as a finished request; returns the answers."""
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.sampling import SamplingParams
+    from ..engine.spec.drafter import DraftInput
+
+    if not prompts:
+        return []
+    longest = max(len(p) for p in prompts) + max_tokens + 16
+    engine = Engine(backend, tokenizer, EngineConfig(num_pages=16 * (-(-longest // 16) + 1), page_size=16,
+                                                      max_batch=16, enable_prefix_cache=False),
+                    tokenizer.eos_token_ids)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"warm-{i}", p, params)
+        outs[f"warm-{i}"] = []
+    while engine.has_work():
+        for ev in engine.step():
+            outs[ev.request_id] += ev.token_ids
+    for i, p in enumerate(prompts):
+        for sp in speculators:
+            sp.drafter.finish(DraftInput(f"warm-{i}", list(p) + outs[f"warm-{i}"], len(p), params))
+    return [outs[f"warm-{i}"] for i in range(len(prompts))]
+
+
 def summarize(rows: list[dict], plain_rows: list[dict]) -> dict:
     tok = sum(r["tokens"] for r in rows)
     ptok = sum(r["tokens"] for r in plain_rows)
@@ -169,7 +207,8 @@ def markdown(doc: dict) -> str:
     lines = [f"# mimw bench spec - {m['model']} ({m['dtype']}) on {m['cpu']}, {m['date']}", "",
              f"commit {m['commit']}; K = {m['spec_tokens']}; up to {m['max_tokens']} tokens per prompt, greedy, "
              f"batch 1; torch threads {m['threads']}; draft model: {m['draft_model']}; prepacked few-row matmuls: "
-             f"{m.get('packed_linear', False)}", "",
+             f"{m.get('packed_linear', False)}; warm-up: {m.get('warm', 0)} prompts ({m.get('warm_tokens', 0)} tokens) "
+             "answered first, their outputs given to the drafters", "",
              "tok/s per user, end to end (submission to last token, prefill included) and decode (first to last "
              "token); CPU: process CPU time over the same spans, wall: wall clock.", "",
              "| set | drafter | mean accepted length | acceptance | CPU e2e tok/s | vs plain | CPU decode tok/s | "
@@ -192,7 +231,7 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
     from ..engine.spec.options import check_tokenizers, weight_ratio
     from ..models.checkpoint import load_model
     from .main import git_commit, slug
-    from .spec_prompts import SETS
+    from .spec_prompts import SETS, warm_prompts
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -222,7 +261,15 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
             platform.machine(), "threads": torch.get_num_threads(), "commit": git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "spec_tokens": cfg.spec_tokens,
             "max_tokens": cfg.max_tokens, "draft_model": draft_name, "draft_weight_ratio": draft_cost, "command": " ".join(sys.argv),
-            "torch": torch.__version__, "packed_linear": backend.packed is not None}
+            "torch": torch.__version__, "packed_linear": backend.packed is not None, "warm": cfg.warm}
+    if cfg.warm:
+        t0 = time.perf_counter()
+        warm = [tok.apply_chat_template(list(p.messages)) for p in warm_prompts(cfg.warm)]
+        answers = warm_up(backend, tok, [e.speculator for e in engines.values() if e.speculator], warm,
+                          cfg.max_tokens)
+        meta["warm_tokens"] = sum(len(a) for a in answers)
+        print(f"[bench spec] warm-up: {cfg.warm} prompts, {meta['warm_tokens']} tokens handed to the drafters in "
+              f"{time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     rows: dict[str, dict[str, list[dict]]] = {s: {m: [] for m in modes} for s in cfg.sets}
     for s, plist in prompts.items():
         for i, (name, ids) in enumerate(plist):

@@ -49,6 +49,20 @@ CHAT = (
 )
 
 
+# the warm-up pool (``--warm``): open chat of the same kinds as CHAT on other topics, answered before the measure so
+# that the suffix drafter's global history holds a server's earlier outputs (SuffixDecoding builds its global tree
+# from the outputs of earlier requests of the workload, not of the ones it is measured on)
+_WARM_FORMS = ("Explain {} in simple terms.", "What are the benefits of {}?", "Give me some tips for {}.",
+               "Write a short poem about {}.", "What is the history of {}?", "How do I get started with {}?",
+               "What are common mistakes people make with {}?", "Write a short story about {}.")
+_WARM_TOPICS = ("gardening", "chess", "saving money", "public speaking", "learning a new language", "volcanoes",
+                "the moon landing", "meditation", "electric cars", "running a marathon", "the internet", "recycling",
+                "birdwatching", "writing a resume", "coffee", "the Roman Empire", "dinosaurs", "rainbows",
+                "photography", "yoga", "climate change", "the stock market", "knitting", "honeybees",
+                "cloud computing", "first aid", "the printing press", "dogs as pets", "solar panels", "origami",
+                "jazz music", "a lighthouse keeper", "a lost kitten", "the desert at dawn")
+
+
 @dataclass(frozen=True)
 class BenchPrompt:
     name: str
@@ -92,6 +106,14 @@ def grounded_prompts(n: int) -> list[BenchPrompt]:
 
 def chat_prompts(n: int) -> list[BenchPrompt]:
     return [BenchPrompt(f"chat{i}", ({"role": "user", "content": q},)) for i, q in enumerate(CHAT[:n])]
+
+
+def warm_prompts(n: int) -> list[BenchPrompt]:
+    """n warm-up prompts (at most ``len(_WARM_FORMS) * len(_WARM_TOPICS)``), topic by topic, every form of a topic."""
+    pool = [f.format(t) for t in _WARM_TOPICS for f in _WARM_FORMS]
+    if not 0 <= n <= len(pool):
+        raise ValueError(f"--warm must be in [0, {len(pool)}], got {n}")
+    return [BenchPrompt(f"warm{i}", ({"role": "user", "content": q},)) for i, q in enumerate(pool[:n])]
 
 
 SETS = {"grounded": grounded_prompts, "chat": chat_prompts}
