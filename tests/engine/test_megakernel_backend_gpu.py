@@ -349,9 +349,10 @@ def test_thirty_two_concurrent_greedy_requests_give_the_reference_backends_token
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the megakernel needs a Hopper (sm_90) GPU")
 def test_prepare_captures_every_decode_bucket_so_serving_steps_only_replay():
-    """``prepare(cache, 8)`` captures the M = 1 step's graph and the graphed pass's for buckets 2, 4 and 8 on the
-    pad page; decode batches of 1..8 real sequences then replay them (no capture, no eager first sighting), their
-    logits those of the reference on every path, and the warm-up wrote no sequence's K/V."""
+    """``prepare(cache, 8)`` captures the M = 1 step's graph, and the multi-token step's and the graphed pass's for
+    buckets 2, 4 and 8, on the pad page; decode batches of 1..8 real sequences then replay them (no decoder built,
+    no capture, no eager first sighting), their logits those of the reference on every path, and the warm-up wrote
+    no sequence's K/V."""
     from mimw.engine.backends.megakernel import MegakernelBackend
     from mimw.engine.backends.reference import ReferenceBackend
 
@@ -372,6 +373,9 @@ def test_prepare_captures_every_decode_bucket_so_serving_steps_only_replay():
     one = dec.graph
     work = graphs.patterns.captures, graphs.patterns.eager
     assert work == (prompts[0] + 3, prompts[1] + 3) and one is not None  # buckets 2, 4, 8: a sighting, a capture
+    kernels = {m: dec._batches[(m, ())].graph for m in (2, 4, 8)}
+    assert all(g is not None for g in kernels.values())
+    built = set(dec._batches)
     assert torch.equal(cache.k[:, :-1], before[0][:, :-1]) and torch.equal(cache.v[:, :-1], before[1][:, :-1])
     pos = 33
     for b in (1, 3, 8, 5, 2, 7):
@@ -385,4 +389,5 @@ def test_prepare_captures_every_decode_bucket_so_serving_steps_only_replay():
             assert ((out - want.cuda()).abs().max() / want.abs().max()).item() < 2e-2
         assert (graphs.patterns.captures, graphs.patterns.eager) == work
         assert mk._graphs is graphs and mk._dec is dec and dec.graph is one
+        assert set(dec._batches) == built and all(dec._batches[(m, ())].graph is g for m, g in kernels.items())
         pos += 1

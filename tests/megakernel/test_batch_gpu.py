@@ -46,7 +46,8 @@ VERIFY_CASES = ([(v, False, 1000) for v in VERIFY_MIXES] + [((4, 2, 1), True, 10
                    # holding the block's own rows reads them, late, in its first blocks
                    ((1, 5, 1, 6), True, 1000),  # two verify blocks and decode tokens, 13 padded to 16
                    ((3, 4), False, 20),  # short contexts: every split's first blocks hold this step's rows
-                   ((20, 1), True, 1000)])  # a segment past one query block (16 + 4), bucket 32 (1B, SmolLM2)
+                   ((20, 1), True, 1000),  # a segment past one query block (16 + 4), bucket 32 (1B, SmolLM2)
+                   ((1,) * 5, True, 1000)])  # a decode batch of 5: three padding rows at position 0 of one page
 
 
 @pytest.mark.parametrize("lens,padded,context", VERIFY_CASES,
@@ -59,7 +60,8 @@ def test_verify_blocks_match_reference_over_8_steps(model, lens, padded, context
     (ops/attn_query_block.py: one instruction per block, KV head and split, its tokens x the group's heads on
     mma.sync): a block's token i attends to the rows its tokens 0..i-1 store in the same launch, which attention's
     prefetch must not read before its wait (state.seg_new); padded (7 tokens as the bucket of 8, 12 and 13 as 16,
-    21 as 32) by a block on a page of its own. Against the fp32 oracle over the real segments, bounds as above;
+    21 as 32) by a block on a page of its own (a decode batch of 5 as 8 by three one-token rows
+    there). Against the fp32 oracle over the real segments, bounds as above;
     repeated launches bit-identical; every cache row but the appended ones (and the padding's page) unchanged."""
     from mimw.megakernel.launch.one_token import bucket_of
     from mimw.megakernel.plan import max_tokens

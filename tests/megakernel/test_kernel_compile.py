@@ -167,7 +167,7 @@ def test_the_moe_decode_batch_kernel_compiles_spill_free():
 
 @pytest.mark.parametrize("blocks", [(), (1, 1, 1, 1, 1, 3)], ids=["batch8", "5-padded-by-3"])
 def test_the_tiny_moe_decode_batch_kernel_compiles_spill_free(blocks):
-    """tiny-qwen3-moe-mt's decode batch of 8, and of 5 padded by a query block of 3 (the engine's padding): a hidden
+    """tiny-qwen3-moe-mt's decode batch of 8, and of 5 tokens beside a query block of 3 (the query-block path): a hidden
     size of one column tile (64), 16 routing slots, experts of three column tiles."""
     from mimw.megakernel.program import StepShape
 

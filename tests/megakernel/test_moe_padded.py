@@ -82,7 +82,7 @@ def test_a_padded_steps_buffers_hold_the_routing_of_every_row_it_runs(real):
 
 @pytest.mark.parametrize("real,num_sms", [(3, 132), (5, 132), (7, 7), (2, 132)])
 def test_the_vm_runs_a_padded_moe_decode_batch_as_the_reference_runs_its_tokens(real, num_sms):
-    """Decode tokens of ``real`` sequences padded to their bucket (a block of padding rows on a page of its own, as
+    """Decode tokens of ``real`` sequences padded to their bucket (one-token padding rows on a page of its own, as
     the engine's backend pads them), two steps, scratch poisoned (NaN, the routing table never written) before each:
     the real rows' logits and every sequence's cache rows are the reference's; the last MoE layer's routing table
     holds exactly the distinct experts of all N rows, padding rows included, ascending, within its S slots."""

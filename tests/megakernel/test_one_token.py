@@ -41,6 +41,21 @@ def test_a_step_pads_to_its_bucket_with_a_block_on_the_padding_page():
         split_segments([Segment(a, 0, 9, 1)], pad_page=9, page_size=4)
 
 
+def test_a_decode_batch_pads_with_one_token_rows_so_a_bucket_is_one_layout():
+    """Every batch size of a bucket runs the bucket's decode program: the padding is one-token rows at position 0 of
+    the padding page (not a block), however many (past a page's rows too)."""
+    tables = [(2 * i, 2 * i + 1) for i in range(32)]
+    layouts = set()
+    for b in range(17, 33):
+        one = split_segments([Segment(t, 7 + i, 1) for i, t in enumerate(tables[:b])], pad_page=99, page_size=4)
+        assert one.num_tokens == 32 and one.padding == 32 - b and one.blocks == ()
+        assert one.positions[b:] == (0,) * (32 - b) and one.firsts[b:] == (0,) * (32 - b)
+        assert one.block_tables[b:] == ((99,),) * (32 - b) and one.logit_rows == tuple(range(b))
+        assert one.positions[:b] == tuple(7 + i for i in range(b)) and one.block_tables[:b] == tuple(tables[:b])
+        layouts.add((one.num_tokens, one.blocks))
+    assert layouts == {(32, ())}
+
+
 def test_segments_become_attention_query_blocks_of_at_most_sixteen_tokens():
     a, b, c = (1, 2), (3, 4, 5), (6,)
     one = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 1, 1), Segment(c, 5, 4, 2)])

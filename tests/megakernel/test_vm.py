@@ -591,6 +591,8 @@ VERIFY_CASES = [  # (num_sms, segment lengths, padded, query blocks)
     (1, (5, 4, 1), False, True),  # every split on one SM
     (132, (1, 20), True, True),  # a segment past one query block: blocks of 16 and 4 (the second continues the
     # first: its rows of this step are the first block's), the padding a block of 11
+    (132, (1, 1, 1, 1, 1), True, False),  # a decode batch of 5: three padding rows, each at position 0 of one page
+    (7, (1, 1, 1, 1, 1), True, False),
 ]
 
 
@@ -603,7 +605,7 @@ def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_t
     attention per token or (``blocks``) in query blocks (StepShape.attn_blocks: one instruction per block, KV head
     and split), two steps in a row, each in several random interleavings: every token's logits and the cache equal
     the reference's over the real segments."""
-    contexts = (37, 15, 60, 23)[: len(lens)]
+    contexts = (37, 15, 60, 23, 9)[: len(lens)]
     spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, contexts, 2 * max(lens), 11)
     pad_page = min(set(range(vm_cache.layout.num_pages)) - {p for t in tables for p in t}) if padded else None
     one0 = split_segments([Segment(t, s, n, n) for t, s, n in zip(tables, contexts, lens)], pad_page)

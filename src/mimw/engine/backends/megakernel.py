@@ -20,8 +20,7 @@ once here for the prefill path's GEMMs, and the megakernel packs its own tile-ma
 steps run on the megakernel as one-token launches or, where its multi-token step plans (plan.max_tokens: up to
 plan.MAX_MOE_BATCH tokens; 1 where its heads take 16-row tiles), as that step, which reads each distinct routed
 expert once; its prefill chunks and verify blocks run eager on the bf16 reference decoder (``ReferencePrefill``: the
-prefill path has no MoE block yet, and the MoE step's query blocks are GPU-checked only as a decode batch's
-padding).
+prefill path has no MoE block yet, and the MoE step's query blocks are not GPU-checked).
 Invariants are those of ``Backend``.
 """
 from __future__ import annotations
@@ -136,14 +135,12 @@ class MegakernelBackend(Backend):
         (plan.plan). The JIT keeps them (and Triton's cache on disk: a later process loads them); the query-block
         decoder compiled here is dropped, a verify step plans its own layout. First start ~10 s a kernel.
 
-        Then, where ``cache`` is this backend's, the CUDA graphs of the decode steps whose layout does not depend on
-        the batch's size are captured, as vLLM and SGLang capture theirs at start: the M = 1 step's, and the graphed
-        pass's for each bucket up to ``max_batch`` (the engine's most sequences a step; ``StepGraphs`` pads a decode
-        batch to its bucket, and a pass pattern runs eager at its first sighting and is captured at its second).
-        The steps run on the pad page (one-token segments at position 0 of the page no sequence owns), so they
-        write no sequence's K/V, and the router's estimates are not fed (such a step reads no past K/V). The
-        multi-token step's graphs stay lazy: its padding is one block, so each batch size is its own layout.
-        """
+        Then, where ``cache`` is this backend's, the CUDA graph of every decode path is captured for each bucket up
+        to ``max_batch`` (the engine's most sequences a step), as vLLM and SGLang capture theirs at start: the M = 1
+        step's, each bucket's multi-token step (a decode batch pads to its bucket with one-token rows: one layout a
+        bucket) and graphed pass (``StepGraphs`` pads alike; a pass pattern runs eager at its first sighting and is
+        captured at its second). The steps run on the pad page (rows at position 0 of the page no sequence owns), so
+        they write no sequence's K/V, and the router's estimates are not fed (such a step reads no past K/V)."""
         from ...megakernel.launch.one_token import query_blocks
 
         dec = self._decoder(cache)
@@ -161,10 +158,13 @@ class MegakernelBackend(Backend):
             return
         self.decode_replays(torch.zeros(1, dtype=torch.long, device=self.device), [Segment((pad,), 0, 1, 1)], cache)
         m = 2
-        while m <= bucket(max_batch) and not self._moe:
-            ids = torch.zeros(m, dtype=torch.long, device=self.device)
-            for _ in range(2):
-                self.decode_pass(ids, [Segment((pad,), 0, 1, 1)] * m, cache)
+        while m <= bucket(max_batch):
+            if m <= self.max_tokens:
+                dec.warm_bucket(m, pad)
+            if not self._moe:
+                ids = torch.zeros(m, dtype=torch.long, device=self.device)
+                for _ in range(2):
+                    self.decode_pass(ids, [Segment((pad,), 0, 1, 1)] * m, cache)
             m *= 2
         torch.cuda.synchronize()
 
@@ -212,8 +212,8 @@ class MegakernelBackend(Backend):
         """Segments of 2..plan.max_tokens tokens in all (decode tokens, verify blocks; any short segments when
         called directly) as one launch of the megakernel's multi-token step (one-token segments:
         megakernel/launch/one_token.py; a verify block's attention as one query block), padded to the bucket of its
-        tokens where the cache is this backend's (one kernel a bucket, not a token count; a graph a layout of verify
-        blocks)."""
+        tokens where the cache is this backend's (one kernel a bucket, not a token count; one graph a bucket for decode
+        batches, one a layout of verify blocks)."""
         pad_page = self._pad_pages.get(cache)  # a cache this backend made: padded to the bucket of its tokens
         # the ids stay on the device (the previous step's samples may not have reached the host)
         out, rows = self._decoder(cache).step_segments(tokens, segments, pad_page)

@@ -276,6 +276,12 @@ class MegakernelDecoder:
             self.shape.context_hint, self.use_graph, batch=batch, packed=(self.w, self.desc), blocks=blocks, tp=self.tp)
         return dec
 
+    def warm_bucket(self, batch: int, pad_page: int) -> None:
+        """Run the decode program of ``batch`` tokens once on ``pad_page`` alone (``batch`` padding rows, each at
+        position 0 of that page, the rows a padded decode batch adds: one_token.split_segments) and capture its CUDA
+        graph, so that a decode batch of any size of that bucket replays it (``MegakernelBackend.prepare``)."""
+        self._run_batch([0] * batch, [0] * batch, [(pad_page,)] * batch, [0] * batch)
+
     def forget(self, batch: int, blocks: tuple[int, ...] = ()) -> None:
         """Drop the decoder ``batch_decoder(batch, blocks)`` built (its state, scratch and graph; the compiled kernel
         stays with the JIT)."""

@@ -8,10 +8,11 @@ before attention's dependency is met. Each of them carries p0, the first positio
 (state.seg_new), so that attention's prefetch, issued before that dependency, never reads those rows. A decode
 token is the case K = 1. Per token, this computes exactly what decoding the block's tokens one after another does.
 
-Buckets: a step of M tokens may be padded to N > M (the power of two at or above M), so that one program, one
-compiled kernel and one CUDA graph serve every M of the bucket. The padding tokens are one more block, of a page no
-sequence owns (``pad_page``), at positions 0 .. N - M - 1: they store their rows there, read only there, and their
-logits are never asked for.
+Buckets: a step of M tokens may be padded to N > M (the power of two at or above M) on a page no sequence owns
+(``pad_page``); the padding stores its rows there, reads only there, and its logits are never asked for. A decode
+batch pads with N - M one-token rows, each at position 0 of that page, so that one program, one compiled kernel and
+one CUDA graph serve every M of the bucket (``MegakernelBackend.prepare`` captures it before serving); a step with
+verify blocks pads with one more block at positions 0 .. N - M - 1 (its layout of blocks is its own anyway).
 
 Attention's query blocks (program.StepShape.attn_blocks): the tokens of a segment run as one attention instruction
 per (block, KV head, split) in blocks of at most ``MAX_QUERY_BLOCK`` consecutive tokens (the padding too), each K/V
@@ -57,9 +58,13 @@ def bucket_of(m: int) -> int:
 
 def split_segments(segments: Sequence[Segment], pad_page: int | None = None, page_size: int = 16) -> OneTokenStep:
     """Segments (any lengths; tokens concatenated in segment order, as ``Backend.forward`` takes them) -> the
-    one-token segments the kernel runs, token for token; with ``pad_page``, padded to ``bucket_of`` their tokens by
-    a block on that page (at most ``page_size`` tokens of padding). Two segments must not write one sequence (a
-    block table appears once): a sequence's block of this step is one segment."""
+    one-token segments the kernel runs, token for token; with ``pad_page``, padded to ``bucket_of`` their tokens on
+    that page. A decode batch (every segment one token) pads with one-token rows, each at position 0 of the page (they
+    write, and read, only its first row; what one reads another may have written: padding's logits are never read),
+    so every batch size of a bucket is one layout, the bucket's decode program (one plan, one CUDA graph); a step with
+    longer segments pads with one block on the page (at most ``page_size`` tokens of padding), its layout its own
+    anyway. Two segments must not write one sequence (a block table appears once): a sequence's block of this step is
+    one segment."""
     positions, tables, firsts, rows = [], [], [], []
     seen = set()
     for s in segments:
@@ -75,14 +80,15 @@ def split_segments(segments: Sequence[Segment], pad_page: int | None = None, pag
         firsts.extend([s.start] * s.length)
         rows.extend(range(t0 + s.length - s.num_logits, t0 + s.length))
     pad = bucket_of(len(positions)) - len(positions) if pad_page is not None else 0
-    if pad > page_size:
+    single = all(s.length == 1 for s in segments)  # a decode batch: padding rows, not a block
+    if pad > page_size and not single:
         raise ValueError(f"{len(positions)} tokens pad by {pad}, more than one page of {page_size} rows")
     if pad and (pad_page,) in seen:
         raise ValueError(f"page {pad_page} is the padding's, not a sequence's")
-    positions.extend(range(pad))
+    positions.extend([0] * pad if single else range(pad))
     tables.extend([(pad_page,)] * pad)
     firsts.extend([0] * pad)
-    blocks = query_blocks([s.length for s in segments] + ([pad] if pad else []))
+    blocks = query_blocks([s.length for s in segments] + ([1] * pad if single else [pad] if pad else []))
     return OneTokenStep(tuple(positions), tuple(tables), tuple(firsts), tuple(rows), pad, blocks)
 
 
