@@ -221,17 +221,14 @@ def test_processors_run_on_the_logits_device_and_match_the_cpu():
     assert toks[2] >= 3200 and all(cpu[b, t] > 0 for b, t in enumerate(toks))
 
 
-@pytest.mark.parametrize("vocab", [128256, 49152, 151936, 32000, 1009, 96])
-def test_argmax_rows_is_torch_argmax_with_ties_nan_and_infinities(vocab):
-    """The two-reduction argmax picks what torch.argmax picks: the lowest index among equal maxima (inside a chunk
-    and across chunks), a NaN as the maximum (its first), -inf rows, a maximum at either end."""
-    from mimw.engine.sampling import argmax_chunks, argmax_rows
+def _hard_rows(vocab: int) -> torch.Tensor:
+    """Rows where a greedy pick can go wrong: ties inside a kernel's chunk and across chunks, the first and the last
+    entry, NaN (the first wins), rows of -inf, many ties."""
+    from mimw.engine.argmax import BLOCK
 
-    s = argmax_chunks(vocab)
-    assert s == 1 or (vocab % s == 0 and 64 <= s <= 1024)
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(9, vocab, generator=g)
-    c = vocab // max(s, 4)  # a chunk (a quarter row where one reduction runs)
+    c = min(BLOCK, vocab // 4)
     x[1, 3] = x[1, 3 + c] = x[1, vocab - 1] = 50.0  # ties in different chunks
     x[2, 5] = x[2, 6] = 50.0  # a tie inside a chunk
     x[3, vocab - 1] = 50.0  # the last entry
@@ -240,15 +237,32 @@ def test_argmax_rows_is_torch_argmax_with_ties_nan_and_infinities(vocab):
     x[6] = float("-inf")  # no finite entry: index 0
     x[7, : vocab // 2] = float("-inf")
     x[8] = x[8].round()  # many ties
-    assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1))
-    h = x.to(torch.bfloat16)
-    for row in range(x.shape[0]):  # a single row: the two reductions
-        for y in (x, h):
-            assert torch.equal(argmax_rows(y[row:row + 1]), torch.argmax(y[row:row + 1], dim=-1)), row
+    return x
 
 
-def test_argmax_chunks_are_divisors_near_512():
-    from mimw.engine.sampling import argmax_chunks
+def test_device_argmax_off_cuda_is_torch_argmax():
+    from mimw.engine.argmax import DeviceArgmax
 
-    assert argmax_chunks(128256) == 256 and argmax_chunks(49152) == 96 and argmax_chunks(151936) == 128
-    assert argmax_chunks(1009) == 1  # prime: one reduction
+    x = _hard_rows(1009)
+    assert torch.equal(DeviceArgmax()(x), torch.argmax(x, dim=-1))
+    with pytest.raises(ValueError, match=r"\[B, V\]"):
+        DeviceArgmax()(x[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [128256, 49152, 151936, 32000, 1009, 96])
+def test_device_argmax_is_torch_argmax_with_ties_nan_and_infinities(vocab):
+    """The one-launch kernel picks what torch.argmax picks, fp32 and bf16, every row count from one to many, the
+    same object again and again (its tickets reset by each launch)."""
+    from mimw.engine.argmax import DeviceArgmax
+
+    pick = DeviceArgmax()
+    x = _hard_rows(vocab).cuda()
+    for y in (x, x.to(torch.bfloat16)):
+        for _ in range(3):
+            assert torch.equal(pick(y), torch.argmax(y, dim=-1))
+        for row in range(y.shape[0]):
+            assert torch.equal(pick(y[row:row + 1]), torch.argmax(y[row:row + 1], dim=-1)), row
+    big = torch.randn(70, vocab, device="cuda")
+    assert torch.equal(pick(big), torch.argmax(big, dim=-1))
+    assert not pick._tickets.any()

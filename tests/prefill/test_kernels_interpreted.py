@@ -1,5 +1,5 @@
 """The prefill Triton kernels against their PyTorch references, run by Triton's interpreter on the CPU at small
-shapes. Collected everywhere, run only in the TRITON_INTERPRET=1 process that ``test_interpreter.py`` starts."""
+shapes. Collected everywhere, run only in the TRITON_INTERPRET=1 process that ``tests/test_interpreter.py`` starts."""
 import pytest
 import torch
 import triton

@@ -37,6 +37,7 @@ from ..models.reference import Segment
 from ..pinned import PinnedRing
 from ..profiling import phase
 from . import chunking
+from .argmax import DeviceArgmax
 from .backends.base import Backend
 from .detokenize import Decoder, TextStream
 from .logprobs import TokenLogprob, logprobs_of
@@ -158,6 +159,9 @@ class Engine:
         self._overlap = config.overlap and speculator is None  # drafts are proposed from the tokens the host holds
         self._inflight: InFlight | None = None  # the latest step's tokens, sampled on the device, not yet read
         self._ids_ring = PinnedRing(config.max_batch, backend.device)  # pinned buffers for those tokens' copies
+        self._argmax = DeviceArgmax()  # greedy rows' picks in one launch (its tickets: this engine's stream)
+        if backend.device.type == "cuda":
+            self._argmax.warm(backend.spec.vocab_size, backend.device)  # its compile, not a first request's
         self._held: list[RequestOutput] = []  # an abort's read events (given to on_output): the next step returns them
 
     # --- requests -----------------------------------------------------------------------------------------
@@ -352,7 +356,7 @@ class Engine:
         try:
             x = logits if [i for i, _ in rows] == list(range(logits.shape[0])) else \
                 logits.index_select(0, on_device([i for i, _ in rows], torch.long, logits.device))
-            ids = sample_ids(x, params, draw_uniforms(params, [r.generator for r in reqs]))
+            ids = sample_ids(x, params, draw_uniforms(params, [r.generator for r in reqs]), argmax=self._argmax)
         except Exception:  # e.g. a generator missing: the host path samples these rows and reports the culprits
             return None
         return InFlight(reqs, ids, may_fail=not all(p.greedy for p in params), ring=self._ids_ring)

@@ -7,11 +7,12 @@ API (all the serving engine and the speculative decoder need):
                               packed allowed-token bitmask.
   ``distribution(x, ps, cs)`` logits [B, V] -> the final per-token sampling distribution [B, V] (fp32, on the
                               logits' device) after every processor: THE definition of what a row samples from.
-  ``sample_ids(x, ps, us, cs)``    logits [B, V] -> token ids [B] on the logits' device (u: one uniform a row).
+  ``sample_ids(x, ps, us, cs, argmax)``    logits [B, V] -> token ids [B] on the logits' device (u: one uniform a
+                              row; ``argmax``: the greedy rows' pick, default torch.argmax; the engine's is
+                              ``argmax.DeviceArgmax``, one kernel launch).
   ``sample_batch(x, ps, gs, cs)``  the same, with uniforms from the generators, read back: B token ids.
   ``draw_uniforms(ps, gs)``   the uniforms ``sample_ids`` takes, one from each non-greedy row's generator.
   ``make_generator(p)``       the request's own ``torch.Generator`` (CPU), seeded from ``p.seed``; ``None`` if greedy.
-  ``argmax_rows(x)``          the greedy pick of each row: ``torch.argmax``, a single row in two reductions.
   ``sample(logits, p, g)``    one row without context (``mimw generate``).
 
 Processors, in order (vLLM's order), all applied per row on the logits' device in fp32, batched over the rows
@@ -34,15 +35,15 @@ Invariants:
 """
 from __future__ import annotations
 
-import functools
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from ..pinned import to_device
+from .argmax import argmax_torch
 
 MAX_LOGPROBS = 20  # alternatives per position that a request may ask for (OpenAI's chat limit)
 
@@ -279,35 +280,6 @@ def _check(logits: torch.Tensor, params: Sequence[SamplingParams], others: Seque
         raise ValueError(f"sampling: logits {tuple(logits.shape)} vs {len(params)} params, {len(others)} {what}")
 
 
-@functools.lru_cache(maxsize=16)
-def argmax_chunks(vocab: int) -> int:
-    """How many chunks ``argmax_rows`` splits a row of ``vocab`` logits into: the divisor of ``vocab`` between 64 and
-    1024, leaving chunks of at least 64 entries, whose chunk is nearest 512 entries (128,256 -> 256 chunks of 501;
-    49,152 -> 96 of 512; 151,936 -> 128 of 1,187), or 1 (one reduction) where ``vocab`` has none."""
-    best = 1
-    for s in range(64, min(1024, vocab // 64) + 1):
-        if vocab % s == 0 and (best == 1 or abs(vocab // s - 512) < abs(vocab // best - 512)):
-            best = s
-    return best
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` of logits [B, V] (the lowest index on ties; a NaN counts as the maximum). One row
-    (a batch-1 step) goes in two reductions: its chunks' maxima (``argmax_chunks``; ``max`` keeps the lowest index
-    within a chunk), then the first chunk holding the maximum. torch's one reduction runs one thread block a row: 26
-    us for the 1B's 128,256 fp32 logits on an H100 (3% of its batch-1 step) against 10 us, where the two reductions'
-    four launches cost ~30 us more host time; a batch-1 step waits for the device, so that pays. Several rows stay
-    on torch.argmax: a batch of 32 waits for the host (bench/NOTES.md, "Overlap scheduler"), where the two
-    reductions saved 11 us of device time for the 30 us of host time."""
-    b, v = x.shape
-    s = argmax_chunks(v)
-    if s == 1 or b > 1:
-        return torch.argmax(x, dim=-1)
-    best, at = x.reshape(b, s, v // s).max(dim=-1)
-    chunk = best.argmax(dim=-1, keepdim=True)
-    return torch.add(at.gather(1, chunk), chunk, alpha=v // s).squeeze(1)  # one kernel: the host's cost counts
-
-
 def distribution(logits: torch.Tensor, params: Sequence[SamplingParams],
                  contexts: Sequence[TokenContext] | None = None) -> torch.Tensor:
     """THE per-token sampling distribution: logits [B, V] -> fp32 probabilities [B, V] on the logits' device,
@@ -322,7 +294,7 @@ def distribution(logits: torch.Tensor, params: Sequence[SamplingParams],
     out = torch.zeros_like(x)
     hot = [b for b, p in enumerate(params) if p.greedy]
     if hot:
-        out[hot] = torch.nn.functional.one_hot(argmax_rows(x[hot]), x.shape[1]).to(out.dtype)
+        out[hot] = torch.nn.functional.one_hot(torch.argmax(x[hot], dim=-1), x.shape[1]).to(out.dtype)
     rest = [b for b, p in enumerate(params) if not p.greedy]
     if rest:
         out[rest] = _filter(x[rest], [params[b] for b in rest])
@@ -338,18 +310,20 @@ def draw_uniforms(params: Sequence[SamplingParams], generators: Sequence[torch.G
 
 
 def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float],
-               contexts: Sequence[TokenContext] | None = None) -> torch.Tensor:
+               contexts: Sequence[TokenContext] | None = None,
+               argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_torch) -> torch.Tensor:
     """logits [B, V] -> int64 token ids [B] on the logits' device, without reading anything back to the host.
 
-    Greedy rows: the argmax of the processed logits. The others: the inverse CDF of their ``distribution`` row at
-    ``uniforms[b]`` (the first token whose cumulative probability exceeds u x total, so a token of probability 0
-    is never drawn); -1 where that row has no valid distribution (NaN or infinite logits, nothing allowed)."""
+    Greedy rows: ``argmax`` of the processed logits (torch.argmax's pick). The others: the inverse CDF of their
+    ``distribution`` row at ``uniforms[b]`` (the first token whose cumulative probability exceeds u x total, so a
+    token of probability 0 is never drawn); -1 where that row has no valid distribution (NaN or infinite logits,
+    nothing allowed)."""
     contexts = contexts if contexts is not None else [_NO_CONTEXT] * len(params)
     _check(logits, params, contexts, "contexts")
     _check(logits, params, uniforms, "uniforms")
     x = process_logits(logits, params, contexts) if _needs_processing(params, contexts) else logits
-    ids = argmax_rows(x)
     rest = [b for b, p in enumerate(params) if not p.greedy]
+    ids = argmax(x) if len(rest) < len(params) else None
     if rest:
         dev, V = x.device, x.shape[1]
         whole = len(rest) == len(params)
@@ -360,10 +334,11 @@ def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams], uniforms:
         target = on_device([uniforms[b] for b in rest], cdf.dtype, dev)[:, None] * total
         pick = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=V - 1)
         pick = torch.where(torch.isfinite(total[:, 0]) & (total[:, 0] > 0), pick, -1)
-        if whole:
+        if ids is None:
             ids = pick
         else:
             ids.index_copy_(0, index, pick)
+    assert ids is not None
     return ids
 
 

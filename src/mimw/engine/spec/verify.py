@@ -31,7 +31,7 @@ import dataclasses
 
 import torch
 
-from ..sampling import SamplingParams, argmax_rows, filtered_probs, sample
+from ..sampling import SamplingParams, filtered_probs, sample
 from .drafter import Draft
 
 # Fields whose effect on token t does not depend on the tokens drafted before t.
@@ -62,7 +62,7 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams,
     if logits.dim() != 2 or logits.shape[0] != k + 1:
         raise ValueError(f"verify: expected logits [{k + 1}, vocab], got {tuple(logits.shape)}")
     if params.greedy:
-        ys = argmax_rows(logits).tolist()  # one host sync for the block
+        ys = torch.argmax(logits, dim=-1).tolist()  # one host sync for the block
         return _match(ys, draft.tokens)
     if draft.probs is None:
         out = []
