@@ -47,7 +47,8 @@ VERIFY_CASES = ([(v, False, 1000) for v in VERIFY_MIXES] + [((4, 2, 1), True, 10
                    ((1, 5, 1, 6), True, 1000),  # two verify blocks and decode tokens, 13 padded to 16
                    ((3, 4), False, 20),  # short contexts: every split's first blocks hold this step's rows
                    ((20, 1), True, 1000),  # a segment past one query block (16 + 4), bucket 32 (1B, SmolLM2)
-                   ((1,) * 5, True, 1000)])  # a decode batch of 5: three padding rows at position 0 of one page
+                   ((1,) * 5, True, 1000),  # a decode batch of 5: three padding rows at position 0 of one page
+                   ((2, 1, 2), True, 1000)])  # verify blocks of two token by token, padded as a decode batch
 
 
 @pytest.mark.parametrize("lens,padded,context", VERIFY_CASES,

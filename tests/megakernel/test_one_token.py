@@ -3,6 +3,7 @@ the host mapping. The VM running the GPU plan's program on that mapping: tests/m
 import pytest
 
 from mimw.megakernel.launch.one_token import MAX_QUERY_BLOCK, bucket_of, query_blocks, split_segments
+from mimw.megakernel.plan import MIN_QUERY_BLOCK
 from mimw.models.reference import Segment
 
 
@@ -60,8 +61,15 @@ def test_segments_become_attention_query_blocks_of_at_most_sixteen_tokens():
     a, b, c = (1, 2), (3, 4, 5), (6,)
     one = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 1, 1), Segment(c, 5, 4, 2)])
     assert one.blocks == (3, 1, 4)  # one block a segment, a decode token alone
-    padded = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 2, 1)], pad_page=9)
-    assert padded.blocks == (3, 2, 3)  # the padding's three rows, consecutive on its page: one block
+    padded = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 3, 1)], pad_page=9)
+    assert padded.blocks == (3, 3, 1, 1)  # the padding's two rows, consecutive on its page: too few for a block
+    assert MIN_QUERY_BLOCK == 3  # a segment of two tokens attends token by token, as a decode batch's
+    short = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 2, 1)], pad_page=9)
+    assert short.blocks == (3, 1, 1, 3) and short.positions[5:] == (0, 1, 2)
+    # no query block anywhere: padded as a decode batch (rows at position 0), the bucket's decode program
+    two = split_segments([Segment(a, 40, 2, 2), Segment(b, 17, 1, 1), Segment(c, 5, 2, 2)], pad_page=9)
+    assert two.blocks == () and two.num_tokens == 8 and two.positions == (40, 41, 17, 5, 6, 0, 0, 0)
+    assert two.firsts == (40, 40, 17, 5, 5, 0, 0, 0) and two.logit_rows == (0, 1, 2, 3, 4)
     # a segment past one block: blocks of sixteen and the rest, the second continuing the first's rows
     long = split_segments([Segment(a, 40, 20, 20), Segment(b, 17, 1, 1)], pad_page=9)
     assert MAX_QUERY_BLOCK == 16 and long.blocks == (16, 4, 1, 11) and long.num_tokens == 32
@@ -69,3 +77,4 @@ def test_segments_become_attention_query_blocks_of_at_most_sixteen_tokens():
     # a decode batch: every block one token, the decode batch's program (no query blocks)
     assert split_segments([Segment(a, 4, 1, 1), Segment(b, 9, 1, 1)]).blocks == ()
     assert query_blocks([1, 1, 1]) == () and query_blocks([33]) == (16, 16, 1) and query_blocks([2], 1) == ()
+    assert query_blocks([2, 2]) == () and query_blocks([2], least=2) == (2,) and query_blocks([18]) == (16, 2)

@@ -83,18 +83,19 @@ def test_every_layout_of_verify_blocks_in_a_bucket_passes_the_same_int_classes(m
     from triton.backends.compiler import BaseBackend
 
     from mimw.megakernel.launch.one_token import query_blocks
-    from mimw.megakernel.plan import plan
+    from mimw.megakernel.plan import MIN_QUERY_BLOCK, plan
     from mimw.megakernel.program import StepShape
     from mimw.megakernel.state import counter_slots, split_slots, unspecialized
     from mimw.models.spec import get_preset
 
     spec, rng = get_preset(model), random.Random(7)
     m = 16
-    layouts = [query_blocks((2,) + (1,) * (m - 2)), query_blocks((m,)), query_blocks((9, 6, 1))]
+    least = MIN_QUERY_BLOCK
+    layouts = [query_blocks((least,) + (1,) * (m - least)), query_blocks((m,)), query_blocks((9, 6, 1))]
     for _ in range(3):
         cuts, left = [], m
         while left:
-            cuts.append(rng.randint(2, min(left, 16)) if left > 1 else 1)
+            cuts.append(rng.randint(least, min(left, 16)) if left >= least else 1)
             left -= cuts[-1]
         layouts.append(query_blocks(cuts))
     keys, constants = set(), set()

@@ -65,6 +65,8 @@ MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its sta
 MAX_MOE_BATCH = 8  # the most tokens a multi-token step of an MoE model plans (MB = 8)
 MAX_QUERY_BLOCK = 16  # the most tokens of one attention query block (StepShape.attn_blocks): its query rows are
 # tokens x the group's heads on mma.sync (16 x 4 = 64 rows, 16 a warp), its partials' combine a token at a time
+MIN_QUERY_BLOCK = 3  # a segment of fewer tokens attends token by token, as a decode batch's do: a query block's
+# combine costs more than it saves there (bench/NOTES.md, "Short verify blocks token by token")
 
 
 @dataclass(frozen=True)

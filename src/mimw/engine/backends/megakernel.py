@@ -149,9 +149,10 @@ class MegakernelBackend(Backend):
         while m <= self.max_tokens:
             dec.batch_decoder(m).compile()
             if not self._moe:
-                blocks = query_blocks((2,) + (1,) * (m - 2))
-                dec.batch_decoder(m, blocks).compile()
-                dec.forget(m, blocks)
+                blocks = query_blocks((m,))  # any layout with a query block: the bucket's block kernel
+                if blocks:
+                    dec.batch_decoder(m, blocks).compile()
+                    dec.forget(m, blocks)
             m *= 2
         pad = self._pad_pages.get(cache)
         if pad is None:

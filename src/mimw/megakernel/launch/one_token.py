@@ -8,15 +8,17 @@ before attention's dependency is met. Each of them carries p0, the first positio
 (state.seg_new), so that attention's prefetch, issued before that dependency, never reads those rows. A decode
 token is the case K = 1. Per token, this computes exactly what decoding the block's tokens one after another does.
 
-Buckets: a step of M tokens may be padded to N > M (the power of two at or above M) on a page no sequence owns
-(``pad_page``); the padding stores its rows there, reads only there, and its logits are never asked for. A decode
-batch pads with N - M one-token rows, each at position 0 of that page, so that one program, one compiled kernel and
-one CUDA graph serve every M of the bucket (``MegakernelBackend.prepare`` captures it before serving); a step with
-verify blocks pads with one more block at positions 0 .. N - M - 1 (its layout of blocks is its own anyway).
+Attention's query blocks (program.StepShape.attn_blocks): the tokens of a segment of at least ``MIN_QUERY_BLOCK``
+tokens run as one attention instruction per (block, KV head, split) in blocks of at most ``MAX_QUERY_BLOCK``
+consecutive tokens (the padding too), each K/V block read once for all of the block's tokens
+(ops/attn_partial.py); a decode token is a block of one, and so is each token of a shorter segment.
 
-Attention's query blocks (program.StepShape.attn_blocks): the tokens of a segment run as one attention instruction
-per (block, KV head, split) in blocks of at most ``MAX_QUERY_BLOCK`` consecutive tokens (the padding too), each K/V
-block read once for all of the block's tokens (ops/attn_partial.py); a decode token is a block of one.
+Buckets: a step of M tokens may be padded to N > M (the power of two at or above M) on a page no sequence owns
+(``pad_page``); the padding stores its rows there, reads only there, and its logits are never asked for. A step
+without query blocks (a decode batch, short verify blocks) pads with N - M one-token rows, each at position 0 of
+that page, so that one program, one compiled kernel and one CUDA graph serve every such step of the bucket
+(``MegakernelBackend.prepare`` captures it before serving); a step with query blocks pads with one more block at
+positions 0 .. N - M - 1 (its layout of blocks is its own anyway).
 
 Pure host logic (CPU-tested): ``split_segments`` maps segments to the kernel's per-token inputs and says which
 logit rows the caller wants.
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ...models.reference import Segment
-from ..plan import MAX_QUERY_BLOCK
+from ..plan import MAX_QUERY_BLOCK, MIN_QUERY_BLOCK
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,13 @@ class OneTokenStep:
         return len(self.positions)
 
 
-def query_blocks(lengths: Sequence[int], most: int = MAX_QUERY_BLOCK) -> tuple[int, ...]:
-    """Runs of tokens ``lengths`` (segments', the padding's) cut into query blocks of at most ``most``; () where
-    every block is one token (the program of a decode batch)."""
-    out = tuple(min(most, n - i) for n in lengths for i in range(0, n, most))
+def query_blocks(lengths: Sequence[int], most: int = MAX_QUERY_BLOCK,
+                 least: int = MIN_QUERY_BLOCK) -> tuple[int, ...]:
+    """Runs of tokens ``lengths`` (segments', the padding's) cut into query blocks of at most ``most``, a run of
+    fewer than ``least`` into blocks of one token; () where every block is one token (the program of a decode
+    batch)."""
+    out = tuple(b for n in lengths for b in ((1,) * n if n < least else
+                                             (min(most, n - i) for i in range(0, n, most))))
     return out if any(b > 1 for b in out) else ()
 
 
@@ -59,11 +64,11 @@ def bucket_of(m: int) -> int:
 def split_segments(segments: Sequence[Segment], pad_page: int | None = None, page_size: int = 16) -> OneTokenStep:
     """Segments (any lengths; tokens concatenated in segment order, as ``Backend.forward`` takes them) -> the
     one-token segments the kernel runs, token for token; with ``pad_page``, padded to ``bucket_of`` their tokens on
-    that page. A decode batch (every segment one token) pads with one-token rows, each at position 0 of the page (they
-    write, and read, only its first row; what one reads another may have written: padding's logits are never read),
-    so every batch size of a bucket is one layout, the bucket's decode program (one plan, one CUDA graph); a step with
-    longer segments pads with one block on the page (at most ``page_size`` tokens of padding), its layout its own
-    anyway. Two segments must not write one sequence (a block table appears once): a sequence's block of this step is
+    that page. A step whose segments are all shorter than ``MIN_QUERY_BLOCK`` (a decode batch, short verify blocks)
+    pads with one-token rows, each at position 0 of the page (they write, and read, only its first row; what one
+    reads another may have written: padding's logits are never read), so every such step of a bucket is one layout,
+    the bucket's decode program (one plan, one CUDA graph); a step with longer segments pads with one block on the
+    page (at most ``page_size`` tokens of padding), its layout its own anyway. Two segments must not write one sequence (a block table appears once): a sequence's block of this step is
     one segment."""
     positions, tables, firsts, rows = [], [], [], []
     seen = set()
@@ -80,7 +85,7 @@ def split_segments(segments: Sequence[Segment], pad_page: int | None = None, pag
         firsts.extend([s.start] * s.length)
         rows.extend(range(t0 + s.length - s.num_logits, t0 + s.length))
     pad = bucket_of(len(positions)) - len(positions) if pad_page is not None else 0
-    single = all(s.length == 1 for s in segments)  # a decode batch: padding rows, not a block
+    single = all(s.length < MIN_QUERY_BLOCK for s in segments)  # no query block: padding rows, not a block
     if pad > page_size and not single:
         raise ValueError(f"{len(positions)} tokens pad by {pad}, more than one page of {page_size} rows")
     if pad and (pad_page,) in seen:
