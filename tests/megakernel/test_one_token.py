@@ -28,18 +28,20 @@ def test_two_segments_writing_one_sequence_and_bad_segments_are_refused():
 
 def test_a_step_pads_to_its_bucket_with_a_block_on_the_padding_page():
     a, b = (1, 2), (3, 4, 5)
-    one = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 2, 1)], pad_page=9)
-    assert bucket_of(5) == 8 and one.padding == 3
-    assert one.positions == (40, 41, 42, 17, 18, 0, 1, 2)
-    assert one.block_tables == (a, a, a, b, b, (9,), (9,), (9,))
-    assert one.firsts == (40, 40, 40, 17, 17, 0, 0, 0)  # the padding is one block of its own
-    assert one.logit_rows == (0, 1, 2, 4)  # never a padding row
-    assert split_segments([Segment(a, 40, 4, 4)], pad_page=9).padding == 0  # a full bucket
-    assert split_segments([Segment(a, 40, 3, 3)]).padding == 0  # no padding page: no padding
+    q = MIN_QUERY_BLOCK  # a segment of q tokens is a query block: the step pads with a block
+    one = split_segments([Segment(a, 40, q, q), Segment(b, 17, 2, 1)], pad_page=9)
+    pad = bucket_of(q + 2) - (q + 2)
+    assert pad > 0 and one.padding == pad and one.num_tokens == q + 2 + pad
+    assert one.positions == tuple(range(40, 40 + q)) + (17, 18) + tuple(range(pad))
+    assert one.block_tables == (a,) * q + (b, b) + ((9,),) * pad
+    assert one.firsts == (40,) * q + (17, 17) + (0,) * pad  # the padding is one sequence of its own
+    assert one.logit_rows == tuple(range(q)) + (q + 1,)  # never a padding row
+    assert split_segments([Segment(a, 40, 16, 16)], pad_page=9).padding == 0  # a full bucket
+    assert split_segments([Segment(a, 40, q, q)]).padding == 0  # no padding page: no padding
     with pytest.raises(ValueError, match="padding"):
         split_segments([Segment((9,), 4, 3, 3)], pad_page=9)
     with pytest.raises(ValueError, match="more than one page"):
-        split_segments([Segment(a, 0, 9, 1)], pad_page=9, page_size=4)
+        split_segments([Segment(a, 0, q, 1)], pad_page=9, page_size=2)
 
 
 def test_a_decode_batch_pads_with_one_token_rows_so_a_bucket_is_one_layout():
@@ -59,22 +61,41 @@ def test_a_decode_batch_pads_with_one_token_rows_so_a_bucket_is_one_layout():
 
 def test_segments_become_attention_query_blocks_of_at_most_sixteen_tokens():
     a, b, c = (1, 2), (3, 4, 5), (6,)
-    one = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 1, 1), Segment(c, 5, 4, 2)])
-    assert one.blocks == (3, 1, 4)  # one block a segment, a decode token alone
-    padded = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 3, 1)], pad_page=9)
-    assert padded.blocks == (3, 3, 1, 1)  # the padding's two rows, consecutive on its page: too few for a block
-    assert MIN_QUERY_BLOCK == 3  # a segment of two tokens attends token by token, as a decode batch's
-    short = split_segments([Segment(a, 40, 3, 3), Segment(b, 17, 2, 1)], pad_page=9)
-    assert short.blocks == (3, 1, 1, 3) and short.positions[5:] == (0, 1, 2)
+    q = MIN_QUERY_BLOCK  # segments of fewer tokens attend token by token
+    assert 2 < q <= MAX_QUERY_BLOCK == 16
+
+    def ones_or_block(n):
+        return (n,) if n >= q else (1,) * n
+    one = split_segments([Segment(a, 40, q, q), Segment(b, 17, 1, 1), Segment(c, 5, q + 1, 2)])
+    assert one.blocks == (q, 1, q + 1)  # one block a segment, a decode token alone
+    # a short segment beside a block: token by token; the padding, consecutive rows on its page, likewise
+    short = split_segments([Segment(a, 40, q, q), Segment(b, 17, 2, 1)], pad_page=9)
+    pad = bucket_of(q + 2) - (q + 2)
+    assert short.blocks == (q, 1, 1) + ones_or_block(pad) and short.positions[q + 2:] == tuple(range(pad))
     # no query block anywhere: padded as a decode batch (rows at position 0), the bucket's decode program
     two = split_segments([Segment(a, 40, 2, 2), Segment(b, 17, 1, 1), Segment(c, 5, 2, 2)], pad_page=9)
     assert two.blocks == () and two.num_tokens == 8 and two.positions == (40, 41, 17, 5, 6, 0, 0, 0)
     assert two.firsts == (40, 40, 17, 5, 5, 0, 0, 0) and two.logit_rows == (0, 1, 2, 3, 4)
     # a segment past one block: blocks of sixteen and the rest, the second continuing the first's rows
     long = split_segments([Segment(a, 40, 20, 20), Segment(b, 17, 1, 1)], pad_page=9)
-    assert MAX_QUERY_BLOCK == 16 and long.blocks == (16, 4, 1, 11) and long.num_tokens == 32
+    assert long.blocks == (16, 4, 1) + ones_or_block(11) and long.num_tokens == 32
     assert long.firsts[16:20] == (40,) * 4  # what attention's prefetch must not read: the first block's rows too
     # a decode batch: every block one token, the decode batch's program (no query blocks)
     assert split_segments([Segment(a, 4, 1, 1), Segment(b, 9, 1, 1)]).blocks == ()
     assert query_blocks([1, 1, 1]) == () and query_blocks([33]) == (16, 16, 1) and query_blocks([2], 1) == ()
     assert query_blocks([2, 2]) == () and query_blocks([2], least=2) == (2,) and query_blocks([18]) == (16, 2)
+
+def test_over_an_fp8_cache_every_verify_block_stays_a_query_block():
+    """A multi-token step's one-token groups stream their past K/V through the ring over bf16 only: over fp8 a
+    block of two is a query block, as before the ring; over bf16 blocks shorter than MIN_QUERY_BLOCK go token by
+    token (plan.min_query_block)."""
+    import torch
+
+    from mimw.kv import fp8
+    from mimw.megakernel.plan import min_query_block
+
+    segs = [Segment((1, 2), 40, 4, 4), Segment((3,), 17, 2, 2), Segment((4,), 9, 1, 1)]
+    assert min_query_block(fp8.FP8) == 2 and min_query_block(torch.bfloat16) == MIN_QUERY_BLOCK > 4
+    assert split_segments(segs, pad_page=9, least=min_query_block(fp8.FP8)).blocks == (4, 2, 1, 1)
+    bf16 = split_segments(segs, pad_page=9, least=min_query_block(torch.bfloat16))
+    assert bf16.blocks == () and bf16.positions[7:] == (0,)  # padded as a decode batch

@@ -30,7 +30,7 @@ from mimw.megakernel.ops import CLASSES
 from mimw.megakernel.ops.attn_in import AttnIn
 from mimw.megakernel.launch.one_token import split_segments
 from mimw.megakernel.ops.attn_partial import AttnPartial
-from mimw.megakernel.plan import Tuning, plan
+from mimw.megakernel.plan import MIN_QUERY_BLOCK, Tuning, plan
 from mimw.megakernel.program import ProgramConfig, StepShape, build_program, cluster_mate_errors
 from mimw.megakernel.state import alloc_scratch, alloc_state
 from mimw.megakernel.vm import VM, DeadlockError, DependencyError, VMDecoder, i32
@@ -608,7 +608,8 @@ def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_t
     contexts = (37, 15, 60, 23, 9)[: len(lens)]
     spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, contexts, 2 * max(lens), 11)
     pad_page = min(set(range(vm_cache.layout.num_pages)) - {p for t in tables for p in t}) if padded else None
-    one0 = split_segments([Segment(t, s, n, n) for t, s, n in zip(tables, contexts, lens)], pad_page)
+    least = 2 if blocks else MIN_QUERY_BLOCK  # the query-block path at any block length
+    one0 = split_segments([Segment(t, s, n, n) for t, s, n in zip(tables, contexts, lens)], pad_page, least=least)
     n = one0.num_tokens
     shape = StepShape((1,) * n, 1024, one0.blocks if blocks else ())
     assert not blocks or shape.attn_blocks  # every case with query blocks has a block past one token
@@ -628,7 +629,7 @@ def test_the_vm_runs_verify_blocks_as_one_token_segments_as_the_reference_runs_t
         segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]
         tokens = torch.randint(0, spec.vocab_size, (sum(lens),), generator=g)
         want = ref.forward(tokens, segs, ref_cache)
-        one = split_segments(segs, pad_page)
+        one = split_segments(segs, pad_page, least=least)
         for rep in range(3):
             dec.state.fill(tokens.tolist() + [0] * one.padding, one.positions, one.block_tables,
                            dec.program.shape.seg_lens, one.firsts)
@@ -650,7 +651,7 @@ def test_the_fp8_verify_program_matches_the_reference_over_the_same_fp8_cache():
     lens = (4, 3, 1)
     spec, w, ref, ref_cache, vm_cache, tables, g = prefilled("smollm2-135m", 16, (37, 15, 60), 2 * max(lens), 5,
                                                             fp8.FP8)
-    blocks = split_segments([Segment(t, s, n, n) for t, s, n in zip(tables, (37, 15, 60), lens)]).blocks
+    blocks = split_segments([Segment(t, s, n, n) for t, s, n in zip(tables, (37, 15, 60), lens)], least=2).blocks
     shape = StepShape((1,) * sum(lens), 64, blocks)
     p = plan(spec, 132, shape, kv_dtype=fp8.FP8)
     assert p.constants.FP8 and p.constants.M == 8 and p.constants.QT > 1 and blocks == lens
@@ -660,7 +661,7 @@ def test_the_fp8_verify_program_matches_the_reference_over_the_same_fp8_cache():
         segs = [Segment(t, s, n, n) for t, s, n in zip(tables, starts, lens)]
         tokens = torch.randint(0, spec.vocab_size, (sum(lens),), generator=g)
         want = ref.forward(tokens, segs, ref_cache)
-        one = split_segments(segs)
+        one = split_segments(segs, least=2)
         dec.state.fill(tokens.tolist(), one.positions, one.block_tables, dec.program.shape.seg_lens, one.firsts)
         dec.vm.run_step(dec.state, dec.scratch, random.Random(step))
         assert rel_err(dec.scratch.logits[list(one.logit_rows)], want) <= 1e-5

@@ -65,9 +65,18 @@ MIN_RING_MT = 4  # the fewest ring slots a multi-token plan keeps beside its sta
 MAX_MOE_BATCH = 8  # the most tokens a multi-token step of an MoE model plans (MB = 8)
 MAX_QUERY_BLOCK = 16  # the most tokens of one attention query block (StepShape.attn_blocks): its query rows are
 # tokens x the group's heads on mma.sync (16 x 4 = 64 rows, 16 a warp), its partials' combine a token at a time
-MIN_QUERY_BLOCK = 3  # a segment of fewer tokens attends token by token, as a decode batch's do: a query block's
-# combine costs more than it saves there (bench/NOTES.md, "Short verify blocks token by token")
+MIN_QUERY_BLOCK = 9  # over a bf16 cache a segment of fewer tokens attends token by token, as a decode batch's do:
+# there a query block lost to its tokens' ring walks on both shapes (bench/NOTES.md, "Short verify blocks token by
+# token"); ``min_query_block`` gives the fp8 cache's
 
+
+
+def min_query_block(kv_dtype: torch.dtype) -> int:
+    """The fewest tokens of a segment that attend as one query block over a cache of ``kv_dtype``: MIN_QUERY_BLOCK
+    over bf16, where a multi-token step's one-token groups stream their past K/V through the ring; 2 over fp8, where
+    they request each block with its scales (``kv_ring``: no ring there) and every verify block keeps the query
+    block's cp.async stages, as measured before the ring (bench/NOTES.md, "Query blocks over an fp8 cache")."""
+    return 2 if kv_dtype == fp8.FP8 else MIN_QUERY_BLOCK
 
 @dataclass(frozen=True)
 class Tuning:

@@ -142,6 +142,7 @@ class MegakernelBackend(Backend):
         captured at its second). The steps run on the pad page (rows at position 0 of the page no sequence owns), so
         they write no sequence's K/V, and the router's estimates are not fed (such a step reads no past K/V)."""
         from ...megakernel.launch.one_token import query_blocks
+        from ...megakernel.plan import min_query_block
 
         dec = self._decoder(cache)
         dec.compile()
@@ -149,7 +150,8 @@ class MegakernelBackend(Backend):
         while m <= self.max_tokens:
             dec.batch_decoder(m).compile()
             if not self._moe:
-                blocks = query_blocks((m,))  # any layout with a query block: the bucket's block kernel
+                # any layout with a query block: the bucket's block kernel (none where no block fits the bucket)
+                blocks = query_blocks((m,), least=min_query_block(cache.layout.dtype))
                 if blocks:
                     dec.batch_decoder(m, blocks).compile()
                     dec.forget(m, blocks)

@@ -28,7 +28,7 @@ import torch
 from ...kv.pages import PagedKVCache
 from ...models.reference import Segment
 from ...models.weights import ModelWeights
-from ..plan import KV_DTYPES, LaunchPlan, Tuning, plan
+from ..plan import KV_DTYPES, LaunchPlan, Tuning, min_query_block, plan
 from ..program import StepShape
 from ..state import alloc_scratch, alloc_state, counter_slots, split_slots, unspecialized
 from ..tensor_parallel import TensorParallel, shard_weights
@@ -296,7 +296,8 @@ class MegakernelDecoder:
 
     def segments_decoder(self, segments: Sequence[Segment], pad_page: int | None = None) -> "MegakernelDecoder":
         """The decoder ``step_segments`` runs these segments on (their bucket's tokens in their query blocks)."""
-        one = split_segments(segments, pad_page, self.cache.layout.page_size)
+        one = split_segments(segments, pad_page, self.cache.layout.page_size,
+                             min_query_block(self.cache.layout.dtype))
         return self.batch_decoder(one.num_tokens, one.blocks)
 
     def step_segments(self, tokens: Sequence[int] | torch.Tensor, segments: Sequence[Segment],
@@ -306,7 +307,8 @@ class MegakernelDecoder:
         of the cache no sequence owns) padded to the bucket of M tokens, so that a bucket's plan, kernel and graph
         serve all its M. Returns (the logits of every token the step ran [N, V] fp32, the segments' first: a view
         into that decoder's scratch; the rows of it the segments' ``num_logits`` ask for, in segment order)."""
-        one = split_segments(segments, pad_page, self.cache.layout.page_size)
+        one = split_segments(segments, pad_page, self.cache.layout.page_size,
+                             min_query_block(self.cache.layout.dtype))
         if isinstance(tokens, torch.Tensor):  # on the device: padded there (any id: the padding's logits are unread)
             tokens = torch.cat([tokens.reshape(-1), tokens.new_zeros(one.padding)])
         else:

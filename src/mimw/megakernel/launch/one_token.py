@@ -61,15 +61,17 @@ def bucket_of(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def split_segments(segments: Sequence[Segment], pad_page: int | None = None, page_size: int = 16) -> OneTokenStep:
+def split_segments(segments: Sequence[Segment], pad_page: int | None = None, page_size: int = 16,
+                   least: int = MIN_QUERY_BLOCK) -> OneTokenStep:
     """Segments (any lengths; tokens concatenated in segment order, as ``Backend.forward`` takes them) -> the
     one-token segments the kernel runs, token for token; with ``pad_page``, padded to ``bucket_of`` their tokens on
     that page. A step whose segments are all shorter than ``MIN_QUERY_BLOCK`` (a decode batch, short verify blocks)
     pads with one-token rows, each at position 0 of the page (they write, and read, only its first row; what one
     reads another may have written: padding's logits are never read), so every such step of a bucket is one layout,
     the bucket's decode program (one plan, one CUDA graph); a step with longer segments pads with one block on the
-    page (at most ``page_size`` tokens of padding), its layout its own anyway. Two segments must not write one sequence (a block table appears once): a sequence's block of this step is
-    one segment."""
+    page (at most ``page_size`` tokens of padding), its layout its own anyway. ``least``: the fewest tokens of a
+    query block (the tests' and tools' way to run short blocks as blocks). Two segments must not write one sequence
+    (a block table appears once): a sequence's block of this step is one segment."""
     positions, tables, firsts, rows = [], [], [], []
     seen = set()
     for s in segments:
@@ -85,7 +87,7 @@ def split_segments(segments: Sequence[Segment], pad_page: int | None = None, pag
         firsts.extend([s.start] * s.length)
         rows.extend(range(t0 + s.length - s.num_logits, t0 + s.length))
     pad = bucket_of(len(positions)) - len(positions) if pad_page is not None else 0
-    single = all(s.length < MIN_QUERY_BLOCK for s in segments)  # no query block: padding rows, not a block
+    single = all(s.length < least for s in segments)  # no query block: padding rows, not a block
     if pad > page_size and not single:
         raise ValueError(f"{len(positions)} tokens pad by {pad}, more than one page of {page_size} rows")
     if pad and (pad_page,) in seen:
@@ -93,7 +95,8 @@ def split_segments(segments: Sequence[Segment], pad_page: int | None = None, pag
     positions.extend([0] * pad if single else range(pad))
     tables.extend([(pad_page,)] * pad)
     firsts.extend([0] * pad)
-    blocks = query_blocks([s.length for s in segments] + ([1] * pad if single else [pad] if pad else []))
+    blocks = query_blocks([s.length for s in segments] + ([1] * pad if single else [pad] if pad else []),
+                          least=least)
     return OneTokenStep(tuple(positions), tuple(tables), tuple(firsts), tuple(rows), pad, blocks)
 
 

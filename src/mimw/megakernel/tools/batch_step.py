@@ -120,7 +120,7 @@ def measure_verify(model: str, shapes: list[tuple[int, int]], context: int, bw: 
         dec = MegakernelDecoder(w, cache, max_pages_per_seq=per_seq, context_hint=context,
                                 tuning=dataclasses.replace(tuning, trace=traced), use_graph=not traced)
         for n, k in shapes:
-            one = split_segments([Segment(tables[i], context, k, k) for i in range(n)])
+            one = split_segments([Segment(tables[i], context, k, k) for i in range(n)], least=2)  # blocks at any k
             for path, blocks in (("blocks", one.blocks), ("per-token", ())):
                 vdec = dec.batch_decoder(one.num_tokens, blocks)
                 vdec.set_batch(list(range(1, one.num_tokens + 1)), one.positions, one.block_tables, one.firsts)

@@ -116,14 +116,15 @@ def report(words: torch.Tensor, lens: torch.Tensor, trace: torch.Tensor, counter
 
 def verify_step(tables, context: int, k: int, query_blocks: bool = True):
     """The one-token step of verify blocks of ``k`` tokens at ``context``, one a block table of ``tables``
-    (one_token.split_segments); its attention in query blocks (the GPU's verify path), or, with ``query_blocks``
-    False, every token its own (the per-token path, to tell the two apart)."""
+    (one_token.split_segments); its attention in query blocks of any length (the GPU's verify path from
+    ``plan.MIN_QUERY_BLOCK`` tokens on), or, with ``query_blocks`` False, every token its own (the path of shorter
+    blocks): the two told apart at any ``k``."""
     from dataclasses import replace
 
     from ...models.reference import Segment
     from ..launch.one_token import split_segments
 
-    one = split_segments([Segment(tuple(t), context, k, k) for t in tables], None, 16)
+    one = split_segments([Segment(tuple(t), context, k, k) for t in tables], None, 16, least=2)
     return one if query_blocks else replace(one, blocks=())
 
 
