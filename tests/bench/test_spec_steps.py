@@ -24,3 +24,35 @@ def test_runs_on_the_cpu_with_the_reference_backend(tmp_path, capsys):
     assert "| tiny-llama | reference | chat | ngram |" in out
     [written] = tmp_path.glob("*-spec-steps.json")
     assert set(json.loads(written.read_text())["timings_ms"]["tiny-llama/reference"]) == {"0", "1", "2"}
+
+
+def test_each_shape_is_timed_after_the_backend_settled():
+    """A backend that is slow for a shape's first steps (a router trying its paths) is timed at its settled cost:
+    every shape gets SETTLE_STEPS untimed steps first."""
+    import time
+
+    import torch
+
+    from mimw.bench.spec_steps import SETTLE_STEPS, time_verify_steps
+    from mimw.kv.pages import KVLayout, PagedKVCache
+    from mimw.models.spec import get_preset
+
+    spec = get_preset("tiny-llama")
+
+    class Trying:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.calls = {}
+
+        def make_cache(self, page, pages):
+            return PagedKVCache(KVLayout.for_spec(spec, page, pages), "cpu")
+
+        def forward(self, toks, segs, cache):
+            n = self.calls[len(toks)] = self.calls.get(len(toks), 0) + 1
+            time.sleep(0.02 if n <= SETTLE_STEPS - 4 else 0.001)  # the trial ends a few steps before the timing
+
+    b = Trying()
+    out = time_verify_steps(b, spec, 8, 2, torch.device("cpu"), budget_s=0.05)
+    assert sorted(out) == [0, 1, 2] and all(v < 10 for v in out.values()), out
+    assert all(n > SETTLE_STEPS for n in b.calls.values())

@@ -63,8 +63,15 @@ def estimate(t1: float, t_verify: dict[int, float], plain_tokens: int,
             "plain_tok_s": 1e3 / t1, "spec_tok_s": 1e3 / spec_ms}
 
 
+SETTLE_STEPS = 24  # untimed steps of a shape first: a backend with a router (the megakernel's) tries each of its paths
+# for a new bucket (a warm-up time and two samples each, read a few steps late) before it keeps the cheapest; timed
+# from the first steps, the first shape of each bucket measured that trial (H100, session 51: the 1B's k = 1 1.538 ms
+# against k = 2's 1.380)
+
+
 def time_verify_steps(backend, spec, context: int, max_k: int, device: torch.device, budget_s: float) -> dict:
-    """Median ms of a step over 1 + k new tokens (k = 0: plain decode) at ``context`` cached positions."""
+    """Median ms of a step over 1 + k new tokens (k = 0: plain decode) at ``context`` cached positions, each shape
+    timed once the backend settled on its path (``SETTLE_STEPS``): a serving step's cost, not its first ones'."""
     page = 16
     cache = backend.make_cache(page, -(-(context + max_k + 1) // page))
     g = torch.Generator(device=device).manual_seed(0)
@@ -75,7 +82,8 @@ def time_verify_steps(backend, spec, context: int, max_k: int, device: torch.dev
     out = {}
     for k in range(max_k + 1):
         seg = [Segment(table, context, k + 1, k + 1)]
-        t = time_steps(lambda: backend.forward(toks[:k + 1], seg, cache), device, max_steps=50, budget_s=budget_s)
+        t = time_steps(lambda: backend.forward(toks[:k + 1], seg, cache), device, max_steps=50,
+                       warmup=SETTLE_STEPS, budget_s=budget_s)
         out[k] = t.median_ms
     return out
 
