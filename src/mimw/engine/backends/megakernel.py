@@ -130,8 +130,9 @@ class MegakernelBackend(Backend):
 
     def prepare(self, cache: PagedKVCache, max_batch: int = 1) -> None:
         """Compile the kernel of every step shape ``forward`` can launch over ``cache``: the one-token step, and for
-        each bucket of tokens (powers of two up to ``max_tokens``) its decode batch and (not for an MoE model: its
-        verify blocks run eager) its query-block kernel, which serves every layout of verify blocks in the bucket
+        each bucket of tokens (powers of two up to ``max_tokens``) its decode batch (which short verify blocks run
+        on too: ``plan.min_query_block``) and (not for an MoE model: its verify blocks run eager) its query-block
+        kernel where a query block fits the bucket, which serves every layout of longer verify blocks in the bucket
         (plan.plan). The JIT keeps them (and Triton's cache on disk: a later process loads them); the query-block
         decoder compiled here is dropped, a verify step plans its own layout. First start ~10 s a kernel.
 
