@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import pytest
 import torch
+import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
@@ -62,3 +64,15 @@ def interpreter_fixes():
         builder.create_dot = real_dot
         interpreter._patch_lang_tensor = real_patch
         interpreter._convert_float = real_convert
+
+
+# what every ``*_interpreted.py`` test module takes: ``pytestmark = ONLY_INTERPRETED`` and ``from interpret import
+# with_fixes`` (an autouse fixture: the module's tests run inside ``interpreter_fixes``)
+ONLY_INTERPRETED = pytest.mark.skipif(not triton.knobs.runtime.interpret,
+                                      reason="runs in its own TRITON_INTERPRET=1 process (tests/test_interpreter.py)")
+
+
+@pytest.fixture(autouse=True)
+def with_fixes():
+    with interpreter_fixes():
+        yield

@@ -2,19 +2,11 @@
 everywhere, run only in the TRITON_INTERPRET=1 process that ``tests/test_interpreter.py`` starts."""
 import pytest
 import torch
-import triton
-from interpret import interpreter_fixes
+from interpret import ONLY_INTERPRETED, with_fixes  # noqa: F401 (an autouse fixture)
 
 from mimw.engine.argmax import BLOCK, DeviceArgmax, argmax_torch
 
-pytestmark = pytest.mark.skipif(not triton.knobs.runtime.interpret,
-                                reason="runs in its own TRITON_INTERPRET=1 process (test_interpreter.py)")
-
-
-@pytest.fixture(autouse=True)
-def _fixes():
-    with interpreter_fixes():
-        yield
+pytestmark = ONLY_INTERPRETED
 
 
 def _rows(b, v, seed, dtype):

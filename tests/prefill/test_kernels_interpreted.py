@@ -2,8 +2,7 @@
 shapes. Collected everywhere, run only in the TRITON_INTERPRET=1 process that ``tests/test_interpreter.py`` starts."""
 import pytest
 import torch
-import triton
-from interpret import interpreter_fixes
+from interpret import ONLY_INTERPRETED, with_fixes  # noqa: F401 (an autouse fixture)
 
 from mimw.kv import fp8
 from mimw.models import rope
@@ -12,14 +11,7 @@ from mimw.prefill import activation, norm, paged_attention, rope_append
 from mimw.prefill.batch import Piece, PrefillBatch
 from mimw.prefill.gathered_attention import torch_attention
 
-pytestmark = pytest.mark.skipif(not triton.knobs.runtime.interpret,
-                                reason="runs in its own TRITON_INTERPRET=1 process (test_interpreter.py)")
-
-
-@pytest.fixture(autouse=True)
-def _fixes():
-    with interpreter_fixes():
-        yield
+pytestmark = ONLY_INTERPRETED
 
 
 def close(a, b, tol):
