@@ -70,13 +70,14 @@ MIN_QUERY_BLOCK = 9  # over a bf16 cache a segment of fewer tokens attends token
 # token"); ``min_query_block`` gives the fp8 cache's
 
 
-
 def min_query_block(kv_dtype: torch.dtype) -> int:
     """The fewest tokens of a segment that attend as one query block over a cache of ``kv_dtype``: MIN_QUERY_BLOCK
     over bf16, where a multi-token step's one-token groups stream their past K/V through the ring; 2 over fp8, where
-    they request each block with its scales (``kv_ring``: no ring there) and every verify block keeps the query
-    block's cp.async stages, as measured before the ring (bench/NOTES.md, "Query blocks over an fp8 cache")."""
+    they have no ring (``kv_ring``) and request each block with its scales: every verify block there stays one
+    query block, the path measured over fp8 (bench/NOTES.md, "Query blocks over an fp8 cache"); token by token over
+    fp8 is unmeasured."""
     return 2 if kv_dtype == fp8.FP8 else MIN_QUERY_BLOCK
+
 
 @dataclass(frozen=True)
 class Tuning:

@@ -65,13 +65,14 @@ def split_segments(segments: Sequence[Segment], pad_page: int | None = None, pag
                    least: int = MIN_QUERY_BLOCK) -> OneTokenStep:
     """Segments (any lengths; tokens concatenated in segment order, as ``Backend.forward`` takes them) -> the
     one-token segments the kernel runs, token for token; with ``pad_page``, padded to ``bucket_of`` their tokens on
-    that page. A step whose segments are all shorter than ``MIN_QUERY_BLOCK`` (a decode batch, short verify blocks)
+    that page. ``least`` (default ``MIN_QUERY_BLOCK``; the tests and tools pass 2 to run short blocks as blocks) is
+    the fewest tokens of a query block. A step whose segments are all shorter (a decode batch, short verify blocks)
     pads with one-token rows, each at position 0 of the page (they write, and read, only its first row; what one
     reads another may have written: padding's logits are never read), so every such step of a bucket is one layout,
-    the bucket's decode program (one plan, one CUDA graph); a step with longer segments pads with one block on the
-    page (at most ``page_size`` tokens of padding), its layout its own anyway. ``least``: the fewest tokens of a
-    query block (the tests' and tools' way to run short blocks as blocks). Two segments must not write one sequence
-    (a block table appears once): a sequence's block of this step is one segment."""
+    the bucket's decode program (one plan, one CUDA graph); a step with a longer segment pads with rows at
+    consecutive positions of the page, a sequence of its own (at most ``page_size`` of them; a query block where
+    they are ``least`` or more), its layout its own anyway. Two segments must not write one sequence (a block table
+    appears once): a sequence's block of this step is one segment."""
     positions, tables, firsts, rows = [], [], [], []
     seen = set()
     for s in segments:
