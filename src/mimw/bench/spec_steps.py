@@ -65,8 +65,8 @@ def estimate(t1: float, t_verify: dict[int, float], plain_tokens: int,
 
 SETTLE_STEPS = 24  # untimed steps of a shape first: a backend with a router (the megakernel's) tries each of its paths
 # for a new bucket (a warm-up time and two samples each, read a few steps late) before it keeps the cheapest; timed
-# from the first steps, the first shape of each bucket measured that trial (H100, session 51: the 1B's k = 1 1.538 ms
-# against k = 2's 1.380)
+# from the first steps, the first shape of each bucket measured that trial (H100: the 1B's k = 1 1.538 ms against
+# k = 2's 1.380; bench/README.md)
 
 
 def time_verify_steps(backend, spec, context: int, max_k: int, device: torch.device, budget_s: float) -> dict:

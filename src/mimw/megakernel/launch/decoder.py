@@ -296,9 +296,13 @@ class MegakernelDecoder:
 
     def segments_decoder(self, segments: Sequence[Segment], pad_page: int | None = None) -> "MegakernelDecoder":
         """The decoder ``step_segments`` runs these segments on (their bucket's tokens in their query blocks)."""
-        one = split_segments(segments, pad_page, self.cache.layout.page_size,
-                             min_query_block(self.cache.layout.dtype))
+        one = self._one_token(segments, pad_page)
         return self.batch_decoder(one.num_tokens, one.blocks)
+
+    def _one_token(self, segments: Sequence[Segment], pad_page: int | None):
+        """``segments`` as this cache's one-token step (its page size; query blocks from ``plan.min_query_block`` of
+        its element type)."""
+        return split_segments(segments, pad_page, self.cache.layout.page_size, min_query_block(self.cache.layout.dtype))
 
     def step_segments(self, tokens: Sequence[int] | torch.Tensor, segments: Sequence[Segment],
                       pad_page: int | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -307,8 +311,7 @@ class MegakernelDecoder:
         of the cache no sequence owns) padded to the bucket of M tokens, so that a bucket's plan, kernel and graph
         serve all its M. Returns (the logits of every token the step ran [N, V] fp32, the segments' first: a view
         into that decoder's scratch; the rows of it the segments' ``num_logits`` ask for, in segment order)."""
-        one = split_segments(segments, pad_page, self.cache.layout.page_size,
-                             min_query_block(self.cache.layout.dtype))
+        one = self._one_token(segments, pad_page)
         if isinstance(tokens, torch.Tensor):  # on the device: padded there (any id: the padding's logits are unread)
             tokens = torch.cat([tokens.reshape(-1), tokens.new_zeros(one.padding)])
         else:
