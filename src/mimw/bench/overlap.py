@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from ..engine.backends.base import Backend
+from ..engine.heap import frozen_heap
 from ..kv.pages import KVLayout, PagedKVCache
 from . import profile_gaps
 
@@ -281,11 +282,11 @@ def run(args: argparse.Namespace) -> int:
     ps = 16
     pages = max(batches) * (-(-(args.prompt + args.tokens + 1) // ps) + 1) + 8
     # one backend for both engines (each its own cache): the same compiled kernels and one router's estimates, so
-    # both run a batch the same way; the megakernel backend's decoder and graphs follow the cache they are given
-    # (rebuilt at a switch, which the warm-up of each measure absorbs)
+    # both run a batch the same way; the megakernel backend's decoder and graphs follow the cache they are given,
+    # rebuilt at a switch: ``prepare`` rebuilds them before each engine's warm-up, as a server does at start (a
+    # path the router first takes inside a measure must not build its decoder and capture its graph there)
     backend = _backend(name, loaded.weights, None)
     engines = {mode: _engine(backend, mode, max(batches), pages) for mode in (False, True)}
-    backend.prepare(engines[False].cache, max(batches))  # every kernel compiled before any measure, as a server does
     router = getattr(backend, "router", None)
     print(f"[overlap] {args.model} on {dev_name}, {name} backend; {args.tokens} tokens a request after a "
           f"{args.prompt}-token prompt", file=sys.stderr, flush=True)
@@ -294,14 +295,15 @@ def run(args: argparse.Namespace) -> int:
         row: dict = {"batch": b, **backend_step_ms(engines[False], b, args.prompt + args.tokens // 2, args.step_iters)}
         row["engine_host_ms"] = engine_host_ms(loaded.spec, device, b, args.prompt, args.tokens)
         for mode, eng in engines.items():
-            # warm-up: the measure's workload twice, so that every step pattern it repeats (the prompt steps'
-            # mixes, the decode batches shrinking as requests finish) has been seen twice and captured before the
-            # measure (a pass pattern runs eager when first seen and is captured when seen again); the backend
-            # rebuilds its decoder and graphs for this engine's cache in the first
-            for w in range(2):
-                engine_itl_ms(eng, b, args.prompt, args.tokens, seed=1000 * (w + 1) + b)
-            before = graph_work(backend)
-            r = engine_itl_ms(eng, b, args.prompt, args.tokens, seed=b)
+            backend.prepare(eng.cache, max(batches))
+            with frozen_heap():  # as a server's: a collection in the measure skips the start-up heap
+                # warm-up: the measure's workload twice, so that every step pattern it repeats (the prompt steps'
+                # mixes, the decode batches shrinking as requests finish) has been seen twice and captured before
+                # the measure (a pass pattern runs eager when first seen and is captured when seen again)
+                for w in range(2):
+                    engine_itl_ms(eng, b, args.prompt, args.tokens, seed=1000 * (w + 1) + b)
+                before = graph_work(backend)
+                r = engine_itl_ms(eng, b, args.prompt, args.tokens, seed=b)
             # graph captures and eager first sightings inside the measure (each capture drains the GPU's queue)
             r["graph_work"] = {k: v - before.get(k, 0) for k, v in graph_work(backend).items()}
             row["overlap" if mode else "sync"] = r

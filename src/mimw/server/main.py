@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..engine.heap import freeze_heap
 from ..engine.spec import options as spec_options
 
 log = logging.getLogger("mimw.server")
@@ -414,6 +415,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mimw serve: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     log.info("%s", built.summary)
+    freeze_heap()  # a full collection while serving skips what start-up built
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key (--api-key or %s): anyone who can reach this port can "
                     "use the model", args.host, API_KEY_ENV)
