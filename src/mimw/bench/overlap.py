@@ -287,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
     # path the router first takes inside a measure must not build its decoder and capture its graph there)
     backend = _backend(name, loaded.weights, None)
     engines = {mode: _engine(backend, mode, max(batches), pages) for mode in (False, True)}
+    backend.prepare(engines[False].cache, max(batches))  # every kernel compiled before any measure, as a server does
     router = getattr(backend, "router", None)
     print(f"[overlap] {args.model} on {dev_name}, {name} backend; {args.tokens} tokens a request after a "
           f"{args.prompt}-token prompt", file=sys.stderr, flush=True)
