@@ -283,20 +283,22 @@ def run(args: argparse.Namespace) -> int:
     pages = max(batches) * (-(-(args.prompt + args.tokens + 1) // ps) + 1) + 8
     # one backend for both engines (each its own cache): the same compiled kernels and one router's estimates, so
     # both run a batch the same way; the megakernel backend's decoder and graphs follow the cache they are given,
-    # rebuilt at a switch: ``prepare`` rebuilds them before each engine's warm-up, as a server does at start (a
-    # path the router first takes inside a measure must not build its decoder and capture its graph there)
+    # rebuilt at a switch: ``prepare`` compiles every kernel and rebuilds them at each switch, before the measures
+    # on that cache, as a server does at start (a path the router first takes inside a measure must not build its
+    # decoder and capture its graph there)
     backend = _backend(name, loaded.weights, None)
     engines = {mode: _engine(backend, mode, max(batches), pages) for mode in (False, True)}
-    backend.prepare(engines[False].cache, max(batches))  # every kernel compiled before any measure, as a server does
     router = getattr(backend, "router", None)
     print(f"[overlap] {args.model} on {dev_name}, {name} backend; {args.tokens} tokens a request after a "
           f"{args.prompt}-token prompt", file=sys.stderr, flush=True)
     rows = []
     for b in batches:
+        backend.prepare(engines[False].cache, max(batches))  # the backend's own step and the sync engine's measure
         row: dict = {"batch": b, **backend_step_ms(engines[False], b, args.prompt + args.tokens // 2, args.step_iters)}
         row["engine_host_ms"] = engine_host_ms(loaded.spec, device, b, args.prompt, args.tokens)
         for mode, eng in engines.items():
-            backend.prepare(eng.cache, max(batches))
+            if mode:  # the switch to the overlap engine's cache
+                backend.prepare(eng.cache, max(batches))
             with frozen_heap():  # as a server's: a collection in the measure skips the start-up heap
                 # warm-up: the measure's workload twice, so that every step pattern it repeats (the prompt steps'
                 # mixes, the decode batches shrinking as requests finish) has been seen twice and captured before
