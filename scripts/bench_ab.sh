@@ -2,8 +2,9 @@
 # A same-run A/B of the megakernel's decode step across source trees: each tree of TREES ("name=path ...", path a
 # src folder, e.g. `git archive <rev> src` unpacked into an ignored folder) benched with `mimw bench decode`
 # (mimw-megakernel only) in turn, PASSES times, on the same GPU; a table of every cell's median ms and each tree's
-# ratio to the first tree's last.
+# ratio to the first tree's last. KV (bf16 or fp8, default bf16) is the cache's element type.
 #   TREES="base=.ab/base/src head=src" OUT=$OUT bash scripts/bench_ab.sh
+#   KV=fp8 CONTEXTS=32768,131072 MODELS=llama-3.2-1b TREES="base=.ab/base/src head=src" bash scripts/bench_ab.sh
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -13,7 +14,7 @@ for pass in $(seq 1 "${PASSES:-2}"); do
     for tree in ${TREES:?set TREES to "name=path ..."}; do
         name=${tree%%=*}
         PYTHONPATH=${tree#*=} python3 -m mimw.bench.main decode --model "${MODELS:-llama-3.2-1b,llama-3.1-8b}" \
-            --context "${CONTEXTS:-1024,8192}" --backends mimw-megakernel --backend-timeout 120 --commit "$name" \
+            --context "${CONTEXTS:-1024,8192}" --backends mimw-megakernel --kv-dtype "${KV:-bf16}" --backend-timeout 120 --commit "$name" \
             --iters "${ITERS:-100}" --budget-s "${BUDGET_S:-1}" --out "$out/$name-$pass" > "$out/$name-$pass.log" 2>&1 \
             || echo "$name pass $pass: exit $?"
     done
