@@ -14,8 +14,9 @@ for pass in $(seq 1 "${PASSES:-2}"); do
     for tree in ${TREES:?set TREES to "name=path ..."}; do
         name=${tree%%=*}
         PYTHONPATH=${tree#*=} python3 -m mimw.bench.main decode --model "${MODELS:-llama-3.2-1b,llama-3.1-8b}" \
-            --context "${CONTEXTS:-1024,8192}" --backends mimw-megakernel --kv-dtype "${KV:-bf16}" --backend-timeout 120 --commit "$name" \
-            --iters "${ITERS:-100}" --budget-s "${BUDGET_S:-1}" --out "$out/$name-$pass" > "$out/$name-$pass.log" 2>&1 \
+            --context "${CONTEXTS:-1024,8192}" --backends mimw-megakernel --kv-dtype "${KV:-bf16}" \
+            --backend-timeout 120 --commit "$name" --iters "${ITERS:-100}" --budget-s "${BUDGET_S:-1}" \
+            --out "$out/$name-$pass" > "$out/$name-$pass.log" 2>&1 \
             || echo "$name pass $pass: exit $?"
     done
 done
